@@ -1,1 +1,23 @@
-//! placeholder
+//! # ringscope-hookpoint
+//!
+//! HookPoints are where records are born. A [`HookPointSpec`] says what a hookpoint reads (site, layer, dtype,
+//! row width); the [`Registry`] gives it an id and runtime [`Control`]s (enable, every-Nth-step sampling, row
+//! selection); [`capture_host`] copies the selected rows of a host tensor, with each row's request id and token
+//! position from the step's [`StepBatch`], into the ring.
+//!
+//! The CUDA capture kernels (graph-capturable, control read from device memory) implement the same semantics on
+//! the device; they live in `kernels/` and arrive with the CUDA backend.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+
+pub mod batch;
+pub mod capture;
+pub mod error;
+pub mod registry;
+pub mod spec;
+
+pub use batch::StepBatch;
+pub use capture::{capture_host, CaptureOutcome};
+pub use error::HookPointError;
+pub use registry::{Control, HookPoint, Registry, RowSelection};
+pub use spec::{HookPointSpec, SiteKind};
