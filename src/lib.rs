@@ -1,1 +1,96 @@
-//! placeholder
+//! # ringscope
+//!
+//! Ring² observability for LLM serving: HookPoints copy activations into a ring, a drain thread exports them, and
+//! a policy decides — under budgets — whether capture may wait (full, lossless) or must drop and count
+//! (best-effort). Every record is exported or counted.
+//!
+//! This facade wires the member crates into a [`Session`] configured from one [`Config`]:
+//!
+//! | crate | role |
+//! |---|---|
+//! | [`ring`] | record format and ring protocol (host backend) |
+//! | [`hookpoint`] | hookpoint specs, registry, controls, capture |
+//! | [`exporter`] | drain thread, sinks, consumers |
+//! | [`policy`] | full vs best-effort, loss accounting |
+//!
+//! ```
+//! use ringscope::{Config, Session};
+//!
+//! let config = Config::from_toml(r#"
+//!     [ring]
+//!     capacity = "1 MiB"
+//!     [[hookpoints]]
+//!     name = "layers.0.resid"
+//!     site = "residual"
+//!     layer = 0
+//!     dtype = "f32"
+//!     row_width = 4
+//! "#)?;
+//! let session = Session::new(config)?;
+//! // Step 0: two batch rows, both of request 7 (prompt positions 0 and 1).
+//! session.begin_step(0, [(7, 0), (7, 1)])?;
+//! let hidden: Vec<f32> = vec![0.5; 2 * 4];
+//! let bytes: Vec<u8> = hidden.iter().flat_map(|x| x.to_le_bytes()).collect();
+//! session.capture_by_name("layers.0.resid", &bytes)?;
+//! session.end_step()?;
+//! let report = session.shutdown()?;
+//! assert_eq!(report.accounting.total().exported.rows, 2);
+//! # Ok::<(), ringscope::Error>(())
+//! ```
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+
+pub mod config;
+mod session;
+pub mod synthetic;
+
+pub use config::Config;
+pub use session::{Report, Session, SessionBuilder};
+
+pub use ringscope_exporter as exporter;
+pub use ringscope_hookpoint as hookpoint;
+pub use ringscope_policy as policy;
+pub use ringscope_ring as ring;
+
+pub use ringscope_hookpoint::{CaptureOutcome, HookPointSpec, RowSelection, SiteKind};
+pub use ringscope_policy::{DropReason, Mode};
+pub use ringscope_ring::DType;
+
+/// Errors of a session.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration is invalid; the message names the key.
+    #[error("invalid config: {0}")]
+    Config(String),
+    /// The policy's numbers are invalid.
+    #[error(transparent)]
+    Policy(#[from] ringscope_policy::PolicyError),
+    /// A hookpoint operation failed (unknown hookpoint, bad shape, ring full past the deadline, ...).
+    #[error(transparent)]
+    HookPoint(#[from] ringscope_hookpoint::HookPointError),
+    /// The exporter failed.
+    #[error(transparent)]
+    Exporter(#[from] ringscope_exporter::ExporterError),
+    /// The session was shut down.
+    #[error("the session is shut down; create a new session to capture again")]
+    Closed,
+    /// A capture or `end_step` came outside a step.
+    #[error("no step is open: call begin_step (with the step's batch descriptor) before capturing")]
+    NoStep,
+    /// `begin_step` while another step is open.
+    #[error("step {open} is still open: call end_step before begin_step({new})")]
+    StepOpen {
+        /// The open step.
+        open: u64,
+        /// The step asked for.
+        new: u64,
+    },
+    /// Shutdown found records neither exported nor counted.
+    #[error("{error}")]
+    Unbalanced {
+        /// Which hookpoints do not add up.
+        error: ringscope_policy::PolicyError,
+        /// The full report.
+        report: Box<Report>,
+    },
+}

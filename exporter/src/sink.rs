@@ -1,0 +1,134 @@
+//! The sink trait and the in-memory sinks.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use ringscope_hookpoint::HookPoint;
+use ringscope_ring::RecordView;
+
+/// A sink failed to take a record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("sink `{sink}`: {message}")]
+pub struct SinkError {
+    /// Name of the sink.
+    pub sink: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// A destination for records. Called from the drain thread, in stream order, one record at a time.
+///
+/// The record borrows ring memory: copy what you keep before returning. A sink that returns an error has the
+/// record counted as dropped ([`ringscope_policy::DropReason::SinkError`]) and is not called again.
+pub trait Sink: Send {
+    /// Name used in reports and errors.
+    fn name(&self) -> &str;
+    /// Takes one record of hookpoint `hp`.
+    fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError>;
+    /// Called once at shutdown, after the last record.
+    fn close(&mut self) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
+/// What a [`SummarySink`] saw of one hookpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HookPointSummary {
+    /// Records received.
+    pub records: u64,
+    /// Token rows received.
+    pub rows: u64,
+    /// Activation bytes received (rows only, no metadata).
+    pub bytes: u64,
+    /// First and last step seen.
+    pub steps: Option<(u64, u64)>,
+    /// Distinct request ids seen.
+    pub requests: u64,
+    /// FNV-1a hash over every row's bytes, metadata and order: two runs with the same hash saw the same stream.
+    pub digest: u64,
+}
+
+/// Per-hookpoint summaries, by hookpoint name.
+pub type Summary = BTreeMap<String, HookPointSummary>;
+
+/// Tallies records, rows, bytes, steps and requests per hookpoint. Read the result through the shared handle
+/// returned by [`SummarySink::new`].
+pub struct SummarySink {
+    out: Arc<Mutex<Summary>>,
+    requests: BTreeMap<String, HashSet<u64>>,
+}
+
+impl SummarySink {
+    /// A new sink and the handle its summary is written to.
+    pub fn new() -> (SummarySink, Arc<Mutex<Summary>>) {
+        let out = Arc::new(Mutex::new(Summary::new()));
+        (SummarySink { out: out.clone(), requests: BTreeMap::new() }, out)
+    }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h = (h ^ b as u64).wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+impl Sink for SummarySink {
+    fn name(&self) -> &str {
+        "summary"
+    }
+
+    fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError> {
+        let mut out = self.out.lock();
+        let s = out.entry(hp.spec.name.clone()).or_default();
+        let step = record.header.meta.step;
+        s.records += 1;
+        s.rows += record.rows() as u64;
+        s.bytes += record.data().len() as u64;
+        s.steps = Some(s.steps.map_or((step, step), |(a, b)| (a.min(step), b.max(step))));
+        let seen = self.requests.entry(hp.spec.name.clone()).or_default();
+        let mut digest = if s.records == 1 { FNV_OFFSET } else { s.digest };
+        for (i, m) in record.row_metas().enumerate() {
+            seen.insert(m.request_id);
+            digest = fnv(digest, &m.request_id.to_le_bytes());
+            digest = fnv(digest, &m.position.to_le_bytes());
+            digest = fnv(digest, record.row(i));
+        }
+        s.digest = digest;
+        s.requests = seen.len() as u64;
+        Ok(())
+    }
+}
+
+/// Calls a closure for every record: the simplest online consumer.
+pub struct CallbackSink<F> {
+    name: String,
+    f: F,
+}
+
+impl<F> CallbackSink<F>
+where
+    F: FnMut(&RecordView<'_>, &HookPoint) -> Result<(), String> + Send,
+{
+    /// A sink named `name` that calls `f` per record; an `Err` from `f` fails the sink.
+    pub fn new(name: impl Into<String>, f: F) -> Self {
+        CallbackSink { name: name.into(), f }
+    }
+}
+
+impl<F> Sink for CallbackSink<F>
+where
+    F: FnMut(&RecordView<'_>, &HookPoint) -> Result<(), String> + Send,
+{
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError> {
+        (self.f)(record, hp).map_err(|message| SinkError { sink: self.name.clone(), message })
+    }
+}

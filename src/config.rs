@@ -1,0 +1,319 @@
+//! Session configuration: one TOML document (or the same structure built in code).
+//!
+//! ```toml
+//! [ring]
+//! capacity = "64 MiB"        # or a plain number of bytes
+//!
+//! [policy]
+//! mode = "full"              # or "best_effort"
+//! full_deadline_ms = 5000
+//!
+//! [[hookpoints]]
+//! name = "layers.0.resid"
+//! site = "residual"          # residual | attention_output | mlp_output | logits | { custom = "label" }
+//! layer = 0
+//! dtype = "bf16"
+//! row_width = 2048
+//! rows = "all"               # all | last_per_request | [0, 5, 7]
+//! every_n_steps = 1
+//! enabled = true
+//! ```
+//!
+//! Unknown keys are errors (a typo must not silently fall back to a default).
+
+use std::time::Duration;
+
+use ringscope_hookpoint::{HookPointSpec, RowSelection, SiteKind};
+use ringscope_policy::{LossPolicy, Mode};
+use ringscope_ring::DType;
+use serde::Deserialize;
+
+use crate::Error;
+
+/// A whole session configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The ring.
+    #[serde(default)]
+    pub ring: RingConfig,
+    /// Loss policy.
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    /// Hookpoints registered at start (more can be registered later).
+    #[serde(default)]
+    pub hookpoints: Vec<HookPointConfig>,
+}
+
+/// `[ring]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RingConfig {
+    /// Ring size in bytes: a number, or a string with a unit (`"64 MiB"`, `"1GiB"`, `"512KiB"`).
+    #[serde(default = "default_capacity")]
+    pub capacity: ByteSize,
+}
+
+impl Default for RingConfig {
+    fn default() -> Self {
+        RingConfig { capacity: default_capacity() }
+    }
+}
+
+fn default_capacity() -> ByteSize {
+    ByteSize(64 << 20)
+}
+
+/// `[policy]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// `full` (lossless, may wait) or `best_effort` (never waits, drops and counts).
+    #[serde(default = "default_mode")]
+    pub mode: Mode,
+    /// Full mode: how long a capture may wait for ring space before failing.
+    #[serde(default = "default_deadline_ms")]
+    pub full_deadline_ms: u64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig { mode: default_mode(), full_deadline_ms: default_deadline_ms() }
+    }
+}
+
+fn default_mode() -> Mode {
+    Mode::Full
+}
+
+fn default_deadline_ms() -> u64 {
+    5000
+}
+
+impl PolicyConfig {
+    /// The policy these settings describe.
+    pub fn loss_policy(&self) -> LossPolicy {
+        LossPolicy { mode: self.mode, full_deadline: Duration::from_millis(self.full_deadline_ms) }
+    }
+}
+
+/// One `[[hookpoints]]` entry.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HookPointConfig {
+    /// Unique name.
+    pub name: String,
+    /// Site kind.
+    pub site: SiteKind,
+    /// Decoder layer, if any.
+    #[serde(default)]
+    pub layer: Option<u32>,
+    /// Element type name (`bf16`, `f16`, `f32`, ... or torch names such as `bfloat16`).
+    pub dtype: String,
+    /// Elements per row.
+    pub row_width: u32,
+    /// Row selection.
+    #[serde(default)]
+    pub rows: RowsConfig,
+    /// Sample every N-th step.
+    #[serde(default = "one")]
+    pub every_n_steps: u32,
+    /// Capture at all.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `rows = "all" | "last_per_request" | [i, j, ...]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
+#[serde(untagged)]
+pub enum RowsConfig {
+    /// `"all"` or `"last_per_request"`.
+    Named(String),
+    /// An explicit list of batch rows.
+    List(Vec<u32>),
+    /// Not given: all rows.
+    #[default]
+    #[serde(skip)]
+    Default,
+}
+
+impl RowsConfig {
+    fn selection(&self, hookpoint: &str) -> Result<RowSelection, Error> {
+        match self {
+            RowsConfig::Default => Ok(RowSelection::All),
+            RowsConfig::Named(s) if s == "all" => Ok(RowSelection::All),
+            RowsConfig::Named(s) if s == "last_per_request" => Ok(RowSelection::LastPerRequest),
+            RowsConfig::Named(s) => Err(Error::Config(format!(
+                "hookpoints `{hookpoint}`: rows = \"{s}\" is not a selection; use \"all\", \"last_per_request\" or a list of batch rows"
+            ))),
+            RowsConfig::List(rows) if rows.is_empty() => {
+                Err(Error::Config(format!("hookpoints `{hookpoint}`: rows = [] selects nothing")))
+            }
+            RowsConfig::List(rows) => Ok(RowSelection::Rows(rows.clone())),
+        }
+    }
+}
+
+impl HookPointConfig {
+    /// The spec and initial controls this entry describes.
+    pub fn resolve(&self) -> Result<(HookPointSpec, RowSelection), Error> {
+        let dtype: DType =
+            self.dtype.parse().map_err(|e| Error::Config(format!("hookpoints `{}`: {e}", self.name)))?;
+        if self.every_n_steps == 0 {
+            return Err(Error::Config(format!("hookpoints `{}`: every_n_steps must be at least 1", self.name)));
+        }
+        let spec = HookPointSpec {
+            name: self.name.clone(),
+            site: self.site.clone(),
+            layer: self.layer,
+            dtype,
+            row_width: self.row_width,
+        };
+        Ok((spec, self.rows.selection(&self.name)?))
+    }
+}
+
+/// A byte count, from a number or a string with a binary or decimal unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size; write e.g. 67108864, \"64 MiB\" or \"1GiB\""))?;
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "kib" | "k" => 1 << 10,
+            "mib" | "m" => 1 << 20,
+            "gib" | "g" => 1 << 30,
+            "kb" => 1_000,
+            "mb" => 1_000_000,
+            "gb" => 1_000_000_000,
+            other => return Err(format!("unknown size unit `{other}` in `{s}`; use B, KiB, MiB or GiB")),
+        };
+        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("size `{s}` overflows"))
+    }
+}
+
+impl Config {
+    /// Parses a TOML document. Errors name the offending key and line.
+    pub fn from_toml(text: &str) -> Result<Config, Error> {
+        toml::from_str(text).map_err(|e| Error::Config(e.to_string()))
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Config, Error> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cannot read config file {}: {e}", path.display())))?;
+        Config::from_toml(&text).map_err(|e| match e {
+            Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    /// A configuration with no hookpoints and default ring and policy.
+    pub fn new() -> Config {
+        Config { ring: RingConfig::default(), policy: PolicyConfig::default(), hookpoints: Vec::new() }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_document_parses() {
+        let c = Config::from_toml(
+            r#"
+            [ring]
+            capacity = "8 MiB"
+            [policy]
+            mode = "best_effort"
+            [[hookpoints]]
+            name = "layers.0.resid"
+            site = "residual"
+            layer = 0
+            dtype = "bfloat16"
+            row_width = 2048
+            rows = "last_per_request"
+            [[hookpoints]]
+            name = "probe.in"
+            site = { custom = "probe_input" }
+            dtype = "f32"
+            row_width = 16
+            rows = [0, 3]
+            every_n_steps = 4
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.ring.capacity, ByteSize(8 << 20));
+        assert_eq!(c.policy.mode, Mode::BestEffort);
+        let (spec, sel) = c.hookpoints[0].resolve().unwrap();
+        assert_eq!((spec.dtype, sel), (DType::BF16, RowSelection::LastPerRequest));
+        let (spec, sel) = c.hookpoints[1].resolve().unwrap();
+        assert_eq!(spec.site, SiteKind::Custom("probe_input".into()));
+        assert_eq!(sel, RowSelection::Rows(vec![0, 3]));
+    }
+
+    #[test]
+    fn bad_documents_say_what_is_wrong() {
+        let cases = [
+            ("[ring]\ncapacity = \"64 furlongs\"", "unknown size unit"),
+            ("[ring]\ncapacty = 5", "capacty"),
+            ("[policy]\nmode = \"sometimes\"", "sometimes"),
+            ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"bf17\"\nrow_width = 4", "bf17"),
+            ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nrows = \"some\"", "\"some\""),
+            ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nevery_n_steps = 0", "every_n_steps"),
+            ("[[hookpoints]]\nname = \"a\"\nsite = \"elsewhere\"\ndtype = \"f32\"\nrow_width = 4", "elsewhere"),
+            ("this is not toml", "expected"),
+        ];
+        for (text, needle) in cases {
+            let err = Config::from_toml(text).and_then(|c| {
+                c.hookpoints.iter().try_for_each(|h| h.resolve().map(|_| ()))?;
+                Ok(c)
+            });
+            let msg = err.expect_err(text).to_string();
+            assert!(msg.contains(needle), "config {text:?}: error {msg:?} does not mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn missing_file_is_named() {
+        let err = Config::from_file("/nonexistent/ringscope.toml").unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/ringscope.toml"), "{err}");
+    }
+}

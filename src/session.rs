@@ -1,0 +1,231 @@
+//! `Session`: one ring, its hookpoints, its drain and its policy, wired from one [`Config`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use ringscope_exporter::{Drain, DrainOptions, DrainReport, Sink};
+use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
+use ringscope_policy::{AccountingSnapshot, LossPolicy};
+use ringscope_ring::Producer;
+
+use crate::config::Config;
+use crate::Error;
+
+/// What a finished session did: the drain's report and the final, checked accounting.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Per-hookpoint counters at shutdown.
+    pub accounting: AccountingSnapshot,
+    /// The drain's totals and sink errors.
+    pub drain: DrainReport,
+}
+
+impl Report {
+    /// Activation throughput of the drain in GB/s (ring bytes over the drain's lifetime).
+    pub fn drain_gb_per_s(&self) -> f64 {
+        self.drain.bytes as f64 / self.drain.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+struct Capture {
+    producer: Producer,
+    batch: Option<StepBatch>,
+}
+
+/// A running ringscope session (host backend).
+///
+/// Typical engine loop: [`begin_step`](Self::begin_step) with the step's batch descriptor, one
+/// [`capture`](Self::capture) per hookpoint, [`end_step`](Self::end_step); at the end [`shutdown`](Self::shutdown).
+/// All methods take `&self`; captures are serialised internally (the ring has one producer), so one engine thread
+/// should drive them.
+pub struct Session {
+    registry: Arc<Registry>,
+    policy: LossPolicy,
+    /// `None` once shut down.
+    capture: Mutex<Option<Capture>>,
+    drain: Mutex<Option<Drain>>,
+}
+
+/// Builds a [`Session`]: the config plus the sinks its drain writes to.
+pub struct SessionBuilder {
+    config: Config,
+    sinks: Vec<Box<dyn Sink>>,
+    drain_options: DrainOptions,
+}
+
+impl SessionBuilder {
+    /// Adds a sink.
+    pub fn sink(mut self, sink: impl Sink + 'static) -> Self {
+        self.sinks.push(Box::new(sink));
+        self
+    }
+
+    /// Adds a boxed sink.
+    pub fn boxed_sink(mut self, sink: Box<dyn Sink>) -> Self {
+        self.sinks.push(sink);
+        self
+    }
+
+    /// Overrides the drain's tuning.
+    pub fn drain_options(mut self, options: DrainOptions) -> Self {
+        self.drain_options = options;
+        self
+    }
+
+    /// Validates the config, allocates the ring, registers the configured hookpoints and starts the drain.
+    pub fn start(self) -> Result<Session, Error> {
+        let config = self.config;
+        let policy = config.policy.loss_policy();
+        policy.validate()?;
+        let capacity = usize::try_from(config.ring.capacity.0)
+            .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
+        let (producer, consumer) = ringscope_ring::channel(capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
+
+        let registry = Arc::new(Registry::new());
+        for hc in &config.hookpoints {
+            let (spec, selection) = hc.resolve()?;
+            let hp = registry.register(spec)?;
+            hp.control.set_selection(selection)?;
+            hp.control.set_every_n_steps(hc.every_n_steps)?;
+            hp.control.set_enabled(hc.enabled);
+        }
+        let drain = Drain::spawn(consumer, registry.clone(), self.sinks, self.drain_options)?;
+        Ok(Session {
+            registry,
+            policy,
+            capture: Mutex::new(Some(Capture { producer, batch: None })),
+            drain: Mutex::new(Some(drain)),
+        })
+    }
+}
+
+impl Session {
+    /// Starts building a session from `config`.
+    pub fn builder(config: Config) -> SessionBuilder {
+        SessionBuilder { config, sinks: Vec::new(), drain_options: DrainOptions::default() }
+    }
+
+    /// A session with no sinks (records are drained and counted, nothing is written).
+    pub fn new(config: Config) -> Result<Session, Error> {
+        Session::builder(config).start()
+    }
+
+    /// Registers another hookpoint; returns its id.
+    pub fn register(&self, spec: HookPointSpec) -> Result<u32, Error> {
+        self.check_open()?;
+        Ok(self.registry.register(spec)?.id)
+    }
+
+    /// The hookpoint named `name` (for its controls: enable, sampling, row selection).
+    pub fn hookpoint(&self, name: &str) -> Result<Arc<HookPoint>, Error> {
+        Ok(self.registry.by_name(name)?)
+    }
+
+    /// The session's hookpoints.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// The loss policy in force.
+    pub fn policy(&self) -> LossPolicy {
+        self.policy
+    }
+
+    /// Largest record payload the ring accepts, in bytes.
+    pub fn max_record_payload(&self) -> Result<usize, Error> {
+        let guard = self.capture.lock();
+        Ok(guard.as_ref().ok_or(Error::Closed)?.producer.max_payload_len())
+    }
+
+    fn check_open(&self) -> Result<(), Error> {
+        if self.capture.lock().is_none() {
+            return Err(Error::Closed);
+        }
+        Ok(())
+    }
+
+    /// Starts step `step`: `rows` gives `(request_id, token_position)` for each batch row, in batch order.
+    pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
+        let batch = StepBatch::new(step, rows)?;
+        let mut guard = self.capture.lock();
+        let capture = guard.as_mut().ok_or(Error::Closed)?;
+        if let Some(open) = &capture.batch {
+            return Err(Error::StepOpen { open: open.step(), new: step });
+        }
+        capture.batch = Some(batch);
+        Ok(())
+    }
+
+    /// Ends the current step.
+    pub fn end_step(&self) -> Result<(), Error> {
+        let mut guard = self.capture.lock();
+        let capture = guard.as_mut().ok_or(Error::Closed)?;
+        capture.batch.take().ok_or(Error::NoStep)?;
+        Ok(())
+    }
+
+    /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
+    pub fn capture(&self, id: u32, data: &[u8]) -> Result<CaptureOutcome, Error> {
+        let hp = self.registry.get(id)?;
+        self.capture_hookpoint(&hp, data)
+    }
+
+    /// Like [`capture`](Self::capture), by hookpoint name.
+    pub fn capture_by_name(&self, name: &str, data: &[u8]) -> Result<CaptureOutcome, Error> {
+        let hp = self.registry.by_name(name)?;
+        self.capture_hookpoint(&hp, data)
+    }
+
+    fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
+        let mut guard = self.capture.lock();
+        let capture = guard.as_mut().ok_or(Error::Closed)?;
+        let batch = capture.batch.as_ref().ok_or(Error::NoStep)?;
+        Ok(capture_host(&mut capture.producer, &self.policy, hp, batch, data)?)
+    }
+
+    /// Per-hookpoint counters now (records in flight are neither exported nor dropped yet).
+    pub fn accounting(&self) -> AccountingSnapshot {
+        self.registry.accounting()
+    }
+
+    /// Stops capturing, drains every record still in the ring, closes the sinks, and checks that every record
+    /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
+    pub fn shutdown(&self) -> Result<Report, Error> {
+        let capture = self.capture.lock().take().ok_or(Error::Closed)?;
+        // Dropping the producer tells the drain that nothing more will come; it stops once the ring is empty.
+        drop(capture);
+        let drain = self.drain.lock().take().ok_or(Error::Closed)?;
+        let drain = drain.join()?;
+        let report = Report { accounting: self.registry.accounting(), drain };
+        if let Err(e) = report.accounting.check() {
+            return Err(Error::Unbalanced { error: e, report: Box::new(report) });
+        }
+        Ok(report)
+    }
+
+    /// Waits until the drain has taken every record published so far, or `timeout` passes. Returns whether the
+    /// ring was empty in time.
+    pub fn wait_drained(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let acc = self.registry.accounting();
+            if acc.hookpoints.iter().all(|(_, c)| c.in_flight() == 0) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Without an explicit shutdown, still drain and close the sinks so that nothing already captured is lost.
+        if self.capture.lock().is_some() {
+            let _ = self.shutdown();
+        }
+    }
+}
