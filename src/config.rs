@@ -56,7 +56,9 @@ pub struct RingConfig {
 
 impl Default for RingConfig {
     fn default() -> Self {
-        RingConfig { capacity: default_capacity() }
+        RingConfig {
+            capacity: default_capacity(),
+        }
     }
 }
 
@@ -78,7 +80,10 @@ pub struct PolicyConfig {
 
 impl Default for PolicyConfig {
     fn default() -> Self {
-        PolicyConfig { mode: default_mode(), full_deadline_ms: default_deadline_ms() }
+        PolicyConfig {
+            mode: default_mode(),
+            full_deadline_ms: default_deadline_ms(),
+        }
     }
 }
 
@@ -93,7 +98,10 @@ fn default_deadline_ms() -> u64 {
 impl PolicyConfig {
     /// The policy these settings describe.
     pub fn loss_policy(&self) -> LossPolicy {
-        LossPolicy { mode: self.mode, full_deadline: Duration::from_millis(self.full_deadline_ms) }
+        LossPolicy {
+            mode: self.mode,
+            full_deadline: Duration::from_millis(self.full_deadline_ms),
+        }
     }
 }
 
@@ -165,10 +173,15 @@ impl RowsConfig {
 impl HookPointConfig {
     /// The spec and initial controls this entry describes.
     pub fn resolve(&self) -> Result<(HookPointSpec, RowSelection), Error> {
-        let dtype: DType =
-            self.dtype.parse().map_err(|e| Error::Config(format!("hookpoints `{}`: {e}", self.name)))?;
+        let dtype: DType = self
+            .dtype
+            .parse()
+            .map_err(|e| Error::Config(format!("hookpoints `{}`: {e}", self.name)))?;
         if self.every_n_steps == 0 {
-            return Err(Error::Config(format!("hookpoints `{}`: every_n_steps must be at least 1", self.name)));
+            return Err(Error::Config(format!(
+                "hookpoints `{}`: every_n_steps must be at least 1",
+                self.name
+            )));
         }
         let spec = HookPointSpec {
             name: self.name.clone(),
@@ -207,7 +220,9 @@ impl std::str::FromStr for ByteSize {
         let t = s.trim();
         let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
-        let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size; write e.g. 67108864, \"64 MiB\" or \"1GiB\""))?;
+        let n: u64 = num.parse().map_err(|_| {
+            format!("`{s}` is not a size; write e.g. 67108864, \"64 MiB\" or \"1GiB\"")
+        })?;
         let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
             "kib" | "k" => 1 << 10,
@@ -216,9 +231,15 @@ impl std::str::FromStr for ByteSize {
             "kb" => 1_000,
             "mb" => 1_000_000,
             "gb" => 1_000_000_000,
-            other => return Err(format!("unknown size unit `{other}` in `{s}`; use B, KiB, MiB or GiB")),
+            other => {
+                return Err(format!(
+                    "unknown size unit `{other}` in `{s}`; use B, KiB, MiB or GiB"
+                ))
+            }
         };
-        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("size `{s}` overflows"))
+        n.checked_mul(mult)
+            .map(ByteSize)
+            .ok_or_else(|| format!("size `{s}` overflows"))
     }
 }
 
@@ -231,8 +252,9 @@ impl Config {
     /// Reads and parses a TOML file.
     pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Config, Error> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::Config(format!("cannot read config file {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::Config(format!("cannot read config file {}: {e}", path.display()))
+        })?;
         Config::from_toml(&text).map_err(|e| match e {
             Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
             other => other,
@@ -241,7 +263,11 @@ impl Config {
 
     /// A configuration with no hookpoints and default ring and policy.
     pub fn new() -> Config {
-        Config { ring: RingConfig::default(), policy: PolicyConfig::default(), hookpoints: Vec::new() }
+        Config {
+            ring: RingConfig::default(),
+            policy: PolicyConfig::default(),
+            hookpoints: Vec::new(),
+        }
     }
 }
 
@@ -283,7 +309,10 @@ mod tests {
         assert_eq!(c.ring.capacity, ByteSize(8 << 20));
         assert_eq!(c.policy.mode, Mode::BestEffort);
         let (spec, sel) = c.hookpoints[0].resolve().unwrap();
-        assert_eq!((spec.dtype, sel), (DType::BF16, RowSelection::LastPerRequest));
+        assert_eq!(
+            (spec.dtype, sel),
+            (DType::BF16, RowSelection::LastPerRequest)
+        );
         let (spec, sel) = c.hookpoints[1].resolve().unwrap();
         assert_eq!(spec.site, SiteKind::Custom("probe_input".into()));
         assert_eq!(sel, RowSelection::Rows(vec![0, 3]));
@@ -303,17 +332,24 @@ mod tests {
         ];
         for (text, needle) in cases {
             let err = Config::from_toml(text).and_then(|c| {
-                c.hookpoints.iter().try_for_each(|h| h.resolve().map(|_| ()))?;
+                c.hookpoints
+                    .iter()
+                    .try_for_each(|h| h.resolve().map(|_| ()))?;
                 Ok(c)
             });
             let msg = err.expect_err(text).to_string();
-            assert!(msg.contains(needle), "config {text:?}: error {msg:?} does not mention {needle:?}");
+            assert!(
+                msg.contains(needle),
+                "config {text:?}: error {msg:?} does not mention {needle:?}"
+            );
         }
     }
 
     #[test]
     fn missing_file_is_named() {
-        let err = Config::from_file("/nonexistent/ringscope.toml").unwrap_err().to_string();
+        let err = Config::from_file("/nonexistent/ringscope.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("/nonexistent/ringscope.toml"), "{err}");
     }
 }

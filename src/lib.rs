@@ -75,7 +75,9 @@ pub enum Error {
     #[error("the session is shut down; create a new session to capture again")]
     Closed,
     /// A capture or `end_step` came outside a step.
-    #[error("no step is open: call begin_step (with the step's batch descriptor) before capturing")]
+    #[error(
+        "no step is open: call begin_step (with the step's batch descriptor) before capturing"
+    )]
     NoStep,
     /// `begin_step` while another step is open.
     #[error("step {open} is still open: call end_step before begin_step({new})")]
@@ -94,3 +96,8 @@ pub enum Error {
         report: Box<Report>,
     },
 }
+
+/// The README's Rust snippets, compiled and run as doc tests so that the front door stays true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

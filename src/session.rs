@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ringscope_exporter::{Drain, DrainOptions, DrainReport, Sink};
-use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
+use ringscope_hookpoint::{
+    capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch,
+};
 use ringscope_policy::{AccountingSnapshot, LossPolicy};
 use ringscope_ring::Producer;
 
@@ -78,9 +80,14 @@ impl SessionBuilder {
         let config = self.config;
         let policy = config.policy.loss_policy();
         policy.validate()?;
-        let capacity = usize::try_from(config.ring.capacity.0)
-            .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
-        let (producer, consumer) = ringscope_ring::channel(capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
+        let capacity = usize::try_from(config.ring.capacity.0).map_err(|_| {
+            Error::Config(format!(
+                "ring.capacity {} does not fit in memory",
+                config.ring.capacity.0
+            ))
+        })?;
+        let (producer, consumer) = ringscope_ring::channel(capacity)
+            .map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
 
         let registry = Arc::new(Registry::new());
         for hc in &config.hookpoints {
@@ -94,7 +101,10 @@ impl SessionBuilder {
         Ok(Session {
             registry,
             policy,
-            capture: Mutex::new(Some(Capture { producer, batch: None })),
+            capture: Mutex::new(Some(Capture {
+                producer,
+                batch: None,
+            })),
             drain: Mutex::new(Some(drain)),
         })
     }
@@ -103,7 +113,11 @@ impl SessionBuilder {
 impl Session {
     /// Starts building a session from `config`.
     pub fn builder(config: Config) -> SessionBuilder {
-        SessionBuilder { config, sinks: Vec::new(), drain_options: DrainOptions::default() }
+        SessionBuilder {
+            config,
+            sinks: Vec::new(),
+            drain_options: DrainOptions::default(),
+        }
     }
 
     /// A session with no sinks (records are drained and counted, nothing is written).
@@ -135,7 +149,11 @@ impl Session {
     /// Largest record payload the ring accepts, in bytes.
     pub fn max_record_payload(&self) -> Result<usize, Error> {
         let guard = self.capture.lock();
-        Ok(guard.as_ref().ok_or(Error::Closed)?.producer.max_payload_len())
+        Ok(guard
+            .as_ref()
+            .ok_or(Error::Closed)?
+            .producer
+            .max_payload_len())
     }
 
     fn check_open(&self) -> Result<(), Error> {
@@ -146,12 +164,19 @@ impl Session {
     }
 
     /// Starts step `step`: `rows` gives `(request_id, token_position)` for each batch row, in batch order.
-    pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
+    pub fn begin_step(
+        &self,
+        step: u64,
+        rows: impl IntoIterator<Item = (u64, u32)>,
+    ) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
         let mut guard = self.capture.lock();
         let capture = guard.as_mut().ok_or(Error::Closed)?;
         if let Some(open) = &capture.batch {
-            return Err(Error::StepOpen { open: open.step(), new: step });
+            return Err(Error::StepOpen {
+                open: open.step(),
+                new: step,
+            });
         }
         capture.batch = Some(batch);
         Ok(())
@@ -181,7 +206,13 @@ impl Session {
         let mut guard = self.capture.lock();
         let capture = guard.as_mut().ok_or(Error::Closed)?;
         let batch = capture.batch.as_ref().ok_or(Error::NoStep)?;
-        Ok(capture_host(&mut capture.producer, &self.policy, hp, batch, data)?)
+        Ok(capture_host(
+            &mut capture.producer,
+            &self.policy,
+            hp,
+            batch,
+            data,
+        )?)
     }
 
     /// Per-hookpoint counters now (records in flight are neither exported nor dropped yet).
@@ -197,9 +228,15 @@ impl Session {
         drop(capture);
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let drain = drain.join()?;
-        let report = Report { accounting: self.registry.accounting(), drain };
+        let report = Report {
+            accounting: self.registry.accounting(),
+            drain,
+        };
         if let Err(e) = report.accounting.check() {
-            return Err(Error::Unbalanced { error: e, report: Box::new(report) });
+            return Err(Error::Unbalanced {
+                error: e,
+                report: Box::new(report),
+            });
         }
         Ok(report)
     }

@@ -24,7 +24,10 @@ pub struct DrainOptions {
 
 impl Default for DrainOptions {
     fn default() -> Self {
-        DrainOptions { release_every: 32, max_idle_sleep: Duration::from_millis(1) }
+        DrainOptions {
+            release_every: 32,
+            max_idle_sleep: Duration::from_millis(1),
+        }
     }
 }
 
@@ -66,7 +69,9 @@ impl Drain {
 
     /// Waits for the drain to finish (drop the producer first, or this waits forever) and returns its report.
     pub fn join(self) -> Result<DrainReport, ExporterError> {
-        self.thread.join().map_err(|p| ExporterError::Panicked(panic_message(&p)))
+        self.thread
+            .join()
+            .map_err(|p| ExporterError::Panicked(panic_message(&p)))
     }
 }
 
@@ -82,10 +87,21 @@ struct SinkSlot {
     failed: bool,
 }
 
-fn run(mut consumer: Consumer, registry: &Registry, sinks: Vec<Box<dyn Sink>>, options: DrainOptions) -> DrainReport {
+fn run(
+    mut consumer: Consumer,
+    registry: &Registry,
+    sinks: Vec<Box<dyn Sink>>,
+    options: DrainOptions,
+) -> DrainReport {
     let started = Instant::now();
     let mut report = DrainReport::default();
-    let mut sinks: Vec<SinkSlot> = sinks.into_iter().map(|sink| SinkSlot { sink, failed: false }).collect();
+    let mut sinks: Vec<SinkSlot> = sinks
+        .into_iter()
+        .map(|sink| SinkSlot {
+            sink,
+            failed: false,
+        })
+        .collect();
     // Local copy of the registry, refreshed only when a record names an id we have not seen: no lock per record.
     let mut hookpoints: Vec<Arc<HookPoint>> = registry.all();
     let mut idle = Duration::from_micros(20);
@@ -121,7 +137,10 @@ fn run(mut consumer: Consumer, registry: &Registry, sinks: Vec<Box<dyn Sink>>, o
                     for slot in sinks.iter_mut().filter(|s| !s.failed) {
                         let result = catch_unwind(AssertUnwindSafe(|| slot.sink.write(&view, hp)))
                             .unwrap_or_else(|p| {
-                                Err(SinkError { sink: slot.sink.name().into(), message: format!("panicked: {}", panic_message(&*p)) })
+                                Err(SinkError {
+                                    sink: slot.sink.name().into(),
+                                    message: format!("panicked: {}", panic_message(&*p)),
+                                })
                             });
                         if let Err(e) = result {
                             report.errors.push(e.to_string());
@@ -136,7 +155,10 @@ fn run(mut consumer: Consumer, registry: &Registry, sinks: Vec<Box<dyn Sink>>, o
                         hp.counters.dropped(DropReason::SinkError, rows);
                     }
                 }
-                None => report.errors.push(format!("record {} names unknown hookpoint id {id}", view.header.seq)),
+                None => report.errors.push(format!(
+                    "record {} names unknown hookpoint id {id}",
+                    view.header.seq
+                )),
             }
             consumer.advance();
             unreleased += 1;
@@ -163,7 +185,10 @@ fn run(mut consumer: Consumer, registry: &Registry, sinks: Vec<Box<dyn Sink>>, o
 fn close_sinks(sinks: &mut [SinkSlot], report: &mut DrainReport) {
     for slot in sinks.iter_mut() {
         let result = catch_unwind(AssertUnwindSafe(|| slot.sink.close())).unwrap_or_else(|p| {
-            Err(SinkError { sink: slot.sink.name().into(), message: format!("panicked on close: {}", panic_message(&*p)) })
+            Err(SinkError {
+                sink: slot.sink.name().into(),
+                message: format!("panicked on close: {}", panic_message(&*p)),
+            })
         });
         if let Err(e) = result {
             report.errors.push(e.to_string());
@@ -195,13 +220,22 @@ mod tests {
         (p, c, reg)
     }
 
-    const FULL: LossPolicy = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_secs(10) };
+    const FULL: LossPolicy = LossPolicy {
+        mode: Mode::Full,
+        full_deadline: Duration::from_secs(10),
+    };
 
     #[test]
     fn drains_everything_and_accounts_for_it() {
         let (mut p, c, reg) = setup();
         let (summary, handle) = SummarySink::new();
-        let drain = Drain::spawn(c, reg.clone(), vec![Box::new(summary)], DrainOptions::default()).unwrap();
+        let drain = Drain::spawn(
+            c,
+            reg.clone(),
+            vec![Box::new(summary)],
+            DrainOptions::default(),
+        )
+        .unwrap();
         for step in 0..500u64 {
             let batch = StepBatch::new(step, [(1, step as u32), (2, step as u32)]).unwrap();
             for hp in reg.all() {
@@ -230,13 +264,22 @@ mod tests {
                 Ok(())
             }
         });
-        let panicky = CallbackSink::new("panicky", |r: &ringscope_ring::RecordView<'_>, _: &HookPoint| {
-            if r.header.seq == 5 {
-                panic!("consumer bug");
-            }
-            Ok(())
-        });
-        let drain = Drain::spawn(c, reg.clone(), vec![Box::new(flaky), Box::new(panicky)], DrainOptions::default()).unwrap();
+        let panicky = CallbackSink::new(
+            "panicky",
+            |r: &ringscope_ring::RecordView<'_>, _: &HookPoint| {
+                if r.header.seq == 5 {
+                    panic!("consumer bug");
+                }
+                Ok(())
+            },
+        );
+        let drain = Drain::spawn(
+            c,
+            reg.clone(),
+            vec![Box::new(flaky), Box::new(panicky)],
+            DrainOptions::default(),
+        )
+        .unwrap();
         let hp = reg.get(0).unwrap();
         for step in 0..10u64 {
             let batch = StepBatch::new(step, [(1, 0)]).unwrap();
@@ -245,10 +288,18 @@ mod tests {
         drop(p);
         let report = drain.join().unwrap();
         assert_eq!(report.errors.len(), 2, "{:?}", report.errors);
-        assert!(report.errors[0].contains("disk full") && report.errors[1].contains("consumer bug"));
+        assert!(
+            report.errors[0].contains("disk full") && report.errors[1].contains("consumer bug")
+        );
         let acc = reg.accounting();
         acc.check().unwrap();
         let c = acc.hookpoints[0].1;
-        assert_eq!((c.exported.records, c.dropped_for(DropReason::SinkError).records), (2, 8));
+        assert_eq!(
+            (
+                c.exported.records,
+                c.dropped_for(DropReason::SinkError).records
+            ),
+            (2, 8)
+        );
     }
 }

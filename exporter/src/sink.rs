@@ -45,8 +45,9 @@ pub struct HookPointSummary {
     pub steps: Option<(u64, u64)>,
     /// Distinct request ids seen.
     pub requests: u64,
-    /// FNV-1a hash over every row's bytes, metadata and order: two runs with the same hash saw the same stream.
-    pub digest: u64,
+    /// CRC-32 over every row's request id, position and bytes, in stream order: two runs with the same digest saw
+    /// the same stream.
+    pub digest: u32,
 }
 
 /// Per-hookpoint summaries, by hookpoint name.
@@ -63,18 +64,14 @@ impl SummarySink {
     /// A new sink and the handle its summary is written to.
     pub fn new() -> (SummarySink, Arc<Mutex<Summary>>) {
         let out = Arc::new(Mutex::new(Summary::new()));
-        (SummarySink { out: out.clone(), requests: BTreeMap::new() }, out)
+        (
+            SummarySink {
+                out: out.clone(),
+                requests: BTreeMap::new(),
+            },
+            out,
+        )
     }
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h = (h ^ b as u64).wrapping_mul(FNV_PRIME);
-    }
-    h
 }
 
 impl Sink for SummarySink {
@@ -89,16 +86,19 @@ impl Sink for SummarySink {
         s.records += 1;
         s.rows += record.rows() as u64;
         s.bytes += record.data().len() as u64;
-        s.steps = Some(s.steps.map_or((step, step), |(a, b)| (a.min(step), b.max(step))));
+        s.steps = Some(
+            s.steps
+                .map_or((step, step), |(a, b)| (a.min(step), b.max(step))),
+        );
         let seen = self.requests.entry(hp.spec.name.clone()).or_default();
-        let mut digest = if s.records == 1 { FNV_OFFSET } else { s.digest };
+        let mut digest = crc32fast::Hasher::new_with_initial(s.digest);
         for (i, m) in record.row_metas().enumerate() {
             seen.insert(m.request_id);
-            digest = fnv(digest, &m.request_id.to_le_bytes());
-            digest = fnv(digest, &m.position.to_le_bytes());
-            digest = fnv(digest, record.row(i));
+            digest.update(&m.request_id.to_le_bytes());
+            digest.update(&m.position.to_le_bytes());
+            digest.update(record.row(i));
         }
-        s.digest = digest;
+        s.digest = digest.finalize();
         s.requests = seen.len() as u64;
         Ok(())
     }
@@ -116,7 +116,10 @@ where
 {
     /// A sink named `name` that calls `f` per record; an `Err` from `f` fails the sink.
     pub fn new(name: impl Into<String>, f: F) -> Self {
-        CallbackSink { name: name.into(), f }
+        CallbackSink {
+            name: name.into(),
+            f,
+        }
     }
 }
 
@@ -129,6 +132,9 @@ where
     }
 
     fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError> {
-        (self.f)(record, hp).map_err(|message| SinkError { sink: self.name.clone(), message })
+        (self.f)(record, hp).map_err(|message| SinkError {
+            sink: self.name.clone(),
+            message,
+        })
     }
 }

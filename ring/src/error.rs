@@ -20,7 +20,9 @@ pub enum DecodeError {
         expected: u32,
     },
     /// The record was written by a format version this build does not read.
-    #[error("record format version {found} is not supported (this build reads version {supported})")]
+    #[error(
+        "record format version {found} is not supported (this build reads version {supported})"
+    )]
     UnsupportedVersion {
         /// The version in the header.
         found: u16,
@@ -28,12 +30,12 @@ pub enum DecodeError {
         supported: u16,
     },
     /// The header's checksum does not match its bytes.
-    #[error("record header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the header is corrupted")]
+    #[error("record header check mismatch (stored {stored:#018x}, computed {computed:#018x}): the header is corrupted")]
     HeaderChecksum {
-        /// Checksum stored in the header.
-        stored: u32,
-        /// Checksum computed over the header bytes.
-        computed: u32,
+        /// Check value stored in the header.
+        stored: u64,
+        /// Check value computed over the header bytes.
+        computed: u64,
     },
     /// The payload checksum (written when the record carries [`crate::flags::PAYLOAD_CRC`]) does not match.
     #[error("record {seq} payload checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the payload is corrupted")]

@@ -1,0 +1,338 @@
+//! Cross-crate behaviour of a whole session: synthetic engine → hookpoints → ring → drain → sinks, with every
+//! exported row checked bit for bit against the generator and against its request id and position.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ringscope::exporter::CallbackSink;
+use ringscope::hookpoint::HookPoint;
+use ringscope::ring::RecordView;
+use ringscope::synthetic::{activation_row, fill_layer, EngineConfig, SyntheticEngine};
+use ringscope::{CaptureOutcome, Config, DropReason, Error, Mode, RowSelection, Session};
+
+fn config(layers: u32, hidden: u32, capacity: &str, mode: &str) -> Config {
+    let mut text = format!("[ring]\ncapacity = \"{capacity}\"\n[policy]\nmode = \"{mode}\"\nfull_deadline_ms = 10000\n");
+    for l in 0..layers {
+        text += &format!(
+            "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {hidden}\n"
+        );
+    }
+    Config::from_toml(&text).unwrap()
+}
+
+/// A sink that regenerates every row from its (layer, request, position) and compares bytes.
+fn verifying_sink(
+    seed: u64,
+    hidden: u32,
+    checked: Arc<AtomicU64>,
+) -> impl ringscope::exporter::Sink {
+    let mut expect = vec![0u16; hidden as usize];
+    CallbackSink::new("verify", move |rec: &RecordView<'_>, hp: &HookPoint| {
+        let layer = hp.spec.layer.expect("residual hookpoints have a layer");
+        for (i, m) in rec.row_metas().enumerate() {
+            activation_row(seed, layer, m.request_id, m.position, &mut expect);
+            let want: Vec<u8> = expect.iter().flat_map(|v| v.to_le_bytes()).collect();
+            if rec.row(i) != &want[..] {
+                return Err(format!(
+                    "step {} {} row {i} (request {}, position {}) differs from the generator",
+                    rec.header.meta.step, hp.spec.name, m.request_id, m.position
+                ));
+            }
+        }
+        checked.fetch_add(rec.rows() as u64, Ordering::Relaxed);
+        Ok(())
+    })
+}
+
+fn run_engine(session: &Session, cfg: EngineConfig) -> Result<(u64, Vec<CaptureOutcome>), Error> {
+    let mut buf = Vec::new();
+    let mut rows = 0;
+    let mut outcomes = Vec::new();
+    for step in SyntheticEngine::new(cfg) {
+        session.begin_step(step.step, step.rows.iter().copied())?;
+        for layer in 0..cfg.layers {
+            fill_layer(cfg.seed, layer, cfg.hidden, &step.rows, &mut buf);
+            outcomes.push(session.capture(layer, &buf)?);
+            rows += step.rows.len() as u64;
+        }
+        session.end_step()?;
+    }
+    Ok((rows, outcomes))
+}
+
+#[test]
+fn full_mode_exports_every_row_bit_exact_with_its_request_and_position() {
+    let cfg = EngineConfig {
+        layers: 4,
+        hidden: 256,
+        requests: 40,
+        ..EngineConfig::default()
+    };
+    let checked = Arc::new(AtomicU64::new(0));
+    // A small ring (256 KiB) so that full mode really waits for the drain.
+    let session = Session::builder(config(cfg.layers, cfg.hidden, "256 KiB", "full"))
+        .sink(verifying_sink(cfg.seed, cfg.hidden, checked.clone()))
+        .start()
+        .unwrap();
+    let (rows, outcomes) = run_engine(&session, cfg).unwrap();
+    assert!(outcomes
+        .iter()
+        .all(|o| matches!(o, CaptureOutcome::Published { .. })));
+    let report = session.shutdown().unwrap();
+    assert!(report.drain.errors.is_empty(), "{:?}", report.drain.errors);
+    assert_eq!(checked.load(Ordering::Relaxed), rows);
+    let total = report.accounting.total();
+    assert_eq!((total.exported.rows, total.dropped_total().rows), (rows, 0));
+}
+
+#[test]
+fn best_effort_with_a_stalled_sink_drops_counts_and_never_corrupts() {
+    let cfg = EngineConfig {
+        layers: 2,
+        hidden: 512,
+        requests: 30,
+        ..EngineConfig::default()
+    };
+    let checked = Arc::new(AtomicU64::new(0));
+    let mut verify = verifying_sink(cfg.seed, cfg.hidden, checked.clone());
+    // The sink stalls until the engine has finished: the ring must fill, and best-effort must drop, not wait.
+    let gate = Arc::new(parking_lot::Mutex::new(()));
+    let held = gate.lock();
+    let g = gate.clone();
+    let stalled = CallbackSink::new("stalled", move |rec: &RecordView<'_>, hp: &HookPoint| {
+        drop(g.lock());
+        ringscope::exporter::Sink::write(&mut verify, rec, hp).map_err(|e| e.message)
+    });
+    let session = Session::builder(config(cfg.layers, cfg.hidden, "256 KiB", "best_effort"))
+        .sink(stalled)
+        .start()
+        .unwrap();
+    let (rows, outcomes) = run_engine(&session, cfg).unwrap();
+    drop(held);
+    let report = session.shutdown().unwrap();
+    let total = report.accounting.total();
+    let dropped = total.dropped_for(DropReason::RingFull);
+    assert!(
+        dropped.records > 0,
+        "a stalled sink behind a 256 KiB ring must force drops"
+    );
+    assert!(total.exported.records > 0);
+    assert_eq!(
+        dropped.records as usize,
+        outcomes
+            .iter()
+            .filter(|o| matches!(o, CaptureOutcome::Dropped(_)))
+            .count()
+    );
+    assert_eq!(total.exported.rows + dropped.rows, rows);
+    assert_eq!(
+        checked.load(Ordering::Relaxed),
+        total.exported.rows,
+        "every exported row was verified"
+    );
+    assert!(report.drain.errors.is_empty(), "{:?}", report.drain.errors);
+}
+
+#[test]
+fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
+    let gate = Arc::new(parking_lot::Mutex::new(()));
+    let held = gate.lock();
+    let g = gate.clone();
+    let blocked = CallbackSink::new("blocked", move |_: &RecordView<'_>, _: &HookPoint| {
+        drop(g.lock());
+        Ok(())
+    });
+    let mut cfg = config(1, 1024, "64 KiB", "full");
+    cfg.policy.full_deadline_ms = 50;
+    let session = Session::builder(cfg).sink(blocked).start().unwrap();
+    session.begin_step(0, (0..4).map(|r| (r, 0))).unwrap();
+    let data = vec![0u8; 4 * 2048];
+    let mut err = None;
+    for _ in 0..20 {
+        if let Err(e) = session.capture(0, &data) {
+            err = Some(e);
+            break;
+        }
+    }
+    let err = err
+        .expect("the ring must fill while the sink is blocked")
+        .to_string();
+    assert!(
+        err.contains("layers.0.resid") && err.contains("after waiting"),
+        "{err}"
+    );
+    drop(held);
+    session.end_step().unwrap();
+    let report = session.shutdown().unwrap();
+    assert_eq!(
+        report
+            .accounting
+            .total()
+            .dropped_for(DropReason::Deadline)
+            .records,
+        1
+    );
+}
+
+#[test]
+fn controls_change_between_steps() {
+    let session = Session::new(config(1, 8, "1 MiB", "full")).unwrap();
+    let hp = session.hookpoint("layers.0.resid").unwrap();
+    let data = vec![1u8; 3 * 16];
+    let mut published = vec![];
+    for step in 0..12u64 {
+        match step {
+            4 => hp.control.set_every_n_steps(2).unwrap(),
+            8 => hp.control.set_enabled(false),
+            10 => {
+                hp.control.set_enabled(true);
+                hp.control
+                    .set_selection(RowSelection::LastPerRequest)
+                    .unwrap();
+            }
+            _ => {}
+        }
+        session
+            .begin_step(step, [(1, step as u32), (2, 0), (2, 1)])
+            .unwrap();
+        if let CaptureOutcome::Published { rows, .. } = session.capture(0, &data).unwrap() {
+            published.push((step, rows));
+        }
+        session.end_step().unwrap();
+    }
+    assert_eq!(
+        published,
+        vec![(0, 3), (1, 3), (2, 3), (3, 3), (4, 3), (6, 3), (10, 2)]
+    );
+    let report = session.shutdown().unwrap();
+    let c = report.accounting.hookpoints[0].1;
+    assert_eq!(
+        (
+            c.produced.records,
+            c.sampled_out.records,
+            c.exported.records
+        ),
+        (12, 5, 7)
+    );
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let session = Session::new(config(1, 8, "4 KiB", "best_effort")).unwrap();
+    // Capture outside a step.
+    assert!(matches!(session.capture(0, &[0; 16]), Err(Error::NoStep)));
+    // Zero rows.
+    let err = session
+        .begin_step(0, std::iter::empty())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no rows"), "{err}");
+    session.begin_step(0, [(1, 0)]).unwrap();
+    assert!(matches!(
+        session.begin_step(1, [(1, 1)]),
+        Err(Error::StepOpen { open: 0, new: 1 })
+    ));
+    // Unknown hookpoint, by id and by name.
+    assert!(session
+        .capture(9, &[0; 16])
+        .unwrap_err()
+        .to_string()
+        .contains("unknown hookpoint id 9"));
+    assert!(session
+        .capture_by_name("layers.9.resid", &[0; 16])
+        .unwrap_err()
+        .to_string()
+        .contains("layers.0.resid"));
+    // Wrong size.
+    let err = session.capture(0, &[0; 15]).unwrap_err().to_string();
+    assert!(err.contains("got 15 bytes, expected 16"), "{err}");
+    // Oversized: a row larger than the ring can hold.
+    let big = session
+        .register(ringscope::HookPointSpec {
+            name: "logits".into(),
+            site: ringscope::SiteKind::Logits,
+            layer: None,
+            dtype: ringscope::DType::F32,
+            row_width: 4096,
+        })
+        .unwrap();
+    let err = session
+        .capture(big, &vec![0; 4 * 4096])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("raise ring.capacity"), "{err}");
+    // Zero-width rows are refused at registration.
+    let err = session
+        .register(ringscope::HookPointSpec {
+            name: "empty".into(),
+            site: ringscope::SiteKind::Custom("x".into()),
+            layer: None,
+            dtype: ringscope::DType::F32,
+            row_width: 0,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("row_width is 0"), "{err}");
+    session.end_step().unwrap();
+    let report = session.shutdown().unwrap();
+    assert_eq!(
+        report
+            .accounting
+            .total()
+            .dropped_for(DropReason::TooLarge)
+            .records,
+        1
+    );
+    // After shutdown.
+    assert!(matches!(
+        session.begin_step(1, [(1, 0)]),
+        Err(Error::Closed)
+    ));
+    assert!(matches!(session.capture(0, &[0; 16]), Err(Error::Closed)));
+    assert!(matches!(session.shutdown(), Err(Error::Closed)));
+}
+
+#[test]
+fn invalid_configs_are_refused() {
+    let mut c = config(1, 8, "1000 B", "full");
+    assert!(Session::new(c.clone())
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("ring.capacity"));
+    c.ring.capacity = ringscope::config::ByteSize(1 << 20);
+    c.policy.full_deadline_ms = 0;
+    assert!(Session::new(c.clone())
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("full_deadline_ms"));
+    c.policy.mode = Mode::BestEffort;
+    c.hookpoints.push(c.hookpoints[0].clone());
+    assert!(Session::new(c)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("already registered"));
+}
+
+#[test]
+fn dropping_a_session_still_drains_its_records() {
+    let exported = Arc::new(AtomicU64::new(0));
+    let e = exported.clone();
+    let sink = CallbackSink::new("count", move |r: &RecordView<'_>, _: &HookPoint| {
+        e.fetch_add(r.rows() as u64, Ordering::Relaxed);
+        Ok(())
+    });
+    let session = Session::builder(config(1, 8, "1 MiB", "full"))
+        .sink(sink)
+        .start()
+        .unwrap();
+    for step in 0..100 {
+        session.begin_step(step, [(1, step as u32)]).unwrap();
+        session.capture(0, &[0; 16]).unwrap();
+        session.end_step().unwrap();
+    }
+    drop(session);
+    assert_eq!(exported.load(Ordering::Relaxed), 100);
+}
