@@ -40,6 +40,9 @@ pub struct Config {
     /// Loss policy.
     #[serde(default)]
     pub policy: PolicyConfig,
+    /// Export: sinks and consumers.
+    #[serde(default)]
+    pub export: ExportConfig,
     /// Hookpoints registered at start (more can be registered later).
     #[serde(default)]
     pub hookpoints: Vec<HookPointConfig>,
@@ -64,6 +67,27 @@ impl Default for RingConfig {
 
 fn default_capacity() -> ByteSize {
     ByteSize(64 << 20)
+}
+
+/// `[export]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportConfig {
+    /// Most bytes of records queued for one sink or consumer before the policy steps in.
+    #[serde(default = "default_backlog")]
+    pub backlog: ByteSize,
+}
+
+impl Default for ExportConfig {
+    fn default() -> Self {
+        ExportConfig {
+            backlog: default_backlog(),
+        }
+    }
+}
+
+fn default_backlog() -> ByteSize {
+    ByteSize(256 << 20)
 }
 
 /// `[policy]`.
@@ -266,6 +290,7 @@ impl Config {
         Config {
             ring: RingConfig::default(),
             policy: PolicyConfig::default(),
+            export: ExportConfig::default(),
             hookpoints: Vec::new(),
         }
     }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use ringscope_exporter::{Drain, DrainOptions, DrainReport, Sink};
+use ringscope_exporter::{Drain, DrainOptions, DrainReport, Filter, Sink, Subscription};
 use ringscope_hookpoint::{
     capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch,
 };
@@ -52,26 +52,24 @@ pub struct Session {
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
 pub struct SessionBuilder {
     config: Config,
-    sinks: Vec<Box<dyn Sink>>,
-    drain_options: DrainOptions,
+    sinks: Vec<(Box<dyn Sink>, Filter)>,
 }
 
 impl SessionBuilder {
-    /// Adds a sink.
-    pub fn sink(mut self, sink: impl Sink + 'static) -> Self {
-        self.sinks.push(Box::new(sink));
+    /// Adds a sink that receives every record.
+    pub fn sink(self, sink: impl Sink + 'static) -> Self {
+        self.sink_filtered(sink, Filter::all())
+    }
+
+    /// Adds a sink that receives the records passing `filter`.
+    pub fn sink_filtered(mut self, sink: impl Sink + 'static, filter: Filter) -> Self {
+        self.sinks.push((Box::new(sink), filter));
         self
     }
 
-    /// Adds a boxed sink.
+    /// Adds a boxed sink that receives every record.
     pub fn boxed_sink(mut self, sink: Box<dyn Sink>) -> Self {
-        self.sinks.push(sink);
-        self
-    }
-
-    /// Overrides the drain's tuning.
-    pub fn drain_options(mut self, options: DrainOptions) -> Self {
-        self.drain_options = options;
+        self.sinks.push((sink, Filter::all()));
         self
     }
 
@@ -97,7 +95,12 @@ impl SessionBuilder {
             hp.control.set_every_n_steps(hc.every_n_steps)?;
             hp.control.set_enabled(hc.enabled);
         }
-        let drain = Drain::spawn(consumer, registry.clone(), self.sinks, self.drain_options)?;
+        let options = DrainOptions {
+            backlog_bytes: usize::try_from(config.export.backlog.0).unwrap_or(usize::MAX),
+            policy,
+            ..DrainOptions::default()
+        };
+        let drain = Drain::spawn(consumer, registry.clone(), self.sinks, options)?;
         Ok(Session {
             registry,
             policy,
@@ -116,7 +119,6 @@ impl Session {
         SessionBuilder {
             config,
             sinks: Vec::new(),
-            drain_options: DrainOptions::default(),
         }
     }
 
@@ -213,6 +215,14 @@ impl Session {
             batch,
             data,
         )?)
+    }
+
+    /// Subscribes an online consumer (a probe, a monitor) to the records published from now on that pass
+    /// `filter`. It receives them in stream order; see [`Subscription`] for what happens when it falls behind.
+    pub fn subscribe(&self, name: &str, filter: Filter) -> Result<Subscription, Error> {
+        let guard = self.drain.lock();
+        let drain = guard.as_ref().ok_or(Error::Closed)?;
+        Ok(drain.subscribe(name, filter)?)
     }
 
     /// Per-hookpoint counters now (records in flight are neither exported nor dropped yet).

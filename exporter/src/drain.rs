@@ -1,34 +1,56 @@
-//! The drain thread: ring → sinks, with accounting.
+//! The drain: ring → owned records → one bounded queue per sink or consumer.
+//!
+//! The drain thread copies each published record out of the ring and releases its ring space at once, then offers
+//! it to every destination whose filter matches. Each sink runs on its own worker thread behind a queue whose
+//! backlog is bounded in bytes; consumers read their queue from their own threads. When a backlog is full the
+//! policy decides: full mode waits (up to the deadline — the ring then fills and back-pressure reaches the
+//! producer), best-effort drops the record for that destination and counts it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crossbeam::channel::{Receiver, Sender};
 use ringscope_hookpoint::{HookPoint, Registry};
-use ringscope_policy::DropReason;
+use ringscope_policy::{DropReason, LossPolicy};
 use ringscope_ring::Consumer;
 
+use crate::fanout::{port, Backlog, Filter, Port, Subscription};
+use crate::record::Record;
 use crate::sink::{Sink, SinkError};
 use crate::ExporterError;
 
 /// Tuning of a drain.
 #[derive(Debug, Clone, Copy)]
 pub struct DrainOptions {
-    /// Hand ring space back after this many records (and whenever the ring is empty). Smaller frees space sooner;
-    /// larger costs the producer fewer cache misses.
-    pub release_every: u32,
     /// Longest sleep when the ring is empty: bounds how stale an idle drain can be.
     pub max_idle_sleep: Duration,
+    /// Most bytes of records queued for one sink or consumer and not yet taken by it.
+    pub backlog_bytes: usize,
+    /// What to do when a backlog is full (full mode waits up to its deadline, best-effort drops).
+    pub policy: LossPolicy,
 }
 
 impl Default for DrainOptions {
     fn default() -> Self {
         DrainOptions {
-            release_every: 32,
             max_idle_sleep: Duration::from_millis(1),
+            backlog_bytes: 256 << 20,
+            policy: LossPolicy::default(),
         }
     }
+}
+
+/// What one sink did.
+#[derive(Debug, Clone, Default)]
+pub struct SinkReport {
+    /// The sink's name.
+    pub name: String,
+    /// Records it wrote.
+    pub records: u64,
+    /// Its errors (after the first failed write it is not called again).
+    pub errors: Vec<String>,
 }
 
 /// What a drain did, returned when it finishes.
@@ -40,38 +62,84 @@ pub struct DrainReport {
     pub rows: u64,
     /// Ring bytes read (headers, metadata and rows).
     pub bytes: u64,
-    /// From the drain's start to its end.
+    /// Activation bytes read (rows only).
+    pub data_bytes: u64,
+    /// From the drain's start to its end (all sinks closed).
     pub elapsed: Duration,
-    /// The first error of each sink that failed, and of the ring if it delivered a corrupted record.
+    /// Per sink.
+    pub sinks: Vec<SinkReport>,
+    /// Records dropped for a destination because its backlog was full.
+    pub backpressure_drops: u64,
+    /// Ring errors (a corrupted record stops the drain), and every sink's errors.
     pub errors: Vec<String>,
 }
 
-/// A running drain thread. It stops by itself once the producer is gone and the ring is empty; [`Drain::join`]
-/// waits for that.
+/// A running drain: its thread, its sink workers, and the door for new subscriptions. It stops by itself once the
+/// producer is gone and the ring is empty; [`Drain::join`] waits for that and for every sink to close.
 pub struct Drain {
     thread: JoinHandle<DrainReport>,
+    workers: Vec<JoinHandle<SinkReport>>,
+    subscribe: Sender<Port>,
+    backlog_bytes: usize,
 }
 
 impl Drain {
-    /// Starts a drain thread reading `consumer`, resolving hookpoint ids in `registry`, writing to `sinks`.
+    /// Starts the drain thread on `consumer`, resolving hookpoint ids in `registry`, and one worker thread per sink
+    /// (each with the filter of the records it takes).
     pub fn spawn(
         consumer: Consumer,
         registry: Arc<Registry>,
-        sinks: Vec<Box<dyn Sink>>,
+        sinks: Vec<(Box<dyn Sink>, Filter)>,
         options: DrainOptions,
     ) -> Result<Drain, ExporterError> {
+        let mut ports = Vec::new();
+        let mut workers = Vec::new();
+        for (sink, filter) in sinks {
+            let (p, rx, backlog, _gone) =
+                port(sink.name().to_owned(), filter, options.backlog_bytes);
+            ports.push(p);
+            let thread = std::thread::Builder::new()
+                .name(format!("ringscope-sink-{}", sink.name()))
+                .spawn(move || run_sink(sink, rx, backlog))
+                .map_err(ExporterError::Spawn)?;
+            workers.push(thread);
+        }
+        let (subscribe, new_ports) = crossbeam::channel::unbounded();
         let thread = std::thread::Builder::new()
             .name("ringscope-drain".into())
-            .spawn(move || run(consumer, &registry, sinks, options))
+            .spawn(move || run_drain(consumer, &registry, ports, new_ports, options))
             .map_err(ExporterError::Spawn)?;
-        Ok(Drain { thread })
+        Ok(Drain {
+            thread,
+            workers,
+            subscribe,
+            backlog_bytes: options.backlog_bytes,
+        })
     }
 
-    /// Waits for the drain to finish (drop the producer first, or this waits forever) and returns its report.
+    /// Subscribes a consumer to the records published from now on that pass `filter`.
+    pub fn subscribe(&self, name: &str, filter: Filter) -> Result<Subscription, ExporterError> {
+        let (p, rx, backlog, gone) = port(name.to_owned(), filter, self.backlog_bytes);
+        self.subscribe.send(p).map_err(|_| ExporterError::Stopped)?;
+        Ok(Subscription::new(rx, backlog, gone))
+    }
+
+    /// Waits for the drain to finish (drop the producer first, or this waits forever), then for every sink to
+    /// close, and returns the report.
     pub fn join(self) -> Result<DrainReport, ExporterError> {
-        self.thread
+        drop(self.subscribe);
+        let mut report = self
+            .thread
             .join()
-            .map_err(|p| ExporterError::Panicked(panic_message(&p)))
+            .map_err(|p| ExporterError::Panicked(panic_message(&*p)))?;
+        for w in self.workers {
+            let sink = w
+                .join()
+                .map_err(|p| ExporterError::Panicked(panic_message(&*p)))?;
+            report.errors.extend(sink.errors.iter().cloned());
+            report.sinks.push(sink);
+        }
+        Ok(report)
     }
 }
 
@@ -82,92 +150,67 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic payload".into())
 }
 
-struct SinkSlot {
-    sink: Box<dyn Sink>,
-    failed: bool,
-}
-
-fn run(
+fn run_drain(
     mut consumer: Consumer,
     registry: &Registry,
-    sinks: Vec<Box<dyn Sink>>,
+    mut ports: Vec<Port>,
+    new_ports: Receiver<Port>,
     options: DrainOptions,
 ) -> DrainReport {
     let started = Instant::now();
     let mut report = DrainReport::default();
-    let mut sinks: Vec<SinkSlot> = sinks
-        .into_iter()
-        .map(|sink| SinkSlot {
-            sink,
-            failed: false,
-        })
-        .collect();
     // Local copy of the registry, refreshed only when a record names an id we have not seen: no lock per record.
     let mut hookpoints: Vec<Arc<HookPoint>> = registry.all();
     let mut idle = Duration::from_micros(20);
 
-    loop {
-        let mut unreleased = 0u32;
+    'drain: loop {
         let mut drained_any = false;
         loop {
-            let view = match consumer.peek() {
-                Ok(Some(view)) => view,
+            while let Ok(p) = new_ports.try_recv() {
+                ports.push(p);
+            }
+            let record = match consumer.peek() {
+                Ok(Some(view)) => {
+                    let id = view.header.meta.hookpoint as usize;
+                    if id >= hookpoints.len() {
+                        hookpoints = registry.all();
+                    }
+                    let Some(hp) = hookpoints.get(id) else {
+                        // Cannot happen with a registry that only grows; nothing to attribute the record to.
+                        report.errors.push(format!(
+                            "record {} names unknown hookpoint id {id}",
+                            view.header.seq
+                        ));
+                        consumer.advance();
+                        consumer.release();
+                        continue;
+                    };
+                    Record::copy_from(&view, hp.clone())
+                }
                 Ok(None) => break,
                 Err(e) => {
                     // Corruption: the position of the next record is unknown, so nothing after this can be read.
                     // Records still in the ring stay unaccounted and the shutdown check reports them.
                     report.errors.push(format!("ring: {e}; the drain stopped"));
-                    close_sinks(&mut sinks, &mut report);
-                    report.elapsed = started.elapsed();
-                    return report;
+                    break 'drain;
                 }
             };
-            drained_any = true;
-            let id = view.header.meta.hookpoint as usize;
-            if id >= hookpoints.len() {
-                hookpoints = registry.all();
-            }
-            let rows = view.rows() as u64;
-            report.records += 1;
-            report.rows += rows;
-            report.bytes += view.header.footprint() as u64;
-            match hookpoints.get(id) {
-                Some(hp) => {
-                    let mut ok = true;
-                    for slot in sinks.iter_mut().filter(|s| !s.failed) {
-                        let result = catch_unwind(AssertUnwindSafe(|| slot.sink.write(&view, hp)))
-                            .unwrap_or_else(|p| {
-                                Err(SinkError {
-                                    sink: slot.sink.name().into(),
-                                    message: format!("panicked: {}", panic_message(&*p)),
-                                })
-                            });
-                        if let Err(e) = result {
-                            report.errors.push(e.to_string());
-                            slot.failed = true;
-                        }
-                        ok &= !slot.failed;
-                    }
-                    // A failed sink keeps failing: every later record is counted as dropped for it.
-                    if ok && sinks.iter().all(|s| !s.failed) {
-                        hp.counters.exported(rows);
-                    } else {
-                        hp.counters.dropped(DropReason::SinkError, rows);
-                    }
-                }
-                None => report.errors.push(format!(
-                    "record {} names unknown hookpoint id {id}",
-                    view.header.seq
-                )),
-            }
+            // The bytes are copied out: hand the ring space back before anything can make us wait.
             consumer.advance();
-            unreleased += 1;
-            if unreleased >= options.release_every {
-                consumer.release();
-                unreleased = 0;
+            consumer.release();
+            drained_any = true;
+            report.records += 1;
+            report.rows += record.rows() as u64;
+            report.bytes += record.header().footprint() as u64;
+            report.data_bytes += record.data().len() as u64;
+            for p in ports.iter_mut() {
+                if p.offer(&record, &options.policy)
+                    == crate::fanout::Offer::Dropped(DropReason::SinkBackpressure)
+                {
+                    report.backpressure_drops += 1;
+                }
             }
         }
-        consumer.release();
         if drained_any {
             idle = Duration::from_micros(20);
         } else if consumer.is_finished() {
@@ -177,23 +220,63 @@ fn run(
             idle = (idle * 2).min(options.max_idle_sleep);
         }
     }
-    close_sinks(&mut sinks, &mut report);
+    while let Ok(p) = new_ports.try_recv() {
+        ports.push(p);
+    }
+    for p in ports.iter_mut() {
+        p.finish();
+        if p.dropped > 0 {
+            report.errors.push(format!(
+                "`{}` fell behind: {} records dropped for it (backlog over {} bytes)",
+                p.name, p.dropped, options.backlog_bytes
+            ));
+        }
+    }
+    drop(ports);
     report.elapsed = started.elapsed();
     report
 }
 
-fn close_sinks(sinks: &mut [SinkSlot], report: &mut DrainReport) {
-    for slot in sinks.iter_mut() {
-        let result = catch_unwind(AssertUnwindSafe(|| slot.sink.close())).unwrap_or_else(|p| {
-            Err(SinkError {
-                sink: slot.sink.name().into(),
-                message: format!("panicked on close: {}", panic_message(&*p)),
-            })
-        });
-        if let Err(e) = result {
-            report.errors.push(e.to_string());
+fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>) -> SinkReport {
+    let mut report = SinkReport {
+        name: sink.name().to_owned(),
+        ..SinkReport::default()
+    };
+    let mut failed = false;
+    for record in rx.iter() {
+        let size = record.size_bytes();
+        if failed {
+            record.receipt().fail(DropReason::SinkError);
+        } else {
+            let result =
+                catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
+                    Err(SinkError {
+                        sink: report.name.clone(),
+                        message: format!("panicked: {}", panic_message(&*p)),
+                    })
+                });
+            match result {
+                Ok(()) => report.records += 1,
+                Err(e) => {
+                    record.receipt().fail(DropReason::SinkError);
+                    report.errors.push(e.to_string());
+                    failed = true;
+                }
+            }
         }
+        drop(record);
+        backlog.taken(size);
     }
+    let closed = catch_unwind(AssertUnwindSafe(|| sink.close())).unwrap_or_else(|p| {
+        Err(SinkError {
+            sink: report.name.clone(),
+            message: format!("panicked on close: {}", panic_message(&*p)),
+        })
+    });
+    if let Err(e) = closed {
+        report.errors.push(e.to_string());
+    }
+    report
 }
 
 #[cfg(test)]
@@ -201,7 +284,7 @@ mod tests {
     use super::*;
     use crate::sink::{CallbackSink, SummarySink};
     use ringscope_hookpoint::{capture_host, HookPointSpec, SiteKind, StepBatch};
-    use ringscope_policy::{LossPolicy, Mode};
+    use ringscope_policy::Mode;
     use ringscope_ring::{channel, DType};
 
     fn setup() -> (ringscope_ring::Producer, Consumer, Arc<Registry>) {
@@ -225,6 +308,10 @@ mod tests {
         full_deadline: Duration::from_secs(10),
     };
 
+    fn boxed(s: impl Sink + 'static) -> (Box<dyn Sink>, Filter) {
+        (Box::new(s), Filter::all())
+    }
+
     #[test]
     fn drains_everything_and_accounts_for_it() {
         let (mut p, c, reg) = setup();
@@ -232,7 +319,7 @@ mod tests {
         let drain = Drain::spawn(
             c,
             reg.clone(),
-            vec![Box::new(summary)],
+            vec![boxed(summary)],
             DrainOptions::default(),
         )
         .unwrap();
@@ -256,7 +343,7 @@ mod tests {
     fn failing_and_panicking_sinks_are_counted_not_fatal() {
         let (mut p, c, reg) = setup();
         let mut n = 0;
-        let flaky = CallbackSink::new("flaky", move |_, _| {
+        let flaky = CallbackSink::new("flaky", move |_: &Record| {
             n += 1;
             if n == 3 {
                 Err("disk full".to_string())
@@ -264,19 +351,16 @@ mod tests {
                 Ok(())
             }
         });
-        let panicky = CallbackSink::new(
-            "panicky",
-            |r: &ringscope_ring::RecordView<'_>, _: &HookPoint| {
-                if r.header.seq == 5 {
-                    panic!("consumer bug");
-                }
-                Ok(())
-            },
-        );
+        let panicky = CallbackSink::new("panicky", |r: &Record| {
+            if r.header().seq == 5 {
+                panic!("consumer bug");
+            }
+            Ok(())
+        });
         let drain = Drain::spawn(
             c,
             reg.clone(),
-            vec![Box::new(flaky), Box::new(panicky)],
+            vec![boxed(flaky), boxed(panicky)],
             DrainOptions::default(),
         )
         .unwrap();
@@ -294,6 +378,7 @@ mod tests {
         let acc = reg.accounting();
         acc.check().unwrap();
         let c = acc.hookpoints[0].1;
+        // Records 0 and 1 reached both sinks; from record 2 (flaky) on, every record failed somewhere.
         assert_eq!(
             (
                 c.exported.records,
@@ -301,5 +386,89 @@ mod tests {
             ),
             (2, 8)
         );
+    }
+
+    #[test]
+    fn subscriptions_filter_and_departed_consumers_are_counted() {
+        let (mut p, c, reg) = setup();
+        let drain = Drain::spawn(c, reg.clone(), vec![], DrainOptions::default()).unwrap();
+        let layer1 = drain.subscribe("layer1", Filter::layers([1])).unwrap();
+        let quitter = drain.subscribe("quitter", Filter::all()).unwrap();
+        // Let the drain pick up both subscriptions before anything is published.
+        std::thread::sleep(Duration::from_millis(50));
+        for step in 0..20u64 {
+            let batch = StepBatch::new(step, [(7, step as u32)]).unwrap();
+            for hp in reg.all() {
+                capture_host(&mut p, &FULL, &hp, &batch, &[1; 16]).unwrap();
+            }
+        }
+        let first = quitter.recv().unwrap();
+        assert_eq!((first.step(), first.hookpoint().id), (0, 0));
+        // Wait until the drain has queued all 39 others for the quitter before it quits.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while quitter.backlog_bytes() < 39 * first.size_bytes() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(first);
+        drop(quitter);
+        drop(p);
+        let received: Vec<_> = layer1
+            .iter()
+            .map(|r| (r.step(), r.hookpoint().spec.layer, r.row_meta(0)))
+            .collect();
+        assert_eq!(received.len(), 20);
+        assert!(received
+            .iter()
+            .enumerate()
+            .all(|(i, (s, l, m))| *s == i as u64 && *l == Some(1) && m.position == i as u32));
+        drain.join().unwrap();
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        let total = acc.total();
+        // 40 records: the quitter took one and left 39 behind, 19 of which layer1 also received.
+        assert_eq!(total.dropped_for(DropReason::Disconnected).records, 39);
+        assert_eq!(total.exported.records, 1);
+    }
+
+    #[test]
+    fn best_effort_backlog_drops_for_the_slow_consumer_only() {
+        let (mut p, c, reg) = setup();
+        let options = DrainOptions {
+            backlog_bytes: 1024,
+            policy: LossPolicy {
+                mode: Mode::BestEffort,
+                full_deadline: Duration::ZERO,
+            },
+            ..DrainOptions::default()
+        };
+        let (summary, handle) = SummarySink::new();
+        let drain = Drain::spawn(c, reg.clone(), vec![boxed(summary)], options).unwrap();
+        let slow = drain.subscribe("slow", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let hp = reg.get(0).unwrap();
+        for step in 0..100u64 {
+            let batch = StepBatch::new(step, [(1, 0)]).unwrap();
+            capture_host(&mut p, &FULL, &hp, &batch, &[0; 16]).unwrap();
+            // Pace the producer so that the summary sink's worker keeps up with its own small budget.
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        drop(p);
+        // Nobody reads `slow` until the drain is done: its 1 KiB budget holds a handful of 192-byte records.
+        std::thread::sleep(Duration::from_millis(200));
+        let got = slow.iter().count();
+        assert!((1..=8).contains(&got), "{got}");
+        let report = drain.join().unwrap();
+        assert_eq!(report.backpressure_drops, 100 - got as u64);
+        assert_eq!(
+            handle.lock()["layers.0.resid"].records,
+            100,
+            "the summary sink was not slowed down"
+        );
+        let c = reg.accounting().hookpoints[0].1;
+        assert_eq!(
+            c.dropped_for(DropReason::SinkBackpressure).records,
+            100 - got as u64
+        );
+        reg.accounting().check().unwrap();
     }
 }

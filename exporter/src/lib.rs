@@ -1,18 +1,22 @@
 //! # ringscope-exporter
 //!
-//! Where records leave. A [`Drain`] thread reads published records from the ring, hands each one to every
-//! [`Sink`], counts it as exported (or dropped, with the reason), and releases its ring space in batches so the
-//! producer's view of free space trails by at most [`DrainOptions::release_every`] records.
+//! Where records leave. A [`Drain`] thread copies each published record out of the ring (releasing its space at
+//! once) and offers it to every sink and consumer whose [`Filter`] matches, through one bounded queue each. Sinks
+//! run on their own threads; consumers read a [`Subscription`]. A [`Record`] is counted — exported, or dropped with
+//! the reason — when its last holder lets go of it and of its [`Receipt`].
 //!
-//! Sinks here: [`SummarySink`] (per-hookpoint tallies, used by the main example) and [`CallbackSink`] (a closure per
-//! record, for online consumers). File sinks (Parquet, Arrow IPC) build on the same trait.
+//! Sinks here: [`SummarySink`] (per-hookpoint tallies) and [`CallbackSink`] (a closure per record).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 mod drain;
+mod fanout;
+mod record;
 mod sink;
 
-pub use drain::{Drain, DrainOptions, DrainReport};
+pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
+pub use fanout::{Filter, Subscription};
+pub use record::{Receipt, Record};
 pub use sink::{CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};
 
 /// Errors of the exporter.
@@ -21,7 +25,10 @@ pub enum ExporterError {
     /// The drain thread could not be started.
     #[error("could not start the drain thread: {0}")]
     Spawn(#[source] std::io::Error),
-    /// The drain thread panicked (a bug, or a sink that panicked); its records after the panic are not exported.
+    /// The drain thread panicked (a bug); its records after the panic are not exported.
     #[error("the drain thread panicked: {0}")]
     Panicked(String),
+    /// The drain has stopped: nothing more can be subscribed.
+    #[error("the drain has stopped (the session is shut down)")]
+    Stopped,
 }

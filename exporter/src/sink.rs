@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use ringscope_hookpoint::HookPoint;
-use ringscope_ring::RecordView;
+
+use crate::record::Record;
 
 /// A sink failed to take a record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -17,16 +17,20 @@ pub struct SinkError {
     pub message: String,
 }
 
-/// A destination for records. Called from the drain thread, in stream order, one record at a time.
+/// A destination for records. Each sink runs on its own thread and sees the records it subscribed to in stream
+/// order, one at a time.
 ///
-/// The record borrows ring memory: copy what you keep before returning. A sink that returns an error has the
-/// record counted as dropped ([`ringscope_policy::DropReason::SinkError`]) and is not called again.
+/// A record counts as exported once every sink has returned from `write` and dropped its clones and receipts. A
+/// sink that buffers data keeps [`Record::receipt`]s until the data is durable and fails them if it is lost. A
+/// `write` that returns an error has the record counted as dropped
+/// ([`ringscope_policy::DropReason::SinkError`]); the sink is not called again and every later record for it is
+/// counted the same way.
 pub trait Sink: Send {
     /// Name used in reports and errors.
     fn name(&self) -> &str;
-    /// Takes one record of hookpoint `hp`.
-    fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError>;
-    /// Called once at shutdown, after the last record.
+    /// Takes one record.
+    fn write(&mut self, record: &Record) -> Result<(), SinkError>;
+    /// Called once at shutdown, after the last record: flush and close files.
     fn close(&mut self) -> Result<(), SinkError> {
         Ok(())
     }
@@ -79,24 +83,26 @@ impl Sink for SummarySink {
         "summary"
     }
 
-    fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError> {
+    fn write(&mut self, record: &Record) -> Result<(), SinkError> {
+        let hp = record.hookpoint();
+        let view = record.view();
         let mut out = self.out.lock();
         let s = out.entry(hp.spec.name.clone()).or_default();
-        let step = record.header.meta.step;
+        let step = record.step();
         s.records += 1;
         s.rows += record.rows() as u64;
-        s.bytes += record.data().len() as u64;
+        s.bytes += view.data().len() as u64;
         s.steps = Some(
             s.steps
                 .map_or((step, step), |(a, b)| (a.min(step), b.max(step))),
         );
         let seen = self.requests.entry(hp.spec.name.clone()).or_default();
         let mut digest = crc32fast::Hasher::new_with_initial(s.digest);
-        for (i, m) in record.row_metas().enumerate() {
+        for (i, m) in view.row_metas().enumerate() {
             seen.insert(m.request_id);
             digest.update(&m.request_id.to_le_bytes());
             digest.update(&m.position.to_le_bytes());
-            digest.update(record.row(i));
+            digest.update(view.row(i));
         }
         s.digest = digest.finalize();
         s.requests = seen.len() as u64;
@@ -112,7 +118,7 @@ pub struct CallbackSink<F> {
 
 impl<F> CallbackSink<F>
 where
-    F: FnMut(&RecordView<'_>, &HookPoint) -> Result<(), String> + Send,
+    F: FnMut(&Record) -> Result<(), String> + Send,
 {
     /// A sink named `name` that calls `f` per record; an `Err` from `f` fails the sink.
     pub fn new(name: impl Into<String>, f: F) -> Self {
@@ -125,14 +131,14 @@ where
 
 impl<F> Sink for CallbackSink<F>
 where
-    F: FnMut(&RecordView<'_>, &HookPoint) -> Result<(), String> + Send,
+    F: FnMut(&Record) -> Result<(), String> + Send,
 {
     fn name(&self) -> &str {
         &self.name
     }
 
-    fn write(&mut self, record: &RecordView<'_>, hp: &HookPoint) -> Result<(), SinkError> {
-        (self.f)(record, hp).map_err(|message| SinkError {
+    fn write(&mut self, record: &Record) -> Result<(), SinkError> {
+        (self.f)(record).map_err(|message| SinkError {
             sink: self.name.clone(),
             message,
         })

@@ -64,6 +64,19 @@ impl LossPolicy {
         Ok(())
     }
 
+    /// The decision for the drain when a sink's or consumer's backlog is full.
+    ///
+    /// In full mode the drain waits *twice* the producer's deadline: while it waits, the ring fills and the
+    /// engine's capture times out first, so the engine hears of a stuck sink from its own call, loudly, before the
+    /// drain gives up on that sink and drops for it (counted as `sink_backpressure`). The wait is bounded so that
+    /// a sink stuck forever can never hang the drain or shutdown.
+    pub fn on_backlog_full(&self) -> OnFull {
+        match self.mode {
+            Mode::Full => OnFull::Wait(self.full_deadline.saturating_mul(2)),
+            Mode::BestEffort => OnFull::Drop,
+        }
+    }
+
     /// The decision for a record that found the ring full.
     pub fn on_ring_full(&self) -> OnFull {
         match self.mode {
@@ -342,6 +355,11 @@ mod tests {
             full_deadline: Duration::ZERO,
         };
         assert_eq!(best.on_ring_full(), OnFull::Drop);
+        assert_eq!(best.on_backlog_full(), OnFull::Drop);
+        assert_eq!(
+            full.on_backlog_full(),
+            OnFull::Wait(Duration::from_millis(500))
+        );
         assert!(best.validate().is_ok());
         let bad = LossPolicy {
             mode: Mode::Full,

@@ -1,0 +1,159 @@
+//! Records after they leave the ring, and the receipts that account for them.
+//!
+//! The drain copies each record out of the ring (so ring space is released at once) into a [`Record`]: an owned,
+//! cheaply cloned handle shared by every sink and consumer that takes it. Each record carries one [`Receipt`];
+//! when the last clone of the record *and* of its receipt is gone, the record is counted — as exported, or as
+//! dropped for the first reason any holder reported with [`Receipt::fail`]. A sink that buffers data (a Parquet
+//! file being written) keeps only the small receipt until its data is durable, so a file that fails to commit
+//! turns into counted drops instead of silently lost rows.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use ringscope_hookpoint::HookPoint;
+use ringscope_policy::DropReason;
+use ringscope_ring::{RecordHeader, RecordView, RowMeta};
+
+/// A record copied out of the ring. Clones share the bytes.
+#[derive(Clone)]
+pub struct Record(Arc<Inner>);
+
+struct Inner {
+    bytes: Box<[u8]>,
+    header: RecordHeader,
+    hookpoint: Arc<HookPoint>,
+    receipt: Receipt,
+}
+
+impl Record {
+    /// Copies `view` out of the ring.
+    pub fn copy_from(view: &RecordView<'_>, hookpoint: Arc<HookPoint>) -> Record {
+        let mut bytes =
+            Vec::with_capacity(ringscope_ring::record::HEADER_LEN + view.payload().len());
+        bytes.extend_from_slice(&view.header.encode());
+        bytes.extend_from_slice(view.payload());
+        let receipt = Receipt::new(hookpoint.clone(), view.rows() as u64);
+        Record(Arc::new(Inner {
+            bytes: bytes.into_boxed_slice(),
+            header: view.header,
+            hookpoint,
+            receipt,
+        }))
+    }
+
+    /// A checked view of the record (header, row metadata, rows).
+    pub fn view(&self) -> RecordView<'_> {
+        RecordView::decode(&self.0.bytes)
+            .expect("a record is validated when it is copied out of the ring")
+            .0
+    }
+
+    /// The header.
+    pub fn header(&self) -> &RecordHeader {
+        &self.0.header
+    }
+
+    /// The hookpoint that produced it.
+    pub fn hookpoint(&self) -> &Arc<HookPoint> {
+        &self.0.hookpoint
+    }
+
+    /// The engine step.
+    pub fn step(&self) -> u64 {
+        self.0.header.meta.step
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.0.header.meta.rows as usize
+    }
+
+    /// Row `i`'s request id, position and batch index.
+    pub fn row_meta(&self, i: usize) -> RowMeta {
+        self.view().row_meta(i)
+    }
+
+    /// Row `i`'s bytes.
+    pub fn row(&self, i: usize) -> &[u8] {
+        let rb = self.0.header.meta.row_bytes as usize;
+        &self.data()[i * rb..(i + 1) * rb]
+    }
+
+    /// All rows, back to back.
+    pub fn data(&self) -> &[u8] {
+        let start = ringscope_ring::record::HEADER_LEN + self.0.header.meta.data_offset();
+        &self.0.bytes[start..start + self.rows() * self.0.header.meta.row_bytes as usize]
+    }
+
+    /// Bytes this record occupies in memory (what sink backlogs are budgeted in).
+    pub fn size_bytes(&self) -> usize {
+        self.0.bytes.len()
+    }
+
+    /// The record's receipt: hold it while the record's data is not yet durable, [`Receipt::fail`] it if the data
+    /// is lost.
+    pub fn receipt(&self) -> Receipt {
+        self.0.receipt.clone()
+    }
+}
+
+impl std::fmt::Debug for Record {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Record")
+            .field("hookpoint", &self.0.hookpoint.spec.name)
+            .field("seq", &self.0.header.seq)
+            .field("step", &self.step())
+            .field("rows", &self.rows())
+            .finish()
+    }
+}
+
+/// Accounts for one record when its last holder lets go. See the module docs.
+#[derive(Clone)]
+pub struct Receipt(Arc<ReceiptState>);
+
+struct ReceiptState {
+    hookpoint: Arc<HookPoint>,
+    rows: u64,
+    /// 0 = no failure; otherwise 1 + the index of the first reason reported.
+    failure: AtomicU8,
+}
+
+impl Receipt {
+    fn new(hookpoint: Arc<HookPoint>, rows: u64) -> Receipt {
+        Receipt(Arc::new(ReceiptState {
+            hookpoint,
+            rows,
+            failure: AtomicU8::new(0),
+        }))
+    }
+
+    /// Marks the record as lost for `reason`. The first reason reported wins; the record is counted as dropped
+    /// once every holder has let go.
+    pub fn fail(&self, reason: DropReason) {
+        let code = DropReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .expect("every reason is in ALL") as u8
+            + 1;
+        let _ = self
+            .0
+            .failure
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Rows of the record.
+    pub fn rows(&self) -> u64 {
+        self.0.rows
+    }
+}
+
+impl Drop for ReceiptState {
+    fn drop(&mut self) {
+        let counters = &self.hookpoint.counters;
+        match *self.failure.get_mut() {
+            0 => counters.exported(self.rows),
+            code => counters.dropped(DropReason::ALL[code as usize - 1], self.rows),
+        }
+    }
+}
