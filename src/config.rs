@@ -76,18 +76,71 @@ pub struct ExportConfig {
     /// Most bytes of records queued for one sink or consumer before the policy steps in.
     #[serde(default = "default_backlog")]
     pub backlog: ByteSize,
+    /// Write a Parquet dataset.
+    #[serde(default)]
+    pub parquet: bool,
+    /// Write an Arrow IPC dataset.
+    #[serde(default)]
+    pub arrow_ipc: bool,
+    /// Root directory of dumps; each run writes `dir/run_id/`.
+    #[serde(default = "default_dir")]
+    pub dir: String,
+    /// Run id (a directory name); default `run-<UTC time>-<pid>`.
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// This process's rank among the engine's workers.
+    #[serde(default)]
+    pub rank: u32,
+    /// Rotate files after this many activation bytes.
+    #[serde(default = "default_max_file_size")]
+    pub max_file_size: ByteSize,
+    /// Parquet zstd level.
+    #[serde(default = "one_i32")]
+    pub zstd_level: i32,
 }
 
 impl Default for ExportConfig {
     fn default() -> Self {
         ExportConfig {
             backlog: default_backlog(),
+            parquet: false,
+            arrow_ipc: false,
+            dir: default_dir(),
+            run_id: None,
+            rank: 0,
+            max_file_size: default_max_file_size(),
+            zstd_level: 1,
         }
     }
 }
 
 fn default_backlog() -> ByteSize {
     ByteSize(256 << 20)
+}
+
+fn default_dir() -> String {
+    "ringscope-out".into()
+}
+
+fn default_max_file_size() -> ByteSize {
+    ByteSize(256 << 20)
+}
+
+fn one_i32() -> i32 {
+    1
+}
+
+impl ExportConfig {
+    /// The dataset options these settings describe (for the file sinks).
+    pub fn dataset_options(&self) -> ringscope_exporter::DatasetOptions {
+        let mut o = ringscope_exporter::DatasetOptions::new(&self.dir);
+        if let Some(id) = &self.run_id {
+            o.run_id = id.clone();
+        }
+        o.rank = self.rank;
+        o.max_file_bytes = self.max_file_size.0;
+        o
+    }
 }
 
 /// `[policy]`.

@@ -41,6 +41,7 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod config;
+pub mod manifest;
 mod session;
 pub mod synthetic;
 
@@ -71,6 +72,9 @@ pub enum Error {
     /// The exporter failed.
     #[error(transparent)]
     Exporter(#[from] ringscope_exporter::ExporterError),
+    /// Writing the run's files failed.
+    #[error("{0}")]
+    Io(String),
     /// The session was shut down.
     #[error("the session is shut down; create a new session to capture again")]
     Closed,

@@ -4,7 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use ringscope_exporter::{Drain, DrainOptions, DrainReport, Filter, Sink, Subscription};
+use ringscope_exporter::{
+    arrow_ipc_sink, parquet_sink, CommittedFile, CommittedFiles, Drain, DrainOptions, DrainReport,
+    Filter, Sink, Subscription,
+};
 use ringscope_hookpoint::{
     capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch,
 };
@@ -14,13 +17,17 @@ use ringscope_ring::Producer;
 use crate::config::Config;
 use crate::Error;
 
-/// What a finished session did: the drain's report and the final, checked accounting.
+/// What a finished session did: the drain's report, the files written and the final, checked accounting.
 #[derive(Debug, Clone)]
 pub struct Report {
     /// Per-hookpoint counters at shutdown.
     pub accounting: AccountingSnapshot,
     /// The drain's totals and sink errors.
     pub drain: DrainReport,
+    /// Files committed by the file sinks, in commit order.
+    pub files: Vec<CommittedFile>,
+    /// The run directory, when a file sink was configured.
+    pub run_dir: Option<std::path::PathBuf>,
 }
 
 impl Report {
@@ -47,6 +54,8 @@ pub struct Session {
     /// `None` once shut down.
     capture: Mutex<Option<Capture>>,
     drain: Mutex<Option<Drain>>,
+    files: Vec<CommittedFiles>,
+    run_dir: Option<std::path::PathBuf>,
 }
 
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
@@ -100,7 +109,23 @@ impl SessionBuilder {
             policy,
             ..DrainOptions::default()
         };
-        let drain = Drain::spawn(consumer, registry.clone(), self.sinks, options)?;
+        let mut sinks = self.sinks;
+        let mut files = Vec::new();
+        let dataset = config.export.dataset_options();
+        let run_dir = (config.export.parquet || config.export.arrow_ipc).then(|| dataset.run_dir());
+        if config.export.parquet {
+            let (sink, committed) = parquet_sink(dataset.clone(), config.export.zstd_level)
+                .map_err(|e| Error::Config(format!("export.parquet: {}", e.message)))?;
+            sinks.push((Box::new(sink), Filter::all()));
+            files.push(committed);
+        }
+        if config.export.arrow_ipc {
+            let (sink, committed) = arrow_ipc_sink(dataset.clone())
+                .map_err(|e| Error::Config(format!("export.arrow_ipc: {}", e.message)))?;
+            sinks.push((Box::new(sink), Filter::all()));
+            files.push(committed);
+        }
+        let drain = Drain::spawn(consumer, registry.clone(), sinks, options)?;
         Ok(Session {
             registry,
             policy,
@@ -109,6 +134,8 @@ impl SessionBuilder {
                 batch: None,
             })),
             drain: Mutex::new(Some(drain)),
+            files,
+            run_dir,
         })
     }
 }
@@ -238,10 +265,16 @@ impl Session {
         drop(capture);
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let drain = drain.join()?;
+        let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
         let report = Report {
             accounting: self.registry.accounting(),
             drain,
+            files,
+            run_dir: self.run_dir.clone(),
         };
+        if let Some(dir) = &report.run_dir {
+            crate::manifest::write(dir, &self.registry, &report)?;
+        }
         if let Err(e) = report.accounting.check() {
             return Err(Error::Unbalanced {
                 error: e,

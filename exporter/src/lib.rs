@@ -5,17 +5,24 @@
 //! run on their own threads; consumers read a [`Subscription`]. A [`Record`] is counted — exported, or dropped with
 //! the reason — when its last holder lets go of it and of its [`Receipt`].
 //!
-//! Sinks here: [`SummarySink`] (per-hookpoint tallies) and [`CallbackSink`] (a closure per record).
+//! Sinks here: [`ParquetSink`] and [`ArrowIpcSink`] (Hive-partitioned datasets, see [`dataset`]),
+//! [`SummarySink`] (per-hookpoint tallies) and [`CallbackSink`] (a closure per record).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod dataset;
 mod drain;
 mod fanout;
+mod files;
+mod formats;
 mod record;
 mod sink;
 
+pub use dataset::DatasetOptions;
 pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
 pub use fanout::{Filter, Subscription};
+pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink};
+pub use formats::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink};
 pub use record::{Receipt, Record};
 pub use sink::{CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};
 

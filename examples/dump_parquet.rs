@@ -1,0 +1,186 @@
+//! The main example: a built-in synthetic engine — decoder-shaped, deterministic, with continuous batching
+//! (requests join and leave, prefill and decode steps) — captured through the whole pipeline into a Parquet
+//! dataset under `./ringscope-out/<run id>/`, then a summary: records, rows, bytes, GB/s, drops, files.
+//!
+//! ```text
+//! cargo run --release --example dump_parquet
+//! cargo run --release --example dump_parquet -- --layers 4 --hidden 256 --run-id demo --arrow-ipc
+//! ```
+//!
+//! Read the output back with pyarrow, DuckDB or Polars (README, "Reading a dump").
+
+use std::time::Instant;
+
+use clap::Parser;
+use ringscope::synthetic::{fill_layer, EngineConfig, SyntheticEngine};
+use ringscope::{CaptureOutcome, Config, Session};
+
+#[derive(Parser)]
+#[command(about = "Dump a synthetic decoder's residual stream to Parquet through ringscope")]
+struct Args {
+    /// Output root; the run is written to OUT/RUN_ID.
+    #[arg(long, default_value = "ringscope-out")]
+    out: String,
+    /// Run id (directory name); default run-<UTC time>-<pid>.
+    #[arg(long)]
+    run_id: Option<String>,
+    /// Decoder layers (one residual hookpoint each).
+    #[arg(long, default_value_t = 16)]
+    layers: u32,
+    /// Hidden size.
+    #[arg(long, default_value_t = 2048)]
+    hidden: u32,
+    /// Requests to serve.
+    #[arg(long, default_value_t = 128)]
+    requests: u32,
+    /// Most concurrent requests.
+    #[arg(long, default_value_t = 32)]
+    concurrent: u32,
+    /// Seed of the schedule and the activations.
+    #[arg(long, default_value_t = 0x5EED)]
+    seed: u64,
+    /// `full` or `best_effort`.
+    #[arg(long, default_value = "full")]
+    mode: String,
+    /// Ring capacity.
+    #[arg(long, default_value = "64 MiB")]
+    ring: String,
+    /// Parquet zstd level.
+    #[arg(long, default_value_t = 1)]
+    zstd_level: i32,
+    /// Also write an Arrow IPC dataset.
+    #[arg(long)]
+    arrow_ipc: bool,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let engine = EngineConfig {
+        layers: args.layers,
+        hidden: args.hidden,
+        requests: args.requests,
+        max_concurrent: args.concurrent,
+        seed: args.seed,
+        ..EngineConfig::default()
+    };
+    let mut toml = format!(
+        "[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n[export]\nparquet = true\narrow_ipc = {}\ndir = {:?}\nzstd_level = {}\n",
+        args.ring, args.mode, args.arrow_ipc, args.out, args.zstd_level
+    );
+    if let Some(id) = &args.run_id {
+        toml += &format!("run_id = {id:?}\n");
+    }
+    for l in 0..engine.layers {
+        toml += &format!(
+            "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {}\n",
+            engine.hidden
+        );
+    }
+    let session = Session::new(Config::from_toml(&toml)?)?;
+
+    // Generate every step's activations up front so the timed loop measures ringscope, not the generator.
+    let steps: Vec<_> = SyntheticEngine::new(engine).collect();
+    let tensors: Vec<Vec<Vec<u8>>> = steps
+        .iter()
+        .map(|s| {
+            (0..engine.layers)
+                .map(|l| {
+                    let mut buf = Vec::new();
+                    fill_layer(engine.seed, l, engine.hidden, &s.rows, &mut buf);
+                    buf
+                })
+                .collect()
+        })
+        .collect();
+
+    let started = Instant::now();
+    let mut dropped_at_capture = 0u64;
+    for (s, layers) in steps.iter().zip(&tensors) {
+        session.begin_step(s.step, s.rows.iter().copied())?;
+        for (l, data) in layers.iter().enumerate() {
+            if let CaptureOutcome::Dropped(_) = session.capture(l as u32, data)? {
+                dropped_at_capture += 1;
+            }
+        }
+        session.end_step()?;
+    }
+    let capture_s = started.elapsed().as_secs_f64();
+    let report = session.shutdown()?;
+    let total_s = started.elapsed().as_secs_f64();
+    let run_dir = report
+        .run_dir
+        .clone()
+        .expect("a Parquet sink is configured");
+
+    // What the Python test needs to regenerate every row: the engine's parameters.
+    std::fs::write(
+        run_dir.join("_synthetic_engine.json"),
+        format!(
+            "{{\"layers\": {}, \"hidden\": {}, \"requests\": {}, \"seed\": {}, \"steps\": {}}}\n",
+            engine.layers,
+            engine.hidden,
+            engine.requests,
+            engine.seed,
+            steps.len()
+        ),
+    )?;
+
+    let t = report.accounting.total();
+    let data_bytes = report.drain.data_bytes as f64;
+    let on_disk: u64 = report.files.iter().map(|f| f.bytes).sum();
+    println!("ringscope dump_parquet → {}", run_dir.display());
+    println!(
+        "engine: {} steps, {} requests, {} layers × hidden {} (bf16), mode {}",
+        steps.len(),
+        engine.requests,
+        engine.layers,
+        engine.hidden,
+        args.mode
+    );
+    println!(
+        "records: {} produced, {} exported, {} dropped ({} at capture), {} sampled out",
+        t.produced.records,
+        t.exported.records,
+        t.dropped_total().records,
+        dropped_at_capture,
+        t.sampled_out.records
+    );
+    println!(
+        "rows: {} exported, {} dropped",
+        t.exported.rows,
+        t.dropped_total().rows
+    );
+    println!(
+        "bytes: {:.1} MiB of activations → {:.1} MiB on disk ({} files, ratio {:.3})",
+        data_bytes / 1048576.0,
+        on_disk as f64 / 1048576.0,
+        report.files.len(),
+        on_disk as f64 / data_bytes.max(1.0)
+    );
+    println!(
+        "time: capture loop {:.3} s ({:.2} GB/s); capture → files closed {:.3} s ({:.2} GB/s)",
+        capture_s,
+        data_bytes / capture_s / 1e9,
+        total_s,
+        data_bytes / total_s / 1e9
+    );
+    for f in report.files.iter().take(4) {
+        println!(
+            "  {} ({} rows, {:.1} MiB)",
+            f.path.display(),
+            f.rows,
+            f.bytes as f64 / 1048576.0
+        );
+    }
+    if report.files.len() > 4 {
+        println!(
+            "  ... and {} more (manifest: {})",
+            report.files.len() - 4,
+            run_dir.join(ringscope::manifest::MANIFEST).display()
+        );
+    }
+    for e in &report.drain.errors {
+        println!("error: {e}");
+    }
+    Ok(())
+}

@@ -1,0 +1,311 @@
+//! The on-disk dataset: directory layout, the Arrow schema of a dump, and turning records into Arrow batches.
+//!
+//! ```text
+//! <root>/<run_id>/hookpoint=<name>/rank=<rank>/part-00000.parquet     (or .arrow for Arrow IPC)
+//! ```
+//!
+//! One table row per captured token row. The activation is one fixed-size binary value per row holding the raw
+//! little-endian elements; its dtype and shape are in the `dtype` and `shape` columns and in the field and file
+//! metadata (`ringscope.dtype`, `ringscope.shape`), so bf16 — which neither Arrow nor Parquet has — is read back
+//! with no guessing. `hookpoint` (string) and `rank` (int32) are stored in the files *and* named in the
+//! directories, with the types that pyarrow, DuckDB and Polars infer for Hive partitions, so all three read a whole
+//! run as one table.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow::array::{
+    ArrayRef, FixedSizeBinaryArray, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
+    UInt32Array, UInt64Array,
+};
+use arrow::buffer::{Buffer, OffsetBuffer};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use ringscope_hookpoint::HookPoint;
+
+use crate::record::Record;
+
+/// Where a dump goes and how its rows are labelled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DatasetOptions {
+    /// Output root; the run's directory is `root/run_id`.
+    pub root: PathBuf,
+    /// Names the run (a directory). Defaults to a UTC timestamp.
+    pub run_id: String,
+    /// Rank of this process among the engine's workers (tensor/pipeline parallel), a partition key.
+    pub rank: u32,
+    /// Start a new file in a partition once this many activation bytes were written to the current one.
+    pub max_file_bytes: u64,
+    /// Rows are buffered per hookpoint and written in batches of about this many activation bytes.
+    pub batch_bytes: usize,
+}
+
+impl DatasetOptions {
+    /// Options for a run under `root` with defaults: run id from the clock, rank 0, 256 MiB files, 4 MiB batches.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        DatasetOptions {
+            root: root.into(),
+            run_id: default_run_id(),
+            rank: 0,
+            max_file_bytes: 256 << 20,
+            batch_bytes: 4 << 20,
+        }
+    }
+
+    /// The run's directory.
+    pub fn run_dir(&self) -> PathBuf {
+        self.root.join(&self.run_id)
+    }
+
+    /// A hookpoint's partition directory.
+    pub fn partition_dir(&self, hookpoint: &str) -> PathBuf {
+        self.run_dir()
+            .join(format!("hookpoint={hookpoint}"))
+            .join(format!("rank={}", self.rank))
+    }
+
+    /// Checks the options before anything is written.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.run_id.is_empty()
+            || self.run_id.contains(['/', '\\'])
+            || self.run_id.starts_with('.')
+        {
+            return Err(format!(
+                "run id `{}` must be a non-empty directory name not starting with `.`",
+                self.run_id
+            ));
+        }
+        if self.max_file_bytes == 0 || self.batch_bytes == 0 {
+            return Err("max_file_bytes and batch_bytes must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// `run-YYYYMMDDTHHMMSSZ-<pid>`, from the system clock.
+pub fn default_run_id() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "run-{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z-{}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        std::process::id()
+    )
+}
+
+/// Metadata keys written by ringscope (field metadata on `activation`, and file metadata).
+pub mod keys {
+    /// Element type name of the activation (`bf16`, `f16`, ...).
+    pub const DTYPE: &str = "ringscope.dtype";
+    /// Shape of one row, as a JSON list (`[2048]`).
+    pub const SHAPE: &str = "ringscope.shape";
+    /// Record format version.
+    pub const FORMAT_VERSION: &str = "ringscope.format_version";
+    /// Run id.
+    pub const RUN_ID: &str = "ringscope.run_id";
+    /// Hookpoint name, site and layer.
+    pub const HOOKPOINT: &str = "ringscope.hookpoint";
+    /// Site kind.
+    pub const SITE: &str = "ringscope.site";
+    /// Layer (absent when the hookpoint has none).
+    pub const LAYER: &str = "ringscope.layer";
+    /// Token rows and records in this file.
+    pub const FILE_ROWS: &str = "ringscope.file_rows";
+    /// Records in this file.
+    pub const FILE_RECORDS: &str = "ringscope.file_records";
+    /// The hookpoint's accounting (JSON) as of this file's close, this file's rows counted as exported.
+    pub const ACCOUNTING: &str = "ringscope.accounting";
+}
+
+/// The schema of one hookpoint's files.
+pub fn schema(hp: &HookPoint) -> SchemaRef {
+    let spec = &hp.spec;
+    let activation_meta = HashMap::from([
+        (keys::DTYPE.to_owned(), spec.dtype.name().to_owned()),
+        (keys::SHAPE.to_owned(), format!("[{}]", spec.row_width)),
+    ]);
+    Arc::new(Schema::new(vec![
+        Field::new("run_id", DataType::Utf8, false),
+        Field::new("hookpoint", DataType::Utf8, false),
+        Field::new("site", DataType::Utf8, false),
+        Field::new("layer", DataType::Int32, true),
+        Field::new("step", DataType::UInt64, false),
+        Field::new("request_id", DataType::UInt64, false),
+        Field::new("position", DataType::UInt32, false),
+        Field::new("batch_row", DataType::UInt32, false),
+        Field::new("rank", DataType::Int32, false),
+        Field::new("dtype", DataType::Utf8, false),
+        Field::new(
+            "shape",
+            DataType::List(Arc::new(Field::new("item", DataType::Int64, false))),
+            false,
+        ),
+        Field::new(
+            "activation",
+            DataType::FixedSizeBinary(spec.row_bytes() as i32),
+            false,
+        )
+        .with_metadata(activation_meta),
+    ]))
+}
+
+/// Rows of one hookpoint waiting to become a batch.
+#[derive(Default)]
+pub(crate) struct RowBuffer {
+    steps: Vec<u64>,
+    request_ids: Vec<u64>,
+    positions: Vec<u32>,
+    batch_rows: Vec<u32>,
+    activations: Vec<u8>,
+}
+
+impl RowBuffer {
+    pub(crate) fn push(&mut self, record: &Record) {
+        let view = record.view();
+        let step = record.step();
+        for m in view.row_metas() {
+            self.steps.push(step);
+            self.request_ids.push(m.request_id);
+            self.positions.push(m.position);
+            self.batch_rows.push(m.batch_row);
+        }
+        self.activations.extend_from_slice(view.data());
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.steps.len()
+    }
+
+    pub(crate) fn activation_bytes(&self) -> usize {
+        self.activations.len()
+    }
+
+    /// Turns the buffered rows into a batch of `schema` and empties the buffer.
+    pub(crate) fn take_batch(
+        &mut self,
+        schema: &SchemaRef,
+        hp: &HookPoint,
+        run_id: &str,
+        rank: u32,
+    ) -> RecordBatch {
+        let n = self.rows();
+        let spec = &hp.spec;
+        let constant = |s: &str| {
+            Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, n))) as ArrayRef
+        };
+        let shape_values = Int64Array::from(vec![spec.row_width as i64; n]);
+        let shape = ListArray::new(
+            Arc::new(Field::new("item", DataType::Int64, false)),
+            OffsetBuffer::from_lengths(std::iter::repeat_n(1, n)),
+            Arc::new(shape_values),
+            None,
+        );
+        let activations = FixedSizeBinaryArray::new(
+            spec.row_bytes() as i32,
+            Buffer::from_vec(std::mem::take(&mut self.activations)),
+            None,
+        );
+        let columns: Vec<ArrayRef> = vec![
+            constant(run_id),
+            constant(&spec.name),
+            constant(spec.site.name()),
+            Arc::new(Int32Array::from(vec![spec.layer.map(|l| l as i32); n])),
+            Arc::new(UInt64Array::from(std::mem::take(&mut self.steps))),
+            Arc::new(UInt64Array::from(std::mem::take(&mut self.request_ids))),
+            Arc::new(UInt32Array::from(std::mem::take(&mut self.positions))),
+            Arc::new(UInt32Array::from(std::mem::take(&mut self.batch_rows))),
+            Arc::new(Int32Array::from(vec![rank as i32; n])),
+            constant(spec.dtype.name()),
+            Arc::new(shape),
+            Arc::new(activations),
+        ];
+        RecordBatch::try_new(schema.clone(), columns)
+            .expect("columns are built to match the schema")
+    }
+}
+
+/// File metadata describing a finished file.
+pub(crate) fn file_metadata(
+    hp: &HookPoint,
+    run_id: &str,
+    records: u64,
+    rows: u64,
+) -> Vec<(String, String)> {
+    let spec = &hp.spec;
+    let mut snapshot = hp.counters.snapshot();
+    // This file's records are still held by their receipts until the file is committed; count them as exported.
+    snapshot.exported.records += records;
+    snapshot.exported.rows += rows;
+    let accounting = serde_json::json!({
+        "produced": snapshot.produced,
+        "exported": snapshot.exported,
+        "sampled_out": snapshot.sampled_out,
+        "dropped": ringscope_policy::DropReason::ALL
+            .iter()
+            .map(|r| (r.name().to_owned(), serde_json::to_value(snapshot.dropped_for(*r)).expect("plain numbers")))
+            .collect::<serde_json::Map<_, _>>(),
+    });
+    let mut kv = vec![
+        (
+            keys::FORMAT_VERSION.to_owned(),
+            ringscope_ring::record::FORMAT_VERSION.to_string(),
+        ),
+        (keys::RUN_ID.to_owned(), run_id.to_owned()),
+        (keys::HOOKPOINT.to_owned(), spec.name.clone()),
+        (keys::SITE.to_owned(), spec.site.name().to_owned()),
+        (keys::DTYPE.to_owned(), spec.dtype.name().to_owned()),
+        (keys::SHAPE.to_owned(), format!("[{}]", spec.row_width)),
+        (keys::FILE_ROWS.to_owned(), rows.to_string()),
+        (keys::FILE_RECORDS.to_owned(), records.to_string()),
+        (keys::ACCOUNTING.to_owned(), accounting.to_string()),
+    ];
+    if let Some(layer) = spec.layer {
+        kv.push((keys::LAYER.to_owned(), layer.to_string()));
+    }
+    kv
+}
+
+/// `part-00042.<ext>`: the committed name of a partition's 42nd file.
+pub(crate) fn part_name(index: u32, ext: &str) -> String {
+    format!("part-{index:05}.{ext}")
+}
+
+/// The in-progress name of a file: hidden (leading `.`), so pyarrow ignores it and `*.parquet` globs miss it.
+pub(crate) fn in_progress_path(dir: &Path, index: u32, ext: &str) -> PathBuf {
+    dir.join(format!(".{}.inprogress", part_name(index, ext)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_are_directory_names() {
+        let id = default_run_id();
+        assert!(id.starts_with("run-20") && id.len() > 20, "{id}");
+        let mut o = DatasetOptions::new("/tmp/x");
+        assert!(o.validate().is_ok());
+        o.run_id = "a/b".into();
+        assert!(o.validate().unwrap_err().contains("a/b"));
+        o.run_id = "r1".into();
+        o.rank = 3;
+        assert_eq!(
+            o.partition_dir("layers.0.resid"),
+            PathBuf::from("/tmp/x/r1/hookpoint=layers.0.resid/rank=3")
+        );
+    }
+}
