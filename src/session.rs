@@ -284,8 +284,8 @@ impl Session {
         Ok(report)
     }
 
-    /// Waits until the drain has taken every record published so far, or `timeout` passes. Returns whether the
-    /// ring was empty in time.
+    /// Waits until every record captured so far is exported or dropped (file sinks export a record when its file
+    /// is committed), or `timeout` passes. Returns whether that happened in time.
     pub fn wait_drained(&self, timeout: Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         loop {

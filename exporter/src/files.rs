@@ -269,7 +269,11 @@ impl<F: FileFormat> Sink for FileSink<F> {
 
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
         let id = record.hookpoint().id;
-        let batch_bytes = self.options.batch_bytes;
+        // A batch never outgrows the file size target, so small files still rotate.
+        let batch_bytes = self
+            .options
+            .batch_bytes
+            .min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
         let part = self.partition(record.hookpoint())?;
         part.buffer.push(record);
         part.buffered.push(record.receipt());
