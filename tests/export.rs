@@ -277,3 +277,49 @@ fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
     assert_eq!(total.exported.rows + total.dropped_total().rows, rows);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
+    let dir = tempdir("inspect");
+    let cfg = EngineConfig {
+        layers: 2,
+        hidden: 64,
+        requests: 12,
+        ..EngineConfig::default()
+    };
+    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "arrow_ipc = true")).unwrap();
+    run(&session, cfg, |_| {});
+    session.shutdown().unwrap();
+    let run_dir = dir.join("r");
+    let inspect = |path: &Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_inspect"))
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+
+    let ok = inspect(&run_dir);
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(ok.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("layers.1.resid") && stdout.contains("accounting adds up"),
+        "{stdout}"
+    );
+
+    // A truncated file: unreadable, exit status 1, named in the output.
+    let victim = files_with_ext(&run_dir, "parquet").remove(0);
+    let bytes = std::fs::read(&victim).unwrap();
+    std::fs::write(&victim, &bytes[..bytes.len() / 2]).unwrap();
+    let bad = inspect(&run_dir);
+    let stdout = String::from_utf8_lossy(&bad.stdout);
+    assert_eq!(bad.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("unreadable")
+            && stdout.contains(&*victim.file_name().unwrap().to_string_lossy()),
+        "{stdout}"
+    );
+
+    // Not a run directory at all.
+    assert_eq!(inspect(&dir.join("nope")).status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
