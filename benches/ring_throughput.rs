@@ -59,30 +59,14 @@ impl RingBench {
             }
             black_box(sum);
         });
-        RingBench {
-            producer,
-            consumed,
-            stop,
-            drain: Some(drain),
-            pushed: 0,
-        }
+        RingBench { producer, consumed, stop, drain: Some(drain), pushed: 0 }
     }
 
     /// Pushes `iters` records of `data` and waits until the drain has read them all; returns the wall time.
     fn run(&mut self, iters: u64, data: &[u8]) -> Duration {
-        let meta = RecordMeta {
-            step: 0,
-            hookpoint: 0,
-            rows: 1,
-            row_bytes: data.len() as u32,
-            dtype: DType::U8,
-            flags: 0,
-        };
-        let row = [RowMeta {
-            request_id: 1,
-            position: 0,
-            batch_row: 0,
-        }];
+        let meta =
+            RecordMeta { step: 0, hookpoint: 0, rows: 1, row_bytes: data.len() as u32, dtype: DType::U8, flags: 0 };
+        let row = [RowMeta { request_id: 1, position: 0, batch_row: 0 }];
         let started = Instant::now();
         for i in 0..iters {
             let meta = RecordMeta { step: i, ..meta };
@@ -135,17 +119,13 @@ fn bench(c: &mut Criterion) {
         for size in SIZES {
             let data: Vec<u8> = (0..size).map(|i| i as u8).collect();
             group.throughput(Throughput::Bytes(size as u64));
-            group.bench_with_input(
-                BenchmarkId::new(format!("memcpy_{ring_name}"), size),
-                &size,
-                |b, &size| b.iter_custom(|iters| memcpy_run(size, iters, &data, &mut dst)),
-            );
+            group.bench_with_input(BenchmarkId::new(format!("memcpy_{ring_name}"), size), &size, |b, &size| {
+                b.iter_custom(|iters| memcpy_run(size, iters, &data, &mut dst))
+            });
             let mut bench = RingBench::new(ring);
-            group.bench_with_input(
-                BenchmarkId::new(format!("ring_{ring_name}"), size),
-                &size,
-                |b, _| b.iter_custom(|iters| bench.run(iters, &data)),
-            );
+            group.bench_with_input(BenchmarkId::new(format!("ring_{ring_name}"), size), &size, |b, _| {
+                b.iter_custom(|iters| bench.run(iters, &data))
+            });
         }
     }
     group.finish();

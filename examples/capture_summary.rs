@@ -13,9 +13,7 @@ use ringscope::synthetic::{fill_layer, EngineConfig, SyntheticEngine};
 use ringscope::{CaptureOutcome, Config, Session};
 
 #[derive(Parser)]
-#[command(
-    about = "Capture a synthetic decoder's residual stream through ringscope and summarise it"
-)]
+#[command(about = "Capture a synthetic decoder's residual stream through ringscope and summarise it")]
 struct Args {
     /// Decoder layers (one residual hookpoint each).
     #[arg(long, default_value_t = 16)]
@@ -46,10 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_concurrent: args.concurrent,
         ..EngineConfig::default()
     };
-    let mut toml = format!(
-        "[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n",
-        args.ring, args.mode
-    );
+    let mut toml = format!("[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n", args.ring, args.mode);
     for l in 0..engine.layers {
         toml += &format!(
             "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {}\n",
@@ -57,9 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     let (sink, summary) = SummarySink::new();
-    let session = Session::builder(Config::from_toml(&toml)?)
-        .sink(sink)
-        .start()?;
+    let session = Session::builder(Config::from_toml(&toml)?).sink(sink).start()?;
 
     // Generate every step's activations up front so that the timed loop measures ringscope, not the generator.
     let steps: Vec<_> = SyntheticEngine::new(engine).collect();
@@ -119,11 +112,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         total.dropped_total().records,
         total.sampled_out.records
     );
-    println!(
-        "rows: {} exported; activation bytes: {:.1} MiB",
-        total.exported.rows,
-        bytes as f64 / (1 << 20) as f64
-    );
+    println!("rows: {} exported; activation bytes: {:.1} MiB", total.exported.rows, bytes as f64 / (1 << 20) as f64);
     println!(
         "capture loop {:.3} s ({:.2} GB/s of activations); capture→drained {:.3} s ({:.2} GB/s)",
         capture_time.as_secs_f64(),

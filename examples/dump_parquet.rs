@@ -51,6 +51,9 @@ struct Args {
     /// Also write an Arrow IPC dataset.
     #[arg(long)]
     arrow_ipc: bool,
+    /// Sink threads (hookpoints are split over them).
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -64,8 +67,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..EngineConfig::default()
     };
     let mut toml = format!(
-        "[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n[export]\nparquet = true\narrow_ipc = {}\ndir = {:?}\nzstd_level = {}\n",
-        args.ring, args.mode, args.arrow_ipc, args.out, args.zstd_level
+        "[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n[export]\nparquet = true\narrow_ipc = {}\ndir = {:?}\nzstd_level = {}\nthreads = {}\n",
+        args.ring, args.mode, args.arrow_ipc, args.out, args.zstd_level, args.threads
     );
     if let Some(id) = &args.run_id {
         toml += &format!("run_id = {id:?}\n");
@@ -107,10 +110,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let capture_s = started.elapsed().as_secs_f64();
     let report = session.shutdown()?;
     let total_s = started.elapsed().as_secs_f64();
-    let run_dir = report
-        .run_dir
-        .clone()
-        .expect("a Parquet sink is configured");
+    let run_dir = report.run_dir.clone().expect("a Parquet sink is configured");
 
     // What the Python test needs to regenerate every row: the engine's parameters.
     std::fs::write(
@@ -145,11 +145,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dropped_at_capture,
         t.sampled_out.records
     );
-    println!(
-        "rows: {} exported, {} dropped",
-        t.exported.rows,
-        t.dropped_total().rows
-    );
+    println!("rows: {} exported, {} dropped", t.exported.rows, t.dropped_total().rows);
     println!(
         "bytes: {:.1} MiB of activations → {:.1} MiB on disk ({} files, ratio {:.3})",
         data_bytes / 1048576.0,
@@ -165,12 +161,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         data_bytes / total_s / 1e9
     );
     for f in report.files.iter().take(4) {
-        println!(
-            "  {} ({} rows, {:.1} MiB)",
-            f.path.display(),
-            f.rows,
-            f.bytes as f64 / 1048576.0
-        );
+        println!("  {} ({} rows, {:.1} MiB)", f.path.display(), f.rows, f.bytes as f64 / 1048576.0);
     }
     if report.files.len() > 4 {
         println!(

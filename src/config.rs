@@ -59,9 +59,7 @@ pub struct RingConfig {
 
 impl Default for RingConfig {
     fn default() -> Self {
-        RingConfig {
-            capacity: default_capacity(),
-        }
+        RingConfig { capacity: default_capacity() }
     }
 }
 
@@ -97,6 +95,9 @@ pub struct ExportConfig {
     /// Parquet zstd level.
     #[serde(default = "one_i32")]
     pub zstd_level: i32,
+    /// Threads per file format: hookpoints are split over this many sink threads (each writes whole hookpoints).
+    #[serde(default = "one_u32")]
+    pub threads: u32,
 }
 
 impl Default for ExportConfig {
@@ -110,6 +111,7 @@ impl Default for ExportConfig {
             rank: 0,
             max_file_size: default_max_file_size(),
             zstd_level: 1,
+            threads: 1,
         }
     }
 }
@@ -127,6 +129,10 @@ fn default_max_file_size() -> ByteSize {
 }
 
 fn one_i32() -> i32 {
+    1
+}
+
+fn one_u32() -> u32 {
     1
 }
 
@@ -157,10 +163,7 @@ pub struct PolicyConfig {
 
 impl Default for PolicyConfig {
     fn default() -> Self {
-        PolicyConfig {
-            mode: default_mode(),
-            full_deadline_ms: default_deadline_ms(),
-        }
+        PolicyConfig { mode: default_mode(), full_deadline_ms: default_deadline_ms() }
     }
 }
 
@@ -175,10 +178,7 @@ fn default_deadline_ms() -> u64 {
 impl PolicyConfig {
     /// The policy these settings describe.
     pub fn loss_policy(&self) -> LossPolicy {
-        LossPolicy {
-            mode: self.mode,
-            full_deadline: Duration::from_millis(self.full_deadline_ms),
-        }
+        LossPolicy { mode: self.mode, full_deadline: Duration::from_millis(self.full_deadline_ms) }
     }
 }
 
@@ -250,15 +250,9 @@ impl RowsConfig {
 impl HookPointConfig {
     /// The spec and initial controls this entry describes.
     pub fn resolve(&self) -> Result<(HookPointSpec, RowSelection), Error> {
-        let dtype: DType = self
-            .dtype
-            .parse()
-            .map_err(|e| Error::Config(format!("hookpoints `{}`: {e}", self.name)))?;
+        let dtype: DType = self.dtype.parse().map_err(|e| Error::Config(format!("hookpoints `{}`: {e}", self.name)))?;
         if self.every_n_steps == 0 {
-            return Err(Error::Config(format!(
-                "hookpoints `{}`: every_n_steps must be at least 1",
-                self.name
-            )));
+            return Err(Error::Config(format!("hookpoints `{}`: every_n_steps must be at least 1", self.name)));
         }
         let spec = HookPointSpec {
             name: self.name.clone(),
@@ -297,9 +291,8 @@ impl std::str::FromStr for ByteSize {
         let t = s.trim();
         let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
-        let n: u64 = num.parse().map_err(|_| {
-            format!("`{s}` is not a size; write e.g. 67108864, \"64 MiB\" or \"1GiB\"")
-        })?;
+        let n: u64 =
+            num.parse().map_err(|_| format!("`{s}` is not a size; write e.g. 67108864, \"64 MiB\" or \"1GiB\""))?;
         let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
             "kib" | "k" => 1 << 10,
@@ -308,15 +301,9 @@ impl std::str::FromStr for ByteSize {
             "kb" => 1_000,
             "mb" => 1_000_000,
             "gb" => 1_000_000_000,
-            other => {
-                return Err(format!(
-                    "unknown size unit `{other}` in `{s}`; use B, KiB, MiB or GiB"
-                ))
-            }
+            other => return Err(format!("unknown size unit `{other}` in `{s}`; use B, KiB, MiB or GiB")),
         };
-        n.checked_mul(mult)
-            .map(ByteSize)
-            .ok_or_else(|| format!("size `{s}` overflows"))
+        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("size `{s}` overflows"))
     }
 }
 
@@ -329,9 +316,8 @@ impl Config {
     /// Reads and parses a TOML file.
     pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Config, Error> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::Config(format!("cannot read config file {}: {e}", path.display()))
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cannot read config file {}: {e}", path.display())))?;
         Config::from_toml(&text).map_err(|e| match e {
             Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
             other => other,
@@ -387,10 +373,7 @@ mod tests {
         assert_eq!(c.ring.capacity, ByteSize(8 << 20));
         assert_eq!(c.policy.mode, Mode::BestEffort);
         let (spec, sel) = c.hookpoints[0].resolve().unwrap();
-        assert_eq!(
-            (spec.dtype, sel),
-            (DType::BF16, RowSelection::LastPerRequest)
-        );
+        assert_eq!((spec.dtype, sel), (DType::BF16, RowSelection::LastPerRequest));
         let (spec, sel) = c.hookpoints[1].resolve().unwrap();
         assert_eq!(spec.site, SiteKind::Custom("probe_input".into()));
         assert_eq!(sel, RowSelection::Rows(vec![0, 3]));
@@ -403,31 +386,30 @@ mod tests {
             ("[ring]\ncapacty = 5", "capacty"),
             ("[policy]\nmode = \"sometimes\"", "sometimes"),
             ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"bf17\"\nrow_width = 4", "bf17"),
-            ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nrows = \"some\"", "\"some\""),
-            ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nevery_n_steps = 0", "every_n_steps"),
+            (
+                "[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nrows = \"some\"",
+                "\"some\"",
+            ),
+            (
+                "[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nevery_n_steps = 0",
+                "every_n_steps",
+            ),
             ("[[hookpoints]]\nname = \"a\"\nsite = \"elsewhere\"\ndtype = \"f32\"\nrow_width = 4", "elsewhere"),
             ("this is not toml", "expected"),
         ];
         for (text, needle) in cases {
             let err = Config::from_toml(text).and_then(|c| {
-                c.hookpoints
-                    .iter()
-                    .try_for_each(|h| h.resolve().map(|_| ()))?;
+                c.hookpoints.iter().try_for_each(|h| h.resolve().map(|_| ()))?;
                 Ok(c)
             });
             let msg = err.expect_err(text).to_string();
-            assert!(
-                msg.contains(needle),
-                "config {text:?}: error {msg:?} does not mention {needle:?}"
-            );
+            assert!(msg.contains(needle), "config {text:?}: error {msg:?} does not mention {needle:?}");
         }
     }
 
     #[test]
     fn missing_file_is_named() {
-        let err = Config::from_file("/nonexistent/ringscope.toml")
-            .unwrap_err()
-            .to_string();
+        let err = Config::from_file("/nonexistent/ringscope.toml").unwrap_err().to_string();
         assert!(err.contains("/nonexistent/ringscope.toml"), "{err}");
     }
 }

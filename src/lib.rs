@@ -79,9 +79,7 @@ pub enum Error {
     #[error("the session is shut down; create a new session to capture again")]
     Closed,
     /// A capture or `end_step` came outside a step.
-    #[error(
-        "no step is open: call begin_step (with the step's batch descriptor) before capturing"
-    )]
+    #[error("no step is open: call begin_step (with the step's batch descriptor) before capturing")]
     NoStep,
     /// `begin_step` while another step is open.
     #[error("step {open} is still open: call end_step before begin_step({new})")]

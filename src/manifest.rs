@@ -65,10 +65,5 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
     let text = serde_json::to_string_pretty(&manifest).expect("plain JSON values");
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, run_dir.join(MANIFEST)))
-        .map_err(|e| {
-            Error::Io(format!(
-                "writing the run manifest in {}: {e}",
-                run_dir.display()
-            ))
-        })
+        .map_err(|e| Error::Io(format!("writing the run manifest in {}: {e}", run_dir.display())))
 }

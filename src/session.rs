@@ -5,12 +5,10 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ringscope_exporter::{
-    arrow_ipc_sink, parquet_sink, CommittedFile, CommittedFiles, Drain, DrainOptions, DrainReport,
-    Filter, Sink, Subscription,
+    arrow_ipc_sink, parquet_sink, CommittedFile, CommittedFiles, Drain, DrainOptions, DrainReport, Filter, Sink,
+    Subscription,
 };
-use ringscope_hookpoint::{
-    capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch,
-};
+use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
 use ringscope_policy::{AccountingSnapshot, LossPolicy};
 use ringscope_ring::Producer;
 
@@ -87,14 +85,10 @@ impl SessionBuilder {
         let config = self.config;
         let policy = config.policy.loss_policy();
         policy.validate()?;
-        let capacity = usize::try_from(config.ring.capacity.0).map_err(|_| {
-            Error::Config(format!(
-                "ring.capacity {} does not fit in memory",
-                config.ring.capacity.0
-            ))
-        })?;
-        let (producer, consumer) = ringscope_ring::channel(capacity)
-            .map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
+        let capacity = usize::try_from(config.ring.capacity.0)
+            .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
+        let (producer, consumer) =
+            ringscope_ring::channel(capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
 
         let registry = Arc::new(Registry::new());
         for hc in &config.hookpoints {
@@ -113,26 +107,30 @@ impl SessionBuilder {
         let mut files = Vec::new();
         let dataset = config.export.dataset_options();
         let run_dir = (config.export.parquet || config.export.arrow_ipc).then(|| dataset.run_dir());
-        if config.export.parquet {
-            let (sink, committed) = parquet_sink(dataset.clone(), config.export.zstd_level)
-                .map_err(|e| Error::Config(format!("export.parquet: {}", e.message)))?;
-            sinks.push((Box::new(sink), Filter::all()));
-            files.push(committed);
+        let threads = config.export.threads;
+        if threads == 0 || threads > 256 {
+            return Err(Error::Config(format!("export.threads = {threads}: use 1 to 256")));
         }
-        if config.export.arrow_ipc {
-            let (sink, committed) = arrow_ipc_sink(dataset.clone())
-                .map_err(|e| Error::Config(format!("export.arrow_ipc: {}", e.message)))?;
-            sinks.push((Box::new(sink), Filter::all()));
-            files.push(committed);
+        for shard in 0..threads {
+            let filter = if threads == 1 { Filter::all() } else { Filter::shard(threads, shard) };
+            if config.export.parquet {
+                let (sink, committed) = parquet_sink(dataset.clone(), config.export.zstd_level)
+                    .map_err(|e| Error::Config(format!("export.parquet: {}", e.message)))?;
+                sinks.push((Box::new(sink), filter.clone()));
+                files.push(committed);
+            }
+            if config.export.arrow_ipc {
+                let (sink, committed) = arrow_ipc_sink(dataset.clone())
+                    .map_err(|e| Error::Config(format!("export.arrow_ipc: {}", e.message)))?;
+                sinks.push((Box::new(sink), filter));
+                files.push(committed);
+            }
         }
         let drain = Drain::spawn(consumer, registry.clone(), sinks, options)?;
         Ok(Session {
             registry,
             policy,
-            capture: Mutex::new(Some(Capture {
-                producer,
-                batch: None,
-            })),
+            capture: Mutex::new(Some(Capture { producer, batch: None })),
             drain: Mutex::new(Some(drain)),
             files,
             run_dir,
@@ -143,10 +141,7 @@ impl SessionBuilder {
 impl Session {
     /// Starts building a session from `config`.
     pub fn builder(config: Config) -> SessionBuilder {
-        SessionBuilder {
-            config,
-            sinks: Vec::new(),
-        }
+        SessionBuilder { config, sinks: Vec::new() }
     }
 
     /// A session with no sinks (records are drained and counted, nothing is written).
@@ -178,11 +173,7 @@ impl Session {
     /// Largest record payload the ring accepts, in bytes.
     pub fn max_record_payload(&self) -> Result<usize, Error> {
         let guard = self.capture.lock();
-        Ok(guard
-            .as_ref()
-            .ok_or(Error::Closed)?
-            .producer
-            .max_payload_len())
+        Ok(guard.as_ref().ok_or(Error::Closed)?.producer.max_payload_len())
     }
 
     fn check_open(&self) -> Result<(), Error> {
@@ -193,19 +184,12 @@ impl Session {
     }
 
     /// Starts step `step`: `rows` gives `(request_id, token_position)` for each batch row, in batch order.
-    pub fn begin_step(
-        &self,
-        step: u64,
-        rows: impl IntoIterator<Item = (u64, u32)>,
-    ) -> Result<(), Error> {
+    pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
         let mut guard = self.capture.lock();
         let capture = guard.as_mut().ok_or(Error::Closed)?;
         if let Some(open) = &capture.batch {
-            return Err(Error::StepOpen {
-                open: open.step(),
-                new: step,
-            });
+            return Err(Error::StepOpen { open: open.step(), new: step });
         }
         capture.batch = Some(batch);
         Ok(())
@@ -235,13 +219,7 @@ impl Session {
         let mut guard = self.capture.lock();
         let capture = guard.as_mut().ok_or(Error::Closed)?;
         let batch = capture.batch.as_ref().ok_or(Error::NoStep)?;
-        Ok(capture_host(
-            &mut capture.producer,
-            &self.policy,
-            hp,
-            batch,
-            data,
-        )?)
+        Ok(capture_host(&mut capture.producer, &self.policy, hp, batch, data)?)
     }
 
     /// Subscribes an online consumer (a probe, a monitor) to the records published from now on that pass
@@ -266,20 +244,12 @@ impl Session {
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let drain = drain.join()?;
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
-        let report = Report {
-            accounting: self.registry.accounting(),
-            drain,
-            files,
-            run_dir: self.run_dir.clone(),
-        };
+        let report = Report { accounting: self.registry.accounting(), drain, files, run_dir: self.run_dir.clone() };
         if let Some(dir) = &report.run_dir {
             crate::manifest::write(dir, &self.registry, &report)?;
         }
         if let Err(e) = report.accounting.check() {
-            return Err(Error::Unbalanced {
-                error: e,
-                report: Box::new(report),
-            });
+            return Err(Error::Unbalanced { error: e, report: Box::new(report) });
         }
         Ok(report)
     }

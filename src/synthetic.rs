@@ -82,13 +82,7 @@ pub const fn mix64(mut z: u64) -> u64 {
 impl SyntheticEngine {
     /// A scheduler for `cfg`.
     pub fn new(cfg: EngineConfig) -> Self {
-        SyntheticEngine {
-            cfg,
-            rng: mix64(cfg.seed),
-            next_request: 0,
-            step: 0,
-            active: Vec::new(),
-        }
+        SyntheticEngine { cfg, rng: mix64(cfg.seed), next_request: 0, step: 0, active: Vec::new() }
     }
 
     /// The configuration.
@@ -121,22 +115,14 @@ impl Iterator for SyntheticEngine {
             let prompt = self.draw(self.cfg.prompt_len).max(1);
             let gen = self.draw(self.cfg.gen_len);
             rows.extend((0..prompt).map(|p| (id, p)));
-            self.active.push(Active {
-                id,
-                total: prompt + gen,
-                done: prompt,
-            });
+            self.active.push(Active { id, total: prompt + gen, done: prompt });
             prefills += 1;
         }
         self.active.retain(|a| a.done < a.total);
         if rows.is_empty() {
             return None;
         }
-        let step = EngineStep {
-            step: self.step,
-            rows,
-            prefills,
-        };
+        let step = EngineStep { step: self.step, rows, prefills };
         self.step += 1;
         Some(step)
     }
@@ -177,37 +163,21 @@ mod tests {
 
     #[test]
     fn schedule_is_continuous_batching_and_complete() {
-        let cfg = EngineConfig {
-            requests: 20,
-            max_concurrent: 4,
-            ..EngineConfig::default()
-        };
+        let cfg = EngineConfig { requests: 20, max_concurrent: 4, ..EngineConfig::default() };
         let steps: Vec<_> = SyntheticEngine::new(cfg).collect();
-        assert_eq!(
-            steps,
-            SyntheticEngine::new(cfg).collect::<Vec<_>>(),
-            "deterministic"
-        );
+        assert_eq!(steps, SyntheticEngine::new(cfg).collect::<Vec<_>>(), "deterministic");
         let mut next_pos: HashMap<u64, u32> = HashMap::new();
         for s in &steps {
             let requests: std::collections::HashSet<_> = s.rows.iter().map(|r| r.0).collect();
             assert!(requests.len() <= 4);
             for &(req, pos) in &s.rows {
                 let want = next_pos.entry(req).or_insert(0);
-                assert_eq!(
-                    pos, *want,
-                    "request {req} positions must be consecutive across steps"
-                );
+                assert_eq!(pos, *want, "request {req} positions must be consecutive across steps");
                 *want += 1;
             }
         }
         assert_eq!(next_pos.len(), 20);
-        assert!(
-            steps
-                .iter()
-                .any(|s| s.prefills > 0 && s.rows.len() > s.prefills as usize),
-            "mixed steps"
-        );
+        assert!(steps.iter().any(|s| s.prefills > 0 && s.rows.len() > s.prefills as usize), "mixed steps");
     }
 
     #[test]

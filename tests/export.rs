@@ -35,9 +35,7 @@ fn run(session: &Session, cfg: EngineConfig, mut between_steps: impl FnMut(u64))
     let mut rows = 0;
     for step in SyntheticEngine::new(cfg) {
         between_steps(step.step);
-        session
-            .begin_step(step.step, step.rows.iter().copied())
-            .unwrap();
+        session.begin_step(step.step, step.rows.iter().copied()).unwrap();
         for layer in 0..cfg.layers {
             fill_layer(cfg.seed, layer, cfg.hidden, &step.rows, &mut buf);
             session.capture(layer, &buf).unwrap();
@@ -50,35 +48,14 @@ fn run(session: &Session, cfg: EngineConfig, mut between_steps: impl FnMut(u64))
 
 /// Checks every row of `batch` against the generator; returns the number of rows.
 fn verify(batch: &RecordBatch, cfg: &EngineConfig, layer: u32) -> u64 {
-    let req = batch
-        .column_by_name("request_id")
-        .unwrap()
-        .as_any()
-        .downcast_ref::<UInt64Array>()
-        .unwrap();
-    let pos = batch
-        .column_by_name("position")
-        .unwrap()
-        .as_any()
-        .downcast_ref::<UInt32Array>()
-        .unwrap();
-    let act = batch
-        .column_by_name("activation")
-        .unwrap()
-        .as_any()
-        .downcast_ref::<FixedSizeBinaryArray>()
-        .unwrap();
+    let req = batch.column_by_name("request_id").unwrap().as_any().downcast_ref::<UInt64Array>().unwrap();
+    let pos = batch.column_by_name("position").unwrap().as_any().downcast_ref::<UInt32Array>().unwrap();
+    let act = batch.column_by_name("activation").unwrap().as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
     let mut want = vec![0u16; cfg.hidden as usize];
     for i in 0..batch.num_rows() {
         activation_row(cfg.seed, layer, req.value(i), pos.value(i), &mut want);
         let bytes: Vec<u8> = want.iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(
-            act.value(i),
-            &bytes[..],
-            "layer {layer} request {} position {}",
-            req.value(i),
-            pos.value(i)
-        );
+        assert_eq!(act.value(i), &bytes[..], "layer {layer} request {} position {}", req.value(i), pos.value(i));
     }
     batch.num_rows() as u64
 }
@@ -101,40 +78,19 @@ fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
 }
 
 fn layer_of(path: &Path) -> u32 {
-    let part = path
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
+    let part = path.parent().unwrap().parent().unwrap().file_name().unwrap().to_string_lossy().into_owned();
     if part == "moved" {
         return 0;
     }
-    part.trim_start_matches("hookpoint=layers.")
-        .trim_end_matches(".resid")
-        .parse()
-        .unwrap()
+    part.trim_start_matches("hookpoint=layers.").trim_end_matches(".resid").parse().unwrap()
 }
 
 #[test]
 fn parquet_and_arrow_ipc_round_trip_with_rotation() {
     let dir = tempdir("roundtrip");
-    let cfg = EngineConfig {
-        layers: 3,
-        hidden: 128,
-        requests: 24,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig { layers: 3, hidden: 128, requests: 24, ..EngineConfig::default() };
     // 64 KiB files: every partition rotates several times.
-    let conf = config(
-        &dir,
-        cfg.layers,
-        cfg.hidden,
-        "arrow_ipc = true\nmax_file_size = \"64 KiB\"",
-    );
+    let conf = config(&dir, cfg.layers, cfg.hidden, "arrow_ipc = true\nmax_file_size = \"64 KiB\"");
     let session = Session::new(conf).unwrap();
     let rows = run(&session, cfg, |_| {});
     let report = session.shutdown().unwrap();
@@ -142,11 +98,7 @@ fn parquet_and_arrow_ipc_round_trip_with_rotation() {
     assert_eq!(report.run_dir.as_deref(), Some(run_dir.as_path()));
 
     let parquet = files_with_ext(&run_dir, "parquet");
-    assert!(
-        parquet.len() > 3 * 2,
-        "expected rotation, got {} files",
-        parquet.len()
-    );
+    assert!(parquet.len() > 3 * 2, "expected rotation, got {} files", parquet.len());
     let mut per_layer: HashMap<u32, u64> = HashMap::new();
     for f in &parquet {
         let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(f).unwrap()).unwrap();
@@ -175,29 +127,19 @@ fn parquet_and_arrow_ipc_round_trip_with_rotation() {
         let file = File::open(&f).unwrap();
         // SAFETY: the file is complete (committed by rename) and nothing writes it while it is mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
-        let reader =
-            arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None).unwrap();
-        assert_eq!(
-            reader.custom_metadata()["ringscope.hookpoint"],
-            format!("layers.{}.resid", layer_of(&f))
-        );
+        let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None).unwrap();
+        assert_eq!(reader.custom_metadata()["ringscope.hookpoint"], format!("layers.{}.resid", layer_of(&f)));
         for batch in reader {
             ipc_rows += verify(&batch.unwrap(), &cfg, layer_of(&f));
         }
     }
     assert_eq!(ipc_rows, rows);
-    assert_eq!(
-        report.files.len(),
-        parquet.len() + files_with_ext(&run_dir, "arrow").len()
-    );
+    assert_eq!(report.files.len(), parquet.len() + files_with_ext(&run_dir, "arrow").len());
     assert!(files_with_ext(&run_dir, "inprogress").is_empty());
     assert!(run_dir.join(ringscope::manifest::MANIFEST).exists());
 
     // A run directory is never reused.
-    let again = Session::new(config(&dir, 1, 8, ""))
-        .err()
-        .unwrap()
-        .to_string();
+    let again = Session::new(config(&dir, 1, 8, "")).err().unwrap().to_string();
     assert!(again.contains("already holds a dump"), "{again}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -209,29 +151,15 @@ fn unusable_output_directory_is_a_clear_error() {
     std::fs::write(&dir, b"a file, not a directory").unwrap();
     let err = Session::new(config(&dir, 1, 8, "")).err().unwrap();
     assert!(matches!(err, Error::Config(_)));
-    assert!(
-        err.to_string().contains("cannot create output directory"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("cannot create output directory"), "{err}");
     std::fs::remove_file(&dir).unwrap();
 }
 
 #[test]
 fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
     let dir = tempdir("midrun");
-    let cfg = EngineConfig {
-        layers: 2,
-        hidden: 128,
-        requests: 24,
-        ..EngineConfig::default()
-    };
-    let session = Session::new(config(
-        &dir,
-        cfg.layers,
-        cfg.hidden,
-        "max_file_size = \"32 KiB\"",
-    ))
-    .unwrap();
+    let cfg = EngineConfig { layers: 2, hidden: 128, requests: 24, ..EngineConfig::default() };
+    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "max_file_size = \"32 KiB\"")).unwrap();
     let broken = dir.join("r").join("hookpoint=layers.0.resid");
     let rows = run(&session, cfg, |step| {
         if step == 40 {
@@ -239,10 +167,7 @@ fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
             let first = broken.join("rank=0").join("part-00000.parquet");
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
             while !first.exists() {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "layer 0 never committed a file"
-                );
+                assert!(std::time::Instant::now() < deadline, "layer 0 never committed a file");
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
             // Move its committed files aside (they stay readable there) and block the partition's path.
@@ -254,20 +179,13 @@ fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
     let acc: HashMap<_, _> = report.accounting.hookpoints.iter().cloned().collect();
     let l0 = acc["layers.0.resid"];
     assert!(l0.dropped_for(DropReason::SinkError).rows > 0, "{l0:?}");
-    assert!(
-        report.drain.errors.iter().any(|e| e.contains("parquet")),
-        "{:?}",
-        report.drain.errors
-    );
+    assert!(report.drain.errors.iter().any(|e| e.contains("parquet")), "{:?}", report.drain.errors);
     // The sink stopped at its first error; layer 1's files written before that stay readable and exact.
     let mut readable = 0;
     let mut files = files_with_ext(&dir.join("r"), "parquet");
     files.extend(files_with_ext(&dir.join("moved"), "parquet"));
     for f in files {
-        let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&f).unwrap())
-            .unwrap()
-            .build()
-            .unwrap();
+        let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&f).unwrap()).unwrap().build().unwrap();
         for b in reader {
             readable += verify(&b.unwrap(), &cfg, layer_of(&f));
         }
@@ -281,30 +199,17 @@ fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
 #[test]
 fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
     let dir = tempdir("inspect");
-    let cfg = EngineConfig {
-        layers: 2,
-        hidden: 64,
-        requests: 12,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig { layers: 2, hidden: 64, requests: 12, ..EngineConfig::default() };
     let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "arrow_ipc = true")).unwrap();
     run(&session, cfg, |_| {});
     session.shutdown().unwrap();
     let run_dir = dir.join("r");
-    let inspect = |path: &Path| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_inspect"))
-            .arg(path)
-            .output()
-            .unwrap()
-    };
+    let inspect = |path: &Path| std::process::Command::new(env!("CARGO_BIN_EXE_inspect")).arg(path).output().unwrap();
 
     let ok = inspect(&run_dir);
     let stdout = String::from_utf8_lossy(&ok.stdout);
     assert!(ok.status.success(), "{stdout}");
-    assert!(
-        stdout.contains("layers.1.resid") && stdout.contains("accounting adds up"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("layers.1.resid") && stdout.contains("accounting adds up"), "{stdout}");
 
     // A truncated file: unreadable, exit status 1, named in the output.
     let victim = files_with_ext(&run_dir, "parquet").remove(0);
@@ -314,8 +219,7 @@ fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
     let stdout = String::from_utf8_lossy(&bad.stdout);
     assert_eq!(bad.status.code(), Some(1), "{stdout}");
     assert!(
-        stdout.contains("unreadable")
-            && stdout.contains(&*victim.file_name().unwrap().to_string_lossy()),
+        stdout.contains("unreadable") && stdout.contains(&*victim.file_name().unwrap().to_string_lossy()),
         "{stdout}"
     );
 

@@ -10,7 +10,8 @@ use ringscope::synthetic::{activation_row, fill_layer, EngineConfig, SyntheticEn
 use ringscope::{CaptureOutcome, Config, DropReason, Error, Mode, RowSelection, Session};
 
 fn config(layers: u32, hidden: u32, capacity: &str, mode: &str) -> Config {
-    let mut text = format!("[ring]\ncapacity = \"{capacity}\"\n[policy]\nmode = \"{mode}\"\nfull_deadline_ms = 10000\n");
+    let mut text =
+        format!("[ring]\ncapacity = \"{capacity}\"\n[policy]\nmode = \"{mode}\"\nfull_deadline_ms = 10000\n");
     for l in 0..layers {
         text += &format!(
             "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {hidden}\n"
@@ -20,11 +21,7 @@ fn config(layers: u32, hidden: u32, capacity: &str, mode: &str) -> Config {
 }
 
 /// A sink that regenerates every row from its (layer, request, position) and compares bytes.
-fn verifying_sink(
-    seed: u64,
-    hidden: u32,
-    checked: Arc<AtomicU64>,
-) -> impl ringscope::exporter::Sink {
+fn verifying_sink(seed: u64, hidden: u32, checked: Arc<AtomicU64>) -> impl ringscope::exporter::Sink {
     let mut expect = vec![0u16; hidden as usize];
     CallbackSink::new("verify", move |record: &Record| {
         let hp = record.hookpoint();
@@ -66,12 +63,7 @@ fn run_engine(session: &Session, cfg: EngineConfig) -> Result<(u64, Vec<CaptureO
 
 #[test]
 fn full_mode_exports_every_row_bit_exact_with_its_request_and_position() {
-    let cfg = EngineConfig {
-        layers: 4,
-        hidden: 256,
-        requests: 40,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig { layers: 4, hidden: 256, requests: 40, ..EngineConfig::default() };
     let checked = Arc::new(AtomicU64::new(0));
     // A small ring (256 KiB) so that full mode really waits for the drain.
     let session = Session::builder(config(cfg.layers, cfg.hidden, "256 KiB", "full"))
@@ -79,9 +71,7 @@ fn full_mode_exports_every_row_bit_exact_with_its_request_and_position() {
         .start()
         .unwrap();
     let (rows, outcomes) = run_engine(&session, cfg).unwrap();
-    assert!(outcomes
-        .iter()
-        .all(|o| matches!(o, CaptureOutcome::Published { .. })));
+    assert!(outcomes.iter().all(|o| matches!(o, CaptureOutcome::Published { .. })));
     let report = session.shutdown().unwrap();
     assert!(report.drain.errors.is_empty(), "{:?}", report.drain.errors);
     assert_eq!(checked.load(Ordering::Relaxed), rows);
@@ -91,12 +81,7 @@ fn full_mode_exports_every_row_bit_exact_with_its_request_and_position() {
 
 #[test]
 fn best_effort_with_a_stalled_sink_drops_counts_and_never_corrupts() {
-    let cfg = EngineConfig {
-        layers: 2,
-        hidden: 512,
-        requests: 30,
-        ..EngineConfig::default()
-    };
+    let cfg = EngineConfig { layers: 2, hidden: 512, requests: 30, ..EngineConfig::default() };
     let checked = Arc::new(AtomicU64::new(0));
     let mut verify = verifying_sink(cfg.seed, cfg.hidden, checked.clone());
     // The sink stalls until the engine has finished: the ring must fill, and best-effort must drop, not wait.
@@ -119,31 +104,14 @@ fn best_effort_with_a_stalled_sink_drops_counts_and_never_corrupts() {
     // could not take at capture time was dropped there. Both are counted, with their reasons.
     let backpressure = total.dropped_for(DropReason::SinkBackpressure);
     let ring_full = total.dropped_for(DropReason::RingFull);
-    assert!(
-        backpressure.records > 0,
-        "a stalled sink behind a 64 KiB backlog must force drops"
-    );
+    assert!(backpressure.records > 0, "a stalled sink behind a 64 KiB backlog must force drops");
     assert!(total.exported.records > 0);
-    let dropped_at_capture = outcomes
-        .iter()
-        .filter(|o| matches!(o, CaptureOutcome::Dropped(_)))
-        .count();
+    let dropped_at_capture = outcomes.iter().filter(|o| matches!(o, CaptureOutcome::Dropped(_))).count();
     assert_eq!(ring_full.records as usize, dropped_at_capture);
-    assert_eq!(
-        total.exported.rows + backpressure.rows + ring_full.rows,
-        rows
-    );
-    assert_eq!(
-        checked.load(Ordering::Relaxed),
-        total.exported.rows,
-        "every exported row was verified"
-    );
+    assert_eq!(total.exported.rows + backpressure.rows + ring_full.rows, rows);
+    assert_eq!(checked.load(Ordering::Relaxed), total.exported.rows, "every exported row was verified");
     assert_eq!(report.drain.errors.len(), 1, "{:?}", report.drain.errors);
-    assert!(
-        report.drain.errors[0].contains("`stalled` fell behind"),
-        "{:?}",
-        report.drain.errors
-    );
+    assert!(report.drain.errors[0].contains("`stalled` fell behind"), "{:?}", report.drain.errors);
 }
 
 #[test]
@@ -169,24 +137,12 @@ fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
             break;
         }
     }
-    let err = err
-        .expect("the ring must fill while the sink is blocked")
-        .to_string();
-    assert!(
-        err.contains("layers.0.resid") && err.contains("after waiting"),
-        "{err}"
-    );
+    let err = err.expect("the ring must fill while the sink is blocked").to_string();
+    assert!(err.contains("layers.0.resid") && err.contains("after waiting"), "{err}");
     drop(held);
     session.end_step().unwrap();
     let report = session.shutdown().unwrap();
-    assert_eq!(
-        report
-            .accounting
-            .total()
-            .dropped_for(DropReason::Deadline)
-            .records,
-        1
-    );
+    assert_eq!(report.accounting.total().dropped_for(DropReason::Deadline).records, 1);
 }
 
 #[test]
@@ -201,34 +157,20 @@ fn controls_change_between_steps() {
             8 => hp.control.set_enabled(false),
             10 => {
                 hp.control.set_enabled(true);
-                hp.control
-                    .set_selection(RowSelection::LastPerRequest)
-                    .unwrap();
+                hp.control.set_selection(RowSelection::LastPerRequest).unwrap();
             }
             _ => {}
         }
-        session
-            .begin_step(step, [(1, step as u32), (2, 0), (2, 1)])
-            .unwrap();
+        session.begin_step(step, [(1, step as u32), (2, 0), (2, 1)]).unwrap();
         if let CaptureOutcome::Published { rows, .. } = session.capture(0, &data).unwrap() {
             published.push((step, rows));
         }
         session.end_step().unwrap();
     }
-    assert_eq!(
-        published,
-        vec![(0, 3), (1, 3), (2, 3), (3, 3), (4, 3), (6, 3), (10, 2)]
-    );
+    assert_eq!(published, vec![(0, 3), (1, 3), (2, 3), (3, 3), (4, 3), (6, 3), (10, 2)]);
     let report = session.shutdown().unwrap();
     let c = report.accounting.hookpoints[0].1;
-    assert_eq!(
-        (
-            c.produced.records,
-            c.sampled_out.records,
-            c.exported.records
-        ),
-        (12, 5, 7)
-    );
+    assert_eq!((c.produced.records, c.sampled_out.records, c.exported.records), (12, 5, 7));
 }
 
 #[test]
@@ -237,27 +179,13 @@ fn bad_input_gets_clear_errors() {
     // Capture outside a step.
     assert!(matches!(session.capture(0, &[0; 16]), Err(Error::NoStep)));
     // Zero rows.
-    let err = session
-        .begin_step(0, std::iter::empty())
-        .unwrap_err()
-        .to_string();
+    let err = session.begin_step(0, std::iter::empty()).unwrap_err().to_string();
     assert!(err.contains("no rows"), "{err}");
     session.begin_step(0, [(1, 0)]).unwrap();
-    assert!(matches!(
-        session.begin_step(1, [(1, 1)]),
-        Err(Error::StepOpen { open: 0, new: 1 })
-    ));
+    assert!(matches!(session.begin_step(1, [(1, 1)]), Err(Error::StepOpen { open: 0, new: 1 })));
     // Unknown hookpoint, by id and by name.
-    assert!(session
-        .capture(9, &[0; 16])
-        .unwrap_err()
-        .to_string()
-        .contains("unknown hookpoint id 9"));
-    assert!(session
-        .capture_by_name("layers.9.resid", &[0; 16])
-        .unwrap_err()
-        .to_string()
-        .contains("layers.0.resid"));
+    assert!(session.capture(9, &[0; 16]).unwrap_err().to_string().contains("unknown hookpoint id 9"));
+    assert!(session.capture_by_name("layers.9.resid", &[0; 16]).unwrap_err().to_string().contains("layers.0.resid"));
     // Wrong size.
     let err = session.capture(0, &[0; 15]).unwrap_err().to_string();
     assert!(err.contains("got 15 bytes, expected 16"), "{err}");
@@ -271,10 +199,7 @@ fn bad_input_gets_clear_errors() {
             row_width: 4096,
         })
         .unwrap();
-    let err = session
-        .capture(big, &vec![0; 4 * 4096])
-        .unwrap_err()
-        .to_string();
+    let err = session.capture(big, &vec![0; 4 * 4096]).unwrap_err().to_string();
     assert!(err.contains("raise ring.capacity"), "{err}");
     // Zero-width rows are refused at registration.
     let err = session
@@ -290,19 +215,9 @@ fn bad_input_gets_clear_errors() {
     assert!(err.contains("row_width is 0"), "{err}");
     session.end_step().unwrap();
     let report = session.shutdown().unwrap();
-    assert_eq!(
-        report
-            .accounting
-            .total()
-            .dropped_for(DropReason::TooLarge)
-            .records,
-        1
-    );
+    assert_eq!(report.accounting.total().dropped_for(DropReason::TooLarge).records, 1);
     // After shutdown.
-    assert!(matches!(
-        session.begin_step(1, [(1, 0)]),
-        Err(Error::Closed)
-    ));
+    assert!(matches!(session.begin_step(1, [(1, 0)]), Err(Error::Closed)));
     assert!(matches!(session.capture(0, &[0; 16]), Err(Error::Closed)));
     assert!(matches!(session.shutdown(), Err(Error::Closed)));
 }
@@ -310,25 +225,13 @@ fn bad_input_gets_clear_errors() {
 #[test]
 fn invalid_configs_are_refused() {
     let mut c = config(1, 8, "1000 B", "full");
-    assert!(Session::new(c.clone())
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("ring.capacity"));
+    assert!(Session::new(c.clone()).err().unwrap().to_string().contains("ring.capacity"));
     c.ring.capacity = ringscope::config::ByteSize(1 << 20);
     c.policy.full_deadline_ms = 0;
-    assert!(Session::new(c.clone())
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("full_deadline_ms"));
+    assert!(Session::new(c.clone()).err().unwrap().to_string().contains("full_deadline_ms"));
     c.policy.mode = Mode::BestEffort;
     c.hookpoints.push(c.hookpoints[0].clone());
-    assert!(Session::new(c)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("already registered"));
+    assert!(Session::new(c).err().unwrap().to_string().contains("already registered"));
 }
 
 #[test]
@@ -339,10 +242,7 @@ fn dropping_a_session_still_drains_its_records() {
         e.fetch_add(r.rows() as u64, Ordering::Relaxed);
         Ok(())
     });
-    let session = Session::builder(config(1, 8, "1 MiB", "full"))
-        .sink(sink)
-        .start()
-        .unwrap();
+    let session = Session::builder(config(1, 8, "1 MiB", "full")).sink(sink).start().unwrap();
     for step in 0..100 {
         session.begin_step(step, [(1, step as u32)]).unwrap();
         session.capture(0, &[0; 16]).unwrap();

@@ -95,8 +95,7 @@ impl Drain {
         let mut ports = Vec::new();
         let mut workers = Vec::new();
         for (sink, filter) in sinks {
-            let (p, rx, backlog, _gone) =
-                port(sink.name().to_owned(), filter, options.backlog_bytes);
+            let (p, rx, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes);
             ports.push(p);
             let thread = std::thread::Builder::new()
                 .name(format!("ringscope-sink-{}", sink.name()))
@@ -109,12 +108,7 @@ impl Drain {
             .name("ringscope-drain".into())
             .spawn(move || run_drain(consumer, &registry, ports, new_ports, options))
             .map_err(ExporterError::Spawn)?;
-        Ok(Drain {
-            thread,
-            workers,
-            subscribe,
-            backlog_bytes: options.backlog_bytes,
-        })
+        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes })
     }
 
     /// Subscribes a consumer to the records published from now on that pass `filter`.
@@ -128,14 +122,9 @@ impl Drain {
     /// close, and returns the report.
     pub fn join(self) -> Result<DrainReport, ExporterError> {
         drop(self.subscribe);
-        let mut report = self
-            .thread
-            .join()
-            .map_err(|p| ExporterError::Panicked(panic_message(&*p)))?;
+        let mut report = self.thread.join().map_err(|p| ExporterError::Panicked(panic_message(&*p)))?;
         for w in self.workers {
-            let sink = w
-                .join()
-                .map_err(|p| ExporterError::Panicked(panic_message(&*p)))?;
+            let sink = w.join().map_err(|p| ExporterError::Panicked(panic_message(&*p)))?;
             report.errors.extend(sink.errors.iter().cloned());
             report.sinks.push(sink);
         }
@@ -177,10 +166,7 @@ fn run_drain(
                     }
                     let Some(hp) = hookpoints.get(id) else {
                         // Cannot happen with a registry that only grows; nothing to attribute the record to.
-                        report.errors.push(format!(
-                            "record {} names unknown hookpoint id {id}",
-                            view.header.seq
-                        ));
+                        report.errors.push(format!("record {} names unknown hookpoint id {id}", view.header.seq));
                         consumer.advance();
                         consumer.release();
                         continue;
@@ -204,9 +190,7 @@ fn run_drain(
             report.bytes += record.header().footprint() as u64;
             report.data_bytes += record.data().len() as u64;
             for p in ports.iter_mut() {
-                if p.offer(&record, &options.policy)
-                    == crate::fanout::Offer::Dropped(DropReason::SinkBackpressure)
-                {
+                if p.offer(&record, &options.policy) == crate::fanout::Offer::Dropped(DropReason::SinkBackpressure) {
                     report.backpressure_drops += 1;
                 }
             }
@@ -238,23 +222,16 @@ fn run_drain(
 }
 
 fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>) -> SinkReport {
-    let mut report = SinkReport {
-        name: sink.name().to_owned(),
-        ..SinkReport::default()
-    };
+    let mut report = SinkReport { name: sink.name().to_owned(), ..SinkReport::default() };
     let mut failed = false;
     for record in rx.iter() {
         let size = record.size_bytes();
         if failed {
             record.receipt().fail(DropReason::SinkError);
         } else {
-            let result =
-                catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
-                    Err(SinkError {
-                        sink: report.name.clone(),
-                        message: format!("panicked: {}", panic_message(&*p)),
-                    })
-                });
+            let result = catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
+                Err(SinkError { sink: report.name.clone(), message: format!("panicked: {}", panic_message(&*p)) })
+            });
             match result {
                 Ok(()) => report.records += 1,
                 Err(e) => {
@@ -268,10 +245,7 @@ fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>
         backlog.taken(size);
     }
     let closed = catch_unwind(AssertUnwindSafe(|| sink.close())).unwrap_or_else(|p| {
-        Err(SinkError {
-            sink: report.name.clone(),
-            message: format!("panicked on close: {}", panic_message(&*p)),
-        })
+        Err(SinkError { sink: report.name.clone(), message: format!("panicked on close: {}", panic_message(&*p)) })
     });
     if let Err(e) = closed {
         report.errors.push(e.to_string());
@@ -303,10 +277,7 @@ mod tests {
         (p, c, reg)
     }
 
-    const FULL: LossPolicy = LossPolicy {
-        mode: Mode::Full,
-        full_deadline: Duration::from_secs(10),
-    };
+    const FULL: LossPolicy = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_secs(10) };
 
     fn boxed(s: impl Sink + 'static) -> (Box<dyn Sink>, Filter) {
         (Box::new(s), Filter::all())
@@ -316,13 +287,7 @@ mod tests {
     fn drains_everything_and_accounts_for_it() {
         let (mut p, c, reg) = setup();
         let (summary, handle) = SummarySink::new();
-        let drain = Drain::spawn(
-            c,
-            reg.clone(),
-            vec![boxed(summary)],
-            DrainOptions::default(),
-        )
-        .unwrap();
+        let drain = Drain::spawn(c, reg.clone(), vec![boxed(summary)], DrainOptions::default()).unwrap();
         for step in 0..500u64 {
             let batch = StepBatch::new(step, [(1, step as u32), (2, step as u32)]).unwrap();
             for hp in reg.all() {
@@ -357,13 +322,7 @@ mod tests {
             }
             Ok(())
         });
-        let drain = Drain::spawn(
-            c,
-            reg.clone(),
-            vec![boxed(flaky), boxed(panicky)],
-            DrainOptions::default(),
-        )
-        .unwrap();
+        let drain = Drain::spawn(c, reg.clone(), vec![boxed(flaky), boxed(panicky)], DrainOptions::default()).unwrap();
         let hp = reg.get(0).unwrap();
         for step in 0..10u64 {
             let batch = StepBatch::new(step, [(1, 0)]).unwrap();
@@ -372,20 +331,12 @@ mod tests {
         drop(p);
         let report = drain.join().unwrap();
         assert_eq!(report.errors.len(), 2, "{:?}", report.errors);
-        assert!(
-            report.errors[0].contains("disk full") && report.errors[1].contains("consumer bug")
-        );
+        assert!(report.errors[0].contains("disk full") && report.errors[1].contains("consumer bug"));
         let acc = reg.accounting();
         acc.check().unwrap();
         let c = acc.hookpoints[0].1;
         // Records 0 and 1 reached both sinks; from record 2 (flaky) on, every record failed somewhere.
-        assert_eq!(
-            (
-                c.exported.records,
-                c.dropped_for(DropReason::SinkError).records
-            ),
-            (2, 8)
-        );
+        assert_eq!((c.exported.records, c.dropped_for(DropReason::SinkError).records), (2, 8));
     }
 
     #[test]
@@ -412,10 +363,7 @@ mod tests {
         drop(first);
         drop(quitter);
         drop(p);
-        let received: Vec<_> = layer1
-            .iter()
-            .map(|r| (r.step(), r.hookpoint().spec.layer, r.row_meta(0)))
-            .collect();
+        let received: Vec<_> = layer1.iter().map(|r| (r.step(), r.hookpoint().spec.layer, r.row_meta(0))).collect();
         assert_eq!(received.len(), 20);
         assert!(received
             .iter()
@@ -435,10 +383,7 @@ mod tests {
         let (mut p, c, reg) = setup();
         let options = DrainOptions {
             backlog_bytes: 1024,
-            policy: LossPolicy {
-                mode: Mode::BestEffort,
-                full_deadline: Duration::ZERO,
-            },
+            policy: LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO },
             ..DrainOptions::default()
         };
         let (summary, handle) = SummarySink::new();
@@ -459,16 +404,9 @@ mod tests {
         assert!((1..=8).contains(&got), "{got}");
         let report = drain.join().unwrap();
         assert_eq!(report.backpressure_drops, 100 - got as u64);
-        assert_eq!(
-            handle.lock()["layers.0.resid"].records,
-            100,
-            "the summary sink was not slowed down"
-        );
+        assert_eq!(handle.lock()["layers.0.resid"].records, 100, "the summary sink was not slowed down");
         let c = reg.accounting().hookpoints[0].1;
-        assert_eq!(
-            c.dropped_for(DropReason::SinkBackpressure).records,
-            100 - got as u64
-        );
+        assert_eq!(c.dropped_for(DropReason::SinkBackpressure).records, 100 - got as u64);
         reg.accounting().check().unwrap();
     }
 }

@@ -20,6 +20,9 @@ pub struct Filter {
     pub hookpoints: HashSet<String>,
     /// Layers to receive (empty: every layer, and hookpoints without a layer).
     pub layers: HashSet<u32>,
+    /// `(count, index)`: only hookpoints whose id is `index` modulo `count` — splits one sink's work over
+    /// several sink threads, each owning whole hookpoints (so each file still has one writer).
+    pub shard: Option<(u32, u32)>,
 }
 
 impl Filter {
@@ -30,23 +33,23 @@ impl Filter {
 
     /// Only these hookpoints.
     pub fn hookpoints<I: IntoIterator<Item = S>, S: Into<String>>(names: I) -> Self {
-        Filter {
-            hookpoints: names.into_iter().map(Into::into).collect(),
-            layers: HashSet::new(),
-        }
+        Filter { hookpoints: names.into_iter().map(Into::into).collect(), ..Filter::default() }
     }
 
     /// Only these layers.
     pub fn layers(layers: impl IntoIterator<Item = u32>) -> Self {
-        Filter {
-            hookpoints: HashSet::new(),
-            layers: layers.into_iter().collect(),
-        }
+        Filter { layers: layers.into_iter().collect(), ..Filter::default() }
+    }
+
+    /// Shard `index` of `count` (see the `shard` field).
+    pub fn shard(count: u32, index: u32) -> Self {
+        Filter { shard: Some((count.max(1), index)), ..Filter::default() }
     }
 
     /// Whether records of `hp` pass.
     pub fn matches(&self, hp: &HookPoint) -> bool {
-        (self.hookpoints.is_empty() || self.hookpoints.contains(&hp.spec.name))
+        self.shard.is_none_or(|(n, i)| hp.id % n == i)
+            && (self.hookpoints.is_empty() || self.hookpoints.contains(&hp.spec.name))
             && (self.layers.is_empty() || hp.spec.layer.is_some_and(|l| self.layers.contains(&l)))
     }
 }
@@ -62,12 +65,7 @@ pub(crate) struct Backlog {
 
 impl Backlog {
     pub(crate) fn new(max: usize) -> Arc<Backlog> {
-        Arc::new(Backlog {
-            bytes: AtomicUsize::new(0),
-            max,
-            lock: Mutex::new(()),
-            taken: Condvar::new(),
-        })
+        Arc::new(Backlog { bytes: AtomicUsize::new(0), max, lock: Mutex::new(()), taken: Condvar::new() })
     }
 
     /// The destination took a record of `size` bytes.

@@ -17,9 +17,7 @@ use parking_lot::Mutex;
 use ringscope_hookpoint::HookPoint;
 use ringscope_policy::DropReason;
 
-use crate::dataset::{
-    file_metadata, in_progress_path, part_name, schema, DatasetOptions, RowBuffer,
-};
+use crate::dataset::{file_metadata, in_progress_path, part_name, schema, DatasetOptions, RowBuffer};
 use crate::record::{Receipt, Record};
 use crate::sink::{Sink, SinkError};
 
@@ -31,13 +29,14 @@ pub trait FileFormat: Send + 'static {
     const EXT: &'static str;
     /// Sink name in reports.
     const NAME: &'static str;
+    /// Subdirectory of the run directory holding this format's partitions (empty: the run directory itself).
+    const SUBDIR: &'static str;
     /// Starts a file.
     fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String>;
     /// Appends a batch.
     fn write(&self, writer: &mut Self::Writer, batch: &RecordBatch) -> Result<(), String>;
     /// Writes the footer with `metadata` and returns the file, flushed.
-    fn finish(&self, writer: Self::Writer, metadata: Vec<(String, String)>)
-        -> Result<File, String>;
+    fn finish(&self, writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String>;
 }
 
 /// A file the sink committed.
@@ -87,15 +86,11 @@ pub struct FileSink<F: FileFormat> {
 impl<F: FileFormat> FileSink<F> {
     /// A sink writing under `options.run_dir()`. Checks the options and that the directory can be created.
     pub fn create(format: F, options: DatasetOptions) -> Result<(Self, CommittedFiles), SinkError> {
-        options.validate().map_err(|message| SinkError {
-            sink: F::NAME.into(),
-            message,
-        })?;
-        let run = options.run_dir();
+        options.validate().map_err(|message| SinkError { sink: F::NAME.into(), message })?;
+        let run = options.run_dir().join(F::SUBDIR);
         // A run directory belongs to one run: never mix two runs' files (or overwrite one) by reusing it.
         let holds_data = std::fs::read_dir(&run).is_ok_and(|mut entries| {
-            entries
-                .any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("hookpoint=")))
+            entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("hookpoint=")))
         });
         if holds_data {
             return Err(SinkError {
@@ -111,32 +106,21 @@ impl<F: FileFormat> FileSink<F> {
             message: format!("cannot create output directory {}: {e}", run.display()),
         })?;
         let committed = CommittedFiles::default();
-        let sink = FileSink {
-            format,
-            options,
-            partitions: HashMap::new(),
-            committed: committed.clone(),
-        };
+        let sink = FileSink { format, options, partitions: HashMap::new(), committed: committed.clone() };
         Ok((sink, committed))
     }
 
     fn error(&self, message: String) -> SinkError {
-        SinkError {
-            sink: F::NAME.into(),
-            message,
-        }
+        SinkError { sink: F::NAME.into(), message }
     }
 
     fn partition(&mut self, hp: &Arc<HookPoint>) -> Result<&mut Partition<F::Writer>, SinkError> {
         if !self.partitions.contains_key(&hp.id) {
-            let dir = self.options.partition_dir(&hp.spec.name);
-            std::fs::create_dir_all(&dir).map_err(|e| {
-                self.error(format!("cannot create directory {}: {e}", dir.display()))
-            })?;
+            let dir = self.options.partition_dir(F::SUBDIR, &hp.spec.name);
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| self.error(format!("cannot create directory {}: {e}", dir.display())))?;
             // Continue numbering after files already there (a run directory reused), never overwrite one.
-            let next_index = (0u32..)
-                .find(|&i| !dir.join(part_name(i, F::EXT)).exists())
-                .unwrap_or(u32::MAX);
+            let next_index = (0u32..).find(|&i| !dir.join(part_name(i, F::EXT)).exists()).unwrap_or(u32::MAX);
             self.partitions.insert(
                 hp.id,
                 Partition {
@@ -188,44 +172,27 @@ fn flush_partition<F: FileFormat>(
             let index = part.next_index;
             part.next_index += 1;
             let tmp = in_progress_path(&part.dir, index, F::EXT);
-            let file =
-                File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+            let file = File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
             let writer = format.create(BufWriter::with_capacity(1 << 20, file), &part.schema)?;
-            part.open = Some(OpenFile {
-                writer,
-                tmp,
-                index,
-                activation_bytes: 0,
-                records: 0,
-                rows: 0,
-                receipts: Vec::new(),
-            });
+            part.open =
+                Some(OpenFile { writer, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts: Vec::new() });
         }
         let open = part.open.as_mut().expect("opened above");
         let rows = part.buffer.rows() as u64;
         let bytes = part.buffer.activation_bytes() as u64;
-        let batch = part
-            .buffer
-            .take_batch(&part.schema, &part.hp, &options.run_id, options.rank);
-        format
-            .write(&mut open.writer, &batch)
-            .map_err(|e| format!("writing {}: {e}", open.tmp.display()))?;
+        let batch = part.buffer.take_batch(&part.schema, &part.hp, &options.run_id, options.rank);
+        format.write(&mut open.writer, &batch).map_err(|e| format!("writing {}: {e}", open.tmp.display()))?;
         open.activation_bytes += bytes;
         open.rows += rows;
         open.records += part.buffered.len() as u64;
         open.receipts.append(&mut part.buffered);
     }
-    let due = part
-        .open
-        .as_ref()
-        .is_some_and(|o| commit || o.activation_bytes >= options.max_file_bytes);
+    let due = part.open.as_ref().is_some_and(|o| commit || o.activation_bytes >= options.max_file_bytes);
     if due {
         let open = part.open.take().expect("checked above");
         let metadata = file_metadata(&part.hp, &options.run_id, open.records, open.rows);
         let tmp = open.tmp.clone();
-        let finished = format
-            .finish(open.writer, metadata)
-            .map_err(|e| format!("closing {}: {e}", tmp.display()));
+        let finished = format.finish(open.writer, metadata).map_err(|e| format!("closing {}: {e}", tmp.display()));
         let file = match finished {
             Ok(f) => f,
             Err(e) => {
@@ -236,9 +203,7 @@ fn flush_partition<F: FileFormat>(
                 return Err(e);
             }
         };
-        let synced = file
-            .sync_all()
-            .and_then(|()| file.metadata().map(|m| m.len()));
+        let synced = file.sync_all().and_then(|()| file.metadata().map(|m| m.len()));
         let path = part.dir.join(part_name(open.index, F::EXT));
         let renamed = synced.and_then(|len| std::fs::rename(&tmp, &path).map(|()| len));
         match renamed {
@@ -270,12 +235,10 @@ impl<F: FileFormat> Sink for FileSink<F> {
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
         let id = record.hookpoint().id;
         // A batch never outgrows the file size target, so small files still rotate.
-        let batch_bytes = self
-            .options
-            .batch_bytes
-            .min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
+        let batch_bytes =
+            self.options.batch_bytes.min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
         let part = self.partition(record.hookpoint())?;
-        part.buffer.push(record);
+        part.buffer.push(record, batch_bytes);
         part.buffered.push(record.receipt());
         if part.buffer.activation_bytes() >= batch_bytes {
             self.flush(id, false)?;
@@ -286,11 +249,8 @@ impl<F: FileFormat> Sink for FileSink<F> {
     fn close(&mut self) -> Result<(), SinkError> {
         let mut ids: Vec<u32> = self.partitions.keys().copied().collect();
         ids.sort_unstable();
-        let errors: Vec<String> = ids
-            .into_iter()
-            .filter_map(|id| self.flush(id, true).err())
-            .map(|e| e.message)
-            .collect();
+        let errors: Vec<String> =
+            ids.into_iter().filter_map(|id| self.flush(id, true).err()).map(|e| e.message).collect();
         if errors.is_empty() {
             Ok(())
         } else {

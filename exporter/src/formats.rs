@@ -48,21 +48,17 @@ impl FileFormat for Parquet {
     type Writer = ArrowWriter<BufWriter<File>>;
     const EXT: &'static str = "parquet";
     const NAME: &'static str = "parquet";
+    const SUBDIR: &'static str = "";
 
     fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String> {
-        ArrowWriter::try_new(out, schema.clone(), Some(self.properties.clone()))
-            .map_err(|e| e.to_string())
+        ArrowWriter::try_new(out, schema.clone(), Some(self.properties.clone())).map_err(|e| e.to_string())
     }
 
     fn write(&self, writer: &mut Self::Writer, batch: &RecordBatch) -> Result<(), String> {
         writer.write(batch).map_err(|e| e.to_string())
     }
 
-    fn finish(
-        &self,
-        mut writer: Self::Writer,
-        metadata: Vec<(String, String)>,
-    ) -> Result<File, String> {
+    fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String> {
         for (k, v) in metadata {
             writer.append_key_value_metadata(KeyValue::new(k, v));
         }
@@ -79,6 +75,7 @@ impl FileFormat for ArrowIpc {
     type Writer = FileWriter<BufWriter<File>>;
     const EXT: &'static str = "arrow";
     const NAME: &'static str = "arrow_ipc";
+    const SUBDIR: &'static str = "_arrow_ipc";
 
     fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String> {
         FileWriter::try_new(out, schema).map_err(|e| e.to_string())
@@ -88,11 +85,7 @@ impl FileFormat for ArrowIpc {
         writer.write(batch).map_err(|e| e.to_string())
     }
 
-    fn finish(
-        &self,
-        mut writer: Self::Writer,
-        metadata: Vec<(String, String)>,
-    ) -> Result<File, String> {
+    fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String> {
         for (k, v) in metadata {
             writer.write_metadata(k, v);
         }
@@ -108,20 +101,13 @@ pub type ParquetSink = FileSink<Parquet>;
 pub type ArrowIpcSink = FileSink<ArrowIpc>;
 
 /// A Parquet sink under `options.run_dir()` with zstd at `zstd_level`.
-pub fn parquet_sink(
-    options: DatasetOptions,
-    zstd_level: i32,
-) -> Result<(ParquetSink, CommittedFiles), SinkError> {
-    let format = Parquet::with_zstd_level(zstd_level).map_err(|message| SinkError {
-        sink: "parquet".into(),
-        message,
-    })?;
+pub fn parquet_sink(options: DatasetOptions, zstd_level: i32) -> Result<(ParquetSink, CommittedFiles), SinkError> {
+    let format =
+        Parquet::with_zstd_level(zstd_level).map_err(|message| SinkError { sink: "parquet".into(), message })?;
     FileSink::create(format, options)
 }
 
 /// An Arrow IPC sink under `options.run_dir()`.
-pub fn arrow_ipc_sink(
-    options: DatasetOptions,
-) -> Result<(ArrowIpcSink, CommittedFiles), SinkError> {
+pub fn arrow_ipc_sink(options: DatasetOptions) -> Result<(ArrowIpcSink, CommittedFiles), SinkError> {
     FileSink::create(ArrowIpc, options)
 }

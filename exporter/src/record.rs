@@ -28,24 +28,16 @@ struct Inner {
 impl Record {
     /// Copies `view` out of the ring.
     pub fn copy_from(view: &RecordView<'_>, hookpoint: Arc<HookPoint>) -> Record {
-        let mut bytes =
-            Vec::with_capacity(ringscope_ring::record::HEADER_LEN + view.payload().len());
+        let mut bytes = Vec::with_capacity(ringscope_ring::record::HEADER_LEN + view.payload().len());
         bytes.extend_from_slice(&view.header.encode());
         bytes.extend_from_slice(view.payload());
         let receipt = Receipt::new(hookpoint.clone(), view.rows() as u64);
-        Record(Arc::new(Inner {
-            bytes: bytes.into_boxed_slice(),
-            header: view.header,
-            hookpoint,
-            receipt,
-        }))
+        Record(Arc::new(Inner { bytes: bytes.into_boxed_slice(), header: view.header, hookpoint, receipt }))
     }
 
     /// A checked view of the record (header, row metadata, rows).
     pub fn view(&self) -> RecordView<'_> {
-        RecordView::decode(&self.0.bytes)
-            .expect("a record is validated when it is copied out of the ring")
-            .0
+        RecordView::decode(&self.0.bytes).expect("a record is validated when it is copied out of the ring").0
     }
 
     /// The header.
@@ -121,25 +113,14 @@ struct ReceiptState {
 
 impl Receipt {
     fn new(hookpoint: Arc<HookPoint>, rows: u64) -> Receipt {
-        Receipt(Arc::new(ReceiptState {
-            hookpoint,
-            rows,
-            failure: AtomicU8::new(0),
-        }))
+        Receipt(Arc::new(ReceiptState { hookpoint, rows, failure: AtomicU8::new(0) }))
     }
 
     /// Marks the record as lost for `reason`. The first reason reported wins; the record is counted as dropped
     /// once every holder has let go.
     pub fn fail(&self, reason: DropReason) {
-        let code = DropReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .expect("every reason is in ALL") as u8
-            + 1;
-        let _ = self
-            .0
-            .failure
-            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+        let code = DropReason::ALL.iter().position(|r| *r == reason).expect("every reason is in ALL") as u8 + 1;
+        let _ = self.0.failure.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Rows of the record.

@@ -68,13 +68,7 @@ impl SummarySink {
     /// A new sink and the handle its summary is written to.
     pub fn new() -> (SummarySink, Arc<Mutex<Summary>>) {
         let out = Arc::new(Mutex::new(Summary::new()));
-        (
-            SummarySink {
-                out: out.clone(),
-                requests: BTreeMap::new(),
-            },
-            out,
-        )
+        (SummarySink { out: out.clone(), requests: BTreeMap::new() }, out)
     }
 }
 
@@ -92,10 +86,7 @@ impl Sink for SummarySink {
         s.records += 1;
         s.rows += record.rows() as u64;
         s.bytes += view.data().len() as u64;
-        s.steps = Some(
-            s.steps
-                .map_or((step, step), |(a, b)| (a.min(step), b.max(step))),
-        );
+        s.steps = Some(s.steps.map_or((step, step), |(a, b)| (a.min(step), b.max(step))));
         let seen = self.requests.entry(hp.spec.name.clone()).or_default();
         let mut digest = crc32fast::Hasher::new_with_initial(s.digest);
         for (i, m) in view.row_metas().enumerate() {
@@ -122,10 +113,7 @@ where
 {
     /// A sink named `name` that calls `f` per record; an `Err` from `f` fails the sink.
     pub fn new(name: impl Into<String>, f: F) -> Self {
-        CallbackSink {
-            name: name.into(),
-            f,
-        }
+        CallbackSink { name: name.into(), f }
     }
 }
 
@@ -138,9 +126,6 @@ where
     }
 
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
-        (self.f)(record).map_err(|message| SinkError {
-            sink: self.name.clone(),
-            message,
-        })
+        (self.f)(record).map_err(|message| SinkError { sink: self.name.clone(), message })
     }
 }

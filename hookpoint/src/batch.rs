@@ -22,44 +22,23 @@ impl StepBatch {
     ///
     /// A request's rows need not be contiguous; its *last* row (for [`crate::RowSelection::LastPerRequest`]) is
     /// the one with the highest batch index. An empty batch is an error: there is nothing to capture.
-    pub fn new(
-        step: u64,
-        rows: impl IntoIterator<Item = (u64, u32)>,
-    ) -> Result<Self, HookPointError> {
+    pub fn new(step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<Self, HookPointError> {
         let rows: Vec<RowMeta> = rows
             .into_iter()
             .enumerate()
-            .map(|(i, (request_id, position))| RowMeta {
-                request_id,
-                position,
-                batch_row: i as u32,
-            })
+            .map(|(i, (request_id, position))| RowMeta { request_id, position, batch_row: i as u32 })
             .collect();
         if rows.is_empty() {
-            return Err(HookPointError::InvalidBatch {
-                step,
-                why: "the batch has no rows".into(),
-            });
+            return Err(HookPointError::InvalidBatch { step, why: "the batch has no rows".into() });
         }
         if rows.len() > u32::MAX as usize {
-            return Err(HookPointError::InvalidBatch {
-                step,
-                why: "more than 2^32 rows".into(),
-            });
+            return Err(HookPointError::InvalidBatch { step, why: "more than 2^32 rows".into() });
         }
         let mut seen = HashSet::with_capacity(rows.len());
-        let mut last_per_request: Vec<RowMeta> = rows
-            .iter()
-            .rev()
-            .filter(|r| seen.insert(r.request_id))
-            .copied()
-            .collect();
+        let mut last_per_request: Vec<RowMeta> =
+            rows.iter().rev().filter(|r| seen.insert(r.request_id)).copied().collect();
         last_per_request.reverse();
-        Ok(StepBatch {
-            step,
-            rows,
-            last_per_request,
-        })
+        Ok(StepBatch { step, rows, last_per_request })
     }
 
     /// The step number.
@@ -96,27 +75,14 @@ mod tests {
     fn last_per_request_keeps_batch_order() {
         // Request 7 prefills 3 tokens, request 3 decodes one, request 9 prefills 2.
         let b = StepBatch::new(5, [(7, 0), (7, 1), (7, 2), (3, 40), (9, 0), (9, 1)]).unwrap();
-        let last: Vec<_> = b
-            .last_per_request()
-            .iter()
-            .map(|m| (m.request_id, m.position, m.batch_row))
-            .collect();
+        let last: Vec<_> = b.last_per_request().iter().map(|m| (m.request_id, m.position, m.batch_row)).collect();
         assert_eq!(last, vec![(7, 2, 2), (3, 40, 3), (9, 1, 5)]);
-        assert_eq!(
-            b.rows()[4],
-            RowMeta {
-                request_id: 9,
-                position: 0,
-                batch_row: 4
-            }
-        );
+        assert_eq!(b.rows()[4], RowMeta { request_id: 9, position: 0, batch_row: 4 });
     }
 
     #[test]
     fn empty_batch_is_an_error() {
-        let err = StepBatch::new(1, std::iter::empty())
-            .unwrap_err()
-            .to_string();
+        let err = StepBatch::new(1, std::iter::empty()).unwrap_err().to_string();
         assert!(err.contains("step 1") && err.contains("no rows"), "{err}");
     }
 }

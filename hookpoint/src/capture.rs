@@ -55,24 +55,21 @@ pub fn capture_host(
             row_bytes,
         });
     }
-    let metas: Cow<'_, [RowMeta]> =
-        match &*hp.control.selection() {
-            RowSelection::All => Cow::Borrowed(batch.rows()),
-            RowSelection::LastPerRequest => Cow::Borrowed(batch.last_per_request()),
-            RowSelection::Rows(idx) => Cow::Owned(
-                idx.iter()
-                    .map(|&i| {
-                        batch.rows().get(i as usize).copied().ok_or_else(|| {
-                            HookPointError::RowIndex {
-                                hookpoint: hp.spec.name.clone(),
-                                index: i,
-                                batch_rows: batch.len(),
-                            }
-                        })
+    let metas: Cow<'_, [RowMeta]> = match &*hp.control.selection() {
+        RowSelection::All => Cow::Borrowed(batch.rows()),
+        RowSelection::LastPerRequest => Cow::Borrowed(batch.last_per_request()),
+        RowSelection::Rows(idx) => Cow::Owned(
+            idx.iter()
+                .map(|&i| {
+                    batch.rows().get(i as usize).copied().ok_or_else(|| HookPointError::RowIndex {
+                        hookpoint: hp.spec.name.clone(),
+                        index: i,
+                        batch_rows: batch.len(),
                     })
-                    .collect::<Result<_, _>>()?,
-            ),
-        };
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+    };
     let rows = metas.len() as u32;
     let record = RecordMeta {
         step: batch.step(),
@@ -105,29 +102,15 @@ pub fn capture_host(
                 ReserveError::Full { .. } => (DropReason::RingFull, None),
                 ReserveError::DeadlineExceeded { .. } => (
                     DropReason::Deadline,
-                    Some(HookPointError::Deadline {
-                        hookpoint: hp.spec.name.clone(),
-                        step: batch.step(),
-                        source: e,
-                    }),
+                    Some(HookPointError::Deadline { hookpoint: hp.spec.name.clone(), step: batch.step(), source: e }),
                 ),
-                ReserveError::TooLarge {
-                    payload_len,
-                    max_payload_len,
-                } => (
+                ReserveError::TooLarge { payload_len, max_payload_len } => (
                     DropReason::TooLarge,
-                    Some(HookPointError::TooLarge {
-                        hookpoint: hp.spec.name.clone(),
-                        payload_len,
-                        max_payload_len,
-                    }),
+                    Some(HookPointError::TooLarge { hookpoint: hp.spec.name.clone(), payload_len, max_payload_len }),
                 ),
-                ReserveError::Disconnected | ReserveError::InvalidRecord(_) => (
-                    DropReason::Disconnected,
-                    Some(HookPointError::Disconnected {
-                        hookpoint: hp.spec.name.clone(),
-                    }),
-                ),
+                ReserveError::Disconnected | ReserveError::InvalidRecord(_) => {
+                    (DropReason::Disconnected, Some(HookPointError::Disconnected { hookpoint: hp.spec.name.clone() }))
+                }
             };
             counters.dropped(reason, rows as u64);
             return match error {
@@ -169,19 +152,11 @@ mod tests {
     }
 
     fn tensor(rows: usize, width: usize) -> Vec<u8> {
-        (0..rows * width)
-            .flat_map(|i| (i as f32).to_le_bytes())
-            .collect()
+        (0..rows * width).flat_map(|i| (i as f32).to_le_bytes()).collect()
     }
 
-    const BEST: LossPolicy = LossPolicy {
-        mode: Mode::BestEffort,
-        full_deadline: Duration::ZERO,
-    };
-    const FULL: LossPolicy = LossPolicy {
-        mode: Mode::Full,
-        full_deadline: Duration::from_millis(20),
-    };
+    const BEST: LossPolicy = LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO };
+    const FULL: LossPolicy = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_millis(20) };
 
     #[test]
     fn selections_carry_their_row_metadata() {
@@ -189,19 +164,12 @@ mod tests {
         let hp = reg.get(0).unwrap();
         let batch = StepBatch::new(3, [(10, 0), (10, 1), (11, 7)]).unwrap();
         let data = tensor(3, 4);
-        for sel in [
-            RowSelection::All,
-            RowSelection::LastPerRequest,
-            RowSelection::Rows(vec![2, 0]),
-        ] {
+        for sel in [RowSelection::All, RowSelection::LastPerRequest, RowSelection::Rows(vec![2, 0])] {
             hp.control.set_selection(sel.clone()).unwrap();
             capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();
             let (metas, rows): (Vec<_>, Vec<_>) = c
                 .pop_with(|v| {
-                    let m: Vec<_> = v
-                        .row_metas()
-                        .map(|m| (m.request_id, m.position, m.batch_row))
-                        .collect();
+                    let m: Vec<_> = v.row_metas().map(|m| (m.request_id, m.position, m.batch_row)).collect();
                     (m, v.data().to_vec())
                 })
                 .unwrap()
@@ -217,10 +185,8 @@ mod tests {
                 .map(|m| (m.request_id, m.position, m.batch_row))
                 .collect();
             assert_eq!(metas, want_metas);
-            let want_rows: Vec<u8> = want
-                .iter()
-                .flat_map(|&i| data[i as usize * 16..(i as usize + 1) * 16].to_vec())
-                .collect();
+            let want_rows: Vec<u8> =
+                want.iter().flat_map(|&i| data[i as usize * 16..(i as usize + 1) * 16].to_vec()).collect();
             assert_eq!(rows, want_rows);
         }
     }
@@ -231,20 +197,8 @@ mod tests {
         let hp = reg.get(0).unwrap();
         let batch = StepBatch::new(0, [(1, 0), (2, 0)]).unwrap();
         let err = capture_host(&mut p, &FULL, &hp, &batch, &[0; 31]).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                HookPointError::DataLength {
-                    expected: 32,
-                    got: 31,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        hp.control
-            .set_selection(RowSelection::Rows(vec![0, 5]))
-            .unwrap();
+        assert!(matches!(err, HookPointError::DataLength { expected: 32, got: 31, .. }), "{err}");
+        hp.control.set_selection(RowSelection::Rows(vec![0, 5])).unwrap();
         let err = capture_host(&mut p, &FULL, &hp, &batch, &tensor(2, 4)).unwrap_err();
         assert!(err.to_string().contains("batch row 5"), "{err}");
         assert_eq!(hp.counters.snapshot().produced.records, 0);
@@ -265,14 +219,7 @@ mod tests {
         }
         assert_eq!(steps, vec![0, 2, 4]);
         let s = hp.counters.snapshot();
-        assert_eq!(
-            (
-                s.produced.records,
-                s.sampled_out.records,
-                s.published.records
-            ),
-            (6, 3, 3)
-        );
+        assert_eq!((s.produced.records, s.sampled_out.records, s.published.records), (6, 3, 3));
     }
 
     #[test]
@@ -282,13 +229,8 @@ mod tests {
         let hp = reg.get(0).unwrap();
         let batch = StepBatch::new(0, [(1, 0)]).unwrap();
         let data = tensor(1, 64);
-        let outcomes: Vec<_> = (0..4)
-            .map(|_| capture_host(&mut p, &BEST, &hp, &batch, &data).unwrap())
-            .collect();
-        assert!(matches!(
-            outcomes[1],
-            CaptureOutcome::Published { seq: 1, .. }
-        ));
+        let outcomes: Vec<_> = (0..4).map(|_| capture_host(&mut p, &BEST, &hp, &batch, &data).unwrap()).collect();
+        assert!(matches!(outcomes[1], CaptureOutcome::Published { seq: 1, .. }));
         assert_eq!(outcomes[3], CaptureOutcome::Dropped(DropReason::RingFull));
         let err = capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap_err();
         assert!(err.to_string().contains("after waiting"), "{err}");
@@ -305,12 +247,6 @@ mod tests {
         let batch = StepBatch::new(0, [(1, 0)]).unwrap();
         let err = capture_host(&mut p, &BEST, &hp, &batch, &tensor(1, 4096)).unwrap_err();
         assert!(err.to_string().contains("raise ring.capacity"), "{err}");
-        assert_eq!(
-            hp.counters
-                .snapshot()
-                .dropped_for(DropReason::TooLarge)
-                .records,
-            1
-        );
+        assert_eq!(hp.counters.snapshot().dropped_for(DropReason::TooLarge).records, 1);
     }
 }

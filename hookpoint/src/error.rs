@@ -42,7 +42,9 @@ pub enum HookPointError {
         why: String,
     },
     /// The tensor handed to a capture does not have the hookpoint's shape for this batch.
-    #[error("capture of `{hookpoint}` got {got} bytes, expected {expected} ({rows} batch rows × {row_bytes} bytes per row)")]
+    #[error(
+        "capture of `{hookpoint}` got {got} bytes, expected {expected} ({rows} batch rows × {row_bytes} bytes per row)"
+    )]
     DataLength {
         /// Hookpoint name.
         hookpoint: String,

@@ -33,11 +33,7 @@ pub struct Control {
 
 impl Control {
     fn new() -> Self {
-        Control {
-            enabled: AtomicBool::new(true),
-            every_n_steps: AtomicU32::new(1),
-            selection: RwLock::default(),
-        }
+        Control { enabled: AtomicBool::new(true), every_n_steps: AtomicU32::new(1), selection: RwLock::default() }
     }
 
     /// Whether captures are taken at all.
@@ -58,9 +54,7 @@ impl Control {
     /// Samples every `n`-th step (`n ≥ 1`).
     pub fn set_every_n_steps(&self, n: u32) -> Result<(), HookPointError> {
         if n == 0 {
-            return Err(HookPointError::InvalidControl(
-                "every_n_steps must be at least 1 (1 = every step)".into(),
-            ));
+            return Err(HookPointError::InvalidControl("every_n_steps must be at least 1 (1 = every step)".into()));
         }
         self.every_n_steps.store(n, Ordering::Relaxed);
         Ok(())
@@ -79,9 +73,7 @@ impl Control {
     /// Replaces the row selection. An explicit list must be non-empty (indices are checked against each batch).
     pub fn set_selection(&self, selection: RowSelection) -> Result<(), HookPointError> {
         if matches!(&selection, RowSelection::Rows(r) if r.is_empty()) {
-            return Err(HookPointError::InvalidControl(
-                "an explicit row selection needs at least one row".into(),
-            ));
+            return Err(HookPointError::InvalidControl("an explicit row selection needs at least one row".into()));
         }
         *self.selection.write() = selection;
         Ok(())
@@ -128,42 +120,23 @@ impl Registry {
         }
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
-        let hp = Arc::new(HookPoint {
-            id,
-            spec,
-            control: Control::new(),
-            counters: Counters::default(),
-        });
+        let hp = Arc::new(HookPoint { id, spec, control: Control::new(), counters: Counters::default() });
         inner.by_id.push(hp.clone());
         Ok(hp)
     }
 
     /// The hookpoint with this id.
     pub fn get(&self, id: u32) -> Result<Arc<HookPoint>, HookPointError> {
-        self.inner
-            .read()
-            .by_id
-            .get(id as usize)
-            .cloned()
-            .ok_or(HookPointError::UnknownId(id))
+        self.inner.read().by_id.get(id as usize).cloned().ok_or(HookPointError::UnknownId(id))
     }
 
     /// The hookpoint with this name.
     pub fn by_name(&self, name: &str) -> Result<Arc<HookPoint>, HookPointError> {
         let inner = self.inner.read();
-        let id = *inner
-            .by_name
-            .get(name)
-            .ok_or_else(|| HookPointError::UnknownName {
-                name: name.to_owned(),
-                known: inner
-                    .by_id
-                    .iter()
-                    .map(|h| h.spec.name.clone())
-                    .take(8)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })?;
+        let id = *inner.by_name.get(name).ok_or_else(|| HookPointError::UnknownName {
+            name: name.to_owned(),
+            known: inner.by_id.iter().map(|h| h.spec.name.clone()).take(8).collect::<Vec<_>>().join(", "),
+        })?;
         Ok(inner.by_id[id as usize].clone())
     }
 
@@ -185,13 +158,7 @@ impl Registry {
     /// The loss counters of every hookpoint, by name.
     pub fn accounting(&self) -> AccountingSnapshot {
         AccountingSnapshot {
-            hookpoints: self
-                .inner
-                .read()
-                .by_id
-                .iter()
-                .map(|h| (h.spec.name.clone(), h.counters.snapshot()))
-                .collect(),
+            hookpoints: self.inner.read().by_id.iter().map(|h| (h.spec.name.clone(), h.counters.snapshot())).collect(),
         }
     }
 }
@@ -203,13 +170,7 @@ mod tests {
     use ringscope_ring::DType;
 
     fn spec(name: &str) -> HookPointSpec {
-        HookPointSpec {
-            name: name.into(),
-            site: SiteKind::Residual,
-            layer: Some(1),
-            dtype: DType::F32,
-            row_width: 4,
-        }
+        HookPointSpec { name: name.into(), site: SiteKind::Residual, layer: Some(1), dtype: DType::F32, row_width: 4 }
     }
 
     #[test]
@@ -238,9 +199,7 @@ mod tests {
         assert!(!h.control.samples(8));
         assert!(h.control.set_every_n_steps(0).is_err());
         assert!(h.control.set_selection(RowSelection::Rows(vec![])).is_err());
-        h.control
-            .set_selection(RowSelection::LastPerRequest)
-            .unwrap();
+        h.control.set_selection(RowSelection::LastPerRequest).unwrap();
         assert_eq!(*h.control.selection(), RowSelection::LastPerRequest);
     }
 }

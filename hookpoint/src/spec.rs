@@ -68,32 +68,19 @@ impl HookPointSpec {
 
     /// Checks the spec: a non-empty printable name, a non-zero row width, a row size the format can carry.
     pub fn validate(&self) -> Result<(), HookPointError> {
-        let bad = |why: String| HookPointError::InvalidSpec {
-            name: self.name.clone(),
-            why,
-        };
+        let bad = |why: String| HookPointError::InvalidSpec { name: self.name.clone(), why };
         if self.name.is_empty() {
             return Err(bad("the name is empty".into()));
         }
-        if self.name.len() > 256
-            || self
-                .name
-                .chars()
-                .any(|c| c.is_control() || c == '/' || c == '=')
-        {
+        if self.name.len() > 256 || self.name.chars().any(|c| c.is_control() || c == '/' || c == '=') {
             return Err(bad("names must be at most 256 characters, without control characters, `/` or `=` (they become directory names)".into()));
         }
         if self.row_width == 0 {
-            return Err(bad(
-                "row_width is 0; it must be the number of elements per row (e.g. the hidden size)"
-                    .into(),
-            ));
+            return Err(bad("row_width is 0; it must be the number of elements per row (e.g. the hidden size)".into()));
         }
         let row_bytes = self.row_width as u64 * self.dtype.size() as u64;
         if row_bytes > MAX_ROW_BYTES {
-            return Err(bad(format!(
-                "a row of {row_bytes} bytes exceeds the {MAX_ROW_BYTES}-byte limit"
-            )));
+            return Err(bad(format!("a row of {row_bytes} bytes exceeds the {MAX_ROW_BYTES}-byte limit")));
         }
         if let SiteKind::Custom(label) = &self.site {
             if label.is_empty() {
@@ -122,12 +109,9 @@ mod tests {
     fn validation() {
         assert!(spec("layers.0.resid", 2048).validate().is_ok());
         assert_eq!(spec("x", 2048).row_bytes(), 4096);
-        for (name, width, needle) in [
-            ("", 8, "empty"),
-            ("a/b", 8, "`/`"),
-            ("ok", 0, "row_width is 0"),
-            ("huge", u32::MAX, "exceeds"),
-        ] {
+        for (name, width, needle) in
+            [("", 8, "empty"), ("a/b", 8, "`/`"), ("ok", 0, "row_width is 0"), ("huge", u32::MAX, "exceeds")]
+        {
             let err = spec(name, width).validate().unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");
         }

@@ -88,10 +88,7 @@ impl LossPolicy {
 
 impl Default for LossPolicy {
     fn default() -> Self {
-        LossPolicy {
-            mode: Mode::Full,
-            full_deadline: Duration::from_secs(5),
-        }
+        LossPolicy { mode: Mode::Full, full_deadline: Duration::from_secs(5) }
     }
 }
 
@@ -174,10 +171,7 @@ pub struct Tally {
 impl std::ops::Add for Tally {
     type Output = Tally;
     fn add(self, o: Tally) -> Tally {
-        Tally {
-            records: self.records + o.records,
-            rows: self.rows + o.rows,
-        }
+        Tally { records: self.records + o.records, rows: self.rows + o.rows }
     }
 }
 
@@ -194,10 +188,7 @@ impl AtomicTally {
     }
 
     fn load(&self) -> Tally {
-        Tally {
-            records: self.records.load(Ordering::Relaxed),
-            rows: self.rows.load(Ordering::Relaxed),
-        }
+        Tally { records: self.records.load(Ordering::Relaxed), rows: self.rows.load(Ordering::Relaxed) }
     }
 }
 
@@ -275,8 +266,7 @@ impl CounterSnapshot {
     /// Records produced that have no outcome yet (in the ring or in the drain). Zero after a clean shutdown.
     pub fn in_flight(&self) -> i128 {
         self.produced.records as i128
-            - (self.exported.records + self.dropped_total().records + self.sampled_out.records)
-                as i128
+            - (self.exported.records + self.dropped_total().records + self.sampled_out.records) as i128
     }
 
     /// Checks `produced = exported + dropped + sampled_out`, for records and for rows.
@@ -342,34 +332,15 @@ mod tests {
 
     #[test]
     fn policy_decisions() {
-        let full = LossPolicy {
-            mode: Mode::Full,
-            full_deadline: Duration::from_millis(250),
-        };
-        assert_eq!(
-            full.on_ring_full(),
-            OnFull::Wait(Duration::from_millis(250))
-        );
-        let best = LossPolicy {
-            mode: Mode::BestEffort,
-            full_deadline: Duration::ZERO,
-        };
+        let full = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_millis(250) };
+        assert_eq!(full.on_ring_full(), OnFull::Wait(Duration::from_millis(250)));
+        let best = LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO };
         assert_eq!(best.on_ring_full(), OnFull::Drop);
         assert_eq!(best.on_backlog_full(), OnFull::Drop);
-        assert_eq!(
-            full.on_backlog_full(),
-            OnFull::Wait(Duration::from_millis(500))
-        );
+        assert_eq!(full.on_backlog_full(), OnFull::Wait(Duration::from_millis(500)));
         assert!(best.validate().is_ok());
-        let bad = LossPolicy {
-            mode: Mode::Full,
-            full_deadline: Duration::ZERO,
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("full_deadline_ms"));
+        let bad = LossPolicy { mode: Mode::Full, full_deadline: Duration::ZERO };
+        assert!(bad.validate().unwrap_err().to_string().contains("full_deadline_ms"));
     }
 
     #[test]
@@ -382,28 +353,15 @@ mod tests {
         c.exported(4);
         c.dropped(DropReason::RingFull, 4);
         c.sampled_out(4);
-        let snap = AccountingSnapshot {
-            hookpoints: vec![("a".into(), c.snapshot())],
-        };
+        let snap = AccountingSnapshot { hookpoints: vec![("a".into(), c.snapshot())] };
         snap.check().unwrap();
-        assert_eq!(
-            snap.total().dropped_for(DropReason::RingFull),
-            Tally {
-                records: 1,
-                rows: 4
-            }
-        );
+        assert_eq!(snap.total().dropped_for(DropReason::RingFull), Tally { records: 1, rows: 4 });
         assert_eq!(snap.hookpoints[0].1.in_flight(), 0);
 
         c.produced(2);
-        let snap = AccountingSnapshot {
-            hookpoints: vec![("layers.0.resid".into(), c.snapshot())],
-        };
+        let snap = AccountingSnapshot { hookpoints: vec![("layers.0.resid".into(), c.snapshot())] };
         let err = snap.check().unwrap_err().to_string();
-        assert!(
-            err.contains("layers.0.resid") && err.contains("produced 4 records"),
-            "{err}"
-        );
+        assert!(err.contains("layers.0.resid") && err.contains("produced 4 records"), "{err}");
     }
 
     #[test]

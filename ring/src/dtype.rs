@@ -85,10 +85,7 @@ impl DType {
 
     /// Decodes an on-ring dtype code.
     pub fn from_code(code: u8) -> Result<DType, DecodeError> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.code() == code)
-            .ok_or(DecodeError::UnknownDType { code })
+        DType::ALL.into_iter().find(|d| d.code() == code).ok_or(DecodeError::UnknownDType { code })
     }
 }
 
@@ -122,10 +119,7 @@ impl FromStr for DType {
             "float8_e5m2" | "fp8_e5m2" => "f8e5m2",
             other => other,
         };
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name() == canonical)
-            .ok_or_else(|| UnknownDTypeName(s.to_owned()))
+        DType::ALL.into_iter().find(|d| d.name() == canonical).ok_or_else(|| UnknownDTypeName(s.to_owned()))
     }
 }
 

@@ -12,7 +12,9 @@ pub enum DecodeError {
         have: usize,
     },
     /// The first four bytes are not the record magic.
-    #[error("bad record magic {found:#010x} (expected {expected:#010x}): not a ringscope record or the ring is corrupted")]
+    #[error(
+        "bad record magic {found:#010x} (expected {expected:#010x}): not a ringscope record or the ring is corrupted"
+    )]
     BadMagic {
         /// The magic found.
         found: u32,
@@ -20,9 +22,7 @@ pub enum DecodeError {
         expected: u32,
     },
     /// The record was written by a format version this build does not read.
-    #[error(
-        "record format version {found} is not supported (this build reads version {supported})"
-    )]
+    #[error("record format version {found} is not supported (this build reads version {supported})")]
     UnsupportedVersion {
         /// The version in the header.
         found: u16,
@@ -30,7 +30,9 @@ pub enum DecodeError {
         supported: u16,
     },
     /// The header's checksum does not match its bytes.
-    #[error("record header check mismatch (stored {stored:#018x}, computed {computed:#018x}): the header is corrupted")]
+    #[error(
+        "record header check mismatch (stored {stored:#018x}, computed {computed:#018x}): the header is corrupted"
+    )]
     HeaderChecksum {
         /// Check value stored in the header.
         stored: u64,

@@ -26,8 +26,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::error::{DecodeError, ReserveError, RingError};
 use crate::record::{
-    align_up, flags, write_payload, RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta,
-    HEADER_LEN, RECORD_ALIGN,
+    align_up, flags, write_payload, RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta, HEADER_LEN, RECORD_ALIGN,
 };
 use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering, Shadow};
 
@@ -115,15 +114,10 @@ impl SpaceSignal {
 /// is [`Producer::max_payload_len`] (half the capacity, minus the header).
 pub fn channel(capacity: usize) -> Result<(Producer, Consumer), RingError> {
     if capacity < MIN_CAPACITY || capacity % CAPACITY_ALIGN != 0 {
-        return Err(RingError::InvalidCapacity {
-            capacity,
-            align: CAPACITY_ALIGN,
-            min: MIN_CAPACITY,
-        });
+        return Err(RingError::InvalidCapacity { capacity, align: CAPACITY_ALIGN, min: MIN_CAPACITY });
     }
-    let buf: Box<[UnsafeCell<Slot>]> = (0..capacity / RECORD_ALIGN)
-        .map(|_| UnsafeCell::new(Slot([0; RECORD_ALIGN])))
-        .collect();
+    let buf: Box<[UnsafeCell<Slot>]> =
+        (0..capacity / RECORD_ALIGN).map(|_| UnsafeCell::new(Slot([0; RECORD_ALIGN]))).collect();
     prefault(&buf);
     let shared = Arc::new(Shared {
         buf,
@@ -140,21 +134,8 @@ pub fn channel(capacity: usize) -> Result<(Producer, Consumer), RingError> {
             cond: parking_lot::Condvar::new(),
         },
     });
-    let producer = Producer {
-        shared: shared.clone(),
-        head: 0,
-        head_offset: 0,
-        cached_tail: 0,
-        next_seq: 0,
-    };
-    let consumer = Consumer {
-        shared,
-        read: 0,
-        read_offset: 0,
-        cached_head: 0,
-        pending: None,
-        expected_seq: 0,
-    };
+    let producer = Producer { shared: shared.clone(), head: 0, head_offset: 0, cached_tail: 0, next_seq: 0 };
+    let consumer = Consumer { shared, read: 0, read_offset: 0, cached_head: 0, pending: None, expected_seq: 0 };
     Ok((producer, consumer))
 }
 
@@ -207,10 +188,7 @@ impl Producer {
         meta.validate().map_err(ReserveError::InvalidRecord)?;
         let payload_len = meta.payload_len();
         if payload_len > self.max_payload_len() {
-            return Err(ReserveError::TooLarge {
-                payload_len,
-                max_payload_len: self.max_payload_len(),
-            });
+            return Err(ReserveError::TooLarge { payload_len, max_payload_len: self.max_payload_len() });
         }
         if !self.shared.consumer_alive.load(Ordering::Relaxed) {
             return Err(ReserveError::Disconnected);
@@ -218,11 +196,7 @@ impl Producer {
         let cap = self.shared.capacity;
         let footprint = align_up(HEADER_LEN + payload_len);
         let offset = self.head_offset;
-        let pad = if footprint <= cap - offset {
-            0
-        } else {
-            cap - offset
-        };
+        let pad = if footprint <= cap - offset { 0 } else { cap - offset };
         let needed = pad + footprint;
         let mut free = cap - (self.head - self.cached_tail) as usize;
         if needed > free {
@@ -242,20 +216,12 @@ impl Producer {
     /// `meta` is malformed (zero rows, zero-byte rows, ...).
     pub fn try_reserve(&mut self, meta: RecordMeta) -> Result<Reservation<'_>, ReserveError> {
         let pad = self.check_space(&meta)?;
-        Ok(Reservation {
-            producer: self,
-            pad,
-            meta,
-        })
+        Ok(Reservation { producer: self, pad, meta })
     }
 
     /// Reserves space for a data record, waiting for the drain to release space until `deadline` (full mode).
     #[cfg(not(loom))]
-    pub fn reserve_until(
-        &mut self,
-        meta: RecordMeta,
-        deadline: Instant,
-    ) -> Result<Reservation<'_>, ReserveError> {
+    pub fn reserve_until(&mut self, meta: RecordMeta, deadline: Instant) -> Result<Reservation<'_>, ReserveError> {
         let started = Instant::now();
         let backoff = crossbeam_utils::Backoff::new();
         let pad = loop {
@@ -264,11 +230,7 @@ impl Producer {
                     let now = Instant::now();
                     if now >= deadline {
                         let waited_ms = now.duration_since(started).as_millis() as u64;
-                        return Err(ReserveError::DeadlineExceeded {
-                            waited_ms,
-                            needed,
-                            free,
-                        });
+                        return Err(ReserveError::DeadlineExceeded { waited_ms, needed, free });
                     }
                     if !backoff.is_completed() {
                         backoff.snooze();
@@ -289,21 +251,12 @@ impl Producer {
                 other => break other?,
             }
         };
-        Ok(Reservation {
-            producer: self,
-            pad,
-            meta,
-        })
+        Ok(Reservation { producer: self, pad, meta })
     }
 
     /// Convenience: reserves (without waiting), writes the payload from `row_metas` and contiguous `rows`, publishes.
     /// Returns the record's sequence number.
-    pub fn try_push(
-        &mut self,
-        meta: RecordMeta,
-        row_metas: &[RowMeta],
-        rows: &[u8],
-    ) -> Result<u64, ReserveError> {
+    pub fn try_push(&mut self, meta: RecordMeta, row_metas: &[RowMeta], rows: &[u8]) -> Result<u64, ReserveError> {
         check_rows(&meta, row_metas, rows)?;
         let mut r = self.try_reserve(meta)?;
         r.write_rows(row_metas, rows);
@@ -314,15 +267,13 @@ impl Producer {
 fn check_rows(meta: &RecordMeta, row_metas: &[RowMeta], rows: &[u8]) -> Result<(), ReserveError> {
     let expect = meta.rows as usize * meta.row_bytes as usize;
     if row_metas.len() != meta.rows as usize || rows.len() != expect {
-        return Err(ReserveError::InvalidRecord(DecodeError::Inconsistent(
-            format!(
-                "{} row metadata entries and {} data bytes given for {} rows of {} bytes",
-                row_metas.len(),
-                rows.len(),
-                meta.rows,
-                meta.row_bytes
-            ),
-        )));
+        return Err(ReserveError::InvalidRecord(DecodeError::Inconsistent(format!(
+            "{} row metadata entries and {} data bytes given for {} rows of {} bytes",
+            row_metas.len(),
+            rows.len(),
+            meta.rows,
+            meta.row_bytes
+        ))));
     }
     Ok(())
 }
@@ -362,11 +313,7 @@ impl Reservation<'_> {
         // SAFETY: `check_space` proved `[head, head + pad + footprint)` free, so this range (inside it, and not
         // crossing the end of the buffer since records never wrap) belongs to the producer until `publish`; the
         // `&mut self` borrow makes the slice unique.
-        unsafe {
-            self.producer
-                .shared
-                .bytes_mut(offset, self.meta.payload_len())
-        }
+        unsafe { self.producer.shared.bytes_mut(offset, self.meta.payload_len()) }
     }
 
     /// Fills the payload from per-row metadata and `rows × row_bytes` contiguous bytes.
@@ -376,29 +323,15 @@ impl Reservation<'_> {
     pub fn write_rows(&mut self, row_metas: &[RowMeta], rows: &[u8]) {
         let meta = self.meta;
         let rb = meta.row_bytes as usize;
-        assert_eq!(
-            rows.len(),
-            meta.rows as usize * rb,
-            "row bytes do not match the record metadata"
-        );
-        assert_eq!(
-            row_metas.len(),
-            meta.rows as usize,
-            "row metadata count does not match the record metadata"
-        );
-        write_payload(self.payload_mut(), &meta, row_metas, |i, dst| {
-            dst.copy_from_slice(&rows[i * rb..(i + 1) * rb])
-        });
+        assert_eq!(rows.len(), meta.rows as usize * rb, "row bytes do not match the record metadata");
+        assert_eq!(row_metas.len(), meta.rows as usize, "row metadata count does not match the record metadata");
+        write_payload(self.payload_mut(), &meta, row_metas, |i, dst| dst.copy_from_slice(&rows[i * rb..(i + 1) * rb]));
     }
 
     /// Fills the payload by calling `row(i, dst)` for each row `i` after writing the row metadata.
     pub fn write_rows_with(&mut self, row_metas: &[RowMeta], row: impl FnMut(usize, &mut [u8])) {
         let meta = self.meta;
-        assert_eq!(
-            row_metas.len(),
-            meta.rows as usize,
-            "row metadata count does not match the record metadata"
-        );
+        assert_eq!(row_metas.len(), meta.rows as usize, "row metadata count does not match the record metadata");
         write_payload(self.payload_mut(), &meta, row_metas, row);
     }
 
@@ -411,11 +344,8 @@ impl Reservation<'_> {
             let pad_bytes = unsafe { self.producer.shared.bytes_mut(head_offset, HEADER_LEN) };
             pad_bytes.copy_from_slice(&RecordHeader::pad(self.pad).encode());
         }
-        let payload_crc = if self.meta.flags & flags::PAYLOAD_CRC != 0 {
-            crc32fast::hash(self.payload_mut())
-        } else {
-            0
-        };
+        let payload_crc =
+            if self.meta.flags & flags::PAYLOAD_CRC != 0 { crc32fast::hash(self.payload_mut()) } else { 0 };
         let seq = self.producer.next_seq;
         let header = RecordHeader {
             kind: RecordKind::Data,
@@ -497,10 +427,7 @@ impl Consumer {
                 continue;
             }
             if view.header.seq != self.expected_seq {
-                return Err(DecodeError::SequenceGap {
-                    expected: self.expected_seq,
-                    found: view.header.seq,
-                });
+                return Err(DecodeError::SequenceGap { expected: self.expected_seq, found: view.header.seq });
             }
             self.pending = Some(footprint);
             return Ok(Some(view));
@@ -529,10 +456,7 @@ impl Consumer {
     }
 
     /// Reads the next record with `f`, then advances and releases it. `Ok(None)` when nothing is published.
-    pub fn pop_with<R>(
-        &mut self,
-        f: impl FnOnce(RecordView<'_>) -> R,
-    ) -> Result<Option<R>, DecodeError> {
+    pub fn pop_with<R>(&mut self, f: impl FnOnce(RecordView<'_>) -> R) -> Result<Option<R>, DecodeError> {
         let out = match self.peek()? {
             Some(view) => f(view),
             None => return Ok(None),
@@ -552,8 +476,7 @@ impl Consumer {
 
     /// Bytes published and not yet released.
     pub fn used_bytes(&self) -> usize {
-        (self.shared.head.load(Ordering::Acquire) - self.shared.tail.load(Ordering::Acquire))
-            as usize
+        (self.shared.head.load(Ordering::Acquire) - self.shared.tail.load(Ordering::Acquire)) as usize
     }
 }
 
@@ -575,33 +498,17 @@ mod tests {
     use std::time::Duration;
 
     fn meta(rows: u32, row_bytes: u32, step: u64) -> RecordMeta {
-        RecordMeta {
-            step,
-            hookpoint: 0,
-            rows,
-            row_bytes,
-            dtype: DType::U8,
-            flags: 0,
-        }
+        RecordMeta { step, hookpoint: 0, rows, row_bytes, dtype: DType::U8, flags: 0 }
     }
 
     fn metas(n: u32) -> Vec<RowMeta> {
-        (0..n)
-            .map(|i| RowMeta {
-                request_id: i as u64,
-                position: i,
-                batch_row: i,
-            })
-            .collect()
+        (0..n).map(|i| RowMeta { request_id: i as u64, position: i, batch_row: i }).collect()
     }
 
     #[test]
     fn capacity_is_checked() {
         assert!(matches!(channel(0), Err(RingError::InvalidCapacity { .. })));
-        assert!(matches!(
-            channel(1000),
-            Err(RingError::InvalidCapacity { .. })
-        ));
+        assert!(matches!(channel(1000), Err(RingError::InvalidCapacity { .. })));
         assert!(channel(1024).is_ok());
     }
 
@@ -612,30 +519,15 @@ mod tests {
         assert_eq!(p.max_payload_len(), 448);
         assert!(p.try_push(meta(1, 384, 0), &metas(1), &[7; 384]).is_ok());
         let err = p.try_reserve(meta(1, 385, 0)).err().unwrap();
-        assert!(
-            matches!(
-                err,
-                ReserveError::TooLarge {
-                    payload_len: 449,
-                    max_payload_len: 448
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, ReserveError::TooLarge { payload_len: 449, max_payload_len: 448 }), "{err}");
         assert!(err.to_string().contains("raise the ring capacity"));
     }
 
     #[test]
     fn invalid_meta_is_an_error() {
         let (mut p, _c) = channel(1024).unwrap();
-        assert!(matches!(
-            p.try_reserve(meta(0, 8, 0)),
-            Err(ReserveError::InvalidRecord(_))
-        ));
-        assert!(matches!(
-            p.try_reserve(meta(1, 0, 0)),
-            Err(ReserveError::InvalidRecord(_))
-        ));
+        assert!(matches!(p.try_reserve(meta(0, 8, 0)), Err(ReserveError::InvalidRecord(_))));
+        assert!(matches!(p.try_reserve(meta(1, 0, 0)), Err(ReserveError::InvalidRecord(_))));
         let bad_len = p.try_push(meta(2, 8, 0), &metas(2), &[0; 15]);
         assert!(matches!(bad_len, Err(ReserveError::InvalidRecord(_))));
     }
@@ -645,17 +537,10 @@ mod tests {
         let (mut p, mut c) = channel(1024).unwrap();
         // Footprint of a 1-row, 64-byte record: 64 header + 64 meta + 64 data = 192.
         for i in 0..5 {
-            p.try_push(meta(1, 64, i), &metas(1), &[i as u8; 64])
-                .unwrap();
+            p.try_push(meta(1, 64, i), &metas(1), &[i as u8; 64]).unwrap();
         }
         // 64 bytes left before the end: the record needs a 64-byte pad plus its 192 bytes.
-        assert!(matches!(
-            p.try_reserve(meta(1, 64, 5)),
-            Err(ReserveError::Full {
-                needed: 256,
-                free: 64
-            })
-        ));
+        assert!(matches!(p.try_reserve(meta(1, 64, 5)), Err(ReserveError::Full { needed: 256, free: 64 })));
         for i in 0..3 {
             let step = c.pop_with(|r| r.header.meta.step).unwrap().unwrap();
             assert_eq!(step, i);
@@ -663,10 +548,7 @@ mod tests {
         // Head at 960: 64 bytes to the end, so the next record pads and wraps to offset 0.
         p.try_push(meta(1, 64, 5), &metas(1), &[5; 64]).unwrap();
         let mut seen = vec![];
-        while let Some((step, seq, byte)) = c
-            .pop_with(|r| (r.header.meta.step, r.header.seq, r.row(0)[0]))
-            .unwrap()
-        {
+        while let Some((step, seq, byte)) = c.pop_with(|r| (r.header.meta.step, r.header.seq, r.row(0)[0])).unwrap() {
             seen.push((step, seq, byte));
         }
         assert_eq!(seen, vec![(3, 3, 3), (4, 4, 4), (5, 5, 5)]);
@@ -692,14 +574,8 @@ mod tests {
             p.try_push(meta(1, 64, i), &metas(1), &[0; 64]).unwrap();
         }
         let started = Instant::now();
-        let err = p
-            .reserve_until(meta(1, 64, 9), Instant::now() + Duration::from_millis(30))
-            .err()
-            .unwrap();
-        assert!(
-            matches!(err, ReserveError::DeadlineExceeded { .. }),
-            "{err}"
-        );
+        let err = p.reserve_until(meta(1, 64, 9), Instant::now() + Duration::from_millis(30)).err().unwrap();
+        assert!(matches!(err, ReserveError::DeadlineExceeded { .. }), "{err}");
         assert!(started.elapsed() >= Duration::from_millis(30));
 
         let drain = std::thread::spawn(move || {
@@ -709,9 +585,7 @@ mod tests {
             }
             c
         });
-        let mut r = p
-            .reserve_until(meta(1, 64, 9), Instant::now() + Duration::from_secs(30))
-            .unwrap();
+        let mut r = p.reserve_until(meta(1, 64, 9), Instant::now() + Duration::from_secs(30)).unwrap();
         r.write_rows(&metas(1), &[9; 64]);
         assert_eq!(r.publish(), 5);
         let mut c = drain.join().unwrap();
@@ -728,10 +602,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             drop(c);
         });
-        let err = p
-            .reserve_until(meta(1, 64, 9), Instant::now() + Duration::from_secs(60))
-            .err()
-            .unwrap();
+        let err = p.reserve_until(meta(1, 64, 9), Instant::now() + Duration::from_secs(60)).err().unwrap();
         assert_eq!(err, ReserveError::Disconnected);
         dropper.join().unwrap();
     }
@@ -749,10 +620,7 @@ mod tests {
     #[test]
     fn payload_crc_is_written_and_checked() {
         let (mut p, mut c) = channel(1024).unwrap();
-        let m = RecordMeta {
-            flags: flags::PAYLOAD_CRC,
-            ..meta(2, 8, 0)
-        };
+        let m = RecordMeta { flags: flags::PAYLOAD_CRC, ..meta(2, 8, 0) };
         p.try_push(m, &metas(2), &[3; 16]).unwrap();
         let crc = c.pop_with(|r| r.header.payload_crc).unwrap().unwrap();
         assert_ne!(crc, 0);

@@ -138,9 +138,7 @@ impl RecordMeta {
     /// Checks the fields a producer controls; the same rules the decoder enforces.
     pub fn validate(&self) -> Result<(), DecodeError> {
         if self.rows == 0 {
-            return Err(DecodeError::Inconsistent(
-                "a data record needs at least one row".into(),
-            ));
+            return Err(DecodeError::Inconsistent("a data record needs at least one row".into()));
         }
         if self.row_bytes == 0 {
             return Err(DecodeError::Inconsistent("row_bytes is 0".into()));
@@ -154,10 +152,7 @@ impl RecordMeta {
             )));
         }
         if self.flags & !flags::KNOWN != 0 {
-            return Err(DecodeError::Inconsistent(format!(
-                "unknown flag bits {:#06x}",
-                self.flags & !flags::KNOWN
-            )));
+            return Err(DecodeError::Inconsistent(format!("unknown flag bits {:#06x}", self.flags & !flags::KNOWN)));
         }
         Ok(())
     }
@@ -189,14 +184,7 @@ impl RecordHeader {
         RecordHeader {
             kind: RecordKind::Pad,
             seq: 0,
-            meta: RecordMeta {
-                step: 0,
-                hookpoint: 0,
-                rows: 0,
-                row_bytes: 0,
-                dtype: DType::U8,
-                flags: 0,
-            },
+            meta: RecordMeta { step: 0, hookpoint: 0, rows: 0, row_bytes: 0, dtype: DType::U8, flags: 0 },
             payload_len: (footprint - HEADER_LEN) as u64,
             payload_crc: 0,
         }
@@ -229,27 +217,18 @@ impl RecordHeader {
         let h: &[u8; HEADER_LEN] = bytes
             .get(..HEADER_LEN)
             .and_then(|s| s.try_into().ok())
-            .ok_or(DecodeError::Truncated {
-                need: HEADER_LEN,
-                have: bytes.len(),
-            })?;
+            .ok_or(DecodeError::Truncated { need: HEADER_LEN, have: bytes.len() })?;
         let u16_at = |o: usize| u16::from_le_bytes([h[o], h[o + 1]]);
         let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().expect("8 bytes"));
 
         let magic = u32_at(0);
         if magic != MAGIC {
-            return Err(DecodeError::BadMagic {
-                found: magic,
-                expected: MAGIC,
-            });
+            return Err(DecodeError::BadMagic { found: magic, expected: MAGIC });
         }
         let version = u16_at(4);
         if version != FORMAT_VERSION {
-            return Err(DecodeError::UnsupportedVersion {
-                found: version,
-                supported: FORMAT_VERSION,
-            });
+            return Err(DecodeError::UnsupportedVersion { found: version, supported: FORMAT_VERSION });
         }
         let stored = u64_at(56);
         let computed = header_check(h);
@@ -257,24 +236,17 @@ impl RecordHeader {
             return Err(DecodeError::HeaderChecksum { stored, computed });
         }
         if u16_at(6) as usize != HEADER_LEN {
-            return Err(DecodeError::Inconsistent(format!(
-                "header_len {} (expected {HEADER_LEN})",
-                u16_at(6)
-            )));
+            return Err(DecodeError::Inconsistent(format!("header_len {} (expected {HEADER_LEN})", u16_at(6))));
         }
         if u32_at(52) != 0 {
-            return Err(DecodeError::Inconsistent(
-                "reserved header bytes are not zero".into(),
-            ));
+            return Err(DecodeError::Inconsistent("reserved header bytes are not zero".into()));
         }
         let kind = RecordKind::from_code(h[36])?;
         let payload_len = u64_at(40);
         let header = match kind {
             RecordKind::Pad => {
                 if payload_len % RECORD_ALIGN as u64 != 0 {
-                    return Err(DecodeError::Inconsistent(format!(
-                        "pad length {payload_len} is not aligned"
-                    )));
+                    return Err(DecodeError::Inconsistent(format!("pad length {payload_len} is not aligned")));
                 }
                 RecordHeader::pad(HEADER_LEN + payload_len as usize)
             }
@@ -298,17 +270,9 @@ impl RecordHeader {
                 }
                 let payload_crc = u32_at(48);
                 if meta.flags & flags::PAYLOAD_CRC == 0 && payload_crc != 0 {
-                    return Err(DecodeError::Inconsistent(
-                        "payload_crc set without the PAYLOAD_CRC flag".into(),
-                    ));
+                    return Err(DecodeError::Inconsistent("payload_crc set without the PAYLOAD_CRC flag".into()));
                 }
-                RecordHeader {
-                    kind,
-                    seq: u64_at(8),
-                    meta,
-                    payload_len,
-                    payload_crc,
-                }
+                RecordHeader { kind, seq: u64_at(8), meta, payload_len, payload_crc }
             }
         };
         Ok(header)
@@ -331,27 +295,14 @@ impl<'a> RecordView<'a> {
         let header = RecordHeader::decode(bytes)?;
         let footprint = header.footprint();
         if header.kind == RecordKind::Pad {
-            return Ok((
-                RecordView {
-                    header,
-                    payload: &[],
-                },
-                footprint,
-            ));
+            return Ok((RecordView { header, payload: &[] }, footprint));
         }
         let end = HEADER_LEN + header.payload_len as usize;
-        let payload = bytes.get(HEADER_LEN..end).ok_or(DecodeError::Truncated {
-            need: end,
-            have: bytes.len(),
-        })?;
+        let payload = bytes.get(HEADER_LEN..end).ok_or(DecodeError::Truncated { need: end, have: bytes.len() })?;
         if header.meta.flags & flags::PAYLOAD_CRC != 0 {
             let computed = crc32fast::hash(payload);
             if computed != header.payload_crc {
-                return Err(DecodeError::PayloadChecksum {
-                    seq: header.seq,
-                    stored: header.payload_crc,
-                    computed,
-                });
+                return Err(DecodeError::PayloadChecksum { seq: header.seq, stored: header.payload_crc, computed });
             }
         }
         Ok((RecordView { header, payload }, footprint))
@@ -367,17 +318,9 @@ impl<'a> RecordView<'a> {
     /// # Panics
     /// If `i >= self.rows()`.
     pub fn row_meta(&self, i: usize) -> RowMeta {
-        assert!(
-            i < self.rows(),
-            "row {i} out of range for a record of {} rows",
-            self.rows()
-        );
+        assert!(i < self.rows(), "row {i} out of range for a record of {} rows", self.rows());
         let off = i * ROW_META_LEN;
-        RowMeta::read_from(
-            self.payload[off..off + ROW_META_LEN]
-                .try_into()
-                .expect("16 bytes"),
-        )
+        RowMeta::read_from(self.payload[off..off + ROW_META_LEN].try_into().expect("16 bytes"))
     }
 
     /// Metadata of every row, in row order.
@@ -385,11 +328,7 @@ impl<'a> RecordView<'a> {
         let payload = self.payload;
         (0..self.rows()).map(move |i| {
             let off = i * ROW_META_LEN;
-            RowMeta::read_from(
-                payload[off..off + ROW_META_LEN]
-                    .try_into()
-                    .expect("16 bytes"),
-            )
+            RowMeta::read_from(payload[off..off + ROW_META_LEN].try_into().expect("16 bytes"))
         })
     }
 
@@ -431,10 +370,7 @@ pub fn write_payload(
         m.write_to(out.try_into().expect("16 bytes"));
     }
     pad.fill(0);
-    for (i, out) in data_part
-        .chunks_exact_mut(meta.row_bytes as usize)
-        .enumerate()
-    {
+    for (i, out) in data_part.chunks_exact_mut(meta.row_bytes as usize).enumerate() {
         row(i, out);
     }
 }
@@ -445,24 +381,16 @@ pub fn encode_record(seq: u64, meta: &RecordMeta, row_metas: &[RowMeta], rows: &
     let payload_len = meta.payload_len();
     let mut out = vec![0u8; align_up(HEADER_LEN + payload_len)];
     let rb = meta.row_bytes as usize;
-    write_payload(
-        &mut out[HEADER_LEN..HEADER_LEN + payload_len],
-        meta,
-        row_metas,
-        |i, dst| dst.copy_from_slice(&rows[i * rb..(i + 1) * rb]),
-    );
+    write_payload(&mut out[HEADER_LEN..HEADER_LEN + payload_len], meta, row_metas, |i, dst| {
+        dst.copy_from_slice(&rows[i * rb..(i + 1) * rb])
+    });
     let payload_crc = if meta.flags & flags::PAYLOAD_CRC != 0 {
         crc32fast::hash(&out[HEADER_LEN..HEADER_LEN + payload_len])
     } else {
         0
     };
-    let header = RecordHeader {
-        kind: RecordKind::Data,
-        seq,
-        meta: *meta,
-        payload_len: payload_len as u64,
-        payload_crc,
-    };
+    let header =
+        RecordHeader { kind: RecordKind::Data, seq, meta: *meta, payload_len: payload_len as u64, payload_crc };
     out[..HEADER_LEN].copy_from_slice(&header.encode());
     out
 }
@@ -473,14 +401,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn arb_meta() -> impl Strategy<Value = RecordMeta> {
-        (
-            any::<u64>(),
-            any::<u32>(),
-            1u32..9,
-            1u32..65,
-            prop::sample::select(DType::ALL.to_vec()),
-            any::<bool>(),
-        )
+        (any::<u64>(), any::<u32>(), 1u32..9, 1u32..65, prop::sample::select(DType::ALL.to_vec()), any::<bool>())
             .prop_map(|(step, hookpoint, rows, elems, dtype, crc)| RecordMeta {
                 step,
                 hookpoint,
@@ -495,13 +416,11 @@ mod tests {
         (any::<u64>(), arb_meta()).prop_flat_map(|(seq, meta)| {
             let n = meta.rows as usize;
             let metas = prop::collection::vec(
-                (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(
-                    |(request_id, position, batch_row)| RowMeta {
-                        request_id,
-                        position,
-                        batch_row,
-                    },
-                ),
+                (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(|(request_id, position, batch_row)| RowMeta {
+                    request_id,
+                    position,
+                    batch_row,
+                }),
                 n,
             );
             let data = prop::collection::vec(any::<u8>(), n * meta.row_bytes as usize);
@@ -578,25 +497,10 @@ mod tests {
 
     #[test]
     fn layout_is_stable() {
-        let meta = RecordMeta {
-            step: 7,
-            hookpoint: 3,
-            rows: 2,
-            row_bytes: 8,
-            dtype: DType::BF16,
-            flags: 0,
-        };
+        let meta = RecordMeta { step: 7, hookpoint: 3, rows: 2, row_bytes: 8, dtype: DType::BF16, flags: 0 };
         let metas = [
-            RowMeta {
-                request_id: 11,
-                position: 5,
-                batch_row: 0,
-            },
-            RowMeta {
-                request_id: 12,
-                position: 9,
-                batch_row: 1,
-            },
+            RowMeta { request_id: 11, position: 5, batch_row: 0 },
+            RowMeta { request_id: 12, position: 9, batch_row: 1 },
         ];
         let rows: Vec<u8> = (0..16).collect();
         let bytes = encode_record(42, &meta, &metas, &rows);

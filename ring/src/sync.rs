@@ -28,9 +28,7 @@ impl Shadow {
     pub(crate) fn new(_capacity: usize) -> Self {
         Shadow {
             #[cfg(loom)]
-            cells: (0.._capacity / RECORD_ALIGN)
-                .map(|_| loom::cell::UnsafeCell::new(()))
-                .collect(),
+            cells: (0.._capacity / RECORD_ALIGN).map(|_| loom::cell::UnsafeCell::new(())).collect(),
         }
     }
 

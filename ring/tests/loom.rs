@@ -9,14 +9,7 @@ use ringscope_ring::record::RowMeta;
 use ringscope_ring::{channel, DType, RecordMeta, ReserveError};
 
 fn meta(step: u64, row_bytes: u32) -> RecordMeta {
-    RecordMeta {
-        step,
-        hookpoint: 0,
-        rows: 1,
-        row_bytes,
-        dtype: DType::U8,
-        flags: 0,
-    }
+    RecordMeta { step, hookpoint: 0, rows: 1, row_bytes, dtype: DType::U8, flags: 0 }
 }
 
 fn run(records: u64, capacity: usize) {
@@ -27,11 +20,7 @@ fn run(records: u64, capacity: usize) {
                 // Vary the size so that records wrap at different offsets.
                 let row_bytes = if i % 2 == 0 { 8 } else { 56 };
                 let data = vec![i as u8 + 1; row_bytes as usize];
-                let row = [RowMeta {
-                    request_id: i,
-                    position: i as u32,
-                    batch_row: 0,
-                }];
+                let row = [RowMeta { request_id: i, position: i as u32, batch_row: 0 }];
                 loop {
                     match producer.try_push(meta(i, row_bytes), &row, &data) {
                         Ok(seq) => {

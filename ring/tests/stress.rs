@@ -46,19 +46,8 @@ fn million_records_random_sizes_every_byte_checked() {
             let (rows, row_bytes) = record(i, &mut data);
             let crc = crc32fast::hash(&data);
             metas.clear();
-            metas.extend((0..rows).map(|r| RowMeta {
-                request_id: crc as u64,
-                position: r,
-                batch_row: r,
-            }));
-            let meta = RecordMeta {
-                step: i,
-                hookpoint: (i % 7) as u32,
-                rows,
-                row_bytes,
-                dtype: DType::U8,
-                flags: 0,
-            };
+            metas.extend((0..rows).map(|r| RowMeta { request_id: crc as u64, position: r, batch_row: r }));
+            let meta = RecordMeta { step: i, hookpoint: (i % 7) as u32, rows, row_bytes, dtype: DType::U8, flags: 0 };
             // Alternate the non-waiting and the waiting reservation paths.
             let mut reservation = loop {
                 if i % 2 == 0 {
@@ -72,9 +61,7 @@ fn million_records_random_sizes_every_byte_checked() {
                     }
                 } else {
                     let deadline = Instant::now() + Duration::from_secs(60);
-                    break producer
-                        .reserve_until(meta, deadline)
-                        .unwrap_or_else(|e| panic!("record {i}: {e}"));
+                    break producer.reserve_until(meta, deadline).unwrap_or_else(|e| panic!("record {i}: {e}"));
                 }
             };
             reservation.write_rows(&metas, &data);
@@ -93,23 +80,13 @@ fn million_records_random_sizes_every_byte_checked() {
             assert_eq!(h.seq, received, "sequence numbers must be contiguous");
             assert_eq!(h.meta.step, received);
             let (rows, row_bytes) = record(received, &mut expected);
-            assert_eq!(
-                (h.meta.rows, h.meta.row_bytes),
-                (rows, row_bytes),
-                "record {received} shape"
-            );
+            assert_eq!((h.meta.rows, h.meta.row_bytes), (rows, row_bytes), "record {received} shape");
             let crc = crc32fast::hash(view.data());
             for (r, m) in view.row_metas().enumerate() {
-                assert_eq!(
-                    m.request_id, crc as u64,
-                    "record {received} row {r}: checksum mismatch"
-                );
+                assert_eq!(m.request_id, crc as u64, "record {received} row {r}: checksum mismatch");
                 assert_eq!((m.position, m.batch_row), (r as u32, r as u32));
             }
-            assert!(
-                view.data() == &expected[..],
-                "record {received}: bytes differ"
-            );
+            assert!(view.data() == &expected[..], "record {received}: bytes differ");
             bytes += view.data().len() as u64;
             consumer.advance();
             received += 1;
@@ -128,7 +105,5 @@ fn million_records_random_sizes_every_byte_checked() {
     let waits = producer_thread.join().unwrap();
     assert!(consumer.is_finished());
     assert!(consumer.peek().unwrap().is_none());
-    eprintln!(
-        "{RECORDS} records, {bytes} payload bytes, producer found the ring full {waits} times"
-    );
+    eprintln!("{RECORDS} records, {bytes} payload bytes, producer found the ring full {waits} times");
 }

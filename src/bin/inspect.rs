@@ -51,10 +51,7 @@ fn main() -> ExitCode {
     let files = match data_files(&args.run_dir) {
         Ok(f) if !f.is_empty() => f,
         Ok(_) => {
-            eprintln!(
-                "inspect: no part-*.parquet or part-*.arrow files under {}",
-                args.run_dir.display()
-            );
+            eprintln!("inspect: no part-*.parquet or part-*.arrow files under {}", args.run_dir.display());
             return ExitCode::from(2);
         }
         Err(e) => {
@@ -66,15 +63,10 @@ fn main() -> ExitCode {
     // Keyed by (format, hookpoint): each file sink writes a complete copy of the stream.
     let mut parts: BTreeMap<(String, String), Partition> = BTreeMap::new();
     for path in &files {
-        let format = path
-            .extension()
-            .map(|e| e.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let format = path.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default();
         match read_file(path, args.verify) {
             Ok(summary) => {
-                let p = parts
-                    .entry((format, summary.hookpoint.clone()))
-                    .or_default();
+                let p = parts.entry((format, summary.hookpoint.clone())).or_default();
                 p.files += 1;
                 p.layer = p.layer.or(summary.layer);
                 p.rows += summary.rows;
@@ -117,18 +109,12 @@ fn main() -> ExitCode {
         "sampled"
     );
     for ((format, hookpoint), p) in &parts {
-        let acc = p
-            .accounting
-            .as_ref()
-            .map(|(_, v)| v.clone())
-            .unwrap_or(Value::Null);
+        let acc = p.accounting.as_ref().map(|(_, v)| v.clone()).unwrap_or(Value::Null);
         let rows_of = |v: &Value| v["rows"].as_u64().unwrap_or(0);
         let produced = rows_of(&acc["produced"]);
         let exported = rows_of(&acc["exported"]);
         let sampled = rows_of(&acc["sampled_out"]);
-        let dropped: u64 = acc["dropped"]
-            .as_object()
-            .map_or(0, |m| m.values().map(rows_of).sum());
+        let dropped: u64 = acc["dropped"].as_object().map_or(0, |m| m.values().map(rows_of).sum());
         let steps = p.steps.map_or("-".into(), |(a, b)| format!("{a}..{b}"));
         let layer = p.layer.map_or("-".into(), |l| l.to_string());
         println!(
@@ -139,9 +125,7 @@ fn main() -> ExitCode {
             p.bytes as f64 / 1048576.0
         );
         if acc.is_null() {
-            problems.push(format!(
-                "{format} {hookpoint}: no accounting in the file metadata"
-            ));
+            problems.push(format!("{format} {hookpoint}: no accounting in the file metadata"));
             continue;
         }
         if produced != exported + dropped + sampled {
@@ -150,10 +134,7 @@ fn main() -> ExitCode {
             ));
         }
         if p.rows != exported {
-            problems.push(format!(
-                "{format} {hookpoint}: {} rows on disk but {exported} exported",
-                p.rows
-            ));
+            problems.push(format!("{format} {hookpoint}: {} rows on disk but {exported} exported", p.rows));
         }
     }
     if problems.is_empty() {
@@ -173,19 +154,14 @@ fn data_files(run: &Path) -> std::io::Result<Vec<PathBuf>> {
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
-            let name = path
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            if name.starts_with('.') || name.starts_with('_') {
-                continue; // in-progress files and the manifest
+            let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+            // Skip in-progress files and the manifests; descend into `_arrow_ipc/`.
+            if name.starts_with('.') || (name.starts_with('_') && !path.is_dir()) {
+                continue;
             }
             if path.is_dir() {
                 stack.push(path);
-            } else if name.starts_with("part-")
-                && (name.ends_with(".parquet") || name.ends_with(".arrow"))
-            {
+            } else if name.starts_with("part-") && (name.ends_with(".parquet") || name.ends_with(".arrow")) {
                 out.push(path);
             }
         }
@@ -207,64 +183,40 @@ struct FileSummary {
 
 fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
     let file = File::open(path).map_err(|e| e.to_string())?;
-    let (kv, batches): (BTreeMap<String, String>, Vec<RecordBatch>) = if path
-        .extension()
-        .is_some_and(|e| e == "parquet")
-    {
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
-        let kv = builder
-            .metadata()
-            .file_metadata()
-            .key_value_metadata()
-            .map(|m| {
-                m.iter()
-                    .map(|kv| (kv.key.clone(), kv.value.clone().unwrap_or_default()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let schema = builder.parquet_schema();
-        let wanted: Vec<usize> = (0..schema.num_columns())
-            .filter(|&i| {
-                let name = schema.column(i).path().parts()[0].clone();
-                name == "step" || name == "request_id" || (verify && name == "activation")
-            })
-            .collect();
-        let mask = ProjectionMask::leaves(schema, wanted);
-        let reader = builder
-            .with_projection(mask)
-            .build()
-            .map_err(|e| e.to_string())?;
-        let batches = reader
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        (kv, batches)
-    } else {
-        // SAFETY: a committed dump file is not modified while it is read; a concurrent writer would only make
-        // the decode below fail, which is reported as unreadable.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
-        let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None)
-            .map_err(|e| e.to_string())?;
-        let kv = reader
-            .custom_metadata()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        let batches = reader
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        (kv, batches)
-    };
-    let get = |k: &str| {
-        kv.get(k)
-            .cloned()
-            .ok_or_else(|| format!("metadata key {k} missing"))
-    };
+    let (kv, batches): (BTreeMap<String, String>, Vec<RecordBatch>) =
+        if path.extension().is_some_and(|e| e == "parquet") {
+            let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
+            let kv = builder
+                .metadata()
+                .file_metadata()
+                .key_value_metadata()
+                .map(|m| m.iter().map(|kv| (kv.key.clone(), kv.value.clone().unwrap_or_default())).collect())
+                .unwrap_or_default();
+            let schema = builder.parquet_schema();
+            let wanted: Vec<usize> = (0..schema.num_columns())
+                .filter(|&i| {
+                    let name = schema.column(i).path().parts()[0].clone();
+                    name == "step" || name == "request_id" || (verify && name == "activation")
+                })
+                .collect();
+            let mask = ProjectionMask::leaves(schema, wanted);
+            let reader = builder.with_projection(mask).build().map_err(|e| e.to_string())?;
+            let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+            (kv, batches)
+        } else {
+            // SAFETY: a committed dump file is not modified while it is read; a concurrent writer would only make
+            // the decode below fail, which is reported as unreadable.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
+            let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None)
+                .map_err(|e| e.to_string())?;
+            let kv = reader.custom_metadata().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+            (kv, batches)
+        };
+    let get = |k: &str| kv.get(k).cloned().ok_or_else(|| format!("metadata key {k} missing"));
     let row_bytes: u64 = {
-        let shape: Vec<u64> =
-            serde_json::from_str(&get("ringscope.shape")?).map_err(|e| e.to_string())?;
-        let dtype = get("ringscope.dtype")?
-            .parse::<ringscope::DType>()
-            .map_err(|e| e.to_string())?;
+        let shape: Vec<u64> = serde_json::from_str(&get("ringscope.shape")?).map_err(|e| e.to_string())?;
+        let dtype = get("ringscope.dtype")?.parse::<ringscope::DType>().map_err(|e| e.to_string())?;
         shape.iter().product::<u64>() * dtype.size() as u64
     };
     let mut rows = 0;
@@ -283,9 +235,7 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
         }
         requests.extend(col("request_id")?.values().iter().copied());
         if verify {
-            let act = b
-                .column_by_name("activation")
-                .ok_or("column activation missing")?;
+            let act = b.column_by_name("activation").ok_or("column activation missing")?;
             if act.len() != b.num_rows() || act.null_count() != 0 {
                 return Err("activation column is incomplete".into());
             }
@@ -295,13 +245,10 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
         hookpoint: get("ringscope.hookpoint")?,
         layer: kv.get("ringscope.layer").and_then(|l| l.parse().ok()),
         rows,
-        file_rows: get("ringscope.file_rows")?
-            .parse()
-            .map_err(|e: std::num::ParseIntError| e.to_string())?,
+        file_rows: get("ringscope.file_rows")?.parse().map_err(|e: std::num::ParseIntError| e.to_string())?,
         bytes: rows * row_bytes,
         steps,
         requests,
-        accounting: serde_json::from_str(&get("ringscope.accounting")?)
-            .map_err(|e| e.to_string())?,
+        accounting: serde_json::from_str(&get("ringscope.accounting")?).map_err(|e| e.to_string())?,
     })
 }

@@ -1,0 +1,112 @@
+//! Parquet sink throughput against raw zstd of the same bytes, measured in the same run, on one core.
+//!
+//! `cargo bench --bench parquet_sink` — results in docs/benchmarks.md.
+//!
+//! Data: 8192 token rows of a synthetic 2048-wide bf16 residual stream (32 MiB), in records of 32 rows (a decode
+//! step at batch 32), finite values like real activations. Compared, per iteration, on the same bytes:
+//! - `zstd1_bulk`: `zstd::bulk::compress` of the whole 32 MiB at level 1 (the ceiling: no framing, one call);
+//! - `zstd1_pages`: the same in 1 MiB chunks (Parquet compresses page by page);
+//! - `parquet_sink`: ringscope's Parquet sink taking the 256 records and closing the file (encode, compress,
+//!   write, fsync, rename).
+#![allow(missing_docs)] // criterion_group! generates an undocumented pub fn.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use ringscope::exporter::{parquet_sink, DatasetOptions, Record, Sink};
+use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
+use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
+use ringscope::ring::{DType, RecordView};
+use ringscope::synthetic::fill_layer;
+
+const ROWS: usize = 8192;
+const WIDTH: u32 = 2048;
+const PER_RECORD: usize = 32;
+
+fn records(registry: &Registry) -> (Vec<Record>, Vec<u8>) {
+    let hp = registry
+        .register(HookPointSpec {
+            name: "layers.7.resid".into(),
+            site: SiteKind::Residual,
+            layer: Some(7),
+            dtype: DType::BF16,
+            row_width: WIDTH,
+        })
+        .unwrap();
+    let mut all = Vec::new();
+    let mut records = Vec::new();
+    let mut buf = Vec::new();
+    for r in 0..ROWS / PER_RECORD {
+        let rows: Vec<(u64, u32)> = (0..PER_RECORD).map(|i| (i as u64, r as u32)).collect();
+        fill_layer(7, 7, WIDTH, &rows, &mut buf);
+        all.extend_from_slice(&buf);
+        let meta = RecordMeta {
+            step: r as u64,
+            hookpoint: hp.id,
+            rows: PER_RECORD as u32,
+            row_bytes: WIDTH * 2,
+            dtype: DType::BF16,
+            flags: 0,
+        };
+        let metas: Vec<RowMeta> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, &(q, p))| RowMeta { request_id: q, position: p, batch_row: i as u32 })
+            .collect();
+        let bytes = encode_record(r as u64, &meta, &metas, &buf);
+        let (view, _) = RecordView::decode(&bytes).unwrap();
+        records.push(Record::copy_from(&view, Arc::clone(&hp)));
+    }
+    (records, all)
+}
+
+fn bench(c: &mut Criterion) {
+    let registry = Registry::new();
+    let (records, bytes) = records(&registry);
+    let dir = std::env::temp_dir().join(format!("ringscope-bench-{}", std::process::id()));
+    let mut group = c.benchmark_group("parquet_sink");
+    group.throughput(Throughput::Bytes(bytes.len() as u64));
+    group.sample_size(10).measurement_time(Duration::from_secs(8));
+
+    group.bench_function("zstd1_bulk", |b| b.iter(|| zstd::bulk::compress(&bytes, 1).unwrap().len()));
+    group.bench_function("zstd1_pages", |b| {
+        b.iter(|| bytes.chunks(1 << 20).map(|c| zstd::bulk::compress(c, 1).unwrap().len()).sum::<usize>())
+    });
+    let mut run = 0;
+    group.bench_function("parquet_sink", |b| {
+        b.iter(|| {
+            run += 1;
+            let mut options = DatasetOptions::new(&dir);
+            options.run_id = format!("bench-{run}");
+            let (mut sink, files) = parquet_sink(options, 1).unwrap();
+            for r in &records {
+                sink.write(r).unwrap();
+            }
+            sink.close().unwrap();
+            let size = files.lock()[0].bytes;
+            size
+        })
+    });
+    group.finish();
+    let _ = std::fs::remove_dir_all(&dir);
+    let sink_size = {
+        let mut options = DatasetOptions::new(&dir);
+        options.run_id = "size".into();
+        let (mut sink, files) = parquet_sink(options, 1).unwrap();
+        records.iter().for_each(|r| sink.write(r).unwrap());
+        sink.close().unwrap();
+        let s = files.lock()[0].bytes;
+        let _ = std::fs::remove_dir_all(&dir);
+        s
+    };
+    println!(
+        "size ratio: zstd1_bulk {:.3}, parquet file {:.3} (of {} MiB)",
+        zstd::bulk::compress(&bytes, 1).unwrap().len() as f64 / bytes.len() as f64,
+        sink_size as f64 / bytes.len() as f64,
+        bytes.len() >> 20
+    );
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
