@@ -222,8 +222,8 @@ impl Session {
         Ok(capture_host(&mut capture.producer, &self.policy, hp, batch, data)?)
     }
 
-    /// Subscribes an online consumer (a probe, a monitor) to the records published from now on that pass
-    /// `filter`. It receives them in stream order; see [`Subscription`] for what happens when it falls behind.
+    /// Subscribes an online consumer (a probe, a monitor) to the records that pass `filter`: every record captured
+    /// after this returns, in stream order. See [`Subscription`] for what happens when it falls behind.
     pub fn subscribe(&self, name: &str, filter: Filter) -> Result<Subscription, Error> {
         let guard = self.drain.lock();
         let drain = guard.as_ref().ok_or(Error::Closed)?;

@@ -95,6 +95,7 @@ pub(crate) fn port(
     name: String,
     filter: Filter,
     max_backlog_bytes: usize,
+    consumer: bool,
 ) -> (Port, Receiver<Record>, Arc<Backlog>, Arc<AtomicBool>) {
     let (tx, rx) = crossbeam::channel::bounded(PORT_RECORDS);
     let backlog = Backlog::new(max_backlog_bytes);
@@ -108,6 +109,7 @@ pub(crate) fn port(
         gone: gone.clone(),
         closed: false,
         dropped: 0,
+        consumer,
     };
     (port, rx, backlog, gone)
 }
@@ -126,6 +128,8 @@ pub(crate) struct Port {
     pub(crate) closed: bool,
     /// Records dropped for this destination because its backlog was full.
     pub(crate) dropped: u64,
+    /// An online consumer (a subscription), as opposed to a sink: delivery into its queue is its export.
+    pub(crate) consumer: bool,
 }
 
 /// What happened when the drain offered a record to a port.
@@ -164,7 +168,8 @@ impl Port {
             }
         }
         self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
-        match self.tx.try_send(record.clone()) {
+        let queued = if self.consumer { record.detached() } else { record.clone() };
+        match self.tx.try_send(queued) {
             Ok(()) => Offer::Queued,
             Err(TrySendError::Full(r)) => {
                 // The record-count bound is far above what the byte budget allows; treat it like a full backlog.
@@ -181,17 +186,15 @@ impl Port {
         }
     }
 
-    /// The consumer is gone: whatever it left queued (possibly sent after it emptied its queue) is counted as
-    /// dropped, and nothing more is offered.
+    /// The consumer is gone: nothing more is offered, and what it left queued is released.
     pub(crate) fn close_departed(&mut self) {
         self.closed = true;
         while let Ok(r) = self.rx_back.try_recv() {
-            r.receipt().fail(DropReason::Disconnected);
             self.backlog.taken(r.size_bytes());
         }
     }
 
-    /// At shutdown: a departed consumer's leftovers are counted; a live one keeps its queue to receive.
+    /// At shutdown: a departed consumer's leftovers are released; a live one keeps its queue to receive.
     pub(crate) fn finish(&mut self) {
         if self.gone.load(Ordering::Acquire) {
             self.close_departed();
@@ -217,9 +220,9 @@ impl Port {
 
 /// A consumer's end of the stream: records of the hookpoints it subscribed to, in stream order.
 ///
-/// Receive promptly: a subscription that falls behind its byte budget makes the drain wait (full mode, up to the
-/// deadline) or drops records for it (best-effort, counted as `sink_backpressure`). Dropping the subscription
-/// unsubscribes; records still queued for it are counted as dropped (`disconnected`).
+/// A record is exported once it is in the subscription's queue. Receive promptly: a subscription that falls behind
+/// its byte budget makes the drain wait (full mode, up to twice the deadline) or drops records for it
+/// (best-effort, counted as `sink_backpressure`). Dropping the subscription unsubscribes.
 pub struct Subscription {
     rx: Receiver<Record>,
     backlog: Arc<Backlog>,
@@ -274,7 +277,6 @@ impl Drop for Subscription {
     fn drop(&mut self) {
         self.gone.store(true, Ordering::Release);
         while let Ok(r) = self.rx.try_recv() {
-            r.receipt().fail(DropReason::Disconnected);
             self.backlog.taken(r.size_bytes());
         }
     }

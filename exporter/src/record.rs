@@ -19,7 +19,7 @@ use ringscope_ring::{RecordHeader, RecordView, RowMeta};
 pub struct Record(Arc<Inner>);
 
 struct Inner {
-    bytes: Box<[u8]>,
+    bytes: Arc<[u8]>,
     header: RecordHeader,
     hookpoint: Arc<HookPoint>,
     receipt: Receipt,
@@ -32,7 +32,19 @@ impl Record {
         bytes.extend_from_slice(&view.header.encode());
         bytes.extend_from_slice(view.payload());
         let receipt = Receipt::new(hookpoint.clone(), view.rows() as u64);
-        Record(Arc::new(Inner { bytes: bytes.into_boxed_slice(), header: view.header, hookpoint, receipt }))
+        Record(Arc::new(Inner { bytes: bytes.into(), header: view.header, hookpoint, receipt }))
+    }
+
+    /// The same record without accounting responsibility: what a consumer's queue holds. Handing a record to an
+    /// online consumer is its export; what the consumer does with it afterwards is the consumer's business.
+    pub(crate) fn detached(&self) -> Record {
+        let i = &self.0;
+        Record(Arc::new(Inner {
+            bytes: i.bytes.clone(),
+            header: i.header,
+            hookpoint: i.hookpoint.clone(),
+            receipt: Receipt(None),
+        }))
     }
 
     /// A checked view of the record (header, row metadata, rows).
@@ -102,7 +114,7 @@ impl std::fmt::Debug for Record {
 
 /// Accounts for one record when its last holder lets go. See the module docs.
 #[derive(Clone)]
-pub struct Receipt(Arc<ReceiptState>);
+pub struct Receipt(Option<Arc<ReceiptState>>);
 
 struct ReceiptState {
     hookpoint: Arc<HookPoint>,
@@ -113,19 +125,16 @@ struct ReceiptState {
 
 impl Receipt {
     fn new(hookpoint: Arc<HookPoint>, rows: u64) -> Receipt {
-        Receipt(Arc::new(ReceiptState { hookpoint, rows, failure: AtomicU8::new(0) }))
+        Receipt(Some(Arc::new(ReceiptState { hookpoint, rows, failure: AtomicU8::new(0) })))
     }
 
     /// Marks the record as lost for `reason`. The first reason reported wins; the record is counted as dropped
     /// once every holder has let go.
     pub fn fail(&self, reason: DropReason) {
         let code = DropReason::ALL.iter().position(|r| *r == reason).expect("every reason is in ALL") as u8 + 1;
-        let _ = self.0.failure.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    /// Rows of the record.
-    pub fn rows(&self) -> u64 {
-        self.0.rows
+        if let Some(state) = &self.0 {
+            let _ = state.failure.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+        }
     }
 }
 
