@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ringscope::exporter::{parquet_sink, DatasetOptions, Record, Sink};
+use ringscope::exporter::{parquet_sink, DatasetOptions, FileSink, Parquet, Record, Sink};
 use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
 use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
 use ringscope::ring::{DType, RecordView};
@@ -80,6 +80,25 @@ fn bench(c: &mut Criterion) {
             let mut options = DatasetOptions::new(&dir);
             options.run_id = format!("bench-{run}");
             let (mut sink, files) = parquet_sink(options, 1).unwrap();
+            for r in &records {
+                sink.write(r).unwrap();
+            }
+            sink.close().unwrap();
+            let size = files.lock()[0].bytes;
+            size
+        })
+    });
+    // The same sink with compression off: what the Parquet writer costs besides zstd.
+    group.bench_function("parquet_sink_uncompressed", |b| {
+        b.iter(|| {
+            run += 1;
+            let mut options = DatasetOptions::new(&dir);
+            options.run_id = format!("bench-{run}");
+            let props = parquet::file::properties::WriterProperties::builder()
+                .set_compression(parquet::basic::Compression::UNCOMPRESSED)
+                .set_dictionary_enabled(false)
+                .build();
+            let (mut sink, files) = FileSink::create(Parquet::with_properties(props), options).unwrap();
             for r in &records {
                 sink.write(r).unwrap();
             }

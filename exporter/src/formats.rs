@@ -44,6 +44,14 @@ impl Parquet {
     }
 }
 
+impl Parquet {
+    /// Parquet with writer properties of your own (compression, page and row group sizes, ...). Keep the activation
+    /// column's dictionary off: every row is distinct.
+    pub fn with_properties(properties: WriterProperties) -> Self {
+        Parquet { properties }
+    }
+}
+
 impl FileFormat for Parquet {
     type Writer = ArrowWriter<BufWriter<File>>;
     const EXT: &'static str = "parquet";
