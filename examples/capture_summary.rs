@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use ringscope::exporter::SummarySink;
-use ringscope::synthetic::{fill_layer, EngineConfig, SyntheticEngine};
+use ringscope::synthetic::{pregenerate, residual_hookpoints_toml, EngineConfig};
 use ringscope::{CaptureOutcome, Config, Session};
 
 #[derive(Parser)]
@@ -45,32 +45,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..EngineConfig::default()
     };
     let mut toml = format!("[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n", args.ring, args.mode);
-    for l in 0..engine.layers {
-        toml += &format!(
-            "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {}\n",
-            engine.hidden
-        );
-    }
+    toml += &residual_hookpoints_toml(engine.layers, engine.hidden);
     let (sink, summary) = SummarySink::new();
     let session = Session::builder(Config::from_toml(&toml)?).sink(sink).start()?;
 
-    // Generate every step's activations up front so that the timed loop measures ringscope, not the generator.
-    let steps: Vec<_> = SyntheticEngine::new(engine).collect();
-    let mut tensors = Vec::with_capacity(steps.len());
-    for s in &steps {
-        let layers: Vec<Vec<u8>> = (0..engine.layers)
-            .map(|l| {
-                let mut buf = Vec::new();
-                fill_layer(engine.seed, l, engine.hidden, &s.rows, &mut buf);
-                buf
-            })
-            .collect();
-        tensors.push(layers);
-    }
+    let steps = pregenerate(engine);
 
     let started = Instant::now();
     let (mut published, mut dropped) = (0u64, 0u64);
-    for (s, layers) in steps.iter().zip(&tensors) {
+    for (s, layers) in &steps {
         session.begin_step(s.step, s.rows.iter().copied())?;
         for (l, data) in layers.iter().enumerate() {
             match session.capture(l as u32, data)? {

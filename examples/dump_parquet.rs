@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use clap::Parser;
-use ringscope::synthetic::{fill_layer, EngineConfig, SyntheticEngine};
+use ringscope::synthetic::{pregenerate, residual_hookpoints_toml, EngineConfig};
 use ringscope::{CaptureOutcome, Config, Session};
 
 #[derive(Parser)]
@@ -56,8 +56,17 @@ struct Args {
     threads: u32,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dump_parquet: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let engine = EngineConfig {
         layers: args.layers,
         hidden: args.hidden,
@@ -73,32 +82,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(id) = &args.run_id {
         toml += &format!("run_id = {id:?}\n");
     }
-    for l in 0..engine.layers {
-        toml += &format!(
-            "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {}\n",
-            engine.hidden
-        );
-    }
+    toml += &residual_hookpoints_toml(engine.layers, engine.hidden);
     let session = Session::new(Config::from_toml(&toml)?)?;
 
-    // Generate every step's activations up front so the timed loop measures ringscope, not the generator.
-    let steps: Vec<_> = SyntheticEngine::new(engine).collect();
-    let tensors: Vec<Vec<Vec<u8>>> = steps
-        .iter()
-        .map(|s| {
-            (0..engine.layers)
-                .map(|l| {
-                    let mut buf = Vec::new();
-                    fill_layer(engine.seed, l, engine.hidden, &s.rows, &mut buf);
-                    buf
-                })
-                .collect()
-        })
-        .collect();
+    let steps = pregenerate(engine);
 
     let started = Instant::now();
     let mut dropped_at_capture = 0u64;
-    for (s, layers) in steps.iter().zip(&tensors) {
+    for (s, layers) in &steps {
         session.begin_step(s.step, s.rows.iter().copied())?;
         for (l, data) in layers.iter().enumerate() {
             if let CaptureOutcome::Dropped(_) = session.capture(l as u32, data)? {

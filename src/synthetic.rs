@@ -156,6 +156,35 @@ pub fn fill_layer(seed: u64, layer: u32, hidden: u32, rows: &[(u64, u32)], out: 
     }
 }
 
+/// `[[hookpoints]]` TOML for one bf16 residual hookpoint per layer, named `layers.{l}.resid` (id = layer), the
+/// shape this engine produces. Append it to a session config.
+pub fn residual_hookpoints_toml(layers: u32, hidden: u32) -> String {
+    (0..layers)
+        .map(|l| {
+            format!(
+                "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {hidden}\n"
+            )
+        })
+        .collect()
+}
+
+/// Every step with each layer's activations, generated up front so that a timed loop measures ringscope, not
+/// the generator.
+pub fn pregenerate(cfg: EngineConfig) -> Vec<(EngineStep, Vec<Vec<u8>>)> {
+    SyntheticEngine::new(cfg)
+        .map(|step| {
+            let layers = (0..cfg.layers)
+                .map(|l| {
+                    let mut buf = Vec::new();
+                    fill_layer(cfg.seed, l, cfg.hidden, &step.rows, &mut buf);
+                    buf
+                })
+                .collect();
+            (step, layers)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,11 +22,7 @@ fn config(dir: &Path, layers: u32, hidden: u32, extra: &str) -> Config {
         "[ring]\ncapacity = \"4 MiB\"\n[export]\nparquet = true\ndir = {:?}\nrun_id = \"r\"\n{extra}\n",
         dir.display().to_string()
     );
-    for l in 0..layers {
-        text += &format!(
-            "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {hidden}\n"
-        );
-    }
+    text += &ringscope::synthetic::residual_hookpoints_toml(layers, hidden);
     Config::from_toml(&text).unwrap()
 }
 

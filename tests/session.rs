@@ -12,11 +12,7 @@ use ringscope::{CaptureOutcome, Config, DropReason, Error, Mode, RowSelection, S
 fn config(layers: u32, hidden: u32, capacity: &str, mode: &str) -> Config {
     let mut text =
         format!("[ring]\ncapacity = \"{capacity}\"\n[policy]\nmode = \"{mode}\"\nfull_deadline_ms = 10000\n");
-    for l in 0..layers {
-        text += &format!(
-            "[[hookpoints]]\nname = \"layers.{l}.resid\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\nrow_width = {hidden}\n"
-        );
-    }
+    text += &ringscope::synthetic::residual_hookpoints_toml(layers, hidden);
     Config::from_toml(&text).unwrap()
 }
 
