@@ -6,8 +6,10 @@
 //! step at batch 32), finite values like real activations. Compared, per iteration, on the same bytes:
 //! - `zstd1_bulk`: `zstd::bulk::compress` of the whole 32 MiB at level 1 (the ceiling: no framing, one call);
 //! - `zstd1_pages`: the same in 1 MiB chunks (Parquet compresses page by page);
+//! - `zstd1_pages_to_file`: those pages written to a file, synced and renamed (the least any file sink does);
 //! - `parquet_sink`: ringscope's Parquet sink taking the 256 records and closing the file (encode, compress,
-//!   write, fsync, rename).
+//!   write, fsync, rename);
+//! - `parquet_sink_uncompressed`: the same sink with compression off.
 #![allow(missing_docs)] // criterion_group! generates an undocumented pub fn.
 
 use std::sync::Arc;
@@ -73,6 +75,23 @@ fn bench(c: &mut Criterion) {
     group.bench_function("zstd1_pages", |b| {
         b.iter(|| bytes.chunks(1 << 20).map(|c| zstd::bulk::compress(c, 1).unwrap().len()).sum::<usize>())
     });
+    // zstd in pages plus writing the compressed bytes to a file (fsync, rename): what any file sink must do at least.
+    let mut n = 0;
+    group.bench_function("zstd1_pages_to_file", |b| {
+        std::fs::create_dir_all(&dir).unwrap();
+        b.iter(|| {
+            n += 1;
+            let tmp = dir.join(format!(".raw-{n}"));
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp).unwrap());
+            let mut c = zstd::bulk::Compressor::new(1).unwrap();
+            for chunk in bytes.chunks(1 << 20) {
+                std::io::Write::write_all(&mut out, &c.compress(chunk).unwrap()).unwrap();
+            }
+            let file = out.into_inner().unwrap();
+            file.sync_all().unwrap();
+            std::fs::rename(&tmp, dir.join(format!("raw-{n}"))).unwrap();
+        })
+    });
     let mut run = 0;
     group.bench_function("parquet_sink", |b| {
         b.iter(|| {
@@ -88,15 +107,17 @@ fn bench(c: &mut Criterion) {
             size
         })
     });
-    // The same sink with compression off: what the Parquet writer costs besides zstd.
+    // The same sink with compression off: what the Parquet writer path costs besides zstd.
     group.bench_function("parquet_sink_uncompressed", |b| {
         b.iter(|| {
             run += 1;
             let mut options = DatasetOptions::new(&dir);
             options.run_id = format!("bench-{run}");
+            let activation = parquet::schema::types::ColumnPath::new(vec!["activation".into()]);
             let props = parquet::file::properties::WriterProperties::builder()
                 .set_compression(parquet::basic::Compression::UNCOMPRESSED)
-                .set_dictionary_enabled(false)
+                .set_column_dictionary_enabled(activation.clone(), false)
+                .set_column_statistics_enabled(activation, parquet::file::properties::EnabledStatistics::None)
                 .build();
             let (mut sink, files) = FileSink::create(Parquet::with_properties(props), options).unwrap();
             for r in &records {
