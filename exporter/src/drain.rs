@@ -407,4 +407,30 @@ mod tests {
         assert_eq!(c.dropped_for(DropReason::SinkBackpressure).records, 100 - got as u64);
         reg.accounting().check().unwrap();
     }
+
+    #[test]
+    fn a_consumer_queue_full_in_records_drops_and_counts_them() {
+        let (mut p, c, reg) = setup();
+        // A byte budget far above what 70,000 small records need: the channel's record bound is what fills.
+        let options = DrainOptions {
+            backlog_bytes: 1 << 30,
+            policy: LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO },
+            ..DrainOptions::default()
+        };
+        let drain = Drain::spawn(c, reg.clone(), vec![], options).unwrap();
+        let idle = drain.subscribe("idle", Filter::all()).unwrap();
+        let hp = reg.get(0).unwrap();
+        let total = crate::fanout::PORT_RECORDS as u64 + 1000;
+        for step in 0..total {
+            let batch = StepBatch::new(step, [(1, 0)]).unwrap();
+            capture_host(&mut p, &FULL, &hp, &batch, &[0; 16]).unwrap();
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        assert_eq!(report.backpressure_drops, 1000);
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        assert_eq!(acc.hookpoints[0].1.dropped_for(DropReason::SinkBackpressure).records, 1000);
+        assert_eq!(idle.iter().count(), crate::fanout::PORT_RECORDS);
+    }
 }

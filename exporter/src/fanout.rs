@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 use ringscope_hookpoint::HookPoint;
 use ringscope_policy::{DropReason, LossPolicy, OnFull};
@@ -88,7 +88,7 @@ impl Backlog {
 }
 
 /// Capacity of a port's channel in records. The byte budget is the real bound; this only caps bookkeeping.
-const PORT_RECORDS: usize = 1 << 16;
+pub(crate) const PORT_RECORDS: usize = 1 << 16;
 
 /// A new port and the receiving end for its destination.
 pub(crate) fn port(
@@ -169,21 +169,20 @@ impl Port {
         }
         self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
         let queued = if self.consumer { record.detached() } else { record.clone() };
-        match self.tx.try_send(queued) {
-            Ok(()) => Offer::Queued,
-            Err(TrySendError::Full(r)) => {
-                // The record-count bound is far above what the byte budget allows; treat it like a full backlog.
-                self.backlog.bytes.fetch_sub(size, Ordering::AcqRel);
-                self.dropped += 1;
-                r.receipt().fail(DropReason::SinkBackpressure);
-                Offer::Dropped(DropReason::SinkBackpressure)
-            }
-            Err(TrySendError::Disconnected(_)) => {
-                self.backlog.bytes.fetch_sub(size, Ordering::AcqRel);
-                self.closed = true;
-                Offer::Closed
-            }
+        // The channel's record-count bound only matters for tiny records under a large byte budget; the policy
+        // applies to it as to the byte budget. (The channel cannot disconnect: the port holds a receiver too.)
+        let sent = match policy.on_backlog_full() {
+            OnFull::Drop => self.tx.try_send(queued).is_ok(),
+            OnFull::Wait(deadline) => self.tx.send_timeout(queued, deadline).is_ok(),
+        };
+        if sent {
+            return Offer::Queued;
         }
+        self.backlog.bytes.fetch_sub(size, Ordering::AcqRel);
+        self.dropped += 1;
+        // The original record: a consumer's queued copy is detached and carries no receipt.
+        record.receipt().fail(DropReason::SinkBackpressure);
+        Offer::Dropped(DropReason::SinkBackpressure)
     }
 
     /// The consumer is gone: nothing more is offered, and what it left queued is released.
