@@ -226,6 +226,16 @@ fn invalid_configs_are_refused() {
     c.policy.full_deadline_ms = 0;
     assert!(Session::new(c.clone()).err().unwrap().to_string().contains("full_deadline_ms"));
     c.policy.mode = Mode::BestEffort;
+    let mut bad = c.clone();
+    bad.export.threads = 0;
+    assert!(Session::new(bad.clone()).err().unwrap().to_string().contains("export.threads"));
+    bad.export.threads = 1;
+    bad.export.parquet = true;
+    bad.export.zstd_level = 99;
+    bad.export.dir = std::env::temp_dir().join(format!("ringscope-zstd-{}", std::process::id())).display().to_string();
+    let err = Session::new(bad.clone()).err().unwrap().to_string();
+    assert!(err.contains("export.parquet") && err.contains("zstd level 99"), "{err}");
+    let _ = std::fs::remove_dir_all(&bad.export.dir);
     c.hookpoints.push(c.hookpoints[0].clone());
     assert!(Session::new(c).err().unwrap().to_string().contains("already registered"));
 }

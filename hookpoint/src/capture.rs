@@ -108,8 +108,12 @@ pub fn capture_host(
                     DropReason::TooLarge,
                     Some(HookPointError::TooLarge { hookpoint: hp.spec.name.clone(), payload_len, max_payload_len }),
                 ),
-                ReserveError::Disconnected | ReserveError::InvalidRecord(_) => {
+                ReserveError::Disconnected => {
                     (DropReason::Disconnected, Some(HookPointError::Disconnected { hookpoint: hp.spec.name.clone() }))
+                }
+                ReserveError::InvalidRecord(e) => {
+                    // Unreachable: a validated spec and a non-empty selection always make a valid record.
+                    unreachable!("capture of `{}` built an invalid record: {e}", hp.spec.name)
                 }
             };
             counters.dropped(reason, rows as u64);
