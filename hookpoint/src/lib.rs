@@ -5,13 +5,14 @@
 //! selection); [`capture_host`] copies the selected rows of a host tensor, with each row's request id and token
 //! position from the step's [`StepBatch`], into the ring.
 //!
-//! The CUDA capture kernels (graph-capturable, control read from device memory) implement the same semantics on
-//! the device; they live in `kernels/` and arrive with the CUDA backend.
+//! [`cuda`] implements the same semantics on the device: graph-capturable capture kernels (`kernels/capture.cu`,
+//! compiled with NVRTC at run time) whose controls and batch descriptor are read from device memory at replay time.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod batch;
 pub mod capture;
+pub mod cuda;
 pub mod error;
 pub mod registry;
 pub mod spec;

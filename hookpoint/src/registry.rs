@@ -1,7 +1,7 @@
 //! The registry of a session's hookpoints, and the runtime controls of each.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -29,11 +29,18 @@ pub struct Control {
     enabled: AtomicBool,
     every_n_steps: AtomicU32,
     selection: RwLock<RowSelection>,
+    /// Bumped by every change, so the GPU backend re-uploads controls only when they changed.
+    generation: AtomicU64,
 }
 
 impl Control {
     fn new() -> Self {
-        Control { enabled: AtomicBool::new(true), every_n_steps: AtomicU32::new(1), selection: RwLock::default() }
+        Control {
+            enabled: AtomicBool::new(true),
+            every_n_steps: AtomicU32::new(1),
+            selection: RwLock::default(),
+            generation: AtomicU64::new(0),
+        }
     }
 
     /// Whether captures are taken at all.
@@ -44,6 +51,12 @@ impl Control {
     /// Turns captures on or off.
     pub fn set_enabled(&self, on: bool) {
         self.enabled.store(on, Ordering::Relaxed);
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// A number that changes whenever a control changes.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// Captures are taken at steps that are a multiple of this (1 = every step).
@@ -57,6 +70,7 @@ impl Control {
             return Err(HookPointError::InvalidControl("every_n_steps must be at least 1 (1 = every step)".into()));
         }
         self.every_n_steps.store(n, Ordering::Relaxed);
+        self.generation.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
@@ -76,6 +90,7 @@ impl Control {
             return Err(HookPointError::InvalidControl("an explicit row selection needs at least one row".into()));
         }
         *self.selection.write() = selection;
+        self.generation.fetch_add(1, Ordering::Release);
         Ok(())
     }
 }

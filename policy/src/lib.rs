@@ -187,9 +187,27 @@ impl AtomicTally {
         self.rows.fetch_add(rows, Ordering::Relaxed);
     }
 
+    fn add_tally(&self, t: Tally) {
+        self.records.fetch_add(t.records, Ordering::Relaxed);
+        self.rows.fetch_add(t.rows, Ordering::Relaxed);
+    }
+
     fn load(&self) -> Tally {
         Tally { records: self.records.load(Ordering::Relaxed), rows: self.rows.load(Ordering::Relaxed) }
     }
+}
+
+/// Which counter [`Counters::add`] adds to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// Captures accepted.
+    Produced,
+    /// Captures skipped by sampling or because the hookpoint was disabled.
+    SampledOut,
+    /// Records that entered the ring.
+    Published,
+    /// Records dropped, for this reason.
+    Dropped(DropReason),
 }
 
 /// Live counters of one hookpoint. Producer and drain update them concurrently (relaxed atomics: they are
@@ -223,6 +241,16 @@ impl Counters {
     /// The record was dropped, for `reason`.
     pub fn dropped(&self, reason: DropReason, rows: u64) {
         self.dropped[reason.index()].add(rows);
+    }
+
+    /// Adds counts made elsewhere (the GPU backend counts on the device and folds the totals in here).
+    pub fn add(&self, count: Count, tally: Tally) {
+        match count {
+            Count::Produced => self.produced.add_tally(tally),
+            Count::SampledOut => self.sampled_out.add_tally(tally),
+            Count::Published => self.published.add_tally(tally),
+            Count::Dropped(reason) => self.dropped[reason.index()].add_tally(tally),
+        }
     }
 
     /// A consistent-enough copy of the counters (exact once producer and drain have stopped).

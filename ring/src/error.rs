@@ -125,3 +125,14 @@ pub enum ReserveError {
     #[error("the ring's drain side was dropped: no record can be delivered")]
     Disconnected,
 }
+
+/// A record source (a ring's drain end) could not hand out the next record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// The bytes at the read position are not a valid next record (corruption, or a sequence gap).
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    /// The device side failed (a CUDA call of the drain).
+    #[error("device drain: {0}")]
+    Device(String),
+}

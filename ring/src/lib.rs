@@ -5,12 +5,15 @@
 //!
 //! * [`record`] — the 64-byte header, per-row metadata, payload layout; encode/decode with checks that never panic.
 //! * [`host`] — the ring protocol over host memory: reserve → write → publish on the producer,
-//!   peek → advance → release on the consumer. The CUDA backend implements the same protocol on device memory.
+//!   peek → advance → release on the consumer.
+//! * [`cuda`] — the same protocol on device memory: capture kernels publish, a drain copies through pinned memory.
+//!   The driver is loaded at run time; without one, opening a device is an error, never a panic.
 //!
 //! This crate moves bytes and decides nothing: whether to wait for space or drop a record is the policy's call.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod host;
@@ -18,6 +21,31 @@ pub mod record;
 mod sync;
 
 pub use dtype::DType;
-pub use error::{DecodeError, ReserveError, RingError};
+pub use error::{DecodeError, ReserveError, RingError, SourceError};
 pub use host::{channel, Consumer, Producer, Reservation};
 pub use record::{RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta};
+
+/// The drain end of a ring, whatever its backend: hands out checked records in stream order.
+pub trait RecordSource: Send {
+    /// The next complete record, without consuming it; `None` when none is available yet.
+    fn peek(&mut self) -> Result<Option<RecordView<'_>>, SourceError>;
+    /// Moves past the record returned by the last `peek` and gives its space back to the producer.
+    fn advance(&mut self);
+    /// True when the producer is gone and every record it published has been handed out.
+    fn is_finished(&mut self) -> bool;
+}
+
+impl RecordSource for Consumer {
+    fn peek(&mut self) -> Result<Option<RecordView<'_>>, SourceError> {
+        Ok(Consumer::peek(self)?)
+    }
+
+    fn advance(&mut self) {
+        Consumer::advance(self);
+        self.release();
+    }
+
+    fn is_finished(&mut self) -> bool {
+        Consumer::is_finished(self)
+    }
+}

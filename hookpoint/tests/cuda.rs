@@ -1,0 +1,390 @@
+//! GPU tests of the CUDA backend: capture hookpoints into a CUDA graph, replay it while the sources change, drain
+//! through pinned memory, and check every byte, every sequence number and every counter.
+//!
+//! They need an NVIDIA GPU, its driver and NVRTC; elsewhere each test prints why it skipped and passes. On a GPU
+//! machine: `LD_LIBRARY_PATH=<dir of libnvrtc.so.13> cargo test --release -p ringscope-hookpoint --test cuda`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ringscope_hookpoint::cuda::{pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
+use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, RowSelection, SiteKind, StepBatch};
+use ringscope_ring::cuda::{
+    errors, CudaError, DeviceBuffer, DeviceConsumer, DeviceRing, DrainTuning, Gpu, Graph, Stream, StreamHandle,
+};
+use ringscope_ring::{DType, RowMeta};
+
+fn gpu() -> Option<Arc<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// What a drained record held.
+#[derive(Debug, Clone)]
+struct Got {
+    seq: u64,
+    step: u64,
+    hookpoint: u32,
+    metas: Vec<RowMeta>,
+    rows: Vec<Vec<u8>>,
+}
+
+/// Drains until the producer is closed and everything is out.
+fn drain_all(consumer: &mut DeviceConsumer) -> Vec<Got> {
+    let mut out = Vec::new();
+    loop {
+        let got = consumer.peek_record().expect("a valid next record").map(|v| Got {
+            seq: v.header.seq,
+            step: v.header.meta.step,
+            hookpoint: v.header.meta.hookpoint,
+            metas: (0..v.header.meta.rows as usize).map(|i| v.row_meta(i)).collect(),
+            rows: (0..v.header.meta.rows as usize).map(|i| v.row(i).to_vec()).collect(),
+        });
+        match got {
+            Some(g) => {
+                out.push(g);
+                consumer.advance_record();
+            }
+            None if consumer.finished() => return out,
+            None => std::thread::sleep(Duration::from_micros(50)),
+        }
+    }
+}
+
+fn spawn_drain(mut consumer: DeviceConsumer, pause: Duration) -> std::thread::JoinHandle<Vec<Got>> {
+    std::thread::spawn(move || {
+        std::thread::sleep(pause);
+        drain_all(&mut consumer)
+    })
+}
+
+fn pattern_bytes(seed: u64, bytes: usize) -> Vec<u8> {
+    (0..bytes.div_ceil(4) as u64).flat_map(|i| pattern_word(seed, i).to_le_bytes()).take(bytes).collect()
+}
+
+fn seed(step: u64, hp: u32) -> u64 {
+    step.wrapping_mul(1_000_003) ^ ((hp as u64) << 40) ^ 0xA5A5
+}
+
+/// Batch of step `s`: `1 + s % max_rows` rows; requests of two tokens each (prefill-like), positions counting up.
+fn batch(step: u64, max_rows: u32) -> StepBatch {
+    let n = 1 + (step % max_rows as u64) as u32;
+    StepBatch::new(step, (0..n).map(|i| (1000 + step + (i / 2) as u64, (step as u32) * 10 + i))).unwrap()
+}
+
+struct Source {
+    hp: Arc<HookPoint>,
+    buf: DeviceBuffer,
+    /// Byte offset of the tensor in `buf` (2 for the misaligned-path hookpoint).
+    offset: u64,
+    rows: u32,
+}
+
+impl Source {
+    fn ptr(&self) -> u64 {
+        self.buf.ptr() + self.offset
+    }
+    fn bytes(&self) -> usize {
+        self.rows as usize * self.hp.spec.row_bytes() as usize
+    }
+}
+
+fn register(reg: &Registry, name: &str, dtype: DType, width: u32) -> Arc<HookPoint> {
+    reg.register(HookPointSpec { name: name.into(), site: SiteKind::Residual, layer: Some(0), dtype, row_width: width })
+        .unwrap()
+}
+
+/// The rows a capture keeps, by batch row, as the kernel must choose them.
+fn expected_rows(sel: &RowSelection, b: &StepBatch, valid: Option<u32>, src_rows: u32) -> Vec<u32> {
+    let bound = (b.len() as u32).min(src_rows).min(valid.unwrap_or(u32::MAX));
+    match sel {
+        RowSelection::All => (0..bound).collect(),
+        RowSelection::LastPerRequest => {
+            b.last_per_request().iter().map(|m| m.batch_row).take_while(|&r| r < bound).collect()
+        }
+        RowSelection::Rows(list) => list.iter().copied().take_while(|&r| r < bound).collect(),
+    }
+}
+
+#[test]
+fn graph_replays_capture_every_row_bit_exact() {
+    let Some(gpu) = gpu() else { return };
+    const MAX_ROWS: u32 = 8;
+    const STEPS: u64 = 60;
+    let ring = DeviceRing::new(&gpu, 8 << 20).unwrap();
+    let mut cap = DeviceCapture::new(&ring, DeviceCaptureOptions { max_batch_rows: 64, ..Default::default() }).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 64 << 10, max_in_flight: 4 }).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let valid_rows = DeviceBuffer::zeroed(&gpu, 4).unwrap();
+
+    // Six hookpoints: fast path, a 4000-byte f32 row, a 14-byte f16 row read from a 2-byte-misaligned address
+    // (byte path), last row per request, an explicit list out of order, and a padded batch with a valid-rows scalar.
+    let specs: [(&str, DType, u32, RowSelection, u64); 6] = [
+        ("resid", DType::BF16, 2048, RowSelection::All, 0),
+        ("attn", DType::F32, 1000, RowSelection::All, 0),
+        ("odd", DType::F16, 7, RowSelection::All, 2),
+        ("last", DType::BF16, 2048, RowSelection::LastPerRequest, 0),
+        ("list", DType::BF16, 64, RowSelection::Rows(vec![3, 0, 5]), 0),
+        ("valid", DType::F16, 512, RowSelection::All, 0),
+    ];
+    let mut sources = Vec::new();
+    for (name, dtype, width, sel, offset) in specs.iter().cloned() {
+        let hp = register(&reg, name, dtype, width);
+        hp.control.set_selection(sel).unwrap();
+        let bytes = MAX_ROWS as usize * hp.spec.row_bytes() as usize + 16;
+        sources.push(Source { hp, buf: DeviceBuffer::zeroed(&gpu, bytes).unwrap(), offset, rows: MAX_ROWS });
+    }
+    cap.set_valid_rows_ptr(5, valid_rows.ptr()).unwrap();
+
+    let drain = spawn_drain(consumer, Duration::ZERO);
+    // Record the captures into a graph (the first begin_step makes the descriptor and controls ready).
+    cap.begin_step(&reg, &batch(0, MAX_ROWS), stream.handle()).unwrap();
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        for s in &sources {
+            cap.capture(&s.hp, s.ptr(), s.rows, stream.handle())?;
+        }
+        Ok(())
+    })
+    .unwrap();
+
+    let mut expected = Vec::new();
+    for step in 0..STEPS {
+        for s in &sources {
+            let data = pattern_bytes(seed(step, s.hp.id), s.bytes());
+            s.buf.copy_from_host_async(s.offset as usize, &data, stream.handle()).unwrap();
+        }
+        let b = batch(step, MAX_ROWS);
+        let valid = (b.len() as u32).saturating_sub(1).max(1);
+        valid_rows.copy_from_host_async(0, &valid.to_le_bytes(), stream.handle()).unwrap();
+        cap.begin_step(&reg, &b, stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        for s in &sources {
+            let v = (s.hp.id == 5).then_some(valid);
+            let rows = expected_rows(&s.hp.control.selection(), &b, v, s.rows);
+            expected.push((step, s.hp.id, rows, b.clone()));
+        }
+    }
+    stream.synchronize().unwrap();
+    ring.close_producer();
+    let got = drain.join().unwrap();
+
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    let expected: Vec<_> = expected.into_iter().filter(|(_, _, rows, _)| !rows.is_empty()).collect();
+    assert_eq!(got.len(), expected.len());
+    for (i, (g, (step, hp, rows, b))) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.seq, i as u64, "sequence numbers are contiguous");
+        assert_eq!((g.step, g.hookpoint), (*step, *hp), "record {i}");
+        let metas: Vec<RowMeta> = rows.iter().map(|&r| b.rows()[r as usize]).collect();
+        assert_eq!(g.metas, metas, "row metadata of record {i} (step {step}, hookpoint {hp})");
+        let s = &sources[*hp as usize];
+        let rb = s.hp.spec.row_bytes() as usize;
+        let src = pattern_bytes(seed(*step, *hp), s.bytes());
+        for (k, &r) in rows.iter().enumerate() {
+            assert!(g.rows[k] == src[r as usize * rb..(r as usize + 1) * rb], "row {k} of record {i} differs");
+        }
+    }
+    // Device counters: every capture produced, every record published, nothing dropped.
+    cap.fold_counters(&reg).unwrap();
+    let acc = reg.accounting();
+    let total = acc.total();
+    assert_eq!(total.published.records, got.len() as u64);
+    assert_eq!(total.produced, total.published);
+    assert_eq!(total.dropped_total().records, 0);
+}
+
+/// Two 4-row bf16 hookpoints (16,512-byte records) into a 64 KiB ring, the drain not running: the kernels must
+/// publish exactly what fits and count exactly what did not.
+#[test]
+fn best_effort_drops_are_counted_exactly_while_the_drain_is_paused() {
+    let Some(gpu) = gpu() else { return };
+    let capacity = 64 << 10;
+    let ring = DeviceRing::new(&gpu, capacity).unwrap();
+    let mut cap = DeviceCapture::new(&ring, DeviceCaptureOptions::default()).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning::default()).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let hps: Vec<_> = (0..2).map(|i| register(&reg, &format!("h{i}"), DType::BF16, 2048)).collect();
+    let src = DeviceBuffer::zeroed(&gpu, 4 * 4096).unwrap();
+    cap.fill_pattern(src.ptr(), 4 * 4096, 7, stream.handle()).unwrap();
+    cap.begin_step(&reg, &StepBatch::new(0, (0..4).map(|i| (1, i))).unwrap(), stream.handle()).unwrap();
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        for hp in &hps {
+            cap.capture(hp, src.ptr(), 4, stream.handle())?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    const STEPS: u64 = 10;
+    for step in 0..STEPS {
+        cap.begin_step(&reg, &StepBatch::new(step, (0..4).map(|i| (1, i))).unwrap(), stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+    }
+    stream.synchronize().unwrap();
+
+    // The host model of the ring with nothing released.
+    let footprint = 64 + 64 + 4 * 4096u64;
+    let (mut head, mut published) = (0u64, 0u64);
+    for _ in 0..STEPS * 2 {
+        let offset = head % capacity as u64;
+        let pad = if footprint <= capacity as u64 - offset { 0 } else { capacity as u64 - offset };
+        if pad + footprint <= capacity as u64 - head {
+            head += pad + footprint;
+            published += 1;
+        }
+    }
+    assert_eq!(ring.published(), head);
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.published.records, published);
+    let full = total.dropped_for(ringscope_policy::DropReason::RingFull);
+    assert_eq!((full.records, full.rows), (STEPS * 2 - published, (STEPS * 2 - published) * 4));
+
+    ring.close_producer();
+    let got = spawn_drain(consumer, Duration::ZERO).join().unwrap();
+    assert_eq!(got.len() as u64, published);
+    assert!(got.iter().enumerate().all(|(i, g)| g.seq == i as u64));
+    assert_eq!(ring.error_bits(), 0);
+}
+
+/// Full mode with a drain that starts late: `begin_step` waits for room, nothing is lost.
+#[test]
+fn full_mode_loses_nothing_when_the_drain_starts_late() {
+    let Some(gpu) = gpu() else { return };
+    let ring = DeviceRing::new(&gpu, 64 << 10).unwrap();
+    let options = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_secs(30)), ..Default::default() };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 16 << 10, max_in_flight: 2 }).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let hps: Vec<_> = (0..2).map(|i| register(&reg, &format!("h{i}"), DType::BF16, 2048)).collect();
+    let src = DeviceBuffer::zeroed(&gpu, 4 * 4096).unwrap();
+    let b = |step| StepBatch::new(step, (0..4).map(|i| (9, i))).unwrap();
+    cap.begin_step(&reg, &b(0), stream.handle()).unwrap();
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        for hp in &hps {
+            cap.capture(hp, src.ptr(), 4, stream.handle())?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    let drain = spawn_drain(consumer, Duration::from_millis(300));
+    const STEPS: u64 = 40;
+    for step in 0..STEPS {
+        cap.fill_pattern(src.ptr(), 4 * 4096, step, stream.handle()).unwrap();
+        cap.begin_step(&reg, &b(step), stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+    }
+    stream.synchronize().unwrap();
+    ring.close_producer();
+    let got = drain.join().unwrap();
+    assert_eq!(got.len() as u64, STEPS * 2);
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g.seq, i as u64);
+        let expect = pattern_bytes(g.step, 4 * 4096);
+        assert!(g.rows.concat() == expect, "record {i} (step {}) differs", g.step);
+    }
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.dropped_total().records, 0);
+    assert_eq!(total.published.records, STEPS * 2);
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+}
+
+/// Full mode with no drain at all: `begin_step` gives up at the deadline, and the step's captures are dropped and
+/// counted as `deadline` on the device — never written over unread data.
+#[test]
+fn full_mode_deadline_drops_whole_steps_and_counts_them() {
+    let Some(gpu) = gpu() else { return };
+    let ring = DeviceRing::new(&gpu, 64 << 10).unwrap();
+    let options = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_millis(50)), ..Default::default() };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning::default()).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let hp = register(&reg, "h", DType::BF16, 2048);
+    let src = DeviceBuffer::zeroed(&gpu, 4 * 4096).unwrap();
+    let b = |step| StepBatch::new(step, (0..4).map(|i| (9, i))).unwrap();
+    let (mut ok, mut late) = (0u64, 0u64);
+    for step in 0..8 {
+        match cap.begin_step(&reg, &b(step), stream.handle()) {
+            Ok(()) => ok += 1,
+            Err(DeviceCaptureError::Deadline { step: s, .. }) => {
+                assert_eq!(s, step);
+                late += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        cap.capture(&hp, src.ptr(), 4, stream.handle()).unwrap();
+    }
+    stream.synchronize().unwrap();
+    // 64 KiB holds three 16.5 KiB records, but begin_step reserves a worst case (one wrap) of two per step.
+    assert!(ok >= 1 && late >= 4, "ok {ok}, late {late}");
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.dropped_for(ringscope_policy::DropReason::Deadline).records, late);
+    assert_eq!(total.published.records, ok);
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    ring.close_producer();
+    assert_eq!(spawn_drain(consumer, Duration::ZERO).join().unwrap().len() as u64, ok);
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let Some(gpu) = gpu() else { return };
+    let ring = DeviceRing::new(&gpu, 1 << 20).unwrap();
+    let mut cap = DeviceCapture::new(&ring, DeviceCaptureOptions::default()).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let hp = register(&reg, "h", DType::BF16, 2048);
+    let src = DeviceBuffer::zeroed(&gpu, 64 * 4096).unwrap();
+    let msg = |r: Result<(), DeviceCaptureError>| r.unwrap_err().to_string();
+
+    let early = msg(cap.capture(&hp, src.ptr(), 1, stream.handle()));
+    assert!(early.contains("before the first begin_step"), "{early}");
+    cap.begin_step(&reg, &StepBatch::new(0, [(1, 0)]).unwrap(), stream.handle()).unwrap();
+
+    let null = msg(cap.capture(&hp, 0, 1, stream.handle()));
+    assert!(null.contains("null device pointer"), "{null}");
+    let misaligned = msg(cap.capture(&hp, src.ptr() + 1, 1, stream.handle()));
+    assert!(misaligned.contains("not aligned"), "{misaligned}");
+    let host = vec![0u8; 4096];
+    let not_device = msg(cap.capture(&hp, host.as_ptr() as u64, 1, stream.handle()));
+    assert!(not_device.contains("not CUDA device memory"), "{not_device}");
+    let past_end = msg(cap.capture(&hp, src.ptr() + 4096, 64, stream.handle()));
+    assert!(past_end.contains("past the end of its allocation"), "{past_end}");
+    let too_large = msg(cap.capture(&hp, src.ptr(), 64 + 64, stream.handle()));
+    assert!(too_large.contains("max_batch_rows") || too_large.contains("past the end"), "{too_large}");
+    let big = DeviceBuffer::zeroed(&gpu, 200 * 4096).unwrap();
+    let over_ring = msg(cap.capture(&hp, big.ptr(), 200, stream.handle()));
+    assert!(over_ring.contains("raise ring.capacity"), "{over_ring}");
+
+    // A stream of another context.
+    let other = cudarc::driver::CudaContext::new_non_primary(0, 0).unwrap();
+    let foreign = other.new_stream().unwrap();
+    gpu.bind().unwrap();
+    let wrong_stream = msg(cap.capture(&hp, src.ptr(), 1, StreamHandle(foreign.cu_stream() as u64)));
+    assert!(wrong_stream.contains("another CUDA context"), "{wrong_stream}");
+
+    // begin_step inside a graph capture.
+    let during = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        cap.begin_step(&reg, &StepBatch::new(1, [(1, 0)]).unwrap(), stream.handle())
+    });
+    let during = during.unwrap_err().to_string();
+    assert!(during.contains("outside the graph"), "{during}");
+
+    // A hookpoint registered after the last begin_step.
+    let late = register(&reg, "late", DType::BF16, 2048);
+    let late_msg = msg(cap.capture(&late, src.ptr(), 1, stream.handle()));
+    assert!(late_msg.contains("next begin_step"), "{late_msg}");
+
+    // Nothing bad reached the ring.
+    stream.synchronize().unwrap();
+    assert_eq!(ring.published(), 0);
+    assert!(matches!(DeviceRing::new(&gpu, 1000), Err(CudaError::Invalid(_))));
+}
