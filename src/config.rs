@@ -55,12 +55,59 @@ pub struct RingConfig {
     /// Ring size in bytes: a number, or a string with a unit (`"64 MiB"`, `"1GiB"`, `"512KiB"`).
     #[serde(default = "default_capacity")]
     pub capacity: ByteSize,
+    /// Where the ring lives: `"host"` (captures from host memory) or `"cuda"` (captures from device memory on a
+    /// CUDA stream, graph-capturable; needs the NVIDIA driver and NVRTC at run time).
+    #[serde(default)]
+    pub backend: Backend,
+    /// CUDA device ordinal (`backend = "cuda"`).
+    #[serde(default)]
+    pub device: usize,
+    /// Most rows in one step's batch (`backend = "cuda"`: sizes the device-side batch descriptor).
+    #[serde(default = "default_max_batch_rows")]
+    pub max_batch_rows: u32,
+    /// Largest single device-to-host copy of the drain (`backend = "cuda"`). Smaller chunks let an engine's own
+    /// copies in sooner; larger ones reach a higher bandwidth (docs/gpu-benchmarks.md).
+    #[serde(default = "default_drain_chunk")]
+    pub drain_chunk: ByteSize,
+    /// Device-to-host copies the drain keeps in flight (`backend = "cuda"`).
+    #[serde(default = "default_drain_in_flight")]
+    pub drain_in_flight: u32,
 }
 
 impl Default for RingConfig {
     fn default() -> Self {
-        RingConfig { capacity: default_capacity() }
+        RingConfig {
+            capacity: default_capacity(),
+            backend: Backend::default(),
+            device: 0,
+            max_batch_rows: default_max_batch_rows(),
+            drain_chunk: default_drain_chunk(),
+            drain_in_flight: default_drain_in_flight(),
+        }
     }
+}
+
+/// Where a session's ring lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Host memory; captures copy from host pointers.
+    #[default]
+    Host,
+    /// GPU memory; capture kernels copy from device pointers on the engine's stream.
+    Cuda,
+}
+
+fn default_max_batch_rows() -> u32 {
+    8192
+}
+
+fn default_drain_chunk() -> ByteSize {
+    ByteSize(2 << 20)
+}
+
+fn default_drain_in_flight() -> u32 {
+    8
 }
 
 fn default_capacity() -> ByteSize {

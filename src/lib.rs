@@ -75,6 +75,12 @@ pub enum Error {
     /// Writing the run's files failed.
     #[error("{0}")]
     Io(String),
+    /// The CUDA backend failed, or a device call was given bad input (the message says which).
+    #[error("CUDA backend: {0}")]
+    Cuda(String),
+    /// A call of the other backend (a host capture on a CUDA session, or the reverse).
+    #[error("{0}")]
+    Backend(&'static str),
     /// The session was shut down.
     #[error("the session is shut down; create a new session to capture again")]
     Closed,
@@ -97,6 +103,12 @@ pub enum Error {
         /// The full report.
         report: Box<Report>,
     },
+}
+
+impl From<ringscope_ring::cuda::CudaError> for Error {
+    fn from(e: ringscope_ring::cuda::CudaError) -> Self {
+        Error::Cuda(e.to_string())
+    }
 }
 
 /// The README's Rust snippets, compiled and run as doc tests so that the front door stays true.

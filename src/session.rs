@@ -8,11 +8,13 @@ use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, CommittedFile, CommittedFiles, Drain, DrainOptions, DrainReport, Filter, Sink,
     Subscription,
 };
+use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
 use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, LossPolicy};
+use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
+use ringscope_ring::cuda::{DeviceConsumer, DeviceRing, DrainTuning, Gpu, StreamHandle};
 use ringscope_ring::Producer;
 
-use crate::config::Config;
+use crate::config::{Backend, Config};
 use crate::Error;
 
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
@@ -35,15 +37,29 @@ impl Report {
     }
 }
 
-struct Capture {
-    producer: Producer,
-    batch: Option<StepBatch>,
+enum Capture {
+    Host { producer: Producer, batch: Option<StepBatch> },
+    Cuda { capture: Box<DeviceCapture>, ring: Arc<DeviceRing>, open: Option<u64> },
 }
 
-/// A running ringscope session (host backend).
+const HOST_ONLY: &str = "this session uses the CUDA backend: use begin_step_on(step, rows, stream) and \
+                         capture_device(id, device_ptr, rows, stream)";
+const CUDA_ONLY: &str = "this session uses the host backend: set ring.backend = \"cuda\" for device captures";
+
+fn cuda_error(e: impl std::fmt::Display) -> Error {
+    Error::Cuda(e.to_string())
+}
+
+/// A running ringscope session.
 ///
-/// Typical engine loop: [`begin_step`](Self::begin_step) with the step's batch descriptor, one
+/// Host backend — typical engine loop: [`begin_step`](Self::begin_step) with the step's batch descriptor, one
 /// [`capture`](Self::capture) per hookpoint, [`end_step`](Self::end_step); at the end [`shutdown`](Self::shutdown).
+///
+/// CUDA backend (`ring.backend = "cuda"`): [`begin_step_on`](Self::begin_step_on) the engine's stream before each
+/// step (outside any CUDA graph), [`capture_device`](Self::capture_device) per hookpoint — these launches may be
+/// recorded into a CUDA graph and replayed —, [`end_step`](Self::end_step). All captures of a session must run in
+/// order on one stream.
+///
 /// All methods take `&self`; captures are serialised internally (the ring has one producer), so one engine thread
 /// should drive them.
 pub struct Session {
@@ -87,8 +103,6 @@ impl SessionBuilder {
         policy.validate()?;
         let capacity = usize::try_from(config.ring.capacity.0)
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
-        let (producer, consumer) =
-            ringscope_ring::channel(capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
 
         let registry = Arc::new(Registry::new());
         for hc in &config.hookpoints {
@@ -126,11 +140,36 @@ impl SessionBuilder {
                 files.push(committed);
             }
         }
-        let drain = Drain::spawn(consumer, registry.clone(), sinks, options)?;
+        let (capture, drain) = match config.ring.backend {
+            Backend::Host => {
+                let (producer, consumer) =
+                    ringscope_ring::channel(capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
+                (Capture::Host { producer, batch: None }, Drain::spawn(consumer, registry.clone(), sinks, options)?)
+            }
+            Backend::Cuda => {
+                let r = &config.ring;
+                let gpu = Gpu::open(r.device).map_err(cuda_error)?;
+                let ring = DeviceRing::new(&gpu, capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
+                let tuning = DrainTuning {
+                    chunk_bytes: usize::try_from(r.drain_chunk.0).unwrap_or(usize::MAX),
+                    max_in_flight: r.drain_in_flight as usize,
+                };
+                let consumer =
+                    DeviceConsumer::new(&ring, tuning).map_err(|e| Error::Config(format!("ring.drain_*: {e}")))?;
+                let device_options = DeviceCaptureOptions {
+                    max_batch_rows: r.max_batch_rows,
+                    max_hookpoints: (registry.len() as u32 + 1024).max(1024),
+                    full_mode_deadline: (policy.mode == Mode::Full).then_some(policy.full_deadline),
+                };
+                let capture = DeviceCapture::new(&ring, device_options).map_err(cuda_error)?;
+                let drain = Drain::spawn(consumer, registry.clone(), sinks, options)?;
+                (Capture::Cuda { capture: Box::new(capture), ring, open: None }, drain)
+            }
+        };
         Ok(Session {
             registry,
             policy,
-            capture: Mutex::new(Some(Capture { producer, batch: None })),
+            capture: Mutex::new(Some(capture)),
             drain: Mutex::new(Some(drain)),
             files,
             run_dir,
@@ -172,8 +211,10 @@ impl Session {
 
     /// Largest record payload the ring accepts, in bytes.
     pub fn max_record_payload(&self) -> Result<usize, Error> {
-        let guard = self.capture.lock();
-        Ok(guard.as_ref().ok_or(Error::Closed)?.producer.max_payload_len())
+        match self.capture.lock().as_ref().ok_or(Error::Closed)? {
+            Capture::Host { producer, .. } => Ok(producer.max_payload_len()),
+            Capture::Cuda { ring, .. } => Ok(ring.max_payload_len()),
+        }
     }
 
     fn check_open(&self) -> Result<(), Error> {
@@ -184,23 +225,65 @@ impl Session {
     }
 
     /// Starts step `step`: `rows` gives `(request_id, token_position)` for each batch row, in batch order.
+    /// Host backend; a CUDA session uses [`begin_step_on`](Self::begin_step_on).
     pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
         let mut guard = self.capture.lock();
-        let capture = guard.as_mut().ok_or(Error::Closed)?;
-        if let Some(open) = &capture.batch {
-            return Err(Error::StepOpen { open: open.step(), new: step });
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Host { batch: open, .. } => {
+                if let Some(o) = open {
+                    return Err(Error::StepOpen { open: o.step(), new: step });
+                }
+                *open = Some(batch);
+                Ok(())
+            }
+            Capture::Cuda { .. } => Err(Error::Backend(HOST_ONLY)),
         }
-        capture.batch = Some(batch);
-        Ok(())
+    }
+
+    /// CUDA backend: starts step `step` on the engine's `stream` (before the step's kernels or graph replay, outside
+    /// any graph capture). `rows` gives `(request_id, token_position)` per batch row, in batch order; the
+    /// descriptor is installed on the device, stream-ordered, for the step's captures to read.
+    ///
+    /// In full mode this first waits (up to `policy.full_deadline_ms`) until the drain has room for everything the
+    /// step can capture. When the deadline passes it returns an error, but the step *is* begun: its captures are
+    /// then dropped on the device and counted as `deadline`, so the engine may go on (or stop).
+    pub fn begin_step_on(
+        &self,
+        step: u64,
+        rows: impl IntoIterator<Item = (u64, u32)>,
+        stream: StreamHandle,
+    ) -> Result<(), Error> {
+        let batch = StepBatch::new(step, rows)?;
+        let mut guard = self.capture.lock();
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Cuda { capture, open, .. } => {
+                if let Some(o) = open {
+                    return Err(Error::StepOpen { open: *o, new: step });
+                }
+                match capture.begin_step(&self.registry, &batch, stream) {
+                    Ok(()) => {
+                        *open = Some(step);
+                        Ok(())
+                    }
+                    Err(e @ DeviceCaptureError::Deadline { .. }) => {
+                        *open = Some(step);
+                        Err(cuda_error(e))
+                    }
+                    Err(e) => Err(cuda_error(e)),
+                }
+            }
+            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
+        }
     }
 
     /// Ends the current step.
     pub fn end_step(&self) -> Result<(), Error> {
         let mut guard = self.capture.lock();
-        let capture = guard.as_mut().ok_or(Error::Closed)?;
-        capture.batch.take().ok_or(Error::NoStep)?;
-        Ok(())
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Host { batch, .. } => batch.take().map(|_| ()).ok_or(Error::NoStep),
+            Capture::Cuda { open, .. } => open.take().map(|_| ()).ok_or(Error::NoStep),
+        }
     }
 
     /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
@@ -217,9 +300,55 @@ impl Session {
 
     fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
         let mut guard = self.capture.lock();
-        let capture = guard.as_mut().ok_or(Error::Closed)?;
-        let batch = capture.batch.as_ref().ok_or(Error::NoStep)?;
-        Ok(capture_host(&mut capture.producer, &self.policy, hp, batch, data)?)
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Host { producer, batch } => {
+                let batch = batch.as_ref().ok_or(Error::NoStep)?;
+                Ok(capture_host(producer, &self.policy, hp, batch, data)?)
+            }
+            Capture::Cuda { .. } => Err(Error::Backend(HOST_ONLY)),
+        }
+    }
+
+    /// CUDA backend: launches the capture of hookpoint `id` from `rows` contiguous rows at device address `ptr` on
+    /// `stream`. The launch may be recorded into a CUDA graph: at each replay the kernel reads the step's batch
+    /// descriptor and the hookpoint's controls from device memory, copies the selected rows into the ring, or drops
+    /// and counts the record (best-effort, ring full). It never waits and never calls back into the host.
+    ///
+    /// `rows` may exceed the step's batch (padded graph batches): only the batch's rows are copied. `ptr` must be
+    /// device memory of the session's device, aligned to the element size. Errors (null or misaligned pointer,
+    /// memory of another device, a stream of another context, a tensor larger than a ring record can be) are
+    /// returned before anything is launched.
+    pub fn capture_device(&self, id: u32, ptr: u64, rows: u32, stream: StreamHandle) -> Result<(), Error> {
+        let hp = self.registry.get(id)?;
+        let mut guard = self.capture.lock();
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Cuda { capture, open, .. } => {
+                if open.is_none() {
+                    return Err(Error::NoStep);
+                }
+                capture.capture(&hp, ptr, rows, stream).map_err(cuda_error)
+            }
+            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
+        }
+    }
+
+    /// CUDA backend: rows of hookpoint `id` at or past the `u32` stored at device address `ptr` are padding (read at
+    /// replay time, for graphs captured at a padded batch size). `0` removes it. Takes effect at the next step.
+    pub fn set_valid_rows_device(&self, id: u32, ptr: u64) -> Result<(), Error> {
+        self.registry.get(id)?;
+        let mut guard = self.capture.lock();
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Cuda { capture, .. } => capture.set_valid_rows_ptr(id, ptr).map_err(cuda_error),
+            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
+        }
+    }
+
+    /// Folds the device-side counters into the registry (CUDA backend; nothing to do on the host backend).
+    fn fold_device_counters(&self) -> Result<(), Error> {
+        if let Some(Capture::Cuda { capture, .. }) = self.capture.lock().as_mut() {
+            capture.fold_counters(&self.registry).map_err(cuda_error)?;
+        }
+        Ok(())
     }
 
     /// Subscribes an online consumer (a probe, a monitor) to the records that pass `filter`: every record captured
@@ -230,8 +359,10 @@ impl Session {
         Ok(drain.subscribe(name, filter)?)
     }
 
-    /// Per-hookpoint counters now (records in flight are neither exported nor dropped yet).
+    /// Per-hookpoint counters now (records in flight are neither exported nor dropped yet). On the CUDA backend
+    /// this reads the device counters first (one small copy on a private stream; the engine is not synchronised).
     pub fn accounting(&self) -> AccountingSnapshot {
+        let _ = self.fold_device_counters();
         self.registry.accounting()
     }
 
@@ -239,10 +370,36 @@ impl Session {
     /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
     pub fn shutdown(&self) -> Result<Report, Error> {
         let capture = self.capture.lock().take().ok_or(Error::Closed)?;
-        // Dropping the producer tells the drain that nothing more will come; it stops once the ring is empty.
-        drop(capture);
+        let mut device_errors = Vec::new();
+        let device = match capture {
+            // Dropping the producer tells the drain that nothing more will come; it stops once the ring is empty.
+            Capture::Host { producer, .. } => {
+                drop(producer);
+                None
+            }
+            Capture::Cuda { mut capture, ring, .. } => {
+                // Let every capture already issued run, then count it; the drain stops once it has copied the rest.
+                if let Err(e) = ring.gpu().bind().and_then(|_| {
+                    cudarc::driver::result::ctx::synchronize()
+                        .map_err(|error| ringscope_ring::cuda::CudaError::Driver { call: "cuCtxSynchronize", error })
+                }) {
+                    device_errors.push(format!("CUDA backend at shutdown: {e}"));
+                }
+                if let Err(e) = capture.fold_counters(&self.registry) {
+                    device_errors.push(format!("CUDA backend: reading the device counters failed: {e}"));
+                }
+                if ring.error_bits() != 0 {
+                    device_errors
+                        .push(format!("CUDA backend: {}", ringscope_ring::cuda::errors::describe(ring.error_bits())));
+                }
+                ring.close_producer();
+                Some((capture, ring))
+            }
+        };
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
-        let drain = drain.join()?;
+        let mut drain = drain.join()?;
+        drain.errors.extend(device_errors);
+        drop(device);
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
         let report = Report { accounting: self.registry.accounting(), drain, files, run_dir: self.run_dir.clone() };
         if let Some(dir) = &report.run_dir {
@@ -259,7 +416,7 @@ impl Session {
     pub fn wait_drained(&self, timeout: Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            let acc = self.registry.accounting();
+            let acc = self.accounting();
             if acc.hookpoints.iter().all(|(_, c)| c.in_flight() == 0) {
                 return true;
             }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{Receiver, Sender};
 use ringscope_hookpoint::{HookPoint, Registry};
 use ringscope_policy::{DropReason, LossPolicy};
-use ringscope_ring::Consumer;
+use ringscope_ring::RecordSource;
 
 use crate::fanout::{port, Backlog, Filter, Port, Subscription};
 use crate::record::Record;
@@ -84,10 +84,10 @@ pub struct Drain {
 }
 
 impl Drain {
-    /// Starts the drain thread on `consumer`, resolving hookpoint ids in `registry`, and one worker thread per sink
-    /// (each with the filter of the records it takes).
+    /// Starts the drain thread on `consumer` (a ring's drain end: host or CUDA), resolving hookpoint ids in
+    /// `registry`, and one worker thread per sink (each with the filter of the records it takes).
     pub fn spawn(
-        consumer: Consumer,
+        consumer: impl RecordSource + 'static,
         registry: Arc<Registry>,
         sinks: Vec<(Box<dyn Sink>, Filter)>,
         options: DrainOptions,
@@ -106,7 +106,7 @@ impl Drain {
         let (subscribe, new_ports) = crossbeam::channel::unbounded();
         let thread = std::thread::Builder::new()
             .name("ringscope-drain".into())
-            .spawn(move || run_drain(consumer, &registry, ports, new_ports, options))
+            .spawn(move || run_drain(Box::new(consumer), &registry, ports, new_ports, options))
             .map_err(ExporterError::Spawn)?;
         Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes })
     }
@@ -140,7 +140,7 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 fn run_drain(
-    mut consumer: Consumer,
+    mut consumer: Box<dyn RecordSource>,
     registry: &Registry,
     mut ports: Vec<Port>,
     new_ports: Receiver<Port>,
@@ -165,7 +165,6 @@ fn run_drain(
                         // Cannot happen with a registry that only grows; nothing to attribute the record to.
                         report.errors.push(format!("record {} names unknown hookpoint id {id}", view.header.seq));
                         consumer.advance();
-                        consumer.release();
                         continue;
                     };
                     Record::copy_from(&view, hp.clone())
@@ -186,7 +185,6 @@ fn run_drain(
             }
             // The bytes are copied out: hand the ring space back before anything can make us wait.
             consumer.advance();
-            consumer.release();
             drained_any = true;
             report.records += 1;
             report.rows += record.rows() as u64;
@@ -264,7 +262,7 @@ mod tests {
     use ringscope_policy::Mode;
     use ringscope_ring::{channel, DType};
 
-    fn setup() -> (ringscope_ring::Producer, Consumer, Arc<Registry>) {
+    fn setup() -> (ringscope_ring::Producer, ringscope_ring::Consumer, Arc<Registry>) {
         let (p, c) = channel(1 << 16).unwrap();
         let reg = Arc::new(Registry::new());
         for l in 0..2 {
