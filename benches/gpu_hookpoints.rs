@@ -11,6 +11,7 @@
 //!     memory; bytes drained per second against plain pinned D2H copies of the same chunk size (the ceiling).
 //! (c) Interference: p50/p99 wall time of a small engine D2H copy (64 KiB, own stream) while the drain runs at full
 //!     speed, against the same copy with the drain idle, for several drain chunk sizes.
+//! (d) Host time on the engine's per-step path: `begin_step` and the graph launch, best-effort and full mode.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -268,7 +269,9 @@ fn drain_bandwidth(gpu: &Arc<Gpu>) -> Res<()> {
         "| drain chunk × in flight | drained GB/s | pinned D2H ceiling, same chunk (GB/s) | ratio | ratio to 55 GB/s |"
     );
     println!("|---|---|---|---|---|");
-    for &(chunk, in_flight) in &[(1usize << 20, 16usize), (2 << 20, 8), (4 << 20, 4), (16 << 20, 4), (64 << 20, 2)] {
+    for &(chunk, in_flight) in
+        &[(1usize << 20, 16usize), (2 << 20, 8), (2 << 20, 16), (4 << 20, 4), (4 << 20, 8), (16 << 20, 4)]
+    {
         let ring = DeviceRing::new(gpu, 1 << 30)?;
         let mut consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: chunk, max_in_flight: in_flight })?;
         let producer = start_producer(gpu, &ring, 2048, 8192)?;
@@ -318,7 +321,9 @@ fn interference(gpu: &Arc<Gpu>) -> Res<()> {
     println!("Drain idle: p50 {:.1} µs, p99 {:.1} µs.\n", percentile(&mut idle, 0.5), percentile(&mut idle, 0.99));
     println!("| drain chunk × in flight | drained GB/s meanwhile | engine copy p50 (µs) | p99 (µs) | max (µs) |");
     println!("|---|---|---|---|---|");
-    for &(chunk, in_flight) in &[(1usize << 20, 4usize), (1 << 20, 16), (2 << 20, 8), (4 << 20, 4), (16 << 20, 4)] {
+    for &(chunk, in_flight) in
+        &[(1usize << 20, 16usize), (2 << 20, 8), (2 << 20, 16), (4 << 20, 4), (4 << 20, 8), (16 << 20, 4)]
+    {
         let ring = DeviceRing::new(gpu, 1 << 30)?;
         let mut consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: chunk, max_in_flight: in_flight })?;
         let producer = start_producer(gpu, &ring, 2048, 8192)?;
@@ -355,6 +360,70 @@ fn interference(gpu: &Arc<Gpu>) -> Res<()> {
     Ok(())
 }
 
+/// (d) host time on the engine's per-step path: `begin_step` (batch descriptor + launch) and the graph launch.
+fn host_cost(gpu: &Arc<Gpu>) -> Res<()> {
+    const K: usize = 16;
+    const ROWS: u32 = 64;
+    println!("\n### (d) Host time per step on the engine's thread ({K} hookpoints, {ROWS}-row batch, 4 KiB rows)\n");
+    println!("| mode | begin_step p50 (µs) | p99 (µs) | graph launch p50 (µs) | p99 (µs) |");
+    println!("|---|---|---|---|---|");
+    for full in [false, true] {
+        let ring = DeviceRing::new(gpu, 256 << 20)?;
+        let mut consumer = DeviceConsumer::new(&ring, DrainTuning::default())?;
+        let options =
+            DeviceCaptureOptions { full_mode_deadline: full.then_some(Duration::from_secs(10)), ..Default::default() };
+        let mut cap = DeviceCapture::new(&ring, options)?;
+        let reg = Registry::new();
+        let stream = Stream::new(gpu)?;
+        let hps: Vec<_> = (0..K).map(|i| register(&reg, &format!("l{i}"), 4096)).collect();
+        let srcs: Vec<_> = (0..K).map(|_| DeviceBuffer::zeroed(gpu, ROWS as usize * 4096)).collect::<Result<_, _>>()?;
+        let rows = |step: u64| (0..ROWS).map(move |i| (step * 100 + i as u64, i));
+        cap.begin_step(&reg, &StepBatch::new(0, rows(0))?, stream.handle())?;
+        let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+            for (hp, src) in hps.iter().zip(&srcs) {
+                cap.capture(hp, src.ptr(), ROWS, stream.handle())?;
+            }
+            Ok(())
+        })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let drain = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let _ = run_drain(&mut consumer, 0.01);
+            }
+            let _ = run_drain(&mut consumer, 0.2);
+        });
+        let (mut begin, mut launch) = (Vec::new(), Vec::new());
+        for step in 0..3000u64 {
+            let t = Instant::now();
+            let batch = StepBatch::new(step, rows(step))?;
+            cap.begin_step(&reg, &batch, stream.handle())?;
+            let t1 = Instant::now();
+            graph.launch(stream.handle())?;
+            let t2 = Instant::now();
+            if step >= 100 {
+                begin.push((t1 - t).as_secs_f64() * 1e6);
+                launch.push((t2 - t1).as_secs_f64() * 1e6);
+            }
+            if step % 8 == 7 {
+                stream.synchronize()?; // keep the GPU in step, as an engine reading its logits would
+            }
+        }
+        stream.synchronize()?;
+        stop.store(true, Ordering::Relaxed);
+        drain.join().map_err(|_| "drain panicked")?;
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            if full { "full" } else { "best-effort" },
+            percentile(&mut begin, 0.5),
+            percentile(&mut begin, 0.99),
+            percentile(&mut launch, 0.5),
+            percentile(&mut launch, 0.99)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let gpu = match Gpu::open(0) {
         Ok(g) => g,
@@ -379,6 +448,9 @@ fn main() -> Res<()> {
     }
     if only.as_deref().is_none_or(|o| o == "c") {
         interference(&gpu)?;
+    }
+    if only.as_deref().is_none_or(|o| o == "d") {
+        host_cost(&gpu)?;
     }
     Ok(())
 }

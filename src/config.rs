@@ -103,7 +103,7 @@ fn default_max_batch_rows() -> u32 {
 }
 
 fn default_drain_chunk() -> ByteSize {
-    ByteSize(2 << 20)
+    ByteSize(4 << 20)
 }
 
 fn default_drain_in_flight() -> u32 {

@@ -4,10 +4,30 @@
 //! it keeps into its record, next to the rows. That is how row ownership travels through the ring in stream order.
 
 use std::collections::HashSet;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use ringscope_ring::RowMeta;
 
 use crate::error::HookPointError;
+
+/// Hashes request ids for the per-step "last row of each request" pass: one multiply, not SipHash (the pass runs
+/// on the engine's thread every step; request ids are not attacker-chosen keys).
+#[derive(Default)]
+struct RequestIdHasher(u64);
+
+impl Hasher for RequestIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ *b as u64).wrapping_mul(0x100_0000_01B3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (v ^ (v >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
 
 /// One step's batch: row `i` of every captured tensor belongs to `rows[i]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,7 +54,8 @@ impl StepBatch {
         if rows.len() > u32::MAX as usize {
             return Err(HookPointError::InvalidBatch { step, why: "more than 2^32 rows".into() });
         }
-        let mut seen = HashSet::with_capacity(rows.len());
+        let mut seen: HashSet<u64, BuildHasherDefault<RequestIdHasher>> =
+            HashSet::with_capacity_and_hasher(rows.len(), Default::default());
         let mut last_per_request: Vec<RowMeta> =
             rows.iter().rev().filter(|r| seen.insert(r.request_id)).copied().collect();
         last_per_request.reverse();

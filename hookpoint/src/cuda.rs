@@ -198,6 +198,10 @@ pub struct DeviceCapture {
     /// Full mode: (begin index, worst-case bytes) of steps whose captures may not have run yet.
     pending: VecDeque<(u64, u64)>,
     step_begun: bool,
+    /// `registry.changes()` when the controls were last uploaded (`None`: upload at the next step).
+    synced_changes: Option<u64>,
+    /// The last stream that passed `check_stream` (a handle keeps its context for its lifetime).
+    checked_stream: Option<StreamHandle>,
     counter_stream: sys::CUstream,
     /// Full mode: recorded on the engine's stream when `begin_step` must wait, to learn when every earlier step's
     /// captures have run (their reservations can then be retired).
@@ -269,6 +273,8 @@ impl DeviceCapture {
             begin_index: 0,
             pending: VecDeque::new(),
             step_begun: false,
+            synced_changes: None,
+            checked_stream: None,
             counter_stream,
             marker,
             folded: Vec::new(),
@@ -297,11 +303,24 @@ impl DeviceCapture {
         if let Some(m) = self.mirrors.get_mut(i) {
             m.uploaded = false;
         }
+        self.synced_changes = None;
+        Ok(())
+    }
+
+    fn check_stream(&mut self, stream: StreamHandle) -> Result<(), CudaError> {
+        if self.checked_stream != Some(stream) {
+            self.gpu.check_stream(stream)?;
+            self.checked_stream = Some(stream);
+        }
         Ok(())
     }
 
     /// Uploads changed controls on `stream` (stream-ordered before the step's captures).
     fn sync_controls(&mut self, registry: &Registry, stream: StreamHandle) -> Result<(), DeviceCaptureError> {
+        let changes = registry.changes();
+        if Some(changes) == self.synced_changes {
+            return Ok(());
+        }
         let all = registry.all();
         if all.len() > self.options.max_hookpoints as usize {
             return Err(DeviceCaptureError::Usage(format!(
@@ -403,7 +422,7 @@ impl DeviceCapture {
         stream: StreamHandle,
     ) -> Result<(), DeviceCaptureError> {
         self.gpu.bind()?;
-        self.gpu.check_stream(stream)?;
+        self.check_stream(stream)?;
         if self.gpu.is_capturing(stream)? {
             return Err(DeviceCaptureError::Usage(
                 "begin_step was called while the stream is capturing a CUDA graph: call it before each replay, \
@@ -589,7 +608,7 @@ impl DeviceCapture {
         let what = format!("capture of `{name}`");
         self.gpu.bind()?;
         self.gpu.check_device_range(&what, src, bytes, hp.spec.dtype.size())?;
-        self.gpu.check_stream(stream)?;
+        self.check_stream(stream)?;
         let payload = footprint(src_rows as u64, row_bytes as u64) as usize - HEADER_LEN;
         if payload > self.ring.max_payload_len() {
             return Err(DeviceCaptureError::Usage(format!(

@@ -31,16 +31,24 @@ pub struct Control {
     selection: RwLock<RowSelection>,
     /// Bumped by every change, so the GPU backend re-uploads controls only when they changed.
     generation: AtomicU64,
+    /// The registry's change counter (bumped with `generation`).
+    registry_changes: Arc<AtomicU64>,
 }
 
 impl Control {
-    fn new() -> Self {
+    fn new(registry_changes: Arc<AtomicU64>) -> Self {
         Control {
             enabled: AtomicBool::new(true),
             every_n_steps: AtomicU32::new(1),
             selection: RwLock::default(),
             generation: AtomicU64::new(0),
+            registry_changes,
         }
+    }
+
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::Release);
+        self.registry_changes.fetch_add(1, Ordering::Release);
     }
 
     /// Whether captures are taken at all.
@@ -51,7 +59,7 @@ impl Control {
     /// Turns captures on or off.
     pub fn set_enabled(&self, on: bool) {
         self.enabled.store(on, Ordering::Relaxed);
-        self.generation.fetch_add(1, Ordering::Release);
+        self.changed();
     }
 
     /// A number that changes whenever a control changes.
@@ -70,7 +78,7 @@ impl Control {
             return Err(HookPointError::InvalidControl("every_n_steps must be at least 1 (1 = every step)".into()));
         }
         self.every_n_steps.store(n, Ordering::Relaxed);
-        self.generation.fetch_add(1, Ordering::Release);
+        self.changed();
         Ok(())
     }
 
@@ -90,7 +98,7 @@ impl Control {
             return Err(HookPointError::InvalidControl("an explicit row selection needs at least one row".into()));
         }
         *self.selection.write() = selection;
-        self.generation.fetch_add(1, Ordering::Release);
+        self.changed();
         Ok(())
     }
 }
@@ -112,6 +120,8 @@ pub struct HookPoint {
 #[derive(Debug, Default)]
 pub struct Registry {
     inner: RwLock<Inner>,
+    /// Bumped by every registration and every control change.
+    changes: Arc<AtomicU64>,
 }
 
 #[derive(Debug, Default)]
@@ -135,8 +145,10 @@ impl Registry {
         }
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
-        let hp = Arc::new(HookPoint { id, spec, control: Control::new(), counters: Counters::default() });
+        let control = Control::new(self.changes.clone());
+        let hp = Arc::new(HookPoint { id, spec, control, counters: Counters::default() });
         inner.by_id.push(hp.clone());
+        self.changes.fetch_add(1, Ordering::Release);
         Ok(hp)
     }
 
@@ -153,6 +165,12 @@ impl Registry {
             known: inner.by_id.iter().map(|h| h.spec.name.clone()).take(8).collect::<Vec<_>>().join(", "),
         })?;
         Ok(inner.by_id[id as usize].clone())
+    }
+
+    /// A number that changes whenever a hookpoint is registered or any control changes (one atomic load: the GPU
+    /// backend checks it every step).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// Every hookpoint, in id order.

@@ -591,7 +591,7 @@ pub struct DrainTuning {
 
 impl Default for DrainTuning {
     fn default() -> Self {
-        DrainTuning { chunk_bytes: 4 << 20, max_in_flight: 4 }
+        DrainTuning { chunk_bytes: 4 << 20, max_in_flight: 8 }
     }
 }
 
