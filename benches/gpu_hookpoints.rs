@@ -432,7 +432,8 @@ fn main() -> Res<()> {
             return Ok(());
         }
     };
-    let only = std::env::args().nth(1).filter(|a| !a.starts_with("--"));
+    // `cargo bench --bench gpu_hookpoints -- b` runs one part (cargo adds its own `--bench` flag).
+    let only = std::env::args().skip(1).find(|a| ["a", "b", "c", "d"].contains(&a.as_str()));
     println!(
         "## GPU benchmarks on {} (sm_{}{}, {} SMs)",
         gpu.name(),

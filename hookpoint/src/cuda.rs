@@ -770,7 +770,9 @@ mod tests {
                     assert!(ptx.contains(&format!(".entry {f}")), "{f} missing from the PTX");
                 }
             }
-            Err(CudaError::NoNvrtc) => eprintln!("skipped: NVRTC is not installed"),
+            Err(CudaError::NoNvrtc) if std::env::var_os("RINGSCOPE_REQUIRE_NVRTC").is_none() => {
+                eprintln!("skipped: NVRTC is not installed (set RINGSCOPE_REQUIRE_NVRTC=1 to make this a failure)")
+            }
             Err(e) => panic!("{e}"),
         }
     }
