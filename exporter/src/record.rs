@@ -19,7 +19,8 @@ use ringscope_ring::{RecordHeader, RecordView, RowMeta};
 pub struct Record(Arc<Inner>);
 
 struct Inner {
-    bytes: Arc<[u8]>,
+    /// A `Vec`, not an `Arc<[u8]>`: turning the filled `Vec` into an `Arc<[u8]>` would copy the record again.
+    bytes: Arc<Vec<u8>>,
     header: RecordHeader,
     hookpoint: Arc<HookPoint>,
     receipt: Receipt,
@@ -32,7 +33,7 @@ impl Record {
         bytes.extend_from_slice(&view.header.encode());
         bytes.extend_from_slice(view.payload());
         let receipt = Receipt::new(hookpoint.clone(), view.rows() as u64);
-        Record(Arc::new(Inner { bytes: bytes.into(), header: view.header, hookpoint, receipt }))
+        Record(Arc::new(Inner { bytes: Arc::new(bytes), header: view.header, hookpoint, receipt }))
     }
 
     /// The same record without accounting responsibility: what a consumer's queue holds. Handing a record to an
