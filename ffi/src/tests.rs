@@ -1,0 +1,207 @@
+//! The C ABI called the way C calls it: statuses, messages, handles, and every bad-input case the header names.
+//!
+//! Every `unsafe` call here passes either valid pointers with matching lengths, or null / wrong values that the
+//! ABI is documented to check (which is what these tests are about); the per-call comments say which.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
+use super::*;
+
+fn last_error() -> String {
+    // SAFETY: `rs_last_error` returns a valid NUL-terminated string owned by this thread.
+    unsafe { CStr::from_ptr(rs_last_error()) }.to_string_lossy().into_owned()
+}
+
+fn c(s: &str) -> CString {
+    CString::new(s).unwrap()
+}
+
+fn open(extra: &str) -> u64 {
+    let cfg = c(&format!("[ring]\ncapacity = \"1 MiB\"\n[policy]\nmode = \"full\"\n{extra}"));
+    let mut h = 0u64;
+    // SAFETY: valid string and out-pointer.
+    assert_eq!(unsafe { rs_session_open(cfg.as_ptr(), &mut h) }, RsStatus::RsOk, "{}", last_error());
+    h
+}
+
+fn register(s: u64, name: &str, width: u32) -> u32 {
+    let mut id = u32::MAX;
+    let (n, site, dt) = (c(name), c("residual"), c("bf16"));
+    // SAFETY: valid strings and out-pointer.
+    let st = unsafe { rs_register_hookpoint(s, n.as_ptr(), site.as_ptr(), 0, dt.as_ptr(), width, &mut id) };
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    id
+}
+
+#[test]
+fn a_session_through_the_c_abi_captures_subscribes_counts_and_closes() {
+    let s = open("");
+    let id = register(s, "layers.0.resid", 4);
+    let mut sub = 0u64;
+    let name = c("probe");
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { rs_subscribe(s, name.as_ptr(), std::ptr::null(), 0, &mut sub) }, RsStatus::RsOk);
+    std::thread::sleep(Duration::from_millis(20));
+    let (ids, pos) = ([7u64, 9, 9], [17u32, 0, 1]);
+    // SAFETY: arrays of 3.
+    assert_eq!(unsafe { rs_begin_step(s, 0, ids.as_ptr(), pos.as_ptr(), 3) }, RsStatus::RsOk);
+    let data: Vec<u8> = (0..3 * 8).map(|i| i as u8).collect();
+    let mut outcome = -1;
+    // SAFETY: `data` holds 24 bytes.
+    let st = unsafe { rs_capture_host(s, id, data.as_ptr().cast(), data.len(), &mut outcome) };
+    assert_eq!((st, outcome), (RsStatus::RsOk, RS_CAPTURE_PUBLISHED), "{}", last_error());
+    assert_eq!(rs_end_step(s), RsStatus::RsOk);
+
+    // Poll: first with a buffer that is too small, then with one that fits.
+    let mut info = RsRecordInfo::default();
+    // SAFETY: `info` writable; no buffer.
+    let st = unsafe { rs_poll(sub, 5000, &mut info, std::ptr::null_mut(), 0) };
+    assert_eq!(st, RsStatus::RsErrBufferTooSmall, "{}", last_error());
+    assert_eq!((info.rows, info.row_bytes, info.needed), (3, 8, 3 * 16 + 24));
+    let mut buf = vec![0u8; info.needed as usize];
+    // SAFETY: `buf` holds `needed` bytes.
+    let st = unsafe { rs_poll(sub, 5000, &mut info, buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(u64::from_le_bytes(buf[16..24].try_into().unwrap()), 9, "row 1's request id");
+    assert_eq!(u32::from_le_bytes(buf[24..28].try_into().unwrap()), 0, "row 1's position");
+    assert_eq!(&buf[48..], &data[..]);
+
+    assert_eq!(rs_flush(s, 5000), RsStatus::RsOk, "{}", last_error());
+    let mut counts = RsCounts::default();
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_stats(s, id, &mut counts) }, RsStatus::RsOk);
+    assert_eq!((counts.produced_rows, counts.exported_rows, counts.dropped_rows), (3, 3, 0));
+
+    let mut totals = RsCounts::default();
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_session_close(s, &mut totals) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((totals.produced_rows, totals.exported_rows), (3, 3));
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "closing twice is harmless");
+    // SAFETY: `info` writable.
+    assert_eq!(unsafe { rs_poll(sub, 1000, &mut info, std::ptr::null_mut(), 0) }, RsStatus::RsErrEnded);
+    assert_eq!(rs_subscription_close(sub), RsStatus::RsOk);
+    assert_eq!(rs_subscription_close(sub), RsStatus::RsOk, "closing twice is harmless");
+}
+
+#[test]
+fn bad_input_gets_the_documented_status_and_a_message() {
+    let mut h = 0u64;
+    // Null and invalid config.
+    // SAFETY: null is checked.
+    assert_eq!(unsafe { rs_session_open(std::ptr::null(), &mut h) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("config_toml is a null pointer"), "{}", last_error());
+    let bad = c("[ring]\ncapacity = \"lots\"\n");
+    // SAFETY: valid string.
+    assert_eq!(unsafe { rs_session_open(bad.as_ptr(), &mut h) }, RsStatus::RsErrConfig);
+    assert!(last_error().contains("capacity"), "{}", last_error());
+    let unknown = c("[ring]\ncolour = 1\n");
+    // SAFETY: valid string.
+    assert_eq!(unsafe { rs_session_open(unknown.as_ptr(), &mut h) }, RsStatus::RsErrConfig);
+    let cuda = c("[ring]\nbackend = \"cuda\"\n");
+    // SAFETY: valid string. Without a GPU this is a clear CUDA error; with one it opens.
+    match unsafe { rs_session_open(cuda.as_ptr(), &mut h) } {
+        // SAFETY: null totals are allowed.
+        RsStatus::RsOk => assert_eq!(unsafe { rs_session_close(h, std::ptr::null_mut()) }, RsStatus::RsOk),
+        st => assert_eq!(st, RsStatus::RsErrCuda, "{}", last_error()),
+    }
+    let missing = c("/nonexistent/ringscope.toml");
+    // SAFETY: valid string.
+    assert_eq!(unsafe { rs_session_open_file(missing.as_ptr(), &mut h) }, RsStatus::RsErrConfig);
+
+    // Handles: zero, made up, of the wrong kind, closed.
+    assert_eq!(rs_end_step(0), RsStatus::RsErrInvalidHandle);
+    assert_eq!(rs_end_step(0xDEAD_BEEF), RsStatus::RsErrInvalidHandle);
+    assert!(last_error().contains("not a ringscope session handle"), "{}", last_error());
+    let s = open("");
+    let id = register(s, "h", 4);
+    let mut sub = 0;
+    let n = c("x");
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { rs_subscribe(s, n.as_ptr(), std::ptr::null(), 0, &mut sub) }, RsStatus::RsOk);
+    assert_eq!(rs_end_step(sub), RsStatus::RsErrInvalidHandle, "a subscription is not a session");
+    let mut info = RsRecordInfo::default();
+    // SAFETY: `info` writable.
+    assert_eq!(unsafe { rs_poll(s, 0, &mut info, std::ptr::null_mut(), 0) }, RsStatus::RsErrInvalidHandle);
+
+    // Steps and captures.
+    let data = [0u8; 8];
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { rs_capture_host(s, id, data.as_ptr().cast(), 8, std::ptr::null_mut()) }, RsStatus::RsErrStep);
+    assert_eq!(rs_end_step(s), RsStatus::RsErrStep);
+    let (ids, pos) = ([1u64], [0u32]);
+    // SAFETY: null with rows > 0 is checked.
+    assert_eq!(unsafe { rs_begin_step(s, 0, std::ptr::null(), pos.as_ptr(), 1) }, RsStatus::RsErrInvalidArgument);
+    // SAFETY: zero rows: an empty batch is refused by the session.
+    assert_eq!(unsafe { rs_begin_step(s, 0, ids.as_ptr(), pos.as_ptr(), 0) }, RsStatus::RsErrCapture);
+    // SAFETY: arrays of 1.
+    assert_eq!(unsafe { rs_begin_step(s, 0, ids.as_ptr(), pos.as_ptr(), 1) }, RsStatus::RsOk);
+    // SAFETY: arrays of 1.
+    assert_eq!(unsafe { rs_begin_step(s, 1, ids.as_ptr(), pos.as_ptr(), 1) }, RsStatus::RsErrStep);
+    // SAFETY: 7 of 8 bytes: wrong size for 1 row of 4 bf16.
+    assert_eq!(
+        unsafe { rs_capture_host(s, id, data.as_ptr().cast(), 7, std::ptr::null_mut()) },
+        RsStatus::RsErrCapture
+    );
+    assert!(last_error().contains("expected 8"), "{}", last_error());
+    // SAFETY: valid pointers; unknown hookpoint.
+    assert_eq!(
+        unsafe { rs_capture_host(s, 99, data.as_ptr().cast(), 8, std::ptr::null_mut()) },
+        RsStatus::RsErrCapture
+    );
+    assert_eq!(rs_capture_device(s, id, 0x1000, 1, 0), RsStatus::RsErrInvalidArgument, "host session");
+    assert!(last_error().contains("host backend"), "{}", last_error());
+    // Registration and controls.
+    let (nm, site, bad_dt) = (c("h"), c("residual"), c("complex128"));
+    let mut out = 0u32;
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { rs_register_hookpoint(s, nm.as_ptr(), site.as_ptr(), 0, bad_dt.as_ptr(), 4, &mut out) },
+        RsStatus::RsErrInvalidArgument
+    );
+    let dt = c("bf16");
+    // SAFETY: valid pointers; duplicate name.
+    assert_eq!(
+        unsafe { rs_register_hookpoint(s, nm.as_ptr(), site.as_ptr(), 0, dt.as_ptr(), 4, &mut out) },
+        RsStatus::RsErrCapture
+    );
+    // SAFETY: null out-pointer is checked.
+    assert_eq!(
+        unsafe { rs_register_hookpoint(s, nm.as_ptr(), site.as_ptr(), 0, dt.as_ptr(), 4, std::ptr::null_mut()) },
+        RsStatus::RsErrInvalidArgument
+    );
+    assert_eq!(rs_set_every_n_steps(s, id, 0), RsStatus::RsErrInvalidArgument);
+    // SAFETY: mode 9 is checked before the list is read.
+    assert_eq!(unsafe { rs_set_rows(s, id, 9, std::ptr::null(), 0) }, RsStatus::RsErrInvalidArgument);
+    // SAFETY: an empty explicit list is refused.
+    assert_eq!(unsafe { rs_set_rows(s, id, RS_ROWS_LIST, std::ptr::null(), 0) }, RsStatus::RsErrInvalidArgument);
+    assert_eq!(rs_end_step(s), RsStatus::RsOk);
+
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(rs_end_step(s), RsStatus::RsErrClosed, "a closed handle");
+    assert_eq!(rs_subscription_close(s), RsStatus::RsErrInvalidHandle);
+    assert!(last_error().contains("subscription"), "{}", last_error());
+}
+
+#[test]
+fn the_committed_header_is_current() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let config = cbindgen::Config::from_file(dir.join("cbindgen.toml")).unwrap();
+    let mut generated = Vec::new();
+    cbindgen::Builder::new()
+        .with_crate(dir)
+        .with_config(config)
+        .generate()
+        .expect("cbindgen can read the crate")
+        .write(&mut generated);
+    let path = dir.join("include/ringscope.h");
+    if std::env::var_os("RINGSCOPE_UPDATE_HEADER").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "ffi/include/ringscope.h is stale: regenerate it with `RINGSCOPE_UPDATE_HEADER=1 cargo test -p ringscope-ffi \
+         the_committed_header_is_current` and commit it"
+    );
+}
