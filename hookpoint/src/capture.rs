@@ -29,8 +29,8 @@ pub enum CaptureOutcome {
     Dropped(DropReason),
 }
 
-/// Captures `data` — the hookpoint's tensor for the whole batch, `batch.len() × row_bytes` contiguous bytes — into
-/// the ring through `producer`.
+/// Captures `data` — the hookpoint's tensor for the whole batch, `batch.len() × row_bytes` contiguous bytes, or just
+/// the rows its selection keeps, in selection order — into the ring through `producer`.
 ///
 /// Rows are chosen by the hookpoint's [`RowSelection`], and each kept row's request id and position from `batch`
 /// travel in the same record. In full mode a full ring makes this wait up to the policy's deadline; in best-effort
@@ -46,15 +46,6 @@ pub fn capture_host(
     let row_bytes = hp.spec.row_bytes();
     let rb = row_bytes as usize;
     let expected = batch.len() * rb;
-    if data.len() != expected {
-        return Err(HookPointError::DataLength {
-            hookpoint: hp.spec.name.clone(),
-            expected,
-            got: data.len(),
-            rows: batch.len(),
-            row_bytes,
-        });
-    }
     let metas: Cow<'_, [RowMeta]> = match &*hp.control.selection() {
         RowSelection::All => Cow::Borrowed(batch.rows()),
         RowSelection::LastPerRequest => Cow::Borrowed(batch.last_per_request()),
@@ -70,6 +61,18 @@ pub fn capture_host(
                 .collect::<Result<_, _>>()?,
         ),
     };
+    // The tensor holds either the whole batch, or exactly the selected rows in selection order (e.g. logits that
+    // an engine computed for each request's last token only).
+    let preselected = data.len() != expected && data.len() == metas.len() * rb;
+    if data.len() != expected && !preselected {
+        return Err(HookPointError::DataLength {
+            hookpoint: hp.spec.name.clone(),
+            expected,
+            got: data.len(),
+            rows: batch.len(),
+            row_bytes,
+        });
+    }
     let rows = metas.len() as u32;
     let record = RecordMeta {
         step: batch.step(),
@@ -124,7 +127,7 @@ pub fn capture_host(
         }
     };
     reservation.write_rows_with(&metas, |i, dst| {
-        let src = metas[i].batch_row as usize * rb;
+        let src = if preselected { i * rb } else { metas[i].batch_row as usize * rb };
         dst.copy_from_slice(&data[src..src + rb]);
     });
     let seq = reservation.publish();
@@ -161,6 +164,26 @@ mod tests {
 
     const BEST: LossPolicy = LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO };
     const FULL: LossPolicy = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_millis(20) };
+
+    #[test]
+    fn a_tensor_of_just_the_selected_rows_is_taken_in_selection_order() {
+        // Logits computed for each request's last token only: 2 rows for a 3-row batch.
+        let (mut p, mut c, reg) = setup(1 << 16, 4);
+        let hp = reg.get(0).unwrap();
+        hp.control.set_selection(RowSelection::LastPerRequest).unwrap();
+        let batch = StepBatch::new(0, [(10, 0), (10, 1), (11, 7)]).unwrap();
+        let data = tensor(2, 4);
+        capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();
+        let (metas, rows) = c
+            .pop_with(|v| (v.row_metas().map(|m| (m.request_id, m.position)).collect::<Vec<_>>(), v.data().to_vec()))
+            .unwrap()
+            .unwrap();
+        assert_eq!(metas, vec![(10, 1), (11, 7)]);
+        assert_eq!(rows, data);
+        // Neither the batch nor the selection: an error naming both sizes' source.
+        let err = capture_host(&mut p, &FULL, &hp, &batch, &tensor(1, 4)).unwrap_err().to_string();
+        assert!(err.contains("expected 48"), "{err}");
+    }
 
     #[test]
     fn selections_carry_their_row_metadata() {

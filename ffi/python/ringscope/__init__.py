@@ -390,15 +390,21 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every dtype becomes a torch tensor then),
     else as uint16 bit patterns (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
     Needs pyarrow."""
-    import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
-    dataset = ds.dataset(str(path), format="parquet", partitioning="hive")
-    table = dataset.to_table(filter=(ds.field("hookpoint") == hookpoint) if hookpoint else None)
+    root = pathlib.Path(path)
+    parts = sorted(p for p in root.glob("hookpoint=*") if p.is_dir())
+    if not parts:
+        raise RingscopeError("RS_ERR_IO", f"{root} holds no hookpoint=... partitions: not a ringscope Parquet dump")
     out = {}
-    names = pc.unique(table.column("hookpoint")).to_pylist() if table.num_rows else []
-    for name in sorted(names):
-        t = table.filter(pc.equal(table.column("hookpoint"), name))
+    for part in parts:
+        # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
+        name = part.name[len("hookpoint="):]
+        if hookpoint is not None and name != hookpoint:
+            continue
+        t = ds.dataset(str(part), format="parquet", partitioning="hive").to_table()
+        if t.num_rows == 0:
+            continue
         t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
         meta = t.schema.field("activation").metadata or {}
         dtype_name = meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()

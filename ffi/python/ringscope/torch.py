@@ -1,0 +1,204 @@
+"""PyTorch integration: a ``torch.library`` custom op for captures, and :func:`attach` for Hugging Face decoders.
+
+``ringscope::capture`` is an ordinary custom operator: recordable into CUDA graphs (``torch.cuda.graph``) — on a CUDA
+tensor it launches ringscope's capture kernel on the current stream, which reads everything that varies (the batch
+descriptor, the hookpoint's controls) from device memory at replay time — and opaque to ``torch.compile`` (no graph
+break). It declares that it writes a one-element ``sink`` tensor so that compilers never drop it as dead code.
+
+:func:`attach` adds forward hooks to a model — no forked model code — that capture the chosen sites of the chosen
+layers, and a pre-forward hook on the model that hands ringscope each step's batch descriptor (request id and token
+position of every row), so every exported row says whose token it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import RingscopeError, Session, _check, _load
+
+__all__ = ["capture", "attach", "Attachment", "SUPPORTED_MODEL_TYPES"]
+
+_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64",
+                 torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+
+
+@torch.library.custom_op("ringscope::capture", mutates_args=("sink",))
+def capture(x: torch.Tensor, sink: torch.Tensor, session: int, hookpoint: int, row_width: int) -> None:
+    """Captures ``x`` (any shape whose last dimension is the row width; rows in row-major order) into hookpoint
+    ``hookpoint`` of the session whose C handle is ``session``. CUDA tensors: a kernel on the current stream (graph
+    capturable); CPU tensors: a host copy."""
+    if not x.is_contiguous():
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"ringscope.capture needs a contiguous tensor (got strides {tuple(x.stride())}); "
+                             "call .contiguous() first")
+    if x.dim() == 0 or x.shape[-1] != row_width:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"hookpoint {hookpoint} has rows of {row_width} elements; got a tensor of shape "
+                             f"{tuple(x.shape)}")
+    rows = x.numel() // row_width
+    lib = _load()
+    if x.is_cuda:
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        _check(lib.rs_capture_device(session, hookpoint, x.data_ptr(), rows, stream))
+    else:
+        outcome = ctypes.c_int32(-1)
+        _check(lib.rs_capture_host(session, hookpoint, ctypes.c_void_p(x.data_ptr()), x.numel() * x.element_size(),
+                                   ctypes.byref(outcome)))
+
+
+@capture.register_fake
+def _(x, sink, session, hookpoint, row_width):
+    return None
+
+
+def _decoder(model):
+    """(layers, final_norm, lm_head, family) of a Hugging Face decoder, found by attribute, not by forking code."""
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    base = getattr(model, "model", None)
+    if mt in ("llama", "qwen2", "qwen3", "mistral") and base is not None and hasattr(base, "layers"):
+        return list(base.layers), base.norm, getattr(model, "lm_head", None), "llama"
+    tr = getattr(model, "transformer", None)
+    if mt == "gpt2" and tr is not None and hasattr(tr, "h"):
+        return list(tr.h), tr.ln_f, getattr(model, "lm_head", None), "gpt2"
+    raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                         f"attach: model type {mt!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+_SITES = ("residual", "attention_output", "mlp_output", "final_norm", "logits")
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class Attachment:
+    """What :func:`attach` installed: the session, the hookpoint ids by name, and the hooks (``detach()`` removes
+    them). Set ``request_ids`` (one per batch row) before a forward pass to name the rows' requests; by default
+    row ``b`` of the batch is request ``b``."""
+
+    def __init__(self, session: Session, model):
+        self.session = session
+        self.model = model
+        self.hookpoints: Dict[str, int] = {}
+        self.request_ids: Optional[Sequence[int]] = None
+        self.step = 0
+        self._handles: List = []
+        self._sink: Dict[torch.device, torch.Tensor] = {}
+        self._open = False
+
+    def sink(self, device) -> torch.Tensor:
+        s = self._sink.get(device)
+        if s is None:
+            s = self._sink[device] = torch.zeros(1, dtype=torch.uint8, device=device)
+        return s
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- the batch descriptor, once per forward pass --------------------------------------------------------------
+    def _begin(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
+        batch, seq = shape[0], shape[1]
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            cache_pos = kwargs.get("cache_position")
+            if cache_pos is not None:
+                pos = cache_pos.reshape(1, -1).expand(batch, seq)
+            else:
+                past = kwargs.get("past_key_values")
+                start = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
+                pos = torch.arange(start, start + seq).reshape(1, -1).expand(batch, seq)
+        positions = pos.detach().to("cpu", torch.int64).reshape(batch, seq).numpy().astype(np.uint32)
+        req = np.asarray(self.request_ids if self.request_ids is not None else range(batch), dtype=np.uint64)
+        if req.shape != (batch,):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"attach: {req.size} request ids set for a batch of {batch} rows")
+        if self._open:
+            self.session.end_step()
+        stream = None
+        device = ids.device if ids is not None else embeds.device
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device).cuda_stream
+        self.session.begin_step(self.step, np.repeat(req, seq), positions.reshape(-1), stream=stream)
+        self._open = True
+
+    def _end(self, module, args, kwargs, output):
+        if self._open:
+            self.session.end_step()
+            self._open = False
+        self.step += 1
+
+    def _hook(self, name: str, width: int, pick=_first):
+        hp = self.hookpoints[name]
+        handle = self.session._h
+
+        def hook(module, args, output):
+            x = pick(output)
+            capture(x.contiguous(), self.sink(x.device), handle, hp, width)
+
+        return hook
+
+
+def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual",),
+           layers: Optional[Iterable[int]] = None, rows: "str | Sequence[int]" = "all") -> Attachment:
+    """Attaches ringscope to a Hugging Face decoder (Llama, Qwen2/3, Mistral, GPT-2 families).
+
+    ``sites``: any of ``residual`` (the residual stream after each chosen layer: ``output_hidden_states[i + 1]`` for
+    every layer but the last, whose entry in ``output_hidden_states`` is taken after the final norm),
+    ``attention_output``, ``mlp_output`` (the blocks' outputs before they are added to the residual stream),
+    ``final_norm`` (``output_hidden_states[-1]``), ``logits``. ``layers``: which decoder layers (default all).
+    ``rows``: ``"all"``, ``"last_per_request"`` or a list of batch rows. ``session``: a :class:`Session`, or its
+    configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
+    """
+    decoder_layers, final_norm, lm_head, family = _decoder(model)
+    sites = list(sites)
+    bad = [s for s in sites if s not in _SITES]
+    if bad:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: unknown site(s) {bad}; use {list(_SITES)}")
+    chosen = list(range(len(decoder_layers))) if layers is None else list(layers)
+    for i in chosen:
+        if not 0 <= i < len(decoder_layers):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"attach: layer {i} does not exist (the model has {len(decoder_layers)})")
+    if not isinstance(session, Session):
+        session = Session(session)
+    dtype = next(model.parameters()).dtype
+    if dtype not in _TORCH_DTYPES:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: parameters of dtype {dtype} are not supported")
+    dt = _TORCH_DTYPES[dtype]
+    hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
+    att = Attachment(session, model)
+
+    def add(name, site, layer, width, module, pick=_first):
+        att.hookpoints[name] = session.register(name, site=site, layer=layer, dtype=dt, row_width=width)
+        if rows != "all":
+            session.set_rows(att.hookpoints[name], rows)
+        att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
+
+    for i in chosen:
+        layer = decoder_layers[i]
+        if "residual" in sites:
+            add(f"layers.{i}.resid", "residual", i, hidden, layer)
+        if "attention_output" in sites:
+            attn = layer.self_attn if family == "llama" else layer.attn
+            add(f"layers.{i}.attn_out", "attention_output", i, hidden, attn)
+        if "mlp_output" in sites:
+            add(f"layers.{i}.mlp_out", "mlp_output", i, hidden, layer.mlp)
+    if "final_norm" in sites:
+        add("final_norm", "final_norm", None, hidden, final_norm)
+    if "logits" in sites:
+        if lm_head is None:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", "attach: the model has no lm_head for the logits site")
+        add("logits", "logits", None, lm_head.out_features, lm_head)
+    att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
+    att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
+    return att

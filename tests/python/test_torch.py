@@ -1,0 +1,125 @@
+"""The PyTorch / Hugging Face integration on CPU (host backend): a randomly initialised Llama-architecture model
+(config built here, no downloads) runs `generate` with ringscope attached, and every exported row must be
+bit-identical to the matching `output_hidden_states` entry, with the right request id and position. Also: the
+custom op under torch.compile without graph breaks, and the bad inputs the API promises to refuse.
+
+Skipped when torch or transformers is missing, unless RINGSCOPE_REQUIRE_TORCH is set (.ci/run sets it).
+"""
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("RINGSCOPE_REQUIRE_TORCH"):
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+import ringscope
+import ringscope.torch as rt
+
+
+def tiny(model_type="llama", layers=3):
+    torch.manual_seed(0)
+    if model_type == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=64)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    config, cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[model_type]
+    cfg = config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return cls(cfg).eval()
+
+
+def collect(session, sub):
+    session.close()
+    return list(sub)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gpt2"])
+def test_generate_rows_equal_output_hidden_states_bit_for_bit(model_type):
+    model = tiny(model_type)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual", "final_norm"))
+    sub = session.subscribe("check")
+    att.request_ids = [41, 42]
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                             output_hidden_states=True, return_dict_in_generate=True, pad_token_id=0)
+    records = collect(session, sub)
+    names = {v: k for k, v in att.hookpoints.items()}
+    got = {}
+    for r in records:
+        for k in range(len(r.rows)):
+            got[(names[r.hookpoint], r.step, int(r.request_id[k]), int(r.position[k]))] = r.rows[k]
+    n_layers = len(out.hidden_states[0]) - 1
+    checked = 0
+    for step, hs in enumerate(out.hidden_states):
+        seq = hs[0].shape[1]
+        for b, req in enumerate([41, 42]):
+            for t in range(seq):
+                pos = t if step == 0 else 3 + step
+                for i in range(n_layers - 1):
+                    want = hs[i + 1][b, t].numpy()
+                    row = got.pop((f"layers.{i}.resid", step, req, pos))
+                    assert row.view(np.uint32).tobytes() == want.view(np.uint32).tobytes(), (step, req, pos, i)
+                    checked += 1
+                want = hs[n_layers][b, t].numpy()
+                assert got.pop(("final_norm", step, req, pos)).tobytes() == want.tobytes()
+                # The last layer's residual is hidden_states[-1] before the final norm: present, not compared here.
+                got.pop((f"layers.{n_layers - 1}.resid", step, req, pos))
+                checked += 1
+    assert not got, f"rows nobody expected: {list(got)[:5]}"
+    assert checked == (4 + 3) * 2 * n_layers
+
+
+def test_the_capture_op_compiles_without_graph_breaks():
+    session = ringscope.Session("")
+    hp = session.register("x", dtype="f32", row_width=8)
+    sink = torch.zeros(1, dtype=torch.uint8)
+
+    def f(x):
+        y = x * 2
+        rt.capture(y, sink, session._h, hp, 8)
+        return y + 1
+
+    session.begin_step(0, [1, 2], [0, 0])
+    explanation = torch._dynamo.explain(f)(torch.ones(2, 8))  # runs f once
+    session.end_step()
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    session.begin_step(1, [1, 2], [1, 1])
+    assert torch.equal(compiled(torch.ones(2, 8)), torch.full((2, 8), 3.0))
+    session.end_step()
+    assert session.close()["exported_rows"] == 4, "the compiled graph kept the capture"
+
+
+def test_bad_input_is_a_clear_python_exception():
+    with pytest.raises(ringscope.RingscopeError, match="not supported"):
+        rt.attach(torch.nn.Linear(2, 2), "")
+    model = tiny()
+    with pytest.raises(ringscope.RingscopeError, match="layer 7 does not exist"):
+        rt.attach(model, "", layers=[7])
+    with pytest.raises(ringscope.RingscopeError, match="unknown site"):
+        rt.attach(model, "", sites=["everything"])
+    session = ringscope.Session("")
+    hp = session.register("x", dtype="f32", row_width=8)
+    sink = torch.zeros(1, dtype=torch.uint8)
+    session.begin_step(0, [1, 2], [0, 0])
+    with pytest.raises(ringscope.RingscopeError, match="contiguous"):
+        rt.capture(torch.ones(8, 2).t(), sink, session._h, hp, 8)
+    with pytest.raises(ringscope.RingscopeError, match="rows of 8 elements"):
+        rt.capture(torch.ones(2, 4), sink, session._h, hp, 8)
+    with pytest.raises(ringscope.RingscopeError, match="expected 64"):
+        rt.capture(torch.ones(2, 8, dtype=torch.float64), sink, session._h, hp, 8)
+    session.end_step()
+    session.close()
+    with pytest.raises(ringscope.RingscopeError) as e:
+        rt.capture(torch.ones(2, 8), sink, session._h, hp, 8)
+    assert e.value.status == "RS_ERR_CLOSED"
