@@ -102,8 +102,25 @@ class Attachment:
             h.remove()
         self._handles.clear()
 
-    # -- the batch descriptor, once per forward pass --------------------------------------------------------------
+    # -- the batch descriptor ------------------------------------------------------------------------------------
+    def begin_step(self, request_ids: Sequence[int], positions, stream: Optional[int] = None) -> None:
+        """Starts a step by hand, for CUDA-graph replays (the forward pass inside a graph does not run Python hooks
+        at replay): one request id and one position per captured row, in row order. Call before ``replay()``;
+        before recording the graph too (captures are recorded inside an open step)."""
+        if stream is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            stream = torch.cuda.current_stream().cuda_stream
+        self.session.begin_step(self.step, request_ids, positions, stream=stream)
+        self._open = True
+
+    def end_step(self) -> None:
+        """Ends a step started with :meth:`begin_step`."""
+        self.session.end_step()
+        self._open = False
+        self.step += 1
+
     def _begin(self, module, args, kwargs):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # recording a graph: the step was begun by hand (begin_step), and replays run no hooks
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
@@ -132,6 +149,8 @@ class Attachment:
         self._open = True
 
     def _end(self, module, args, kwargs, output):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         if self._open:
             self.session.end_step()
             self._open = False
