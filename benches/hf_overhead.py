@@ -99,6 +99,15 @@ def time_steps(step_fn, n, warm=10):
             "pipelined_ms": pipelined}
 
 
+def plain_graph(model, batch, max_len, steps):
+    d = Decoder(model, batch, max_len)
+
+    def step():
+        d.graph.replay()
+        d.advance()
+    return time_steps(step, steps)
+
+
 def run_batch(model, batch, steps, results):
     max_len = PROMPT + 40 + 2 * (steps + 20) + 8
     L = model.config.num_hidden_layers
@@ -106,13 +115,7 @@ def run_batch(model, batch, steps, results):
     row = {}
 
     # (a) plain graph.
-    d = Decoder(model, batch, max_len)
-
-    def step_a():
-        d.graph.replay()
-        d.advance()
-    row["a_graph"] = time_steps(step_a, steps)
-    del d
+    row["a_graph"] = plain_graph(model, batch, max_len, steps)
 
     # (b0) diagnostic: ringscope's per-step calls (begin_step / end_step, the descriptor kernel) around the plain
     # graph, no captures in it — the host and begin-kernel part of (b)'s cost.
@@ -212,13 +215,7 @@ def _run_d_c(model, batch, steps, max_len, row, results):
         for h in handles:
             h.remove()
     # (a) again, last: the spread between the two (a) runs is the drift of this machine during the batch.
-    d = Decoder(model, batch, max_len)
-
-    def step_a():
-        d.graph.replay()
-        d.advance()
-    row["a_graph_again"] = time_steps(step_a, steps)
-    del d
+    row["a_graph_again"] = plain_graph(model, batch, max_len, steps)
     base = row["a_graph"]
     for k in ("b0_begin_step_only", "b_ringscope", "c_eager_cpu_hooks", "d_torch_ring", "a_graph_again"):
         for m in ("median_ms", "p99_ms", "pipelined_ms"):
