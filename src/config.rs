@@ -87,6 +87,26 @@ impl Default for RingConfig {
     }
 }
 
+impl RingConfig {
+    /// Checks the CUDA backend's keys whatever the backend, so a config that is wrong says so before it is moved to
+    /// a GPU machine.
+    pub fn validate_cuda_keys(&self) -> Result<(), Error> {
+        if self.max_batch_rows == 0 {
+            return Err(Error::Config("ring.max_batch_rows must be at least 1".into()));
+        }
+        if self.drain_chunk.0 < 64 || self.drain_chunk.0 % 64 != 0 {
+            return Err(Error::Config(format!(
+                "ring.drain_chunk = {} bytes: use a positive multiple of 64 bytes (e.g. \"4 MiB\")",
+                self.drain_chunk.0
+            )));
+        }
+        if self.drain_in_flight == 0 || self.drain_in_flight > 1024 {
+            return Err(Error::Config(format!("ring.drain_in_flight = {}: use 1 to 1024", self.drain_in_flight)));
+        }
+        Ok(())
+    }
+}
+
 /// Where a session's ring lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -103,6 +103,7 @@ impl SessionBuilder {
         policy.validate()?;
         let capacity = usize::try_from(config.ring.capacity.0)
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
+        config.ring.validate_cuda_keys()?;
 
         let registry = Arc::new(Registry::new());
         for hc in &config.hookpoints {

@@ -230,6 +230,18 @@ fn invalid_configs_are_refused() {
     bad.export.threads = 0;
     assert!(Session::new(bad.clone()).err().unwrap().to_string().contains("export.threads"));
     bad.export.threads = 1;
+    for (key, edit) in [
+        ("ring.max_batch_rows", &(|c: &mut Config| c.ring.max_batch_rows = 0) as &dyn Fn(&mut Config)),
+        ("ring.drain_chunk", &|c: &mut Config| c.ring.drain_chunk = ringscope::config::ByteSize(100)),
+        ("ring.drain_in_flight", &|c: &mut Config| c.ring.drain_in_flight = 0),
+    ] {
+        let mut b = bad.clone();
+        edit(&mut b);
+        let err = Session::new(b).err().unwrap().to_string();
+        assert!(err.contains(key), "{err}");
+    }
+    let err = Config::from_toml("[ring]\nbackend = \"tpu\"\n").unwrap_err().to_string();
+    assert!(err.contains("backend") || err.contains("tpu"), "{err}");
     bad.export.parquet = true;
     bad.export.zstd_level = 99;
     bad.export.dir = std::env::temp_dir().join(format!("ringscope-zstd-{}", std::process::id())).display().to_string();

@@ -408,12 +408,11 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
         meta = t.schema.field("activation").metadata or {}
         dtype_name = meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()
-        width = int(meta.get(b"ringscope.row_width", b"0") or 0) or None
         np_dtype = _NUMPY_FOR_DTYPE[dtype_name]
         flat = t.column("activation").combine_chunks()
         raw = np.frombuffer(flat.buffers()[1], dtype=np.uint8)[flat.offset * flat.type.byte_width:]
         raw = raw[: t.num_rows * flat.type.byte_width]
-        act = raw.view(np_dtype).reshape(t.num_rows, width or flat.type.byte_width // np_dtype.itemsize)
+        act = raw.view(np_dtype).reshape(t.num_rows, flat.type.byte_width // np_dtype.itemsize)
         cols = {c: t.column(c).to_numpy() for c in ("step", "request_id", "position", "layer", "rank")
                 if c in t.column_names}
         if as_torch:
