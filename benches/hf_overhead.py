@@ -6,8 +6,12 @@ Model: Llama architecture, 16 layers, hidden 2048, 32 heads (8 KV), MLP 8192, vo
 (no download). Decode with HF's StaticCache, each step recorded once as a CUDA graph (`torch.cuda.graph`) and
 replayed. Variants, all measured in this one process:
   (a) no capture;
-  (b) ringscope (`ring.backend = "cuda"`, attach(sites=["residual"]), all 16 layers): the captures are inside the
-      graph; `begin_step` hands over the batch descriptor before each replay;
+  (b) ringscope (`ring.backend = "cuda"`, best-effort, `ring.defer_captures = true`, attach(sites=["residual"]),
+      all 16 layers): the step (its batch read from the model's position_ids and a request-id tensor) and the
+      captures are recorded into the graph; the 16 captures are copied by one kernel at the end of the forward
+      pass; a replay needs no host call. Diagnostics: (b1) the same with one capture kernel per layer (and a
+      descriptor kernel per step); (b2) the first design — full mode, `begin_step` from Python before each replay,
+      one capture kernel per layer; (b0) b2's per-step calls around the plain graph with no captures;
   (c) forward hooks copying each layer's output to the CPU (the vLLM-Lens / nnsight pattern; eager, no graph);
   (d) the same capture with plain torch ops inside the graph: `index_copy_` into a preallocated GPU ring per layer.
 Per batch size (1, 8, 64): per-step time synchronised every step (median, p99) and pipelined (many steps, one
@@ -79,7 +83,9 @@ class Decoder:
         self.pos += 1
 
 
-def time_steps(step_fn, n, warm=10):
+def time_steps(step_fn, n, warm=10, raw=False):
+    """Per-step time of `step_fn` (which replays one step): n steps each followed by a sync ("synced"), then n steps
+    and one sync ("pipelined")."""
     for _ in range(warm):
         step_fn()
     torch.cuda.synchronize()
@@ -94,132 +100,148 @@ def time_steps(step_fn, n, warm=10):
         step_fn()
     torch.cuda.synchronize()
     pipelined = (time.perf_counter() - t) * 1e3 / n
-    synced.sort()
+    if raw:
+        return synced, pipelined
+    return summarize(synced, [pipelined])
+
+
+def summarize(synced, pipelined):
+    synced = sorted(synced)
     return {"median_ms": statistics.median(synced), "p99_ms": synced[int(0.99 * (len(synced) - 1))],
-            "pipelined_ms": pipelined}
+            "pipelined_ms": statistics.mean(pipelined), "synced_steps": len(synced)}
 
 
-def plain_graph(model, batch, max_len, steps):
-    d = Decoder(model, batch, max_len)
+def interleaved(variants, steps, rounds):
+    """Times every variant in `rounds` rounds, the order rotating each round, so that drift of the machine during
+    the run falls on all variants alike."""
+    samples = {k: ([], []) for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            synced, pipelined = time_steps(variants[k], steps, raw=True)
+            samples[k][0].extend(synced)
+            samples[k][1].append(pipelined)
+    return {k: summarize(*v) for k, v in samples.items()}
 
+
+def replay(d):
     def step():
         d.graph.replay()
         d.advance()
-    return time_steps(step, steps)
+    return step
 
 
-def run_batch(model, batch, steps, results):
-    max_len = PROMPT + 40 + 2 * (steps + 20) + 8
-    L = model.config.num_hidden_layers
+def cuda_session(**ring):
+    mode = ring.pop("mode", "best_effort")
+    policy = {"mode": mode, "full_deadline_ms": 20000} if mode == "full" else {"mode": mode}
+    return ringscope.Session({"ring": {"backend": "cuda", "max_batch_rows": 4096, **ring}, "policy": policy})
+
+
+def run_batch(model, batch, steps, rounds, results):
+    max_len = PROMPT + rounds * (10 + 2 * steps) + 16
     H = model.config.hidden_size
-    row = {}
+    L = model.config.num_hidden_layers
+    variants, sessions = {}, {}
 
     # (a) plain graph.
-    row["a_graph"] = plain_graph(model, batch, max_len, steps)
+    variants["a_graph"] = replay(Decoder(model, batch, max_len))
 
-    # (b0) diagnostic: ringscope's per-step calls (begin_step / end_step, the descriptor kernel) around the plain
-    # graph, no captures in it — the host and begin-kernel part of (b)'s cost.
-    session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "64 MiB", "max_batch_rows": 4096},
-                                 "policy": {"mode": "full", "full_deadline_ms": 20000}})
-    session.register("unused", dtype="bf16", row_width=H)
-    d = Decoder(model, batch, max_len)
-    req0 = np.arange(batch, dtype=np.uint64)
-    stream0 = torch.cuda.current_stream().cuda_stream
+    # (b) and (b1): the step and the captures recorded into the graph; replays make no host call. The hooks are only
+    # needed while recording: they are removed afterwards (the graph keeps what they recorded).
+    for key, defer in (("b_ringscope", True), ("b1_graph_step_per_layer_kernels", False)):
+        sessions[key] = cuda_session(capacity="1 GiB", defer_captures=defer)
+        att = rt.attach(model, sessions[key], sites=["residual"])
+        try:
+            variants[key] = replay(Decoder(model, batch, max_len))
+        finally:
+            att.detach()
+
+    # (b2) the first design: full mode, begin_step from Python before each replay, one capture kernel per layer.
+    sessions["b2_host_step_full"] = cuda_session(capacity="1 GiB", mode="full")
+    att2 = rt.attach(model, sessions["b2_host_step_full"], sites=["residual"])
+    req = np.arange(batch, dtype=np.uint64)
+    stream = torch.cuda.current_stream().cuda_stream
+    try:
+        begin = lambda dec: att2.begin_step(req, np.full(batch, dec.pos, dtype=np.uint32), stream=stream)
+        d2 = Decoder(model, batch, max_len, before_record=begin, after_record=lambda dec: att2.end_step())
+    finally:
+        att2.detach()
+
+    def step_b2():
+        att2.begin_step(req, np.full(batch, d2.pos, dtype=np.uint32), stream=stream)
+        d2.graph.replay()
+        att2.end_step()
+        d2.advance()
+    variants["b2_host_step_full"] = step_b2
+
+    # (b0) diagnostic: b2's per-step host calls around the plain graph, no captures in it.
+    s0 = sessions["b0_begin_step_only"] = cuda_session(capacity="64 MiB", mode="full")
+    s0.register("unused", dtype="bf16", row_width=H)
+    d0 = Decoder(model, batch, max_len)
     n0 = [0]
 
     def step_b0():
-        session.begin_step(n0[0], req0, np.full(batch, d.pos, dtype=np.uint32), stream=stream0)
-        d.graph.replay()
-        session.end_step()
+        s0.begin_step(n0[0], req, np.full(batch, d0.pos, dtype=np.uint32), stream=stream)
+        d0.graph.replay()
+        s0.end_step()
         n0[0] += 1
-        d.advance()
-    row["b0_begin_step_only"] = time_steps(step_b0, steps)
-    del d
-    session.close()
+        d0.advance()
+    variants["b0_begin_step_only"] = step_b0
 
-    # (b) ringscope inside the graph.
-    session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "1 GiB", "max_batch_rows": 4096},
-                                 "policy": {"mode": "full", "full_deadline_ms": 20000}})
-    att = rt.attach(model, session, sites=["residual"])
-    try:
-        _run_b(model, batch, steps, max_len, session, att, row)
-    finally:
-        att.detach()
-    totals = session.close()
-    row["b_totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
-    _run_d_c(model, batch, steps, max_len, row, results)
-
-
-def _run_b(model, batch, steps, max_len, session, att, row):
-    req = np.arange(batch, dtype=np.uint64)
-
-    def begin(dec):
-        att.begin_step(req, np.full(batch, dec.pos, dtype=np.uint32), stream=torch.cuda.current_stream().cuda_stream)
-
-    d = Decoder(model, batch, max_len, before_record=begin, after_record=lambda dec: att.end_step())
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def step_b():
-        att.begin_step(req, np.full(batch, d.pos, dtype=np.uint32), stream=stream)
-        d.graph.replay()
-        att.end_step()
-        d.advance()
-    row["b_ringscope"] = time_steps(step_b, steps)
-
-
-def _run_d_c(model, batch, steps, max_len, row, results):
-    L = model.config.num_hidden_layers
-    H = model.config.hidden_size
-    # (d) torch index_copy_ ring inside the graph.
+    # (d) the same capture with plain torch ops in the graph: index_copy_ into a preallocated ring per layer.
     R = 4096
     rings = torch.empty(L, R, H, dtype=torch.bfloat16, device=DEV)
     slot = torch.arange(batch, device=DEV)
     handles = []
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(model.model.layers):
         def hook(m, a, out, i=i):
             x = (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1, H)
             if x.shape[0] == batch:  # decode steps (the prefill that fills the cache is not captured)
                 rings[i].index_copy_(0, slot, x)
         handles.append(layer.register_forward_hook(hook))
     try:
-        d = Decoder(model, batch, max_len)
-
-        def step_d():
-            slot.add_(batch).remainder_(R)
-            d.graph.replay()
-            d.advance()
-        row["d_torch_ring"] = time_steps(step_d, steps)
-        del d
+        dd = Decoder(model, batch, max_len)
     finally:
         for h in handles:
             h.remove()
 
-    # (c) eager with hooks copying to the CPU.
+    def step_d():
+        slot.add_(batch).remainder_(R)
+        dd.graph.replay()
+        dd.advance()
+    variants["d_torch_ring"] = step_d
+
+    # (a) again, a second graph recorded last: how much two recordings of the same plain step differ (memory
+    # placement of the cache and of the graph's buffers) — the resolution of this comparison.
+    variants["a_graph_2"] = replay(Decoder(model, batch, max_len))
+
+    row = interleaved(variants, steps, rounds)
+    for key, session in sessions.items():
+        totals = session.close()
+        row[key]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+
+    # (c) eager with forward hooks copying each layer's output to the CPU (cannot be in a graph).
     handles = []
-    for layer in layers:
+    for layer in model.model.layers:
         def hook(m, a, out):
             x = out[0] if isinstance(out, (tuple, list)) else out
             x.to("cpu")
         handles.append(layer.register_forward_hook(hook))
     try:
-        d = Decoder(model, batch, max_len, record=False)  # eager: hooks that copy to the CPU cannot be in a graph
+        dc = Decoder(model, batch, PROMPT + 2 * steps + 32, record=False)
 
         def step_c():
             with torch.no_grad():
-                d._forward()
-            d.advance()
-        row["c_eager_cpu_hooks"] = time_steps(step_c, max(steps // 4, 20))
-        del d
+                dc._forward()
+            dc.advance()
+        row["c_eager_cpu_hooks"] = time_steps(step_c, max(steps // 2, 20))
     finally:
         for h in handles:
             h.remove()
-    # (a) again, last: the spread between the two (a) runs is the drift of this machine during the batch.
-    row["a_graph_again"] = plain_graph(model, batch, max_len, steps)
     base = row["a_graph"]
-    for k in ("b0_begin_step_only", "b_ringscope", "c_eager_cpu_hooks", "d_torch_ring", "a_graph_again"):
+    for k, v in row.items():
         for m in ("median_ms", "p99_ms", "pipelined_ms"):
-            row[k][m.replace("_ms", "_overhead")] = row[k][m] / base[m] - 1
+            v[m.replace("_ms", "_overhead")] = v[m] / base[m] - 1
     results[f"batch_{batch}"] = row
     print(json.dumps({f"batch_{batch}": row}, indent=1), flush=True)
 
@@ -231,11 +253,13 @@ def prefill(model, results, n=2048):
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     out = {"a_no_capture": time_steps(run, 10, warm=3)}
-    session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "1 GiB", "max_batch_rows": 4096},
+    session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "1 GiB", "max_batch_rows": 4096,
+                                          "defer_captures": True},
                                  "policy": {"mode": "full", "full_deadline_ms": 20000}})
     att = rt.attach(model, session, sites=["residual"])
     out["b_ringscope"] = time_steps(run, 10, warm=3)
     att.detach()
+    out["a_no_capture_again"] = time_steps(run, 10, warm=3)
     out["b_totals"] = session.close()["exported_rows"]
     for m in ("median_ms", "p99_ms", "pipelined_ms"):
         out["b_ringscope"][m.replace("_ms", "_overhead")] = out["b_ringscope"][m] / out["a_no_capture"][m] - 1
@@ -272,18 +296,71 @@ def bit_exact(model, results):
     print(json.dumps({"bit_exact": results["bit_exact"]}), flush=True)
 
 
+def bit_exact_graph(model, results, replays=5):
+    """Decode steps recorded as a CUDA graph with the step and the deferred captures inside it: after every replay,
+    every captured row equals the layer output the same replay copied into a static buffer (plain torch copies
+    recorded in the same graph), with the right request id and position."""
+    batch = 2
+    session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "256 MiB", "defer_captures": True},
+                                 "policy": {"mode": "best_effort"}})
+    att = rt.attach(model, session, sites=["residual"])
+    att.set_request_ids([7, 9])
+    sub = session.subscribe("check")
+    H = model.config.hidden_size
+    L = model.config.num_hidden_layers
+    ref = torch.zeros(L, batch, H, dtype=torch.bfloat16, device=DEV)
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(m, a, out, i=i):
+            x = out[0] if isinstance(out, (tuple, list)) else out
+            if x.shape[1] == 1:
+                ref[i].copy_(x.reshape(batch, H))
+        handles.append(layer.register_forward_hook(hook))
+    want = {}
+    try:
+        d = Decoder(model, batch, PROMPT + replays + 16)
+        for k in range(replays):
+            d.graph.replay()
+            torch.cuda.synchronize()
+            want[k] = (d.pos, ref.view(torch.int16).cpu().numpy().copy())
+            d.advance()
+    finally:
+        for h in handles:
+            h.remove()
+        att.detach()
+    session.close()
+    names = {v: k for k, v in att.hookpoints.items()}
+    recs = [r for r in sub if len(r.rows) == batch and int(r.position[0]) >= PROMPT + 0 and r.step >= 0]
+    graph_steps = sorted({r.step for r in recs})[-replays:]
+    checked = mismatched = 0
+    for r in recs:
+        if r.step not in graph_steps:
+            continue
+        k = graph_steps.index(r.step)
+        pos, ref_k = want[k]
+        layer = int(names[r.hookpoint].split(".")[1])
+        for j in range(batch):
+            b = [7, 9].index(int(r.request_id[j]))
+            ok = int(r.position[j]) == pos and np.array_equal(r.rows[j].view(np.int16), ref_k[layer, b])
+            checked += 1
+            mismatched += not ok
+    results["bit_exact_graph"] = {"rows_checked": checked, "mismatched": mismatched, "steps": graph_steps}
+    print(json.dumps({"bit_exact_graph": results["bit_exact_graph"]}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="hf_overhead.json")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=60, help="synced steps per variant per round (and as many pipelined)")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layers", type=int, default=16)
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
     model = build_model(args.layers)
-    for part in (lambda: bit_exact(model, results),
-                 *[(lambda b=b: run_batch(model, b, args.steps, results)) for b in map(int, args.batches.split(","))],
+    for part in (lambda: bit_exact(model, results), lambda: bit_exact_graph(model, results),
+                 *[(lambda b=b: run_batch(model, b, args.steps, args.rounds, results)) for b in map(int, args.batches.split(","))],
                  lambda: prefill(model, results)):
         try:
             part()

@@ -72,6 +72,12 @@ pub struct RingConfig {
     /// Device-to-host copies the drain keeps in flight (`backend = "cuda"`).
     #[serde(default = "default_drain_in_flight")]
     pub drain_in_flight: u32,
+    /// Deferred captures (`backend = "cuda"`): a capture call only notes the tensor, and `end_step` copies every
+    /// capture of the step with one kernel — one graph node per step instead of one per hookpoint. The engine must
+    /// leave each captured tensor unchanged until the step ends: true of out-of-place models (Hugging Face;
+    /// `ringscope.torch.attach` keeps them alive), not of engines that update the residual stream in place.
+    #[serde(default)]
+    pub defer_captures: bool,
 }
 
 impl Default for RingConfig {
@@ -83,6 +89,7 @@ impl Default for RingConfig {
             max_batch_rows: default_max_batch_rows(),
             drain_chunk: default_drain_chunk(),
             drain_in_flight: default_drain_in_flight(),
+            defer_captures: false,
         }
     }
 }

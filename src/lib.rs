@@ -46,6 +46,17 @@ mod session;
 pub mod synthetic;
 
 pub use config::Config;
+
+/// Stands for "a step begun inside a graph" (numbered on the device) in [`Error::StepOpen`].
+pub const GRAPH_STEP: u64 = u64::MAX;
+
+fn step_name(step: u64) -> String {
+    if step == GRAPH_STEP {
+        "(begun in a graph)".into()
+    } else {
+        step.to_string()
+    }
+}
 pub use session::{Report, Session, SessionBuilder};
 
 pub use ringscope_exporter as exporter;
@@ -88,11 +99,11 @@ pub enum Error {
     #[error("no step is open: call begin_step (with the step's batch descriptor) before capturing")]
     NoStep,
     /// `begin_step` while another step is open.
-    #[error("step {open} is still open: call end_step before begin_step({new})")]
+    #[error("step {} is still open: call end_step before begin_step({})", step_name(*open), step_name(*new))]
     StepOpen {
-        /// The open step.
+        /// The open step ([`GRAPH_STEP`] for a step begun inside a graph).
         open: u64,
-        /// The step asked for.
+        /// The step asked for ([`GRAPH_STEP`] for a step begun inside a graph).
         new: u64,
     },
     /// Shutdown found records neither exported nor counted.

@@ -8,7 +8,7 @@ use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, CommittedFile, CommittedFiles, Drain, DrainOptions, DrainReport, Filter, Sink,
     Subscription,
 };
-use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
+use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
 use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
 use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
 use ringscope_ring::cuda::{DeviceConsumer, DeviceRing, DrainTuning, Gpu, StreamHandle};
@@ -159,8 +159,9 @@ impl SessionBuilder {
                     DeviceConsumer::new(&ring, tuning).map_err(|e| Error::Config(format!("ring.drain_*: {e}")))?;
                 let device_options = DeviceCaptureOptions {
                     max_batch_rows: r.max_batch_rows,
-                    max_hookpoints: (registry.len() as u32 + 1024).max(1024),
+                    max_hookpoints: 1024,
                     full_mode_deadline: (policy.mode == Mode::Full).then_some(policy.full_deadline),
+                    defer: r.defer_captures,
                 };
                 let capture = DeviceCapture::new(&ring, device_options).map_err(cuda_error)?;
                 let drain = Drain::spawn(consumer, registry.clone(), sinks, options)?;
@@ -278,12 +279,47 @@ impl Session {
         }
     }
 
-    /// Ends the current step.
+    /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
+    /// The recorded kernel builds the step's batch descriptor at every replay from the engine's own device tensors
+    /// (`batch`: request id per batch row, token position per row), numbers the step one past the previous step, and
+    /// picks up control changes — so a replay needs no host call. Record the step's captures and
+    /// [`end_step`](Self::end_step) in the same graph.
+    pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamHandle) -> Result<(), Error> {
+        let mut guard = self.capture.lock();
+        match guard.as_mut().ok_or(Error::Closed)? {
+            Capture::Cuda { capture, open, .. } => {
+                if let Some(o) = open {
+                    return Err(Error::StepOpen { open: *o, new: crate::GRAPH_STEP });
+                }
+                capture.begin_step_graph(&self.registry, batch, stream).map_err(cuda_error)?;
+                *open = Some(crate::GRAPH_STEP);
+                Ok(())
+            }
+            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
+        }
+    }
+
+    /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so
+    /// that graph replays whose steps were begun inside the graph ([`begin_step_graph`](Self::begin_step_graph);
+    /// they make no host call) use them from the next replay on. Call it between replays, outside graph recording.
+    /// Steps begun with [`begin_step_on`](Self::begin_step_on) pick changes up by themselves.
+    pub fn apply_controls(&self, stream: StreamHandle) -> Result<(), Error> {
+        match self.capture.lock().as_mut().ok_or(Error::Closed)? {
+            Capture::Cuda { capture, .. } => capture.apply_controls(&self.registry, stream).map_err(cuda_error),
+            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
+        }
+    }
+
+    /// Ends the current step. CUDA backend with `ring.defer_captures`: launches the one kernel that copies the step's
+    /// captures, on the step's stream; inside a graph recording, call it before the recording ends.
     pub fn end_step(&self) -> Result<(), Error> {
         let mut guard = self.capture.lock();
         match guard.as_mut().ok_or(Error::Closed)? {
             Capture::Host { batch, .. } => batch.take().map(|_| ()).ok_or(Error::NoStep),
-            Capture::Cuda { open, .. } => open.take().map(|_| ()).ok_or(Error::NoStep),
+            Capture::Cuda { open, capture, .. } => {
+                open.take().ok_or(Error::NoStep)?;
+                capture.end_step().map_err(cuda_error)
+            }
         }
     }
 

@@ -168,7 +168,7 @@ rs_status rs_register_hookpoint(uint64_t session_handle,
 rs_status rs_hookpoint_id(uint64_t session_handle, const char *name, uint32_t *id_out);
 
 // Turns captures of a hookpoint on or off (takes effect at the next capture; on the CUDA backend at the next
-// step).
+// step begun on the host, or after `rs_apply_controls` for graphs whose steps are begun inside them).
 rs_status rs_set_enabled(uint64_t session_handle,
                          uint32_t hookpoint,
                          bool enabled);
@@ -212,7 +212,27 @@ rs_status rs_begin_step_on_stream(uint64_t session_handle,
                                   size_t rows,
                                   uint64_t cuda_stream);
 
-// Ends the current step.
+// Starts a step from inside a CUDA graph being recorded on `cuda_stream` (CUDA backend, best-effort mode; it also
+// works eagerly). At every replay the recorded kernel reads the batch from the engine's device tensors —
+// `request_ids_ptr`: `int64[batch]`, one request per batch row; `positions_ptr`: `int64`, token `s` of batch row `b`
+// at element `b * positions_batch_stride + s` (`seq` for a `[batch, seq]` tensor, 0 for one shared `[seq]`
+// vector) — and numbers the step one past the previous one; no host call is needed per replay. Record the step's
+// captures and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`.
+rs_status rs_begin_step_graph(uint64_t session_handle,
+                              uint64_t request_ids_ptr,
+                              uint64_t positions_ptr,
+                              uint32_t batch,
+                              uint32_t seq,
+                              uint32_t positions_batch_stride,
+                              uint64_t cuda_stream);
+
+// Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
+// begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays.
+rs_status rs_apply_controls(uint64_t session_handle,
+                            uint64_t cuda_stream);
+
+// Ends the current step. With `ring.defer_captures` (CUDA backend) this launches the one kernel that copies the
+// step's captures: inside a graph recording, call it before the recording ends.
 rs_status rs_end_step(uint64_t session_handle);
 
 // Captures hookpoint `hookpoint` from host memory: `len` bytes = batch rows × row bytes, contiguous. Writes the

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ringscope_api::exporter::{Filter, Subscription};
+use ringscope_api::hookpoint::cuda::GraphBatch;
 use ringscope_api::policy::DropReason;
 use ringscope_api::ring::cuda::StreamHandle;
 use ringscope_api::{CaptureOutcome, Config, Error, HookPointSpec, RowSelection, Session, SiteKind};
@@ -437,7 +438,7 @@ pub unsafe extern "C" fn rs_hookpoint_id(session_handle: u64, name: *const c_cha
 }
 
 /// Turns captures of a hookpoint on or off (takes effect at the next capture; on the CUDA backend at the next
-/// step).
+/// step begun on the host, or after `rs_apply_controls` for graphs whose steps are begun inside them).
 #[no_mangle]
 pub extern "C" fn rs_set_enabled(session_handle: u64, hookpoint: u32, enabled: bool) -> RsStatus {
     ffi(|| {
@@ -550,7 +551,39 @@ pub unsafe extern "C" fn rs_begin_step_on_stream(
     })
 }
 
-/// Ends the current step.
+/// Starts a step from inside a CUDA graph being recorded on `cuda_stream` (CUDA backend, best-effort mode; it also
+/// works eagerly). At every replay the recorded kernel reads the batch from the engine's device tensors —
+/// `request_ids_ptr`: `int64[batch]`, one request per batch row; `positions_ptr`: `int64`, token `s` of batch row `b`
+/// at element `b * positions_batch_stride + s` (`seq` for a `[batch, seq]` tensor, 0 for one shared `[seq]`
+/// vector) — and numbers the step one past the previous one; no host call is needed per replay. Record the step's
+/// captures and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`.
+#[no_mangle]
+pub extern "C" fn rs_begin_step_graph(
+    session_handle: u64,
+    request_ids_ptr: u64,
+    positions_ptr: u64,
+    batch: u32,
+    seq: u32,
+    positions_batch_stride: u32,
+    cuda_stream: u64,
+) -> RsStatus {
+    ffi(|| {
+        let s = session(session_handle)?;
+        let batch =
+            GraphBatch { batch, seq, request_ids: request_ids_ptr, positions: positions_ptr, positions_batch_stride };
+        Ok(s.begin_step_graph(&batch, StreamHandle(cuda_stream))?)
+    })
+}
+
+/// Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
+/// begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays.
+#[no_mangle]
+pub extern "C" fn rs_apply_controls(session_handle: u64, cuda_stream: u64) -> RsStatus {
+    ffi(|| Ok(session(session_handle)?.apply_controls(StreamHandle(cuda_stream))?))
+}
+
+/// Ends the current step. With `ring.defer_captures` (CUDA backend) this launches the one kernel that copies the
+/// step's captures: inside a graph recording, call it before the recording ends.
 #[no_mangle]
 pub extern "C" fn rs_end_step(session_handle: u64) -> RsStatus {
     ffi(|| Ok(session(session_handle)?.end_step()?))

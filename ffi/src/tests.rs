@@ -150,6 +150,10 @@ fn bad_input_gets_the_documented_status_and_a_message() {
     );
     assert_eq!(rs_capture_device(s, id, 0x1000, 1, 0), RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
+    assert_eq!(rs_begin_step_graph(s, 0x1000, 0x2000, 1, 1, 1, 0), RsStatus::RsErrInvalidArgument, "host session");
+    assert!(last_error().contains("host backend"), "{}", last_error());
+    assert_eq!(rs_apply_controls(s, 0), RsStatus::RsErrInvalidArgument, "host session");
+    assert!(last_error().contains("host backend"), "{}", last_error());
     // Registration and controls.
     let (nm, site, bad_dt) = (c("h"), c("residual"), c("complex128"));
     let mut out = 0u32;

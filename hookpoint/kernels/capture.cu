@@ -21,6 +21,7 @@ typedef unsigned char u8;
 #define ST_DONE 136
 #define ST_BEGIN_DONE 140
 #define ST_BUSY 144
+#define ST_NEXT_STEP 152
 // Host (mapped) block (ring/src/cuda.rs `host`).
 #define HS_HEAD 0
 #define HS_PROGRESS 64
@@ -283,9 +284,291 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_begin_step(
         *(volatile u32*)(state + ST_BEGIN_DONE) = 0;
     }
     st64(state + ST_TAIL_SNAP, tail_now);
+    // Steps begun inside a graph (ringscope_begin_step_graph) continue from here.
+    st64(state + ST_NEXT_STEP, ld64(desc) + 1);
     // The slot has been read (the loads completed before the stores above): the host may reuse it.
     __threadfence_system();
     st64(host + HS_PROGRESS, begin_index + 1);
+}
+
+// A step's batch from the engine's own device tensors (steps begun inside a graph): row r = b * seq + s is batch
+// row b's token s; each batch row is one request, whose last token is its last row.
+struct GraphBatch {
+    const long long* request_ids;  // [batch]
+    const long long* positions;    // token s of batch row b at b * pos_stride + s
+    u32 batch;
+    u32 seq;
+    u32 pos_stride;
+    u32 on;  // 1: this step's batch comes from here, not from the descriptor
+};
+
+__device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
+    const u32 b = r / g.seq, s = r - b * g.seq;
+    const u64 req = (u64)g.request_ids[b];
+    const u32 pos = (u32)g.positions[(u64)b * g.pos_stride + s];
+    return make_uint4((u32)req, (u32)(req >> 32), pos, r);
+}
+
+// Starts a step from inside a CUDA graph (captures launched one by one): builds the batch descriptor from the
+// engine's device tensors, numbers the step one past the previous one. One block, no host memory, no waiting.
+extern "C" __global__ void __launch_bounds__(256) ringscope_begin_step_graph(u8* state, u8* desc, GraphBatch g) {
+    const u64 tail_now = ld64(state + ST_TAIL);
+    const u64 step = ld64(state + ST_NEXT_STEP);
+    const u32 n = g.batch * g.seq;
+    for (u32 r = threadIdx.x; r < n; r += blockDim.x) ((uint4*)(desc + HEADER_BYTES))[r] = graph_meta(g, r);
+    u32* last = (u32*)(desc + HEADER_BYTES + META_BYTES * n);
+    for (u32 b = threadIdx.x; b < g.batch; b += blockDim.x) last[b] = b * g.seq + g.seq - 1;
+    if (threadIdx.x == 0) {
+        st64(desc, step);
+        *(u32*)(desc + 8) = n;
+        *(u32*)(desc + 12) = g.batch;
+        st64(desc + 16, 0);
+        *(u32*)(desc + 24) = 0;
+        st64(state + ST_NEXT_STEP, step + 1);
+        st64(state + ST_TAIL_SNAP, tail_now);
+    }
+}
+
+// Deferred captures: every capture of a step, copied by one kernel when the step ends (the engine keeps the
+// tensors unchanged until then). Same records, same order, same counters as one ringscope_capture per entry.
+#define MAX_MANY 48
+struct Entry {
+    u64 src;
+    u32 hookpoint;
+    u32 dtype;
+    u32 row_bytes;
+    u32 src_rows;
+};
+struct Many {
+    GraphBatch g;
+    u32 n;
+    u32 full_mode;
+    Entry e[MAX_MANY];
+};
+struct Plan {
+    u64 start;        // ring offset of the record
+    u64 pad;          // bytes of padding before it (at pad_at), 0 if none
+    u64 pad_at;
+    u64 seq;
+    u64 meta_bytes;
+    u64 payload_len;
+    u64 footprint;
+    u64 unit0;        // first data unit (16 bytes, or 1 byte on the byte path) of this entry in the step's copy
+    u64 meta0;        // first 16-byte metadata unit
+    u32 rows;
+    u32 vec;          // 16-byte path
+    int status;       // -1 published, -2 no rows, else the counter index of the drop reason
+};
+
+__device__ __forceinline__ u32 many_row(const Control& c, const u8* desc, u32 n_rows, const GraphBatch& g, u32 k) {
+    if (c.mode == 0) return k;
+    if (c.mode == 1) return ((const u32*)c.list_ptr)[k];
+    if (g.on) return k * g.seq + g.seq - 1;
+    return ((const u32*)(desc + HEADER_BYTES + META_BYTES * n_rows))[k];
+}
+
+// The entry whose range [first[i], first[i + 1]) holds unit u (first[] ascending, first[n] = total).
+__device__ __forceinline__ u32 find_entry(const u64* first, u32 n, u64 u) {
+    u32 lo = 0, hi = n;  // first[lo] <= u < first[hi]
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (first[mid] <= u) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
+    u8* ring, u64 capacity, u8* state, u8* host, const Control* controls, u64* counters, const u8* desc, Many m) {
+    __shared__ Plan plan[MAX_MANY];
+    __shared__ Control ctl[MAX_MANY];
+    __shared__ u64 s_unit[MAX_MANY + 1], s_meta[MAX_MANY + 1];
+    __shared__ u32 s_min;
+    __shared__ u64 s_head, s_seq;
+    const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
+    const u32 n = m.n;
+    const u64 step = m.g.on ? ld64(state + ST_NEXT_STEP) : *(const u64*)desc;
+    const u32 n_rows = m.g.on ? m.g.batch * m.g.seq : *(const u32*)(desc + 8);
+    const u32 n_last = m.g.on ? m.g.batch : *(const u32*)(desc + 12);
+    const u32 desc_flags = m.g.on ? 0u : *(const u32*)(desc + 24);
+    const u64 head0 = ld64(state + ST_HEAD);
+    const u64 seq0 = ld64(state + ST_SEQ);
+    const u64 tail = ld64(state + ST_TAIL_SNAP);
+    const u64 tail_now = ld64(state + ST_TAIL);
+    u32 was_busy = 0;
+    if (lead) was_busy = atomicExch((u32*)(state + ST_BUSY), 1u);
+
+    // 1. Per entry, one thread each: controls, rows (unless a list has to be scanned), sampling, sizes. (The
+    // placement below is the only serial part: it only adds and compares.)
+    __shared__ u32 s_scan;
+    __shared__ u64 s_off0;
+    if (threadIdx.x == 0) s_scan = 0;
+    if (threadIdx.x == 64) s_off0 = head0 % capacity;
+    __syncthreads();
+    const bool deadline = (desc_flags & DESC_DEADLINE) != 0;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const Entry e = m.e[i];
+        const Control c = controls[e.hookpoint];
+        ctl[i] = c;
+        u32 bound = min(e.src_rows, n_rows);
+        if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
+        const bool scan = c.mode == 1 || (c.mode == 2 && !m.g.on);
+        Plan p;
+        p.rows = c.mode == 0 ? bound : c.mode == 2 && m.g.on ? bound / m.g.seq : 0;
+        p.pad = bound;  // kept for the list scan
+        p.vec = ((e.src | e.row_bytes) & 15) == 0;
+        p.status = c.enabled && (c.every_n <= 1 || step % (u64)c.every_n == 0) ? -1 : C_SAMPLED_REC;
+        plan[i] = p;
+        if (scan) s_scan = 1;
+    }
+    __syncthreads();
+    // 2. Entries with a row list: rows are the list up to the first index at or past the bound (block-wide).
+    if (s_scan) {
+        for (u32 i = 0; i < n; i++) {
+            const Control c = ctl[i];
+            if (c.mode == 0 || (c.mode == 2 && m.g.on)) continue;
+            const u32 len = c.mode == 1 ? c.list_len : n_last;
+            const u32 bound = (u32)plan[i].pad;
+            if (threadIdx.x == 0) s_min = len;
+            __syncthreads();
+            for (u32 k = threadIdx.x; k < len; k += blockDim.x)
+                if (many_row(c, desc, n_rows, m.g, k) >= bound) atomicMin(&s_min, k);
+            __syncthreads();
+            if (threadIdx.x == 0) plan[i].rows = s_min;
+            __syncthreads();
+        }
+    }
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        Plan& p = plan[i];
+        const u32 rb = m.e[i].row_bytes;
+        p.meta_bytes = (META_BYTES * p.rows + 63ull) & ~63ull;
+        p.payload_len = p.meta_bytes + (u64)p.rows * rb;
+        p.footprint = (HEADER_BYTES + p.payload_len + 63ull) & ~63ull;
+        if (p.rows == 0) p.status = -2;
+        else if (p.status == -1 && HEADER_BYTES + p.payload_len > capacity / 2) p.status = C_TOO_LARGE_REC;
+        else if (p.status == -1 && deadline) p.status = C_DEADLINE_REC;
+        p.unit0 = p.vec ? (u64)p.rows * (rb / 16) : (u64)p.rows * rb;  // this entry's units, for the prefix below
+    }
+    __syncthreads();
+    // 3. Placement, in order.
+    if (threadIdx.x == 0) {
+        u64 head = head0, seq = seq0, offset = s_off0, units = 0, metas = 0;
+        for (u32 i = 0; i < n; i++) {
+            Plan& p = plan[i];
+            s_unit[i] = units;
+            s_meta[i] = metas;
+            if (p.status != -1) continue;
+            const u64 pad = p.footprint <= capacity - offset ? 0 : capacity - offset;
+            if (pad + p.footprint > capacity - (head - tail)) {
+                p.status = C_FULL_REC;
+                continue;
+            }
+            p.pad = pad;
+            p.pad_at = offset;
+            p.start = pad ? 0 : offset;
+            p.seq = seq++;
+            head += pad + p.footprint;
+            offset = p.start + p.footprint;
+            if (offset == capacity) offset = 0;
+            units += p.unit0;
+            metas += p.meta_bytes / 16;
+        }
+        s_unit[n] = units;
+        s_meta[n] = metas;
+        s_head = head;
+        s_seq = seq;
+    }
+    __syncthreads();
+    if (lead && was_busy) set_error(host, ERR_CONCURRENT);
+
+    // 4. Headers (one thread per record), metadata and rows (all threads over all records at once).
+    const u64 gtid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 gsize = (u64)gridDim.x * blockDim.x;
+    for (u64 i = gtid; i < n; i += gsize) {
+        const Plan& p = plan[i];
+        if (p.status != -1) continue;
+        const Entry& e = m.e[i];
+        if (p.pad) write_header(ring + p.pad_at, 0, 0, 0, DTYPE_PAD << 40, p.pad - HEADER_BYTES);
+        const u64 flags = (ctl[i].mode != 0 || p.rows != n_rows) ? FLAG_ROW_SELECTION : 0;
+        write_header(ring + p.start, p.seq, step, (u64)e.hookpoint | ((u64)p.rows << 32),
+                     (u64)e.row_bytes | (KIND_DATA << 32) | ((u64)e.dtype << 40) | (flags << 48), p.payload_len);
+    }
+    for (u64 k = gtid; k < s_meta[n]; k += gsize) {
+        const u32 i = find_entry(s_meta, n, k);
+        const Plan& p = plan[i];
+        const u64 j = k - s_meta[i];
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (j < p.rows) {
+            const u32 r = many_row(ctl[i], desc, n_rows, m.g, (u32)j);
+            v = m.g.on ? graph_meta(m.g, r) : ((const uint4*)(desc + HEADER_BYTES))[r];
+        }
+        ((uint4*)(ring + p.start + HEADER_BYTES))[j] = v;
+    }
+    const u64 total = s_unit[n];
+    for (u64 u0 = gtid; u0 < total; u0 += UNROLL * gsize) {
+        uint4 v[UNROLL];
+        u8* dst[UNROLL];
+        bool wide[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            const u64 u = u0 + k * gsize;
+            dst[k] = 0;
+            wide[k] = false;
+            if (u >= total) continue;
+            const u32 i = find_entry(s_unit, n, u);
+            const Plan& p = plan[i];
+            const u32 rb = m.e[i].row_bytes;
+            const u32 j = (u32)(u - s_unit[i]);  // < 2^32: a record is at most half the ring, in 16-byte units
+            const u32 upr = p.vec ? rb / 16 : rb;
+            const u32 row = j / upr, col = j - row * upr;
+            const u64 r = ctl[i].mode == 0 ? row : many_row(ctl[i], desc, n_rows, m.g, row);
+            const u8* src = (const u8*)m.e[i].src + r * rb;
+            u8* out = ring + p.start + HEADER_BYTES + p.meta_bytes;
+            wide[k] = p.vec;
+            if (p.vec) {
+                v[k] = ((const uint4*)src)[col];
+                dst[k] = out + (u64)j * 16;
+            } else {
+                v[k].x = src[col];
+                dst[k] = out + j;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < UNROLL; k++) {
+            if (!dst[k]) continue;
+            if (wide[k]) *(uint4*)dst[k] = v[k];
+            else *dst[k] = (u8)v[k].x;
+        }
+    }
+
+    // 5. The last block to finish publishes everything at once and counts.
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    if (gridDim.x > 1) {
+        __threadfence();
+        if (atomicAdd((u32*)(state + ST_DONE), 1u) != gridDim.x - 1) return;
+        *(volatile u32*)(state + ST_DONE) = 0;
+    }
+    const u64 new_head = s_head;
+    st64(state + ST_HEAD, new_head);
+    st64(state + ST_SEQ, s_seq);
+    st64(state + ST_TAIL_SNAP, tail_now);
+    if (m.g.on) st64(state + ST_NEXT_STEP, step + 1);
+    if (new_head != head0) {
+        __threadfence_system();
+        st64(host + HS_HEAD, new_head);
+    }
+    for (u32 i = 0; i < n; i++) {
+        const Plan& p = plan[i];
+        if (p.status == -2) continue;
+        u64* cnt = counters + 16ull * m.e[i].hookpoint;
+        atomicAdd(cnt + C_PRODUCED_REC, 1ull);
+        atomicAdd(cnt + C_PRODUCED_ROWS, (u64)p.rows);
+        const int which = p.status == -1 ? C_PUBLISHED_REC : p.status;
+        atomicAdd(cnt + which, 1ull);
+        atomicAdd(cnt + which + 1, (u64)p.rows);
+        if (p.status == C_FULL_REC && m.full_mode) set_error(host, ERR_FULL_MODE_OVERRUN);
+    }
+    *(volatile u32*)(state + ST_BUSY) = 0;
 }
 
 // Test and benchmark helper: fills `rows x row_bytes` bytes with a pattern the host can recompute

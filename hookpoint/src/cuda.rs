@@ -45,6 +45,11 @@ mod counter {
     pub const DEADLINE: usize = 10;
 }
 
+/// Deferred captures one `ringscope_capture_many` kernel takes (`MAX_MANY` in `capture.cu`).
+const MAX_MANY: usize = 48;
+/// Bytes of the kernel's `Many` parameter: a 32-byte `GraphBatch`, two `u32`, `MAX_MANY` 24-byte entries.
+const MANY_BYTES: usize = 40 + MAX_MANY * 24;
+
 /// Descriptor header flag: the step's captures are dropped and counted as `deadline` (full mode, no room).
 const DESC_DEADLINE: u32 = 1;
 
@@ -52,6 +57,8 @@ const DESC_DEADLINE: u32 = 1;
 struct Kernels {
     capture: sys::CUfunction,
     begin: sys::CUfunction,
+    begin_graph: sys::CUfunction,
+    capture_many: sys::CUfunction,
     fill: sys::CUfunction,
     discard: sys::CUfunction,
 }
@@ -91,6 +98,8 @@ fn kernels(gpu: &Gpu) -> Result<Arc<Kernels>, CudaError> {
     let k = Arc::new(Kernels {
         capture: function("ringscope_capture")?,
         begin: function("ringscope_begin_step")?,
+        begin_graph: function("ringscope_begin_step_graph")?,
+        capture_many: function("ringscope_capture_many")?,
         fill: function("ringscope_fill_pattern")?,
         discard: function("ringscope_discard_all")?,
     });
@@ -150,12 +159,62 @@ pub struct DeviceCaptureOptions {
     /// `Some(deadline)`: full mode — `begin_step` waits up to `deadline` for room for the whole step.
     /// `None`: best-effort — kernels drop and count what does not fit.
     pub full_mode_deadline: Option<Duration>,
+    /// Deferred captures: [`DeviceCapture::capture`] only checks and notes the tensor; [`DeviceCapture::end_step`]
+    /// copies every capture of the step with one kernel. One kernel node per step instead of one per hookpoint (a
+    /// node between an engine's kernels costs ~2–4 µs however little it does). The engine must leave every captured
+    /// tensor unchanged until the step ends: true of out-of-place models such as Hugging Face's (whose hooks keep
+    /// the tensors alive), not of engines that update the residual stream in place.
+    pub defer: bool,
 }
 
 impl Default for DeviceCaptureOptions {
     fn default() -> Self {
-        DeviceCaptureOptions { max_batch_rows: 8192, max_hookpoints: 1024, full_mode_deadline: None }
+        DeviceCaptureOptions { max_batch_rows: 8192, max_hookpoints: 1024, full_mode_deadline: None, defer: false }
     }
+}
+
+/// A step's batch as device tensors of the engine, for steps begun inside a CUDA graph
+/// ([`DeviceCapture::begin_step_graph`]): the addresses are fixed when the graph is recorded, the values are read at
+/// every replay. Each batch row is one request; row `b * seq + s` of a captured tensor is batch row `b`'s token `s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphBatch {
+    /// Batch rows (requests).
+    pub batch: u32,
+    /// Tokens per batch row (1 for a decode step).
+    pub seq: u32,
+    /// Device `i64[batch]`: the request id of each batch row.
+    pub request_ids: u64,
+    /// Device `i64`: the position of token `s` of batch row `b` is element `b * positions_batch_stride + s`.
+    pub positions: u64,
+    /// Elements between batch rows in `positions`: `seq` for a contiguous `[batch, seq]` tensor (`position_ids`),
+    /// 0 when every row shares one `[seq]` vector (`cache_position`).
+    pub positions_batch_stride: u32,
+}
+
+impl GraphBatch {
+    /// The kernels' `GraphBatch` parameter (32 bytes); `None` gives one that is off.
+    fn param(batch: Option<&GraphBatch>) -> [u8; 32] {
+        let mut p = [0u8; 32];
+        if let Some(g) = batch {
+            p[0..8].copy_from_slice(&g.request_ids.to_le_bytes());
+            p[8..16].copy_from_slice(&g.positions.to_le_bytes());
+            p[16..20].copy_from_slice(&g.batch.to_le_bytes());
+            p[20..24].copy_from_slice(&g.seq.to_le_bytes());
+            p[24..28].copy_from_slice(&g.positions_batch_stride.to_le_bytes());
+            p[28..32].copy_from_slice(&1u32.to_le_bytes());
+        }
+        p
+    }
+}
+
+/// One deferred capture (`struct Entry` in `capture.cu`).
+#[derive(Debug, Clone, Copy)]
+struct Deferred {
+    src: u64,
+    hookpoint: u32,
+    dtype: u32,
+    row_bytes: u32,
+    src_rows: u32,
 }
 
 /// The device control entry of one hookpoint (`struct Control` in `capture.cu`).
@@ -169,6 +228,22 @@ struct DeviceControl {
     list_ptr: u64,
     valid_rows_ptr: u64,
     reserved: [u64; 4],
+}
+
+impl DeviceControl {
+    fn to_bytes(self) -> [u8; CONTROL_BYTES] {
+        let mut b = [0u8; CONTROL_BYTES];
+        let words = [
+            self.enabled as u64 | (self.every_n as u64) << 32,
+            self.mode as u64 | (self.list_len as u64) << 32,
+            self.list_ptr,
+            self.valid_rows_ptr,
+        ];
+        for (k, w) in words.iter().enumerate() {
+            b[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -208,6 +283,12 @@ pub struct DeviceCapture {
     marker: sys::CUevent,
     counters_host: PinnedBuffer,
     folded: Vec<[u64; COUNTER_WORDS]>,
+    /// The open step's batch when it was begun inside a graph (deferred captures read it at the step's end).
+    graph_batch: Option<GraphBatch>,
+    /// The stream of the open step (deferred captures are copied on it when the step ends).
+    step_stream: Option<StreamHandle>,
+    /// Deferred captures of the open step.
+    deferred: Vec<Deferred>,
 }
 
 // SAFETY: the raw stream handle is owned by this value; `&mut self` serialises its use.
@@ -256,6 +337,9 @@ impl DeviceCapture {
         let counter_stream = result::stream::create(result::stream::StreamKind::NonBlocking).call("cuStreamCreate")?;
         let marker = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).call("cuEventCreate")?;
         Ok(DeviceCapture {
+            graph_batch: None,
+            step_stream: None,
+            deferred: Vec::new(),
             controls: DeviceBuffer::zeroed(&gpu, hps * CONTROL_BYTES)?,
             counters: DeviceBuffer::zeroed(&gpu, hps * COUNTER_WORDS * 8)?,
             desc: DeviceBuffer::zeroed(&gpu, slot_bytes)?,
@@ -315,6 +399,44 @@ impl DeviceCapture {
         Ok(())
     }
 
+    /// The device control entry of `hp` now, and its row list (explicit selections).
+    fn control_of(&self, hp: &HookPoint) -> Result<(DeviceControl, Option<Vec<u32>>), DeviceCaptureError> {
+        let (mode, list): (u32, Option<Vec<u32>>) = match &*hp.control.selection() {
+            RowSelection::All => (0, None),
+            RowSelection::Rows(r) => (1, Some(r.clone())),
+            RowSelection::LastPerRequest => (2, None),
+        };
+        if let Some(list) = &list {
+            if list.len() > self.options.max_batch_rows as usize {
+                return Err(DeviceCaptureError::Usage(format!(
+                    "row selection of `{}` has {} rows, more than max_batch_rows {}",
+                    hp.spec.name,
+                    list.len(),
+                    self.options.max_batch_rows
+                )));
+            }
+        }
+        let control = DeviceControl {
+            enabled: hp.control.enabled() as u32,
+            every_n: hp.control.every_n_steps(),
+            mode,
+            list_len: list.as_ref().map_or(0, |l| l.len() as u32),
+            valid_rows_ptr: self.valid_rows.get(hp.id as usize).copied().unwrap_or(0),
+            ..DeviceControl::default()
+        };
+        Ok((control, list))
+    }
+
+    fn check_count(&self, registered: usize) -> Result<(), DeviceCaptureError> {
+        if registered > self.options.max_hookpoints as usize {
+            return Err(DeviceCaptureError::Usage(format!(
+                "{registered} hookpoints registered, the CUDA session was created for at most {} (max_hookpoints)",
+                self.options.max_hookpoints
+            )));
+        }
+        Ok(())
+    }
+
     /// Uploads changed controls on `stream` (stream-ordered before the step's captures).
     fn sync_controls(&mut self, registry: &Registry, stream: StreamHandle) -> Result<(), DeviceCaptureError> {
         let changes = registry.changes();
@@ -322,13 +444,7 @@ impl DeviceCapture {
             return Ok(());
         }
         let all = registry.all();
-        if all.len() > self.options.max_hookpoints as usize {
-            return Err(DeviceCaptureError::Usage(format!(
-                "{} hookpoints registered, the CUDA session was created for at most {} (max_hookpoints)",
-                all.len(),
-                self.options.max_hookpoints
-            )));
-        }
+        self.check_count(all.len())?;
         self.mirrors.resize(all.len(), HostMirror::default());
         self.lists.resize_with(all.len(), || None);
         for hp in &all {
@@ -338,55 +454,165 @@ impl DeviceCapture {
             if m.uploaded && m.generation == generation {
                 continue;
             }
-            let (mode, list): (u32, Option<Vec<u32>>) = match &*hp.control.selection() {
-                RowSelection::All => (0, None),
-                RowSelection::Rows(r) => (1, Some(r.clone())),
-                RowSelection::LastPerRequest => (2, None),
-            };
-            let mut control = DeviceControl {
-                enabled: hp.control.enabled() as u32,
-                every_n: hp.control.every_n_steps(),
-                mode,
-                valid_rows_ptr: self.valid_rows.get(i).copied().unwrap_or(0),
-                ..DeviceControl::default()
-            };
+            let (mut control, list) = self.control_of(hp)?;
             if let Some(list) = list {
-                if list.len() > self.options.max_batch_rows as usize {
-                    return Err(DeviceCaptureError::Usage(format!(
-                        "row selection of `{}` has {} rows, more than max_batch_rows {}",
-                        hp.spec.name,
-                        list.len(),
-                        self.options.max_batch_rows
-                    )));
-                }
                 if self.lists[i].is_none() {
                     self.lists[i] = Some(DeviceBuffer::zeroed(&self.gpu, self.options.max_batch_rows as usize * 4)?);
                 }
                 let dst = self.lists[i].as_ref().expect("allocated above").ptr();
                 // Pageable source: the driver stages it before returning, so `list` may be dropped right after.
-                // SAFETY: `dst` holds max_batch_rows u32s, more than `list.len()`.
+                // SAFETY: `dst` holds max_batch_rows u32s, at least `list.len()` (checked by `control_of`).
                 unsafe { result::memcpy_htod_async(dst, &list, stream.raw()) }.call("cuMemcpyHtoDAsync")?;
-                control.list_len = list.len() as u32;
                 control.list_ptr = dst;
             }
-            let bytes: [u8; CONTROL_BYTES] = {
-                let mut b = [0u8; CONTROL_BYTES];
-                let words = [
-                    control.enabled as u64 | (control.every_n as u64) << 32,
-                    control.mode as u64 | (control.list_len as u64) << 32,
-                    control.list_ptr,
-                    control.valid_rows_ptr,
-                ];
-                for (k, w) in words.iter().enumerate() {
-                    b[k * 8..k * 8 + 8].copy_from_slice(&w.to_le_bytes());
-                }
-                b
-            };
+            let bytes = control.to_bytes();
             let dst = self.controls.ptr() + (i * CONTROL_BYTES) as u64;
             // SAFETY: entry `i` of the control table (i < max_hookpoints); pageable source, staged by the driver.
             unsafe { result::memcpy_htod_async(dst, &bytes[..], stream.raw()) }.call("cuMemcpyHtoDAsync")?;
             self.mirrors[i] = HostMirror { generation, control, row_bytes: hp.spec.row_bytes(), uploaded: true };
         }
+        self.synced_changes = Some(changes);
+        Ok(())
+    }
+
+    /// Uploads control changes (enable, every-N, rows, valid-rows pointers) on `stream`, in stream order, for steps
+    /// begun inside a graph ([`begin_step_graph`](Self::begin_step_graph)), whose replays make no host call: call it
+    /// between replays, outside graph recording. Steps begun with [`begin_step`](Self::begin_step) do it themselves.
+    pub fn apply_controls(&mut self, registry: &Registry, stream: StreamHandle) -> Result<(), DeviceCaptureError> {
+        self.gpu.bind()?;
+        self.check_stream(stream)?;
+        if self.gpu.is_capturing(stream)? {
+            return Err(DeviceCaptureError::Usage(
+                "apply_controls was called while the stream is capturing a CUDA graph: call it between replays".into(),
+            ));
+        }
+        self.sync_controls(registry, stream)
+    }
+
+    /// Ends the open step. With deferred captures, one kernel on the step's stream copies all of them (inside a
+    /// graph recording: call it before the recording ends, so that every replay copies them).
+    pub fn end_step(&mut self) -> Result<(), DeviceCaptureError> {
+        let result = self.flush_deferred();
+        self.graph_batch = None;
+        result
+    }
+
+    /// The arguments both capture kernels start with: ring, capacity, state block, host block, control table,
+    /// counters, descriptor.
+    fn common_args(&self) -> [u64; 7] {
+        let a = self.ring.addrs();
+        [a.buf, a.capacity, a.state, a.host, self.controls.ptr(), self.counters.ptr(), self.desc.ptr()]
+    }
+
+    /// Launches one `ringscope_capture_many` for the deferred captures noted so far.
+    fn flush_deferred(&mut self) -> Result<(), DeviceCaptureError> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let Some(stream) = self.step_stream else {
+            self.deferred.clear();
+            return Err(DeviceCaptureError::Usage("deferred captures without a step".into()));
+        };
+        let entries = std::mem::take(&mut self.deferred);
+        let bytes: u64 = entries.iter().map(|e| e.src_rows as u64 * e.row_bytes as u64).sum();
+        let mut param = [0u8; MANY_BYTES];
+        param[0..32].copy_from_slice(&GraphBatch::param(self.graph_batch.as_ref()));
+        param[32..36].copy_from_slice(&(entries.len() as u32).to_le_bytes());
+        param[36..40].copy_from_slice(&(self.options.full_mode_deadline.is_some() as u32).to_le_bytes());
+        for (i, e) in entries.iter().enumerate() {
+            let o = 40 + i * 24;
+            param[o..o + 8].copy_from_slice(&e.src.to_le_bytes());
+            param[o + 8..o + 12].copy_from_slice(&e.hookpoint.to_le_bytes());
+            param[o + 12..o + 16].copy_from_slice(&e.dtype.to_le_bytes());
+            param[o + 16..o + 20].copy_from_slice(&e.row_bytes.to_le_bytes());
+            param[o + 20..o + 24].copy_from_slice(&e.src_rows.to_le_bytes());
+        }
+        let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, self.gpu.sms() * 2);
+        let mut common = self.common_args();
+        let mut args: Vec<*mut c_void> = common.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        args.push(param.as_mut_ptr().cast());
+        self.gpu.bind()?;
+        // SAFETY: the argument list matches `ringscope_capture_many` (the `Many` struct is passed by value as its
+        // bytes, laid out as in `capture.cu`); the ring and tables live as long as `self`; every source was checked
+        // to be device memory when it was noted, and the engine keeps it until the step ends.
+        unsafe {
+            launch(self.kernels.capture_many, grid, stream.raw(), &mut args, "cuLaunchKernel(ringscope_capture_many)")
+        }?;
+        Ok(())
+    }
+
+    /// Starts a step from inside a CUDA graph (or eagerly) on `stream`: the batch descriptor is built on the device
+    /// from the engine's tensors (`batch`) at every replay, and the step is numbered one past the previous one (a
+    /// step begun with [`begin_step`](Self::begin_step) sets where numbering continues) — so replays need no host
+    /// call. With deferred captures nothing is launched here: the step's one kernel reads `batch` when the step
+    /// ends. Best-effort only: full mode must wait on the host for ring space before each step. Control changes
+    /// reach graph steps through [`apply_controls`](Self::apply_controls).
+    pub fn begin_step_graph(
+        &mut self,
+        registry: &Registry,
+        batch: &GraphBatch,
+        stream: StreamHandle,
+    ) -> Result<(), DeviceCaptureError> {
+        if self.options.full_mode_deadline.is_some() {
+            return Err(DeviceCaptureError::Usage(
+                "a step begun inside a graph cannot wait for ring space, which full mode requires before every \
+                 step: use policy.mode = \"best_effort\" for graph-begun steps, or begin_step before each replay"
+                    .into(),
+            ));
+        }
+        let rows = batch.batch as u64 * batch.seq as u64;
+        if batch.batch == 0 || batch.seq == 0 || rows > self.options.max_batch_rows as u64 {
+            return Err(DeviceCaptureError::Usage(format!(
+                "graph step of {} × {} rows: use 1 to max_batch_rows ({}) rows in all",
+                batch.batch, batch.seq, self.options.max_batch_rows
+            )));
+        }
+        if batch.positions_batch_stride != 0 && batch.positions_batch_stride < batch.seq {
+            return Err(DeviceCaptureError::Usage(format!(
+                "positions batch stride {} is less than the {} tokens per row (use {} for a [batch, seq] tensor, 0 \
+                 for one [seq] vector shared by all rows)",
+                batch.positions_batch_stride, batch.seq, batch.seq
+            )));
+        }
+        self.gpu.bind()?;
+        self.check_stream(stream)?;
+        self.gpu.check_device_range(
+            "request ids (i64 per batch row)",
+            batch.request_ids,
+            batch.batch as usize * 8,
+            8,
+        )?;
+        let pos_elems = (batch.batch as usize - 1) * batch.positions_batch_stride as usize + batch.seq as usize;
+        self.gpu.check_device_range("positions (i64)", batch.positions, pos_elems * 8, 8)?;
+        if Some(registry.changes()) != self.synced_changes {
+            if self.gpu.is_capturing(stream)? {
+                return Err(DeviceCaptureError::Usage(
+                    "hookpoint controls changed (or hookpoints were registered) since they last reached the device: \
+                     call apply_controls before recording the graph"
+                        .into(),
+                ));
+            }
+            self.sync_controls(registry, stream)?;
+        }
+        self.end_step()?;
+        if !self.options.defer {
+            let (mut state, mut desc) = (self.ring.addrs().state, self.desc.ptr());
+            let mut g = GraphBatch::param(Some(batch));
+            // SAFETY: the argument list matches `ringscope_begin_step_graph(u8*, u8*, GraphBatch)` (the struct as its
+            // 32 bytes); the ring and descriptor live as long as `self`; the engine's tensors were checked above.
+            unsafe {
+                launch(
+                    self.kernels.begin_graph,
+                    1,
+                    stream.raw(),
+                    &mut [(&mut state as *mut u64).cast(), (&mut desc as *mut u64).cast(), g.as_mut_ptr().cast()],
+                    "cuLaunchKernel(ringscope_begin_step_graph)",
+                )?;
+            }
+        }
+        self.graph_batch = Some(*batch);
+        self.step_begun = true;
+        self.step_stream = Some(stream);
         Ok(())
     }
 
@@ -438,6 +664,7 @@ impl DeviceCapture {
                 self.options.max_batch_rows
             )));
         }
+        self.end_step()?;
         self.sync_controls(registry, stream)?;
         let mut flags = 0u32;
         let mut deadline_error = None;
@@ -524,6 +751,7 @@ impl DeviceCapture {
         self.slot_used_by[slot] = self.begin_index;
         self.begin_index += 1;
         self.step_begun = true;
+        self.step_stream = Some(stream);
         match deadline_error {
             Some(e) => Err(e),
             None => Ok(()),
@@ -617,39 +845,37 @@ impl DeviceCapture {
                 self.ring.max_payload_len()
             )));
         }
-        let addrs = self.ring.addrs();
+        if self.options.defer {
+            if self.step_stream != Some(stream) {
+                return Err(DeviceCaptureError::Usage(format!(
+                    "{what}: deferred captures must be issued on the stream their step began on"
+                )));
+            }
+            if self.deferred.len() == MAX_MANY {
+                self.flush_deferred()?;
+            }
+            let dtype = hp.spec.dtype.code() as u32;
+            self.deferred.push(Deferred { src, hookpoint: hp.id, dtype, row_bytes, src_rows });
+            return Ok(());
+        }
         // 16 KiB per block (256 threads × 4 × 16 B) up to two blocks per SM; larger captures loop.
         let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, self.gpu.sms() * 2);
-        let (mut ring, mut cap, mut state, mut host) = (addrs.buf, addrs.capacity, addrs.state, addrs.host);
-        let (mut controls, mut counters, mut desc) = (self.controls.ptr(), self.counters.ptr(), self.desc.ptr());
         let (mut id, mut dtype, mut rb, mut s, mut rows) =
             (hp.id, hp.spec.dtype.code() as u32, row_bytes, src, src_rows);
         let mut full = self.options.full_mode_deadline.is_some() as u32;
+        let mut common = self.common_args();
+        let mut args: Vec<*mut c_void> = common.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        args.extend([
+            (&mut id as *mut u32).cast(),
+            (&mut dtype as *mut u32).cast(),
+            (&mut rb as *mut u32).cast(),
+            (&mut s as *mut u64).cast(),
+            (&mut rows as *mut u32).cast(),
+            (&mut full as *mut u32).cast(),
+        ]);
         // SAFETY: the argument list matches `ringscope_capture`; the ring and tables live as long as `self` (the
         // session synchronises the device before dropping them); `src` was checked to be device memory.
-        unsafe {
-            launch(
-                self.kernels.capture,
-                grid,
-                stream.raw(),
-                &mut [
-                    (&mut ring as *mut u64).cast(),
-                    (&mut cap as *mut u64).cast(),
-                    (&mut state as *mut u64).cast(),
-                    (&mut host as *mut u64).cast(),
-                    (&mut controls as *mut u64).cast(),
-                    (&mut counters as *mut u64).cast(),
-                    (&mut desc as *mut u64).cast(),
-                    (&mut id as *mut u32).cast(),
-                    (&mut dtype as *mut u32).cast(),
-                    (&mut rb as *mut u32).cast(),
-                    (&mut s as *mut u64).cast(),
-                    (&mut rows as *mut u32).cast(),
-                    (&mut full as *mut u32).cast(),
-                ],
-                "cuLaunchKernel(ringscope_capture)",
-            )?;
-        }
+        unsafe { launch(self.kernels.capture, grid, stream.raw(), &mut args, "cuLaunchKernel(ringscope_capture)") }?;
         Ok(())
     }
 
@@ -764,9 +990,14 @@ mod tests {
     fn kernels_compile_with_nvrtc() {
         match compile_ptx("sm_90") {
             Ok(ptx) => {
-                for f in
-                    ["ringscope_capture", "ringscope_begin_step", "ringscope_fill_pattern", "ringscope_discard_all"]
-                {
+                for f in [
+                    "ringscope_capture",
+                    "ringscope_begin_step",
+                    "ringscope_begin_step_graph",
+                    "ringscope_capture_many",
+                    "ringscope_fill_pattern",
+                    "ringscope_discard_all",
+                ] {
                     assert!(ptx.contains(&format!(".entry {f}")), "{f} missing from the PTX");
                 }
             }

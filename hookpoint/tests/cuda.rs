@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ringscope_hookpoint::cuda::{pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
+use ringscope_hookpoint::cuda::{pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, RowSelection, SiteKind, StepBatch};
 use ringscope_ring::cuda::{
     errors, CudaError, DeviceBuffer, DeviceConsumer, DeviceRing, DrainTuning, Gpu, Graph, Stream, StreamHandle,
@@ -202,10 +202,15 @@ fn graph_replays_capture_every_row_bit_exact() {
 /// publish exactly what fits and count exactly what did not.
 #[test]
 fn best_effort_drops_are_counted_exactly_while_the_drain_is_paused() {
+    best_effort_drops_are_counted_exactly_while_the_drain_is_paused_with(false);
+    best_effort_drops_are_counted_exactly_while_the_drain_is_paused_with(true);
+}
+
+fn best_effort_drops_are_counted_exactly_while_the_drain_is_paused_with(defer: bool) {
     let Some(gpu) = gpu() else { return };
     let capacity = 64 << 10;
     let ring = DeviceRing::new(&gpu, capacity).unwrap();
-    let mut cap = DeviceCapture::new(&ring, DeviceCaptureOptions::default()).unwrap();
+    let mut cap = DeviceCapture::new(&ring, DeviceCaptureOptions { defer, ..Default::default() }).unwrap();
     let consumer = DeviceConsumer::new(&ring, DrainTuning::default()).unwrap();
     let reg = Registry::new();
     let stream = Stream::new(&gpu).unwrap();
@@ -217,7 +222,7 @@ fn best_effort_drops_are_counted_exactly_while_the_drain_is_paused() {
         for hp in &hps {
             cap.capture(hp, src.ptr(), 4, stream.handle())?;
         }
-        Ok(())
+        cap.end_step()
     })
     .unwrap();
     const STEPS: u64 = 10;
@@ -255,9 +260,15 @@ fn best_effort_drops_are_counted_exactly_while_the_drain_is_paused() {
 /// Full mode with a drain that starts late: `begin_step` waits for room, nothing is lost.
 #[test]
 fn full_mode_loses_nothing_when_the_drain_starts_late() {
+    full_mode_loses_nothing_when_the_drain_starts_late_with(false);
+    full_mode_loses_nothing_when_the_drain_starts_late_with(true);
+}
+
+fn full_mode_loses_nothing_when_the_drain_starts_late_with(defer: bool) {
     let Some(gpu) = gpu() else { return };
     let ring = DeviceRing::new(&gpu, 64 << 10).unwrap();
-    let options = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_secs(30)), ..Default::default() };
+    let options =
+        DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_secs(30)), defer, ..Default::default() };
     let mut cap = DeviceCapture::new(&ring, options).unwrap();
     let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 16 << 10, max_in_flight: 2 }).unwrap();
     let reg = Registry::new();
@@ -270,7 +281,7 @@ fn full_mode_loses_nothing_when_the_drain_starts_late() {
         for hp in &hps {
             cap.capture(hp, src.ptr(), 4, stream.handle())?;
         }
-        Ok(())
+        cap.end_step()
     })
     .unwrap();
     let drain = spawn_drain(consumer, Duration::from_millis(300));
@@ -300,9 +311,15 @@ fn full_mode_loses_nothing_when_the_drain_starts_late() {
 /// counted as `deadline` on the device — never written over unread data.
 #[test]
 fn full_mode_deadline_drops_whole_steps_and_counts_them() {
+    full_mode_deadline_drops_whole_steps_and_counts_them_with(false);
+    full_mode_deadline_drops_whole_steps_and_counts_them_with(true);
+}
+
+fn full_mode_deadline_drops_whole_steps_and_counts_them_with(defer: bool) {
     let Some(gpu) = gpu() else { return };
     let ring = DeviceRing::new(&gpu, 64 << 10).unwrap();
-    let options = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_millis(50)), ..Default::default() };
+    let options =
+        DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_millis(50)), defer, ..Default::default() };
     let mut cap = DeviceCapture::new(&ring, options).unwrap();
     let consumer = DeviceConsumer::new(&ring, DrainTuning::default()).unwrap();
     let reg = Registry::new();
@@ -322,6 +339,7 @@ fn full_mode_deadline_drops_whole_steps_and_counts_them() {
         }
         cap.capture(&hp, src.ptr(), 4, stream.handle()).unwrap();
     }
+    cap.end_step().unwrap();
     stream.synchronize().unwrap();
     // 64 KiB holds three 16.5 KiB records, but begin_step reserves a worst case (one wrap) of two per step.
     assert!(ok >= 1 && late >= 4, "ok {ok}, late {late}");
@@ -387,4 +405,151 @@ fn bad_arguments_are_clear_errors() {
     stream.synchronize().unwrap();
     assert_eq!(ring.published(), 0);
     assert!(matches!(DeviceRing::new(&gpu, 1000), Err(CudaError::Invalid(_))));
+}
+
+/// Steps begun inside the graph (batch descriptor from device tensors, step numbers from the device), captures
+/// deferred to one kernel at the step's end: every record bit-exact, steps numbered by the device, control changes
+/// applied between replays, and host-begun and graph-begun steps numbered in one sequence.
+#[test]
+fn graph_begun_steps_with_deferred_captures_are_bit_exact() {
+    graph_begun_steps(true);
+}
+
+/// The same with one capture kernel per hookpoint (and the descriptor kernel recorded at the step's start).
+#[test]
+fn graph_begun_steps_with_immediate_captures_are_bit_exact() {
+    graph_begun_steps(false);
+}
+
+fn graph_begun_steps(defer: bool) {
+    let Some(gpu) = gpu() else { return };
+    const BATCH: u32 = 3;
+    const SEQ: u32 = 2;
+    const STEPS: u64 = 30;
+    let ring = DeviceRing::new(&gpu, 8 << 20).unwrap();
+    let options = DeviceCaptureOptions { max_batch_rows: 64, defer, ..Default::default() };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 64 << 10, max_in_flight: 4 }).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let rows = BATCH * SEQ;
+    let specs: [(&str, DType, u32, RowSelection); 3] = [
+        ("resid", DType::BF16, 2048, RowSelection::All),
+        ("last", DType::F32, 256, RowSelection::LastPerRequest),
+        ("list", DType::BF16, 64, RowSelection::Rows(vec![4, 0])),
+    ];
+    let mut sources = Vec::new();
+    for (name, dtype, width, sel) in specs.iter().cloned() {
+        let hp = register(&reg, name, dtype, width);
+        hp.control.set_selection(sel).unwrap();
+        let bytes = rows as usize * hp.spec.row_bytes() as usize;
+        sources.push(Source { hp, buf: DeviceBuffer::zeroed(&gpu, bytes).unwrap(), offset: 0, rows });
+    }
+    cap.apply_controls(&reg, stream.handle()).unwrap();
+    let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
+    let pos = DeviceBuffer::zeroed(&gpu, rows as usize * 8).unwrap();
+    let gb = GraphBatch {
+        batch: BATCH,
+        seq: SEQ,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: SEQ,
+    };
+
+    // Misuse first: a stride shorter than a row, full mode, controls changed since they were applied.
+    let bad = GraphBatch { positions_batch_stride: 1, ..gb };
+    assert!(cap.begin_step_graph(&reg, &bad, stream.handle()).unwrap_err().to_string().contains("stride"));
+    let full_ring = DeviceRing::new(&gpu, 1 << 20).unwrap();
+    let full = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_millis(10)), ..Default::default() };
+    let err = DeviceCapture::new(&full_ring, full).unwrap().begin_step_graph(&reg, &gb, stream.handle()).unwrap_err();
+    assert!(err.to_string().contains("best_effort"), "{err}");
+    sources[0].hp.control.set_enabled(true);
+    let err = Graph::capture(&stream, || cap.begin_step_graph(&reg, &gb, stream.handle())).unwrap_err();
+    assert!(err.to_string().contains("apply_controls"), "{err}");
+    cap.apply_controls(&reg, stream.handle()).unwrap();
+
+    let drain = spawn_drain(consumer, Duration::ZERO);
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        cap.begin_step_graph(&reg, &gb, stream.handle())?;
+        for s in &sources {
+            cap.capture(&s.hp, s.ptr(), s.rows, stream.handle())?;
+        }
+        cap.end_step()
+    })
+    .unwrap();
+
+    let batch_of = |step: u64| {
+        let ids: Vec<u64> = (0..BATCH as u64).map(|b| 500 + step * 10 + b).collect();
+        let positions: Vec<u32> = (0..rows).map(|r| step as u32 * 100 + r).collect();
+        (ids, positions)
+    };
+    let mut expected = Vec::new();
+    let run_step = |step: u64, expected: &mut Vec<(u64, u32, Vec<u32>, Vec<RowMeta>)>| {
+        for s in &sources {
+            let data = pattern_bytes(seed(step, s.hp.id), s.bytes());
+            s.buf.copy_from_host_async(0, &data, stream.handle()).unwrap();
+        }
+        let (ids, positions) = batch_of(step);
+        let ids_bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let pos_bytes: Vec<u8> = positions.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
+        req.copy_from_host_async(0, &ids_bytes, stream.handle()).unwrap();
+        pos.copy_from_host_async(0, &pos_bytes, stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        let metas: Vec<RowMeta> = (0..rows)
+            .map(|r| RowMeta { request_id: ids[(r / SEQ) as usize], position: positions[r as usize], batch_row: r })
+            .collect();
+        for s in &sources {
+            if !s.hp.control.enabled() {
+                continue;
+            }
+            let keep: Vec<u32> = match &*s.hp.control.selection() {
+                RowSelection::All => (0..rows).collect(),
+                RowSelection::LastPerRequest => (0..BATCH).map(|b| b * SEQ + SEQ - 1).collect(),
+                RowSelection::Rows(l) => l.clone(),
+            };
+            let m = keep.iter().map(|&r| metas[r as usize]).collect();
+            expected.push((step, s.hp.id, keep, m));
+        }
+    };
+    for step in 0..STEPS {
+        if step == 10 || step == 20 {
+            // Control changes between replays reach the graph through the control image.
+            stream.synchronize().unwrap();
+            sources[2].hp.control.set_enabled(step == 20);
+            sources[0]
+                .hp
+                .control
+                .set_selection(if step == 10 { RowSelection::Rows(vec![5, 1]) } else { RowSelection::All })
+                .unwrap();
+            cap.apply_controls(&reg, stream.handle()).unwrap();
+        }
+        run_step(step, &mut expected);
+    }
+    // A step begun on the host numbers the graph's next steps after it.
+    stream.synchronize().unwrap();
+    let host_step = StepBatch::new(1000, (0..rows).map(|r| (7, r))).unwrap();
+    cap.begin_step(&reg, &host_step, stream.handle()).unwrap();
+    cap.end_step().unwrap();
+    run_step(1001, &mut expected);
+    stream.synchronize().unwrap();
+    ring.close_producer();
+    let got = drain.join().unwrap();
+
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    assert_eq!(got.len(), expected.len());
+    for (i, (g, (step, hp, keep, metas))) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.seq, i as u64, "sequence numbers are contiguous");
+        assert_eq!((g.step, g.hookpoint), (*step, *hp), "record {i}");
+        assert_eq!(&g.metas, metas, "row metadata of record {i} (step {step}, hookpoint {hp})");
+        let s = &sources[*hp as usize];
+        let rb = s.hp.spec.row_bytes() as usize;
+        let src = pattern_bytes(seed(*step, *hp), s.bytes());
+        for (k, &r) in keep.iter().enumerate() {
+            assert!(g.rows[k] == src[r as usize * rb..(r as usize + 1) * rb], "row {k} of record {i} differs");
+        }
+    }
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.published.records, got.len() as u64);
+    assert_eq!(total.dropped_total().records, 0);
 }

@@ -49,6 +49,8 @@ pub mod state {
     pub const BEGIN_DONE: usize = 140;
     /// `u32`: 1 while a capture kernel runs (set by its block 0, cleared by its publishing block).
     pub const BUSY: usize = 144;
+    /// `u64`: the step number a step begun inside a graph takes (one past the last step begun).
+    pub const NEXT_STEP: usize = 152;
     /// Size of the block.
     pub const BYTES: usize = 256;
 }

@@ -77,6 +77,11 @@ def test_bad_input_raises_clear_errors(tmp_path):
     with pytest.raises(ringscope.RingscopeError) as e:
         s.capture_device(hp, 0x1000, 1, 0)
     assert "host backend" in e.value.message
+    with pytest.raises(ringscope.RingscopeError, match="int64 CUDA tensor"):
+        s.begin_step_graph(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), stream=0)
+    with pytest.raises(ringscope.RingscopeError) as e:
+        s.apply_controls(stream=0)
+    assert "host backend" in e.value.message
     with pytest.raises(ringscope.RingscopeError):
         s.set_every_n_steps(hp, 0)
     s.end_step()

@@ -131,6 +131,8 @@ def _load():
         "rs_set_rows": ([u64, u32, i32, p(u32), sz], i32),
         "rs_begin_step": ([u64, u64, p(u64), p(u32), sz], i32),
         "rs_begin_step_on_stream": ([u64, u64, p(u64), p(u32), sz, u64], i32),
+        "rs_begin_step_graph": ([u64, u64, u64, u32, u32, u32, u64], i32),
+        "rs_apply_controls": ([u64, u64], i32),
         "rs_end_step": ([u64], i32),
         "rs_capture_host": ([u64, u32, ctypes.c_void_p, sz, p(i32)], i32),
         "rs_capture_device": ([u64, u32, u64, u32, u64], i32),
@@ -293,6 +295,46 @@ class Session:
             _check(lib.rs_begin_step(self._h, int(step), pids, ppos, ids.size))
         else:
             _check(lib.rs_begin_step_on_stream(self._h, int(step), pids, ppos, ids.size, int(stream)))
+
+    def begin_step_graph(self, request_ids, positions, stream: Optional[int] = None) -> None:
+        """CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded (or eagerly). The
+        recorded kernel reads the batch from the engine's own device tensors at every replay, so replays need no
+        Python call: ``request_ids`` is an int64 CUDA tensor ``[batch]`` (one request per batch row), ``positions``
+        an int64 CUDA tensor ``[batch, seq]`` (e.g. ``position_ids``) or ``[seq]`` shared by every row (e.g.
+        ``cache_position``). Their addresses are fixed into the graph: update them in place. Record the step's
+        captures and :meth:`end_step` in the same graph."""
+        def check(t, what):
+            if not (hasattr(t, "is_cuda") and t.is_cuda and str(t.dtype) == "torch.int64" and t.is_contiguous()):
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"begin_step_graph: {what} must be a contiguous int64 CUDA tensor; got "
+                                     f"{getattr(t, 'dtype', type(t).__name__)} on "
+                                     f"{getattr(t, 'device', 'the host')}")
+        check(request_ids, "request_ids")
+        check(positions, "positions")
+        if request_ids.dim() != 1 or positions.dim() not in (1, 2):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"begin_step_graph: request_ids must be [batch] and positions [batch, seq] or [seq]; "
+                                 f"got {tuple(request_ids.shape)} and {tuple(positions.shape)}")
+        batch = request_ids.shape[0]
+        seq = positions.shape[-1]
+        if positions.dim() == 2 and positions.shape[0] != batch:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"begin_step_graph: {batch} request ids but positions for {positions.shape[0]} rows")
+        stride = seq if positions.dim() == 2 else 0
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream(request_ids.device).cuda_stream
+        _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(), batch, seq, stride,
+                                           int(stream)))
+
+    def apply_controls(self, stream: Optional[int] = None) -> None:
+        """CUDA backend: uploads control changes (enable, every-N, rows) on ``stream`` (default: torch's current
+        stream) for CUDA graphs whose steps begin inside them (:meth:`begin_step_graph`; their replays make no host
+        call). Call between replays."""
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream().cuda_stream
+        _check(_load().rs_apply_controls(self._h, int(stream)))
 
     def end_step(self) -> None:
         _check(_load().rs_end_step(self._h))

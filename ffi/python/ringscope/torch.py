@@ -7,7 +7,12 @@ break). It declares that it writes a one-element ``sink`` tensor so that compile
 
 :func:`attach` adds forward hooks to a model — no forked model code — that capture the chosen sites of the chosen
 layers, and a pre-forward hook on the model that hands ringscope each step's batch descriptor (request id and token
-position of every row), so every exported row says whose token it is.
+position of every row), so every exported row says whose token it is. When a forward pass is recorded into a CUDA
+graph (best-effort sessions), the step itself is recorded too: the positions are read from the model's
+``position_ids`` / ``cache_position`` tensor and the request ids from a device tensor (:meth:`Attachment.
+set_request_ids`) at every replay, so replays need no Python call. With ``ring.defer_captures = true`` a step's
+captures are copied by one kernel when the forward pass ends (one graph node per step, not one per hookpoint); the
+attachment keeps each captured tensor alive until then.
 """
 
 from __future__ import annotations
@@ -90,12 +95,48 @@ class Attachment:
         self._handles: List = []
         self._sink: Dict[torch.device, torch.Tensor] = {}
         self._open = False
+        # Captured tensors of the open step: kept alive until the step ends, so that with `ring.overlap` (captures
+        # on a side stream) their memory is not reused before the captures have read it.
+        self._keep: List[torch.Tensor] = []
+        # Request id per batch row as a device tensor, for steps begun inside a CUDA graph (see set_request_ids).
+        self._req_dev: Dict[torch.device, torch.Tensor] = {}
 
     def sink(self, device) -> torch.Tensor:
         s = self._sink.get(device)
         if s is None:
             s = self._sink[device] = torch.zeros(1, dtype=torch.uint8, device=device)
         return s
+
+    def set_request_ids(self, request_ids: Sequence[int], device=None) -> None:
+        """Names the requests of the batch rows (one id per row). For eager forward passes this is the same as
+        setting ``request_ids``; for CUDA graphs recorded with the model attached it also updates, in place, the
+        device tensor the graph reads at every replay (call it outside graph recording)."""
+        self.request_ids = list(request_ids)
+        dev = torch.device(device) if device is not None else next(self.model.parameters()).device
+        if dev.type == "cuda":
+            ids = torch.tensor(self.request_ids, dtype=torch.int64)
+            t = self._req_dev.get(dev)
+            if t is None or t.numel() < ids.numel():
+                t = self._req_dev[dev] = torch.arange(max(ids.numel(), 256), dtype=torch.int64, device=dev)
+            t[:ids.numel()].copy_(ids)
+
+    def apply_controls(self, stream: Optional[int] = None) -> None:
+        """Makes control changes (``session.set_enabled`` etc.) reach recorded CUDA graphs whose steps begin inside
+        the graph (their replays make no host call). Call between replays."""
+        self.session.apply_controls(stream)
+
+    def _device_request_ids(self, device, batch: int) -> torch.Tensor:
+        t = self._req_dev.get(device)
+        if t is None or t.numel() < batch:
+            if torch.cuda.is_current_stream_capturing():
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"attach: recording a CUDA graph of a batch of {batch} rows, but the request ids "
+                                     "live in a device tensor that must exist before recording: run one eager "
+                                     "forward pass first (the usual warm-up) or call set_request_ids(...)")
+            t = self._req_dev[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
+            if self.request_ids is not None and len(self.request_ids) <= t.numel():
+                t[:len(self.request_ids)].copy_(torch.tensor(list(self.request_ids), dtype=torch.int64))
+        return t[:batch]
 
     def detach(self) -> None:
         for h in self._handles:
@@ -113,18 +154,39 @@ class Attachment:
         self._open = True
 
     def end_step(self) -> None:
-        """Ends a step started with :meth:`begin_step`."""
-        self.session.end_step()
+        """Ends a step started with :meth:`begin_step` (when a graph was recorded in it, the recording already
+        ended it inside the graph)."""
+        if self._open:
+            self.session.end_step()
         self._open = False
+        self._keep.clear()
         self.step += 1
 
     def _begin(self, module, args, kwargs):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return  # recording a graph: the step was begun by hand (begin_step), and replays run no hooks
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
         batch, seq = shape[0], shape[1]
+        device = ids.device if ids is not None else embeds.device
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if self._open:
+                return  # recording a graph inside a step begun by hand (begin_step before each replay)
+            # Recording a graph: record a step that builds its batch descriptor from the model's own position tensor
+            # at every replay (replays run no Python hooks).
+            pos = kwargs.get("position_ids")
+            if pos is None:
+                pos = kwargs.get("cache_position")
+            if pos is None or not pos.is_cuda:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     "attach: recording a CUDA graph needs position_ids or cache_position as CUDA "
+                                     "tensors in the forward call (the step's token positions are read from them at "
+                                     "every replay), or begin_step by hand before recording and before each replay")
+            if pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:
+                pos = pos[0]  # one row of positions broadcast over the batch
+            self.session.begin_step_graph(self._device_request_ids(device, batch), pos,
+                                          stream=torch.cuda.current_stream(device).cuda_stream)
+            self._open = True
+            return
         pos = kwargs.get("position_ids")
         if pos is None:
             cache_pos = kwargs.get("cache_position")
@@ -141,19 +203,27 @@ class Attachment:
                                  f"attach: {req.size} request ids set for a batch of {batch} rows")
         if self._open:
             self.session.end_step()
+            self._keep.clear()
         stream = None
-        device = ids.device if ids is not None else embeds.device
         if device.type == "cuda":
+            self._device_request_ids(device, batch)  # ready for a graph recorded after this eager pass
             stream = torch.cuda.current_stream(device).cuda_stream
         self.session.begin_step(self.step, np.repeat(req, seq), positions.reshape(-1), stream=stream)
         self._open = True
 
     def _end(self, module, args, kwargs, output):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Recording: end the step inside the graph, so that every replay runs what ending it launches (the
+            # deferred captures' kernel). A step begun by hand is then ended already when end_step() is called.
+            if self._open:
+                self.session.end_step()
+                self._open = False
+            self._keep.clear()
             return
         if self._open:
             self.session.end_step()
             self._open = False
+        self._keep.clear()
         self.step += 1
 
     def _hook(self, name: str, width: int, pick=_first):
@@ -161,8 +231,9 @@ class Attachment:
         handle = self.session._h
 
         def hook(module, args, output):
-            x = pick(output)
-            capture(x.contiguous(), self.sink(x.device), handle, hp, width)
+            x = pick(output).contiguous()
+            self._keep.append(x)
+            capture(x, self.sink(x.device), handle, hp, width)
 
         return hook
 
