@@ -310,6 +310,20 @@ impl Session {
         }
     }
 
+    /// CUDA backend with `ring.defer_captures`: starts copying the step's captures noted so far now, with one kernel
+    /// on a side stream forked from the step's stream, so that the copy overlaps the engine's remaining work of the
+    /// step (the LM head after the last layer, say); `end_step` makes the step's stream wait for it. Inside a graph
+    /// recording the fork and the join are recorded too. Nothing to do otherwise (host backend, immediate captures).
+    pub fn submit_captures(&self) -> Result<(), Error> {
+        match self.capture.lock().as_mut().ok_or(Error::Closed)? {
+            Capture::Cuda { capture, open, .. } => {
+                open.ok_or(Error::NoStep)?;
+                capture.submit().map_err(cuda_error)
+            }
+            Capture::Host { .. } => Ok(()),
+        }
+    }
+
     /// Ends the current step. CUDA backend with `ring.defer_captures`: launches the one kernel that copies the step's
     /// captures, on the step's stream; inside a graph recording, call it before the recording ends.
     pub fn end_step(&self) -> Result<(), Error> {

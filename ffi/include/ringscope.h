@@ -231,6 +231,11 @@ rs_status rs_begin_step_graph(uint64_t session_handle,
 rs_status rs_apply_controls(uint64_t session_handle,
                             uint64_t cuda_stream);
 
+// With `ring.defer_captures` (CUDA backend): starts copying the step's captures noted so far now, on a side stream
+// forked from the step's stream, overlapping the engine's remaining work; `rs_end_step` joins it back. A no-op
+// otherwise.
+rs_status rs_submit_captures(uint64_t session_handle);
+
 // Ends the current step. With `ring.defer_captures` (CUDA backend) this launches the one kernel that copies the
 // step's captures: inside a graph recording, call it before the recording ends.
 rs_status rs_end_step(uint64_t session_handle);

@@ -582,6 +582,14 @@ pub extern "C" fn rs_apply_controls(session_handle: u64, cuda_stream: u64) -> Rs
     ffi(|| Ok(session(session_handle)?.apply_controls(StreamHandle(cuda_stream))?))
 }
 
+/// With `ring.defer_captures` (CUDA backend): starts copying the step's captures noted so far now, on a side stream
+/// forked from the step's stream, overlapping the engine's remaining work; `rs_end_step` joins it back. A no-op
+/// otherwise.
+#[no_mangle]
+pub extern "C" fn rs_submit_captures(session_handle: u64) -> RsStatus {
+    ffi(|| Ok(session(session_handle)?.submit_captures()?))
+}
+
 /// Ends the current step. With `ring.defer_captures` (CUDA backend) this launches the one kernel that copies the
 /// step's captures: inside a graph recording, call it before the recording ends.
 #[no_mangle]

@@ -299,7 +299,8 @@ struct GraphBatch {
     u32 batch;
     u32 seq;
     u32 pos_stride;
-    u32 on;  // 1: this step's batch comes from here, not from the descriptor
+    u32 on;  // 0: the batch is the descriptor's; 1: from here, and this kernel numbers the step (the first of the
+             // step); 2: from here, in a step an earlier kernel numbered (a step's captures copied in two parts)
 };
 
 __device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
@@ -386,7 +387,8 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     __shared__ u64 s_head, s_seq;
     const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
     const u32 n = m.n;
-    const u64 step = m.g.on ? ld64(state + ST_NEXT_STEP) : *(const u64*)desc;
+    const u64 step = m.g.on == 1 ? ld64(state + ST_NEXT_STEP) : m.g.on ? ld64(state + ST_NEXT_STEP) - 1
+                                                                        : *(const u64*)desc;
     const u32 n_rows = m.g.on ? m.g.batch * m.g.seq : *(const u32*)(desc + 8);
     const u32 n_last = m.g.on ? m.g.batch : *(const u32*)(desc + 12);
     const u32 desc_flags = m.g.on ? 0u : *(const u32*)(desc + 24);
@@ -552,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     st64(state + ST_HEAD, new_head);
     st64(state + ST_SEQ, s_seq);
     st64(state + ST_TAIL_SNAP, tail_now);
-    if (m.g.on) st64(state + ST_NEXT_STEP, step + 1);
+    if (m.g.on == 1) st64(state + ST_NEXT_STEP, step + 1);
     if (new_head != head0) {
         __threadfence_system();
         st64(host + HS_HEAD, new_head);

@@ -192,8 +192,9 @@ pub struct GraphBatch {
 }
 
 impl GraphBatch {
-    /// The kernels' `GraphBatch` parameter (32 bytes); `None` gives one that is off.
-    fn param(batch: Option<&GraphBatch>) -> [u8; 32] {
+    /// The kernels' `GraphBatch` parameter (32 bytes); `None` gives one that is off. `first`: this kernel is the
+    /// first of its step, and numbers it (a later one of the same step reuses the number).
+    fn param(batch: Option<&GraphBatch>, first: bool) -> [u8; 32] {
         let mut p = [0u8; 32];
         if let Some(g) = batch {
             p[0..8].copy_from_slice(&g.request_ids.to_le_bytes());
@@ -201,7 +202,7 @@ impl GraphBatch {
             p[16..20].copy_from_slice(&g.batch.to_le_bytes());
             p[20..24].copy_from_slice(&g.seq.to_le_bytes());
             p[24..28].copy_from_slice(&g.positions_batch_stride.to_le_bytes());
-            p[28..32].copy_from_slice(&1u32.to_le_bytes());
+            p[28..32].copy_from_slice(&(if first { 1u32 } else { 2 }).to_le_bytes());
         }
         p
     }
@@ -287,8 +288,15 @@ pub struct DeviceCapture {
     graph_batch: Option<GraphBatch>,
     /// The stream of the open step (deferred captures are copied on it when the step ends).
     step_stream: Option<StreamHandle>,
-    /// Deferred captures of the open step.
+    /// Deferred captures of the open step, and how many capture kernels the step has launched for them.
     deferred: Vec<Deferred>,
+    step_flushes: u32,
+    /// [`submit`](DeviceCapture::submit): the side stream, the events that fork it from the step's stream and join
+    /// it back, and whether a join is owed.
+    side: sys::CUstream,
+    fork_event: sys::CUevent,
+    join_event: sys::CUevent,
+    join_pending: bool,
 }
 
 // SAFETY: the raw stream handle is owned by this value; `&mut self` serialises its use.
@@ -336,10 +344,18 @@ impl DeviceCapture {
         gpu.bind()?;
         let counter_stream = result::stream::create(result::stream::StreamKind::NonBlocking).call("cuStreamCreate")?;
         let marker = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).call("cuEventCreate")?;
+        let side = result::stream::create(result::stream::StreamKind::NonBlocking).call("cuStreamCreate")?;
+        let fork_event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).call("cuEventCreate")?;
+        let join_event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).call("cuEventCreate")?;
         Ok(DeviceCapture {
+            side,
+            fork_event,
+            join_event,
+            join_pending: false,
             graph_batch: None,
             step_stream: None,
             deferred: Vec::new(),
+            step_flushes: 0,
             controls: DeviceBuffer::zeroed(&gpu, hps * CONTROL_BYTES)?,
             counters: DeviceBuffer::zeroed(&gpu, hps * COUNTER_WORDS * 8)?,
             desc: DeviceBuffer::zeroed(&gpu, slot_bytes)?,
@@ -492,9 +508,55 @@ impl DeviceCapture {
     /// Ends the open step. With deferred captures, one kernel on the step's stream copies all of them (inside a
     /// graph recording: call it before the recording ends, so that every replay copies them).
     pub fn end_step(&mut self) -> Result<(), DeviceCaptureError> {
-        let result = self.flush_deferred();
+        let result = self.join().and_then(|_| match self.step_stream {
+            Some(stream) => self.flush_deferred(stream.raw()),
+            None => Ok(()),
+        });
         self.graph_batch = None;
+        self.deferred.clear();
         result
+    }
+
+    /// Deferred captures: starts copying the captures noted so far now, with one kernel on a side stream forked from
+    /// the step's stream, so that the copy runs alongside the engine's remaining work of the step (e.g. the LM head
+    /// after the last layer) instead of after it; [`end_step`](Self::end_step) makes the step's stream wait for it.
+    /// The captured tensors must stay unchanged until the step ends, as for every deferred capture. Inside a graph
+    /// recording the fork and the join are recorded too. Nothing to do without deferred captures.
+    pub fn submit(&mut self) -> Result<(), DeviceCaptureError> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let Some(stream) = self.step_stream else { return Ok(()) };
+        self.gpu.bind()?;
+        // SAFETY: our events and side stream; the step's stream was checked when the step began. While it records a
+        // graph, this forks the side stream into the same graph.
+        unsafe {
+            result::event::record(self.fork_event, stream.raw()).call("cuEventRecord")?;
+            result::stream::wait_event(self.side, self.fork_event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                .call("cuStreamWaitEvent")?;
+        }
+        self.flush_deferred(self.side)?;
+        // SAFETY: as above.
+        unsafe { result::event::record(self.join_event, self.side) }.call("cuEventRecord")?;
+        self.join_pending = true;
+        Ok(())
+    }
+
+    /// The step's stream waits (in stream order) for what [`submit`](Self::submit) launched, so that no two
+    /// kernels write the ring at once and the engine reuses captured memory only after it was copied.
+    fn join(&mut self) -> Result<(), DeviceCaptureError> {
+        if !self.join_pending {
+            return Ok(());
+        }
+        let Some(stream) = self.step_stream else { return Ok(()) };
+        self.gpu.bind()?;
+        // SAFETY: our event; the step's stream was checked when the step began.
+        unsafe {
+            result::stream::wait_event(stream.raw(), self.join_event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
+        .call("cuStreamWaitEvent")?;
+        self.join_pending = false;
+        Ok(())
     }
 
     /// The arguments both capture kernels start with: ring, capacity, state block, host block, control table,
@@ -504,19 +566,16 @@ impl DeviceCapture {
         [a.buf, a.capacity, a.state, a.host, self.controls.ptr(), self.counters.ptr(), self.desc.ptr()]
     }
 
-    /// Launches one `ringscope_capture_many` for the deferred captures noted so far.
-    fn flush_deferred(&mut self) -> Result<(), DeviceCaptureError> {
+    /// Launches one `ringscope_capture_many` on `stream` for the deferred captures noted so far.
+    fn flush_deferred(&mut self, stream: sys::CUstream) -> Result<(), DeviceCaptureError> {
         if self.deferred.is_empty() {
             return Ok(());
         }
-        let Some(stream) = self.step_stream else {
-            self.deferred.clear();
-            return Err(DeviceCaptureError::Usage("deferred captures without a step".into()));
-        };
         let entries = std::mem::take(&mut self.deferred);
         let bytes: u64 = entries.iter().map(|e| e.src_rows as u64 * e.row_bytes as u64).sum();
         let mut param = [0u8; MANY_BYTES];
-        param[0..32].copy_from_slice(&GraphBatch::param(self.graph_batch.as_ref()));
+        param[0..32].copy_from_slice(&GraphBatch::param(self.graph_batch.as_ref(), self.step_flushes == 0));
+        self.step_flushes += 1;
         param[32..36].copy_from_slice(&(entries.len() as u32).to_le_bytes());
         param[36..40].copy_from_slice(&(self.options.full_mode_deadline.is_some() as u32).to_le_bytes());
         for (i, e) in entries.iter().enumerate() {
@@ -536,7 +595,7 @@ impl DeviceCapture {
         // bytes, laid out as in `capture.cu`); the ring and tables live as long as `self`; every source was checked
         // to be device memory when it was noted, and the engine keeps it until the step ends.
         unsafe {
-            launch(self.kernels.capture_many, grid, stream.raw(), &mut args, "cuLaunchKernel(ringscope_capture_many)")
+            launch(self.kernels.capture_many, grid, stream, &mut args, "cuLaunchKernel(ringscope_capture_many)")
         }?;
         Ok(())
     }
@@ -597,7 +656,7 @@ impl DeviceCapture {
         self.end_step()?;
         if !self.options.defer {
             let (mut state, mut desc) = (self.ring.addrs().state, self.desc.ptr());
-            let mut g = GraphBatch::param(Some(batch));
+            let mut g = GraphBatch::param(Some(batch), true);
             // SAFETY: the argument list matches `ringscope_begin_step_graph(u8*, u8*, GraphBatch)` (the struct as its
             // 32 bytes); the ring and descriptor live as long as `self`; the engine's tensors were checked above.
             unsafe {
@@ -611,6 +670,7 @@ impl DeviceCapture {
             }
         }
         self.graph_batch = Some(*batch);
+        self.step_flushes = 0;
         self.step_begun = true;
         self.step_stream = Some(stream);
         Ok(())
@@ -750,6 +810,7 @@ impl DeviceCapture {
         }
         self.slot_used_by[slot] = self.begin_index;
         self.begin_index += 1;
+        self.step_flushes = 0;
         self.step_begun = true;
         self.step_stream = Some(stream);
         match deadline_error {
@@ -852,7 +913,8 @@ impl DeviceCapture {
                 )));
             }
             if self.deferred.len() == MAX_MANY {
-                self.flush_deferred()?;
+                self.join()?;
+                self.flush_deferred(stream.raw())?;
             }
             let dtype = hp.spec.dtype.code() as u32;
             self.deferred.push(Deferred { src, hookpoint: hp.id, dtype, row_bytes, src_rows });
@@ -863,6 +925,7 @@ impl DeviceCapture {
         let (mut id, mut dtype, mut rb, mut s, mut rows) =
             (hp.id, hp.spec.dtype.code() as u32, row_bytes, src, src_rows);
         let mut full = self.options.full_mode_deadline.is_some() as u32;
+        self.join()?;
         let mut common = self.common_args();
         let mut args: Vec<*mut c_void> = common.iter_mut().map(|v| (v as *mut u64).cast()).collect();
         args.extend([
@@ -976,6 +1039,10 @@ impl Drop for DeviceCapture {
                 let _ = result::stream::synchronize(self.counter_stream);
                 let _ = result::stream::destroy(self.counter_stream);
                 let _ = result::event::destroy(self.marker);
+                let _ = result::stream::synchronize(self.side);
+                let _ = result::stream::destroy(self.side);
+                let _ = result::event::destroy(self.fork_event);
+                let _ = result::event::destroy(self.join_event);
             }
         }
     }

@@ -408,7 +408,7 @@ fn bad_arguments_are_clear_errors() {
 }
 
 /// Steps begun inside the graph (batch descriptor from device tensors, step numbers from the device), captures
-/// deferred to one kernel at the step's end: every record bit-exact, steps numbered by the device, control changes
+/// deferred (two copied early on a side stream with `submit`, the third at the step's end): every record bit-exact, steps numbered by the device, control changes
 /// applied between replays, and host-begun and graph-begun steps numbered in one sequence.
 #[test]
 fn graph_begun_steps_with_deferred_captures_are_bit_exact() {
@@ -471,8 +471,12 @@ fn graph_begun_steps(defer: bool) {
     let drain = spawn_drain(consumer, Duration::ZERO);
     let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
-        for s in &sources {
+        for (k, s) in sources.iter().enumerate() {
             cap.capture(&s.hp, s.ptr(), s.rows, stream.handle())?;
+            if k == 1 {
+                // Deferred: the first two are copied now on the side stream, the third when the step ends.
+                cap.submit()?;
+            }
         }
         cap.end_step()
     })

@@ -133,6 +133,7 @@ def _load():
         "rs_begin_step_on_stream": ([u64, u64, p(u64), p(u32), sz, u64], i32),
         "rs_begin_step_graph": ([u64, u64, u64, u32, u32, u32, u64], i32),
         "rs_apply_controls": ([u64, u64], i32),
+        "rs_submit_captures": ([u64], i32),
         "rs_end_step": ([u64], i32),
         "rs_capture_host": ([u64, u32, ctypes.c_void_p, sz, p(i32)], i32),
         "rs_capture_device": ([u64, u32, u64, u32, u64], i32),
@@ -335,6 +336,11 @@ class Session:
             import torch
             stream = torch.cuda.current_stream().cuda_stream
         _check(_load().rs_apply_controls(self._h, int(stream)))
+
+    def submit_captures(self) -> None:
+        """With ``ring.defer_captures`` (CUDA backend): starts copying the step's captures noted so far now, on a side
+        stream, overlapping the rest of the step; :meth:`end_step` joins it back. A no-op otherwise."""
+        _check(_load().rs_submit_captures(self._h))
 
     def end_step(self) -> None:
         _check(_load().rs_end_step(self._h))

@@ -25,7 +25,7 @@ import torch
 
 from . import RingscopeError, Session, _check, _load
 
-__all__ = ["capture", "attach", "Attachment", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["capture", "submit", "attach", "Attachment", "SUPPORTED_MODEL_TYPES"]
 
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64",
                  torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
@@ -57,6 +57,18 @@ def capture(x: torch.Tensor, sink: torch.Tensor, session: int, hookpoint: int, r
 
 @capture.register_fake
 def _(x, sink, session, hookpoint, row_width):
+    return None
+
+
+@torch.library.custom_op("ringscope::submit", mutates_args=("sink",))
+def submit(sink: torch.Tensor, session: int) -> None:
+    """Starts copying the step's deferred captures now, on a side stream (``Session.submit_captures``); a custom op
+    so that compiled models keep it in place without a graph break."""
+    _check(_load().rs_submit_captures(session))
+
+
+@submit.register_fake
+def _(sink, session):
     return None
 
 
@@ -289,6 +301,16 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         if lm_head is None:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", "attach: the model has no lm_head for the logits site")
         add("logits", "logits", None, lm_head.out_features, lm_head)
+    # After the last captured module, the step's deferred captures can be copied while the rest of the forward pass
+    # runs (a side stream; joined when the step ends). A no-op without deferred captures.
+    last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \
+        if chosen else None
+    if last is not None:
+        def submit_hook(module, args, output):
+            if att._open:
+                device = _first(output).device
+                submit(att.sink(device), session._h)
+        att._handles.append(last.register_forward_hook(submit_hook))
     att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
     att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
     return att
