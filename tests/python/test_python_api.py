@@ -77,6 +77,10 @@ def test_bad_input_raises_clear_errors(tmp_path):
     with pytest.raises(ringscope.RingscopeError) as e:
         s.capture_device(hp, 0x1000, 1, 0)
     assert "host backend" in e.value.message
+    hb = s.register("b", dtype="bf16", row_width=4)
+    with pytest.raises(ringscope.RingscopeError, match="holds bf16; got an array of float16"):
+        s.capture(hb, np.zeros((2, 4), dtype=np.float16))
+    assert s.capture(hb, np.zeros((2, 4), dtype=np.uint16)) == "published"
     with pytest.raises(ringscope.RingscopeError, match="int64 CUDA tensor"):
         s.begin_step_graph(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), stream=0)
     with pytest.raises(ringscope.RingscopeError) as e:

@@ -357,10 +357,15 @@ class Session:
         if known is not None:
             name, width = known
             want = _NUMPY_FOR_DTYPE.get(name)
-            if want is not None and a.dtype.newbyteorder("<") != want and not (
-                    name == "bf16" and a.dtype.itemsize == 2):
+            # bf16 has no numpy dtype: its bit patterns as (u)int16, or ml_dtypes' bfloat16 — never float16, whose
+            # bits mean something else.
+            bf16_bits = name == "bf16" and (a.dtype.kind in "ui" and a.dtype.itemsize == 2
+                                            or a.dtype.name == "bfloat16")
+            if want is not None and a.dtype.newbyteorder("<") != want and not bf16_bits:
+                hint = " (bf16: pass its bit patterns as uint16, e.g. tensor.view(torch.uint16).numpy())" \
+                    if name == "bf16" else ""
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"hookpoint {hookpoint} holds {name}; got an array of {a.dtype}")
+                                     f"hookpoint {hookpoint} holds {name}; got an array of {a.dtype}{hint}")
             if a.ndim == 0 or a.shape[-1] != width and a.size % width != 0:
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                      f"hookpoint {hookpoint} has rows of {width} elements; got shape {a.shape}")
