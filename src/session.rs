@@ -429,6 +429,10 @@ impl Session {
                 None
             }
             Capture::Cuda { mut capture, ring, .. } => {
+                // Deferred captures of a step left open are copied, not forgotten.
+                if let Err(e) = capture.end_step() {
+                    device_errors.push(format!("CUDA backend: copying the open step's deferred captures failed: {e}"));
+                }
                 // Let every capture already issued run, then count it; the drain stops once it has copied the rest.
                 if let Err(e) = ring.gpu().bind().and_then(|_| {
                     cudarc::driver::result::ctx::synchronize()
