@@ -154,6 +154,7 @@ fn bad_input_gets_the_documented_status_and_a_message() {
     assert!(last_error().contains("host backend"), "{}", last_error());
     assert_eq!(rs_apply_controls(s, 0), RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
+    assert_eq!(rs_submit_captures(s), RsStatus::RsOk, "nothing to submit on the host backend");
     // Registration and controls.
     let (nm, site, bad_dt) = (c("h"), c("residual"), c("complex128"));
     let mut out = 0u32;
