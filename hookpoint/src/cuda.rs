@@ -7,6 +7,11 @@
 //! * [`DeviceCapture::capture`] launches one capture kernel on the caller's stream (e.g. PyTorch's current stream).
 //!   It may be recorded into a CUDA graph: its arguments are fixed addresses; which rows, whether it samples this
 //!   step, and where the record goes are read from device memory when the kernel runs.
+//! * [`DeviceCapture::begin_step_graph`] instead records the step itself into the graph (best-effort): its batch is
+//!   read from the engine's device tensors at every replay and its number comes from the device, so a replay needs
+//!   no host call; [`DeviceCapture::apply_controls`] uploads control changes between replays.
+//! * With [`DeviceCaptureOptions::defer`], `capture` only notes the tensor and [`DeviceCapture::end_step`] (or
+//!   earlier, on a side stream, [`DeviceCapture::submit`]) copies all of the step's captures with one kernel.
 //!
 //! Kernels come from `kernels/capture.cu`, compiled with NVRTC once per process for the device's architecture.
 
