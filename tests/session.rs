@@ -242,6 +242,9 @@ fn invalid_configs_are_refused() {
     }
     let err = Config::from_toml("[ring]\nbackend = \"tpu\"\n").unwrap_err().to_string();
     assert!(err.contains("backend") || err.contains("tpu"), "{err}");
+    let err = Config::from_toml("[ring]\ndefer_captures = \"yes\"\n").unwrap_err().to_string();
+    assert!(err.contains("defer_captures") || err.contains("boolean"), "{err}");
+    assert!(Config::from_toml("[ring]\ndefer_captures = true\n").unwrap().ring.defer_captures);
     bad.export.parquet = true;
     bad.export.zstd_level = 99;
     bad.export.dir = std::env::temp_dir().join(format!("ringscope-zstd-{}", std::process::id())).display().to_string();

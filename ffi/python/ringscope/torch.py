@@ -102,16 +102,16 @@ class Attachment:
         self.session = session
         self.model = model
         self.hookpoints: Dict[str, int] = {}
-        self.request_ids: Optional[Sequence[int]] = None
+        # Request id per batch row as a device tensor, for steps begun inside a CUDA graph (see set_request_ids).
+        self._req_dev: Dict[torch.device, torch.Tensor] = {}
+        self._request_ids: Optional[List[int]] = None
         self.step = 0
         self._handles: List = []
         self._sink: Dict[torch.device, torch.Tensor] = {}
         self._open = False
-        # Captured tensors of the open step: kept alive until the step ends, so that with `ring.overlap` (captures
-        # on a side stream) their memory is not reused before the captures have read it.
+        # Captured tensors of the open step: kept alive until the step ends, so that with `ring.defer_captures`
+        # their memory is not reused before the step's capture kernel has read it.
         self._keep: List[torch.Tensor] = []
-        # Request id per batch row as a device tensor, for steps begun inside a CUDA graph (see set_request_ids).
-        self._req_dev: Dict[torch.device, torch.Tensor] = {}
 
     def sink(self, device) -> torch.Tensor:
         s = self._sink.get(device)
@@ -119,18 +119,34 @@ class Attachment:
             s = self._sink[device] = torch.zeros(1, dtype=torch.uint8, device=device)
         return s
 
+    @property
+    def request_ids(self) -> Optional[List[int]]:
+        """The request id of each batch row (``None``: row ``b`` is request ``b``). Setting it also updates, in
+        place, the device tensors that recorded CUDA graphs read at every replay, so graph steps never name stale
+        requests; set it outside graph recording."""
+        return self._request_ids
+
+    @request_ids.setter
+    def request_ids(self, ids: Optional[Sequence[int]]) -> None:
+        self._request_ids = None if ids is None else [int(i) for i in ids]
+        if ids is None or not self._req_dev:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 "attach: request ids were set while a CUDA graph is being recorded; set them before "
+                                 "recording or between replays")
+        new = torch.tensor(self._request_ids, dtype=torch.int64)
+        for t in self._req_dev.values():
+            if new.numel() <= t.numel():  # a larger batch gets a new tensor at its first (eager) forward pass
+                t[:new.numel()].copy_(new)
+
     def set_request_ids(self, request_ids: Sequence[int], device=None) -> None:
-        """Names the requests of the batch rows (one id per row). For eager forward passes this is the same as
-        setting ``request_ids``; for CUDA graphs recorded with the model attached it also updates, in place, the
-        device tensor the graph reads at every replay (call it outside graph recording)."""
-        self.request_ids = list(request_ids)
+        """Names the requests of the batch rows (one id per row), like setting ``request_ids``, and makes sure the
+        device tensor that CUDA graphs recorded later read exists (call it outside graph recording)."""
+        self.request_ids = request_ids
         dev = torch.device(device) if device is not None else next(self.model.parameters()).device
         if dev.type == "cuda":
-            ids = torch.tensor(self.request_ids, dtype=torch.int64)
-            t = self._req_dev.get(dev)
-            if t is None or t.numel() < ids.numel():
-                t = self._req_dev[dev] = torch.arange(max(ids.numel(), 256), dtype=torch.int64, device=dev)
-            t[:ids.numel()].copy_(ids)
+            self._device_request_ids(dev, len(self._request_ids))
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """Makes control changes (``session.set_enabled`` etc.) reach recorded CUDA graphs whose steps begin inside
