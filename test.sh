@@ -20,7 +20,7 @@ RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
   cargo test -p ringscope-ring --release --test loom --target-dir target/loom
 
 rm -rf ringscope-out/ci
-cargo run --release --example dump_parquet -- --layers 4 --hidden 256 --requests 48 --run-id ci --arrow-ipc
+cargo run --release --example dump_parquet -- --layers 4 --hidden 512 --requests 48 --run-id ci --arrow-ipc
 cargo run --release --bin inspect -- ringscope-out/ci
 
 # The C ABI: build libringscope (.so and .a), compile the C example against the committed header with the system C

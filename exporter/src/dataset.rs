@@ -40,7 +40,8 @@ pub struct DatasetOptions {
     pub rank: u32,
     /// Start a new file in a partition once this many activation bytes were written to the current one.
     pub max_file_bytes: u64,
-    /// Rows are buffered per hookpoint and written in batches of about this many activation bytes.
+    /// Records are held per hookpoint and written in batches of about this many activation bytes; each batch is one
+    /// Parquet row group (and one Arrow IPC record batch).
     pub batch_bytes: usize,
 }
 
@@ -143,75 +144,88 @@ pub fn schema(hp: &HookPoint) -> SchemaRef {
     ]))
 }
 
-/// Rows of one hookpoint waiting to become a batch.
-#[derive(Default)]
-pub(crate) struct RowBuffer {
-    steps: Vec<u64>,
-    request_ids: Vec<u64>,
-    positions: Vec<u32>,
-    batch_rows: Vec<u32>,
-    activations: Vec<u8>,
+/// One hookpoint's records that a file sink writes together: one Arrow batch, one Parquet row group.
+pub struct Batch<'a> {
+    /// The hookpoint's file schema ([`schema`]).
+    pub schema: &'a SchemaRef,
+    /// The hookpoint.
+    pub hookpoint: &'a HookPoint,
+    /// Run id and rank, written into every row.
+    pub run_id: &'a str,
+    /// See `run_id`.
+    pub rank: u32,
+    /// The records, in stream order.
+    pub records: &'a [Record],
 }
 
-impl RowBuffer {
-    /// Appends a record's rows. `batch_bytes` is the batch size the caller flushes at: the activation buffer is
-    /// allocated once at that size instead of growing by doubling (each growth is a copy plus fresh page faults,
-    /// measurable next to zstd).
-    pub(crate) fn push(&mut self, record: &Record, batch_bytes: usize) {
-        let view = record.view();
-        if self.activations.capacity() == 0 {
-            self.activations.reserve_exact(batch_bytes.max(view.data().len()) + view.data().len());
+impl Batch<'_> {
+    /// Token rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.records.iter().map(Record::rows).sum()
+    }
+
+    /// The size of a row in bytes, after checking that every record's rows have the size the schema says.
+    pub fn row_bytes(&self) -> Result<usize, String> {
+        let want = self.hookpoint.spec.row_bytes();
+        match self.records.iter().find(|r| r.header().meta.row_bytes != want) {
+            Some(r) => Err(format!(
+                "record {} of hookpoint {} has rows of {} bytes, its schema {want}",
+                r.header().seq,
+                self.hookpoint.spec.name,
+                r.header().meta.row_bytes
+            )),
+            None => Ok(want as usize),
         }
-        let step = record.step();
-        for m in view.row_metas() {
-            self.steps.push(step);
-            self.request_ids.push(m.request_id);
-            self.positions.push(m.position);
-            self.batch_rows.push(m.batch_row);
-        }
-        self.activations.extend_from_slice(view.data());
     }
 
-    pub(crate) fn rows(&self) -> usize {
-        self.steps.len()
-    }
-
-    pub(crate) fn activation_bytes(&self) -> usize {
-        self.activations.len()
-    }
-
-    /// Turns the buffered rows into a batch of `schema` and empties the buffer.
-    pub(crate) fn take_batch(&mut self, schema: &SchemaRef, hp: &HookPoint, run_id: &str, rank: u32) -> RecordBatch {
+    /// Every column of the schema except the last, the activation: what is known per row besides its data.
+    pub fn metadata_columns(&self) -> Vec<ArrayRef> {
         let n = self.rows();
-        let spec = &hp.spec;
+        let spec = &self.hookpoint.spec;
+        let (mut steps, mut request_ids) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut positions, mut batch_rows) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for record in self.records {
+            let step = record.step();
+            for m in record.view().row_metas() {
+                steps.push(step);
+                request_ids.push(m.request_id);
+                positions.push(m.position);
+                batch_rows.push(m.batch_row);
+            }
+        }
         let constant = |s: &str| Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, n))) as ArrayRef;
-        let shape_values = Int64Array::from(vec![spec.row_width as i64; n]);
         let shape = ListArray::new(
             Arc::new(Field::new("item", DataType::Int64, false)),
             OffsetBuffer::from_lengths(std::iter::repeat_n(1, n)),
-            Arc::new(shape_values),
+            Arc::new(Int64Array::from(vec![spec.row_width as i64; n])),
             None,
         );
-        let activations = FixedSizeBinaryArray::new(
-            spec.row_bytes() as i32,
-            Buffer::from_vec(std::mem::take(&mut self.activations)),
-            None,
-        );
-        let columns: Vec<ArrayRef> = vec![
-            constant(run_id),
+        vec![
+            constant(self.run_id),
             constant(&spec.name),
             constant(spec.site.name()),
             Arc::new(Int32Array::from(vec![spec.layer.map(|l| l as i32); n])),
-            Arc::new(UInt64Array::from(std::mem::take(&mut self.steps))),
-            Arc::new(UInt64Array::from(std::mem::take(&mut self.request_ids))),
-            Arc::new(UInt32Array::from(std::mem::take(&mut self.positions))),
-            Arc::new(UInt32Array::from(std::mem::take(&mut self.batch_rows))),
-            Arc::new(Int32Array::from(vec![rank as i32; n])),
+            Arc::new(UInt64Array::from(steps)),
+            Arc::new(UInt64Array::from(request_ids)),
+            Arc::new(UInt32Array::from(positions)),
+            Arc::new(UInt32Array::from(batch_rows)),
+            Arc::new(Int32Array::from(vec![self.rank as i32; n])),
             constant(spec.dtype.name()),
             Arc::new(shape),
-            Arc::new(activations),
-        ];
-        RecordBatch::try_new(schema.clone(), columns).expect("columns are built to match the schema")
+        ]
+    }
+
+    /// The whole batch as Arrow columns; the activations are copied once, back to back.
+    pub fn record_batch(&self) -> RecordBatch {
+        let bytes: usize = self.records.iter().map(|r| r.data().len()).sum();
+        let mut activations = Vec::with_capacity(bytes);
+        for record in self.records {
+            activations.extend_from_slice(record.data());
+        }
+        let mut columns = self.metadata_columns();
+        let row_bytes = self.hookpoint.spec.row_bytes() as i32;
+        columns.push(Arc::new(FixedSizeBinaryArray::new(row_bytes, Buffer::from_vec(activations), None)));
+        RecordBatch::try_new(self.schema.clone(), columns).expect("columns are built to match the schema")
     }
 }
 

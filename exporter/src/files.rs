@@ -11,13 +11,12 @@ use std::io::BufWriter;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use parking_lot::Mutex;
 use ringscope_hookpoint::HookPoint;
 use ringscope_policy::DropReason;
 
-use crate::dataset::{file_metadata, in_progress_path, part_name, schema, DatasetOptions, RowBuffer};
+use crate::dataset::{file_metadata, in_progress_path, part_name, schema, Batch, DatasetOptions};
 use crate::record::{Receipt, Record};
 use crate::sink::{Sink, SinkError};
 
@@ -33,8 +32,8 @@ pub trait FileFormat: Send + 'static {
     const SUBDIR: &'static str;
     /// Starts a file.
     fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String>;
-    /// Appends a batch.
-    fn write(&self, writer: &mut Self::Writer, batch: &RecordBatch) -> Result<(), String>;
+    /// Appends a batch of one hookpoint's records (the Parquet format writes each batch as one row group).
+    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String>;
     /// Writes the footer with `metadata` and returns the file, flushed.
     fn finish(&self, writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String>;
 }
@@ -70,8 +69,9 @@ struct Partition<W> {
     dir: PathBuf,
     schema: SchemaRef,
     next_index: u32,
-    buffer: RowBuffer,
-    buffered: Vec<Receipt>,
+    /// Records waiting for the next batch, and their activation bytes.
+    pending: Vec<Record>,
+    pending_bytes: usize,
     open: Option<OpenFile<W>>,
 }
 
@@ -128,8 +128,8 @@ impl<F: FileFormat> FileSink<F> {
                     dir,
                     schema: schema(hp),
                     next_index,
-                    buffer: RowBuffer::default(),
-                    buffered: Vec::new(),
+                    pending: Vec::new(),
+                    pending_bytes: 0,
                     open: None,
                 },
             );
@@ -145,10 +145,10 @@ impl<F: FileFormat> FileSink<F> {
         let result = flush_partition(format, options, committed, part, commit);
         if result.is_err() {
             // Everything of this partition not yet committed is lost: count it, and remove the partial file.
-            for r in part.buffered.drain(..) {
-                r.fail(DropReason::SinkError);
+            for r in part.pending.drain(..) {
+                r.receipt().fail(DropReason::SinkError);
             }
-            part.buffer = RowBuffer::default();
+            part.pending_bytes = 0;
             if let Some(open) = part.open.take() {
                 for r in &open.receipts {
                     r.fail(DropReason::SinkError);
@@ -167,25 +167,34 @@ fn flush_partition<F: FileFormat>(
     part: &mut Partition<F::Writer>,
     commit: bool,
 ) -> Result<(), String> {
-    if part.buffer.rows() > 0 {
+    if !part.pending.is_empty() {
         if part.open.is_none() {
             let index = part.next_index;
             part.next_index += 1;
             let tmp = in_progress_path(&part.dir, index, F::EXT);
             let file = File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-            let writer = format.create(BufWriter::with_capacity(1 << 20, file), &part.schema)?;
+            // Small: writes of whole pages and buffers (most of the bytes) bypass a buffer smaller than them and go
+            // straight to the file instead of being copied once more.
+            let writer = format.create(BufWriter::with_capacity(64 << 10, file), &part.schema)?;
             part.open =
                 Some(OpenFile { writer, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts: Vec::new() });
         }
         let open = part.open.as_mut().expect("opened above");
-        let rows = part.buffer.rows() as u64;
-        let bytes = part.buffer.activation_bytes() as u64;
-        let batch = part.buffer.take_batch(&part.schema, &part.hp, &options.run_id, options.rank);
+        let batch = Batch {
+            schema: &part.schema,
+            hookpoint: &part.hp,
+            run_id: &options.run_id,
+            rank: options.rank,
+            records: &part.pending,
+        };
+        let rows = batch.rows() as u64;
         format.write(&mut open.writer, &batch).map_err(|e| format!("writing {}: {e}", open.tmp.display()))?;
-        open.activation_bytes += bytes;
+        open.activation_bytes += part.pending_bytes as u64;
         open.rows += rows;
-        open.records += part.buffered.len() as u64;
-        open.receipts.append(&mut part.buffered);
+        open.records += part.pending.len() as u64;
+        // The file holds the data now; keep only the receipts until it is committed.
+        open.receipts.extend(part.pending.drain(..).map(|r| r.receipt()));
+        part.pending_bytes = 0;
     }
     let due = part.open.as_ref().is_some_and(|o| commit || o.activation_bytes >= options.max_file_bytes);
     if due {
@@ -196,9 +205,9 @@ fn flush_partition<F: FileFormat>(
         let file = match finished {
             Ok(f) => f,
             Err(e) => {
-                // Put the receipts back where the caller's cleanup fails them.
+                // The caller's cleanup fails the partition's records; fail this file's here.
                 part.open = None;
-                part.buffered = open.receipts;
+                open.receipts.iter().for_each(|r| r.fail(DropReason::SinkError));
                 let _ = std::fs::remove_file(&tmp);
                 return Err(e);
             }
@@ -218,7 +227,7 @@ fn flush_partition<F: FileFormat>(
                 drop(open.receipts);
             }
             Err(e) => {
-                part.buffered = open.receipts;
+                open.receipts.iter().for_each(|r| r.fail(DropReason::SinkError));
                 let _ = std::fs::remove_file(&tmp);
                 return Err(format!("committing {}: {e}", path.display()));
             }
@@ -238,9 +247,9 @@ impl<F: FileFormat> Sink for FileSink<F> {
         let batch_bytes =
             self.options.batch_bytes.min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
         let part = self.partition(record.hookpoint())?;
-        part.buffer.push(record, batch_bytes);
-        part.buffered.push(record.receipt());
-        if part.buffer.activation_bytes() >= batch_bytes {
+        part.pending.push(record.clone());
+        part.pending_bytes += record.data().len();
+        if part.pending_bytes >= batch_bytes {
             self.flush(id, false)?;
         }
         Ok(())

@@ -4,16 +4,24 @@
 use std::fs::File;
 use std::io::BufWriter;
 
-use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use arrow::ipc::writer::FileWriter;
+use bytes::Bytes;
+use parquet::arrow::arrow_writer::{compute_leaves, ArrowRowGroupWriterFactory, ArrowWriterOptions};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
+use parquet::column::writer::ColumnWriterImpl;
+use parquet::data_type::{ByteArray, FixedLenByteArray, FixedLenByteArrayType};
+use parquet::errors::ParquetError;
 use parquet::file::metadata::KeyValue;
 use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterVersion};
+use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::types::ColumnPath;
 
+use crate::dataset::Batch;
 use crate::files::{CommittedFiles, FileFormat, FileSink};
+use crate::pages::ActivationPages;
+use crate::record::Record;
 use crate::sink::SinkError;
 use crate::DatasetOptions;
 
@@ -32,7 +40,7 @@ impl Parquet {
     /// columns keep dictionaries and statistics, so readers can prune by step or request.
     pub fn with_zstd_level(level: i32) -> Result<Self, String> {
         let level = ZstdLevel::try_new(level).map_err(|e| format!("zstd level {level}: {e}"))?;
-        let activation = ColumnPath::new(vec!["activation".to_owned()]);
+        let activation = activation_path();
         let properties = WriterProperties::builder()
             .set_writer_version(WriterVersion::PARQUET_1_0)
             .set_compression(Compression::ZSTD(level))
@@ -52,27 +60,130 @@ impl Parquet {
     }
 }
 
+/// An open Parquet file: the file writer and the factory of its row groups' column writers.
+pub struct ParquetWriter {
+    file: SerializedFileWriter<BufWriter<File>>,
+    columns: ArrowRowGroupWriterFactory,
+    row_groups: usize,
+    page_bytes: usize,
+    /// The activation column's own page writer, when it is zstd-compressed (other codecs use the generic writer).
+    pages: Option<ActivationPages>,
+}
+
+impl std::fmt::Debug for ParquetWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParquetWriter").field("row_groups", &self.row_groups).finish_non_exhaustive()
+    }
+}
+
 impl FileFormat for Parquet {
-    type Writer = ArrowWriter<BufWriter<File>>;
+    type Writer = ParquetWriter;
     const EXT: &'static str = "parquet";
     const NAME: &'static str = "parquet";
     const SUBDIR: &'static str = "";
 
     fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String> {
-        ArrowWriter::try_new(out, schema.clone(), Some(self.properties.clone())).map_err(|e| e.to_string())
+        // The Arrow writer sets up the file exactly as it would (Parquet schema from the Arrow one, the Arrow schema
+        // in the footer for readers); its lower-level halves then let each batch be written column after column.
+        let options = ArrowWriterOptions::new().with_properties(self.properties.clone());
+        let (file, columns) = ArrowWriter::try_new_with_options(out, schema.clone(), options)
+            .and_then(ArrowWriter::into_serialized_writer)
+            .map_err(|e| e.to_string())?;
+        let page_bytes = self.properties.column_data_page_size_limit(&activation_path());
+        let pages = match self.properties.compression(&activation_path()) {
+            Compression::ZSTD(level) => Some(ActivationPages::new(level, page_bytes).map_err(|e| e.to_string())?),
+            _ => None,
+        };
+        Ok(ParquetWriter { file, columns, row_groups: 0, page_bytes, pages })
     }
 
-    fn write(&self, writer: &mut Self::Writer, batch: &RecordBatch) -> Result<(), String> {
-        writer.write(batch).map_err(|e| e.to_string())
+    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String> {
+        write_row_group(writer, batch).map_err(|e| e.to_string())
     }
 
     fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String> {
         for (k, v) in metadata {
-            writer.append_key_value_metadata(KeyValue::new(k, v));
+            writer.file.append_key_value_metadata(KeyValue::new(k, v));
         }
-        let out = writer.into_inner().map_err(|e| e.to_string())?;
+        let out = writer.file.into_inner().map_err(|e| e.to_string())?;
         out.into_inner().map_err(|e| e.error().to_string())
     }
+}
+
+/// Writes `batch` as one row group. The metadata columns go through Arrow's column writers (a few bytes per row);
+/// the activation column, last in the schema and nearly all of the bytes, is written straight from the records: by
+/// [`ActivationPages`] when it is zstd-compressed (the default), else by the generic column writer, still without
+/// copying the rows into an Arrow array first.
+fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::errors::Result<()> {
+    let mut column_writers = writer.columns.create_column_writers(writer.row_groups)?;
+    writer.row_groups += 1;
+    column_writers.pop(); // the activation's: written below
+    let mut chunks = Vec::with_capacity(column_writers.len());
+    for ((mut column, field), array) in
+        column_writers.into_iter().zip(batch.schema.fields()).zip(batch.metadata_columns())
+    {
+        for leaf in compute_leaves(field, &array)? {
+            column.write(&leaf)?;
+        }
+        chunks.push(column.close()?);
+    }
+    let activation = writer.file.schema_descr().column(chunks.len());
+    let mut row_group = writer.file.next_row_group()?;
+    for chunk in chunks {
+        chunk.append_to_row_group(&mut row_group)?;
+    }
+    let row_bytes = batch.row_bytes().map_err(ParquetError::General)?;
+    if let Some(pages) = writer.pages.as_mut() {
+        let chunk = pages.encode(activation, batch.records, row_bytes)?;
+        row_group.append_column(&chunk.bytes, chunk.close)?;
+    } else {
+        let mut column = row_group
+            .next_column()?
+            .ok_or_else(|| ParquetError::General("the schema has no activation column".into()))?;
+        write_activations(column.typed::<FixedLenByteArrayType>(), batch, row_bytes, writer.page_bytes)?;
+        column.close()?;
+    }
+    row_group.close()?;
+    Ok(())
+}
+
+/// The rows of `batch` as fixed-length values that share the records' memory, handed to the column writer about
+/// one data page at a time (it decides page boundaries after each call).
+fn write_activations(
+    column: &mut ColumnWriterImpl<'_, FixedLenByteArrayType>,
+    batch: &Batch<'_>,
+    row_bytes: usize,
+    page_bytes: usize,
+) -> parquet::errors::Result<()> {
+    let per_call = (page_bytes / row_bytes.max(1)).max(1);
+    let mut values = Vec::with_capacity(per_call);
+    for record in batch.records {
+        let data = Bytes::from_owner(RecordData(record.clone()));
+        for i in 0..record.rows() {
+            values.push(FixedLenByteArray::from(ByteArray::from(data.slice(i * row_bytes..(i + 1) * row_bytes))));
+            if values.len() == per_call {
+                column.write_batch(&values, None, None)?;
+                values.clear();
+            }
+        }
+    }
+    if !values.is_empty() {
+        column.write_batch(&values, None, None)?;
+    }
+    Ok(())
+}
+
+/// A record's rows as the owner of a [`Bytes`].
+struct RecordData(Record);
+
+impl AsRef<[u8]> for RecordData {
+    fn as_ref(&self) -> &[u8] {
+        self.0.data()
+    }
+}
+
+fn activation_path() -> ColumnPath {
+    ColumnPath::new(vec!["activation".to_owned()])
 }
 
 /// Arrow IPC files (the random-access "file" format), uncompressed so readers can memory-map them.
@@ -89,8 +200,9 @@ impl FileFormat for ArrowIpc {
         FileWriter::try_new(out, schema).map_err(|e| e.to_string())
     }
 
-    fn write(&self, writer: &mut Self::Writer, batch: &RecordBatch) -> Result<(), String> {
-        writer.write(batch).map_err(|e| e.to_string())
+    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String> {
+        batch.row_bytes()?;
+        writer.write(&batch.record_batch()).map_err(|e| e.to_string())
     }
 
     fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String> {

@@ -15,6 +15,7 @@ mod drain;
 mod fanout;
 mod files;
 mod formats;
+mod pages;
 mod record;
 mod sink;
 
@@ -22,7 +23,7 @@ pub use dataset::DatasetOptions;
 pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
 pub use fanout::{Filter, Subscription};
 pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink};
-pub use formats::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink};
+pub use formats::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink, ParquetWriter};
 pub use record::{Receipt, Record};
 pub use sink::{CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};
 
