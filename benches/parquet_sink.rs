@@ -1,25 +1,29 @@
 //! Parquet sink throughput against raw zstd of the same bytes, measured in the same run, on one core.
 //!
-//! `cargo bench --bench parquet_sink` — results in docs/benchmarks.md.
+//! `cargo bench --bench parquet_sink` — results in docs/benchmarks.md. After criterion's runs, the same variants
+//! run again in interleaved rounds (each round runs every variant once, in a rotating order), so that a noisy
+//! machine's slow and fast spells hit all of them alike; it prints each variant's median and the sink's throughput
+//! as a fraction of each (the ratios the docs quote). `RINGSCOPE_BENCH_ROUNDS` sets the rounds (default 25).
 //!
 //! Data: 8192 token rows of a synthetic 2048-wide bf16 residual stream (32 MiB), in records of 32 rows (a decode
 //! step at batch 32), finite values like real activations. Compared, per iteration, on the same bytes:
 //! - `zstd1_bulk`: `zstd::bulk::compress` of the whole 32 MiB at level 1 (the ceiling: no framing, one call);
 //! - `zstd1_pages`: the same in 1 MiB chunks (Parquet compresses page by page);
 //! - `zstd1_records`: each record's 128 KiB of rows compressed on its own (how the sink pages records this big);
-//! - `zstd1_pages_to_file`: those pages written to a file, synced and renamed (the least any file sink does);
+//! - `zstd1_pages_to_file`: 1 MiB pages written to a file, synced and renamed (the least any file sink does);
+//! - `zstd1_records_to_file`: the same with each record's rows as one frame, as the sink pages them;
 //! - `parquet_sink`: ringscope's Parquet sink taking the 256 records and closing the file (encode, compress,
 //!   write, fsync, rename);
 //! - `arrow_writer_generic`: the same batches through parquet's generic `ArrowWriter` (the sink's previous path);
 //! - `parquet_sink_uncompressed`: the same sink with compression off.
-#![allow(missing_docs)] // criterion_group! generates an undocumented pub fn.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{Criterion, Throughput};
 use ringscope::exporter::dataset::Batch;
-use ringscope::exporter::{parquet_sink, DatasetOptions, FileSink, Parquet, Record, Sink};
+use ringscope::exporter::{DatasetOptions, FileSink, Parquet, Record, Sink};
 use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
 use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
 use ringscope::ring::{DType, RecordView};
@@ -80,118 +84,165 @@ fn records(registry: &Registry) -> (Vec<Record>, Vec<u8>) {
     (records, all)
 }
 
-fn bench(c: &mut Criterion) {
-    let registry = Registry::new();
-    let (records, bytes) = records(&registry);
-    let dir = std::env::temp_dir().join(format!("ringscope-bench-{}", std::process::id()));
-    let mut group = c.benchmark_group("parquet_sink");
-    group.throughput(Throughput::Bytes(bytes.len() as u64));
-    group.sample_size(10).measurement_time(Duration::from_secs(8));
-
-    group.bench_function("zstd1_bulk", |b| b.iter(|| zstd::bulk::compress(&bytes, 1).unwrap().len()));
-    group.bench_function("zstd1_pages", |b| {
-        b.iter(|| bytes.chunks(1 << 20).map(|c| zstd::bulk::compress(c, 1).unwrap().len()).sum::<usize>())
-    });
-    // zstd of each record's rows on its own (the sink compresses records of at least 64 KiB in place, as pages).
-    group.bench_function("zstd1_records", |b| {
-        let mut c = zstd::bulk::Compressor::new(1).unwrap();
-        b.iter(|| records.iter().map(|r| c.compress(r.data()).unwrap().len()).sum::<usize>())
-    });
-    // zstd in pages plus writing the compressed bytes to a file (fsync, rename): what any file sink must do at least.
-    let mut n = 0;
-    group.bench_function("zstd1_pages_to_file", |b| {
-        std::fs::create_dir_all(&dir).unwrap();
-        b.iter(|| {
-            n += 1;
-            let tmp = dir.join(format!(".raw-{n}"));
-            let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp).unwrap());
-            let mut c = zstd::bulk::Compressor::new(1).unwrap();
-            for chunk in bytes.chunks(1 << 20) {
-                std::io::Write::write_all(&mut out, &c.compress(chunk).unwrap()).unwrap();
-            }
-            let file = out.into_inner().unwrap();
-            file.sync_all().unwrap();
-            std::fs::rename(&tmp, dir.join(format!("raw-{n}"))).unwrap();
-        })
-    });
-    let mut run = 0;
-    group.bench_function("parquet_sink", |b| {
-        b.iter(|| {
-            run += 1;
-            let mut options = DatasetOptions::new(&dir);
-            options.run_id = format!("bench-{run}");
-            let (mut sink, files) = parquet_sink(options, 1).unwrap();
-            for r in &records {
-                sink.write(r).unwrap();
-            }
-            sink.close().unwrap();
-            let size = files.lock()[0].bytes;
-            size
-        })
-    });
-    // The generic path, for comparison (what the sink did before it wrote the activation column itself): the same
-    // batches as Arrow record batches (rows copied back to back) through `ArrowWriter`, which holds each row group's
-    // compressed column chunks in memory until it closes; same properties, closed, synced and renamed.
-    let hp = records[0].hookpoint().clone();
-    let schema = ringscope::exporter::dataset::schema(&hp);
-    let batches: Vec<&[Record]> = records.chunks(PER_BATCH).collect();
-    group.bench_function("arrow_writer_generic", |b| {
-        std::fs::create_dir_all(&dir).unwrap();
-        b.iter(|| {
-            n += 1;
-            let tmp = dir.join(format!(".generic-{n}"));
-            let out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp).unwrap());
-            let props = zstd_properties();
-            let mut w = parquet::arrow::ArrowWriter::try_new(out, schema.clone(), Some(props)).unwrap();
-            for records in &batches {
-                let batch = Batch { schema: &schema, hookpoint: &hp, run_id: "bench", rank: 0, records };
-                w.write(&batch.record_batch()).unwrap();
-            }
-            let file = w.into_inner().unwrap().into_inner().unwrap();
-            file.sync_all().unwrap();
-            std::fs::rename(&tmp, dir.join(format!("generic-{n}"))).unwrap();
-        })
-    });
-    // The same sink with compression off: what the Parquet writer path costs besides zstd.
-    group.bench_function("parquet_sink_uncompressed", |b| {
-        b.iter(|| {
-            run += 1;
-            let mut options = DatasetOptions::new(&dir);
-            options.run_id = format!("bench-{run}");
-            let activation = parquet::schema::types::ColumnPath::new(vec!["activation".into()]);
-            let props = parquet::file::properties::WriterProperties::builder()
-                .set_compression(parquet::basic::Compression::UNCOMPRESSED)
-                .set_column_dictionary_enabled(activation.clone(), false)
-                .set_column_statistics_enabled(activation, parquet::file::properties::EnabledStatistics::None)
-                .build();
-            let (mut sink, files) = FileSink::create(Parquet::with_properties(props), options).unwrap();
-            for r in &records {
-                sink.write(r).unwrap();
-            }
-            sink.close().unwrap();
-            let size = files.lock()[0].bytes;
-            size
-        })
-    });
-    group.finish();
-    let _ = std::fs::remove_dir_all(&dir);
-    let sink_size = {
-        let mut options = DatasetOptions::new(&dir);
-        options.run_id = "size".into();
-        let (mut sink, files) = parquet_sink(options, 1).unwrap();
-        records.iter().for_each(|r| sink.write(r).unwrap());
-        sink.close().unwrap();
-        let s = files.lock()[0].bytes;
-        let _ = std::fs::remove_dir_all(&dir);
-        s
-    };
-    println!(
-        "size ratio: zstd1_bulk {:.3}, parquet file {:.3} (of {} MiB)",
-        zstd::bulk::compress(&bytes, 1).unwrap().len() as f64 / bytes.len() as f64,
-        sink_size as f64 / bytes.len() as f64,
-        bytes.len() >> 20
-    );
+/// zstd(1) of `chunks`, one frame each, written to a file that is then synced and renamed into place.
+fn zstd_to_file<'a>(dir: &Path, n: usize, chunks: impl Iterator<Item = &'a [u8]>) -> usize {
+    let tmp = dir.join(format!(".raw-{n}"));
+    let mut out = std::io::BufWriter::with_capacity(64 << 10, std::fs::File::create(&tmp).unwrap());
+    let mut c = zstd::bulk::Compressor::new(1).unwrap();
+    let mut size = 0;
+    for chunk in chunks {
+        let z = c.compress(chunk).unwrap();
+        size += z.len();
+        std::io::Write::write_all(&mut out, &z).unwrap();
+    }
+    let file = out.into_inner().unwrap();
+    file.sync_all().unwrap();
+    std::fs::rename(&tmp, dir.join(format!("raw-{n}"))).unwrap();
+    size
 }
 
-criterion_group!(benches, bench);
-criterion_main!(benches);
+/// The Parquet sink writing all `records` into one closed file under `dir`; returns the file's size.
+fn sink_run<F: ringscope::exporter::FileFormat>(format: F, dir: &Path, n: usize, records: &[Record]) -> usize {
+    let mut options = DatasetOptions::new(dir);
+    options.run_id = format!("bench-{n}");
+    let (mut sink, files) = FileSink::create(format, options).unwrap();
+    for r in records {
+        sink.write(r).unwrap();
+    }
+    sink.close().unwrap();
+    let size = files.lock()[0].bytes as usize;
+    size
+}
+
+type Variant<'a> = (&'static str, Box<dyn FnMut(usize) -> usize + 'a>);
+
+/// Every variant compared, on the same bytes; each call does the whole 32 MiB once (`n` numbers its files).
+fn variants<'a>(records: &'a [Record], bytes: &'a [u8], dir: &'a Path) -> Vec<Variant<'a>> {
+    let hp = records[0].hookpoint().clone();
+    let schema = ringscope::exporter::dataset::schema(&hp);
+    let mut bulk = zstd::bulk::Compressor::new(1).unwrap();
+    let mut pages = zstd::bulk::Compressor::new(1).unwrap();
+    let mut per_record = zstd::bulk::Compressor::new(1).unwrap();
+    let uncompressed = {
+        let activation = parquet::schema::types::ColumnPath::new(vec!["activation".into()]);
+        parquet::file::properties::WriterProperties::builder()
+            .set_compression(parquet::basic::Compression::UNCOMPRESSED)
+            .set_column_dictionary_enabled(activation.clone(), false)
+            .set_column_statistics_enabled(activation, parquet::file::properties::EnabledStatistics::None)
+            .build()
+    };
+    vec![
+        ("zstd1_bulk", Box::new(move |_| bulk.compress(bytes).unwrap().len())),
+        ("zstd1_pages", Box::new(move |_| bytes.chunks(1 << 20).map(|c| pages.compress(c).unwrap().len()).sum())),
+        (
+            "zstd1_records",
+            Box::new(move |_| records.iter().map(|r| per_record.compress(r.data()).unwrap().len()).sum()),
+        ),
+        ("zstd1_pages_to_file", Box::new(move |n| zstd_to_file(dir, n, bytes.chunks(1 << 20)))),
+        (
+            "zstd1_records_to_file",
+            Box::new(move |n| zstd_to_file(dir, n + (1 << 30), records.iter().map(Record::data))),
+        ),
+        ("parquet_sink", Box::new(move |n| sink_run(Parquet::with_zstd_level(1).unwrap(), dir, n, records))),
+        // The generic path, for comparison (what the sink did before it wrote the activation column itself): the
+        // same 4 MiB batches as Arrow record batches (rows copied back to back) through `ArrowWriter`, same
+        // properties, closed, synced and renamed.
+        (
+            "arrow_writer_generic",
+            Box::new(move |n| {
+                let tmp = dir.join(format!(".generic-{n}"));
+                let out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp).unwrap());
+                let mut w = parquet::arrow::ArrowWriter::try_new(out, schema.clone(), Some(zstd_properties())).unwrap();
+                for records in records.chunks(PER_BATCH) {
+                    let batch = Batch { schema: &schema, hookpoint: &hp, run_id: "bench", rank: 0, records };
+                    w.write(&batch.record_batch()).unwrap();
+                }
+                let file = w.into_inner().unwrap().into_inner().unwrap();
+                file.sync_all().unwrap();
+                let size = file.metadata().unwrap().len() as usize;
+                std::fs::rename(&tmp, dir.join(format!("generic-{n}"))).unwrap();
+                size
+            }),
+        ),
+        // The sink with compression off (the generic column writer then writes the activation column too).
+        (
+            "parquet_sink_uncompressed",
+            Box::new(move |n| sink_run(Parquet::with_properties(uncompressed.clone()), dir, n + (1 << 30), records)),
+        ),
+    ]
+}
+
+fn main() {
+    let registry = Registry::new();
+    let (records, bytes) = records(&registry);
+    let dir: PathBuf = std::env::temp_dir().join(format!("ringscope-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut n = 0;
+    let mut criterion = Criterion::default().configure_from_args();
+    {
+        let mut group = criterion.benchmark_group("parquet_sink");
+        group.throughput(Throughput::Bytes(bytes.len() as u64));
+        group.sample_size(10).measurement_time(Duration::from_secs(8));
+        for (name, mut f) in variants(&records, &bytes, &dir) {
+            group.bench_function(name, |b| {
+                b.iter(|| {
+                    n += 1;
+                    f(n)
+                })
+            });
+            clean(&dir);
+        }
+        group.finish();
+    }
+    criterion.final_summary();
+
+    // Interleaved rounds.
+    let rounds: usize = std::env::var("RINGSCOPE_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(25);
+    if rounds == 0 || std::env::args().any(|a| a == "--list" || a == "--test") {
+        return;
+    }
+    let mut vs = variants(&records, &bytes, &dir);
+    // `RINGSCOPE_BENCH_ONLY=parquet_sink` (a comma-separated list) keeps only those variants, e.g. under a profiler.
+    if let Ok(only) = std::env::var("RINGSCOPE_BENCH_ONLY") {
+        vs.retain(|(name, _)| only.split(',').any(|o| o == *name));
+    }
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); vs.len()];
+    let mut sizes = vec![0; vs.len()];
+    for round in 0..rounds + 1 {
+        for k in 0..vs.len() {
+            let i = (k + round) % vs.len();
+            n += 1;
+            let t = Instant::now();
+            sizes[i] = (vs[i].1)(n);
+            if round > 0 {
+                times[i].push(t.elapsed().as_secs_f64()); // round 0 warms up
+            }
+        }
+        clean(&dir);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let medians: Vec<f64> = times.iter_mut().map(median).collect();
+    let sink = vs.iter().position(|(name, _)| *name == "parquet_sink").map_or(f64::NAN, |i| medians[i]);
+    let mib = bytes.len() as f64 / (1 << 20) as f64;
+    println!("\ninterleaved: {rounds} rounds, medians; sink ÷ variant = the sink's throughput as a fraction of the variant's");
+    println!("{:<28} {:>9} {:>10} {:>14} {:>7}", "variant", "ms", "MiB/s", "sink ÷ variant", "size");
+    for (i, (name, _)) in vs.iter().enumerate() {
+        println!(
+            "{name:<28} {:>9.1} {:>10.0} {:>14.2} {:>7.3}",
+            medians[i] * 1e3,
+            mib / medians[i],
+            medians[i] / sink,
+            sizes[i] as f64 / bytes.len() as f64
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Removes the files a round wrote (tmpfs fills up otherwise).
+fn clean(dir: &Path) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+}

@@ -30,7 +30,6 @@ pub(crate) struct ActivationPages {
     compressor: zstd::bulk::Compressor<'static>,
     page_bytes: usize,
     page: Vec<u8>,
-    compressed: Vec<u8>,
     chunk: Vec<u8>,
 }
 
@@ -53,14 +52,7 @@ impl ActivationPages {
     pub(crate) fn new(level: ZstdLevel, page_bytes: usize) -> Result<Self> {
         let compressor = zstd::bulk::Compressor::new(level.compression_level())
             .map_err(|e| ParquetError::General(format!("zstd level {}: {e}", level.compression_level())))?;
-        Ok(ActivationPages {
-            level,
-            compressor,
-            page_bytes: page_bytes.max(1),
-            page: Vec::new(),
-            compressed: Vec::new(),
-            chunk: Vec::new(),
-        })
+        Ok(ActivationPages { level, compressor, page_bytes: page_bytes.max(1), page: Vec::new(), chunk: Vec::new() })
     }
 
     /// Encodes the rows of `records` (rows of `row_bytes` each, checked by the caller) as the column chunk of
@@ -87,14 +79,7 @@ impl ActivationPages {
                 // Big enough to be pages of its own: compressed where it lies, after the rows gathered before it.
                 self.flush_page(&mut asm)?;
                 for piece in data.chunks(page_cap) {
-                    compress_page(
-                        &mut self.compressor,
-                        &mut self.compressed,
-                        &mut self.chunk,
-                        piece,
-                        row_bytes,
-                        &mut asm,
-                    )?;
+                    compress_page(&mut self.compressor, &mut self.chunk, piece, row_bytes, &mut asm)?;
                 }
                 continue;
             }
@@ -131,33 +116,43 @@ impl ActivationPages {
     /// Compresses the gathered rows, if any, as one page.
     fn flush_page(&mut self, asm: &mut Assembly) -> Result<()> {
         if !self.page.is_empty() {
-            compress_page(&mut self.compressor, &mut self.compressed, &mut self.chunk, &self.page, asm.row_bytes, asm)?;
+            compress_page(&mut self.compressor, &mut self.chunk, &self.page, asm.row_bytes, asm)?;
             self.page.clear();
         }
         Ok(())
     }
 }
 
-/// Compresses `rows` (whole rows, back to back) into `compressed` and appends it, after its page header, to `chunk`.
+/// Compresses `rows` (whole rows, back to back) straight into `chunk`, after a slot for its page header that is then
+/// filled in: the header's size depends on the compressed size only through the length of a varint, so a slot sized
+/// for zstd's worst case fits exactly in the common case, and the page moves back a byte or two otherwise.
 fn compress_page(
     compressor: &mut zstd::bulk::Compressor<'static>,
-    compressed: &mut Vec<u8>,
     chunk: &mut Vec<u8>,
     rows: &[u8],
     row_bytes: usize,
     asm: &mut Assembly,
 ) -> Result<()> {
-    compressed.clear();
-    compressed.reserve(zstd::zstd_safe::compress_bound(rows.len()));
-    compressor.compress_to_buffer(rows, compressed).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
     let n = rows.len() / row_bytes;
-    let header = data_page_header(rows.len(), compressed.len(), n)?;
-    asm.offsets.append_offset_and_size(chunk.len() as i64, (header.len() + compressed.len()) as i32);
+    let bound = zstd::zstd_safe::compress_bound(rows.len());
+    let slot = data_page_header(rows.len(), bound, n)?.len();
+    let start = chunk.len();
+    chunk.reserve(slot + bound);
+    let mut out = std::io::Cursor::new(&mut *chunk);
+    out.set_position((start + slot) as u64);
+    let compressed =
+        compressor.compress_to_buffer(rows, &mut out).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
+    let header = data_page_header(rows.len(), compressed, n)?;
+    if header.len() < slot {
+        // (A smaller number never needs a longer varint, so the header is never longer than its slot.)
+        chunk.copy_within(start + slot.., start + header.len());
+        chunk.truncate(start + header.len() + compressed);
+    }
+    chunk[start..start + header.len()].copy_from_slice(&header);
+    asm.offsets.append_offset_and_size(start as i64, (header.len() + compressed) as i32);
     asm.offsets.append_row_count(n as i64);
     asm.uncompressed += (header.len() + rows.len()) as u64;
     asm.rows += n as u64;
-    chunk.extend_from_slice(&header);
-    chunk.extend_from_slice(compressed);
     Ok(())
 }
 
