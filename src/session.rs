@@ -394,12 +394,16 @@ impl Session {
         }
     }
 
-    /// Folds the device-side counters into the registry (CUDA backend; nothing to do on the host backend).
-    fn fold_device_counters(&self) -> Result<(), Error> {
-        if let Some(Capture::Cuda { capture, .. }) = self.capture.lock().as_mut() {
-            capture.fold_counters(&self.registry).map_err(cuda_error)?;
+    /// Folds the device-side counters into the registry (CUDA backend; nothing to do on the host backend), unless
+    /// the engine's capture path stays busy for more than a few milliseconds: a full-mode `capture` or `begin_step`
+    /// may be waiting there for ring space, and a monitoring call must not wait behind it. Then the counters folded
+    /// last time stand.
+    fn fold_device_counters(&self) {
+        if let Some(mut guard) = self.capture.try_lock_for(std::time::Duration::from_millis(5)) {
+            if let Some(Capture::Cuda { capture, .. }) = guard.as_mut() {
+                let _ = capture.fold_counters(&self.registry);
+            }
         }
-        Ok(())
     }
 
     /// Subscribes an online consumer (a probe, a monitor) to the records that pass `filter`: every record captured
@@ -411,9 +415,11 @@ impl Session {
     }
 
     /// Per-hookpoint counters now (records in flight are neither exported nor dropped yet). On the CUDA backend
-    /// this reads the device counters first (one small copy on a private stream; the engine is not synchronised).
+    /// this reads the device counters first (one small copy on a private stream; the engine is not synchronised),
+    /// unless the engine's thread stays inside a capture call (for instance waiting for ring space in full mode):
+    /// it waits at most 5 ms for the engine, and the device counts are then those read last time.
     pub fn accounting(&self) -> AccountingSnapshot {
-        let _ = self.fold_device_counters();
+        self.fold_device_counters();
         self.registry.accounting()
     }
 

@@ -141,6 +141,59 @@ fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
     assert_eq!(report.accounting.total().dropped_for(DropReason::Deadline).records, 1);
 }
 
+/// A monitoring call (`accounting`, what `rs_stats` reads) never waits behind an engine thread that is waiting for
+/// ring space in full mode.
+#[test]
+fn accounting_does_not_wait_for_a_full_mode_capture() {
+    let gate = Arc::new(parking_lot::Mutex::new(()));
+    let g = gate.clone();
+    let blocked = CallbackSink::new("blocked", move |_: &Record| {
+        drop(g.lock());
+        Ok(())
+    });
+    let mut cfg = config(1, 1024, "64 KiB", "full");
+    cfg.policy.full_deadline_ms = 60_000; // the engine would wait a minute for the stalled sink
+    cfg.export.backlog = ringscope::config::ByteSize(16 << 10);
+    let session = Arc::new(Session::builder(cfg).sink(blocked).start().unwrap());
+    let held = gate.lock();
+    let engine = {
+        let session = session.clone();
+        std::thread::spawn(move || {
+            session.begin_step(0, (0..4).map(|r| (r, 0))).unwrap();
+            let data = vec![0u8; 4 * 2048];
+            for _ in 0..20 {
+                session.capture(0, &data).unwrap();
+            }
+            session.end_step().unwrap();
+        })
+    };
+    // Wait until the engine is stuck: the ring is full and nothing more is produced.
+    let hp = session.hookpoint("layers.0.resid").unwrap();
+    let mut last = u64::MAX;
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let produced = hp.counters.snapshot().produced.records;
+        if produced == last && produced < 20 {
+            break;
+        }
+        last = produced;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let monitor = {
+        let session = session.clone();
+        std::thread::spawn(move || tx.send(session.accounting()).unwrap())
+    };
+    // A hang guard, not a speed check: without the fix this waits out the engine's minute.
+    let snapshot = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("accounting waited for the engine");
+    assert!(!engine.is_finished(), "the engine must still be waiting for ring space");
+    assert_eq!(snapshot.total().produced.records, last);
+    drop(held);
+    engine.join().unwrap();
+    monitor.join().unwrap();
+    let report = session.shutdown().unwrap();
+    assert_eq!(report.accounting.total().exported.records, 20);
+}
+
 #[test]
 fn controls_change_between_steps() {
     let session = Session::new(config(1, 8, "1 MiB", "full")).unwrap();

@@ -65,6 +65,7 @@ struct Kernels {
     begin_graph: sys::CUfunction,
     capture_many: sys::CUfunction,
     fill: sys::CUfunction,
+    #[cfg_attr(not(feature = "bench-internals"), allow(dead_code))]
     discard: sys::CUfunction,
 }
 
@@ -972,7 +973,8 @@ impl DeviceCapture {
 
     /// Benchmarks only: marks everything written so far as drained (the device `tail` jumps to `head`) on
     /// `stream`, so that capture kernels can be timed without a drain. Records skipped this way are never exported:
-    /// never use it in a session.
+    /// never use it in a session. Only with the `bench-internals` feature.
+    #[cfg(feature = "bench-internals")]
     pub fn discard_all_for_benchmarks(&self, stream: StreamHandle) -> Result<(), CudaError> {
         let mut state = self.ring.addrs().state;
         // SAFETY: matches `ringscope_discard_all(u8*)`; the state block lives as long as the ring.
