@@ -46,15 +46,16 @@ impl Parquet {
             .set_compression(Compression::ZSTD(level))
             .set_column_dictionary_enabled(activation.clone(), false)
             .set_column_statistics_enabled(activation, EnabledStatistics::None)
-            .set_max_row_group_bytes(Some(128 << 20))
             .build();
         Ok(Parquet { properties })
     }
 }
 
 impl Parquet {
-    /// Parquet with writer properties of your own (compression, page and row group sizes, ...). Keep the activation
-    /// column's dictionary off: every row is distinct.
+    /// Parquet with writer properties of your own (compression, page size, statistics, ...). Keep the activation
+    /// column's dictionary off: every row is distinct. Row groups are the sink's batches
+    /// ([`DatasetOptions::batch_bytes`](crate::DatasetOptions::batch_bytes)); the row group limits in `properties`
+    /// do not apply.
     pub fn with_properties(properties: WriterProperties) -> Self {
         Parquet { properties }
     }
