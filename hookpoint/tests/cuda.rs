@@ -407,6 +407,59 @@ fn bad_arguments_are_clear_errors() {
     assert!(matches!(DeviceRing::new(&gpu, 1000), Err(CudaError::Invalid(_))));
 }
 
+/// Bad input to graph-begun steps, deferred captures and `apply_controls`: each a clear error naming what was wrong,
+/// and nothing reaches the ring.
+#[test]
+fn graph_steps_and_deferred_captures_reject_bad_input() {
+    let Some(gpu) = gpu() else { return };
+    let ring = DeviceRing::new(&gpu, 1 << 20).unwrap();
+    let options = DeviceCaptureOptions { defer: true, max_batch_rows: 16, ..Default::default() };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let other_stream = Stream::new(&gpu).unwrap();
+    let hp = register(&reg, "h", DType::BF16, 64);
+    let req = DeviceBuffer::zeroed(&gpu, 8 * 8).unwrap(); // room for 8 batch rows' ids
+    let pos = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap(); // 4 positions
+    let src = DeviceBuffer::zeroed(&gpu, 16 * 128).unwrap();
+    let good = GraphBatch { batch: 4, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let msg = |r: Result<(), DeviceCaptureError>| r.unwrap_err().to_string();
+    cap.apply_controls(&reg, stream.handle()).unwrap();
+
+    let empty = msg(cap.begin_step_graph(&reg, &GraphBatch { batch: 0, ..good }, stream.handle()));
+    assert!(empty.contains("max_batch_rows (16)"), "{empty}");
+    let too_many = msg(cap.begin_step_graph(&reg, &GraphBatch { batch: 4, seq: 5, ..good }, stream.handle()));
+    assert!(too_many.contains("4 × 5 rows") && too_many.contains("max_batch_rows (16)"), "{too_many}");
+    let null_ids = msg(cap.begin_step_graph(&reg, &GraphBatch { request_ids: 0, ..good }, stream.handle()));
+    assert!(null_ids.contains("request ids") && null_ids.contains("null device pointer"), "{null_ids}");
+    let host = [0i64; 4];
+    let host_pos =
+        msg(cap.begin_step_graph(&reg, &GraphBatch { positions: host.as_ptr() as u64, ..good }, stream.handle()));
+    assert!(host_pos.contains("positions") && host_pos.contains("not CUDA device memory"), "{host_pos}");
+    // Positions of 8 batch rows read past the end of a 4-element tensor.
+    let short = msg(cap.begin_step_graph(&reg, &GraphBatch { batch: 8, ..good }, stream.handle()));
+    assert!(short.contains("positions") && short.contains("past the end"), "{short}");
+    let other = cudarc::driver::CudaContext::new_non_primary(0, 0).unwrap();
+    let foreign = other.new_stream().unwrap();
+    gpu.bind().unwrap();
+    let wrong_ctx = msg(cap.begin_step_graph(&reg, &good, StreamHandle(foreign.cu_stream() as u64)));
+    assert!(wrong_ctx.contains("another CUDA context"), "{wrong_ctx}");
+
+    // A deferred capture must be issued on its step's stream (the step's one kernel runs there).
+    cap.begin_step_graph(&reg, &good, stream.handle()).unwrap();
+    let elsewhere = msg(cap.capture(&hp, src.ptr(), 4, other_stream.handle()));
+    assert!(elsewhere.contains("deferred captures must be issued on the stream their step began on"), "{elsewhere}");
+    cap.end_step().unwrap();
+
+    // apply_controls while the stream records a graph.
+    let during = Graph::capture(&stream, || cap.apply_controls(&reg, stream.handle()));
+    let during = during.unwrap_err().to_string();
+    assert!(during.contains("while the stream is capturing a CUDA graph"), "{during}");
+
+    stream.synchronize().unwrap();
+    assert_eq!(ring.published(), 0, "nothing bad may reach the ring");
+}
+
 /// Steps begun inside the graph (batch descriptor from device tensors, step numbers from the device), captures
 /// deferred (two copied early on a side stream with `submit`, the third at the step's end): every record bit-exact, steps numbered by the device, control changes
 /// applied between replays, and host-begun and graph-begun steps numbered in one sequence.
