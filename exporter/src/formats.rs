@@ -20,7 +20,7 @@ use parquet::schema::types::ColumnPath;
 
 use crate::dataset::Batch;
 use crate::files::{CommittedFiles, FileFormat, FileSink};
-use crate::pages::ActivationPages;
+use crate::pages::{ActivationPages, Placeholder, SpliceWriter};
 use crate::record::Record;
 use crate::sink::SinkError;
 use crate::DatasetOptions;
@@ -63,7 +63,7 @@ impl Parquet {
 
 /// An open Parquet file: the file writer and the factory of its row groups' column writers.
 pub struct ParquetWriter {
-    file: SerializedFileWriter<BufWriter<File>>,
+    file: SerializedFileWriter<SpliceWriter>,
     columns: ArrowRowGroupWriterFactory,
     row_groups: usize,
     page_bytes: usize,
@@ -87,7 +87,7 @@ impl FileFormat for Parquet {
         // The Arrow writer sets up the file exactly as it would (Parquet schema from the Arrow one, the Arrow schema
         // in the footer for readers); its lower-level halves then let each batch be written column after column.
         let options = ArrowWriterOptions::new().with_properties(self.properties.clone());
-        let (file, columns) = ArrowWriter::try_new_with_options(out, schema.clone(), options)
+        let (file, columns) = ArrowWriter::try_new_with_options(SpliceWriter::new(out), schema.clone(), options)
             .and_then(ArrowWriter::into_serialized_writer)
             .map_err(|e| e.to_string())?;
         let page_bytes = self.properties.column_data_page_size_limit(&activation_path());
@@ -107,7 +107,7 @@ impl FileFormat for Parquet {
             writer.file.append_key_value_metadata(KeyValue::new(k, v));
         }
         let out = writer.file.into_inner().map_err(|e| e.to_string())?;
-        out.into_inner().map_err(|e| e.error().to_string())
+        out.into_inner().map_err(|e| e.to_string())
     }
 }
 
@@ -129,22 +129,40 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
         chunks.push(column.close()?);
     }
     let activation = writer.file.schema_descr().column(chunks.len());
-    let mut row_group = writer.file.next_row_group()?;
-    for chunk in chunks {
-        chunk.append_to_row_group(&mut row_group)?;
-    }
     let row_bytes = batch.row_bytes().map_err(ParquetError::General)?;
-    if let Some(pages) = writer.pages.as_mut() {
-        let chunk = pages.encode(activation, batch.records, row_bytes)?;
-        row_group.append_column(&chunk.bytes, chunk.close)?;
-    } else {
+    let Some(pages) = writer.pages.as_mut() else {
+        let mut row_group = writer.file.next_row_group()?;
+        for chunk in chunks {
+            chunk.append_to_row_group(&mut row_group)?;
+        }
         let mut column = row_group
             .next_column()?
             .ok_or_else(|| ParquetError::General("the schema has no activation column".into()))?;
         write_activations(column.typed::<FixedLenByteArrayType>(), batch, row_bytes, writer.page_bytes)?;
         column.close()?;
+        row_group.close()?;
+        return Ok(());
+    };
+    // The activation chunk is the row group's last column: it starts after the metadata columns' chunks.
+    let close = pages.encode(activation, batch.records, row_bytes)?;
+    let len = close.metadata.compressed_size() as u64;
+    let start = writer.file.bytes_written() as u64
+        + chunks.iter().map(|c| c.close().metadata.compressed_size() as u64).sum::<u64>();
+    writer.file.inner_mut().splice(start, pages.take_chunk())?;
+    let mut row_group = writer.file.next_row_group()?;
+    for chunk in chunks {
+        chunk.append_to_row_group(&mut row_group)?;
     }
-    row_group.close()?;
+    row_group.append_column(&Placeholder(len), close)?;
+    let meta = row_group.close()?;
+    writer.file.flush()?; // the writer's own buffer may still hold the placeholder's last bytes
+    pages.reuse(writer.file.inner_mut().end_splice()?);
+    let placed = meta.columns().last().map(|c| (c.data_page_offset() as u64, c.compressed_size() as u64));
+    if placed != Some((start, len)) {
+        return Err(ParquetError::General(format!(
+            "the Parquet writer placed the activation chunk at {placed:?}, not at ({start}, {len}) where it was spliced"
+        )));
+    }
     Ok(())
 }
 
