@@ -110,8 +110,9 @@ fn best_effort_with_a_stalled_sink_drops_counts_and_never_corrupts() {
     assert!(report.drain.errors[0].contains("`stalled` fell behind"), "{:?}", report.drain.errors);
 }
 
-#[test]
-fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
+/// A full-mode session (one 1024-wide hookpoint, a 64 KiB ring) whose only sink blocks while the returned gate is
+/// locked; a small backlog, so the stalled sink holds the drain and the ring fills.
+fn session_with_a_gated_sink(full_deadline_ms: u64) -> (Session, Arc<parking_lot::Mutex<()>>) {
     let gate = Arc::new(parking_lot::Mutex::new(()));
     let g = gate.clone();
     let blocked = CallbackSink::new("blocked", move |_: &Record| {
@@ -119,10 +120,14 @@ fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
         Ok(())
     });
     let mut cfg = config(1, 1024, "64 KiB", "full");
-    cfg.policy.full_deadline_ms = 50;
-    // A small backlog, so the stalled sink holds the drain and the ring fills.
+    cfg.policy.full_deadline_ms = full_deadline_ms;
     cfg.export.backlog = ringscope::config::ByteSize(16 << 10);
-    let session = Session::builder(cfg).sink(blocked).start().unwrap();
+    (Session::builder(cfg).sink(blocked).start().unwrap(), gate)
+}
+
+#[test]
+fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
+    let (session, gate) = session_with_a_gated_sink(50);
     let held = gate.lock();
     session.begin_step(0, (0..4).map(|r| (r, 0))).unwrap();
     let data = vec![0u8; 4 * 2048];
@@ -145,16 +150,8 @@ fn full_mode_times_out_with_a_clear_error_and_counts_the_drop() {
 /// ring space in full mode.
 #[test]
 fn accounting_does_not_wait_for_a_full_mode_capture() {
-    let gate = Arc::new(parking_lot::Mutex::new(()));
-    let g = gate.clone();
-    let blocked = CallbackSink::new("blocked", move |_: &Record| {
-        drop(g.lock());
-        Ok(())
-    });
-    let mut cfg = config(1, 1024, "64 KiB", "full");
-    cfg.policy.full_deadline_ms = 60_000; // the engine would wait a minute for the stalled sink
-    cfg.export.backlog = ringscope::config::ByteSize(16 << 10);
-    let session = Arc::new(Session::builder(cfg).sink(blocked).start().unwrap());
+    let (session, gate) = session_with_a_gated_sink(60_000); // the engine would wait a minute for the stalled sink
+    let session = Arc::new(session);
     let held = gate.lock();
     let engine = {
         let session = session.clone();
