@@ -227,7 +227,8 @@ fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
 /// The Parquet sink's activation pages: small records gathered into pages, records of 64 KiB and more compressed in
 /// place (one bigger than a page split over two), in stream order, through zstd (ringscope's own page writer) and
 /// without compression (the generic column writer). Every row reads back bit for bit with the right request id, and
-/// the zstd file has one offset-index entry per page.
+/// the zstd file has one offset-index entry per page. A record whose rows have the wrong size is a clear error and
+/// counted drops.
 #[test]
 fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
     use parquet::file::properties::{EnabledStatistics, WriterProperties};
@@ -344,6 +345,33 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
             let pages = &index.offset_index(11).expect("an offset index").page_locations;
             assert!(pages.len() >= 3, "{name}: {} pages", pages.len());
         }
+    }
+    // A record whose rows are not the size the file's schema says: a clear error naming it, and its rows counted
+    // as dropped (`sink_error`), for both activation writers.
+    for (name, format) in [
+        ("zstd-bad", Parquet::with_zstd_level(1).unwrap()),
+        (
+            "plain-bad",
+            Parquet::with_properties(
+                WriterProperties::builder().set_compression(parquet::basic::Compression::UNCOMPRESSED).build(),
+            ),
+        ),
+    ] {
+        let short = WIDTH * 2 - 2;
+        let meta = RecordMeta { step: 0, hookpoint: hp.id, rows: 1, row_bytes: short, dtype: DType::BF16, flags: 0 };
+        let bytes =
+            encode_record(0, &meta, &[RowMeta { request_id: 1, position: 0, batch_row: 0 }], &vec![0; short as usize]);
+        let record = Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone());
+        let before = hp.counters.snapshot().dropped_for(DropReason::SinkError).rows;
+        let mut options = DatasetOptions::new(&dir);
+        options.run_id = name.into();
+        let (mut sink, _) = FileSink::create(format, options).unwrap();
+        sink.write(&record).unwrap();
+        drop(record);
+        let err = sink.close().unwrap_err().to_string();
+        assert!(err.contains("rows of 4094 bytes") && err.contains("its schema 4096"), "{name}: {err}");
+        drop(sink);
+        assert_eq!(hp.counters.snapshot().dropped_for(DropReason::SinkError).rows, before + 1, "{name}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

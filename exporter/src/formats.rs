@@ -130,11 +130,24 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     }
     let activation = writer.file.schema_descr().column(chunks.len());
     let row_bytes = batch.row_bytes().map_err(ParquetError::General)?;
-    let Some(pages) = writer.pages.as_mut() else {
-        let mut row_group = writer.file.next_row_group()?;
-        for chunk in chunks {
-            chunk.append_to_row_group(&mut row_group)?;
+    // Our own pages (zstd): the chunk is encoded first and handed to the file for its byte range, right after the
+    // metadata columns' chunks (see `SpliceWriter`).
+    let spliced = match writer.pages.as_mut() {
+        Some(pages) => {
+            let close = pages.encode(activation, batch.records, row_bytes)?;
+            let len = close.metadata.compressed_size() as u64;
+            let start = writer.file.bytes_written() as u64
+                + chunks.iter().map(|c| c.close().metadata.compressed_size() as u64).sum::<u64>();
+            writer.file.inner_mut().splice(start, pages.take_chunk())?;
+            Some((close, start, len))
         }
+        None => None,
+    };
+    let mut row_group = writer.file.next_row_group()?;
+    for chunk in chunks {
+        chunk.append_to_row_group(&mut row_group)?;
+    }
+    let Some((close, start, len)) = spliced else {
         let mut column = row_group
             .next_column()?
             .ok_or_else(|| ParquetError::General("the schema has no activation column".into()))?;
@@ -143,20 +156,11 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
         row_group.close()?;
         return Ok(());
     };
-    // The activation chunk is the row group's last column: it starts after the metadata columns' chunks.
-    let close = pages.encode(activation, batch.records, row_bytes)?;
-    let len = close.metadata.compressed_size() as u64;
-    let start = writer.file.bytes_written() as u64
-        + chunks.iter().map(|c| c.close().metadata.compressed_size() as u64).sum::<u64>();
-    writer.file.inner_mut().splice(start, pages.take_chunk())?;
-    let mut row_group = writer.file.next_row_group()?;
-    for chunk in chunks {
-        chunk.append_to_row_group(&mut row_group)?;
-    }
     row_group.append_column(&Placeholder(len), close)?;
     let meta = row_group.close()?;
     writer.file.flush()?; // the writer's own buffer may still hold the placeholder's last bytes
-    pages.reuse(writer.file.inner_mut().end_splice()?);
+    let chunk = writer.file.inner_mut().end_splice()?;
+    writer.pages.as_mut().expect("spliced above").reuse(chunk);
     let placed = meta.columns().last().map(|c| (c.data_page_offset() as u64, c.compressed_size() as u64));
     if placed != Some((start, len)) {
         return Err(ParquetError::General(format!(
