@@ -2,8 +2,10 @@
 //!
 //! `cargo bench --bench parquet_sink` — results in docs/benchmarks.md. After criterion's runs, the same variants
 //! run again in interleaved rounds (each round runs every variant once, in a rotating order), so that a noisy
-//! machine's slow and fast spells hit all of them alike; it prints each variant's median and the sink's throughput
-//! as a fraction of each (the ratios the docs quote). `RINGSCOPE_BENCH_ROUNDS` sets the rounds (default 25).
+//! machine's slow and fast spells hit all of them alike; it prints each variant's median wall time and CPU time (of
+//! the whole process: with `O_DIRECT` the sink's files are written by an I/O thread, whose time counts too), and
+//! the sink's throughput as a fraction of each variant's, by both (the ratios the docs quote; "per core" is the CPU
+//! one). `RINGSCOPE_BENCH_ROUNDS` sets the rounds (default 25). Files go to `$TMPDIR`.
 //!
 //! Data: 8192 token rows of a synthetic 2048-wide bf16 residual stream (32 MiB), in records of 32 rows (a decode
 //! step at batch 32), finite values like real activations. Compared, per iteration, on the same bytes:
@@ -13,7 +15,8 @@
 //! - `zstd1_pages_to_file`: 1 MiB pages written to a file, synced and renamed (the least any file sink does);
 //! - `zstd1_records_to_file`: the same with each record's rows as one frame, as the sink pages them;
 //! - `parquet_sink`: ringscope's Parquet sink taking the 256 records and closing the file (encode, compress,
-//!   write, fsync, rename);
+//!   write, fsync, rename), with its default `direct_io = auto` (`O_DIRECT` where the file system has it);
+//! - `parquet_sink_page_cache`: the same with `direct_io = off`;
 //! - `arrow_writer_generic`: the same batches through parquet's generic `ArrowWriter` (the sink's previous path);
 //! - `parquet_sink_uncompressed`: the same sink with compression off.
 
@@ -23,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use ringscope::exporter::dataset::Batch;
-use ringscope::exporter::{DatasetOptions, FileSink, Parquet, Record, Sink};
+use ringscope::exporter::{DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
 use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
 use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
 use ringscope::ring::{DType, RecordView};
@@ -102,9 +105,16 @@ fn zstd_to_file<'a>(dir: &Path, n: usize, chunks: impl Iterator<Item = &'a [u8]>
 }
 
 /// The Parquet sink writing all `records` into one closed file under `dir`; returns the file's size.
-fn sink_run<F: ringscope::exporter::FileFormat>(format: F, dir: &Path, n: usize, records: &[Record]) -> usize {
+fn sink_run<F: ringscope::exporter::FileFormat>(
+    format: F,
+    direct_io: DirectIo,
+    dir: &Path,
+    n: usize,
+    records: &[Record],
+) -> usize {
     let mut options = DatasetOptions::new(dir);
     options.run_id = format!("bench-{n}");
+    options.direct_io = direct_io;
     let (mut sink, files) = FileSink::create(format, options).unwrap();
     for r in records {
         sink.write(r).unwrap();
@@ -143,7 +153,16 @@ fn variants<'a>(records: &'a [Record], bytes: &'a [u8], dir: &'a Path) -> Vec<Va
             "zstd1_records_to_file",
             Box::new(move |n| zstd_to_file(dir, n + (1 << 30), records.iter().map(Record::data))),
         ),
-        ("parquet_sink", Box::new(move |n| sink_run(Parquet::with_zstd_level(1).unwrap(), dir, n, records))),
+        (
+            "parquet_sink",
+            Box::new(move |n| sink_run(Parquet::with_zstd_level(1).unwrap(), DirectIo::Auto, dir, n, records)),
+        ),
+        (
+            "parquet_sink_page_cache",
+            Box::new(move |n| {
+                sink_run(Parquet::with_zstd_level(1).unwrap(), DirectIo::Off, dir, n + (1 << 29), records)
+            }),
+        ),
         // The generic path, for comparison (what the sink did before it wrote the activation column itself): the
         // same 4 MiB batches as Arrow record batches (rows copied back to back) through `ArrowWriter`, same
         // properties, closed, synced and renamed.
@@ -167,7 +186,9 @@ fn variants<'a>(records: &'a [Record], bytes: &'a [u8], dir: &'a Path) -> Vec<Va
         // The sink with compression off (the generic column writer then writes the activation column too).
         (
             "parquet_sink_uncompressed",
-            Box::new(move |n| sink_run(Parquet::with_properties(uncompressed.clone()), dir, n + (1 << 30), records)),
+            Box::new(move |n| {
+                sink_run(Parquet::with_properties(uncompressed.clone()), DirectIo::Auto, dir, n + (1 << 30), records)
+            }),
         ),
     ]
 }
@@ -206,16 +227,19 @@ fn main() {
     if let Ok(only) = std::env::var("RINGSCOPE_BENCH_ONLY") {
         vs.retain(|(name, _)| only.split(',').any(|o| o == *name));
     }
-    let mut times: Vec<Vec<f64>> = vec![Vec::new(); vs.len()];
+    let mut wall: Vec<Vec<f64>> = vec![Vec::new(); vs.len()];
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); vs.len()];
     let mut sizes = vec![0; vs.len()];
     for round in 0..rounds + 1 {
         for k in 0..vs.len() {
             let i = (k + round) % vs.len();
             n += 1;
-            let t = Instant::now();
+            let (t, c) = (Instant::now(), process_cpu_seconds());
             sizes[i] = (vs[i].1)(n);
             if round > 0 {
-                times[i].push(t.elapsed().as_secs_f64()); // round 0 warms up
+                // Round 0 warms up.
+                wall[i].push(t.elapsed().as_secs_f64());
+                cpu[i].push(process_cpu_seconds() - c);
             }
         }
         clean(&dir);
@@ -224,21 +248,40 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let medians: Vec<f64> = times.iter_mut().map(median).collect();
-    let sink = vs.iter().position(|(name, _)| *name == "parquet_sink").map_or(f64::NAN, |i| medians[i]);
+    let wall: Vec<f64> = wall.iter_mut().map(median).collect();
+    let cpu: Vec<f64> = cpu.iter_mut().map(median).collect();
+    let sink = vs.iter().position(|(name, _)| *name == "parquet_sink");
+    let (sink_wall, sink_cpu) = sink.map_or((f64::NAN, f64::NAN), |i| (wall[i], cpu[i]));
     let mib = bytes.len() as f64 / (1 << 20) as f64;
-    println!("\ninterleaved: {rounds} rounds, medians; sink ÷ variant = the sink's throughput as a fraction of the variant's");
-    println!("{:<28} {:>9} {:>10} {:>14} {:>7}", "variant", "ms", "MiB/s", "sink ÷ variant", "size");
+    println!(
+        "\ninterleaved: {rounds} rounds, medians of wall and process CPU time; sink ÷ variant = the sink's throughput \
+         as a fraction of the variant's"
+    );
+    println!(
+        "{:<28} {:>8} {:>8} {:>9} {:>11} {:>11} {:>7}",
+        "variant", "wall ms", "CPU ms", "MiB/s", "sink÷ wall", "sink÷ CPU", "size"
+    );
     for (i, (name, _)) in vs.iter().enumerate() {
         println!(
-            "{name:<28} {:>9.1} {:>10.0} {:>14.2} {:>7.3}",
-            medians[i] * 1e3,
-            mib / medians[i],
-            medians[i] / sink,
+            "{name:<28} {:>8.1} {:>8.1} {:>9.0} {:>11.2} {:>11.2} {:>7.3}",
+            wall[i] * 1e3,
+            cpu[i] * 1e3,
+            mib / wall[i],
+            wall[i] / sink_wall,
+            cpu[i] / sink_cpu,
             sizes[i] as f64 / bytes.len() as f64
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// CPU time of the whole process (every thread, those that have exited included), in seconds.
+fn process_cpu_seconds() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid, writable timespec for the call's duration; the clock id is a constant.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_PROCESS_CPUTIME_ID) failed");
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 /// Removes the files a round wrote (tmpfs fills up otherwise).

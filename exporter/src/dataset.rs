@@ -27,6 +27,7 @@ use arrow::buffer::{Buffer, OffsetBuffer};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use ringscope_hookpoint::HookPoint;
 
+use crate::output::DirectIo;
 use crate::record::Record;
 
 /// Where a dump goes and how its rows are labelled.
@@ -43,6 +44,9 @@ pub struct DatasetOptions {
     /// Records are held per hookpoint and written in batches of about this many activation bytes; each batch is one
     /// Parquet row group (and one Arrow IPC record batch).
     pub batch_bytes: usize,
+    /// Whether files are written with `O_DIRECT` (past the page cache): `Auto` where the file system supports it.
+    /// Each open file then has a writer thread and up to three buffers of about `batch_bytes`.
+    pub direct_io: DirectIo,
 }
 
 impl DatasetOptions {
@@ -54,6 +58,7 @@ impl DatasetOptions {
             rank: 0,
             max_file_bytes: 256 << 20,
             batch_bytes: 4 << 20,
+            direct_io: DirectIo::Auto,
         }
     }
 

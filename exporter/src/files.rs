@@ -7,7 +7,6 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufWriter;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -17,6 +16,7 @@ use ringscope_hookpoint::HookPoint;
 use ringscope_policy::DropReason;
 
 use crate::dataset::{file_metadata, in_progress_path, part_name, schema, Batch, DatasetOptions};
+use crate::output::Output;
 use crate::record::{Receipt, Record};
 use crate::sink::{Sink, SinkError};
 
@@ -31,7 +31,7 @@ pub trait FileFormat: Send + 'static {
     /// Subdirectory of the run directory holding this format's partitions (empty: the run directory itself).
     const SUBDIR: &'static str;
     /// Starts a file.
-    fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String>;
+    fn create(&self, out: Output, schema: &SchemaRef) -> Result<Self::Writer, String>;
     /// Appends a batch of one hookpoint's records (the Parquet format writes each batch as one row group).
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String>;
     /// Writes the footer with `metadata` and returns the file, flushed.
@@ -172,10 +172,11 @@ fn flush_partition<F: FileFormat>(
             let index = part.next_index;
             part.next_index += 1;
             let tmp = in_progress_path(&part.dir, index, F::EXT);
-            let file = File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-            // Small: writes of whole pages and buffers (most of the bytes) bypass a buffer smaller than them and go
-            // straight to the file instead of being copied once more.
-            let writer = format.create(BufWriter::with_capacity(64 << 10, file), &part.schema)?;
+            // Buffers hold a whole batch, so the Parquet sink can compress a row group's activation column into one.
+            let buffer_bytes = options.batch_bytes + options.batch_bytes / 8 + (64 << 10);
+            let out = Output::create(&tmp, options.direct_io, buffer_bytes)
+                .map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+            let writer = format.create(out, &part.schema)?;
             part.open =
                 Some(OpenFile { writer, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts: Vec::new() });
         }

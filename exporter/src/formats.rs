@@ -2,7 +2,6 @@
 //! fast local reading and memory-mapping).
 
 use std::fs::File;
-use std::io::BufWriter;
 
 use arrow::datatypes::SchemaRef;
 use arrow::ipc::writer::FileWriter;
@@ -20,6 +19,7 @@ use parquet::schema::types::ColumnPath;
 
 use crate::dataset::Batch;
 use crate::files::{CommittedFiles, FileFormat, FileSink};
+use crate::output::{Output, ALIGN};
 use crate::pages::{ActivationPages, Placeholder, SpliceWriter};
 use crate::record::Record;
 use crate::sink::SinkError;
@@ -37,13 +37,16 @@ impl Parquet {
     /// Settings that matter for speed (measured, see `docs/benchmarks.md`): the activation column is one
     /// fixed-size binary value per row, PLAIN-encoded, with no dictionary and no statistics; writer version 1
     /// (version 2 switches fixed-length columns to DELTA_BYTE_ARRAY, which is slower and no smaller here). The small
-    /// columns keep dictionaries and statistics, so readers can prune by step or request.
+    /// columns keep dictionaries and statistics, so readers can prune by step or request, and are not compressed.
     pub fn with_zstd_level(level: i32) -> Result<Self, String> {
         let level = ZstdLevel::try_new(level).map_err(|e| format!("zstd level {level}: {e}"))?;
         let activation = activation_path();
+        // The metadata columns are dictionary- and run-length encoded, a few bytes per row; zstd would shrink them
+        // little and cost each column writer of each row group two zstd contexts (measured: a few percent).
         let properties = WriterProperties::builder()
             .set_writer_version(WriterVersion::PARQUET_1_0)
-            .set_compression(Compression::ZSTD(level))
+            .set_compression(Compression::UNCOMPRESSED)
+            .set_column_compression(activation.clone(), Compression::ZSTD(level))
             .set_column_dictionary_enabled(activation.clone(), false)
             .set_column_statistics_enabled(activation, EnabledStatistics::None)
             .build();
@@ -83,7 +86,7 @@ impl FileFormat for Parquet {
     const NAME: &'static str = "parquet";
     const SUBDIR: &'static str = "";
 
-    fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String> {
+    fn create(&self, out: Output, schema: &SchemaRef) -> Result<Self::Writer, String> {
         // The Arrow writer sets up the file exactly as it would (Parquet schema from the Arrow one, the Arrow schema
         // in the footer for readers); its lower-level halves then let each batch be written column after column.
         let options = ArrowWriterOptions::new().with_properties(self.properties.clone());
@@ -134,11 +137,13 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     // metadata columns' chunks (see `SpliceWriter`).
     let spliced = match writer.pages.as_mut() {
         Some(pages) => {
-            let close = pages.encode(activation, batch.records, row_bytes)?;
-            let len = close.metadata.compressed_size() as u64;
             let start = writer.file.bytes_written() as u64
                 + chunks.iter().map(|c| c.close().metadata.compressed_size() as u64).sum::<u64>();
-            writer.file.inner_mut().splice(start, pages.take_chunk())?;
+            let lead = (start % ALIGN as u64) as usize;
+            let mut chunk = writer.file.inner_mut().output().take_buffer()?;
+            let close = pages.encode(activation, batch.records, row_bytes, &mut chunk, lead)?;
+            let len = close.metadata.compressed_size() as u64;
+            writer.file.inner_mut().splice(start, chunk, lead)?;
             Some((close, start, len))
         }
         None => None,
@@ -159,8 +164,7 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     row_group.append_column(&Placeholder(len), close)?;
     let meta = row_group.close()?;
     writer.file.flush()?; // the writer's own buffer may still hold the placeholder's last bytes
-    let chunk = writer.file.inner_mut().end_splice()?;
-    writer.pages.as_mut().expect("spliced above").reuse(chunk);
+    writer.file.inner_mut().end_splice()?;
     let placed = meta.columns().last().map(|c| (c.data_page_offset() as u64, c.compressed_size() as u64));
     if placed != Some((start, len)) {
         return Err(ParquetError::General(format!(
@@ -214,12 +218,12 @@ fn activation_path() -> ColumnPath {
 pub struct ArrowIpc;
 
 impl FileFormat for ArrowIpc {
-    type Writer = FileWriter<BufWriter<File>>;
+    type Writer = FileWriter<Output>;
     const EXT: &'static str = "arrow";
     const NAME: &'static str = "arrow_ipc";
     const SUBDIR: &'static str = "_arrow_ipc";
 
-    fn create(&self, out: BufWriter<File>, schema: &SchemaRef) -> Result<Self::Writer, String> {
+    fn create(&self, out: Output, schema: &SchemaRef) -> Result<Self::Writer, String> {
         FileWriter::try_new(out, schema).map_err(|e| e.to_string())
     }
 
@@ -234,7 +238,7 @@ impl FileFormat for ArrowIpc {
         }
         writer.finish().map_err(|e| e.to_string())?;
         let out = writer.into_inner().map_err(|e| e.to_string())?;
-        out.into_inner().map_err(|e| e.error().to_string())
+        out.finish().map_err(|e| e.to_string())
     }
 }
 

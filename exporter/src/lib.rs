@@ -15,6 +15,7 @@ mod drain;
 mod fanout;
 mod files;
 mod formats;
+mod output;
 mod pages;
 mod record;
 mod sink;
@@ -24,6 +25,7 @@ pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
 pub use fanout::{Filter, Subscription};
 pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink};
 pub use formats::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink, ParquetWriter};
+pub use output::{DirectIo, Output};
 pub use record::{Receipt, Record};
 pub use sink::{CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};
 

@@ -5,12 +5,11 @@
 //! fresh copies of every page on the way (the value buffer, the page buffer, and a compression buffer that is
 //! reallocated once more before compressing), each in newly allocated memory that page-faults. Here a record of
 //! 64 KiB or more is compressed where it lies, as one page or more; smaller records are gathered into a reused page
-//! buffer first. One reused zstd context compresses each page straight into the row group's column chunk (a reused
-//! buffer), behind its page header; the chunk then goes to the file in one write through [`SpliceWriter`].
-//! Measurements in `docs/benchmarks.md`.
+//! buffer first. One reused zstd context compresses each page, behind its page header, straight into a buffer of the
+//! file's [`Output`], which that buffer then joins at the chunk's place in the stream through [`SpliceWriter`]: the
+//! compressed bytes are never copied. Measurements in `docs/benchmarks.md`.
 
-use std::fs::File;
-use std::io::{BufWriter, Read, Write};
+use std::io::{Read, Write};
 
 use bytes::Bytes;
 use parquet::basic::{Compression, Encoding, ZstdLevel};
@@ -20,6 +19,7 @@ use parquet::file::metadata::{ColumnChunkMetaData, OffsetIndexBuilder};
 use parquet::file::reader::{ChunkReader, Length};
 use parquet::schema::types::ColumnDescPtr;
 
+use crate::output::{Buffer, Output};
 use crate::record::Record;
 
 /// See [`ActivationPages::encode`].
@@ -31,11 +31,12 @@ pub(crate) struct ActivationPages {
     compressor: zstd::bulk::Compressor<'static>,
     page_bytes: usize,
     page: Vec<u8>,
-    chunk: Vec<u8>,
 }
 
 /// The column chunk being assembled: its pages and the bookkeeping for its metadata.
 struct Assembly {
+    /// Bytes of the buffer before the chunk.
+    lead: usize,
     row_bytes: usize,
     rows: u64,
     uncompressed: u64,
@@ -47,24 +48,27 @@ impl ActivationPages {
     pub(crate) fn new(level: ZstdLevel, page_bytes: usize) -> Result<Self> {
         let compressor = zstd::bulk::Compressor::new(level.compression_level())
             .map_err(|e| ParquetError::General(format!("zstd level {}: {e}", level.compression_level())))?;
-        Ok(ActivationPages { level, compressor, page_bytes: page_bytes.max(1), page: Vec::new(), chunk: Vec::new() })
+        Ok(ActivationPages { level, compressor, page_bytes: page_bytes.max(1), page: Vec::new() })
     }
 
     /// Encodes the rows of `records` (rows of `row_bytes` each, checked by the caller) as the column chunk of
-    /// `column`, which [`take_chunk`](Self::take_chunk) then hands out; returns what the file writer needs to know
-    /// about it.
+    /// `column` into `chunk`, after `lead` bytes left for [`Output::adopt`]; returns what the file writer needs to
+    /// know about it.
     pub(crate) fn encode(
         &mut self,
         column: ColumnDescPtr,
         records: &[Record],
         row_bytes: usize,
+        chunk: &mut Buffer,
+        lead: usize,
     ) -> Result<ColumnCloseResult> {
         let page_cap = (self.page_bytes / row_bytes).max(1) * row_bytes;
         if self.page.capacity() < page_cap {
             self.page.reserve_exact(page_cap);
         }
-        self.chunk.clear();
-        let mut asm = Assembly { row_bytes, rows: 0, uncompressed: 0, offsets: Default::default() };
+        chunk.clear();
+        chunk.extend(&[0; crate::output::ALIGN][..lead]);
+        let mut asm = Assembly { lead, row_bytes, rows: 0, uncompressed: 0, offsets: Default::default() };
         // Records at least this big become pages of their own, compressed in place (no copy); smaller ones are
         // gathered into page-sized pages. zstd compresses 64 KiB pages as well as 1 MiB ones: it works in blocks of
         // at most 128 KiB either way.
@@ -73,9 +77,9 @@ impl ActivationPages {
             let data = record.data();
             if data.len() >= direct_min {
                 // Big enough to be pages of its own: compressed where it lies, after the rows gathered before it.
-                self.flush_page(&mut asm)?;
+                self.flush_page(chunk, &mut asm)?;
                 for piece in data.chunks(page_cap) {
-                    compress_page(&mut self.compressor, &mut self.chunk, piece, row_bytes, &mut asm)?;
+                    compress_page(&mut self.compressor, chunk, piece, &mut asm)?;
                 }
                 continue;
             }
@@ -85,21 +89,22 @@ impl ActivationPages {
                 self.page.extend_from_slice(&data[..take]);
                 data = &data[take..];
                 if self.page.len() == page_cap {
-                    self.flush_page(&mut asm)?;
+                    self.flush_page(chunk, &mut asm)?;
                 }
             }
         }
-        self.flush_page(&mut asm)?;
+        self.flush_page(chunk, &mut asm)?;
+        let len = (chunk.len() - lead) as u64;
         let metadata = ColumnChunkMetaData::builder(column)
             .set_compression(Compression::ZSTD(self.level))
             .set_encodings(vec![Encoding::PLAIN, Encoding::RLE])
             .set_num_values(asm.rows as i64)
-            .set_total_compressed_size(self.chunk.len() as i64)
+            .set_total_compressed_size(len as i64)
             .set_total_uncompressed_size(asm.uncompressed as i64)
             .set_data_page_offset(0)
             .build()?;
         let close = ColumnCloseResult {
-            bytes_written: self.chunk.len() as u64,
+            bytes_written: len,
             rows_written: asm.rows,
             metadata,
             bloom_filter: None,
@@ -109,21 +114,10 @@ impl ActivationPages {
         Ok(close)
     }
 
-    /// The chunk [`encode`](Self::encode) built; give the buffer back with [`reuse`](Self::reuse).
-    pub(crate) fn take_chunk(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.chunk)
-    }
-
-    /// Takes back a chunk buffer to fill next time (keeping its capacity).
-    pub(crate) fn reuse(&mut self, mut chunk: Vec<u8>) {
-        chunk.clear();
-        self.chunk = chunk;
-    }
-
     /// Compresses the gathered rows, if any, as one page.
-    fn flush_page(&mut self, asm: &mut Assembly) -> Result<()> {
+    fn flush_page(&mut self, chunk: &mut Buffer, asm: &mut Assembly) -> Result<()> {
         if !self.page.is_empty() {
-            compress_page(&mut self.compressor, &mut self.chunk, &self.page, asm.row_bytes, asm)?;
+            compress_page(&mut self.compressor, chunk, &self.page, asm)?;
             self.page.clear();
         }
         Ok(())
@@ -135,28 +129,28 @@ impl ActivationPages {
 /// for zstd's worst case fits exactly in the common case, and the page moves back a byte or two otherwise.
 fn compress_page(
     compressor: &mut zstd::bulk::Compressor<'static>,
-    chunk: &mut Vec<u8>,
+    chunk: &mut Buffer,
     rows: &[u8],
-    row_bytes: usize,
     asm: &mut Assembly,
 ) -> Result<()> {
-    let n = rows.len() / row_bytes;
+    let n = rows.len() / asm.row_bytes;
     let bound = zstd::zstd_safe::compress_bound(rows.len());
     let slot = data_page_header(rows.len(), bound, n)?.len();
     let start = chunk.len();
     chunk.reserve(slot + bound);
-    let mut out = std::io::Cursor::new(&mut *chunk);
-    out.set_position((start + slot) as u64);
+    chunk.extend(&[0; 64][..slot]); // the header slot (a header is at most 29 bytes)
     let compressed =
-        compressor.compress_to_buffer(rows, &mut out).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
+        compressor.compress_to_buffer(rows, chunk.spare()).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
+    chunk.advance(compressed);
     let header = data_page_header(rows.len(), compressed, n)?;
+    let bytes = chunk.bytes_mut();
     if header.len() < slot {
         // (A smaller number never needs a longer varint, so the header is never longer than its slot.)
-        chunk.copy_within(start + slot.., start + header.len());
-        chunk.truncate(start + header.len() + compressed);
+        bytes.copy_within(start + slot.., start + header.len());
     }
-    chunk[start..start + header.len()].copy_from_slice(&header);
-    asm.offsets.append_offset_and_size(start as i64, (header.len() + compressed) as i32);
+    bytes[start..start + header.len()].copy_from_slice(&header);
+    chunk.truncate(start + header.len() + compressed);
+    asm.offsets.append_offset_and_size((start - asm.lead) as i64, (header.len() + compressed) as i32);
     asm.offsets.append_row_count(n as i64);
     asm.uncompressed += (header.len() + rows.len()) as u64;
     asm.rows += n as u64;
@@ -228,59 +222,75 @@ impl ChunkReader for Placeholder {
     }
 }
 
-/// The file under a Parquet file writer, with one addition: a byte range of the stream can be *spliced* — given in
-/// advance from a buffer of ours, written to the file in one piece, while the bytes the Parquet writer sends for
-/// that range are dropped. The activation column chunk goes to the file this way: the writer's own splice
-/// (`append_column`) would copy it through an 8 KiB buffer and our `BufWriter` first, 5% of the sink's time. The
-/// writer's offset bookkeeping is untouched (it sends exactly the chunk's length), and the caller checks afterwards
-/// that the writer placed the column chunk where the splice put it.
+/// The file under a Parquet file writer, with one addition: a byte range of the stream can be *spliced* — its
+/// bytes given in advance in a buffer of the file's [`Output`], which joins the stream when it reaches the range,
+/// while the bytes the Parquet writer sends for that range are dropped. The activation column chunk goes to the file
+/// this way, compressed straight into its place: the writer's own splice (`append_column`) would copy it through an
+/// 8 KiB buffer and our buffer once more. The writer's offset bookkeeping is untouched (it sends exactly the chunk's
+/// length), and the caller checks afterwards that the writer placed the column chunk where the splice put it.
 pub(crate) struct SpliceWriter {
-    out: BufWriter<File>,
-    /// Bytes of the stream so far.
+    out: Output,
+    /// Bytes the Parquet writer sent so far (the output is ahead of it while it sends a spliced range).
     pos: u64,
     splice: Option<Splice>,
 }
 
 struct Splice {
     start: u64,
-    data: Vec<u8>,
-    written: bool,
+    len: u64,
+    /// The buffer (its first `lead` bytes stand for the stream's last ones, see [`Output::adopt`]) until adopted.
+    chunk: Option<(Buffer, usize)>,
 }
 
 impl SpliceWriter {
-    pub(crate) fn new(out: BufWriter<File>) -> Self {
+    pub(crate) fn new(out: Output) -> Self {
         SpliceWriter { out, pos: 0, splice: None }
     }
 
-    /// Stream bytes `start .. start + data.len()` are `data`.
-    pub(crate) fn splice(&mut self, start: u64, data: Vec<u8>) -> std::io::Result<()> {
-        if self.splice.is_some() || start < self.pos {
+    /// The file's output (for buffers to encode into).
+    pub(crate) fn output(&mut self) -> &mut Output {
+        &mut self.out
+    }
+
+    /// Stream bytes `start .. start + len` are `chunk`'s bytes after its first `lead`.
+    pub(crate) fn splice(&mut self, start: u64, chunk: Buffer, lead: usize) -> std::io::Result<()> {
+        let pos = self.pos;
+        if self.splice.is_some() || start < pos || chunk.len() < lead {
             return Err(std::io::Error::other(format!(
-                "cannot splice at byte {start}: the stream is at {} or a splice is pending",
-                self.pos
+                "cannot splice at byte {start}: the stream is at {pos}, a splice is pending or the chunk is short"
             )));
         }
-        self.splice = Some(Splice { start, data, written: false });
+        let len = (chunk.len() - lead) as u64;
+        self.splice = Some(Splice { start, len, chunk: Some((chunk, lead)) });
         Ok(())
     }
 
-    /// Ends the splice and returns its buffer; an error if the stream has not passed all of it.
-    pub(crate) fn end_splice(&mut self) -> std::io::Result<Vec<u8>> {
+    /// Ends the splice; an error if the stream has not passed all of it.
+    pub(crate) fn end_splice(&mut self) -> std::io::Result<()> {
         let s = self.splice.take().ok_or_else(|| std::io::Error::other("no splice is pending"))?;
-        if (!s.written && !s.data.is_empty()) || self.pos < s.start + s.data.len() as u64 {
+        let pos = self.pos;
+        if let Some((chunk, _)) = s.chunk {
+            if s.len > 0 || pos < s.start {
+                return Err(std::io::Error::other(format!(
+                    "the Parquet writer stopped at byte {pos} before the spliced chunk at {}..{}",
+                    s.start,
+                    s.start + s.len
+                )));
+            }
+            self.out.recycle(chunk); // empty: nothing to adopt
+        } else if pos < s.start + s.len {
             return Err(std::io::Error::other(format!(
-                "the Parquet writer stopped at byte {} inside the spliced chunk at {}..{}",
-                self.pos,
+                "the Parquet writer stopped at byte {pos} inside the spliced chunk at {}..{}",
                 s.start,
-                s.start + s.data.len() as u64
+                s.start + s.len
             )));
         }
-        Ok(s.data)
+        Ok(())
     }
 
-    /// The file, flushed.
-    pub(crate) fn into_inner(self) -> std::io::Result<File> {
-        self.out.into_inner().map_err(|e| e.into_error())
+    /// The file, every byte written (see [`Output::finish`]).
+    pub(crate) fn into_inner(self) -> std::io::Result<std::fs::File> {
+        self.out.finish()
     }
 }
 
@@ -289,7 +299,7 @@ impl Write for SpliceWriter {
         let mut rest = buf;
         while !rest.is_empty() {
             let (start, end) = match &self.splice {
-                Some(s) => (s.start, s.start + s.data.len() as u64),
+                Some(s) => (s.start, s.start + s.len),
                 None => (u64::MAX, u64::MAX),
             };
             let k = if self.pos < start {
@@ -297,10 +307,8 @@ impl Write for SpliceWriter {
                 self.out.write_all(&rest[..k])?;
                 k
             } else if self.pos < end {
-                let s = self.splice.as_mut().expect("inside a splice");
-                if !s.written {
-                    self.out.write_all(&s.data)?; // larger than the buffer: one write straight from ours
-                    s.written = true;
+                if let Some((chunk, lead)) = self.splice.as_mut().and_then(|s| s.chunk.take()) {
+                    self.out.adopt(chunk, lead)?; // the chunk's bytes: the output is now past the range
                 }
                 rest.len().min(usize::try_from(end - self.pos).unwrap_or(usize::MAX))
             } else {
@@ -322,35 +330,57 @@ impl Write for SpliceWriter {
 mod tests {
     use super::*;
 
+    fn scratch(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("ringscope-{name}-{}", std::process::id()))
+    }
+
     #[test]
     fn a_splice_replaces_exactly_its_byte_range_whatever_the_write_sizes() {
-        let path = std::env::temp_dir().join(format!("ringscope-splice-{}", std::process::id()));
-        let stream: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
-        let chunk: Vec<u8> = (0..3_000u32).map(|i| 255 - (i % 7) as u8).collect();
-        for write_size in [1, 7, 4096, 10_000] {
-            let mut w = SpliceWriter::new(BufWriter::with_capacity(512, File::create(&path).unwrap()));
-            w.write_all(&stream[..100]).unwrap();
-            w.splice(2_000, chunk.clone()).unwrap();
-            assert!(w.splice(5_000, vec![1]).is_err(), "one splice at a time");
-            for piece in stream[100..].chunks(write_size) {
-                w.write_all(piece).unwrap();
+        use crate::output::{DirectIo, ALIGN};
+        let path = scratch("splice");
+        let stream: Vec<u8> = (0..30_000u32).map(|i| (i % 251) as u8).collect();
+        let spliced: Vec<u8> = (0..9_000u32).map(|i| 255 - (i % 7) as u8).collect();
+        // Through the page cache and (where the file system has it) O_DIRECT; buffers of two blocks, so the stream
+        // crosses many buffers and the chunk is adopted in the middle of one.
+        for direct_io in [DirectIo::Off, DirectIo::Auto] {
+            for write_size in [1, 7, 4096, 30_000] {
+                let mut out = Output::create(&path, direct_io, 2 * ALIGN).unwrap();
+                let start = 5_000u64;
+                let lead = start as usize % ALIGN;
+                let mut chunk = out.take_buffer().unwrap();
+                chunk.extend(&vec![9; lead]);
+                chunk.extend(&spliced);
+                let mut w = SpliceWriter::new(out);
+                w.write_all(&stream[..100]).unwrap();
+                w.splice(start, chunk, lead).unwrap();
+                let other = w.output().take_buffer().unwrap();
+                assert!(w.splice(20_000, other, 0).is_err(), "one splice at a time");
+                for piece in stream[100..].chunks(write_size) {
+                    w.write_all(piece).unwrap();
+                }
+                w.end_splice().unwrap();
+                w.into_inner().unwrap();
+                let mut want = stream.clone();
+                want[5_000..14_000].copy_from_slice(&spliced);
+                assert_eq!(std::fs::read(&path).unwrap(), want, "{direct_io:?}, writes of {write_size}");
             }
-            assert_eq!(w.end_splice().unwrap(), chunk);
-            w.into_inner().unwrap();
-            let mut want = stream.clone();
-            want[2_000..5_000].copy_from_slice(&chunk);
-            assert_eq!(std::fs::read(&path).unwrap(), want, "writes of {write_size}");
         }
         // An empty splice is done once the stream reaches it.
-        let mut w = SpliceWriter::new(BufWriter::new(File::create(&path).unwrap()));
-        w.splice(3, Vec::new()).unwrap();
+        let mut w = SpliceWriter::new(Output::create(&path, DirectIo::Off, ALIGN).unwrap());
+        let empty = w.output().take_buffer().unwrap();
+        w.splice(3, empty, 0).unwrap();
         w.write_all(&[1, 2, 3, 4]).unwrap();
-        assert!(w.end_splice().unwrap().is_empty());
-        // A stream that stops inside the splice is an error, not a silently short file.
-        let mut w = SpliceWriter::new(BufWriter::new(File::create(&path).unwrap()));
-        w.splice(10, vec![0; 100]).unwrap();
-        w.write_all(&[0; 50]).unwrap();
-        assert!(w.end_splice().unwrap_err().to_string().contains("inside the spliced chunk"));
+        w.end_splice().unwrap();
+        // A stream that stops inside the splice, or before it, is an error, not a silently short file.
+        for stop in [50, 10] {
+            let mut w = SpliceWriter::new(Output::create(&path, DirectIo::Off, ALIGN).unwrap());
+            let mut chunk = w.output().take_buffer().unwrap();
+            chunk.extend(&[0; 20 + 100]);
+            w.splice(20, chunk, 20).unwrap();
+            w.write_all(&vec![0; stop]).unwrap();
+            let e = w.end_splice().unwrap_err().to_string();
+            assert!(e.contains("stopped at byte"), "{e}");
+        }
         let _ = std::fs::remove_file(&path);
     }
 

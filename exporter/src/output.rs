@@ -1,0 +1,501 @@
+//! The file under a sink's writer: buffered by us, written through the page cache or with `O_DIRECT`.
+//!
+//! With `O_DIRECT` the kernel moves the bytes from our buffer to the device without copying them into the page
+//! cache first: the copy (and the page-cache pages a dump would otherwise fill, pushing out the engine's) was the
+//! largest cost of the Parquet sink after zstd itself (`docs/benchmarks.md`). Direct writes must start at aligned
+//! file offsets, come from aligned memory and have aligned lengths, so buffers start on [`ALIGN`] boundaries, only
+//! whole aligned blocks are written before the end, and the last block is padded with zeros and the file truncated
+//! to its length afterwards. A direct write waits for the device, so direct writes run on a thread of the file's
+//! own while the sink fills the next buffer.
+//!
+//! The Parquet sink compresses its activation column straight into one of these buffers
+//! ([`Output::take_buffer`]), which then becomes part of the stream ([`Output::adopt`]) without being copied.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+
+use crossbeam::channel::{bounded, Receiver, Sender};
+use parking_lot::Mutex;
+
+/// Alignment of direct writes: file offsets, lengths and memory. 4096 covers devices with 512-byte and 4 KiB logical
+/// blocks.
+pub const ALIGN: usize = 4096;
+
+/// Buffers a direct-I/O file uses at most: the one being filled, one being written, and one for the Parquet sink
+/// to compress its next column chunk into meanwhile.
+const DIRECT_BUFFERS: usize = 3;
+
+/// Empty buffers of files already finished, for the next ones: a dump rotates files, and fresh buffers of a few MiB
+/// each cost page faults (a few percent of the Parquet sink's time when every file got new ones).
+static SPARE: Mutex<Vec<Buffer>> = Mutex::new(Vec::new());
+
+/// Most bytes of buffers kept in [`SPARE`].
+const SPARE_MAX_BYTES: usize = 64 << 20;
+
+/// A spare buffer of at least `capacity` bytes, or a new one.
+fn spare_buffer(capacity: usize) -> Buffer {
+    let mut spare = SPARE.lock();
+    match spare.iter().position(|b| b.capacity() >= capacity) {
+        Some(i) => spare.swap_remove(i),
+        None => Buffer::with_capacity(capacity),
+    }
+}
+
+/// Keeps `buffers` for later files, as many as fit in [`SPARE_MAX_BYTES`].
+fn keep_spare(buffers: impl IntoIterator<Item = Buffer>) {
+    let mut spare = SPARE.lock();
+    let mut bytes: usize = spare.iter().map(Buffer::capacity).sum();
+    for mut b in buffers {
+        if bytes + b.capacity() <= SPARE_MAX_BYTES {
+            bytes += b.capacity();
+            b.clear();
+            spare.push(b);
+        }
+    }
+}
+
+/// How a file sink writes its files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// `O_DIRECT` where the file system accepts it (Linux), else through the page cache.
+    #[default]
+    Auto,
+    /// Always `O_DIRECT`; a file system (or platform) without it is an error when the file is created.
+    On,
+    /// Through the page cache.
+    Off,
+}
+
+impl std::str::FromStr for DirectIo {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DirectIo::Auto),
+            "on" => Ok(DirectIo::On),
+            "off" => Ok(DirectIo::Off),
+            _ => Err(format!("direct_io `{s}`: expected auto, on or off")),
+        }
+    }
+}
+
+/// A buffer in its own anonymous memory mapping: page-aligned (so direct writes can come straight from it), and
+/// advised to use transparent huge pages where the kernel offers them (fewer page faults when first touched, and
+/// cheaper for the kernel to pin for a direct write). Growing maps a bigger one and copies.
+pub(crate) struct Buffer {
+    map: memmap2::MmapMut,
+    len: usize,
+}
+
+#[allow(clippy::len_without_is_empty)]
+impl Buffer {
+    fn with_capacity(capacity: usize) -> Self {
+        let capacity = capacity.max(1).next_multiple_of(ALIGN);
+        let map = memmap2::MmapMut::map_anon(capacity)
+            .unwrap_or_else(|e| panic!("cannot map a {capacity}-byte output buffer: {e}"));
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage); // only advice: without huge pages it works as well
+        Buffer { map, len: 0 }
+    }
+
+    /// Bytes in the buffer.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn capacity(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    pub(crate) fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Makes room for `n` more bytes (moving to a larger buffer if needed).
+    pub(crate) fn reserve(&mut self, n: usize) {
+        let need = self.len + n;
+        if need > self.capacity() {
+            let mut bigger = Buffer::with_capacity(need.max(self.capacity() + self.capacity() / 4));
+            bigger.extend(self.bytes());
+            *self = bigger;
+        }
+    }
+
+    pub(crate) fn extend(&mut self, data: &[u8]) {
+        self.reserve(data.len());
+        self.map[self.len..self.len + data.len()].copy_from_slice(data);
+        self.len += data.len();
+    }
+
+    /// The free space after the bytes, to write into and then [`advance`](Self::advance) over.
+    pub(crate) fn spare(&mut self) -> &mut [u8] {
+        &mut self.map[self.len..]
+    }
+
+    /// Counts `n` more bytes written into [`spare`](Self::spare).
+    pub(crate) fn advance(&mut self, n: usize) {
+        assert!(self.len + n <= self.capacity(), "advanced past the buffer");
+        self.len += n;
+    }
+}
+
+/// Where the buffers go: written on the caller's thread, or handed to the file's I/O thread.
+enum Writer {
+    Sync(File),
+    Thread {
+        jobs: Option<Sender<(Buffer, usize)>>,
+        done: Receiver<Buffer>,
+        thread: Option<JoinHandle<io::Result<File>>>,
+    },
+    /// A write failed; every later call reports this.
+    Failed(String),
+}
+
+/// A file being written (see the module docs). Bytes written through [`Write`] are buffered and reach the file in
+/// large writes; [`finish`](Self::finish) writes the rest and returns the file.
+pub struct Output {
+    path: PathBuf,
+    direct: bool,
+    buffer_bytes: usize,
+    current: Buffer,
+    /// Stream bytes before `current`'s first byte (always a multiple of [`ALIGN`]).
+    shipped: u64,
+    /// Empty buffers for reuse.
+    pool: Vec<Buffer>,
+    /// Buffers this file made (direct I/O: at most [`DIRECT_BUFFERS`] plus any the caller kept).
+    made: usize,
+    writer: Writer,
+}
+
+impl std::fmt::Debug for Output {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Output").field("path", &self.path).field("direct", &self.direct).finish_non_exhaustive()
+    }
+}
+
+impl Output {
+    /// Creates (or truncates) `path`, buffering writes in buffers of `buffer_bytes`.
+    pub fn create(path: &Path, direct_io: DirectIo, buffer_bytes: usize) -> io::Result<Output> {
+        let plain = || OpenOptions::new().write(true).create(true).truncate(true).open(path);
+        let (file, direct) = match direct_io {
+            DirectIo::Off => (plain()?, false),
+            DirectIo::On => (open_direct(path)?, true),
+            DirectIo::Auto => match open_direct(path) {
+                Ok(file) => (file, true),
+                Err(e) if e.kind() == io::ErrorKind::InvalidInput || e.kind() == io::ErrorKind::Unsupported => {
+                    (plain()?, false)
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        let buffer_bytes = buffer_bytes.max(ALIGN).next_multiple_of(ALIGN);
+        let writer = if direct {
+            let (jobs, job_rx) = bounded::<(Buffer, usize)>(DIRECT_BUFFERS);
+            let (done_tx, done) = bounded(DIRECT_BUFFERS);
+            let name = path.display().to_string();
+            let thread = std::thread::Builder::new()
+                .name("ringscope-io".into())
+                .spawn(move || write_jobs(file, &job_rx, &done_tx, &name))?;
+            Writer::Thread { jobs: Some(jobs), done, thread: Some(thread) }
+        } else {
+            Writer::Sync(file)
+        };
+        Ok(Output {
+            path: path.to_owned(),
+            direct,
+            buffer_bytes,
+            current: spare_buffer(buffer_bytes),
+            shipped: 0,
+            pool: Vec::new(),
+            made: 1,
+            writer,
+        })
+    }
+
+    /// Whether writes bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Bytes of the stream so far.
+    pub fn position(&self) -> u64 {
+        self.shipped + self.current.len() as u64
+    }
+
+    /// An empty buffer (of at least the buffer size) to fill and [`adopt`](Self::adopt), or give back with
+    /// [`recycle`](Self::recycle). With direct I/O this may wait for the I/O thread to finish a write.
+    pub(crate) fn take_buffer(&mut self) -> io::Result<Buffer> {
+        self.collect_done();
+        if let Some(b) = self.pool.pop() {
+            return Ok(b);
+        }
+        if let Writer::Thread { done, .. } = &self.writer {
+            if self.made >= DIRECT_BUFFERS {
+                match done.recv() {
+                    Ok(mut b) => {
+                        b.clear();
+                        return Ok(b);
+                    }
+                    Err(_) => return Err(self.fail()),
+                }
+            }
+        }
+        self.made += 1;
+        Ok(spare_buffer(self.buffer_bytes))
+    }
+
+    /// Takes back a buffer from [`take_buffer`](Self::take_buffer) that was not adopted.
+    pub(crate) fn recycle(&mut self, mut buffer: Buffer) {
+        buffer.clear();
+        self.pool.push(buffer);
+    }
+
+    /// Makes `chunk` the rest of the stream: its first `lead` bytes stand for the last `lead` bytes already in the
+    /// stream (which must be `position() % ALIGN`; they are copied in), the bytes after them follow the stream.
+    /// Everything before goes to the file; `chunk` is then written from its first, aligned byte — no copy.
+    pub(crate) fn adopt(&mut self, mut chunk: Buffer, lead: usize) -> io::Result<()> {
+        let tail = self.current.len() % ALIGN;
+        if lead != tail || chunk.len() < lead {
+            return Err(io::Error::other(format!(
+                "{}: a buffer adopted at byte {} must lead with its last {tail} bytes (it leads with {lead} of {})",
+                self.path.display(),
+                self.position(),
+                chunk.len()
+            )));
+        }
+        let whole = self.current.len() - tail;
+        chunk.bytes_mut()[..lead].copy_from_slice(&self.current.bytes()[whole..]);
+        self.current.truncate(whole);
+        let full = std::mem::replace(&mut self.current, chunk);
+        self.send(full, whole)
+    }
+
+    /// Writes everything and returns the file, truncated to the stream's length (a direct write pads its last
+    /// block). The caller syncs it.
+    pub fn finish(mut self) -> io::Result<File> {
+        let len = self.position();
+        let filled = self.current.len();
+        let total = if self.direct { filled.next_multiple_of(ALIGN) } else { filled };
+        self.current.extend(&[0; ALIGN][..total - filled]);
+        let last = std::mem::replace(&mut self.current, Buffer::with_capacity(0));
+        self.send(last, total)?;
+        let file = match std::mem::replace(&mut self.writer, Writer::Failed("finished".into())) {
+            Writer::Sync(file) => file,
+            Writer::Thread { jobs, thread, done } => {
+                drop(jobs); // the thread ends after the last job
+                let file = join(thread, &self.path)?;
+                self.pool.extend(done.try_iter());
+                file
+            }
+            Writer::Failed(message) => return Err(io::Error::other(message)),
+        };
+        if total != filled {
+            file.set_len(len)?;
+        }
+        Ok(file)
+    }
+
+    /// Sends the first `n` bytes of `buffer` (a multiple of [`ALIGN`] for direct I/O unless it is the last) to the
+    /// file; `shipped` advances by `n`.
+    fn send(&mut self, buffer: Buffer, n: usize) -> io::Result<()> {
+        self.shipped += n as u64;
+        match &mut self.writer {
+            Writer::Sync(file) => {
+                let written = file.write_all(&buffer.bytes()[..n]);
+                self.recycle(buffer);
+                written.map_err(|e| self.note(e))
+            }
+            Writer::Thread { jobs: Some(jobs), .. } => {
+                if n == 0 {
+                    self.recycle(buffer);
+                    return Ok(());
+                }
+                if jobs.send((buffer, n)).is_err() {
+                    return Err(self.fail());
+                }
+                Ok(())
+            }
+            Writer::Thread { jobs: None, .. } => Err(io::Error::other("the I/O thread was stopped")),
+            Writer::Failed(message) => Err(io::Error::other(message.clone())),
+        }
+    }
+
+    /// Buffers the I/O thread is done with, back to the pool.
+    fn collect_done(&mut self) {
+        if let Writer::Thread { done, .. } = &self.writer {
+            let back: Vec<Buffer> = done.try_iter().collect();
+            for b in back {
+                self.recycle(b);
+            }
+        }
+    }
+
+    /// The I/O thread stopped: its error, remembered for every later call.
+    fn fail(&mut self) -> io::Error {
+        let message = match std::mem::replace(&mut self.writer, Writer::Failed(String::new())) {
+            Writer::Thread { jobs, thread, .. } => {
+                drop(jobs);
+                match join(thread, &self.path) {
+                    Err(e) => e.to_string(),
+                    Ok(_) => format!("{}: the I/O thread stopped", self.path.display()),
+                }
+            }
+            Writer::Failed(message) => message,
+            Writer::Sync(_) => format!("{}: a write failed", self.path.display()),
+        };
+        self.writer = Writer::Failed(message.clone());
+        io::Error::other(message)
+    }
+
+    /// Remembers a write error of the caller's thread.
+    fn note(&mut self, e: io::Error) -> io::Error {
+        let e = io::Error::new(e.kind(), format!("writing {}: {e}", self.path.display()));
+        self.writer = Writer::Failed(e.to_string());
+        e
+    }
+}
+
+impl Drop for Output {
+    fn drop(&mut self) {
+        let current = std::mem::replace(&mut self.current, Buffer::with_capacity(0));
+        keep_spare(self.pool.drain(..).chain([current]));
+    }
+}
+
+impl Write for Output {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let room = self.buffer_bytes.max(self.current.capacity()) - self.current.len();
+        if room >= ALIGN || room >= data.len() {
+            let n = data.len().min(room);
+            self.current.extend(&data[..n]);
+            return Ok(n);
+        }
+        // Full: send its whole blocks, carry the rest (less than a block) over to an empty buffer.
+        let mut next = self.take_buffer()?;
+        let whole = self.current.len() - self.current.len() % ALIGN;
+        next.extend(&self.current.bytes()[whole..]);
+        let full = std::mem::replace(&mut self.current, next);
+        self.send(full, whole)?;
+        let n = data.len().min(self.buffer_bytes - self.current.len());
+        self.current.extend(&data[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(()) // bytes reach the file in whole buffers, and all of them in `finish`
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(path).map_err(|e| {
+        io::Error::new(e.kind(), format!("cannot open {} with O_DIRECT: {e} (set direct_io to off)", path.display()))
+    })
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_direct(path: &Path) -> io::Result<File> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("cannot open {} with O_DIRECT: only supported on Linux (set direct_io to off)", path.display()),
+    ))
+}
+
+/// The I/O thread: writes each job's bytes in order and hands the buffer back; stops at the first error.
+fn write_jobs(mut file: File, jobs: &Receiver<(Buffer, usize)>, done: &Sender<Buffer>, name: &str) -> io::Result<File> {
+    for (buffer, n) in jobs {
+        file.write_all(&buffer.bytes()[..n])
+            .map_err(|e| io::Error::new(e.kind(), format!("writing {name} (O_DIRECT): {e}")))?;
+        let _ = done.send(buffer); // the file may be finishing and no longer take buffers back
+    }
+    Ok(file)
+}
+
+fn join(thread: Option<JoinHandle<io::Result<File>>>, path: &Path) -> io::Result<File> {
+    match thread.map(JoinHandle::join) {
+        Some(Ok(result)) => result,
+        Some(Err(_)) => Err(io::Error::other(format!("{}: the I/O thread panicked", path.display()))),
+        None => Err(io::Error::other(format!("{}: the I/O thread is gone", path.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("ringscope-output-{name}-{}", std::process::id()))
+    }
+
+    #[test]
+    fn every_byte_reaches_the_file_in_order_and_the_padding_is_cut() {
+        let path = scratch("bytes");
+        let data: Vec<u8> = (0..100_003u32).map(|i| (i * 7 % 253) as u8).collect();
+        for direct_io in [DirectIo::Off, DirectIo::Auto] {
+            for piece in [1, 1000, 4096, 4097, 100_003] {
+                let mut out = Output::create(&path, direct_io, 3 * ALIGN).unwrap();
+                for p in data.chunks(piece) {
+                    out.write_all(p).unwrap();
+                }
+                assert_eq!(out.position(), data.len() as u64);
+                out.finish().unwrap();
+                assert_eq!(std::fs::read(&path).unwrap(), data, "{direct_io:?}, writes of {piece}");
+            }
+            // An adopted buffer joins the stream where it stands, however big.
+            let mut out = Output::create(&path, direct_io, ALIGN).unwrap();
+            out.write_all(&data[..5000]).unwrap();
+            let mut chunk = out.take_buffer().unwrap();
+            chunk.extend(&[0; 5000 % ALIGN]);
+            chunk.extend(&data[5000..90_000]);
+            let short = out.take_buffer().unwrap();
+            let e = out.adopt(short, 0).unwrap_err().to_string();
+            assert!(e.contains("must lead with its last 904 bytes"), "{e}");
+            out.adopt(chunk, 5000 % ALIGN).unwrap();
+            assert_eq!(out.position(), 90_000);
+            out.write_all(&data[90_000..]).unwrap();
+            out.finish().unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), data, "{direct_io:?}, adopted");
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn bad_settings_and_failed_writes_are_errors_naming_the_file() {
+        assert_eq!("on".parse(), Ok(DirectIo::On));
+        assert!("yes".parse::<DirectIo>().unwrap_err().contains("expected auto, on or off"));
+        // A directory that does not exist.
+        let e = Output::create(&scratch("missing").join("f"), DirectIo::Auto, ALIGN).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        // A device that is always full: the error names it, and every later call fails too (on the caller's thread
+        // through the page cache, on the I/O thread with O_DIRECT where the device takes it).
+        #[cfg(target_os = "linux")]
+        for direct_io in [DirectIo::Off, DirectIo::On] {
+            let Ok(mut out) = Output::create(Path::new("/dev/full"), direct_io, ALIGN) else { continue };
+            let mut failed = None;
+            for _ in 0..64 {
+                if let Err(e) = out.write_all(&[1; 1000]) {
+                    failed = Some(e.to_string());
+                    break;
+                }
+            }
+            let e = failed.or_else(|| out.finish().err().map(|e| e.to_string())).expect("writing to /dev/full fails");
+            assert!(e.contains("/dev/full"), "{direct_io:?}: {e}");
+        }
+    }
+}
