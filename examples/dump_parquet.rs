@@ -54,6 +54,9 @@ struct Args {
     /// Sink threads (hookpoints are split over them).
     #[arg(long, default_value_t = 1)]
     threads: u32,
+    /// `auto`, `on` or `off`: write files with O_DIRECT (past the page cache).
+    #[arg(long, default_value = "auto")]
+    direct_io: String,
 }
 
 fn main() -> std::process::ExitCode {
@@ -76,8 +79,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         ..EngineConfig::default()
     };
     let mut toml = format!(
-        "[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n[export]\nparquet = true\narrow_ipc = {}\ndir = {:?}\nzstd_level = {}\nthreads = {}\n",
-        args.ring, args.mode, args.arrow_ipc, args.out, args.zstd_level, args.threads
+        "[ring]\ncapacity = \"{}\"\n[policy]\nmode = \"{}\"\n[export]\nparquet = true\narrow_ipc = {}\ndir = {:?}\nzstd_level = {}\nthreads = {}\ndirect_io = {:?}\n",
+        args.ring, args.mode, args.arrow_ipc, args.out, args.zstd_level, args.threads, args.direct_io
     );
     if let Some(id) = &args.run_id {
         toml += &format!("run_id = {id:?}\n");

@@ -172,6 +172,10 @@ pub struct ExportConfig {
     /// Threads per file format: hookpoints are split over this many sink threads (each writes whole hookpoints).
     #[serde(default = "one_u32")]
     pub threads: u32,
+    /// `"auto"` (default): write files with `O_DIRECT`, past the page cache, where the file system supports it;
+    /// `"on"`: always (an error where unsupported); `"off"`: through the page cache.
+    #[serde(default)]
+    pub direct_io: ringscope_exporter::DirectIo,
 }
 
 impl Default for ExportConfig {
@@ -186,6 +190,7 @@ impl Default for ExportConfig {
             max_file_size: default_max_file_size(),
             zstd_level: 1,
             threads: 1,
+            direct_io: ringscope_exporter::DirectIo::Auto,
         }
     }
 }
@@ -219,6 +224,7 @@ impl ExportConfig {
         }
         o.rank = self.rank;
         o.max_file_bytes = self.max_file_size.0;
+        o.direct_io = self.direct_io;
         o
     }
 }
@@ -427,6 +433,8 @@ mod tests {
             capacity = "8 MiB"
             [policy]
             mode = "best_effort"
+            [export]
+            direct_io = "off"
             [[hookpoints]]
             name = "layers.0.resid"
             site = "residual"
@@ -446,6 +454,8 @@ mod tests {
         .unwrap();
         assert_eq!(c.ring.capacity, ByteSize(8 << 20));
         assert_eq!(c.policy.mode, Mode::BestEffort);
+        assert_eq!(c.export.dataset_options().direct_io, ringscope_exporter::DirectIo::Off);
+        assert_eq!(Config::from_toml("").unwrap().export.direct_io, ringscope_exporter::DirectIo::Auto);
         let (spec, sel) = c.hookpoints[0].resolve().unwrap();
         assert_eq!((spec.dtype, sel), (DType::BF16, RowSelection::LastPerRequest));
         let (spec, sel) = c.hookpoints[1].resolve().unwrap();
@@ -459,6 +469,7 @@ mod tests {
             ("[ring]\ncapacity = \"64 furlongs\"", "unknown size unit"),
             ("[ring]\ncapacty = 5", "capacty"),
             ("[policy]\nmode = \"sometimes\"", "sometimes"),
+            ("[export]\ndirect_io = \"maybe\"", "maybe"),
             ("[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"bf17\"\nrow_width = 4", "bf17"),
             (
                 "[[hookpoints]]\nname = \"a\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = 4\nrows = \"some\"",

@@ -226,13 +226,14 @@ fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
 
 /// The Parquet sink's activation pages: small records gathered into pages, records of 64 KiB and more compressed in
 /// place (one bigger than a page split over two), in stream order, through zstd (ringscope's own page writer) and
-/// without compression (the generic column writer). Every row reads back bit for bit with the right request id, and
-/// the zstd file has one offset-index entry per page. A record whose rows have the wrong size is a clear error and
-/// counted drops.
+/// without compression (the generic column writer), each written through the page cache and with `O_DIRECT` (where
+/// the file system has it; `DirectIo::Auto` falls back otherwise). Every row reads back bit for bit with the right
+/// request id, and the zstd file has one offset-index entry per page. A record whose rows have the wrong size is a
+/// clear error and counted drops.
 #[test]
 fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
     use parquet::file::properties::{EnabledStatistics, WriterProperties};
-    use ringscope::exporter::{DatasetOptions, FileSink, Parquet, Record, Sink};
+    use ringscope::exporter::{DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
     use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
     use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
     use ringscope::ring::{DType, RecordView};
@@ -300,13 +301,20 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
             EnabledStatistics::None,
         )
         .build();
-    for (name, format) in [
+    let formats = [
         ("zstd", Parquet::with_zstd_level(1).unwrap()),
         ("zstd9", Parquet::with_zstd_level(9).unwrap()),
         ("plain", Parquet::with_properties(uncompressed)),
-    ] {
+    ];
+    let direct_ios = [("page-cache", DirectIo::Off), ("auto", DirectIo::Auto)];
+    for ((format_name, format), (io_name, direct_io)) in
+        formats.iter().flat_map(|f| direct_ios.iter().map(move |d| (f.clone(), *d)))
+    {
+        let name = format!("{format_name}-{io_name}");
+        let name = name.as_str();
         let mut options = DatasetOptions::new(&dir);
         options.run_id = name.into();
+        options.direct_io = direct_io;
         options.batch_bytes = 512 << 10; // two row groups
         let (mut sink, files) = FileSink::create(format, options).unwrap();
         for r in &records {

@@ -56,8 +56,9 @@ fn keep_spare(buffers: impl IntoIterator<Item = Buffer>) {
     }
 }
 
-/// How a file sink writes its files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How a file sink writes its files (`export.direct_io` in a session config: `"auto"`, `"on"` or `"off"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DirectIo {
     /// `O_DIRECT` where the file system accepts it (Linux), else through the page cache.
     #[default]
@@ -207,10 +208,10 @@ impl Output {
         let writer = if direct {
             let (jobs, job_rx) = bounded::<(Buffer, usize)>(DIRECT_BUFFERS);
             let (done_tx, done) = bounded(DIRECT_BUFFERS);
-            let name = path.display().to_string();
+            let (path, fallback) = (path.to_owned(), direct_io == DirectIo::Auto);
             let thread = std::thread::Builder::new()
                 .name("ringscope-io".into())
-                .spawn(move || write_jobs(file, &job_rx, &done_tx, &name))?;
+                .spawn(move || write_jobs(file, &path, fallback, &job_rx, &done_tx))?;
             Writer::Thread { jobs: Some(jobs), done, thread: Some(thread) }
         } else {
             Writer::Sync(file)
@@ -417,11 +418,37 @@ fn open_direct(path: &Path) -> io::Result<File> {
     ))
 }
 
-/// The I/O thread: writes each job's bytes in order and hands the buffer back; stops at the first error.
-fn write_jobs(mut file: File, jobs: &Receiver<(Buffer, usize)>, done: &Sender<Buffer>, name: &str) -> io::Result<File> {
+/// The I/O thread: writes each job's bytes in order and hands the buffer back; stops at the first error. With
+/// `fallback` (`DirectIo::Auto`), a file system that opened the file with `O_DIRECT` but rejects a direct write as
+/// invalid gets the file reopened without it, and the write is retried from where it stopped.
+fn write_jobs(
+    mut file: File,
+    path: &Path,
+    mut fallback: bool,
+    jobs: &Receiver<(Buffer, usize)>,
+    done: &Sender<Buffer>,
+) -> io::Result<File> {
+    let mut offset = 0u64;
     for (buffer, n) in jobs {
-        file.write_all(&buffer.bytes()[..n])
-            .map_err(|e| io::Error::new(e.kind(), format!("writing {name} (O_DIRECT): {e}")))?;
+        let mut bytes = &buffer.bytes()[..n];
+        while !bytes.is_empty() {
+            match file.write(bytes) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, format!("writing {}", path.display()))),
+                Ok(k) => {
+                    bytes = &bytes[k..];
+                    offset += k as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::InvalidInput && fallback => {
+                    fallback = false;
+                    file = OpenOptions::new().write(true).open(path)?;
+                    io::Seek::seek(&mut file, io::SeekFrom::Start(offset))?;
+                }
+                Err(e) => {
+                    return Err(io::Error::new(e.kind(), format!("writing {} (O_DIRECT): {e}", path.display())));
+                }
+            }
+        }
         let _ = done.send(buffer); // the file may be finishing and no longer take buffers back
     }
     Ok(file)
@@ -471,6 +498,43 @@ mod tests {
             out.write_all(&data[90_000..]).unwrap();
             out.finish().unwrap();
             assert_eq!(std::fs::read(&path).unwrap(), data, "{direct_io:?}, adopted");
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_direct_write_the_file_system_rejects_falls_back_to_the_page_cache_in_auto_mode() {
+        // A write of an unaligned length is what a file system that opened a file with O_DIRECT rejects.
+        let path = scratch("fallback");
+        let Ok(mut probe) = open_direct(&path) else { return }; // no O_DIRECT here: nothing to fall back from
+        if probe.write_all(&Buffer::with_capacity(ALIGN).map[..100]).is_ok() {
+            return; // this file system (tmpfs) takes unaligned direct writes: nothing is rejected
+        }
+        for fallback in [true, false] {
+            let file = open_direct(&path).unwrap();
+            let (jobs, job_rx) = bounded(2);
+            let (done_tx, done) = bounded(2);
+            let mut aligned = Buffer::with_capacity(ALIGN);
+            aligned.extend(&[7; ALIGN]);
+            let mut odd = Buffer::with_capacity(ALIGN);
+            odd.extend(&[9; 100]);
+            jobs.send((aligned, ALIGN)).unwrap();
+            jobs.send((odd, 100)).unwrap();
+            drop(jobs);
+            match write_jobs(file, &path, fallback, &job_rx, &done_tx) {
+                Ok(_) => {
+                    assert!(fallback, "the unaligned direct write was accepted only through the fallback");
+                    let mut want = vec![7; ALIGN];
+                    want.extend([9; 100]);
+                    assert_eq!(std::fs::read(&path).unwrap(), want);
+                    assert_eq!(done.try_iter().count(), 2, "both buffers come back");
+                }
+                Err(e) => {
+                    assert!(!fallback, "{e}");
+                    assert!(e.to_string().contains("O_DIRECT"), "{e}");
+                }
+            }
         }
         let _ = std::fs::remove_file(&path);
     }
