@@ -383,3 +383,79 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The metadata columns that are constant in a partition (run id, hookpoint, site, layer, rank, dtype, shape) are
+/// written by ringscope in constant time; their column chunks must be byte for byte what parquet's generic column
+/// writer makes of the same rows with the same properties, with the same statistics — for a layer and for none (a
+/// null column), and for one row group of a few rows as for several of many.
+#[test]
+fn constant_metadata_columns_match_the_generic_writer_byte_for_byte() {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use ringscope::exporter::{DatasetOptions, FileSink, Parquet, Record, Sink};
+    use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
+    use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
+    use ringscope::ring::{DType, RecordView};
+
+    let dir = tempdir("constants");
+    let registry = Registry::new();
+    for (layer, records, rows) in [(Some(3), 1, 1u32), (None, 5, 7), (Some(0), 40, 100)] {
+        let hp = registry
+            .register(HookPointSpec {
+                name: format!("constants.{layer:?}.{records}"),
+                site: SiteKind::Custom("probe_in".into()),
+                layer,
+                dtype: DType::F16,
+                row_width: 64,
+            })
+            .unwrap();
+        let recs: Vec<Record> = (0..records)
+            .map(|r| {
+                let meta = RecordMeta { step: r, hookpoint: hp.id, rows, row_bytes: 128, dtype: DType::F16, flags: 0 };
+                let metas: Vec<RowMeta> = (0..rows)
+                    .map(|i| RowMeta { request_id: r * 1000 + i as u64, position: i * 3, batch_row: i })
+                    .collect();
+                let data: Vec<u8> = (0..rows as usize * 128).map(|i| (i * 31 + r as usize) as u8).collect();
+                let bytes = encode_record(r, &meta, &metas, &data);
+                Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone())
+            })
+            .collect();
+        let ours = Parquet::with_zstd_level(1).unwrap();
+        let generic = Parquet::with_properties(ours.properties().clone());
+        let mut files = Vec::new();
+        for (name, format) in [("ours", ours), ("generic", generic)] {
+            let mut options = DatasetOptions::new(dir.join(name));
+            options.run_id = format!("run-{layer:?}-{records}"); // the same in both files
+            options.rank = 2;
+            options.batch_bytes = 64 << 10; // several row groups for the bigger cases
+            let (mut sink, committed) = FileSink::create(format, options).unwrap();
+            for r in &recs {
+                sink.write(r).unwrap();
+            }
+            sink.close().unwrap();
+            let path = committed.lock()[0].path.clone();
+            files.push((std::fs::read(&path).unwrap(), SerializedFileReader::new(File::open(&path).unwrap()).unwrap()));
+        }
+        let (ours, generic) = (&files[0], &files[1]);
+        let case = format!("layer {layer:?}, {records} records of {rows} rows");
+        assert_eq!(ours.1.metadata().num_row_groups(), generic.1.metadata().num_row_groups(), "{case}");
+        for g in 0..ours.1.metadata().num_row_groups() {
+            let (a, b) = (ours.1.metadata().row_group(g), generic.1.metadata().row_group(g));
+            for c in [0, 1, 2, 3, 8, 9, 10] {
+                let (x, y) = (a.column(c), b.column(c));
+                let what = format!("{case}: row group {g}, column {}", x.column_path());
+                let bytes = |file: &[u8], m: &parquet::file::metadata::ColumnChunkMetaData| {
+                    let start = m.dictionary_page_offset().unwrap_or(m.data_page_offset()) as usize;
+                    file[start..start + m.compressed_size() as usize].to_vec()
+                };
+                assert_eq!(bytes(&ours.0, x), bytes(&generic.0, y), "{what}: pages");
+                assert_eq!(x.num_values(), y.num_values(), "{what}");
+                assert_eq!(x.compression(), y.compression(), "{what}");
+                assert_eq!(x.encodings().collect::<Vec<_>>(), y.encodings().collect::<Vec<_>>(), "{what}");
+                assert_eq!(x.page_encoding_stats(), y.page_encoding_stats(), "{what}");
+                let (s, t) = (x.statistics().expect("statistics"), y.statistics().expect("statistics"));
+                assert_eq!(s, t, "{what}: statistics");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -149,6 +149,20 @@ pub fn schema(hp: &HookPoint) -> SchemaRef {
     ]))
 }
 
+/// Columns of the schema before the activation.
+pub(crate) const METADATA_COLUMNS: usize = 11;
+
+/// A metadata column's value in every row of a batch (see [`Batch::constant`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Constant<'a> {
+    /// A string column.
+    Str(&'a str),
+    /// An `Int32` column, null when `None`.
+    Int32(Option<i32>),
+    /// A `List<Int64>` column of one element.
+    Int64List(i64),
+}
+
 /// One hookpoint's records that a file sink writes together: one Arrow batch, one Parquet row group.
 pub struct Batch<'a> {
     /// The hookpoint's file schema ([`schema`]).
@@ -186,7 +200,46 @@ impl Batch<'_> {
     /// Every column of the schema except the last, the activation: what is known per row besides its data.
     pub fn metadata_columns(&self) -> Vec<ArrayRef> {
         let n = self.rows();
+        let mut varying = self.varying_columns().into_iter();
+        let constant = |value: Constant| -> ArrayRef {
+            match value {
+                Constant::Str(s) => Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, n))),
+                Constant::Int32(v) => Arc::new(Int32Array::from(vec![v; n])),
+                Constant::Int64List(v) => Arc::new(ListArray::new(
+                    Arc::new(Field::new("item", DataType::Int64, false)),
+                    OffsetBuffer::from_lengths(std::iter::repeat_n(1, n)),
+                    Arc::new(Int64Array::from(vec![v; n])),
+                    None,
+                )),
+            }
+        };
+        (0..METADATA_COLUMNS)
+            .map(|i| match self.constant(i) {
+                Some(value) => constant(value),
+                None => varying.next().expect("four varying columns"),
+            })
+            .collect()
+    }
+
+    /// The value of metadata column `index` when it is the same in every row of the batch (of the hookpoint's
+    /// partition, in fact): run id, hookpoint, site, layer, rank, dtype, shape.
+    pub(crate) fn constant(&self, index: usize) -> Option<Constant<'_>> {
         let spec = &self.hookpoint.spec;
+        Some(match index {
+            0 => Constant::Str(self.run_id),
+            1 => Constant::Str(&spec.name),
+            2 => Constant::Str(spec.site.name()),
+            3 => Constant::Int32(spec.layer.map(|l| l as i32)),
+            8 => Constant::Int32(Some(self.rank as i32)),
+            9 => Constant::Str(spec.dtype.name()),
+            10 => Constant::Int64List(spec.row_width as i64),
+            _ => return None,
+        })
+    }
+
+    /// The metadata columns that vary from row to row, in schema order: step, request id, position, batch row.
+    pub(crate) fn varying_columns(&self) -> [ArrayRef; 4] {
+        let n = self.rows();
         let (mut steps, mut request_ids) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut positions, mut batch_rows) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for record in self.records {
@@ -198,25 +251,11 @@ impl Batch<'_> {
                 batch_rows.push(m.batch_row);
             }
         }
-        let constant = |s: &str| Arc::new(StringArray::from_iter_values(std::iter::repeat_n(s, n))) as ArrayRef;
-        let shape = ListArray::new(
-            Arc::new(Field::new("item", DataType::Int64, false)),
-            OffsetBuffer::from_lengths(std::iter::repeat_n(1, n)),
-            Arc::new(Int64Array::from(vec![spec.row_width as i64; n])),
-            None,
-        );
-        vec![
-            constant(self.run_id),
-            constant(&spec.name),
-            constant(spec.site.name()),
-            Arc::new(Int32Array::from(vec![spec.layer.map(|l| l as i32); n])),
+        [
             Arc::new(UInt64Array::from(steps)),
             Arc::new(UInt64Array::from(request_ids)),
             Arc::new(UInt32Array::from(positions)),
             Arc::new(UInt32Array::from(batch_rows)),
-            Arc::new(Int32Array::from(vec![self.rank as i32; n])),
-            constant(spec.dtype.name()),
-            Arc::new(shape),
         ]
     }
 

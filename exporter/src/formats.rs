@@ -6,10 +6,10 @@ use std::fs::File;
 use arrow::datatypes::SchemaRef;
 use arrow::ipc::writer::FileWriter;
 use bytes::Bytes;
-use parquet::arrow::arrow_writer::{compute_leaves, ArrowRowGroupWriterFactory, ArrowWriterOptions};
+use parquet::arrow::arrow_writer::{compute_leaves, ArrowColumnChunk, ArrowRowGroupWriterFactory, ArrowWriterOptions};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
-use parquet::column::writer::ColumnWriterImpl;
+use parquet::column::writer::{ColumnCloseResult, ColumnWriterImpl};
 use parquet::data_type::{ByteArray, FixedLenByteArray, FixedLenByteArrayType};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::KeyValue;
@@ -17,6 +17,7 @@ use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterVersi
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::types::ColumnPath;
 
+use crate::constants::constant_chunk;
 use crate::dataset::Batch;
 use crate::files::{CommittedFiles, FileFormat, FileSink};
 use crate::output::{Output, ALIGN};
@@ -29,6 +30,9 @@ use crate::DatasetOptions;
 #[derive(Debug, Clone)]
 pub struct Parquet {
     properties: WriterProperties,
+    /// The properties are ours ([`Parquet::with_zstd_level`]): the constant metadata columns are written in constant
+    /// time (`crate::constants`), as their properties say (uncompressed, dictionary, statistics).
+    defaults: bool,
 }
 
 impl Parquet {
@@ -50,17 +54,22 @@ impl Parquet {
             .set_column_dictionary_enabled(activation.clone(), false)
             .set_column_statistics_enabled(activation, EnabledStatistics::None)
             .build();
-        Ok(Parquet { properties })
+        Ok(Parquet { properties, defaults: true })
     }
 }
 
 impl Parquet {
+    /// The writer properties.
+    pub fn properties(&self) -> &WriterProperties {
+        &self.properties
+    }
+
     /// Parquet with writer properties of your own (compression, page size, statistics, ...). Keep the activation
     /// column's dictionary off: every row is distinct. Row groups are the sink's batches
     /// ([`DatasetOptions::batch_bytes`](crate::DatasetOptions::batch_bytes)); the row group limits in `properties`
     /// do not apply.
     pub fn with_properties(properties: WriterProperties) -> Self {
-        Parquet { properties }
+        Parquet { properties, defaults: false }
     }
 }
 
@@ -72,6 +81,8 @@ pub struct ParquetWriter {
     page_bytes: usize,
     /// The activation column's own page writer, when it is zstd-compressed (other codecs use the generic writer).
     pages: Option<ActivationPages>,
+    /// See [`Parquet::defaults`].
+    constants: bool,
 }
 
 impl std::fmt::Debug for ParquetWriter {
@@ -98,7 +109,7 @@ impl FileFormat for Parquet {
             Compression::ZSTD(level) => Some(ActivationPages::new(level, page_bytes).map_err(|e| e.to_string())?),
             _ => None,
         };
-        Ok(ParquetWriter { file, columns, row_groups: 0, page_bytes, pages })
+        Ok(ParquetWriter { file, columns, row_groups: 0, page_bytes, pages, constants: self.defaults })
     }
 
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String> {
@@ -123,13 +134,34 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     writer.row_groups += 1;
     column_writers.pop(); // the activation's: written below
     let mut chunks = Vec::with_capacity(column_writers.len());
-    for ((mut column, field), array) in
-        column_writers.into_iter().zip(batch.schema.fields()).zip(batch.metadata_columns())
-    {
-        for leaf in compute_leaves(field, &array)? {
-            column.write(&leaf)?;
+    if writer.constants {
+        // Our defaults: the constant columns in constant time, the others through Arrow's column writers.
+        let rows = batch.rows();
+        let mut varying = batch.varying_columns().into_iter();
+        for ((i, mut column), field) in column_writers.into_iter().enumerate().zip(batch.schema.fields()) {
+            match batch.constant(i) {
+                Some(value) => {
+                    let (bytes, close) = constant_chunk(writer.file.schema_descr().column(i), value, rows)?;
+                    chunks.push(Chunk::Constant(bytes, close));
+                }
+                None => {
+                    let array = varying.next().expect("four varying columns");
+                    for leaf in compute_leaves(field, &array)? {
+                        column.write(&leaf)?;
+                    }
+                    chunks.push(Chunk::Arrow(column.close()?));
+                }
+            }
         }
-        chunks.push(column.close()?);
+    } else {
+        for ((mut column, field), array) in
+            column_writers.into_iter().zip(batch.schema.fields()).zip(batch.metadata_columns())
+        {
+            for leaf in compute_leaves(field, &array)? {
+                column.write(&leaf)?;
+            }
+            chunks.push(Chunk::Arrow(column.close()?));
+        }
     }
     let activation = writer.file.schema_descr().column(chunks.len());
     let row_bytes = batch.row_bytes().map_err(ParquetError::General)?;
@@ -137,8 +169,7 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     // metadata columns' chunks (see `SpliceWriter`).
     let spliced = match writer.pages.as_mut() {
         Some(pages) => {
-            let start = writer.file.bytes_written() as u64
-                + chunks.iter().map(|c| c.close().metadata.compressed_size() as u64).sum::<u64>();
+            let start = writer.file.bytes_written() as u64 + chunks.iter().map(Chunk::len).sum::<u64>();
             let lead = (start % ALIGN as u64) as usize;
             let mut chunk = writer.file.inner_mut().output().take_buffer()?;
             let close = pages.encode(activation, batch.records, row_bytes, &mut chunk, lead)?;
@@ -150,7 +181,10 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     };
     let mut row_group = writer.file.next_row_group()?;
     for chunk in chunks {
-        chunk.append_to_row_group(&mut row_group)?;
+        match chunk {
+            Chunk::Arrow(chunk) => chunk.append_to_row_group(&mut row_group)?,
+            Chunk::Constant(bytes, close) => row_group.append_column(&bytes, close)?,
+        }
     }
     let Some((close, start, len)) = spliced else {
         let mut column = row_group
@@ -172,6 +206,23 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
         )));
     }
     Ok(())
+}
+
+/// A metadata column's chunk, encoded and waiting to be appended to its row group.
+enum Chunk {
+    Arrow(ArrowColumnChunk),
+    Constant(Bytes, ColumnCloseResult),
+}
+
+impl Chunk {
+    /// Its size in the file.
+    fn len(&self) -> u64 {
+        let close = match self {
+            Chunk::Arrow(chunk) => chunk.close(),
+            Chunk::Constant(_, close) => close,
+        };
+        close.metadata.compressed_size() as u64
+    }
 }
 
 /// The rows of `batch` as fixed-length values that share the records' memory, handed to the column writer about

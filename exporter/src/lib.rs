@@ -10,6 +10,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+mod constants;
 pub mod dataset;
 mod drain;
 mod fanout;

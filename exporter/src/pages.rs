@@ -157,19 +157,33 @@ fn compress_page(
     Ok(())
 }
 
-/// The Thrift (compact protocol) `PageHeader` of a version-1 data page: PLAIN values, RLE level encodings (none
-/// present: the column is required and flat), no statistics, no CRC. Field by field from parquet.thrift:
-/// `PageHeader { 1: type, 2: uncompressed_page_size, 3: compressed_page_size, 5: data_page_header }` and
-/// `DataPageHeader { 1: num_values, 2: encoding, 3: definition_level_encoding, 4: repetition_level_encoding }`.
+/// The Thrift (compact protocol) `PageHeader` of a version-1 data page of PLAIN values, RLE level encodings, no
+/// statistics, no CRC (see [`page_header`]).
 fn data_page_header(uncompressed: usize, compressed: usize, rows: usize) -> Result<Vec<u8>> {
+    page_header(PageKind::Data { values: rows, encoding: Encoding::PLAIN }, uncompressed, compressed)
+}
+
+/// A page's kind and what its header says about its values.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum PageKind {
+    /// A version-1 data page: `values` values (nulls included) in `encoding`; levels, if any, RLE.
+    Data { values: usize, encoding: Encoding },
+    /// A dictionary page of `values` PLAIN values, not sorted.
+    Dictionary { values: usize },
+}
+
+/// The Thrift (compact protocol) `PageHeader` of a page, no statistics, no CRC. Field by field from parquet.thrift:
+/// `PageHeader { 1: type, 2: uncompressed_page_size, 3: compressed_page_size, 5: data_page_header,
+/// 7: dictionary_page_header }`, `DataPageHeader { 1: num_values, 2: encoding, 3: definition_level_encoding,
+/// 4: repetition_level_encoding }` and `DictionaryPageHeader { 1: num_values, 2: encoding, 3: is_sorted }`.
+pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize) -> Result<Vec<u8>> {
     let int = |v: usize, what: &str| {
-        i32::try_from(v).map_err(|_| ParquetError::General(format!("a data page's {what} ({v}) exceeds i32")))
+        i32::try_from(v).map_err(|_| ParquetError::General(format!("a page's {what} ({v}) exceeds i32")))
     };
     const I32: u8 = 5; // compact-protocol type ids
+    const FALSE: u8 = 2;
     const STRUCT: u8 = 12;
-    const DATA_PAGE: i32 = 0; // PageType
-    const PLAIN: i32 = 0; // Encoding
-    const RLE: i32 = 3;
+    const RLE: i32 = 3; // Encoding
     let mut out = Vec::with_capacity(32);
     let field = |out: &mut Vec<u8>, delta: u8, ty: u8| out.push(delta << 4 | ty);
     let i32v = |out: &mut Vec<u8>, v: i32| {
@@ -180,22 +194,38 @@ fn data_page_header(uncompressed: usize, compressed: usize, rows: usize) -> Resu
         }
         out.push(z as u8);
     };
+    let page_type = match kind {
+        PageKind::Data { .. } => 0,
+        PageKind::Dictionary { .. } => 2,
+    };
     field(&mut out, 1, I32);
-    i32v(&mut out, DATA_PAGE);
+    i32v(&mut out, page_type);
     field(&mut out, 1, I32);
     i32v(&mut out, int(uncompressed, "uncompressed size")?);
     field(&mut out, 1, I32);
     i32v(&mut out, int(compressed, "compressed size")?);
-    field(&mut out, 2, STRUCT); // field 5, after field 3
-    field(&mut out, 1, I32);
-    i32v(&mut out, int(rows, "value count")?);
-    field(&mut out, 1, I32);
-    i32v(&mut out, PLAIN);
-    field(&mut out, 1, I32);
-    i32v(&mut out, RLE);
-    field(&mut out, 1, I32);
-    i32v(&mut out, RLE);
-    out.push(0); // end of DataPageHeader
+    match kind {
+        PageKind::Data { values, encoding } => {
+            field(&mut out, 2, STRUCT); // field 5, after field 3
+            field(&mut out, 1, I32);
+            i32v(&mut out, int(values, "value count")?);
+            field(&mut out, 1, I32);
+            i32v(&mut out, encoding as i32);
+            field(&mut out, 1, I32);
+            i32v(&mut out, RLE);
+            field(&mut out, 1, I32);
+            i32v(&mut out, RLE);
+        }
+        PageKind::Dictionary { values } => {
+            field(&mut out, 4, STRUCT); // field 7, after field 3
+            field(&mut out, 1, I32);
+            i32v(&mut out, int(values, "value count")?);
+            field(&mut out, 1, I32);
+            i32v(&mut out, Encoding::PLAIN as i32);
+            field(&mut out, 1, FALSE); // is_sorted = false
+        }
+    }
+    out.push(0); // end of the inner header
     out.push(0); // end of PageHeader
     Ok(out)
 }
