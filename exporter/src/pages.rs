@@ -230,9 +230,19 @@ pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize
     Ok(out)
 }
 
-/// What the Parquet file writer copies as the activation column chunk: as many zero bytes as the chunk has. The real
-/// bytes reach the file through [`SpliceWriter`], which drops these.
+/// What the Parquet file writer copies as the activation column chunk: as many bytes as the chunk has, of no
+/// meaning. The real bytes reach the file through [`SpliceWriter`], which drops these.
 pub(crate) struct Placeholder(pub(crate) u64);
+
+/// A reader that "reads" whatever its caller's buffer already holds: the placeholder's bytes are dropped unread, so
+/// they need not be written (zeroing them was half a percent of the sink's time).
+pub(crate) struct Unread;
+
+impl Read for Unread {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        Ok(buf.len())
+    }
+}
 
 impl Length for Placeholder {
     fn len(&self) -> u64 {
@@ -241,10 +251,10 @@ impl Length for Placeholder {
 }
 
 impl ChunkReader for Placeholder {
-    type T = std::io::Take<std::io::Repeat>;
+    type T = std::io::Take<Unread>;
 
     fn get_read(&self, start: u64) -> Result<Self::T> {
-        Ok(std::io::repeat(0).take(self.0.saturating_sub(start)))
+        Ok(Unread.take(self.0.saturating_sub(start)))
     }
 
     fn get_bytes(&self, _start: u64, _length: usize) -> Result<Bytes> {
