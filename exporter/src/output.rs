@@ -16,7 +16,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
-use crossbeam::channel::{bounded, Receiver, Sender};
+use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 
 /// Alignment of direct writes: file offsets, lengths and memory. 4096 covers devices with 512-byte and 4 KiB logical
@@ -178,8 +178,11 @@ pub struct Output {
     shipped: u64,
     /// Empty buffers for reuse.
     pool: Vec<Buffer>,
-    /// Buffers this file made (direct I/O: at most [`DIRECT_BUFFERS`] plus any the caller kept).
+    /// Buffers this file made (direct I/O: at most [`DIRECT_BUFFERS`], unless none was being written when more
+    /// were needed).
     made: usize,
+    /// Buffers handed to the I/O thread and not back yet.
+    in_flight: usize,
     writer: Writer,
 }
 
@@ -207,7 +210,7 @@ impl Output {
         let buffer_bytes = buffer_bytes.max(ALIGN).next_multiple_of(ALIGN);
         let writer = if direct {
             let (jobs, job_rx) = bounded::<(Buffer, usize)>(DIRECT_BUFFERS);
-            let (done_tx, done) = bounded(DIRECT_BUFFERS);
+            let (done_tx, done) = unbounded(); // never blocks the I/O thread: buffers are few anyway
             let (path, fallback) = (path.to_owned(), direct_io == DirectIo::Auto);
             let thread = std::thread::Builder::new()
                 .name("ringscope-io".into())
@@ -224,6 +227,7 @@ impl Output {
             shipped: 0,
             pool: Vec::new(),
             made: 1,
+            in_flight: 0,
             writer,
         })
     }
@@ -246,9 +250,11 @@ impl Output {
             return Ok(b);
         }
         if let Writer::Thread { done, .. } = &self.writer {
-            if self.made >= DIRECT_BUFFERS {
+            // Wait for one to come back only if one is on its way.
+            if self.made >= DIRECT_BUFFERS && self.in_flight > 0 {
                 match done.recv() {
                     Ok(mut b) => {
+                        self.in_flight -= 1;
                         b.clear();
                         return Ok(b);
                     }
@@ -329,6 +335,7 @@ impl Output {
                 if jobs.send((buffer, n)).is_err() {
                     return Err(self.fail());
                 }
+                self.in_flight += 1;
                 Ok(())
             }
             Writer::Thread { jobs: None, .. } => Err(io::Error::other("the I/O thread was stopped")),
@@ -340,6 +347,7 @@ impl Output {
     fn collect_done(&mut self) {
         if let Writer::Thread { done, .. } = &self.writer {
             let back: Vec<Buffer> = done.try_iter().collect();
+            self.in_flight -= back.len();
             for b in back {
                 self.recycle(b);
             }
@@ -495,6 +503,9 @@ mod tests {
             assert!(e.contains("must lead with its last 904 bytes"), "{e}");
             out.adopt(chunk, 5000 % ALIGN).unwrap();
             assert_eq!(out.position(), 90_000);
+            // Buffers taken and kept, more than a direct file uses: none is on its way back, so none is waited for.
+            let kept: Vec<Buffer> = (0..2 * DIRECT_BUFFERS).map(|_| out.take_buffer().unwrap()).collect();
+            kept.into_iter().for_each(|b| out.recycle(b));
             out.write_all(&data[90_000..]).unwrap();
             out.finish().unwrap();
             assert_eq!(std::fs::read(&path).unwrap(), data, "{direct_io:?}, adopted");
