@@ -141,10 +141,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("rows: {} exported, {} dropped", t.exported.rows, t.dropped_total().rows);
     println!(
-        "bytes: {:.1} MiB of activations → {:.1} MiB on disk ({} files, ratio {:.3})",
+        "bytes: {:.1} MiB of activations → {:.1} MiB on disk ({} files, {} with O_DIRECT; ratio {:.3})",
         data_bytes / 1048576.0,
         on_disk as f64 / 1048576.0,
         report.files.len(),
+        report.files.iter().filter(|f| f.direct_io).count(),
         on_disk as f64 / data_bytes.max(1.0)
     );
     println!(

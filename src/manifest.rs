@@ -45,7 +45,13 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
         .iter()
         .map(|f| {
             let rel = f.path.strip_prefix(run_dir).unwrap_or(&f.path);
-            json!({ "path": rel.to_string_lossy(), "hookpoint": f.hookpoint, "rows": f.rows, "bytes": f.bytes })
+            json!({
+                "path": rel.to_string_lossy(),
+                "hookpoint": f.hookpoint,
+                "rows": f.rows,
+                "bytes": f.bytes,
+                "direct_io": f.direct_io,
+            })
         })
         .collect();
     let manifest = json!({

@@ -49,6 +49,8 @@ pub struct CommittedFile {
     pub rows: u64,
     /// Size on disk.
     pub bytes: u64,
+    /// Whether it was opened with `O_DIRECT` (see [`DatasetOptions::direct_io`]).
+    pub direct_io: bool,
 }
 
 /// Shared list of the files a sink committed, readable while it runs and after.
@@ -56,6 +58,7 @@ pub type CommittedFiles = Arc<Mutex<Vec<CommittedFile>>>;
 
 struct OpenFile<W> {
     writer: W,
+    direct_io: bool,
     tmp: PathBuf,
     index: u32,
     activation_bytes: u64,
@@ -176,9 +179,11 @@ fn flush_partition<F: FileFormat>(
             let buffer_bytes = options.batch_bytes + options.batch_bytes / 8 + (64 << 10);
             let out = Output::create(&tmp, options.direct_io, buffer_bytes)
                 .map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+            let direct_io = out.is_direct();
             let writer = format.create(out, &part.schema)?;
+            let receipts = Vec::new();
             part.open =
-                Some(OpenFile { writer, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts: Vec::new() });
+                Some(OpenFile { writer, direct_io, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts });
         }
         let open = part.open.as_mut().expect("opened above");
         let batch = Batch {
@@ -223,6 +228,7 @@ fn flush_partition<F: FileFormat>(
                     hookpoint: part.hp.spec.name.clone(),
                     rows: open.rows,
                     bytes: len,
+                    direct_io: open.direct_io,
                 });
                 // Dropping the receipts counts the file's records as exported.
                 drop(open.receipts);
