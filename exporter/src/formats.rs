@@ -134,33 +134,25 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
     writer.row_groups += 1;
     column_writers.pop(); // the activation's: written below
     let mut chunks = Vec::with_capacity(column_writers.len());
-    if writer.constants {
-        // Our defaults: the constant columns in constant time, the others through Arrow's column writers.
-        let rows = batch.rows();
-        let mut varying = batch.varying_columns().into_iter();
-        for ((i, mut column), field) in column_writers.into_iter().enumerate().zip(batch.schema.fields()) {
-            match batch.constant(i) {
-                Some(value) => {
-                    let (bytes, close) = constant_chunk(writer.file.schema_descr().column(i), value, rows)?;
-                    chunks.push(Chunk::Constant(bytes, close));
-                }
-                None => {
-                    let array = varying.next().expect("four varying columns");
-                    for leaf in compute_leaves(field, &array)? {
-                        column.write(&leaf)?;
-                    }
-                    chunks.push(Chunk::Arrow(column.close()?));
-                }
+    // With our defaults the constant columns are written in constant time, the others through Arrow's column
+    // writers; with properties of the user's own, every column through Arrow's.
+    let mut arrays: Box<dyn Iterator<Item = arrow::array::ArrayRef>> = match writer.constants {
+        true => Box::new(batch.varying_columns().into_iter()),
+        false => Box::new(batch.metadata_columns().into_iter()),
+    };
+    for ((i, mut column), field) in column_writers.into_iter().enumerate().zip(batch.schema.fields()) {
+        match batch.constant(i).filter(|_| writer.constants) {
+            Some(value) => {
+                let (bytes, close) = constant_chunk(writer.file.schema_descr().column(i), value, batch.rows())?;
+                chunks.push(Chunk::Constant(bytes, close));
             }
-        }
-    } else {
-        for ((mut column, field), array) in
-            column_writers.into_iter().zip(batch.schema.fields()).zip(batch.metadata_columns())
-        {
-            for leaf in compute_leaves(field, &array)? {
-                column.write(&leaf)?;
+            None => {
+                let array = arrays.next().expect("an array for every column not written as a constant");
+                for leaf in compute_leaves(field, &array)? {
+                    column.write(&leaf)?;
+                }
+                chunks.push(Chunk::Arrow(column.close()?));
             }
-            chunks.push(Chunk::Arrow(column.close()?));
         }
     }
     let activation = writer.file.schema_descr().column(chunks.len());
