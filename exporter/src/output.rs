@@ -48,7 +48,7 @@ fn keep_spare(buffers: impl IntoIterator<Item = Buffer>) {
     let mut spare = SPARE.lock();
     let mut bytes: usize = spare.iter().map(Buffer::capacity).sum();
     for mut b in buffers {
-        if bytes + b.capacity() <= SPARE_MAX_BYTES {
+        if b.capacity() > 0 && bytes + b.capacity() <= SPARE_MAX_BYTES {
             bytes += b.capacity();
             b.clear();
             spare.push(b);
@@ -84,21 +84,25 @@ impl std::str::FromStr for DirectIo {
 
 /// A buffer in its own anonymous memory mapping: page-aligned (so direct writes can come straight from it), and
 /// advised to use transparent huge pages where the kernel offers them (fewer page faults when first touched, and
-/// cheaper for the kernel to pin for a direct write). Growing maps a bigger one and copies.
+/// cheaper for the kernel to pin for a direct write). Growing maps a bigger one and copies. [`Buffer::NONE`] maps
+/// nothing (it stands in for a buffer moved out).
 pub(crate) struct Buffer {
-    map: memmap2::MmapMut,
+    map: Option<memmap2::MmapMut>,
     len: usize,
 }
 
 #[allow(clippy::len_without_is_empty)]
 impl Buffer {
+    /// A buffer of no memory at all.
+    const NONE: Buffer = Buffer { map: None, len: 0 };
+
     fn with_capacity(capacity: usize) -> Self {
         let capacity = capacity.max(1).next_multiple_of(ALIGN);
         let map = memmap2::MmapMut::map_anon(capacity)
             .unwrap_or_else(|e| panic!("cannot map a {capacity}-byte output buffer: {e}"));
         #[cfg(target_os = "linux")]
         let _ = map.advise(memmap2::Advice::HugePage); // only advice: without huge pages it works as well
-        Buffer { map, len: 0 }
+        Buffer { map: Some(map), len: 0 }
     }
 
     /// Bytes in the buffer.
@@ -107,16 +111,22 @@ impl Buffer {
     }
 
     fn capacity(&self) -> usize {
-        self.map.len()
+        self.map.as_ref().map_or(0, |m| m.len())
+    }
+
+    /// All of the memory, filled or not.
+    fn memory(&mut self) -> &mut [u8] {
+        self.map.as_deref_mut().unwrap_or_default()
     }
 
     /// The bytes.
     pub(crate) fn bytes(&self) -> &[u8] {
-        &self.map[..self.len]
+        self.map.as_deref().map_or(&[], |m| &m[..self.len])
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.map[..self.len]
+        let len = self.len;
+        &mut self.memory()[..len]
     }
 
     pub(crate) fn clear(&mut self) {
@@ -139,13 +149,15 @@ impl Buffer {
 
     pub(crate) fn extend(&mut self, data: &[u8]) {
         self.reserve(data.len());
-        self.map[self.len..self.len + data.len()].copy_from_slice(data);
+        let len = self.len;
+        self.memory()[len..len + data.len()].copy_from_slice(data);
         self.len += data.len();
     }
 
     /// The free space after the bytes, to write into and then [`advance`](Self::advance) over.
     pub(crate) fn spare(&mut self) -> &mut [u8] {
-        &mut self.map[self.len..]
+        let len = self.len;
+        &mut self.memory()[len..]
     }
 
     /// Counts `n` more bytes written into [`spare`](Self::spare).
@@ -159,9 +171,9 @@ impl Buffer {
 enum Writer {
     Sync(File),
     Thread {
-        jobs: Option<Sender<(Buffer, usize)>>,
+        jobs: Sender<(Buffer, usize)>,
         done: Receiver<Buffer>,
-        thread: Option<JoinHandle<io::Result<File>>>,
+        thread: JoinHandle<io::Result<File>>,
     },
     /// A write failed; every later call reports this.
     Failed(String),
@@ -215,7 +227,7 @@ impl Output {
             let thread = std::thread::Builder::new()
                 .name("ringscope-io".into())
                 .spawn(move || write_jobs(file, &path, fallback, &job_rx, &done_tx))?;
-            Writer::Thread { jobs: Some(jobs), done, thread: Some(thread) }
+            Writer::Thread { jobs, done, thread }
         } else {
             Writer::Sync(file)
         };
@@ -299,7 +311,7 @@ impl Output {
         let filled = self.current.len();
         let total = if self.direct { filled.next_multiple_of(ALIGN) } else { filled };
         self.current.extend(&[0; ALIGN][..total - filled]);
-        let last = std::mem::replace(&mut self.current, Buffer::with_capacity(0));
+        let last = std::mem::replace(&mut self.current, Buffer::NONE);
         self.send(last, total)?;
         let file = match std::mem::replace(&mut self.writer, Writer::Failed("finished".into())) {
             Writer::Sync(file) => file,
@@ -327,7 +339,7 @@ impl Output {
                 self.recycle(buffer);
                 written.map_err(|e| self.note(e))
             }
-            Writer::Thread { jobs: Some(jobs), .. } => {
+            Writer::Thread { jobs, .. } => {
                 if n == 0 {
                     self.recycle(buffer);
                     return Ok(());
@@ -338,7 +350,6 @@ impl Output {
                 self.in_flight += 1;
                 Ok(())
             }
-            Writer::Thread { jobs: None, .. } => Err(io::Error::other("the I/O thread was stopped")),
             Writer::Failed(message) => Err(io::Error::other(message.clone())),
         }
     }
@@ -381,7 +392,7 @@ impl Output {
 
 impl Drop for Output {
     fn drop(&mut self) {
-        let current = std::mem::replace(&mut self.current, Buffer::with_capacity(0));
+        let current = std::mem::replace(&mut self.current, Buffer::NONE);
         keep_spare(self.pool.drain(..).chain([current]));
     }
 }
@@ -462,12 +473,8 @@ fn write_jobs(
     Ok(file)
 }
 
-fn join(thread: Option<JoinHandle<io::Result<File>>>, path: &Path) -> io::Result<File> {
-    match thread.map(JoinHandle::join) {
-        Some(Ok(result)) => result,
-        Some(Err(_)) => Err(io::Error::other(format!("{}: the I/O thread panicked", path.display()))),
-        None => Err(io::Error::other(format!("{}: the I/O thread is gone", path.display()))),
-    }
+fn join(thread: JoinHandle<io::Result<File>>, path: &Path) -> io::Result<File> {
+    thread.join().unwrap_or_else(|_| Err(io::Error::other(format!("{}: the I/O thread panicked", path.display()))))
 }
 
 #[cfg(test)]
@@ -519,7 +526,7 @@ mod tests {
         // A write of an unaligned length is what a file system that opened a file with O_DIRECT rejects.
         let path = scratch("fallback");
         let Ok(mut probe) = open_direct(&path) else { return }; // no O_DIRECT here: nothing to fall back from
-        if probe.write_all(&Buffer::with_capacity(ALIGN).map[..100]).is_ok() {
+        if probe.write_all(&Buffer::with_capacity(ALIGN).memory()[..100]).is_ok() {
             return; // this file system (tmpfs) takes unaligned direct writes: nothing is rejected
         }
         for fallback in [true, false] {
