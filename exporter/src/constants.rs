@@ -20,7 +20,7 @@ use parquet::file::statistics::{Statistics, ValueStatistics};
 use parquet::schema::types::ColumnDescPtr;
 
 use crate::dataset::Constant;
-use crate::pages::{page_header, PageKind};
+use crate::pages::{page_header, uleb128, PageKind};
 
 /// The column chunk of `column` holding `value` in each of `rows` rows, uncompressed, and what the file writer needs
 /// to know about it (offsets relative to the chunk's start).
@@ -119,11 +119,6 @@ pub(crate) fn constant_chunk(
 /// One run of the RLE/bit-packed hybrid encoding: `count` times `value` (one byte: bit width 1), or with no value
 /// bytes at all for bit width 0.
 fn rle_run(out: &mut Vec<u8>, count: usize, value: Option<u8>) {
-    let mut header = (count as u64) << 1; // low bit 0: an RLE run; then unsigned LEB128
-    while header >= 0x80 {
-        out.push(header as u8 | 0x80);
-        header >>= 7;
-    }
-    out.push(header as u8);
+    uleb128(out, (count as u64) << 1); // low bit 0: an RLE run
     out.extend(value);
 }

@@ -186,14 +186,7 @@ pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize
     const RLE: i32 = 3; // Encoding
     let mut out = Vec::with_capacity(32);
     let field = |out: &mut Vec<u8>, delta: u8, ty: u8| out.push(delta << 4 | ty);
-    let i32v = |out: &mut Vec<u8>, v: i32| {
-        let mut z = ((v << 1) ^ (v >> 31)) as u32; // zigzag, then unsigned LEB128
-        while z >= 0x80 {
-            out.push(z as u8 | 0x80);
-            z >>= 7;
-        }
-        out.push(z as u8);
-    };
+    let i32v = |out: &mut Vec<u8>, v: i32| uleb128(out, ((v << 1) ^ (v >> 31)) as u32 as u64); // zigzag first
     let page_type = match kind {
         PageKind::Data { .. } => 0,
         PageKind::Dictionary { .. } => 2,
@@ -228,6 +221,15 @@ pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize
     out.push(0); // end of the inner header
     out.push(0); // end of PageHeader
     Ok(out)
+}
+
+/// `v` as an unsigned LEB128 varint (Thrift's compact protocol, Parquet's RLE run headers).
+pub(crate) fn uleb128(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
 }
 
 /// What the Parquet file writer copies as the activation column chunk: as many bytes as the chunk has, of no
