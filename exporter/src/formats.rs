@@ -140,10 +140,11 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
         true => Box::new(batch.varying_columns().into_iter()),
         false => Box::new(batch.metadata_columns().into_iter()),
     };
+    let rows = batch.rows();
     for ((i, mut column), field) in column_writers.into_iter().enumerate().zip(batch.schema.fields()) {
         match batch.constant(i).filter(|_| writer.constants) {
             Some(value) => {
-                let (bytes, close) = constant_chunk(writer.file.schema_descr().column(i), value, batch.rows())?;
+                let (bytes, close) = constant_chunk(writer.file.schema_descr().column(i), value, rows)?;
                 chunks.push(Chunk::Constant(bytes, close));
             }
             None => {

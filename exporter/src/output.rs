@@ -564,6 +564,10 @@ mod tests {
         // A directory that does not exist.
         let e = Output::create(&scratch("missing").join("f"), DirectIo::Auto, ALIGN).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        // With `on`, what failed is named: the file and O_DIRECT, and what to do about it.
+        let missing = scratch("missing").join("f");
+        let e = Output::create(&missing, DirectIo::On, ALIGN).unwrap_err().to_string();
+        assert!(e.contains(&missing.display().to_string()) && e.contains("O_DIRECT") && e.contains("direct_io"), "{e}");
         // A device that is always full: the error names it, and every later call fails too (on the caller's thread
         // through the page cache, on the I/O thread with O_DIRECT where the device takes it).
         #[cfg(target_os = "linux")]
