@@ -17,7 +17,8 @@
 //! - `parquet_sink`: ringscope's Parquet sink taking the 256 records and closing the file (encode, compress,
 //!   write, fsync, rename), with its default `direct_io = auto` (`O_DIRECT` where the file system has it);
 //! - `parquet_sink_page_cache`: the same with `direct_io = off`;
-//! - `arrow_writer_generic`: the same batches through parquet's generic `ArrowWriter` (the sink's previous path);
+//! - `arrow_writer_generic`: the same batches through parquet's generic `ArrowWriter` with the properties the sink
+//!   used then (the sink's previous path);
 //! - `parquet_sink_uncompressed`: the same sink with compression off.
 
 use std::path::{Path, PathBuf};
@@ -38,8 +39,10 @@ const PER_RECORD: usize = 32;
 /// Records per batch (row group) at the sink's default 4 MiB batches.
 const PER_BATCH: usize = (4 << 20) / (PER_RECORD * WIDTH as usize * 2);
 
-/// The sink's default writer properties at zstd(1) (see `Parquet::with_zstd_level`).
-fn zstd_properties() -> parquet::file::properties::WriterProperties {
+/// The writer properties of the sink's previous path (session 4's `Parquet::with_zstd_level(1)`): zstd(1) on every
+/// column, metadata columns included, and row groups of up to 128 MiB. Today's sink leaves the metadata columns
+/// uncompressed.
+fn previous_properties() -> parquet::file::properties::WriterProperties {
     let activation = parquet::schema::types::ColumnPath::new(vec!["activation".into()]);
     parquet::file::properties::WriterProperties::builder()
         .set_writer_version(parquet::file::properties::WriterVersion::PARQUET_1_0)
@@ -181,14 +184,15 @@ fn variants<'a>(records: &'a [Record], bytes: &'a [u8], dir: &'a Path) -> Vec<Va
             }),
         ),
         // The generic path, for comparison (what the sink did before it wrote the activation column itself): the
-        // same 4 MiB batches as Arrow record batches (rows copied back to back) through `ArrowWriter`, same
-        // properties, closed, synced and renamed.
+        // same 4 MiB batches as Arrow record batches (rows copied back to back) through `ArrowWriter` with the
+        // properties the sink had then, closed, synced and renamed.
         (
             "arrow_writer_generic",
             Box::new(move |n| {
                 let tmp = dir.join(format!(".generic-{n}"));
                 let out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp).unwrap());
-                let mut w = parquet::arrow::ArrowWriter::try_new(out, schema.clone(), Some(zstd_properties())).unwrap();
+                let mut w =
+                    parquet::arrow::ArrowWriter::try_new(out, schema.clone(), Some(previous_properties())).unwrap();
                 for records in records.chunks(PER_BATCH) {
                     let batch = Batch { schema: &schema, hookpoint: &hp, run_id: "bench", rank: 0, records };
                     w.write(&batch.record_batch()).unwrap();
