@@ -357,10 +357,10 @@ impl Output {
     /// Buffers the I/O thread is done with, back to the pool.
     fn collect_done(&mut self) {
         if let Writer::Thread { done, .. } = &self.writer {
-            let back: Vec<Buffer> = done.try_iter().collect();
-            self.in_flight -= back.len();
-            for b in back {
-                self.recycle(b);
+            for mut b in done.try_iter() {
+                self.in_flight -= 1;
+                b.clear();
+                self.pool.push(b);
             }
         }
     }
