@@ -106,6 +106,12 @@ def test_readme_snippets_run(engine):
     assert len(snippets) >= 3, "the README shows pyarrow, DuckDB and Polars"
     for code in snippets:
         ns = {"run_dir": str(RUN_DIR)}
+        if "import torch" in code:
+            # With this seed the snippet's random Llama emits its EOS token (2) as the first new token under
+            # torch 2.11 / transformers 5.24 (about 1 seed in 60 does): the snippet must still make 3 forward passes.
+            import torch
+
+            torch.manual_seed(165)
         exec(compile(code, "README.md", "exec"), ns)
         if "x" in ns:  # the pyarrow → numpy snippet
             x = ns["x"]
