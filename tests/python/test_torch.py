@@ -50,8 +50,9 @@ def test_generate_rows_equal_output_hidden_states_bit_for_bit(model_type):
     att.request_ids = [41, 42]
     prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
-                             output_hidden_states=True, return_dict_in_generate=True, pad_token_id=0)
+        # min_new_tokens: a random model may emit its EOS token, and the count below expects 4 forward passes.
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, output_hidden_states=True, return_dict_in_generate=True, pad_token_id=0)
     records = collect(session, sub)
     names = {v: k for k, v in att.hookpoints.items()}
     got = {}
