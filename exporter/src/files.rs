@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
@@ -49,7 +50,8 @@ pub struct CommittedFile {
     pub rows: u64,
     /// Size on disk.
     pub bytes: u64,
-    /// Whether it was opened with `O_DIRECT` (see [`DatasetOptions::direct_io`]).
+    /// Whether it was written with `O_DIRECT` to the end (see [`DatasetOptions::direct_io`]; with `auto`, a file
+    /// system that rejects a direct write makes the rest of the file go through the page cache).
     pub direct_io: bool,
 }
 
@@ -58,7 +60,7 @@ pub type CommittedFiles = Arc<Mutex<Vec<CommittedFile>>>;
 
 struct OpenFile<W> {
     writer: W,
-    direct_io: bool,
+    direct_io: Arc<AtomicBool>,
     tmp: PathBuf,
     index: u32,
     activation_bytes: u64,
@@ -179,7 +181,7 @@ fn flush_partition<F: FileFormat>(
             let buffer_bytes = options.batch_bytes + options.batch_bytes / 8 + (64 << 10);
             let out = Output::create(&tmp, options.direct_io, buffer_bytes)
                 .map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-            let direct_io = out.is_direct();
+            let direct_io = out.direct_writes();
             let writer = format.create(out, &part.schema)?;
             let receipts = Vec::new();
             part.open =
@@ -228,7 +230,7 @@ fn flush_partition<F: FileFormat>(
                     hookpoint: part.hp.spec.name.clone(),
                     rows: open.rows,
                     bytes: len,
-                    direct_io: open.direct_io,
+                    direct_io: open.direct_io.load(Ordering::Relaxed), // final: the file is finished
                 });
                 // Dropping the receipts counts the file's records as exported.
                 drop(open.receipts);

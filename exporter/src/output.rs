@@ -14,6 +14,8 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
@@ -183,7 +185,10 @@ enum Writer {
 /// large writes; [`finish`](Self::finish) writes the rest and returns the file.
 pub struct Output {
     path: PathBuf,
+    /// Opened with `O_DIRECT`: writes are aligned and the last block padded.
     direct: bool,
+    /// Still written with `O_DIRECT`: cleared by the I/O thread when `auto` falls back to the page cache.
+    direct_writes: Arc<AtomicBool>,
     buffer_bytes: usize,
     current: Buffer,
     /// Stream bytes before `current`'s first byte (always a multiple of [`ALIGN`]).
@@ -220,10 +225,12 @@ impl Output {
             },
         };
         let buffer_bytes = buffer_bytes.max(ALIGN).next_multiple_of(ALIGN);
+        let direct_writes = Arc::new(AtomicBool::new(direct));
         let writer = if direct {
             let (jobs, job_rx) = bounded::<(Buffer, usize)>(DIRECT_BUFFERS);
             let (done_tx, done) = unbounded(); // never blocks the I/O thread: buffers are few anyway
-            let (path, fallback) = (path.to_owned(), direct_io == DirectIo::Auto);
+            let path = path.to_owned();
+            let fallback = (direct_io == DirectIo::Auto).then(|| direct_writes.clone());
             let thread = std::thread::Builder::new()
                 .name("ringscope-io".into())
                 .spawn(move || write_jobs(file, &path, fallback, &job_rx, &done_tx))?;
@@ -234,6 +241,7 @@ impl Output {
         Ok(Output {
             path: path.to_owned(),
             direct,
+            direct_writes,
             buffer_bytes,
             current: spare_buffer(buffer_bytes),
             shipped: 0,
@@ -244,9 +252,15 @@ impl Output {
         })
     }
 
-    /// Whether writes bypass the page cache.
+    /// Whether writes bypass the page cache (so far: with `auto`, a file system that rejects a direct write makes
+    /// the rest go through the page cache).
     pub fn is_direct(&self) -> bool {
-        self.direct
+        self.direct_writes.load(Ordering::Relaxed)
+    }
+
+    /// A handle on [`is_direct`](Self::is_direct) that outlives the output: final once the file is finished.
+    pub(crate) fn direct_writes(&self) -> Arc<AtomicBool> {
+        self.direct_writes.clone()
     }
 
     /// Bytes of the stream so far.
@@ -438,12 +452,13 @@ fn open_direct(path: &Path) -> io::Result<File> {
 }
 
 /// The I/O thread: writes each job's bytes in order and hands the buffer back; stops at the first error. With
-/// `fallback` (`DirectIo::Auto`), a file system that opened the file with `O_DIRECT` but rejects a direct write as
-/// invalid gets the file reopened without it, and the write is retried from where it stopped.
+/// `fallback` (`DirectIo::Auto`: the file's [`Output::is_direct`] flag), a file system that opened the file with
+/// `O_DIRECT` but rejects a direct write as invalid gets the file reopened without it (the flag cleared), and the
+/// write is retried from where it stopped.
 fn write_jobs(
     mut file: File,
     path: &Path,
-    mut fallback: bool,
+    mut fallback: Option<Arc<AtomicBool>>,
     jobs: &Receiver<(Buffer, usize)>,
     done: &Sender<Buffer>,
 ) -> io::Result<File> {
@@ -458,8 +473,8 @@ fn write_jobs(
                     offset += k as u64;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::InvalidInput && fallback => {
-                    fallback = false;
+                Err(e) if e.kind() == io::ErrorKind::InvalidInput && fallback.is_some() => {
+                    fallback.take().into_iter().for_each(|direct| direct.store(false, Ordering::Relaxed));
                     file = OpenOptions::new().write(true).open(path)?;
                     io::Seek::seek(&mut file, io::SeekFrom::Start(offset))?;
                 }
@@ -530,6 +545,7 @@ mod tests {
             return; // this file system (tmpfs) takes unaligned direct writes: nothing is rejected
         }
         for fallback in [true, false] {
+            let direct = Arc::new(AtomicBool::new(true));
             let file = open_direct(&path).unwrap();
             let (jobs, job_rx) = bounded(2);
             let (done_tx, done) = bounded(2);
@@ -540,9 +556,10 @@ mod tests {
             jobs.send((aligned, ALIGN)).unwrap();
             jobs.send((odd, 100)).unwrap();
             drop(jobs);
-            match write_jobs(file, &path, fallback, &job_rx, &done_tx) {
+            match write_jobs(file, &path, fallback.then(|| direct.clone()), &job_rx, &done_tx) {
                 Ok(_) => {
                     assert!(fallback, "the unaligned direct write was accepted only through the fallback");
+                    assert!(!direct.load(Ordering::Relaxed), "the file says it fell back");
                     let mut want = vec![7; ALIGN];
                     want.extend([9; 100]);
                     assert_eq!(std::fs::read(&path).unwrap(), want);
