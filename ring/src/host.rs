@@ -28,6 +28,7 @@ use crate::error::{DecodeError, ReserveError, RingError};
 use crate::record::{
     align_up, flags, write_payload, RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta, HEADER_LEN, RECORD_ALIGN,
 };
+use crate::space;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering, Shadow};
 
 /// Smallest ring capacity accepted, in bytes.
@@ -196,13 +197,12 @@ impl Producer {
         let cap = self.shared.capacity;
         let footprint = align_up(HEADER_LEN + payload_len);
         let offset = self.head_offset;
-        let pad = if footprint <= cap - offset { 0 } else { cap - offset };
+        let pad = space::wrap_pad(offset as u64, footprint as u64, cap as u64) as usize;
         let needed = pad + footprint;
-        let mut free = cap - (self.head - self.cached_tail) as usize;
-        if needed > free {
+        if !space::fits(self.head, self.cached_tail, needed as u64, cap as u64) {
             self.cached_tail = self.shared.tail.load(Ordering::Acquire);
-            free = cap - (self.head - self.cached_tail) as usize;
-            if needed > free {
+            if !space::fits(self.head, self.cached_tail, needed as u64, cap as u64) {
+                let free = cap - (self.head - self.cached_tail) as usize;
                 return Err(ReserveError::Full { needed, free });
             }
         }
@@ -240,7 +240,7 @@ impl Producer {
                     let mut guard = signal.lock.lock();
                     signal.waiters.fetch_add(1, Ordering::SeqCst);
                     let tail = self.shared.tail.load(Ordering::SeqCst);
-                    let still_full = self.shared.capacity - ((self.head - tail) as usize) < needed;
+                    let still_full = !space::fits(self.head, tail, needed as u64, self.shared.capacity as u64);
                     if still_full && self.shared.consumer_alive.load(Ordering::SeqCst) {
                         // The timeout is a backstop only; `SpaceSignal::notify` wakes us when space is released.
                         let wake = deadline.min(now + std::time::Duration::from_millis(10));

@@ -7,7 +7,9 @@
 //! * [`host`] — the ring protocol over host memory: reserve → write → publish on the producer,
 //!   peek → advance → release on the consumer.
 //! * [`cuda`] — the same protocol on device memory: capture kernels publish, a drain copies through pinned memory.
-//!   The driver is loaded at run time; without one, opening a device is an error, never a panic.
+//!   [`cuda::driver`] is the one CUDA driver layer of ringscope (raw calls, errors, RAII owners); the driver is
+//!   loaded at run time, and without one opening a device is an error, never a panic.
+//! * [`space`] — the ring-space arithmetic (wrap padding, "does it fit") both backends decide with.
 //!
 //! This crate moves bytes and decides nothing: whether to wait for space or drop a record is the policy's call.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -18,6 +20,7 @@ pub mod dtype;
 pub mod error;
 pub mod host;
 pub mod record;
+pub mod space;
 mod sync;
 
 pub use dtype::DType;

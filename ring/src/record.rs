@@ -44,14 +44,21 @@ pub mod flags {
 /// probability 2^-64. It costs seven multiplies (a CRC of the same 56 bytes took a quarter of the host ring's
 /// per-record time) and is a few lines in the CUDA kernels, which write the same headers.
 pub fn header_check(h: &[u8; HEADER_LEN]) -> u64 {
-    let mut acc: u64 = 0x5253_5231_6865_6164; // "RSR1head"
+    let mut acc: u64 = HEADER_CHECK_SEED;
     for w in h[..56].chunks_exact(8) {
         acc ^= u64::from_le_bytes(w.try_into().expect("8 bytes"));
-        acc = acc.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        acc ^= acc >> 29;
+        acc = acc.wrapping_mul(HEADER_CHECK_MUL);
+        acc ^= acc >> HEADER_CHECK_SHIFT;
     }
     acc
 }
+
+/// [`header_check`]'s starting value: the bytes `RSR1head` read as a big-endian `u64`.
+pub const HEADER_CHECK_SEED: u64 = 0x5253_5231_6865_6164;
+/// [`header_check`]'s odd multiplier.
+pub const HEADER_CHECK_MUL: u64 = 0x9E37_79B9_7F4A_7C15;
+/// [`header_check`]'s xorshift.
+pub const HEADER_CHECK_SHIFT: u32 = 29;
 
 /// Rounds `n` up to the next multiple of [`RECORD_ALIGN`].
 pub const fn align_up(n: usize) -> usize {
