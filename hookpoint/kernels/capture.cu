@@ -1,6 +1,10 @@
 // ringscope HookPoint kernels. Compiled once per process with NVRTC for the device's architecture
-// (hookpoint/src/cuda.rs). The record bytes follow docs/format.md exactly; the state offsets mirror
-// ring/src/cuda.rs (modules `state` and `host`).
+// (hookpoint/src/cuda/kernels.rs). The record bytes follow docs/format.md exactly.
+//
+// Every number shared with Rust (ring state and host block offsets, error bits, counter words, descriptor fields,
+// record header constants, row-selection modes, MAX_MANY, ...) comes from a prelude of #defines that
+// hookpoint/src/cuda/kernels.rs generates from the Rust constants and puts before this file; static_asserts it
+// appends after it hold the structs below to the Rust encoders' layout. Do not define those numbers here.
 //
 // Rules these kernels live by (see docs/gpu.md):
 // * Everything that can change between graph replays is read from device memory at run time: the step
@@ -13,71 +17,40 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned char u8;
 
-// Device state block (ring/src/cuda.rs `state`).
-#define ST_HEAD 0
-#define ST_SEQ 8
-#define ST_TAIL 64
-#define ST_TAIL_SNAP 128
-#define ST_DONE 136
-#define ST_BEGIN_DONE 140
-#define ST_BUSY 144
-#define ST_NEXT_STEP 152
-// Host (mapped) block (ring/src/cuda.rs `host`).
-#define HS_HEAD 0
-#define HS_PROGRESS 64
-#define HS_ERRORS 128
-// Error bits (ring/src/cuda.rs `errors`).
-#define ERR_CONCURRENT 1u
-#define ERR_FULL_MODE_OVERRUN 2u
-
-// Per-hookpoint control, 64 bytes (hookpoint/src/cuda.rs `DeviceControl`).
+// Per-hookpoint control, CONTROL_BYTES (hookpoint/src/cuda/controls.rs `DeviceControl`).
 struct Control {
     u32 enabled;
     u32 every_n;
-    u32 mode;  // 0 all rows, 1 explicit list, 2 last row per request
+    u32 mode;  // ROW_ALL, ROW_LIST (explicit list) or ROW_LAST_PER_REQUEST
     u32 list_len;
-    u64 list_ptr;        // device u32[list_len] for mode 1
+    u64 list_ptr;        // device u32[list_len] for ROW_LIST
     u64 valid_rows_ptr;  // device u32 scalar: rows past it are padding (0 = none)
     u64 reserved[4];
 };
 
-// Per-hookpoint counters, 16 x u64 (hookpoint/src/cuda.rs `counter`).
-#define C_PRODUCED_REC 0
-#define C_PRODUCED_ROWS 1
-#define C_SAMPLED_REC 2
-#define C_SAMPLED_ROWS 3
-#define C_PUBLISHED_REC 4
-#define C_PUBLISHED_ROWS 5
-#define C_FULL_REC 6
-#define C_FULL_ROWS 7
-#define C_TOO_LARGE_REC 8
-#define C_TOO_LARGE_ROWS 9
-#define C_DEADLINE_REC 10
-#define C_DEADLINE_ROWS 11
+// Per-hookpoint counters: COUNTER_WORDS x u64, a (records, rows) pair per C_*_REC / C_*_ROWS
+// (hookpoint/src/cuda/counters.rs).
 
-// Step descriptor: 64-byte header {u64 step; u32 n_rows; u32 n_last; u64 begin_index; u32 flags}, then RowMeta[n_rows]
-// (16 bytes each), then u32 last_row[n_last] (batch row of each request's last token, ascending).
+// Step descriptor (hookpoint/src/cuda/slots.rs `desc`): a DESC_HEADER_BYTES header {u64 step; u32 n_rows;
+// u32 n_last; u64 begin_index; u32 flags} at DESC_* offsets, then RowMeta[n_rows] (META_BYTES each), then
+// u32 last_row[n_last] (batch row of each request's last token, ascending). Flag DESC_DEADLINE: full mode,
+// begin_step found no room in time; drop and count this step's captures.
+// Records: HEADER_BYTES header starting with MAGIC_VERSION_LEN ("RSR1", version, header length), RECORD_ALIGN
+// alignment (RECORD_ALIGN_MASK = alignment - 1); pads carry dtype DTYPE_PAD (u8), as the host encoder writes them.
 
-#define HEADER_BYTES 64ull
-#define META_BYTES 16ull
-#define MAGIC_VERSION_LEN 0x0040000131525352ull  // "RSR1", version 1, header_len 64
-#define KIND_DATA 1ull
-#define DTYPE_PAD 6ull  // pads carry dtype u8, as the host encoder writes them
-#define FLAG_ROW_SELECTION 2ull
 #define UNROLL 4
-#define DESC_DEADLINE 1u  // full mode: begin_step found no room in time; drop and count this step's captures
 
 __device__ __forceinline__ u64 ld64(const u8* p) { return *(const volatile u64*)p; }
 __device__ __forceinline__ void st64(u8* p, u64 v) { *(volatile u64*)p = v; }
 
 __device__ void write_header(u8* at, u64 w1, u64 w2, u64 w3, u64 w4, u64 w5) {
     u64 w[8] = {MAGIC_VERSION_LEN, w1, w2, w3, w4, w5, 0ull, 0ull};
-    u64 acc = 0x5253523168656164ull;  // "RSR1head"
+    u64 acc = HEADER_CHECK_SEED;  // "RSR1head"
 #pragma unroll
     for (int i = 0; i < 7; i++) {
         acc ^= w[i];
-        acc *= 0x9E3779B97F4A7C15ull;
-        acc ^= acc >> 29;
+        acc *= HEADER_CHECK_MUL;
+        acc ^= acc >> HEADER_CHECK_SHIFT;
     }
     w[7] = acc;
     ulonglong2* dst = (ulonglong2*)at;
@@ -90,16 +63,16 @@ __device__ __forceinline__ void set_error(u8* host, u32 bit) {
     *e = *e | bit;
 }
 
-extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
     u8* ring, u64 capacity, u8* state, u8* host, const Control* controls, u64* counters, const u8* desc,
     u32 hookpoint, u32 dtype, u32 row_bytes, const u8* __restrict__ src, u32 src_rows, u32 full_mode) {
     __shared__ u32 s_rows;
     // Independent loads first, so their latencies overlap.
     const Control c = controls[hookpoint];
-    const u64 step = *(const u64*)desc;
-    const u32 n_rows = *(const u32*)(desc + 8);
-    const u32 n_last = *(const u32*)(desc + 12);
-    const u32 desc_flags = *(const u32*)(desc + 24);
+    const u64 step = *(const u64*)(desc + DESC_STEP);
+    const u32 n_rows = *(const u32*)(desc + DESC_N_ROWS);
+    const u32 n_last = *(const u32*)(desc + DESC_N_LAST);
+    const u32 desc_flags = *(const u32*)(desc + DESC_FLAGS);
     const u64 head = ld64(state + ST_HEAD);
     const u64 seq = ld64(state + ST_SEQ);
     const u64 tail = ld64(state + ST_TAIL_SNAP);
@@ -132,9 +105,9 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
     if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
     const u32* idx = 0;
     u32 rows = bound;
-    if (c.mode != 0) {
-        idx = c.mode == 1 ? (const u32*)c.list_ptr : (const u32*)(desc + HEADER_BYTES + META_BYTES * n_rows);
-        const u32 len = c.mode == 1 ? c.list_len : n_last;
+    if (c.mode != ROW_ALL) {
+        idx = c.mode == ROW_LIST ? (const u32*)c.list_ptr : (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows);
+        const u32 len = c.mode == ROW_LIST ? c.list_len : n_last;
         // Rows are taken in list order up to the first index at or past `bound` (padding).
         if (threadIdx.x == 0) s_rows = len;
         __syncthreads();
@@ -143,13 +116,13 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
         __syncthreads();
         rows = s_rows;
     }
-    if (lead && was_busy) set_error(host, ERR_CONCURRENT);
+    if (lead && was_busy) set_error(host, ERR_CONCURRENT_PRODUCERS);
 
-    u64* cnt = counters + 16ull * hookpoint;
+    u64* cnt = counters + COUNTER_WORDS * hookpoint;
     const bool sampled = c.enabled && (step % (u64)(c.every_n ? c.every_n : 1)) == 0;
-    const u64 meta_bytes = (META_BYTES * rows + 63ull) & ~63ull;
+    const u64 meta_bytes = (META_BYTES * rows + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
     const u64 payload_len = meta_bytes + (u64)rows * row_bytes;
-    const u64 footprint = (HEADER_BYTES + payload_len + 63ull) & ~63ull;
+    const u64 footprint = (HEADER_BYTES + payload_len + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
     const u64 offset = head % capacity;
     const u64 pad = footprint <= capacity - offset ? 0 : capacity - offset;
     const bool too_large = HEADER_BYTES + payload_len > capacity / 2;
@@ -178,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
     u8* rec = ring + start;
     if (lead) {
         if (pad) write_header(ring + offset, 0, 0, 0, DTYPE_PAD << 40, pad - HEADER_BYTES);
-        const u64 flags = (c.mode != 0 || rows != n_rows) ? FLAG_ROW_SELECTION : 0;
+        const u64 flags = (c.mode != ROW_ALL || rows != n_rows) ? FLAG_ROW_SELECTION : 0;
         write_header(rec, seq, step, (u64)hookpoint | ((u64)rows << 32),
                      (u64)row_bytes | (KIND_DATA << 32) | ((u64)dtype << 40) | (flags << 48), payload_len);
     }
@@ -191,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
     // Row metadata of the kept rows, then zeros up to the 64-byte boundary.
     const u64 gtid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 gsize = (u64)gridDim.x * blockDim.x;
-    const uint4* metas = (const uint4*)(desc + HEADER_BYTES);
+    const uint4* metas = (const uint4*)(desc + DESC_HEADER_BYTES);
     uint4* meta_dst = (uint4*)(rec + HEADER_BYTES);
     for (u64 i = gtid; i < meta_bytes / 16; i += gsize)
         meta_dst[i] = i < rows ? metas[idx ? idx[i] : i] : make_uint4(0, 0, 0, 0);
@@ -250,8 +223,8 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
     if (threadIdx.x != 0) return;
     if (gridDim.x > 1) {
         __threadfence();
-        if (atomicAdd((u32*)(state + ST_DONE), 1u) != gridDim.x - 1) return;
-        *(volatile u32*)(state + ST_DONE) = 0;
+        if (atomicAdd((u32*)(state + ST_DONE_BLOCKS), 1u) != gridDim.x - 1) return;
+        *(volatile u32*)(state + ST_DONE_BLOCKS) = 0;
     }
     const u64 new_head = head + pad + footprint;
     st64(state + ST_HEAD, new_head);
@@ -270,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture(
 
 // Starts a step: copies the step descriptor from a pinned slot (written by the host before the launch) into its
 // fixed device home, refreshes the tail snapshot, and reports progress to the host.
-extern "C" __global__ void __launch_bounds__(256) ringscope_begin_step(
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step(
     u8* state, u8* host, u8* desc, const u8* slot, u32 desc_bytes, u64 begin_index) {
     const u64 tail_now = ld64(state + ST_TAIL);
     const u32 units = desc_bytes / 16;
@@ -285,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_begin_step(
     }
     st64(state + ST_TAIL_SNAP, tail_now);
     // Steps begun inside a graph (ringscope_begin_step_graph) continue from here.
-    st64(state + ST_NEXT_STEP, ld64(desc) + 1);
+    st64(state + ST_NEXT_STEP, ld64(desc + DESC_STEP) + 1);
     // The slot has been read (the loads completed before the stores above): the host may reuse it.
     __threadfence_system();
     st64(host + HS_PROGRESS, begin_index + 1);
@@ -299,8 +272,9 @@ struct GraphBatch {
     u32 batch;
     u32 seq;
     u32 pos_stride;
-    u32 on;  // 0: the batch is the descriptor's; 1: from here, and this kernel numbers the step (the first of the
-             // step); 2: from here, in a step an earlier kernel numbered (a step's captures copied in two parts)
+    u32 on;  // GB_OFF: the batch is the descriptor's; GB_FIRST: from here, and this kernel numbers the step (the
+             // first of the step); GB_LATER: from here, in a step an earlier kernel numbered (a step's captures
+             // copied in two parts)
 };
 
 __device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
@@ -312,19 +286,19 @@ __device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
 
 // Starts a step from inside a CUDA graph (captures launched one by one): builds the batch descriptor from the
 // engine's device tensors, numbers the step one past the previous one. One block, no host memory, no waiting.
-extern "C" __global__ void __launch_bounds__(256) ringscope_begin_step_graph(u8* state, u8* desc, GraphBatch g) {
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph(u8* state, u8* desc, GraphBatch g) {
     const u64 tail_now = ld64(state + ST_TAIL);
     const u64 step = ld64(state + ST_NEXT_STEP);
     const u32 n = g.batch * g.seq;
-    for (u32 r = threadIdx.x; r < n; r += blockDim.x) ((uint4*)(desc + HEADER_BYTES))[r] = graph_meta(g, r);
-    u32* last = (u32*)(desc + HEADER_BYTES + META_BYTES * n);
+    for (u32 r = threadIdx.x; r < n; r += blockDim.x) ((uint4*)(desc + DESC_HEADER_BYTES))[r] = graph_meta(g, r);
+    u32* last = (u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n);
     for (u32 b = threadIdx.x; b < g.batch; b += blockDim.x) last[b] = b * g.seq + g.seq - 1;
     if (threadIdx.x == 0) {
-        st64(desc, step);
-        *(u32*)(desc + 8) = n;
-        *(u32*)(desc + 12) = g.batch;
-        st64(desc + 16, 0);
-        *(u32*)(desc + 24) = 0;
+        st64(desc + DESC_STEP, step);
+        *(u32*)(desc + DESC_N_ROWS) = n;
+        *(u32*)(desc + DESC_N_LAST) = g.batch;
+        st64(desc + DESC_BEGIN_INDEX, 0);
+        *(u32*)(desc + DESC_FLAGS) = 0;
         st64(state + ST_NEXT_STEP, step + 1);
         st64(state + ST_TAIL_SNAP, tail_now);
     }
@@ -332,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_begin_step_graph(u8*
 
 // Deferred captures: every capture of a step, copied by one kernel when the step ends (the engine keeps the
 // tensors unchanged until then). Same records, same order, same counters as one ringscope_capture per entry.
-#define MAX_MANY 48
+// At most MAX_MANY entries per kernel.
 struct Entry {
     u64 src;
     u32 hookpoint;
@@ -362,10 +336,10 @@ struct Plan {
 };
 
 __device__ __forceinline__ u32 many_row(const Control& c, const u8* desc, u32 n_rows, const GraphBatch& g, u32 k) {
-    if (c.mode == 0) return k;
-    if (c.mode == 1) return ((const u32*)c.list_ptr)[k];
-    if (g.on) return k * g.seq + g.seq - 1;
-    return ((const u32*)(desc + HEADER_BYTES + META_BYTES * n_rows))[k];
+    if (c.mode == ROW_ALL) return k;
+    if (c.mode == ROW_LIST) return ((const u32*)c.list_ptr)[k];
+    if (g.on) return k * g.seq + g.seq - 1;  // the batch from g: each batch row's last token
+    return ((const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows))[k];
 }
 
 // The entry whose range [first[i], first[i + 1]) holds unit u (first[] ascending, first[n] = total).
@@ -378,7 +352,7 @@ __device__ __forceinline__ u32 find_entry(const u64* first, u32 n, u64 u) {
     return lo;
 }
 
-extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
     u8* ring, u64 capacity, u8* state, u8* host, const Control* controls, u64* counters, const u8* desc, Many m) {
     __shared__ Plan plan[MAX_MANY];
     __shared__ Control ctl[MAX_MANY];
@@ -387,11 +361,12 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     __shared__ u64 s_head, s_seq;
     const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
     const u32 n = m.n;
-    const u64 step = m.g.on == 1 ? ld64(state + ST_NEXT_STEP) : m.g.on ? ld64(state + ST_NEXT_STEP) - 1
-                                                                        : *(const u64*)desc;
-    const u32 n_rows = m.g.on ? m.g.batch * m.g.seq : *(const u32*)(desc + 8);
-    const u32 n_last = m.g.on ? m.g.batch : *(const u32*)(desc + 12);
-    const u32 desc_flags = m.g.on ? 0u : *(const u32*)(desc + 24);
+    // m.g.on: GB_OFF (0), or the batch comes from m.g.
+    const u64 step = m.g.on == GB_FIRST ? ld64(state + ST_NEXT_STEP) : m.g.on ? ld64(state + ST_NEXT_STEP) - 1
+                                                                              : *(const u64*)(desc + DESC_STEP);
+    const u32 n_rows = m.g.on ? m.g.batch * m.g.seq : *(const u32*)(desc + DESC_N_ROWS);
+    const u32 n_last = m.g.on ? m.g.batch : *(const u32*)(desc + DESC_N_LAST);
+    const u32 desc_flags = m.g.on ? 0u : *(const u32*)(desc + DESC_FLAGS);
     const u64 head0 = ld64(state + ST_HEAD);
     const u64 seq0 = ld64(state + ST_SEQ);
     const u64 tail = ld64(state + ST_TAIL_SNAP);
@@ -413,9 +388,9 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
         ctl[i] = c;
         u32 bound = min(e.src_rows, n_rows);
         if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
-        const bool scan = c.mode == 1 || (c.mode == 2 && !m.g.on);
+        const bool scan = c.mode == ROW_LIST || (c.mode == ROW_LAST_PER_REQUEST && !m.g.on);
         Plan p;
-        p.rows = c.mode == 0 ? bound : c.mode == 2 && m.g.on ? bound / m.g.seq : 0;
+        p.rows = c.mode == ROW_ALL ? bound : c.mode == ROW_LAST_PER_REQUEST && m.g.on ? bound / m.g.seq : 0;
         p.pad = bound;  // kept for the list scan
         p.vec = ((e.src | e.row_bytes) & 15) == 0;
         p.status = c.enabled && (c.every_n <= 1 || step % (u64)c.every_n == 0) ? -1 : C_SAMPLED_REC;
@@ -427,8 +402,8 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     if (s_scan) {
         for (u32 i = 0; i < n; i++) {
             const Control c = ctl[i];
-            if (c.mode == 0 || (c.mode == 2 && m.g.on)) continue;
-            const u32 len = c.mode == 1 ? c.list_len : n_last;
+            if (c.mode == ROW_ALL || (c.mode == ROW_LAST_PER_REQUEST && m.g.on)) continue;
+            const u32 len = c.mode == ROW_LIST ? c.list_len : n_last;
             const u32 bound = (u32)plan[i].pad;
             if (threadIdx.x == 0) s_min = len;
             __syncthreads();
@@ -442,9 +417,9 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         Plan& p = plan[i];
         const u32 rb = m.e[i].row_bytes;
-        p.meta_bytes = (META_BYTES * p.rows + 63ull) & ~63ull;
+        p.meta_bytes = (META_BYTES * p.rows + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
         p.payload_len = p.meta_bytes + (u64)p.rows * rb;
-        p.footprint = (HEADER_BYTES + p.payload_len + 63ull) & ~63ull;
+        p.footprint = (HEADER_BYTES + p.payload_len + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
         if (p.rows == 0) p.status = -2;
         else if (p.status == -1 && HEADER_BYTES + p.payload_len > capacity / 2) p.status = C_TOO_LARGE_REC;
         else if (p.status == -1 && deadline) p.status = C_DEADLINE_REC;
@@ -480,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
         s_seq = seq;
     }
     __syncthreads();
-    if (lead && was_busy) set_error(host, ERR_CONCURRENT);
+    if (lead && was_busy) set_error(host, ERR_CONCURRENT_PRODUCERS);
 
     // 4. Headers (one thread per record), metadata and rows (all threads over all records at once).
     const u64 gtid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -490,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
         if (p.status != -1) continue;
         const Entry& e = m.e[i];
         if (p.pad) write_header(ring + p.pad_at, 0, 0, 0, DTYPE_PAD << 40, p.pad - HEADER_BYTES);
-        const u64 flags = (ctl[i].mode != 0 || p.rows != n_rows) ? FLAG_ROW_SELECTION : 0;
+        const u64 flags = (ctl[i].mode != ROW_ALL || p.rows != n_rows) ? FLAG_ROW_SELECTION : 0;
         write_header(ring + p.start, p.seq, step, (u64)e.hookpoint | ((u64)p.rows << 32),
                      (u64)e.row_bytes | (KIND_DATA << 32) | ((u64)e.dtype << 40) | (flags << 48), p.payload_len);
     }
@@ -501,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
         uint4 v = make_uint4(0, 0, 0, 0);
         if (j < p.rows) {
             const u32 r = many_row(ctl[i], desc, n_rows, m.g, (u32)j);
-            v = m.g.on ? graph_meta(m.g, r) : ((const uint4*)(desc + HEADER_BYTES))[r];
+            v = m.g.on ? graph_meta(m.g, r) : ((const uint4*)(desc + DESC_HEADER_BYTES))[r];
         }
         ((uint4*)(ring + p.start + HEADER_BYTES))[j] = v;
     }
@@ -522,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
             const u32 j = (u32)(u - s_unit[i]);  // < 2^32: a record is at most half the ring, in 16-byte units
             const u32 upr = p.vec ? rb / 16 : rb;
             const u32 row = j / upr, col = j - row * upr;
-            const u64 r = ctl[i].mode == 0 ? row : many_row(ctl[i], desc, n_rows, m.g, row);
+            const u64 r = ctl[i].mode == ROW_ALL ? row : many_row(ctl[i], desc, n_rows, m.g, row);
             const u8* src = (const u8*)m.e[i].src + r * rb;
             u8* out = ring + p.start + HEADER_BYTES + p.meta_bytes;
             wide[k] = p.vec;
@@ -547,14 +522,14 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     if (threadIdx.x != 0) return;
     if (gridDim.x > 1) {
         __threadfence();
-        if (atomicAdd((u32*)(state + ST_DONE), 1u) != gridDim.x - 1) return;
-        *(volatile u32*)(state + ST_DONE) = 0;
+        if (atomicAdd((u32*)(state + ST_DONE_BLOCKS), 1u) != gridDim.x - 1) return;
+        *(volatile u32*)(state + ST_DONE_BLOCKS) = 0;
     }
     const u64 new_head = s_head;
     st64(state + ST_HEAD, new_head);
     st64(state + ST_SEQ, s_seq);
     st64(state + ST_TAIL_SNAP, tail_now);
-    if (m.g.on == 1) st64(state + ST_NEXT_STEP, step + 1);
+    if (m.g.on == GB_FIRST) st64(state + ST_NEXT_STEP, step + 1);
     if (new_head != head0) {
         __threadfence_system();
         st64(host + HS_HEAD, new_head);
@@ -562,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
     for (u32 i = 0; i < n; i++) {
         const Plan& p = plan[i];
         if (p.status == -2) continue;
-        u64* cnt = counters + 16ull * m.e[i].hookpoint;
+        u64* cnt = counters + COUNTER_WORDS * m.e[i].hookpoint;
         atomicAdd(cnt + C_PRODUCED_REC, 1ull);
         atomicAdd(cnt + C_PRODUCED_ROWS, (u64)p.rows);
         const int which = p.status == -1 ? C_PUBLISHED_REC : p.status;
@@ -577,9 +552,9 @@ extern "C" __global__ void __launch_bounds__(256) ringscope_capture_many(
 // (`ringscope_hookpoint::cuda::pattern_word`).
 extern "C" __global__ void ringscope_fill_pattern(u32* dst, u64 words, u64 seed) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
-        u64 x = seed ^ (i * 0x9E3779B97F4A7C15ull);
+        u64 x = seed ^ (i * PATTERN_GOLDEN);
         x ^= x >> 31;
-        x *= 0xBF58476D1CE4E5B9ull;
+        x *= PATTERN_MIX;
         x ^= x >> 27;
         dst[i] = (u32)x;
     }

@@ -10,7 +10,8 @@ use std::time::Duration;
 use ringscope_hookpoint::cuda::{pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, RowSelection, SiteKind, StepBatch};
 use ringscope_ring::cuda::{
-    errors, CudaError, DeviceBuffer, DeviceConsumer, DeviceRing, DrainTuning, Gpu, Graph, Stream, StreamHandle,
+    errors, CudaError, DeviceBuffer, DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, ForeignStream, Gpu, Graph,
+    Stream,
 };
 use ringscope_ring::{DType, RowMeta};
 
@@ -86,8 +87,8 @@ struct Source {
 }
 
 impl Source {
-    fn ptr(&self) -> u64 {
-        self.buf.ptr() + self.offset
+    fn ptr(&self) -> DevicePtr {
+        self.buf.ptr_at(self.offset as usize)
     }
     fn bytes(&self) -> usize {
         self.rows as usize * self.hp.spec.row_bytes() as usize
@@ -140,7 +141,7 @@ fn graph_replays_capture_every_row_bit_exact() {
         let bytes = MAX_ROWS as usize * hp.spec.row_bytes() as usize + 16;
         sources.push(Source { hp, buf: DeviceBuffer::zeroed(&gpu, bytes).unwrap(), offset, rows: MAX_ROWS });
     }
-    cap.set_valid_rows_ptr(5, valid_rows.ptr()).unwrap();
+    cap.set_valid_rows_ptr(5, Some(valid_rows.ptr())).unwrap();
 
     let drain = spawn_drain(consumer, Duration::ZERO);
     // Record the captures into a graph (the first begin_step makes the descriptor and controls ready).
@@ -367,14 +368,16 @@ fn bad_arguments_are_clear_errors() {
     assert!(early.contains("before the first begin_step"), "{early}");
     cap.begin_step(&reg, &StepBatch::new(0, [(1, 0)]).unwrap(), stream.handle()).unwrap();
 
-    let null = msg(cap.capture(&hp, 0, 1, stream.handle()));
+    let null = msg(cap.capture(&hp, DevicePtr::NULL, 1, stream.handle()));
     assert!(null.contains("null device pointer"), "{null}");
-    let misaligned = msg(cap.capture(&hp, src.ptr() + 1, 1, stream.handle()));
+    let misaligned = msg(cap.capture(&hp, src.ptr_at(1), 1, stream.handle()));
     assert!(misaligned.contains("not aligned"), "{misaligned}");
     let host = vec![0u8; 4096];
-    let not_device = msg(cap.capture(&hp, host.as_ptr() as u64, 1, stream.handle()));
+    // SAFETY: host memory, which the runtime check must reject before anything is launched.
+    let host_ptr = unsafe { DevicePtr::from_raw(host.as_ptr() as u64) };
+    let not_device = msg(cap.capture(&hp, host_ptr, 1, stream.handle()));
     assert!(not_device.contains("not CUDA device memory"), "{not_device}");
-    let past_end = msg(cap.capture(&hp, src.ptr() + 4096, 64, stream.handle()));
+    let past_end = msg(cap.capture(&hp, src.ptr_at(4096), 64, stream.handle()));
     assert!(past_end.contains("past the end of its allocation"), "{past_end}");
     let too_large = msg(cap.capture(&hp, src.ptr(), 64 + 64, stream.handle()));
     assert!(too_large.contains("max_batch_rows") || too_large.contains("past the end"), "{too_large}");
@@ -383,10 +386,9 @@ fn bad_arguments_are_clear_errors() {
     assert!(over_ring.contains("raise ring.capacity"), "{over_ring}");
 
     // A stream of another context.
-    let other = cudarc::driver::CudaContext::new_non_primary(0, 0).unwrap();
-    let foreign = other.new_stream().unwrap();
+    let foreign = ForeignStream::new(0).unwrap();
     gpu.bind().unwrap();
-    let wrong_stream = msg(cap.capture(&hp, src.ptr(), 1, StreamHandle(foreign.cu_stream() as u64)));
+    let wrong_stream = msg(cap.capture(&hp, src.ptr(), 1, foreign.handle()));
     assert!(wrong_stream.contains("another CUDA context"), "{wrong_stream}");
 
     // begin_step inside a graph capture.
@@ -430,19 +432,20 @@ fn graph_steps_and_deferred_captures_reject_bad_input() {
     assert!(empty.contains("max_batch_rows (16)"), "{empty}");
     let too_many = msg(cap.begin_step_graph(&reg, &GraphBatch { batch: 4, seq: 5, ..good }, stream.handle()));
     assert!(too_many.contains("4 × 5 rows") && too_many.contains("max_batch_rows (16)"), "{too_many}");
-    let null_ids = msg(cap.begin_step_graph(&reg, &GraphBatch { request_ids: 0, ..good }, stream.handle()));
+    let null_ids =
+        msg(cap.begin_step_graph(&reg, &GraphBatch { request_ids: DevicePtr::NULL, ..good }, stream.handle()));
     assert!(null_ids.contains("request ids") && null_ids.contains("null device pointer"), "{null_ids}");
     let host = [0i64; 4];
-    let host_pos =
-        msg(cap.begin_step_graph(&reg, &GraphBatch { positions: host.as_ptr() as u64, ..good }, stream.handle()));
+    // SAFETY: host memory, which the runtime check must reject before anything is launched.
+    let host_ptr = unsafe { DevicePtr::from_raw(host.as_ptr() as u64) };
+    let host_pos = msg(cap.begin_step_graph(&reg, &GraphBatch { positions: host_ptr, ..good }, stream.handle()));
     assert!(host_pos.contains("positions") && host_pos.contains("not CUDA device memory"), "{host_pos}");
     // Positions of 8 batch rows read past the end of a 4-element tensor.
     let short = msg(cap.begin_step_graph(&reg, &GraphBatch { batch: 8, ..good }, stream.handle()));
     assert!(short.contains("positions") && short.contains("past the end"), "{short}");
-    let other = cudarc::driver::CudaContext::new_non_primary(0, 0).unwrap();
-    let foreign = other.new_stream().unwrap();
+    let foreign = ForeignStream::new(0).unwrap();
     gpu.bind().unwrap();
-    let wrong_ctx = msg(cap.begin_step_graph(&reg, &good, StreamHandle(foreign.cu_stream() as u64)));
+    let wrong_ctx = msg(cap.begin_step_graph(&reg, &good, foreign.handle()));
     assert!(wrong_ctx.contains("another CUDA context"), "{wrong_ctx}");
 
     // A deferred capture must be issued on its step's stream (the step's one kernel runs there).

@@ -1,0 +1,150 @@
+//! Full-mode step admission: before a step begun on the host may run, the ring must have room for everything the
+//! step can capture, so that no capture kernel ever finds the ring full (kernels never wait: a spinning kernel
+//! deadlocks against the drain's copies).
+//!
+//! The bound is a worst case ([`step_bound`]): every enabled, sampled hookpoint once, plus one wrap. Room is judged
+//! against what the host knows without a device read: bytes published (host block), bytes the drain handed back,
+//! and the bounds of earlier admitted steps whose captures may not have run yet (`pending`). Those reservations
+//! retire when the GPU reports the next step's begin kernel ran (`progress`: everything issued before it is done),
+//! or — when the host is waiting anyway — when an event recorded on the engine's stream completes.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ringscope_ring::cuda::{DeviceRing, Event, Gpu, StreamRef};
+use ringscope_ring::record::{align_up, HEADER_LEN, ROW_META_LEN};
+use ringscope_ring::space;
+
+use super::controls::{HostMirror, RowMode};
+use super::DeviceCaptureError;
+use crate::batch::StepBatch;
+
+/// Ring bytes of a record of `rows` rows of `row_bytes` bytes (header, row metadata, rows), as the kernels and the
+/// host encoder lay it out.
+pub(super) fn footprint(rows: u64, row_bytes: u64) -> u64 {
+    align_up(HEADER_LEN + align_up(rows as usize * ROW_META_LEN) + (rows * row_bytes) as usize) as u64
+}
+
+/// Worst-case ring bytes the step's captures can take: every enabled, sampled hookpoint once, plus one wrap.
+pub(super) fn step_bound(mirrors: &[HostMirror], batch: &StepBatch) -> u64 {
+    let n = batch.len() as u64;
+    let n_last = batch.last_per_request().len() as u64;
+    let (mut sum, mut max) = (0u64, 0u64);
+    for m in mirrors {
+        let c = &m.control;
+        if c.enabled == 0 || batch.step() % c.every_n.max(1) as u64 != 0 {
+            continue;
+        }
+        let rows = match c.mode {
+            RowMode::All => n,
+            RowMode::List => (c.list_len as u64).min(n),
+            RowMode::LastPerRequest => n_last,
+        };
+        let f = footprint(rows, m.row_bytes as u64);
+        sum += f;
+        max = max.max(f);
+    }
+    sum + max
+}
+
+/// What admission decided for a step.
+#[derive(Debug)]
+pub(super) enum Admitted {
+    /// There is room for the whole step (or the session is best-effort).
+    Room,
+    /// The drain did not free room before the deadline: the step is begun with its captures dropped and counted as
+    /// `deadline` on the device, and this error goes back to the engine.
+    Late(DeviceCaptureError),
+}
+
+/// Full-mode admission state: the deadline, the reservations of admitted steps that may not have run yet, and the
+/// marker event that tells when they all have.
+pub(super) struct Admission {
+    deadline: Option<Duration>,
+    /// (begin index, worst-case bytes) of admitted steps whose captures may not have run yet.
+    pending: VecDeque<(u64, u64)>,
+    /// Recorded on the engine's stream when a step must wait, to learn when every earlier step's captures have run
+    /// (their reservations can then be retired).
+    marker: Event,
+}
+
+impl Admission {
+    /// `deadline`: `Some` in full mode (how long a step may wait for room), `None` in best-effort.
+    pub(super) fn new(gpu: &Arc<Gpu>, deadline: Option<Duration>) -> Result<Admission, DeviceCaptureError> {
+        Ok(Admission { deadline, pending: VecDeque::new(), marker: Event::new(gpu, false)? })
+    }
+
+    /// Full mode: waits, up to the deadline, until the ring has room for `bound` more bytes on top of what earlier
+    /// steps may still write, and reserves it for the step with begin index `index`. Best-effort admits at once.
+    pub(super) fn admit(
+        &mut self,
+        ring: &DeviceRing,
+        step: u64,
+        bound: u64,
+        index: u64,
+        stream: &StreamRef,
+    ) -> Result<Admitted, DeviceCaptureError> {
+        let Some(deadline) = self.deadline else { return Ok(Admitted::Room) };
+        let cap = ring.capacity() as u64;
+        if bound > cap {
+            return Err(DeviceCaptureError::Usage(format!(
+                "full mode: step {step} can capture up to {bound} bytes, more than the ring's {cap}; raise \
+                 ring.capacity or select fewer rows"
+            )));
+        }
+        let started = Instant::now();
+        let until = started + deadline;
+        let mut marker_recorded = false;
+        loop {
+            let progress = ring.progress();
+            while self.pending.front().is_some_and(|&(index, _)| index + 1 < progress) {
+                self.pending.pop_front();
+            }
+            if marker_recorded && !self.pending.is_empty() && self.marker.query()? {
+                // Everything issued before this begin_step has run: no earlier step can still write.
+                self.pending.clear();
+            }
+            let in_flight: u64 = self.pending.iter().map(|&(_, b)| b).sum();
+            let worst_head = ring.published() + in_flight;
+            if space::fits(worst_head, ring.released(), bound, cap) {
+                break;
+            }
+            if !marker_recorded {
+                self.marker.record(stream)?;
+                marker_recorded = true;
+            }
+            if Instant::now() >= until {
+                return Ok(Admitted::Late(DeviceCaptureError::Deadline {
+                    step,
+                    needed: bound,
+                    waited_ms: started.elapsed().as_millis() as u64,
+                }));
+            }
+            let wait = Instant::now() + Duration::from_micros(200);
+            ring.wait_released(worst_head + bound - cap, wait.min(until))?;
+        }
+        self.pending.push_back((index, bound));
+        Ok(Admitted::Room)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn footprints_match_the_host_encoder() {
+        for (rows, rb) in [(1u64, 4096u64), (3, 14), (64, 8192), (5, 2)] {
+            let meta = ringscope_ring::RecordMeta {
+                step: 0,
+                hookpoint: 0,
+                rows: rows as u32,
+                row_bytes: rb as u32,
+                dtype: ringscope_ring::DType::U8,
+                flags: 0,
+            };
+            assert_eq!(footprint(rows, rb) as usize, align_up(HEADER_LEN + meta.payload_len()));
+        }
+    }
+}

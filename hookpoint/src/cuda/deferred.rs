@@ -1,0 +1,123 @@
+//! Deferred captures ([`DeviceCaptureOptions::defer`](super::DeviceCaptureOptions::defer)): a capture only notes the
+//! tensor, and one `ringscope_capture_many` kernel copies all of a step's captures — at the step's end on the step's
+//! stream, or earlier ([`Deferred::submit`]) on a side stream forked from it, so that the copy overlaps the engine's
+//! remaining work. One kernel node per step instead of one per hookpoint (a node between an engine's kernels costs
+//! ~2–4 µs however little it does).
+//!
+//! Ordering: all kernels of one ring must run in order (module docs of `ringscope_ring::cuda::ring`), so the step's
+//! stream waits for the side stream's kernel ([`Deferred::join`]) before anything else of ringscope's runs on it —
+//! and the engine reuses captured memory only after it was copied.
+
+use std::sync::Arc;
+
+use ringscope_ring::cuda::{Event, Gpu, Stream, StreamRef};
+
+use super::kernels::{CaptureEntry, CaptureTables, GraphBatch, GraphRole, Kernels, ManyParam, MAX_MANY};
+use super::DeviceCaptureError;
+
+/// What a flush needs from the rest of the capture side.
+pub(super) struct FlushContext<'a> {
+    pub gpu: &'a Gpu,
+    pub kernels: &'a Kernels,
+    pub tables: CaptureTables,
+    /// The open step's batch when it was begun inside a graph (the kernel reads it instead of the descriptor).
+    pub graph_batch: Option<&'a GraphBatch>,
+    pub full_mode: bool,
+}
+
+/// The open step's deferred captures, and the side stream with the events that fork it from the step's stream and
+/// join it back.
+pub(super) struct Deferred {
+    entries: Vec<CaptureEntry>,
+    /// Capture kernels the step has launched for its deferred captures (the first numbers a graph-begun step).
+    step_flushes: u32,
+    side: Stream,
+    fork_event: Event,
+    join_event: Event,
+    /// Whether the step's stream still owes a wait for the side stream.
+    join_pending: bool,
+}
+
+impl Deferred {
+    /// No captures noted; a side stream and its events on `gpu`.
+    pub(super) fn new(gpu: &Arc<Gpu>) -> Result<Deferred, DeviceCaptureError> {
+        Ok(Deferred {
+            entries: Vec::new(),
+            step_flushes: 0,
+            side: Stream::new(gpu)?,
+            fork_event: Event::new(gpu, false)?,
+            join_event: Event::new(gpu, false)?,
+            join_pending: false,
+        })
+    }
+
+    /// A step begins: its first flush numbers it.
+    pub(super) fn begin_step(&mut self) {
+        self.step_flushes = 0;
+    }
+
+    /// Whether one kernel's worth of captures is noted (flush before noting another).
+    pub(super) fn is_full(&self) -> bool {
+        self.entries.len() == MAX_MANY
+    }
+
+    /// Notes a capture; the caller checked it and flushes first when [`is_full`](Self::is_full).
+    pub(super) fn note(&mut self, entry: CaptureEntry) {
+        debug_assert!(!self.is_full());
+        self.entries.push(entry);
+    }
+
+    /// Forgets captures not flushed (the step ended with an error).
+    pub(super) fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    /// Launches one `ringscope_capture_many` on `stream` for the captures noted so far.
+    pub(super) fn flush(&mut self, cx: &FlushContext<'_>, stream: &StreamRef) -> Result<(), DeviceCaptureError> {
+        if self.entries.is_empty() {
+            return Ok(());
+        }
+        let entries = std::mem::take(&mut self.entries);
+        let bytes: u64 = entries.iter().map(|e| e.src_rows as u64 * e.row_bytes as u64).sum();
+        let role = if self.step_flushes == 0 { GraphRole::First } else { GraphRole::Later };
+        self.step_flushes += 1;
+        let mut param = ManyParam::new(GraphBatch::param(cx.graph_batch, role), &entries, cx.full_mode);
+        let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, cx.gpu.sms() * 2);
+        cx.gpu.bind()?;
+        // SAFETY: the tables live as long as the capture side (the session synchronises the device before dropping
+        // them); every source was checked to be device memory when it was noted and is covered by its
+        // `DevicePtr::from_raw` promise until the step ends; a graph batch was checked when the step began.
+        unsafe { cx.kernels.capture_many(stream, grid, &cx.tables, &mut param) }?;
+        Ok(())
+    }
+
+    /// Starts copying the captures noted so far now, on the side stream forked from `step_stream`; a later
+    /// [`join`](Self::join) makes the step's stream wait for it. Inside a graph recording the fork and the join are
+    /// recorded too.
+    pub(super) fn submit(&mut self, cx: &FlushContext<'_>, step_stream: &StreamRef) -> Result<(), DeviceCaptureError> {
+        if self.entries.is_empty() {
+            return Ok(());
+        }
+        cx.gpu.bind()?;
+        // While the step's stream records a graph, this forks the side stream into the same graph.
+        self.fork_event.record(step_stream)?;
+        self.side.stream_ref().wait_event(&self.fork_event)?;
+        let side = self.side.handle();
+        self.flush(cx, &side)?;
+        self.join_event.record(&side)?;
+        self.join_pending = true;
+        Ok(())
+    }
+
+    /// The step's stream waits (in stream order) for what [`submit`](Self::submit) launched, so that no two
+    /// kernels write the ring at once and the engine reuses captured memory only after it was copied.
+    pub(super) fn join(&mut self, gpu: &Gpu, step_stream: &StreamRef) -> Result<(), DeviceCaptureError> {
+        if !self.join_pending {
+            return Ok(());
+        }
+        gpu.bind()?;
+        step_stream.wait_event(&self.join_event)?;
+        self.join_pending = false;
+        Ok(())
+    }
+}
