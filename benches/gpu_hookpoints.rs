@@ -17,39 +17,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys};
 use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, SiteKind, StepBatch};
 use ringscope_ring::cuda::{
-    CudaError, DeviceBuffer, DeviceConsumer, DeviceRing, DrainTuning, Gpu, Graph, PinnedBuffer, Stream,
+    DeviceBuffer, DeviceConsumer, DeviceRing, DrainTuning, Event, Gpu, Graph, PinnedBuffer, Stream,
 };
 use ringscope_ring::DType;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-struct Event(sys::CUevent);
-impl Event {
-    fn new() -> Res<Event> {
-        Ok(Event(result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?))
-    }
-    fn record(&self, s: &Stream) -> Res<()> {
-        // SAFETY: our event and stream.
-        unsafe { result::event::record(self.0, s.raw()) }?;
-        Ok(())
-    }
-    fn ms_since(&self, start: &Event) -> Res<f64> {
-        // SAFETY: both recorded on the same stream and synchronised by the caller.
-        unsafe {
-            result::event::synchronize(self.0)?;
-            Ok(result::event::elapsed(start.0, self.0)? as f64)
-        }
-    }
-}
-impl Drop for Event {
-    fn drop(&mut self) {
-        // SAFETY: ours.
-        let _ = unsafe { result::event::destroy(self.0) };
-    }
+/// Milliseconds from `start` to `end`, both timing events recorded on one stream, once `end` has completed.
+fn ms_between(start: &Event, end: &Event) -> Res<f64> {
+    end.synchronize()?;
+    Ok(end.elapsed_ms(start)? as f64)
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -63,20 +43,20 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// Mean time of one replay of `graph` in ms: `reps` replays between two events, median of 5 such runs.
-fn time_graph(graph: &Graph, stream: &Stream, reps: usize) -> Res<f64> {
+fn time_graph(gpu: &Arc<Gpu>, graph: &Graph, stream: &Stream, reps: usize) -> Res<f64> {
     for _ in 0..3 {
         graph.launch(stream.handle())?;
     }
     stream.synchronize()?;
-    let (a, b) = (Event::new()?, Event::new()?);
+    let (a, b) = (Event::new(gpu, true)?, Event::new(gpu, true)?);
     let mut runs = Vec::new();
     for _ in 0..5 {
-        a.record(stream)?;
+        a.record(stream.stream_ref())?;
         for _ in 0..reps {
             graph.launch(stream.handle())?;
         }
-        b.record(stream)?;
-        runs.push(b.ms_since(&a)? / reps as f64);
+        b.record(stream.stream_ref())?;
+        runs.push(ms_between(&a, &b)? / reps as f64);
     }
     Ok(median(&mut runs))
 }
@@ -90,12 +70,6 @@ fn register(reg: &Registry, name: &str, row_bytes: u32) -> Arc<HookPoint> {
         row_width: row_bytes / 2,
     })
     .unwrap()
-}
-
-fn memcpy_dtod(dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<(), CudaError> {
-    // SAFETY: both ranges are device allocations of at least `bytes`.
-    unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.raw()) }
-        .map_err(|error| CudaError::Driver { call: "cuMemcpyDtoDAsync", error })
 }
 
 /// (a) per-hookpoint cost in a graph.
@@ -134,7 +108,7 @@ fn hookpoint_cost(gpu: &Arc<Gpu>) -> Res<()> {
         let with_memcpy = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
             cap.fill_pattern(small.ptr(), 4096, 1, stream.handle())?;
             for (src, dst) in srcs.iter().zip(&dsts) {
-                memcpy_dtod(dst.ptr(), src.ptr(), bytes, &stream)?;
+                dst.copy_from_device_async(src, bytes, stream.stream_ref())?;
                 cap.discard_all_for_benchmarks(stream.handle())?;
             }
             Ok(())
@@ -143,9 +117,9 @@ fn hookpoint_cost(gpu: &Arc<Gpu>) -> Res<()> {
         // Interleave the variants and take medians, so drift affects all of them alike.
         let (mut tb, mut th, mut tm) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..3 {
-            tb.push(time_graph(&base, &stream, reps)?);
-            th.push(time_graph(&with_hooks, &stream, reps)?);
-            tm.push(time_graph(&with_memcpy, &stream, reps)?);
+            tb.push(time_graph(gpu, &base, &stream, reps)?);
+            th.push(time_graph(gpu, &with_hooks, &stream, reps)?);
+            tm.push(time_graph(gpu, &with_memcpy, &stream, reps)?);
         }
         let (tb, th, tm) = (median(&mut tb), median(&mut th), median(&mut tm));
         // Idle hookpoints: the same capture graph with every hookpoint disabled (read from device memory).
@@ -153,7 +127,7 @@ fn hookpoint_cost(gpu: &Arc<Gpu>) -> Res<()> {
             hp.control.set_enabled(false);
         }
         cap.begin_step(&reg, &batch, stream.handle())?;
-        let td = time_graph(&with_hooks, &stream, reps)?;
+        let td = time_graph(gpu, &with_hooks, &stream, reps)?;
         for hp in &hps {
             hp.control.set_enabled(true);
         }
@@ -193,11 +167,8 @@ fn d2h_ceiling(gpu: &Arc<Gpu>, chunk: usize, total: usize) -> Res<f64> {
     for _ in 0..3 {
         let t = Instant::now();
         for off in (0..total).step_by(chunk) {
-            // SAFETY: both buffers hold `total` bytes.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(dst.host_ptr().add(off).cast(), src.ptr() + off as u64, chunk, stream.raw())
-                    .result()?
-            };
+            // SAFETY: both buffers hold `total` bytes; `dst` is not read, and outlives the copies (synchronised below).
+            unsafe { dst.copy_from_device_async(off, &src, off, chunk, stream.stream_ref()) }?;
         }
         stream.synchronize()?;
         best = best.max(total as f64 / t.elapsed().as_secs_f64() / 1e9);
@@ -305,8 +276,8 @@ fn small_copy_latencies(gpu: &Arc<Gpu>, n: usize) -> Res<Vec<f64>> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        // SAFETY: both buffers hold 64 KiB.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.host_ptr().cast(), src.ptr(), 64 << 10, stream.raw()).result()? };
+        // SAFETY: both buffers hold 64 KiB; `dst` is not read, and the copy is synchronised below.
+        unsafe { dst.copy_from_device_async(0, &src, 0, 64 << 10, stream.stream_ref()) }?;
         stream.synchronize()?;
         out.push(t.elapsed().as_secs_f64() * 1e6);
         std::thread::sleep(Duration::from_micros(200));

@@ -11,7 +11,7 @@ use ringscope_exporter::{
 use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
 use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
 use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
-use ringscope_ring::cuda::{DeviceConsumer, DeviceRing, DrainTuning, Gpu, StreamHandle};
+use ringscope_ring::cuda::{DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, Gpu, StreamRef};
 use ringscope_ring::Producer;
 
 use crate::config::{Backend, Config};
@@ -254,7 +254,7 @@ impl Session {
         &self,
         step: u64,
         rows: impl IntoIterator<Item = (u64, u32)>,
-        stream: StreamHandle,
+        stream: StreamRef,
     ) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
         let mut guard = self.capture.lock();
@@ -284,7 +284,7 @@ impl Session {
     /// (`batch`: request id per batch row, token position per row), numbers the step one past the previous step, and
     /// picks up control changes — so a replay needs no host call. Record the step's captures and
     /// [`end_step`](Self::end_step) in the same graph.
-    pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamHandle) -> Result<(), Error> {
+    pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
         let mut guard = self.capture.lock();
         match guard.as_mut().ok_or(Error::Closed)? {
             Capture::Cuda { capture, open, .. } => {
@@ -303,7 +303,7 @@ impl Session {
     /// that graph replays whose steps were begun inside the graph ([`begin_step_graph`](Self::begin_step_graph);
     /// they make no host call) use them from the next replay on. Call it between replays, outside graph recording.
     /// Steps begun with [`begin_step_on`](Self::begin_step_on) pick changes up by themselves.
-    pub fn apply_controls(&self, stream: StreamHandle) -> Result<(), Error> {
+    pub fn apply_controls(&self, stream: StreamRef) -> Result<(), Error> {
         match self.capture.lock().as_mut().ok_or(Error::Closed)? {
             Capture::Cuda { capture, .. } => capture.apply_controls(&self.registry, stream).map_err(cuda_error),
             Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
@@ -368,8 +368,9 @@ impl Session {
     /// `rows` may exceed the step's batch (padded graph batches): only the batch's rows are copied. `ptr` must be
     /// device memory of the session's device, aligned to the element size. Errors (null or misaligned pointer,
     /// memory of another device, a stream of another context, a tensor larger than a ring record can be) are
-    /// returned before anything is launched.
-    pub fn capture_device(&self, id: u32, ptr: u64, rows: u32, stream: StreamHandle) -> Result<(), Error> {
+    /// returned before anything is launched. What cannot be checked — that the memory stays allocated until the
+    /// captures reading it have run — is the promise of [`DevicePtr::from_raw`].
+    pub fn capture_device(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
         let mut guard = self.capture.lock();
         match guard.as_mut().ok_or(Error::Closed)? {
@@ -384,8 +385,8 @@ impl Session {
     }
 
     /// CUDA backend: rows of hookpoint `id` at or past the `u32` stored at device address `ptr` are padding (read at
-    /// replay time, for graphs captured at a padded batch size). `0` removes it. Takes effect at the next step.
-    pub fn set_valid_rows_device(&self, id: u32, ptr: u64) -> Result<(), Error> {
+    /// replay time, for graphs captured at a padded batch size). `None` removes it. Takes effect at the next step.
+    pub fn set_valid_rows_device(&self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
         self.registry.get(id)?;
         let mut guard = self.capture.lock();
         match guard.as_mut().ok_or(Error::Closed)? {
@@ -440,10 +441,7 @@ impl Session {
                     device_errors.push(format!("CUDA backend: copying the open step's deferred captures failed: {e}"));
                 }
                 // Let every capture already issued run, then count it; the drain stops once it has copied the rest.
-                if let Err(e) = ring.gpu().bind().and_then(|_| {
-                    cudarc::driver::result::ctx::synchronize()
-                        .map_err(|error| ringscope_ring::cuda::CudaError::Driver { call: "cuCtxSynchronize", error })
-                }) {
+                if let Err(e) = ring.gpu().synchronize() {
                     device_errors.push(format!("CUDA backend at shutdown: {e}"));
                 }
                 if let Err(e) = capture.fold_counters(&self.registry) {

@@ -131,11 +131,13 @@ fn cuda_session_replays_a_graph_into_parquet_bit_exact() {
 #[test]
 fn device_calls_on_a_host_session_are_clear_errors() {
     let s = Session::new(Config::from_toml(&ringscope::synthetic::residual_hookpoints_toml(1, 8)).unwrap()).unwrap();
-    let stream = ringscope::ring::cuda::StreamHandle(0);
-    let e = s.begin_step_on(0, [(1, 0)], stream).unwrap_err().to_string();
+    let stream = ringscope::ring::cuda::StreamRef::legacy_default();
+    let e = s.begin_step_on(0, [(1, 0)], stream.clone()).unwrap_err().to_string();
     assert!(e.contains("host backend"), "{e}");
     s.begin_step(0, [(1, 0)]).unwrap();
-    let e = s.capture_device(0, 0x1000, 1, stream).unwrap_err().to_string();
+    // SAFETY: never dereferenced: a host session refuses device captures before looking at the address.
+    let ptr = unsafe { ringscope::ring::cuda::DevicePtr::from_raw(0x1000) };
+    let e = s.capture_device(0, ptr, 1, stream).unwrap_err().to_string();
     assert!(e.contains("host backend"), "{e}");
     s.end_step().unwrap();
     s.shutdown().unwrap();

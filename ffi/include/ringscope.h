@@ -204,7 +204,9 @@ rs_status rs_begin_step(uint64_t session_handle,
 // `deadline` drops.
 //
 // # Safety
-// `request_ids` and `positions` are valid for `rows` reads.
+// `request_ids` and `positions` are valid for `rows` reads. `cuda_stream` is 0 or a live `CUstream` that is not
+// destroyed before the session is closed (ringscope issues the step's work, and later that of deferred captures
+// and control uploads, on it).
 rs_status rs_begin_step_on_stream(uint64_t session_handle,
                                   uint64_t step,
                                   const uint64_t *request_ids,
@@ -218,6 +220,11 @@ rs_status rs_begin_step_on_stream(uint64_t session_handle,
 // at element `b * positions_batch_stride + s` (`seq` for a `[batch, seq]` tensor, 0 for one shared `[seq]`
 // vector) — and numbers the step one past the previous one; no host call is needed per replay. Record the step's
 // captures and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`.
+//
+// # Safety
+// `request_ids_ptr` and `positions_ptr` are device memory that stays allocated (and holds the batch) for as long
+// as a graph recording this call may be replayed, or, eagerly, until the step's work has run. `cuda_stream` is 0
+// or a live `CUstream` that is not destroyed before the session is closed.
 rs_status rs_begin_step_graph(uint64_t session_handle,
                               uint64_t request_ids_ptr,
                               uint64_t positions_ptr,
@@ -228,6 +235,9 @@ rs_status rs_begin_step_graph(uint64_t session_handle,
 
 // Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
 // begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays.
+//
+// # Safety
+// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
 rs_status rs_apply_controls(uint64_t session_handle,
                             uint64_t cuda_stream);
 
@@ -253,6 +263,12 @@ rs_status rs_capture_host(uint64_t session_handle,
 
 // Launches the capture of hookpoint `hookpoint` from `rows` contiguous rows at `device_ptr` on `cuda_stream`
 // (CUDA backend). May be recorded into a CUDA graph. Bad device input is an `RS_ERR_CUDA` before anything runs.
+//
+// # Safety
+// `device_ptr` is device memory that stays allocated until the capture has run (for a capture recorded into a
+// CUDA graph: as long as the graph may be replayed) and that the engine writes only in order on `cuda_stream` —
+// with `ring.defer_captures`, not at all until the step's `rs_end_step` work has run. `cuda_stream` is 0 or a live
+// `CUstream` that is not destroyed before the session is closed.
 rs_status rs_capture_device(uint64_t session_handle,
                             uint32_t hookpoint,
                             uint64_t device_ptr,
@@ -261,6 +277,10 @@ rs_status rs_capture_device(uint64_t session_handle,
 
 // CUDA backend: rows of `hookpoint` at or past the `u32` at `device_ptr` are padding (read at replay time). 0
 // removes it.
+//
+// # Safety
+// `device_ptr` is 0 or a device `u32` that stays allocated as long as captures of `hookpoint` may run (graph
+// replays included), or until it is removed and the next step has begun.
 rs_status rs_set_valid_rows_device(uint64_t session_handle,
                                    uint32_t hookpoint,
                                    uint64_t device_ptr);

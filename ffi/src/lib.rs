@@ -11,6 +11,10 @@
 //!   undefined behaviour. Closing twice is harmless.
 //! * No panic crosses the boundary: each entry point catches it and returns `RS_ERR_PANIC`.
 //! * Pointers are checked for null; lengths are given with every array.
+//! * CUDA handles and device addresses (CUDA backend) are checked at run time as far as the driver allows (a stream
+//!   of another context, null, misaligned, host or too-short memory is an `RS_ERR_CUDA` before anything runs); what
+//!   cannot be checked is each function's `# Safety` contract: a `cuda_stream` stays a live stream, and device
+//!   memory stays allocated, until the work ringscope issues with them has run.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
@@ -26,7 +30,7 @@ use parking_lot::Mutex;
 use ringscope_api::exporter::{Filter, Subscription};
 use ringscope_api::hookpoint::cuda::GraphBatch;
 use ringscope_api::policy::DropReason;
-use ringscope_api::ring::cuda::StreamHandle;
+use ringscope_api::ring::cuda::{DevicePtr, StreamRef};
 use ringscope_api::{CaptureOutcome, Config, Error, HookPointSpec, RowSelection, Session, SiteKind};
 
 /// Status codes returned by every function.
@@ -533,7 +537,9 @@ pub unsafe extern "C" fn rs_begin_step(
 /// `deadline` drops.
 ///
 /// # Safety
-/// `request_ids` and `positions` are valid for `rows` reads.
+/// `request_ids` and `positions` are valid for `rows` reads. `cuda_stream` is 0 or a live `CUstream` that is not
+/// destroyed before the session is closed (ringscope issues the step's work, and later that of deferred captures
+/// and control uploads, on it).
 #[no_mangle]
 pub unsafe extern "C" fn rs_begin_step_on_stream(
     session_handle: u64,
@@ -547,7 +553,10 @@ pub unsafe extern "C" fn rs_begin_step_on_stream(
         let s = session(session_handle)?;
         // SAFETY: per the function's contract.
         let rows = unsafe { batch_rows(request_ids, positions, rows) }?;
-        Ok(s.begin_step_on(step, rows, StreamHandle(cuda_stream))?)
+        // SAFETY: `cuda_stream` is 0 or a live stream until the session closes, per this function's contract
+        // (ffi/include/ringscope.h, `rs_begin_step_on_stream`).
+        let stream = unsafe { StreamRef::from_raw(cuda_stream) };
+        Ok(s.begin_step_on(step, rows, stream)?)
     })
 }
 
@@ -557,8 +566,13 @@ pub unsafe extern "C" fn rs_begin_step_on_stream(
 /// at element `b * positions_batch_stride + s` (`seq` for a `[batch, seq]` tensor, 0 for one shared `[seq]`
 /// vector) — and numbers the step one past the previous one; no host call is needed per replay. Record the step's
 /// captures and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`.
+///
+/// # Safety
+/// `request_ids_ptr` and `positions_ptr` are device memory that stays allocated (and holds the batch) for as long
+/// as a graph recording this call may be replayed, or, eagerly, until the step's work has run. `cuda_stream` is 0
+/// or a live `CUstream` that is not destroyed before the session is closed.
 #[no_mangle]
-pub extern "C" fn rs_begin_step_graph(
+pub unsafe extern "C" fn rs_begin_step_graph(
     session_handle: u64,
     request_ids_ptr: u64,
     positions_ptr: u64,
@@ -569,17 +583,29 @@ pub extern "C" fn rs_begin_step_graph(
 ) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        let batch =
-            GraphBatch { batch, seq, request_ids: request_ids_ptr, positions: positions_ptr, positions_batch_stride };
-        Ok(s.begin_step_graph(&batch, StreamHandle(cuda_stream))?)
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_begin_step_graph`): the batch tensors
+        // stay allocated while the step's work can run, the stream stays live until the session closes; null,
+        // host or too-short memory and foreign streams are rejected at run time.
+        let (request_ids, positions, stream) = unsafe {
+            (DevicePtr::from_raw(request_ids_ptr), DevicePtr::from_raw(positions_ptr), StreamRef::from_raw(cuda_stream))
+        };
+        let batch = GraphBatch { batch, seq, request_ids, positions, positions_batch_stride };
+        Ok(s.begin_step_graph(&batch, stream)?)
     })
 }
 
 /// Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
 /// begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays.
+///
+/// # Safety
+/// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
 #[no_mangle]
-pub extern "C" fn rs_apply_controls(session_handle: u64, cuda_stream: u64) -> RsStatus {
-    ffi(|| Ok(session(session_handle)?.apply_controls(StreamHandle(cuda_stream))?))
+pub unsafe extern "C" fn rs_apply_controls(session_handle: u64, cuda_stream: u64) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_apply_controls`).
+        let stream = unsafe { StreamRef::from_raw(cuda_stream) };
+        Ok(session(session_handle)?.apply_controls(stream)?)
+    })
 }
 
 /// With `ring.defer_captures` (CUDA backend): starts copying the step's captures noted so far now, on a side stream
@@ -629,22 +655,42 @@ pub unsafe extern "C" fn rs_capture_host(
 
 /// Launches the capture of hookpoint `hookpoint` from `rows` contiguous rows at `device_ptr` on `cuda_stream`
 /// (CUDA backend). May be recorded into a CUDA graph. Bad device input is an `RS_ERR_CUDA` before anything runs.
+///
+/// # Safety
+/// `device_ptr` is device memory that stays allocated until the capture has run (for a capture recorded into a
+/// CUDA graph: as long as the graph may be replayed) and that the engine writes only in order on `cuda_stream` —
+/// with `ring.defer_captures`, not at all until the step's `rs_end_step` work has run. `cuda_stream` is 0 or a live
+/// `CUstream` that is not destroyed before the session is closed.
 #[no_mangle]
-pub extern "C" fn rs_capture_device(
+pub unsafe extern "C" fn rs_capture_device(
     session_handle: u64,
     hookpoint: u32,
     device_ptr: u64,
     rows: u32,
     cuda_stream: u64,
 ) -> RsStatus {
-    ffi(|| Ok(session(session_handle)?.capture_device(hookpoint, device_ptr, rows, StreamHandle(cuda_stream))?))
+    ffi(|| {
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_capture_device`); null, host,
+        // misaligned or too-short memory and foreign streams are rejected at run time.
+        let (ptr, stream) = unsafe { (DevicePtr::from_raw(device_ptr), StreamRef::from_raw(cuda_stream)) };
+        Ok(session(session_handle)?.capture_device(hookpoint, ptr, rows, stream)?)
+    })
 }
 
 /// CUDA backend: rows of `hookpoint` at or past the `u32` at `device_ptr` are padding (read at replay time). 0
 /// removes it.
+///
+/// # Safety
+/// `device_ptr` is 0 or a device `u32` that stays allocated as long as captures of `hookpoint` may run (graph
+/// replays included), or until it is removed and the next step has begun.
 #[no_mangle]
-pub extern "C" fn rs_set_valid_rows_device(session_handle: u64, hookpoint: u32, device_ptr: u64) -> RsStatus {
-    ffi(|| Ok(session(session_handle)?.set_valid_rows_device(hookpoint, device_ptr)?))
+pub unsafe extern "C" fn rs_set_valid_rows_device(session_handle: u64, hookpoint: u32, device_ptr: u64) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_set_valid_rows_device`); 0 means
+        // "none", and other bad addresses are rejected at run time.
+        let ptr = (device_ptr != 0).then(|| unsafe { DevicePtr::from_raw(device_ptr) });
+        Ok(session(session_handle)?.set_valid_rows_device(hookpoint, ptr)?)
+    })
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -148,11 +148,18 @@ fn bad_input_gets_the_documented_status_and_a_message() {
         unsafe { rs_capture_host(s, 99, data.as_ptr().cast(), 8, std::ptr::null_mut()) },
         RsStatus::RsErrCapture
     );
-    assert_eq!(rs_capture_device(s, id, 0x1000, 1, 0), RsStatus::RsErrInvalidArgument, "host session");
+    // SAFETY: a host session refuses device calls before touching the addresses; stream 0 is always valid.
+    assert_eq!(unsafe { rs_capture_device(s, id, 0x1000, 1, 0) }, RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
-    assert_eq!(rs_begin_step_graph(s, 0x1000, 0x2000, 1, 1, 1, 0), RsStatus::RsErrInvalidArgument, "host session");
+    assert_eq!(
+        // SAFETY: as above.
+        unsafe { rs_begin_step_graph(s, 0x1000, 0x2000, 1, 1, 1, 0) },
+        RsStatus::RsErrInvalidArgument,
+        "host session"
+    );
     assert!(last_error().contains("host backend"), "{}", last_error());
-    assert_eq!(rs_apply_controls(s, 0), RsStatus::RsErrInvalidArgument, "host session");
+    // SAFETY: stream 0 is always valid.
+    assert_eq!(unsafe { rs_apply_controls(s, 0) }, RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
     assert_eq!(rs_submit_captures(s), RsStatus::RsOk, "nothing to submit on the host backend");
     // Registration and controls.
