@@ -26,10 +26,11 @@ pub(super) mod counter {
 
 /// The device counter table, its pinned copy, and the totals already folded into the registry.
 pub(super) struct Counters {
-    gpu: Arc<Gpu>,
+    /// Private stream for the copies (declared first: dropped, after its work, before the buffers it copies).
+    stream: Stream,
     table: DeviceBuffer,
     host: PinnedBuffer,
-    stream: Stream,
+    gpu: Arc<Gpu>,
     folded: Vec<[u64; COUNTER_WORDS]>,
 }
 

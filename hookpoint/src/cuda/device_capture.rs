@@ -65,15 +65,17 @@ pub enum DeviceCaptureError {
 
 /// The capture side of a CUDA session: kernels, device tables, descriptor slots. Drive it from one thread.
 pub struct DeviceCapture {
-    gpu: Arc<Gpu>,
-    ring: Arc<DeviceRing>,
-    kernels: Arc<Kernels>,
-    options: DeviceCaptureOptions,
-    controls: Controls,
-    counters: Counters,
-    slots: DescriptorSlots,
-    admission: Admission,
+    // Field order is drop order: the side stream (deferred) and the counter stream finish their work before the
+    // tables they read are freed.
     deferred: Deferred,
+    counters: Counters,
+    admission: Admission,
+    controls: Controls,
+    slots: DescriptorSlots,
+    kernels: Arc<Kernels>,
+    ring: Arc<DeviceRing>,
+    gpu: Arc<Gpu>,
+    options: DeviceCaptureOptions,
     step_begun: bool,
     /// The last stream that passed `check_stream` (a handle keeps its context for its lifetime).
     checked_stream: Option<StreamRef>,

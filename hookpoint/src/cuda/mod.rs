@@ -20,7 +20,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`kernels`] | the kernel source and its generated prelude / layout checks, NVRTC, module loading, one typed launch per kernel |
-//! | `controls` | the per-hookpoint [`DeviceControl`](controls) table, row-selection modes, host mirrors, upload |
+//! | `controls` | the per-hookpoint `DeviceControl` table, row-selection modes, host mirrors, upload |
 //! | `counters` | the device counter table and folding it into the hookpoints' counters |
 //! | `admission` | full-mode step admission: the step's worst-case bound, waiting for ring space, reservations |
 //! | `slots` | the pinned step-descriptor slots and the descriptor layout |
