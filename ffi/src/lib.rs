@@ -23,11 +23,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use ringscope_api::exporter::{Filter, Subscription};
-use ringscope_api::hookpoint::cuda::GraphBatch;
-use ringscope_api::policy::DropReason;
-use ringscope_api::ring::cuda::StreamHandle;
-use ringscope_api::{CaptureOutcome, Config, Error, HookPointSpec, RowSelection, Session, SiteKind};
+use ringscope_api::cuda::{GraphBatch, StreamHandle};
+use ringscope_api::{
+    AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DropReason, Error, Filter, HookPointSpec, Record,
+    RowSelection, Session, SiteKind, Subscription,
+};
 
 /// Status codes returned by every function.
 #[repr(i32)]
@@ -164,10 +164,10 @@ struct Failure(RsStatus, String);
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         let status = match &e {
-            Error::Config(_) | Error::Policy(_) => RsStatus::RsErrConfig,
+            Error::Config(_) | Error::Setting { .. } | Error::Policy(_) => RsStatus::RsErrConfig,
             Error::HookPoint(_) => RsStatus::RsErrCapture,
-            Error::Exporter(_) | Error::Io(_) => RsStatus::RsErrIo,
-            Error::Cuda(_) => RsStatus::RsErrCuda,
+            Error::Exporter(_) | Error::Manifest { .. } => RsStatus::RsErrIo,
+            Error::Cuda(_) | Error::DeviceCapture(_) => RsStatus::RsErrCuda,
             Error::Backend(_) => RsStatus::RsErrInvalidArgument,
             Error::Closed => RsStatus::RsErrClosed,
             Error::NoStep | Error::StepOpen { .. } => RsStatus::RsErrStep,
@@ -263,7 +263,7 @@ fn out_arg<T>(p: *mut T, what: &str) -> Result<(), Failure> {
 /// The version of the record format this build writes and reads (see `docs/format.md`).
 #[no_mangle]
 pub extern "C" fn ringscope_format_version() -> u16 {
-    ringscope_api::ring::record::FORMAT_VERSION
+    ringscope_api::FORMAT_VERSION
 }
 
 /// The message of the calling thread's last failed call ("" after a success). Valid until the thread's next
@@ -340,7 +340,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
         }
         let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession) else { unreachable!() };
         drop(map);
-        let write = |acc: &ringscope_api::policy::AccountingSnapshot| {
+        let write = |acc: &AccountingSnapshot| {
             if !totals.is_null() {
                 // SAFETY: non-null and writable per the contract.
                 unsafe { *totals = counts(&acc.total()) };
@@ -360,7 +360,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
     })
 }
 
-fn counts(c: &ringscope_api::policy::CounterSnapshot) -> RsCounts {
+fn counts(c: &CounterSnapshot) -> RsCounts {
     let dropped = c.dropped_total();
     RsCounts {
         produced_records: c.produced.records,
@@ -430,7 +430,7 @@ pub unsafe extern "C" fn rs_hookpoint_id(session_handle: u64, name: *const c_cha
         let s = session(session_handle)?;
         // SAFETY: per the function's contract.
         let name = unsafe { str_arg(name, "name") }?;
-        let id = s.hookpoint(name)?.id;
+        let id = s.hookpoint(name)?.id();
         // SAFETY: checked non-null.
         unsafe { *id_out = id };
         Ok(())
@@ -443,7 +443,7 @@ pub unsafe extern "C" fn rs_hookpoint_id(session_handle: u64, name: *const c_cha
 pub extern "C" fn rs_set_enabled(session_handle: u64, hookpoint: u32, enabled: bool) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        s.registry().get(hookpoint).map_err(Error::from)?.control.set_enabled(enabled);
+        s.hookpoint_by_id(hookpoint)?.control().set_enabled(enabled);
         Ok(())
     })
 }
@@ -453,8 +453,8 @@ pub extern "C" fn rs_set_enabled(session_handle: u64, hookpoint: u32, enabled: b
 pub extern "C" fn rs_set_every_n_steps(session_handle: u64, hookpoint: u32, n: u32) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        let hp = s.registry().get(hookpoint).map_err(Error::from)?;
-        hp.control.set_every_n_steps(n).map_err(|e| invalid(e.to_string()))
+        let hp = s.hookpoint_by_id(hookpoint)?;
+        hp.control().set_every_n_steps(n).map_err(|e| invalid(e.to_string()))
     })
 }
 
@@ -473,7 +473,7 @@ pub unsafe extern "C" fn rs_set_rows(
 ) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        let hp = s.registry().get(hookpoint).map_err(Error::from)?;
+        let hp = s.hookpoint_by_id(hookpoint)?;
         let selection = match mode {
             RS_ROWS_ALL => RowSelection::All,
             RS_ROWS_LAST_PER_REQUEST => RowSelection::LastPerRequest,
@@ -485,7 +485,7 @@ pub unsafe extern "C" fn rs_set_rows(
                 )))
             }
         };
-        hp.control.set_selection(selection).map_err(|e| invalid(e.to_string()))
+        hp.control().set_selection(selection).map_err(|e| invalid(e.to_string()))
     })
 }
 
@@ -659,7 +659,7 @@ pub unsafe extern "C" fn rs_stats(session_handle: u64, hookpoint: u32, out: *mut
     ffi(|| {
         out_arg(out, "out")?;
         let s = session(session_handle)?;
-        let name = s.registry().get(hookpoint).map_err(Error::from)?.spec.name.clone();
+        let name = s.hookpoint_by_id(hookpoint)?.spec().name.clone();
         let acc = s.accounting();
         let c = acc.hookpoints.iter().find(|(n, _)| *n == name).map(|(_, c)| *c).unwrap_or_default();
         let counts = counts(&c);
@@ -787,9 +787,9 @@ pub unsafe extern "C" fn rs_poll(
 }
 
 /// Records that did not fit the caller's buffer, kept for the next poll of their subscription.
-static PENDING: Mutex<Vec<(u64, ringscope_api::exporter::Record)>> = Mutex::new(Vec::new());
+static PENDING: Mutex<Vec<(u64, Record)>> = Mutex::new(Vec::new());
 
-fn take_pending(subscription: u64) -> Option<ringscope_api::exporter::Record> {
+fn take_pending(subscription: u64) -> Option<Record> {
     let mut pending = PENDING.lock();
     let i = pending.iter().position(|(k, _)| *k == subscription)?;
     Some(pending.swap_remove(i).1)

@@ -423,7 +423,7 @@ impl DeviceCapture {
 
     /// The device control entry of `hp` now, and its row list (explicit selections).
     fn control_of(&self, hp: &HookPoint) -> Result<(DeviceControl, Option<Vec<u32>>), DeviceCaptureError> {
-        let (mode, list): (u32, Option<Vec<u32>>) = match &*hp.control.selection() {
+        let (mode, list): (u32, Option<Vec<u32>>) = match &*hp.control().selection() {
             RowSelection::All => (0, None),
             RowSelection::Rows(r) => (1, Some(r.clone())),
             RowSelection::LastPerRequest => (2, None),
@@ -432,18 +432,18 @@ impl DeviceCapture {
             if list.len() > self.options.max_batch_rows as usize {
                 return Err(DeviceCaptureError::Usage(format!(
                     "row selection of `{}` has {} rows, more than max_batch_rows {}",
-                    hp.spec.name,
+                    hp.spec().name,
                     list.len(),
                     self.options.max_batch_rows
                 )));
             }
         }
         let control = DeviceControl {
-            enabled: hp.control.enabled() as u32,
-            every_n: hp.control.every_n_steps(),
+            enabled: hp.control().enabled() as u32,
+            every_n: hp.control().every_n_steps(),
             mode,
             list_len: list.as_ref().map_or(0, |l| l.len() as u32),
-            valid_rows_ptr: self.valid_rows.get(hp.id as usize).copied().unwrap_or(0),
+            valid_rows_ptr: self.valid_rows.get(hp.id() as usize).copied().unwrap_or(0),
             ..DeviceControl::default()
         };
         Ok((control, list))
@@ -470,8 +470,8 @@ impl DeviceCapture {
         self.mirrors.resize(all.len(), HostMirror::default());
         self.lists.resize_with(all.len(), || None);
         for hp in &all {
-            let i = hp.id as usize;
-            let generation = hp.control.generation();
+            let i = hp.id() as usize;
+            let generation = hp.control().generation();
             let m = &self.mirrors[i];
             if m.uploaded && m.generation == generation {
                 continue;
@@ -491,7 +491,7 @@ impl DeviceCapture {
             let dst = self.controls.ptr() + (i * CONTROL_BYTES) as u64;
             // SAFETY: entry `i` of the control table (i < max_hookpoints); pageable source, staged by the driver.
             unsafe { result::memcpy_htod_async(dst, &bytes[..], stream.raw()) }.call("cuMemcpyHtoDAsync")?;
-            self.mirrors[i] = HostMirror { generation, control, row_bytes: hp.spec.row_bytes(), uploaded: true };
+            self.mirrors[i] = HostMirror { generation, control, row_bytes: hp.spec().row_bytes(), uploaded: true };
         }
         self.synced_changes = Some(changes);
         Ok(())
@@ -880,13 +880,13 @@ impl DeviceCapture {
         src_rows: u32,
         stream: StreamHandle,
     ) -> Result<(), DeviceCaptureError> {
-        let name = &hp.spec.name;
+        let name = &hp.spec().name;
         if !self.step_begun {
             return Err(DeviceCaptureError::Usage(format!(
                 "capture of `{name}` before the first begin_step: the session must be given a step's batch first"
             )));
         }
-        if !self.mirrors.get(hp.id as usize).is_some_and(|m| m.uploaded) {
+        if !self.mirrors.get(hp.id() as usize).is_some_and(|m| m.uploaded) {
             return Err(DeviceCaptureError::Usage(format!(
                 "hookpoint `{name}` was registered (or its valid-rows pointer set) after the last begin_step: its \
                  controls reach the device at the next begin_step"
@@ -898,11 +898,11 @@ impl DeviceCapture {
                 self.options.max_batch_rows
             )));
         }
-        let row_bytes = hp.spec.row_bytes();
+        let row_bytes = hp.spec().row_bytes();
         let bytes = src_rows as usize * row_bytes as usize;
         let what = format!("capture of `{name}`");
         self.gpu.bind()?;
-        self.gpu.check_device_range(&what, src, bytes, hp.spec.dtype.size())?;
+        self.gpu.check_device_range(&what, src, bytes, hp.spec().dtype.size())?;
         self.check_stream(stream)?;
         let payload = footprint(src_rows as u64, row_bytes as u64) as usize - HEADER_LEN;
         if payload > self.ring.max_payload_len() {
@@ -922,14 +922,14 @@ impl DeviceCapture {
                 self.join()?;
                 self.flush_deferred(stream.raw())?;
             }
-            let dtype = hp.spec.dtype.code() as u32;
-            self.deferred.push(Deferred { src, hookpoint: hp.id, dtype, row_bytes, src_rows });
+            let dtype = hp.spec().dtype.code() as u32;
+            self.deferred.push(Deferred { src, hookpoint: hp.id(), dtype, row_bytes, src_rows });
             return Ok(());
         }
         // 16 KiB per block (256 threads × 4 × 16 B) up to two blocks per SM; larger captures loop.
         let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, self.gpu.sms() * 2);
         let (mut id, mut dtype, mut rb, mut s, mut rows) =
-            (hp.id, hp.spec.dtype.code() as u32, row_bytes, src, src_rows);
+            (hp.id(), hp.spec().dtype.code() as u32, row_bytes, src, src_rows);
         let mut full = self.options.full_mode_deadline.is_some() as u32;
         self.join()?;
         let mut common = self.common_args();
@@ -1012,13 +1012,13 @@ impl DeviceCapture {
         }
         self.folded.resize(n, [0; COUNTER_WORDS]);
         for hp in registry.all().iter().take(n) {
-            let i = hp.id as usize;
+            let i = hp.id() as usize;
             let now: [u64; COUNTER_WORDS] = std::array::from_fn(|w| {
                 self.counters_host.u64_at((i * COUNTER_WORDS + w) * 8).load(std::sync::atomic::Ordering::Relaxed)
             });
             let before = self.folded[i];
             let delta = |w: usize| Tally { records: now[w] - before[w], rows: now[w + 1] - before[w + 1] };
-            let c = &hp.counters;
+            let c = &hp.counters();
             for (w, count) in [
                 (counter::PRODUCED, Count::Produced),
                 (counter::SAMPLED, Count::SampledOut),

@@ -299,6 +299,12 @@ impl Gpu {
         Ok(())
     }
 
+    /// Waits for all work issued on this device's context.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        result::ctx::synchronize().call("cuCtxSynchronize")
+    }
+
     /// Makes this thread's CUDA calls invisible to other threads' stream captures ("relaxed" capture mode), so a
     /// background thread (the drain) never invalidates an engine's graph capture.
     pub fn relax_capture_mode_on_this_thread(&self) -> Result<(), CudaError> {
