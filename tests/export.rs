@@ -11,6 +11,7 @@ use arrow::array::{Array, FixedSizeBinaryArray, RecordBatch, UInt32Array, UInt64
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use ringscope::synthetic::{activation_row, fill_layer, EngineConfig, SyntheticEngine};
 use ringscope::{Config, DropReason, Error, Session};
+use ringscope_exporter::FileError;
 
 fn tempdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ringscope-test-{name}-{}", std::process::id()));
@@ -147,8 +148,14 @@ fn unusable_output_directory_is_a_clear_error() {
     std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
     std::fs::write(&dir, b"a file, not a directory").unwrap();
     let err = Session::new(config(&dir, 1, 8, "")).err().unwrap();
-    assert!(matches!(err, Error::Config(_)));
-    assert!(err.to_string().contains("cannot create output directory"), "{err}");
+    assert!(matches!(err, Error::Setting { key: "export.parquet", .. }), "{err:?}");
+    assert!(err.to_string().contains("cannot create directory") && err.to_string().contains("unusable"), "{err}");
+    // The error behind it is kept, typed: the sink's, naming the directory, and the OS's below that.
+    let sink = std::error::Error::source(&err).and_then(|e| e.downcast_ref::<ringscope::SinkError>());
+    let Some(ringscope::SinkError::File { source: FileError::CreateDir { dir: failed, source }, .. }) = sink else {
+        panic!("{err:?}")
+    };
+    assert!(failed.starts_with(&dir) && source.kind() != std::io::ErrorKind::Other, "{failed:?} {source:?}");
     std::fs::remove_file(&dir).unwrap();
 }
 
