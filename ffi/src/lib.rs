@@ -85,9 +85,9 @@ pub struct RsCounts {
     pub dropped_records: u64,
     /// Dropped, rows.
     pub dropped_rows: u64,
-    /// Dropped records by reason, in the order `ring_full, deadline, too_large, disconnected, sink_backpressure,
-    /// sink_error, corrupt`.
-    pub dropped_by_reason: [u64; 7],
+    /// Dropped records by reason, indexed by `RS_DROP_*` (`ring_full, deadline, too_large, disconnected,
+    /// sink_backpressure, sink_error, corrupt`).
+    pub dropped_by_reason: [u64; RS_DROP_REASON_COUNT],
 }
 
 /// A record delivered to a subscription (see [`rs_poll`]).
@@ -104,7 +104,7 @@ pub struct RsRecordInfo {
     pub seq: u64,
     /// Bytes per row.
     pub row_bytes: u32,
-    /// dtype code (docs/format.md: 1 f32, 2 f16, 3 bf16, ...).
+    /// dtype code of the record format: one of `RS_DTYPE_*` (docs/format.md).
     pub dtype: u32,
     /// Bytes the buffer must hold: `rows × 16` bytes of row metadata (u64 request id, u32 position, u32 batch
     /// row, little-endian), then `rows × row_bytes` bytes of rows.
@@ -124,6 +124,49 @@ pub const RS_CAPTURE_PUBLISHED: i32 = 0;
 pub const RS_CAPTURE_SAMPLED_OUT: i32 = 1;
 /// Best-effort: dropped (ring full) and counted.
 pub const RS_CAPTURE_DROPPED: i32 = 2;
+
+/// Indices into `rs_counts.dropped_by_reason`, one per reason a record was not exported; lower-cased without the
+/// prefix, the name is the reason's name in reports and exported metadata. Best-effort: the ring had no room when the
+/// record was captured.
+pub const RS_DROP_RING_FULL: usize = 0;
+/// Full mode: the ring stayed full past the deadline.
+pub const RS_DROP_DEADLINE: usize = 1;
+/// The record is larger than the ring can ever hold.
+pub const RS_DROP_TOO_LARGE: usize = 2;
+/// The drain side was gone (shut down or crashed) when the record was captured.
+pub const RS_DROP_DISCONNECTED: usize = 3;
+/// Best-effort: a sink or consumer backlog was full.
+pub const RS_DROP_SINK_BACKPRESSURE: usize = 4;
+/// A sink failed to write the record.
+pub const RS_DROP_SINK_ERROR: usize = 5;
+/// The drain found the record corrupted and skipped it.
+pub const RS_DROP_CORRUPT: usize = 6;
+/// The number of drop reasons: the length of `rs_counts.dropped_by_reason`.
+pub const RS_DROP_REASON_COUNT: usize = 7;
+
+/// dtype codes of the record format (`rs_record_info.dtype`, docs/format.md); lower-cased without the prefix, the
+/// name is the one `rs_register_hookpoint` takes. IEEE 754 binary32.
+pub const RS_DTYPE_F32: u32 = 1;
+/// IEEE 754 binary16.
+pub const RS_DTYPE_F16: u32 = 2;
+/// bfloat16 (the top half of a binary32).
+pub const RS_DTYPE_BF16: u32 = 3;
+/// IEEE 754 binary64.
+pub const RS_DTYPE_F64: u32 = 4;
+/// Signed 8-bit integer.
+pub const RS_DTYPE_I8: u32 = 5;
+/// Unsigned 8-bit integer.
+pub const RS_DTYPE_U8: u32 = 6;
+/// Signed 16-bit integer.
+pub const RS_DTYPE_I16: u32 = 7;
+/// Signed 32-bit integer.
+pub const RS_DTYPE_I32: u32 = 8;
+/// Signed 64-bit integer.
+pub const RS_DTYPE_I64: u32 = 9;
+/// 8-bit float, 4 exponent bits, 3 mantissa bits (OCP FP8 E4M3).
+pub const RS_DTYPE_F8E4M3: u32 = 10;
+/// 8-bit float, 5 exponent bits, 2 mantissa bits (OCP FP8 E5M2).
+pub const RS_DTYPE_F8E5M2: u32 = 11;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Handles and errors.
