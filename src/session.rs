@@ -39,20 +39,9 @@ impl Report {
     }
 }
 
-/// The place records are born (the backend) and the step it has open. `None` in the session once shut down.
+/// The place records are born. `None` in the session once shut down.
 struct Capture {
     backend: Box<dyn Backend>,
-    /// The open step ([`crate::GRAPH_STEP`] for one begun inside a graph).
-    open: Option<u64>,
-}
-
-impl Capture {
-    fn check_no_step(&self, new: u64) -> Result<(), Error> {
-        match self.open {
-            Some(open) => Err(Error::StepOpen { open, new }),
-            None => Ok(()),
-        }
-    }
 }
 
 /// The exporter's view of the registry: hookpoint ids resolve to the spec and the counters the capture side
@@ -163,7 +152,7 @@ impl SessionBuilder {
         };
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
         let drain = Drain::spawn(source, catalog, sinks, options)?;
-        let capture = Capture { backend, open: None };
+        let capture = Capture { backend };
         Ok(Session {
             registry,
             policy,
@@ -233,12 +222,7 @@ impl Session {
     /// Host backend; a CUDA session uses [`begin_step_on`](Self::begin_step_on).
     pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
-        self.with_capture(|c| {
-            c.check_no_step(step)?;
-            c.backend.begin_step(&self.registry, batch)?;
-            c.open = Some(step);
-            Ok(())
-        })
+        self.with_capture(|c| c.backend.begin_step(&self.registry, batch))
     }
 
     /// CUDA backend: starts step `step` on the engine's `stream` (before the step's kernels or graph replay, outside
@@ -255,14 +239,7 @@ impl Session {
         stream: StreamHandle,
     ) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
-        self.with_capture(|c| {
-            c.check_no_step(step)?;
-            let (begun, result) = c.backend.begin_step_on(&self.registry, &batch, stream);
-            if begun {
-                c.open = Some(step);
-            }
-            result
-        })
+        self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream))
     }
 
     /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
@@ -271,12 +248,7 @@ impl Session {
     /// picks up control changes — so a replay needs no host call. Record the step's captures and
     /// [`end_step`](Self::end_step) in the same graph.
     pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamHandle) -> Result<(), Error> {
-        self.with_capture(|c| {
-            c.check_no_step(crate::GRAPH_STEP)?;
-            c.backend.begin_step_graph(&self.registry, batch, stream)?;
-            c.open = Some(crate::GRAPH_STEP);
-            Ok(())
-        })
+        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))
     }
 
     /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so
@@ -292,19 +264,13 @@ impl Session {
     /// step (the LM head after the last layer, say); `end_step` makes the step's stream wait for it. Inside a graph
     /// recording the fork and the join are recorded too. Nothing to do otherwise (host backend, immediate captures).
     pub fn submit_captures(&self) -> Result<(), Error> {
-        self.with_capture(|c| {
-            c.open.ok_or(Error::NoStep)?;
-            c.backend.submit_captures()
-        })
+        self.with_capture(|c| c.backend.submit_captures())
     }
 
     /// Ends the current step. CUDA backend with `ring.defer_captures`: launches the one kernel that copies the step's
     /// captures, on the step's stream; inside a graph recording, call it before the recording ends.
     pub fn end_step(&self) -> Result<(), Error> {
-        self.with_capture(|c| {
-            c.open.take().ok_or(Error::NoStep)?;
-            c.backend.end_step()
-        })
+        self.with_capture(|c| c.backend.end_step())
     }
 
     /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
@@ -320,10 +286,7 @@ impl Session {
     }
 
     fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
-        self.with_capture(|c| {
-            c.open.ok_or(Error::NoStep)?;
-            c.backend.capture(&self.policy, hp, data)
-        })
+        self.with_capture(|c| c.backend.capture(&self.policy, hp, data))
     }
 
     /// CUDA backend: launches the capture of hookpoint `id` from `rows` contiguous rows at device address `ptr` on
@@ -337,10 +300,7 @@ impl Session {
     /// returned before anything is launched.
     pub fn capture_device(&self, id: u32, ptr: u64, rows: u32, stream: StreamHandle) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
-        self.with_capture(|c| {
-            c.open.ok_or(Error::NoStep)?;
-            c.backend.capture_device(&hp, ptr, rows, stream)
-        })
+        self.with_capture(|c| c.backend.capture_device(&hp, ptr, rows, stream))
     }
 
     /// CUDA backend: rows of hookpoint `id` at or past the `u32` stored at device address `ptr` are padding (read at

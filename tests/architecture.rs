@@ -18,7 +18,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
 
 /// Dependencies that no kind of dependency may add (not even a dev-dependency): producer and consumer meet only
 /// through the ring's record format and the catalog the facade hands over.
-const NEVER: &[(&str, &str)] = &[("ringscope-exporter", "ringscope-hookpoint"), ("ringscope-hookpoint", "ringscope-exporter")];
+const NEVER: &[(&str, &str)] =
+    &[("ringscope-exporter", "ringscope-hookpoint"), ("ringscope-hookpoint", "ringscope-exporter")];
 
 fn metadata() -> serde_json::Value {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -87,8 +88,8 @@ fn a_forbidden_edge_would_be_caught() {
     assert!(!exporter.iter().any(|(d, _)| d == "ringscope-hookpoint"), "{exporter:?}");
     exporter.insert(("ringscope-hookpoint".into(), "normal".into()));
     let allowed: BTreeMap<&str, &[&str]> = ALLOWED.iter().copied().collect();
-    let caught = edges.iter().any(|(k, deps)| {
-        deps.iter().any(|(d, kind)| kind != "dev" && !allowed[k.as_str()].contains(&d.as_str()))
-    });
+    let caught = edges
+        .iter()
+        .any(|(k, deps)| deps.iter().any(|(d, kind)| kind != "dev" && !allowed[k.as_str()].contains(&d.as_str())));
     assert!(caught);
 }

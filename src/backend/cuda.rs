@@ -12,10 +12,20 @@ use super::{Backend, Started};
 use crate::config::RingConfig;
 use crate::Error;
 
-/// The capture side of a device ring.
+/// The capture side of a device ring, and its open step ([`crate::GRAPH_STEP`] for one begun inside a graph).
 pub(crate) struct CudaBackend {
     capture: DeviceCapture,
     ring: Arc<DeviceRing>,
+    open: Option<u64>,
+}
+
+impl CudaBackend {
+    fn check_no_step(&self, new: u64) -> Result<(), Error> {
+        match self.open {
+            Some(open) => Err(Error::StepOpen { open, new }),
+            None => Ok(()),
+        }
+    }
 }
 
 impl CudaBackend {
@@ -37,7 +47,7 @@ impl CudaBackend {
             defer: config.defer_captures,
         };
         let capture = DeviceCapture::new(&ring, options)?;
-        Ok(Started { backend: Box::new(CudaBackend { capture, ring }), source: Box::new(consumer) })
+        Ok(Started { backend: Box::new(CudaBackend { capture, ring, open: None }), source: Box::new(consumer) })
     }
 }
 
@@ -46,22 +56,27 @@ impl Backend for CudaBackend {
         self.ring.max_payload_len()
     }
 
-    fn begin_step_on(
-        &mut self,
-        registry: &Registry,
-        batch: &StepBatch,
-        stream: StreamHandle,
-    ) -> (bool, Result<(), Error>) {
+    fn begin_step_on(&mut self, registry: &Registry, batch: &StepBatch, stream: StreamHandle) -> Result<(), Error> {
+        self.check_no_step(batch.step())?;
         match self.capture.begin_step(registry, batch, stream) {
-            Ok(()) => (true, Ok(())),
+            Ok(()) => {
+                self.open = Some(batch.step());
+                Ok(())
+            }
             // The step is begun: its captures are dropped on the device and counted as `deadline`.
-            Err(e @ DeviceCaptureError::Deadline { .. }) => (true, Err(e.into())),
-            Err(e) => (false, Err(e.into())),
+            Err(e @ DeviceCaptureError::Deadline { .. }) => {
+                self.open = Some(batch.step());
+                Err(e.into())
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
     fn begin_step_graph(&mut self, registry: &Registry, batch: &GraphBatch, stream: StreamHandle) -> Result<(), Error> {
-        Ok(self.capture.begin_step_graph(registry, batch, stream)?)
+        self.check_no_step(crate::GRAPH_STEP)?;
+        self.capture.begin_step_graph(registry, batch, stream)?;
+        self.open = Some(crate::GRAPH_STEP);
+        Ok(())
     }
 
     fn apply_controls(&mut self, registry: &Registry, stream: StreamHandle) -> Result<(), Error> {
@@ -69,14 +84,17 @@ impl Backend for CudaBackend {
     }
 
     fn submit_captures(&mut self) -> Result<(), Error> {
+        self.open.ok_or(Error::NoStep)?;
         Ok(self.capture.submit()?)
     }
 
     fn end_step(&mut self) -> Result<(), Error> {
+        self.open.take().ok_or(Error::NoStep)?;
         Ok(self.capture.end_step()?)
     }
 
     fn capture_device(&mut self, hp: &HookPoint, ptr: u64, rows: u32, stream: StreamHandle) -> Result<(), Error> {
+        self.open.ok_or(Error::NoStep)?;
         Ok(self.capture.capture(hp, ptr, rows, stream)?)
     }
 

@@ -31,13 +31,15 @@ impl Backend for HostBackend {
     }
 
     fn begin_step(&mut self, _registry: &Registry, batch: StepBatch) -> Result<(), Error> {
+        if let Some(open) = &self.batch {
+            return Err(Error::StepOpen { open: open.step(), new: batch.step() });
+        }
         self.batch = Some(batch);
         Ok(())
     }
 
     fn end_step(&mut self) -> Result<(), Error> {
-        self.batch = None;
-        Ok(())
+        self.batch.take().map(drop).ok_or(Error::NoStep)
     }
 
     fn capture(&mut self, policy: &LossPolicy, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {

@@ -27,8 +27,9 @@ pub(crate) struct Started {
     pub(crate) source: Box<dyn RecordSource>,
 }
 
-/// What a session asks of the place records are born. Steps are opened and closed by the session, which checks
-/// their order; a backend sees `begin_*` only when no step is open and `end_step` only when one is.
+/// What a session asks of the place records are born. A backend keeps its own open step and checks the order of
+/// calls ([`Error::StepOpen`], [`Error::NoStep`]); a call it cannot serve at all is [`Error::Backend`], before any
+/// other check.
 pub(crate) trait Backend: Send {
     /// Largest record payload the ring accepts, in bytes.
     fn max_record_payload(&self) -> usize;
@@ -38,15 +39,10 @@ pub(crate) trait Backend: Send {
         Err(Error::Backend(HOST_ONLY))
     }
 
-    /// CUDA backend: opens a step on the engine's stream. `Err` with the step still begun is possible (full mode,
-    /// deadline): the returned flag says whether the step is open.
-    fn begin_step_on(
-        &mut self,
-        _registry: &Registry,
-        _batch: &StepBatch,
-        _stream: StreamHandle,
-    ) -> (bool, Result<(), Error>) {
-        (false, Err(Error::Backend(CUDA_ONLY)))
+    /// CUDA backend: opens a step on the engine's stream. In full mode an `Err` for the deadline leaves the step
+    /// begun (its captures are dropped on the device and counted).
+    fn begin_step_on(&mut self, _registry: &Registry, _batch: &StepBatch, _stream: StreamHandle) -> Result<(), Error> {
+        Err(Error::Backend(CUDA_ONLY))
     }
 
     /// CUDA backend: opens a step recorded inside a graph.
@@ -64,8 +60,8 @@ pub(crate) trait Backend: Send {
         Err(Error::Backend(CUDA_ONLY))
     }
 
-    /// CUDA backend with deferred captures: starts copying the step's captures on a side stream. Nothing to do
-    /// elsewhere.
+    /// CUDA backend with deferred captures: starts copying the open step's captures on a side stream. Nothing to
+    /// do elsewhere.
     fn submit_captures(&mut self) -> Result<(), Error> {
         Ok(())
     }
