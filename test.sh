@@ -21,7 +21,7 @@ RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
 
 rm -rf ringscope-out/ci
 cargo run --release --example dump_parquet -- --layers 4 --hidden 512 --requests 48 --run-id ci --arrow-ipc
-cargo run --release --bin inspect -- ringscope-out/ci
+cargo run --release -p ringscope-inspect -- ringscope-out/ci
 
 # The C ABI: build libringscope (.so and .a), compile the C example against the committed header with the system C
 # compiler, run it both ways, and check its dump.
@@ -32,6 +32,6 @@ cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c target/rele
 rm -rf ringscope-out/c-engine ringscope-out/c-engine-static
 LD_LIBRARY_PATH=target/release ./target/c_engine ringscope-out c-engine
 ./target/c_engine_static ringscope-out c-engine-static
-cargo run --release --bin inspect -- ringscope-out/c-engine
+cargo run --release -p ringscope-inspect -- ringscope-out/c-engine
 
 RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine python3 -m pytest -q tests/python

@@ -124,12 +124,12 @@ fn hookpoint_cost(gpu: &Arc<Gpu>) -> Res<()> {
         let (tb, th, tm) = (median(&mut tb), median(&mut th), median(&mut tm));
         // Idle hookpoints: the same capture graph with every hookpoint disabled (read from device memory).
         for hp in &hps {
-            hp.control.set_enabled(false);
+            hp.control().set_enabled(false);
         }
         cap.begin_step(&reg, &batch, stream.handle())?;
         let td = time_graph(gpu, &with_hooks, &stream, reps)?;
         for hp in &hps {
-            hp.control.set_enabled(true);
+            hp.control().set_enabled(true);
         }
         cap.begin_step(&reg, &batch, stream.handle())?;
         stream.synchronize()?;

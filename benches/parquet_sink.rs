@@ -26,12 +26,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use ringscope::exporter::dataset::Batch;
-use ringscope::exporter::{DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
-use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
-use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
-use ringscope::ring::{DType, RecordView};
 use ringscope::synthetic::fill_layer;
+use ringscope_exporter::dataset::Batch;
+use ringscope_exporter::{CatalogEntry, DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
+use ringscope_hookpoint::{HookPointSpec, Registry, SiteKind};
+use ringscope_ring::record::{encode_record, RecordMeta, RowMeta};
+use ringscope_ring::{DType, RecordView};
 
 const ROWS: usize = 8192;
 const WIDTH: u32 = 2048;
@@ -63,6 +63,8 @@ fn records(registry: &Registry) -> (Vec<Record>, Vec<u8>) {
             row_width: WIDTH,
         })
         .unwrap();
+    // The export side sees the hookpoint through its catalog entry (same counters).
+    let hp = Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone()));
     let mut all = Vec::new();
     let mut records = Vec::new();
     let mut buf = Vec::new();
@@ -72,7 +74,7 @@ fn records(registry: &Registry) -> (Vec<Record>, Vec<u8>) {
         all.extend_from_slice(&buf);
         let meta = RecordMeta {
             step: r as u64,
-            hookpoint: hp.id,
+            hookpoint: hp.id(),
             rows: PER_RECORD as u32,
             row_bytes: WIDTH * 2,
             dtype: DType::BF16,
@@ -127,7 +129,7 @@ fn zstd_to_file<'a>(dir: &Path, n: usize, chunks: impl Iterator<Item = &'a [u8]>
 }
 
 /// The Parquet sink writing all `records` into one closed file under `dir`; returns the file's size.
-fn sink_run<F: ringscope::exporter::FileFormat>(
+fn sink_run<F: ringscope_exporter::FileFormat>(
     format: F,
     direct_io: DirectIo,
     dir: &Path,
@@ -151,7 +153,7 @@ type Variant<'a> = (&'static str, Box<dyn FnMut(usize) -> usize + 'a>);
 /// Every variant compared, on the same bytes; each call does the whole 32 MiB once (`n` numbers its files).
 fn variants<'a>(records: &'a [Record], bytes: &'a [u8], dir: &'a Path) -> Vec<Variant<'a>> {
     let hp = records[0].hookpoint().clone();
-    let schema = ringscope::exporter::dataset::schema(&hp);
+    let schema = ringscope_exporter::dataset::schema(&hp);
     // The zstd baselines compress into one reused output buffer: zstd at its fastest, no allocation per call.
     let mut bulk = Zstd1::new(bytes.len());
     let mut pages = Zstd1::new(1 << 20);

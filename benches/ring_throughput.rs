@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ringscope::ring::{channel, DType, Producer, RecordMeta, ReserveError, RowMeta};
+use ringscope_ring::{channel, DType, Producer, RecordMeta, ReserveError, RowMeta};
 
 /// Ring sizes: 4 MiB stays in this machine's caches; 64 MiB (the default session ring) does not.
 const RINGS: [(usize, &str); 2] = [(4 << 20, "4MiB"), (64 << 20, "64MiB")];

@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use clap::Parser;
-use ringscope::exporter::SummarySink;
 use ringscope::synthetic::{pregenerate, residual_hookpoints_toml, EngineConfig};
+use ringscope::SummarySink;
 use ringscope::{CaptureOutcome, Config, Session};
 
 #[derive(Parser)]

@@ -7,7 +7,7 @@
 //!
 //! Without a GPU it says why and exits cleanly.
 
-use ringscope::ring::cuda::{DeviceBuffer, Gpu, Graph, Stream};
+use ringscope::cuda::{DeviceBuffer, Gpu, Graph, Stream};
 use ringscope::{Config, Session};
 
 fn main() -> Result<(), ringscope::Error> {

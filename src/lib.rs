@@ -4,14 +4,15 @@
 //! a policy decides — under budgets — whether capture may wait (full, lossless) or must drop and count
 //! (best-effort). Every record is exported or counted.
 //!
-//! This facade wires the member crates into a [`Session`] configured from one [`Config`]:
+//! This facade wires the member crates into a [`Session`] configured from one [`Config`], and re-exports the types
+//! a user of a session needs — not the crates (docs/architecture.md says which crate owns what):
 //!
 //! | crate | role |
 //! |---|---|
-//! | [`ring`] | record format and ring protocol (host backend) |
-//! | [`hookpoint`] | hookpoint specs, registry, controls, capture |
-//! | [`exporter`] | drain thread, sinks, consumers |
-//! | [`policy`] | full vs best-effort, loss accounting |
+//! | `ringscope-ring` | record format, ring protocol (host memory; device memory through the CUDA driver layer) |
+//! | `ringscope-hookpoint` | hookpoint registry and controls; capture (host, and CUDA kernels) |
+//! | `ringscope-exporter` | drain, fan-out to sinks and consumers, the dataset, Parquet / Arrow IPC writing |
+//! | `ringscope-policy` | full vs best-effort, loss accounting |
 //!
 //! ```
 //! use ringscope::{Config, Session};
@@ -40,9 +41,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+mod backend;
 pub mod config;
 pub mod manifest;
 mod session;
+#[cfg(feature = "synthetic")]
 pub mod synthetic;
 
 pub use config::Config;
@@ -59,21 +62,40 @@ fn step_name(step: u64) -> String {
 }
 pub use session::{Report, Session, SessionBuilder};
 
-pub use ringscope_exporter as exporter;
-pub use ringscope_hookpoint as hookpoint;
-pub use ringscope_policy as policy;
-pub use ringscope_ring as ring;
+// What a session's user holds: hookpoints and their controls, the outcome of a capture, the accounting.
+pub use ringscope_hookpoint::{CaptureOutcome, Control, HookPoint, RowSelection};
+pub use ringscope_policy::{AccountingSnapshot, CounterSnapshot, DropReason, LossPolicy, Mode, Tally};
+pub use ringscope_ring::record::FORMAT_VERSION;
+pub use ringscope_ring::{DType, HookPointSpec, RecordHeader, RecordView, RowMeta, SiteKind};
 
-pub use ringscope_hookpoint::{CaptureOutcome, HookPointSpec, RowSelection, SiteKind};
-pub use ringscope_policy::{DropReason, Mode};
-pub use ringscope_ring::DType;
+// What a consumer or a sink of their own sees: records, filters, subscriptions, the sink seam and the built-in sinks.
+pub use ringscope_exporter::{
+    arrow_ipc_sink, parquet_sink, ArrowIpc, BoxError, CallbackSink, CatalogEntry, CommittedFile, DatasetOptions,
+    DirectIo, DrainReport, FileSink, Filter, HookPointSummary, Parquet, Receipt, Record, Sink, SinkError, SinkReport,
+    Subscription, Summary, SummarySink,
+};
 
-/// Errors of a session.
+/// The CUDA backend's types an engine passes in: streams, device memory, steps recorded inside graphs.
+pub mod cuda {
+    pub use ringscope_hookpoint::cuda::GraphBatch;
+    pub use ringscope_ring::cuda::{CudaError, DeviceBuffer, DevicePtr, Gpu, Graph, Stream, StreamRef};
+}
+
+/// Errors of a session. Each variant keeps the error behind it ([`std::error::Error::source`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The configuration is invalid; the message names the key.
     #[error("invalid config: {0}")]
     Config(String),
+    /// A configured value could not be used (a ring of that capacity, a file sink in that directory, ...).
+    #[error("invalid config: {key}: {source}")]
+    Setting {
+        /// The configuration key.
+        key: &'static str,
+        /// Why the value could not be used.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The policy's numbers are invalid.
     #[error(transparent)]
     Policy(#[from] ringscope_policy::PolicyError),
@@ -83,12 +105,21 @@ pub enum Error {
     /// The exporter failed.
     #[error(transparent)]
     Exporter(#[from] ringscope_exporter::ExporterError),
-    /// Writing the run's files failed.
-    #[error("{0}")]
-    Io(String),
-    /// The CUDA backend failed, or a device call was given bad input (the message says which).
+    /// The run manifest could not be written.
+    #[error("writing the run manifest in {}: {source}", .dir.display())]
+    Manifest {
+        /// The run directory.
+        dir: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The CUDA driver failed, or a device call was given bad input (the message says which).
     #[error("CUDA backend: {0}")]
-    Cuda(String),
+    Cuda(#[from] ringscope_ring::cuda::CudaError),
+    /// A device capture call failed (CUDA, a rule of the API, or full mode's deadline).
+    #[error("CUDA backend: {0}")]
+    DeviceCapture(#[from] ringscope_hookpoint::cuda::DeviceCaptureError),
     /// A call of the other backend (a host capture on a CUDA session, or the reverse).
     #[error("{0}")]
     Backend(&'static str),
@@ -114,12 +145,6 @@ pub enum Error {
         /// The full report.
         report: Box<Report>,
     },
-}
-
-impl From<ringscope_ring::cuda::CudaError> for Error {
-    fn from(e: ringscope_ring::cuda::CudaError) -> Self {
-        Error::Cuda(e.to_string())
-    }
 }
 
 /// The README's Rust snippets, compiled and run as doc tests so that the front door stays true.

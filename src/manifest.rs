@@ -24,13 +24,13 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
         .all()
         .iter()
         .map(|h| {
-            let c = h.counters.snapshot();
+            let c = h.counters().snapshot();
             json!({
-                "name": h.spec.name,
-                "site": h.spec.site.name(),
-                "layer": h.spec.layer,
-                "dtype": h.spec.dtype.name(),
-                "row_width": h.spec.row_width,
+                "name": h.spec().name,
+                "site": h.spec().site.name(),
+                "layer": h.spec().layer,
+                "dtype": h.spec().dtype.name(),
+                "row_width": h.spec().row_width,
                 "accounting": {
                     "produced": tally(c.produced),
                     "exported": tally(c.exported),
@@ -71,5 +71,5 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
     let text = serde_json::to_string_pretty(&manifest).expect("plain JSON values");
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, run_dir.join(MANIFEST)))
-        .map_err(|e| Error::Io(format!("writing the run manifest in {}: {e}", run_dir.display())))
+        .map_err(|source| Error::Manifest { dir: run_dir.to_owned(), source })
 }

@@ -5,16 +5,18 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ringscope_exporter::{
-    arrow_ipc_sink, parquet_sink, CommittedFile, CommittedFiles, Drain, DrainOptions, DrainReport, Filter, Sink,
-    Subscription,
+    arrow_ipc_sink, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain, DrainOptions,
+    DrainReport, Filter, Sink, Subscription,
 };
-use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
-use ringscope_hookpoint::{capture_host, CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
-use ringscope_ring::cuda::{DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, Gpu, StreamRef};
-use ringscope_ring::Producer;
+use ringscope_hookpoint::cuda::GraphBatch;
+use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
+use ringscope_policy::{AccountingSnapshot, LossPolicy};
+use ringscope_ring::cuda::{DevicePtr, StreamRef};
 
-use crate::config::{Backend, Config};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::host::HostBackend;
+use crate::backend::{Backend, Started};
+use crate::config::{self, Config};
 use crate::Error;
 
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
@@ -37,17 +39,20 @@ impl Report {
     }
 }
 
-enum Capture {
-    Host { producer: Producer, batch: Option<StepBatch> },
-    Cuda { capture: Box<DeviceCapture>, ring: Arc<DeviceRing>, open: Option<u64> },
+/// The place records are born. `None` in the session once shut down.
+struct Capture {
+    backend: Box<dyn Backend>,
 }
 
-const HOST_ONLY: &str = "this session uses the CUDA backend: use begin_step_on(step, rows, stream) and \
-                         capture_device(id, device_ptr, rows, stream)";
-const CUDA_ONLY: &str = "this session uses the host backend: set ring.backend = \"cuda\" for device captures";
+/// The exporter's view of the registry: hookpoint ids resolve to the spec and the counters the capture side
+/// shares. The exporter knows no more of the capture side than this.
+struct RegistryCatalog(Arc<Registry>);
 
-fn cuda_error(e: impl std::fmt::Display) -> Error {
-    Error::Cuda(e.to_string())
+impl Catalog for RegistryCatalog {
+    fn entry(&self, id: u32) -> Option<Arc<CatalogEntry>> {
+        let hp = self.0.get(id).ok()?;
+        Some(Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone())))
+    }
 }
 
 /// A running ringscope session.
@@ -109,9 +114,9 @@ impl SessionBuilder {
         for hc in &config.hookpoints {
             let (spec, selection) = hc.resolve()?;
             let hp = registry.register(spec)?;
-            hp.control.set_selection(selection)?;
-            hp.control.set_every_n_steps(hc.every_n_steps)?;
-            hp.control.set_enabled(hc.enabled);
+            hp.control().set_selection(selection)?;
+            hp.control().set_every_n_steps(hc.every_n_steps)?;
+            hp.control().set_enabled(hc.enabled);
         }
         let options = DrainOptions {
             backlog_bytes: usize::try_from(config.export.backlog.0).unwrap_or(usize::MAX),
@@ -130,44 +135,24 @@ impl SessionBuilder {
             let filter = if threads == 1 { Filter::all() } else { Filter::shard(threads, shard) };
             if config.export.parquet {
                 let (sink, committed) = parquet_sink(dataset.clone(), config.export.zstd_level)
-                    .map_err(|e| Error::Config(format!("export.parquet: {}", e.message)))?;
+                    .map_err(|e| Error::Setting { key: "export.parquet", source: e.into() })?;
                 sinks.push((Box::new(sink), filter.clone()));
                 files.push(committed);
             }
             if config.export.arrow_ipc {
                 let (sink, committed) = arrow_ipc_sink(dataset.clone())
-                    .map_err(|e| Error::Config(format!("export.arrow_ipc: {}", e.message)))?;
+                    .map_err(|e| Error::Setting { key: "export.arrow_ipc", source: e.into() })?;
                 sinks.push((Box::new(sink), filter));
                 files.push(committed);
             }
         }
-        let (capture, drain) = match config.ring.backend {
-            Backend::Host => {
-                let (producer, consumer) =
-                    ringscope_ring::channel(capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
-                (Capture::Host { producer, batch: None }, Drain::spawn(consumer, registry.clone(), sinks, options)?)
-            }
-            Backend::Cuda => {
-                let r = &config.ring;
-                let gpu = Gpu::open(r.device).map_err(cuda_error)?;
-                let ring = DeviceRing::new(&gpu, capacity).map_err(|e| Error::Config(format!("ring.capacity: {e}")))?;
-                let tuning = DrainTuning {
-                    chunk_bytes: usize::try_from(r.drain_chunk.0).unwrap_or(usize::MAX),
-                    max_in_flight: r.drain_in_flight as usize,
-                };
-                let consumer =
-                    DeviceConsumer::new(&ring, tuning).map_err(|e| Error::Config(format!("ring.drain_*: {e}")))?;
-                let device_options = DeviceCaptureOptions {
-                    max_batch_rows: r.max_batch_rows,
-                    max_hookpoints: 1024,
-                    full_mode_deadline: (policy.mode == Mode::Full).then_some(policy.full_deadline),
-                    defer: r.defer_captures,
-                };
-                let capture = DeviceCapture::new(&ring, device_options).map_err(cuda_error)?;
-                let drain = Drain::spawn(consumer, registry.clone(), sinks, options)?;
-                (Capture::Cuda { capture: Box::new(capture), ring, open: None }, drain)
-            }
+        let Started { backend, source } = match config.ring.backend {
+            config::Backend::Host => HostBackend::start(capacity)?,
+            config::Backend::Cuda => CudaBackend::start(&config.ring, capacity, &policy)?,
         };
+        let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
+        let drain = Drain::spawn(source, catalog, sinks, options)?;
+        let capture = Capture { backend };
         Ok(Session {
             registry,
             policy,
@@ -193,7 +178,7 @@ impl Session {
     /// Registers another hookpoint; returns its id.
     pub fn register(&self, spec: HookPointSpec) -> Result<u32, Error> {
         self.check_open()?;
-        Ok(self.registry.register(spec)?.id)
+        Ok(self.registry.register(spec)?.id())
     }
 
     /// The hookpoint named `name` (for its controls: enable, sampling, row selection).
@@ -201,9 +186,14 @@ impl Session {
         Ok(self.registry.by_name(name)?)
     }
 
-    /// The session's hookpoints.
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.registry
+    /// The hookpoint with id `id`.
+    pub fn hookpoint_by_id(&self, id: u32) -> Result<Arc<HookPoint>, Error> {
+        Ok(self.registry.get(id)?)
+    }
+
+    /// The session's hookpoints, in id order.
+    pub fn hookpoints(&self) -> Vec<Arc<HookPoint>> {
+        self.registry.all()
     }
 
     /// The loss policy in force.
@@ -213,10 +203,7 @@ impl Session {
 
     /// Largest record payload the ring accepts, in bytes.
     pub fn max_record_payload(&self) -> Result<usize, Error> {
-        match self.capture.lock().as_ref().ok_or(Error::Closed)? {
-            Capture::Host { producer, .. } => Ok(producer.max_payload_len()),
-            Capture::Cuda { ring, .. } => Ok(ring.max_payload_len()),
-        }
+        Ok(self.capture.lock().as_ref().ok_or(Error::Closed)?.backend.max_record_payload())
     }
 
     fn check_open(&self) -> Result<(), Error> {
@@ -226,21 +213,16 @@ impl Session {
         Ok(())
     }
 
+    /// Runs `f` on the open session's capture side.
+    fn with_capture<T>(&self, f: impl FnOnce(&mut Capture) -> Result<T, Error>) -> Result<T, Error> {
+        f(self.capture.lock().as_mut().ok_or(Error::Closed)?)
+    }
+
     /// Starts step `step`: `rows` gives `(request_id, token_position)` for each batch row, in batch order.
     /// Host backend; a CUDA session uses [`begin_step_on`](Self::begin_step_on).
     pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Host { batch: open, .. } => {
-                if let Some(o) = open {
-                    return Err(Error::StepOpen { open: o.step(), new: step });
-                }
-                *open = Some(batch);
-                Ok(())
-            }
-            Capture::Cuda { .. } => Err(Error::Backend(HOST_ONLY)),
-        }
+        self.with_capture(|c| c.backend.begin_step(&self.registry, batch))
     }
 
     /// CUDA backend: starts step `step` on the engine's `stream` (before the step's kernels or graph replay, outside
@@ -257,26 +239,7 @@ impl Session {
         stream: StreamRef,
     ) -> Result<(), Error> {
         let batch = StepBatch::new(step, rows)?;
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Cuda { capture, open, .. } => {
-                if let Some(o) = open {
-                    return Err(Error::StepOpen { open: *o, new: step });
-                }
-                match capture.begin_step(&self.registry, &batch, stream) {
-                    Ok(()) => {
-                        *open = Some(step);
-                        Ok(())
-                    }
-                    Err(e @ DeviceCaptureError::Deadline { .. }) => {
-                        *open = Some(step);
-                        Err(cuda_error(e))
-                    }
-                    Err(e) => Err(cuda_error(e)),
-                }
-            }
-            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
-        }
+        self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream))
     }
 
     /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
@@ -285,18 +248,7 @@ impl Session {
     /// picks up control changes — so a replay needs no host call. Record the step's captures and
     /// [`end_step`](Self::end_step) in the same graph.
     pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Cuda { capture, open, .. } => {
-                if let Some(o) = open {
-                    return Err(Error::StepOpen { open: *o, new: crate::GRAPH_STEP });
-                }
-                capture.begin_step_graph(&self.registry, batch, stream).map_err(cuda_error)?;
-                *open = Some(crate::GRAPH_STEP);
-                Ok(())
-            }
-            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
-        }
+        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))
     }
 
     /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so
@@ -304,10 +256,7 @@ impl Session {
     /// they make no host call) use them from the next replay on. Call it between replays, outside graph recording.
     /// Steps begun with [`begin_step_on`](Self::begin_step_on) pick changes up by themselves.
     pub fn apply_controls(&self, stream: StreamRef) -> Result<(), Error> {
-        match self.capture.lock().as_mut().ok_or(Error::Closed)? {
-            Capture::Cuda { capture, .. } => capture.apply_controls(&self.registry, stream).map_err(cuda_error),
-            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
-        }
+        self.with_capture(|c| c.backend.apply_controls(&self.registry, stream))
     }
 
     /// CUDA backend with `ring.defer_captures`: starts copying the step's captures noted so far now, with one kernel
@@ -315,26 +264,13 @@ impl Session {
     /// step (the LM head after the last layer, say); `end_step` makes the step's stream wait for it. Inside a graph
     /// recording the fork and the join are recorded too. Nothing to do otherwise (host backend, immediate captures).
     pub fn submit_captures(&self) -> Result<(), Error> {
-        match self.capture.lock().as_mut().ok_or(Error::Closed)? {
-            Capture::Cuda { capture, open, .. } => {
-                open.ok_or(Error::NoStep)?;
-                capture.submit().map_err(cuda_error)
-            }
-            Capture::Host { .. } => Ok(()),
-        }
+        self.with_capture(|c| c.backend.submit_captures())
     }
 
     /// Ends the current step. CUDA backend with `ring.defer_captures`: launches the one kernel that copies the step's
     /// captures, on the step's stream; inside a graph recording, call it before the recording ends.
     pub fn end_step(&self) -> Result<(), Error> {
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Host { batch, .. } => batch.take().map(|_| ()).ok_or(Error::NoStep),
-            Capture::Cuda { open, capture, .. } => {
-                open.take().ok_or(Error::NoStep)?;
-                capture.end_step().map_err(cuda_error)
-            }
-        }
+        self.with_capture(|c| c.backend.end_step())
     }
 
     /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
@@ -350,14 +286,7 @@ impl Session {
     }
 
     fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Host { producer, batch } => {
-                let batch = batch.as_ref().ok_or(Error::NoStep)?;
-                Ok(capture_host(producer, &self.policy, hp, batch, data)?)
-            }
-            Capture::Cuda { .. } => Err(Error::Backend(HOST_ONLY)),
-        }
+        self.with_capture(|c| c.backend.capture(&self.policy, hp, data))
     }
 
     /// CUDA backend: launches the capture of hookpoint `id` from `rows` contiguous rows at device address `ptr` on
@@ -372,27 +301,14 @@ impl Session {
     /// captures reading it have run — is the promise of [`DevicePtr::from_raw`].
     pub fn capture_device(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Cuda { capture, open, .. } => {
-                if open.is_none() {
-                    return Err(Error::NoStep);
-                }
-                capture.capture(&hp, ptr, rows, stream).map_err(cuda_error)
-            }
-            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
-        }
+        self.with_capture(|c| c.backend.capture_device(&hp, ptr, rows, stream))
     }
 
     /// CUDA backend: rows of hookpoint `id` at or past the `u32` stored at device address `ptr` are padding (read at
     /// replay time, for graphs captured at a padded batch size). `None` removes it. Takes effect at the next step.
     pub fn set_valid_rows_device(&self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
         self.registry.get(id)?;
-        let mut guard = self.capture.lock();
-        match guard.as_mut().ok_or(Error::Closed)? {
-            Capture::Cuda { capture, .. } => capture.set_valid_rows_ptr(id, ptr).map_err(cuda_error),
-            Capture::Host { .. } => Err(Error::Backend(CUDA_ONLY)),
-        }
+        self.with_capture(|c| c.backend.set_valid_rows_device(id, ptr))
     }
 
     /// Folds the device-side counters into the registry (CUDA backend; nothing to do on the host backend), unless
@@ -401,8 +317,8 @@ impl Session {
     /// last time stand.
     fn fold_device_counters(&self) {
         if let Some(mut guard) = self.capture.try_lock_for(std::time::Duration::from_millis(5)) {
-            if let Some(Capture::Cuda { capture, .. }) = guard.as_mut() {
-                let _ = capture.fold_counters(&self.registry);
+            if let Some(c) = guard.as_mut() {
+                c.backend.fold_counters(&self.registry);
             }
         }
     }
@@ -427,38 +343,12 @@ impl Session {
     /// Stops capturing, drains every record still in the ring, closes the sinks, and checks that every record
     /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
     pub fn shutdown(&self) -> Result<Report, Error> {
-        let capture = self.capture.lock().take().ok_or(Error::Closed)?;
-        let mut device_errors = Vec::new();
-        let device = match capture {
-            // Dropping the producer tells the drain that nothing more will come; it stops once the ring is empty.
-            Capture::Host { producer, .. } => {
-                drop(producer);
-                None
-            }
-            Capture::Cuda { mut capture, ring, .. } => {
-                // Deferred captures of a step left open are copied, not forgotten.
-                if let Err(e) = capture.end_step() {
-                    device_errors.push(format!("CUDA backend: copying the open step's deferred captures failed: {e}"));
-                }
-                // Let every capture already issued run, then count it; the drain stops once it has copied the rest.
-                if let Err(e) = ring.gpu().synchronize() {
-                    device_errors.push(format!("CUDA backend at shutdown: {e}"));
-                }
-                if let Err(e) = capture.fold_counters(&self.registry) {
-                    device_errors.push(format!("CUDA backend: reading the device counters failed: {e}"));
-                }
-                if ring.error_bits() != 0 {
-                    device_errors
-                        .push(format!("CUDA backend: {}", ringscope_ring::cuda::errors::describe(ring.error_bits())));
-                }
-                ring.close_producer();
-                Some((capture, ring))
-            }
-        };
+        let mut capture = self.capture.lock().take().ok_or(Error::Closed)?;
+        let device_errors = capture.backend.close(&self.registry);
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let mut drain = drain.join()?;
         drain.errors.extend(device_errors);
-        drop(device);
+        drop(capture);
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
         let report = Report { accounting: self.registry.accounting(), drain, files, run_dir: self.run_dir.clone() };
         if let Some(dir) = &report.run_dir {

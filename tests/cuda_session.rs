@@ -12,10 +12,10 @@ use std::sync::Arc;
 
 use arrow::array::{Array, FixedSizeBinaryArray, UInt32Array, UInt64Array};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-use ringscope::exporter::{CallbackSink, Record};
-use ringscope::ring::cuda::{DeviceBuffer, Gpu, Graph, Stream};
 use ringscope::synthetic::{activation_row, fill_layer, pregenerate, EngineConfig};
 use ringscope::{Config, Error, Session};
+use ringscope_exporter::{CallbackSink, Record};
+use ringscope_ring::cuda::{DeviceBuffer, Gpu, Graph, Stream};
 
 fn config(dir: &std::path::Path, layers: u32, hidden: u32, mode: &str) -> Config {
     let text = format!(
@@ -56,13 +56,13 @@ fn cuda_session_replays_a_graph_into_parquet_bit_exact() {
     let c2 = checked.clone();
     let mut expect = vec![0u16; cfg.hidden as usize];
     let verify = CallbackSink::new("verify", move |record: &Record| {
-        let layer = record.hookpoint().spec.layer.unwrap();
+        let layer = record.hookpoint().spec().layer.unwrap();
         let view = record.view();
         for (i, m) in view.row_metas().enumerate() {
             activation_row(cfg.seed, layer, m.request_id, m.position, &mut expect);
             let want: Vec<u8> = expect.iter().flat_map(|v| v.to_le_bytes()).collect();
             if view.row(i) != &want[..] {
-                return Err(format!("layer {layer} request {} position {} differs", m.request_id, m.position));
+                return Err(format!("layer {layer} request {} position {} differs", m.request_id, m.position).into());
             }
             c2.fetch_add(1, Ordering::Relaxed);
         }
@@ -131,12 +131,12 @@ fn cuda_session_replays_a_graph_into_parquet_bit_exact() {
 #[test]
 fn device_calls_on_a_host_session_are_clear_errors() {
     let s = Session::new(Config::from_toml(&ringscope::synthetic::residual_hookpoints_toml(1, 8)).unwrap()).unwrap();
-    let stream = ringscope::ring::cuda::StreamRef::legacy_default();
+    let stream = ringscope::cuda::StreamRef::legacy_default();
     let e = s.begin_step_on(0, [(1, 0)], stream.clone()).unwrap_err().to_string();
     assert!(e.contains("host backend"), "{e}");
     s.begin_step(0, [(1, 0)]).unwrap();
     // SAFETY: never dereferenced: a host session refuses device captures before looking at the address.
-    let ptr = unsafe { ringscope::ring::cuda::DevicePtr::from_raw(0x1000) };
+    let ptr = unsafe { ringscope::cuda::DevicePtr::from_raw(0x1000) };
     let e = s.capture_device(0, ptr, 1, stream).unwrap_err().to_string();
     assert!(e.contains("host backend"), "{e}");
     s.end_step().unwrap();

@@ -5,11 +5,13 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use arrow::array::{Array, FixedSizeBinaryArray, RecordBatch, UInt32Array, UInt64Array};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use ringscope::synthetic::{activation_row, fill_layer, EngineConfig, SyntheticEngine};
 use ringscope::{Config, DropReason, Error, Session};
+use ringscope_exporter::FileError;
 
 fn tempdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("ringscope-test-{name}-{}", std::process::id()));
@@ -146,8 +148,14 @@ fn unusable_output_directory_is_a_clear_error() {
     std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
     std::fs::write(&dir, b"a file, not a directory").unwrap();
     let err = Session::new(config(&dir, 1, 8, "")).err().unwrap();
-    assert!(matches!(err, Error::Config(_)));
-    assert!(err.to_string().contains("cannot create output directory"), "{err}");
+    assert!(matches!(err, Error::Setting { key: "export.parquet", .. }), "{err:?}");
+    assert!(err.to_string().contains("cannot create directory") && err.to_string().contains("unusable"), "{err}");
+    // The error behind it is kept, typed: the sink's, naming the directory, and the OS's below that.
+    let sink = std::error::Error::source(&err).and_then(|e| e.downcast_ref::<ringscope::SinkError>());
+    let Some(ringscope::SinkError::File { source: FileError::CreateDir { dir: failed, source }, .. }) = sink else {
+        panic!("{err:?}")
+    };
+    assert!(failed.starts_with(&dir) && source.kind() != std::io::ErrorKind::Other, "{failed:?} {source:?}");
     std::fs::remove_file(&dir).unwrap();
 }
 
@@ -192,38 +200,6 @@ fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
-    let dir = tempdir("inspect");
-    let cfg = EngineConfig { layers: 2, hidden: 64, requests: 12, ..EngineConfig::default() };
-    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "arrow_ipc = true")).unwrap();
-    run(&session, cfg, |_| {});
-    session.shutdown().unwrap();
-    let run_dir = dir.join("r");
-    let inspect = |path: &Path| std::process::Command::new(env!("CARGO_BIN_EXE_inspect")).arg(path).output().unwrap();
-
-    let ok = inspect(&run_dir);
-    let stdout = String::from_utf8_lossy(&ok.stdout);
-    assert!(ok.status.success(), "{stdout}");
-    assert!(stdout.contains("layers.1.resid") && stdout.contains("accounting adds up"), "{stdout}");
-
-    // A truncated file: unreadable, exit status 1, named in the output.
-    let victim = files_with_ext(&run_dir, "parquet").remove(0);
-    let bytes = std::fs::read(&victim).unwrap();
-    std::fs::write(&victim, &bytes[..bytes.len() / 2]).unwrap();
-    let bad = inspect(&run_dir);
-    let stdout = String::from_utf8_lossy(&bad.stdout);
-    assert_eq!(bad.status.code(), Some(1), "{stdout}");
-    assert!(
-        stdout.contains("unreadable") && stdout.contains(&*victim.file_name().unwrap().to_string_lossy()),
-        "{stdout}"
-    );
-
-    // Not a run directory at all.
-    assert_eq!(inspect(&dir.join("nope")).status.code(), Some(2));
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
 /// The Parquet sink's activation pages: small records gathered into pages, records of 64 KiB and more compressed in
 /// place (one bigger than a page split over two), in stream order, through zstd (ringscope's own page writer) and
 /// without compression (the generic column writer), each written through the page cache and with `O_DIRECT` (where
@@ -233,10 +209,10 @@ fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
 #[test]
 fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
     use parquet::file::properties::{EnabledStatistics, WriterProperties};
-    use ringscope::exporter::{DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
-    use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
-    use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
-    use ringscope::ring::{DType, RecordView};
+    use ringscope_exporter::{CatalogEntry, DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
+    use ringscope_hookpoint::{HookPointSpec, Registry, SiteKind};
+    use ringscope_ring::record::{encode_record, RecordMeta, RowMeta};
+    use ringscope_ring::{DType, RecordView};
 
     const WIDTH: u32 = 2048; // bf16: 4 KiB rows, 256 per 1 MiB page
     let registry = Registry::new();
@@ -249,6 +225,8 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
             row_width: WIDTH,
         })
         .unwrap();
+    // The export side sees the hookpoint through its catalog entry (same counters).
+    let hp = Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone()));
     let row = |id: u64| -> Vec<u8> {
         if (4..20).contains(&id) {
             // The 64 KiB record: constant rows, a page that compresses to a few bytes (its header gets shorter than
@@ -277,7 +255,7 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
             let data: Vec<u8> = ids.iter().flat_map(|&id| row(id)).collect();
             let meta = RecordMeta {
                 step: step as u64,
-                hookpoint: hp.id,
+                hookpoint: hp.id(),
                 rows,
                 row_bytes: WIDTH * 2,
                 dtype: DType::BF16,
@@ -366,11 +344,11 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
         ),
     ] {
         let short = WIDTH * 2 - 2;
-        let meta = RecordMeta { step: 0, hookpoint: hp.id, rows: 1, row_bytes: short, dtype: DType::BF16, flags: 0 };
+        let meta = RecordMeta { step: 0, hookpoint: hp.id(), rows: 1, row_bytes: short, dtype: DType::BF16, flags: 0 };
         let bytes =
             encode_record(0, &meta, &[RowMeta { request_id: 1, position: 0, batch_row: 0 }], &vec![0; short as usize]);
         let record = Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone());
-        let before = hp.counters.snapshot().dropped_for(DropReason::SinkError).rows;
+        let before = hp.accounting().dropped_for(DropReason::SinkError).rows;
         let mut options = DatasetOptions::new(&dir);
         options.run_id = name.into();
         let (mut sink, _) = FileSink::create(format, options).unwrap();
@@ -379,7 +357,7 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
         let err = sink.close().unwrap_err().to_string();
         assert!(err.contains("rows of 4094 bytes") && err.contains("its schema 4096"), "{name}: {err}");
         drop(sink);
-        assert_eq!(hp.counters.snapshot().dropped_for(DropReason::SinkError).rows, before + 1, "{name}");
+        assert_eq!(hp.accounting().dropped_for(DropReason::SinkError).rows, before + 1, "{name}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -391,10 +369,10 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
 #[test]
 fn constant_metadata_columns_match_the_generic_writer_byte_for_byte() {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    use ringscope::exporter::{DatasetOptions, FileSink, Parquet, Record, Sink};
-    use ringscope::hookpoint::{HookPointSpec, Registry, SiteKind};
-    use ringscope::ring::record::{encode_record, RecordMeta, RowMeta};
-    use ringscope::ring::{DType, RecordView};
+    use ringscope_exporter::{CatalogEntry, DatasetOptions, FileSink, Parquet, Record, Sink};
+    use ringscope_hookpoint::{HookPointSpec, Registry, SiteKind};
+    use ringscope_ring::record::{encode_record, RecordMeta, RowMeta};
+    use ringscope_ring::{DType, RecordView};
 
     let dir = tempdir("constants");
     let registry = Registry::new();
@@ -408,9 +386,12 @@ fn constant_metadata_columns_match_the_generic_writer_byte_for_byte() {
                 row_width: 64,
             })
             .unwrap();
+        // The export side sees the hookpoint through its catalog entry (same counters).
+        let hp = Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone()));
         let recs: Vec<Record> = (0..records)
             .map(|r| {
-                let meta = RecordMeta { step: r, hookpoint: hp.id, rows, row_bytes: 128, dtype: DType::F16, flags: 0 };
+                let meta =
+                    RecordMeta { step: r, hookpoint: hp.id(), rows, row_bytes: 128, dtype: DType::F16, flags: 0 };
                 let metas: Vec<RowMeta> = (0..rows)
                     .map(|i| RowMeta { request_id: r * 1000 + i as u64, position: i * 3, batch_row: i })
                     .collect();

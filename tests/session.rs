@@ -4,10 +4,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ringscope::exporter::CallbackSink;
-use ringscope::exporter::Record;
 use ringscope::synthetic::{activation_row, fill_layer, EngineConfig, SyntheticEngine};
 use ringscope::{CaptureOutcome, Config, DropReason, Error, Mode, RowSelection, Session};
+use ringscope_exporter::CallbackSink;
+use ringscope_exporter::Record;
 
 fn config(layers: u32, hidden: u32, capacity: &str, mode: &str) -> Config {
     let mut text =
@@ -17,12 +17,12 @@ fn config(layers: u32, hidden: u32, capacity: &str, mode: &str) -> Config {
 }
 
 /// A sink that regenerates every row from its (layer, request, position) and compares bytes.
-fn verifying_sink(seed: u64, hidden: u32, checked: Arc<AtomicU64>) -> impl ringscope::exporter::Sink {
+fn verifying_sink(seed: u64, hidden: u32, checked: Arc<AtomicU64>) -> impl ringscope_exporter::Sink {
     let mut expect = vec![0u16; hidden as usize];
     CallbackSink::new("verify", move |record: &Record| {
         let hp = record.hookpoint();
         let rec = record.view();
-        let layer = hp.spec.layer.expect("residual hookpoints have a layer");
+        let layer = hp.spec().layer.expect("residual hookpoints have a layer");
         for (i, m) in rec.row_metas().enumerate() {
             activation_row(seed, layer, m.request_id, m.position, &mut expect);
             let want: Vec<u8> = expect.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -30,10 +30,11 @@ fn verifying_sink(seed: u64, hidden: u32, checked: Arc<AtomicU64>) -> impl rings
                 return Err(format!(
                     "step {} {} row {i} (request {}, position {}) differs from the generator",
                     record.step(),
-                    hp.spec.name,
+                    hp.spec().name,
                     m.request_id,
                     m.position
-                ));
+                )
+                .into());
             }
         }
         checked.fetch_add(rec.rows() as u64, Ordering::Relaxed);
@@ -85,7 +86,7 @@ fn best_effort_with_a_stalled_sink_drops_counts_and_never_corrupts() {
     let g = gate.clone();
     let stalled = CallbackSink::new("stalled", move |rec: &Record| {
         drop(g.lock());
-        ringscope::exporter::Sink::write(&mut verify, rec).map_err(|e| e.message)
+        ringscope::Sink::write(&mut verify, rec).map_err(Into::into)
     });
     let mut conf = config(cfg.layers, cfg.hidden, "256 KiB", "best_effort");
     conf.export.backlog = ringscope::config::ByteSize(64 << 10);
@@ -170,7 +171,7 @@ fn accounting_does_not_wait_for_a_full_mode_capture() {
     let mut last = u64::MAX;
     loop {
         std::thread::sleep(std::time::Duration::from_millis(50));
-        let produced = hp.counters.snapshot().produced.records;
+        let produced = hp.counters().snapshot().produced.records;
         if produced == last && (1..20).contains(&produced) {
             break;
         }
@@ -200,11 +201,11 @@ fn controls_change_between_steps() {
     let mut published = vec![];
     for step in 0..12u64 {
         match step {
-            4 => hp.control.set_every_n_steps(2).unwrap(),
-            8 => hp.control.set_enabled(false),
+            4 => hp.control().set_every_n_steps(2).unwrap(),
+            8 => hp.control().set_enabled(false),
             10 => {
-                hp.control.set_enabled(true);
-                hp.control.set_selection(RowSelection::LastPerRequest).unwrap();
+                hp.control().set_enabled(true);
+                hp.control().set_selection(RowSelection::LastPerRequest).unwrap();
             }
             _ => {}
         }

@@ -1,36 +1,37 @@
 //! # ringscope-exporter
 //!
-//! Where records leave. A [`Drain`] thread copies each published record out of the ring (releasing its space at
-//! once) and offers it to every sink and consumer whose [`Filter`] matches, through one bounded queue each. Sinks
-//! run on their own threads; consumers read a [`Subscription`]. A [`Record`] is counted — exported, or dropped with
-//! the reason — when its last holder lets go of it and of its [`Receipt`].
+//! Where records leave. Three layers, each in its own module, each using only the ones before it:
 //!
-//! Sinks here: [`ParquetSink`] and [`ArrowIpcSink`] (Hive-partitioned datasets, see [`dataset`]),
-//! [`SummarySink`] (per-hookpoint tallies) and [`CallbackSink`] (a closure per record).
+//! * [`routing`] — a [`Drain`] thread copies each published record out of the ring (releasing its space at once)
+//!   and offers it to every sink and consumer whose [`Filter`] matches, through one bounded queue each. Sinks run on
+//!   their own threads; consumers read a [`Subscription`]. A [`Record`] is counted — exported, or dropped with the
+//!   reason — when its last holder lets go of it and of its [`Receipt`]. Hookpoint ids resolve through the
+//!   [`Catalog`] the session hands over: this crate does not know the capture side.
+//! * [`dataset`] — what a dump is on disk: Hive-partitioned directories, the Arrow schema, batches, and the
+//!   [`FileSink`] that writes, rotates and commits files. It meets routing at the [`Sink`] trait.
+//! * [`writing`] — how one file's bytes are laid out and reach the disk: [`Parquet`] (our own zstd pages) and
+//!   [`ArrowIpc`], files written with `O_DIRECT` where possible. It meets the dataset at the [`FileFormat`] trait.
+//!
+//! Other sinks: [`SummarySink`] (per-hookpoint tallies) and [`CallbackSink`] (a closure per record).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
-mod constants;
 pub mod dataset;
-mod drain;
-mod fanout;
-mod files;
-mod formats;
-mod output;
-mod pages;
-mod record;
-mod sink;
+pub mod routing;
+#[cfg(test)]
+mod testing;
+pub mod writing;
 
-pub use dataset::DatasetOptions;
-pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
-pub use fanout::{Filter, Subscription};
-pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink};
-pub use formats::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink, ParquetWriter};
-pub use output::{DirectIo, Output};
-pub use record::{Receipt, Record};
-pub use sink::{CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};
+pub use dataset::{
+    CommittedFile, CommittedFiles, DatasetOptions, DirectIo, FileError, FileFormat, FileSink, FormatError, OptionsError,
+};
+pub use routing::{
+    BoxError, CallbackSink, Catalog, CatalogEntry, Drain, DrainOptions, DrainReport, Filter, HookPointSummary, Receipt,
+    Record, Sink, SinkError, SinkReport, Subscription, Summary, SummarySink,
+};
+pub use writing::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink, ParquetWriter};
 
-/// Errors of the exporter.
+/// Errors of the drain's life cycle (a sink's errors are [`SinkError`]s, in the [`DrainReport`]).
 #[derive(Debug, thiserror::Error)]
 pub enum ExporterError {
     /// The drain thread could not be started.

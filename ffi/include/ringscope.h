@@ -25,6 +25,66 @@
 // Best-effort: dropped (ring full) and counted.
 #define RS_CAPTURE_DROPPED 2
 
+// Indices into `rs_counts.dropped_by_reason`, one per reason a record was not exported; lower-cased without the
+// prefix, the name is the reason's name in reports and exported metadata. Best-effort: the ring had no room when the
+// record was captured.
+#define RS_DROP_RING_FULL 0
+
+// Full mode: the ring stayed full past the deadline.
+#define RS_DROP_DEADLINE 1
+
+// The record is larger than the ring can ever hold.
+#define RS_DROP_TOO_LARGE 2
+
+// The drain side was gone (shut down or crashed) when the record was captured.
+#define RS_DROP_DISCONNECTED 3
+
+// Best-effort: a sink or consumer backlog was full.
+#define RS_DROP_SINK_BACKPRESSURE 4
+
+// A sink failed to write the record.
+#define RS_DROP_SINK_ERROR 5
+
+// The drain found the record corrupted and skipped it.
+#define RS_DROP_CORRUPT 6
+
+// The number of drop reasons: the length of `rs_counts.dropped_by_reason`.
+#define RS_DROP_REASON_COUNT 7
+
+// dtype codes of the record format (`rs_record_info.dtype`, docs/format.md); lower-cased without the prefix, the
+// name is the one `rs_register_hookpoint` takes. IEEE 754 binary32.
+#define RS_DTYPE_F32 1
+
+// IEEE 754 binary16.
+#define RS_DTYPE_F16 2
+
+// bfloat16 (the top half of a binary32).
+#define RS_DTYPE_BF16 3
+
+// IEEE 754 binary64.
+#define RS_DTYPE_F64 4
+
+// Signed 8-bit integer.
+#define RS_DTYPE_I8 5
+
+// Unsigned 8-bit integer.
+#define RS_DTYPE_U8 6
+
+// Signed 16-bit integer.
+#define RS_DTYPE_I16 7
+
+// Signed 32-bit integer.
+#define RS_DTYPE_I32 8
+
+// Signed 64-bit integer.
+#define RS_DTYPE_I64 9
+
+// 8-bit float, 4 exponent bits, 3 mantissa bits (OCP FP8 E4M3).
+#define RS_DTYPE_F8E4M3 10
+
+// 8-bit float, 5 exponent bits, 2 mantissa bits (OCP FP8 E5M2).
+#define RS_DTYPE_F8E5M2 11
+
 // Status codes returned by every function.
 enum rs_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -88,9 +148,9 @@ typedef struct rs_counts {
   uint64_t dropped_records;
   // Dropped, rows.
   uint64_t dropped_rows;
-  // Dropped records by reason, in the order `ring_full, deadline, too_large, disconnected, sink_backpressure,
-  // sink_error, corrupt`.
-  uint64_t dropped_by_reason[7];
+  // Dropped records by reason, indexed by `RS_DROP_*` (`ring_full, deadline, too_large, disconnected,
+  // sink_backpressure, sink_error, corrupt`).
+  uint64_t dropped_by_reason[RS_DROP_REASON_COUNT];
 } rs_counts;
 
 // A record delivered to a subscription (see [`rs_poll`]).
@@ -105,7 +165,7 @@ typedef struct rs_record_info {
   uint64_t seq;
   // Bytes per row.
   uint32_t row_bytes;
-  // dtype code (docs/format.md: 1 f32, 2 f16, 3 bf16, ...).
+  // dtype code of the record format: one of `RS_DTYPE_*` (docs/format.md).
   uint32_t dtype;
   // Bytes the buffer must hold: `rows × 16` bytes of row metadata (u64 request id, u32 position, u32 batch
   // row, little-endian), then `rows × row_bytes` bytes of rows.

@@ -27,11 +27,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use ringscope_api::exporter::{Filter, Subscription};
-use ringscope_api::hookpoint::cuda::GraphBatch;
-use ringscope_api::policy::DropReason;
-use ringscope_api::ring::cuda::{DevicePtr, StreamRef};
-use ringscope_api::{CaptureOutcome, Config, Error, HookPointSpec, RowSelection, Session, SiteKind};
+use ringscope_api::cuda::{DevicePtr, GraphBatch, StreamRef};
+use ringscope_api::{
+    AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DropReason, Error, Filter, HookPointSpec, Record,
+    RowSelection, Session, SiteKind, Subscription,
+};
 
 /// Status codes returned by every function.
 #[repr(i32)]
@@ -89,9 +89,9 @@ pub struct RsCounts {
     pub dropped_records: u64,
     /// Dropped, rows.
     pub dropped_rows: u64,
-    /// Dropped records by reason, in the order `ring_full, deadline, too_large, disconnected, sink_backpressure,
-    /// sink_error, corrupt`.
-    pub dropped_by_reason: [u64; 7],
+    /// Dropped records by reason, indexed by `RS_DROP_*` (`ring_full, deadline, too_large, disconnected,
+    /// sink_backpressure, sink_error, corrupt`).
+    pub dropped_by_reason: [u64; RS_DROP_REASON_COUNT],
 }
 
 /// A record delivered to a subscription (see [`rs_poll`]).
@@ -108,7 +108,7 @@ pub struct RsRecordInfo {
     pub seq: u64,
     /// Bytes per row.
     pub row_bytes: u32,
-    /// dtype code (docs/format.md: 1 f32, 2 f16, 3 bf16, ...).
+    /// dtype code of the record format: one of `RS_DTYPE_*` (docs/format.md).
     pub dtype: u32,
     /// Bytes the buffer must hold: `rows × 16` bytes of row metadata (u64 request id, u32 position, u32 batch
     /// row, little-endian), then `rows × row_bytes` bytes of rows.
@@ -128,6 +128,49 @@ pub const RS_CAPTURE_PUBLISHED: i32 = 0;
 pub const RS_CAPTURE_SAMPLED_OUT: i32 = 1;
 /// Best-effort: dropped (ring full) and counted.
 pub const RS_CAPTURE_DROPPED: i32 = 2;
+
+/// Indices into `rs_counts.dropped_by_reason`, one per reason a record was not exported; lower-cased without the
+/// prefix, the name is the reason's name in reports and exported metadata. Best-effort: the ring had no room when the
+/// record was captured.
+pub const RS_DROP_RING_FULL: usize = 0;
+/// Full mode: the ring stayed full past the deadline.
+pub const RS_DROP_DEADLINE: usize = 1;
+/// The record is larger than the ring can ever hold.
+pub const RS_DROP_TOO_LARGE: usize = 2;
+/// The drain side was gone (shut down or crashed) when the record was captured.
+pub const RS_DROP_DISCONNECTED: usize = 3;
+/// Best-effort: a sink or consumer backlog was full.
+pub const RS_DROP_SINK_BACKPRESSURE: usize = 4;
+/// A sink failed to write the record.
+pub const RS_DROP_SINK_ERROR: usize = 5;
+/// The drain found the record corrupted and skipped it.
+pub const RS_DROP_CORRUPT: usize = 6;
+/// The number of drop reasons: the length of `rs_counts.dropped_by_reason`.
+pub const RS_DROP_REASON_COUNT: usize = 7;
+
+/// dtype codes of the record format (`rs_record_info.dtype`, docs/format.md); lower-cased without the prefix, the
+/// name is the one `rs_register_hookpoint` takes. IEEE 754 binary32.
+pub const RS_DTYPE_F32: u32 = 1;
+/// IEEE 754 binary16.
+pub const RS_DTYPE_F16: u32 = 2;
+/// bfloat16 (the top half of a binary32).
+pub const RS_DTYPE_BF16: u32 = 3;
+/// IEEE 754 binary64.
+pub const RS_DTYPE_F64: u32 = 4;
+/// Signed 8-bit integer.
+pub const RS_DTYPE_I8: u32 = 5;
+/// Unsigned 8-bit integer.
+pub const RS_DTYPE_U8: u32 = 6;
+/// Signed 16-bit integer.
+pub const RS_DTYPE_I16: u32 = 7;
+/// Signed 32-bit integer.
+pub const RS_DTYPE_I32: u32 = 8;
+/// Signed 64-bit integer.
+pub const RS_DTYPE_I64: u32 = 9;
+/// 8-bit float, 4 exponent bits, 3 mantissa bits (OCP FP8 E4M3).
+pub const RS_DTYPE_F8E4M3: u32 = 10;
+/// 8-bit float, 5 exponent bits, 2 mantissa bits (OCP FP8 E5M2).
+pub const RS_DTYPE_F8E5M2: u32 = 11;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Handles and errors.
@@ -168,10 +211,10 @@ struct Failure(RsStatus, String);
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         let status = match &e {
-            Error::Config(_) | Error::Policy(_) => RsStatus::RsErrConfig,
+            Error::Config(_) | Error::Setting { .. } | Error::Policy(_) => RsStatus::RsErrConfig,
             Error::HookPoint(_) => RsStatus::RsErrCapture,
-            Error::Exporter(_) | Error::Io(_) => RsStatus::RsErrIo,
-            Error::Cuda(_) => RsStatus::RsErrCuda,
+            Error::Exporter(_) | Error::Manifest { .. } => RsStatus::RsErrIo,
+            Error::Cuda(_) | Error::DeviceCapture(_) => RsStatus::RsErrCuda,
             Error::Backend(_) => RsStatus::RsErrInvalidArgument,
             Error::Closed => RsStatus::RsErrClosed,
             Error::NoStep | Error::StepOpen { .. } => RsStatus::RsErrStep,
@@ -267,7 +310,7 @@ fn out_arg<T>(p: *mut T, what: &str) -> Result<(), Failure> {
 /// The version of the record format this build writes and reads (see `docs/format.md`).
 #[no_mangle]
 pub extern "C" fn ringscope_format_version() -> u16 {
-    ringscope_api::ring::record::FORMAT_VERSION
+    ringscope_api::FORMAT_VERSION
 }
 
 /// The message of the calling thread's last failed call ("" after a success). Valid until the thread's next
@@ -344,7 +387,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
         }
         let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession) else { unreachable!() };
         drop(map);
-        let write = |acc: &ringscope_api::policy::AccountingSnapshot| {
+        let write = |acc: &AccountingSnapshot| {
             if !totals.is_null() {
                 // SAFETY: non-null and writable per the contract.
                 unsafe { *totals = counts(&acc.total()) };
@@ -364,7 +407,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
     })
 }
 
-fn counts(c: &ringscope_api::policy::CounterSnapshot) -> RsCounts {
+fn counts(c: &CounterSnapshot) -> RsCounts {
     let dropped = c.dropped_total();
     RsCounts {
         produced_records: c.produced.records,
@@ -434,7 +477,7 @@ pub unsafe extern "C" fn rs_hookpoint_id(session_handle: u64, name: *const c_cha
         let s = session(session_handle)?;
         // SAFETY: per the function's contract.
         let name = unsafe { str_arg(name, "name") }?;
-        let id = s.hookpoint(name)?.id;
+        let id = s.hookpoint(name)?.id();
         // SAFETY: checked non-null.
         unsafe { *id_out = id };
         Ok(())
@@ -447,7 +490,7 @@ pub unsafe extern "C" fn rs_hookpoint_id(session_handle: u64, name: *const c_cha
 pub extern "C" fn rs_set_enabled(session_handle: u64, hookpoint: u32, enabled: bool) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        s.registry().get(hookpoint).map_err(Error::from)?.control.set_enabled(enabled);
+        s.hookpoint_by_id(hookpoint)?.control().set_enabled(enabled);
         Ok(())
     })
 }
@@ -457,8 +500,8 @@ pub extern "C" fn rs_set_enabled(session_handle: u64, hookpoint: u32, enabled: b
 pub extern "C" fn rs_set_every_n_steps(session_handle: u64, hookpoint: u32, n: u32) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        let hp = s.registry().get(hookpoint).map_err(Error::from)?;
-        hp.control.set_every_n_steps(n).map_err(|e| invalid(e.to_string()))
+        let hp = s.hookpoint_by_id(hookpoint)?;
+        hp.control().set_every_n_steps(n).map_err(|e| invalid(e.to_string()))
     })
 }
 
@@ -477,7 +520,7 @@ pub unsafe extern "C" fn rs_set_rows(
 ) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        let hp = s.registry().get(hookpoint).map_err(Error::from)?;
+        let hp = s.hookpoint_by_id(hookpoint)?;
         let selection = match mode {
             RS_ROWS_ALL => RowSelection::All,
             RS_ROWS_LAST_PER_REQUEST => RowSelection::LastPerRequest,
@@ -489,7 +532,7 @@ pub unsafe extern "C" fn rs_set_rows(
                 )))
             }
         };
-        hp.control.set_selection(selection).map_err(|e| invalid(e.to_string()))
+        hp.control().set_selection(selection).map_err(|e| invalid(e.to_string()))
     })
 }
 
@@ -705,7 +748,7 @@ pub unsafe extern "C" fn rs_stats(session_handle: u64, hookpoint: u32, out: *mut
     ffi(|| {
         out_arg(out, "out")?;
         let s = session(session_handle)?;
-        let name = s.registry().get(hookpoint).map_err(Error::from)?.spec.name.clone();
+        let name = s.hookpoint_by_id(hookpoint)?.spec().name.clone();
         let acc = s.accounting();
         let c = acc.hookpoints.iter().find(|(n, _)| *n == name).map(|(_, c)| *c).unwrap_or_default();
         let counts = counts(&c);
@@ -833,9 +876,9 @@ pub unsafe extern "C" fn rs_poll(
 }
 
 /// Records that did not fit the caller's buffer, kept for the next poll of their subscription.
-static PENDING: Mutex<Vec<(u64, ringscope_api::exporter::Record)>> = Mutex::new(Vec::new());
+static PENDING: Mutex<Vec<(u64, Record)>> = Mutex::new(Vec::new());
 
-fn take_pending(subscription: u64) -> Option<ringscope_api::exporter::Record> {
+fn take_pending(subscription: u64) -> Option<Record> {
     let mut pending = PENDING.lock();
     let i = pending.iter().position(|(k, _)| *k == subscription)?;
     Some(pending.swap_remove(i).1)

@@ -195,6 +195,54 @@ fn bad_input_gets_the_documented_status_and_a_message() {
     assert!(last_error().contains("subscription"), "{}", last_error());
 }
 
+/// `[(name of the constant, its value, what it stands for), ...]`.
+macro_rules! named {
+    ($($constant:ident => $stands_for:expr),* $(,)?) => {
+        [$((stringify!($constant), $constant, $stands_for)),*]
+    };
+}
+
+#[test]
+fn drop_reason_and_dtype_constants_are_the_library_numbering_and_names() {
+    // `dropped_by_reason` is filled in `DropReason::ALL` order; `rs_record_info.dtype` carries `DType::code`. Each
+    // C constant's name is its Rust variant's name, upper-cased behind the prefix (the Python package relies on it).
+    let drops = named![
+        RS_DROP_RING_FULL => DropReason::RingFull,
+        RS_DROP_DEADLINE => DropReason::Deadline,
+        RS_DROP_TOO_LARGE => DropReason::TooLarge,
+        RS_DROP_DISCONNECTED => DropReason::Disconnected,
+        RS_DROP_SINK_BACKPRESSURE => DropReason::SinkBackpressure,
+        RS_DROP_SINK_ERROR => DropReason::SinkError,
+        RS_DROP_CORRUPT => DropReason::Corrupt,
+    ];
+    assert_eq!(DropReason::ALL.len(), RS_DROP_REASON_COUNT);
+    assert_eq!(drops.len(), RS_DROP_REASON_COUNT);
+    for (constant, index, reason) in drops {
+        assert_eq!(DropReason::ALL[index], reason, "{constant}");
+        assert_eq!(constant, format!("RS_DROP_{}", reason.name().to_uppercase()));
+    }
+
+    use ringscope_api::DType;
+    let dtypes = named![
+        RS_DTYPE_F32 => DType::F32,
+        RS_DTYPE_F16 => DType::F16,
+        RS_DTYPE_BF16 => DType::BF16,
+        RS_DTYPE_F64 => DType::F64,
+        RS_DTYPE_I8 => DType::I8,
+        RS_DTYPE_U8 => DType::U8,
+        RS_DTYPE_I16 => DType::I16,
+        RS_DTYPE_I32 => DType::I32,
+        RS_DTYPE_I64 => DType::I64,
+        RS_DTYPE_F8E4M3 => DType::F8E4M3,
+        RS_DTYPE_F8E5M2 => DType::F8E5M2,
+    ];
+    assert_eq!(dtypes.len(), DType::ALL.len());
+    for (constant, code, dtype) in dtypes {
+        assert_eq!(u32::from(dtype.code()), code, "{constant}");
+        assert_eq!(constant, format!("RS_DTYPE_{}", dtype.name().to_uppercase()));
+    }
+}
+
 #[test]
 fn the_committed_header_is_current() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));

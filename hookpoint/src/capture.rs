@@ -43,17 +43,17 @@ pub fn capture_host(
     batch: &StepBatch,
     data: &[u8],
 ) -> Result<CaptureOutcome, HookPointError> {
-    let row_bytes = hp.spec.row_bytes();
+    let row_bytes = hp.spec().row_bytes();
     let rb = row_bytes as usize;
     let expected = batch.len() * rb;
-    let metas: Cow<'_, [RowMeta]> = match &*hp.control.selection() {
+    let metas: Cow<'_, [RowMeta]> = match &*hp.control().selection() {
         RowSelection::All => Cow::Borrowed(batch.rows()),
         RowSelection::LastPerRequest => Cow::Borrowed(batch.last_per_request()),
         RowSelection::Rows(idx) => Cow::Owned(
             idx.iter()
                 .map(|&i| {
                     batch.rows().get(i as usize).copied().ok_or_else(|| HookPointError::RowIndex {
-                        hookpoint: hp.spec.name.clone(),
+                        hookpoint: hp.spec().name.clone(),
                         index: i,
                         batch_rows: batch.len(),
                     })
@@ -66,7 +66,7 @@ pub fn capture_host(
     let preselected = data.len() != expected && data.len() == metas.len() * rb;
     if data.len() != expected && !preselected {
         return Err(HookPointError::DataLength {
-            hookpoint: hp.spec.name.clone(),
+            hookpoint: hp.spec().name.clone(),
             expected,
             got: data.len(),
             rows: batch.len(),
@@ -76,10 +76,10 @@ pub fn capture_host(
     let rows = metas.len() as u32;
     let record = RecordMeta {
         step: batch.step(),
-        hookpoint: hp.id,
+        hookpoint: hp.id(),
         rows,
         row_bytes,
-        dtype: hp.spec.dtype,
+        dtype: hp.spec().dtype,
         flags: if matches!(metas, Cow::Owned(_)) || rows as usize != batch.len() {
             ringscope_ring::record::flags::ROW_SELECTION
         } else {
@@ -87,9 +87,9 @@ pub fn capture_host(
         },
     };
 
-    let counters = &hp.counters;
+    let counters = &hp.counters();
     counters.produced(rows as u64);
-    if !hp.control.samples(batch.step()) {
+    if !hp.control().samples(batch.step()) {
         counters.sampled_out(rows as u64);
         return Ok(CaptureOutcome::SampledOut);
     }
@@ -105,18 +105,18 @@ pub fn capture_host(
                 ReserveError::Full { .. } => (DropReason::RingFull, None),
                 ReserveError::DeadlineExceeded { .. } => (
                     DropReason::Deadline,
-                    Some(HookPointError::Deadline { hookpoint: hp.spec.name.clone(), step: batch.step(), source: e }),
+                    Some(HookPointError::Deadline { hookpoint: hp.spec().name.clone(), step: batch.step(), source: e }),
                 ),
                 ReserveError::TooLarge { payload_len, max_payload_len } => (
                     DropReason::TooLarge,
-                    Some(HookPointError::TooLarge { hookpoint: hp.spec.name.clone(), payload_len, max_payload_len }),
+                    Some(HookPointError::TooLarge { hookpoint: hp.spec().name.clone(), payload_len, max_payload_len }),
                 ),
                 ReserveError::Disconnected => {
-                    (DropReason::Disconnected, Some(HookPointError::Disconnected { hookpoint: hp.spec.name.clone() }))
+                    (DropReason::Disconnected, Some(HookPointError::Disconnected { hookpoint: hp.spec().name.clone() }))
                 }
                 ReserveError::InvalidRecord(e) => {
                     // Unreachable: a validated spec and a non-empty selection always make a valid record.
-                    unreachable!("capture of `{}` built an invalid record: {e}", hp.spec.name)
+                    unreachable!("capture of `{}` built an invalid record: {e}", hp.spec().name)
                 }
             };
             counters.dropped(reason, rows as u64);
@@ -139,9 +139,9 @@ pub fn capture_host(
 mod tests {
     use super::*;
     use crate::registry::Registry;
-    use crate::spec::{HookPointSpec, SiteKind};
     use ringscope_policy::Mode;
     use ringscope_ring::{channel, DType};
+    use ringscope_ring::{HookPointSpec, SiteKind};
     use std::time::Duration;
 
     fn setup(capacity: usize, width: u32) -> (Producer, ringscope_ring::Consumer, Registry) {
@@ -170,7 +170,7 @@ mod tests {
         // Logits computed for each request's last token only: 2 rows for a 3-row batch.
         let (mut p, mut c, reg) = setup(1 << 16, 4);
         let hp = reg.get(0).unwrap();
-        hp.control.set_selection(RowSelection::LastPerRequest).unwrap();
+        hp.control().set_selection(RowSelection::LastPerRequest).unwrap();
         let batch = StepBatch::new(0, [(10, 0), (10, 1), (11, 7)]).unwrap();
         let data = tensor(2, 4);
         capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();
@@ -192,7 +192,7 @@ mod tests {
         let batch = StepBatch::new(3, [(10, 0), (10, 1), (11, 7)]).unwrap();
         let data = tensor(3, 4);
         for sel in [RowSelection::All, RowSelection::LastPerRequest, RowSelection::Rows(vec![2, 0])] {
-            hp.control.set_selection(sel.clone()).unwrap();
+            hp.control().set_selection(sel.clone()).unwrap();
             capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();
             let (metas, rows): (Vec<_>, Vec<_>) = c
                 .pop_with(|v| {
@@ -225,17 +225,17 @@ mod tests {
         let batch = StepBatch::new(0, [(1, 0), (2, 0)]).unwrap();
         let err = capture_host(&mut p, &FULL, &hp, &batch, &[0; 31]).unwrap_err();
         assert!(matches!(err, HookPointError::DataLength { expected: 32, got: 31, .. }), "{err}");
-        hp.control.set_selection(RowSelection::Rows(vec![0, 5])).unwrap();
+        hp.control().set_selection(RowSelection::Rows(vec![0, 5])).unwrap();
         let err = capture_host(&mut p, &FULL, &hp, &batch, &tensor(2, 4)).unwrap_err();
         assert!(err.to_string().contains("batch row 5"), "{err}");
-        assert_eq!(hp.counters.snapshot().produced.records, 0);
+        assert_eq!(hp.counters().snapshot().produced.records, 0);
     }
 
     #[test]
     fn sampling_counts_sampled_out() {
         let (mut p, mut c, reg) = setup(1 << 16, 4);
         let hp = reg.get(0).unwrap();
-        hp.control.set_every_n_steps(2).unwrap();
+        hp.control().set_every_n_steps(2).unwrap();
         for step in 0..6 {
             let batch = StepBatch::new(step, [(1, step as u32)]).unwrap();
             capture_host(&mut p, &BEST, &hp, &batch, &tensor(1, 4)).unwrap();
@@ -245,7 +245,7 @@ mod tests {
             steps.push(s);
         }
         assert_eq!(steps, vec![0, 2, 4]);
-        let s = hp.counters.snapshot();
+        let s = hp.counters().snapshot();
         assert_eq!((s.produced.records, s.sampled_out.records, s.published.records), (6, 3, 3));
     }
 
@@ -261,7 +261,7 @@ mod tests {
         assert_eq!(outcomes[3], CaptureOutcome::Dropped(DropReason::RingFull));
         let err = capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap_err();
         assert!(err.to_string().contains("after waiting"), "{err}");
-        let s = hp.counters.snapshot();
+        let s = hp.counters().snapshot();
         assert_eq!(s.dropped_for(DropReason::RingFull).records, 2);
         assert_eq!(s.dropped_for(DropReason::Deadline).records, 1);
         assert_eq!(s.produced.records, 5);
@@ -274,6 +274,6 @@ mod tests {
         let batch = StepBatch::new(0, [(1, 0)]).unwrap();
         let err = capture_host(&mut p, &BEST, &hp, &batch, &tensor(1, 4096)).unwrap_err();
         assert!(err.to_string().contains("raise ring.capacity"), "{err}");
-        assert_eq!(hp.counters.snapshot().dropped_for(DropReason::TooLarge).records, 1);
+        assert_eq!(hp.counters().snapshot().dropped_for(DropReason::TooLarge).records, 1);
     }
 }

@@ -6,13 +6,8 @@ use ringscope_ring::ReserveError;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HookPointError {
     /// The spec is not usable.
-    #[error("invalid hookpoint `{name}`: {why}")]
-    InvalidSpec {
-        /// Name of the hookpoint.
-        name: String,
-        /// What is wrong and how to fix it.
-        why: String,
-    },
+    #[error(transparent)]
+    InvalidSpec(#[from] ringscope_ring::SpecError),
     /// Another hookpoint already has this name.
     #[error("a hookpoint named `{0}` is already registered; hookpoint names must be unique within a session")]
     DuplicateName(String),

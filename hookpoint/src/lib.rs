@@ -15,10 +15,9 @@ pub mod capture;
 pub mod cuda;
 pub mod error;
 pub mod registry;
-pub mod spec;
 
 pub use batch::StepBatch;
 pub use capture::{capture_host, CaptureOutcome};
 pub use error::HookPointError;
 pub use registry::{Control, HookPoint, Registry, RowSelection};
-pub use spec::{HookPointSpec, SiteKind};
+pub use ringscope_ring::{HookPointSpec, SiteKind};

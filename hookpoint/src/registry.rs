@@ -8,7 +8,7 @@ use parking_lot::RwLock;
 use ringscope_policy::{AccountingSnapshot, Counters};
 
 use crate::error::HookPointError;
-use crate::spec::HookPointSpec;
+use ringscope_ring::HookPointSpec;
 
 /// Which rows of a step's batch a capture keeps.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -106,14 +106,34 @@ impl Control {
 /// A registered hookpoint: its id (as written in records), spec, controls and loss counters.
 #[derive(Debug)]
 pub struct HookPoint {
+    id: u32,
+    spec: HookPointSpec,
+    control: Control,
+    /// Shared with the exporter's catalog entry: the capture side counts what it produced and dropped, the export
+    /// side what it exported or lost, and the two meet only in these counters.
+    counters: Arc<Counters>,
+}
+
+impl HookPoint {
     /// Id written into every record of this hookpoint; its index in the registry.
-    pub id: u32,
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
     /// What it captures.
-    pub spec: HookPointSpec,
+    pub fn spec(&self) -> &HookPointSpec {
+        &self.spec
+    }
+
     /// Runtime controls.
-    pub control: Control,
+    pub fn control(&self) -> &Control {
+        &self.control
+    }
+
     /// Loss accounting.
-    pub counters: Counters,
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
+    }
 }
 
 /// All hookpoints of a session. Append-only: ids are never reused, so a record's hookpoint id always resolves.
@@ -146,7 +166,7 @@ impl Registry {
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
         let control = Control::new(self.changes.clone());
-        let hp = Arc::new(HookPoint { id, spec, control, counters: Counters::default() });
+        let hp = Arc::new(HookPoint { id, spec, control, counters: Arc::default() });
         inner.by_id.push(hp.clone());
         self.changes.fetch_add(1, Ordering::Release);
         Ok(hp)
@@ -162,7 +182,7 @@ impl Registry {
         let inner = self.inner.read();
         let id = *inner.by_name.get(name).ok_or_else(|| HookPointError::UnknownName {
             name: name.to_owned(),
-            known: inner.by_id.iter().map(|h| h.spec.name.clone()).take(8).collect::<Vec<_>>().join(", "),
+            known: inner.by_id.iter().map(|h| h.spec().name.clone()).take(8).collect::<Vec<_>>().join(", "),
         })?;
         Ok(inner.by_id[id as usize].clone())
     }
@@ -191,7 +211,13 @@ impl Registry {
     /// The loss counters of every hookpoint, by name.
     pub fn accounting(&self) -> AccountingSnapshot {
         AccountingSnapshot {
-            hookpoints: self.inner.read().by_id.iter().map(|h| (h.spec.name.clone(), h.counters.snapshot())).collect(),
+            hookpoints: self
+                .inner
+                .read()
+                .by_id
+                .iter()
+                .map(|h| (h.spec().name.clone(), h.counters().snapshot()))
+                .collect(),
         }
     }
 }
@@ -199,8 +225,8 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::SiteKind;
     use ringscope_ring::DType;
+    use ringscope_ring::SiteKind;
 
     fn spec(name: &str) -> HookPointSpec {
         HookPointSpec { name: name.into(), site: SiteKind::Residual, layer: Some(1), dtype: DType::F32, row_width: 4 }
@@ -211,9 +237,9 @@ mod tests {
         let r = Registry::new();
         let a = r.register(spec("a")).unwrap();
         let b = r.register(spec("b")).unwrap();
-        assert_eq!((a.id, b.id), (0, 1));
+        assert_eq!((a.id(), b.id()), (0, 1));
         assert_eq!(r.by_name("b").unwrap().id, 1);
-        assert_eq!(r.get(0).unwrap().spec.name, "a");
+        assert_eq!(r.get(0).unwrap().spec().name, "a");
         assert!(matches!(r.register(spec("a")), Err(HookPointError::DuplicateName(n)) if n == "a"));
         let err = r.by_name("c").unwrap_err().to_string();
         assert!(err.contains("`c`") && err.contains("a, b"), "{err}");
@@ -225,14 +251,14 @@ mod tests {
     fn controls_change_at_runtime() {
         let r = Registry::new();
         let h = r.register(spec("a")).unwrap();
-        assert!(h.control.samples(3));
-        h.control.set_every_n_steps(4).unwrap();
-        assert!(h.control.samples(8) && !h.control.samples(9));
-        h.control.set_enabled(false);
-        assert!(!h.control.samples(8));
-        assert!(h.control.set_every_n_steps(0).is_err());
-        assert!(h.control.set_selection(RowSelection::Rows(vec![])).is_err());
-        h.control.set_selection(RowSelection::LastPerRequest).unwrap();
-        assert_eq!(*h.control.selection(), RowSelection::LastPerRequest);
+        assert!(h.control().samples(3));
+        h.control().set_every_n_steps(4).unwrap();
+        assert!(h.control().samples(8) && !h.control().samples(9));
+        h.control().set_enabled(false);
+        assert!(!h.control().samples(8));
+        assert!(h.control().set_every_n_steps(0).is_err());
+        assert!(h.control().set_selection(RowSelection::Rows(vec![])).is_err());
+        h.control().set_selection(RowSelection::LastPerRequest).unwrap();
+        assert_eq!(*h.control().selection(), RowSelection::LastPerRequest);
     }
 }

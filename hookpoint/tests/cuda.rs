@@ -91,7 +91,7 @@ impl Source {
         self.buf.ptr_at(self.offset as usize)
     }
     fn bytes(&self) -> usize {
-        self.rows as usize * self.hp.spec.row_bytes() as usize
+        self.rows as usize * self.hp.spec().row_bytes() as usize
     }
 }
 
@@ -137,8 +137,8 @@ fn graph_replays_capture_every_row_bit_exact() {
     let mut sources = Vec::new();
     for (name, dtype, width, sel, offset) in specs.iter().cloned() {
         let hp = register(&reg, name, dtype, width);
-        hp.control.set_selection(sel).unwrap();
-        let bytes = MAX_ROWS as usize * hp.spec.row_bytes() as usize + 16;
+        hp.control().set_selection(sel).unwrap();
+        let bytes = MAX_ROWS as usize * hp.spec().row_bytes() as usize + 16;
         sources.push(Source { hp, buf: DeviceBuffer::zeroed(&gpu, bytes).unwrap(), offset, rows: MAX_ROWS });
     }
     cap.set_valid_rows_ptr(5, Some(valid_rows.ptr())).unwrap();
@@ -157,7 +157,7 @@ fn graph_replays_capture_every_row_bit_exact() {
     let mut expected = Vec::new();
     for step in 0..STEPS {
         for s in &sources {
-            let data = pattern_bytes(seed(step, s.hp.id), s.bytes());
+            let data = pattern_bytes(seed(step, s.hp.id()), s.bytes());
             s.buf.copy_from_host_async(s.offset as usize, &data, stream.handle()).unwrap();
         }
         let b = batch(step, MAX_ROWS);
@@ -166,9 +166,9 @@ fn graph_replays_capture_every_row_bit_exact() {
         cap.begin_step(&reg, &b, stream.handle()).unwrap();
         graph.launch(stream.handle()).unwrap();
         for s in &sources {
-            let v = (s.hp.id == 5).then_some(valid);
-            let rows = expected_rows(&s.hp.control.selection(), &b, v, s.rows);
-            expected.push((step, s.hp.id, rows, b.clone()));
+            let v = (s.hp.id() == 5).then_some(valid);
+            let rows = expected_rows(&s.hp.control().selection(), &b, v, s.rows);
+            expected.push((step, s.hp.id(), rows, b.clone()));
         }
     }
     stream.synchronize().unwrap();
@@ -184,7 +184,7 @@ fn graph_replays_capture_every_row_bit_exact() {
         let metas: Vec<RowMeta> = rows.iter().map(|&r| b.rows()[r as usize]).collect();
         assert_eq!(g.metas, metas, "row metadata of record {i} (step {step}, hookpoint {hp})");
         let s = &sources[*hp as usize];
-        let rb = s.hp.spec.row_bytes() as usize;
+        let rb = s.hp.spec().row_bytes() as usize;
         let src = pattern_bytes(seed(*step, *hp), s.bytes());
         for (k, &r) in rows.iter().enumerate() {
             assert!(g.rows[k] == src[r as usize * rb..(r as usize + 1) * rb], "row {k} of record {i} differs");
@@ -497,8 +497,8 @@ fn graph_begun_steps(defer: bool) {
     let mut sources = Vec::new();
     for (name, dtype, width, sel) in specs.iter().cloned() {
         let hp = register(&reg, name, dtype, width);
-        hp.control.set_selection(sel).unwrap();
-        let bytes = rows as usize * hp.spec.row_bytes() as usize;
+        hp.control().set_selection(sel).unwrap();
+        let bytes = rows as usize * hp.spec().row_bytes() as usize;
         sources.push(Source { hp, buf: DeviceBuffer::zeroed(&gpu, bytes).unwrap(), offset: 0, rows });
     }
     cap.apply_controls(&reg, stream.handle()).unwrap();
@@ -519,7 +519,7 @@ fn graph_begun_steps(defer: bool) {
     let full = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_millis(10)), ..Default::default() };
     let err = DeviceCapture::new(&full_ring, full).unwrap().begin_step_graph(&reg, &gb, stream.handle()).unwrap_err();
     assert!(err.to_string().contains("best_effort"), "{err}");
-    sources[0].hp.control.set_enabled(true);
+    sources[0].hp.control().set_enabled(true);
     let err = Graph::capture(&stream, || cap.begin_step_graph(&reg, &gb, stream.handle())).unwrap_err();
     assert!(err.to_string().contains("apply_controls"), "{err}");
     cap.apply_controls(&reg, stream.handle()).unwrap();
@@ -546,7 +546,7 @@ fn graph_begun_steps(defer: bool) {
     let mut expected = Vec::new();
     let run_step = |step: u64, expected: &mut Vec<(u64, u32, Vec<u32>, Vec<RowMeta>)>| {
         for s in &sources {
-            let data = pattern_bytes(seed(step, s.hp.id), s.bytes());
+            let data = pattern_bytes(seed(step, s.hp.id()), s.bytes());
             s.buf.copy_from_host_async(0, &data, stream.handle()).unwrap();
         }
         let (ids, positions) = batch_of(step);
@@ -559,26 +559,26 @@ fn graph_begun_steps(defer: bool) {
             .map(|r| RowMeta { request_id: ids[(r / SEQ) as usize], position: positions[r as usize], batch_row: r })
             .collect();
         for s in &sources {
-            if !s.hp.control.enabled() {
+            if !s.hp.control().enabled() {
                 continue;
             }
-            let keep: Vec<u32> = match &*s.hp.control.selection() {
+            let keep: Vec<u32> = match &*s.hp.control().selection() {
                 RowSelection::All => (0..rows).collect(),
                 RowSelection::LastPerRequest => (0..BATCH).map(|b| b * SEQ + SEQ - 1).collect(),
                 RowSelection::Rows(l) => l.clone(),
             };
             let m = keep.iter().map(|&r| metas[r as usize]).collect();
-            expected.push((step, s.hp.id, keep, m));
+            expected.push((step, s.hp.id(), keep, m));
         }
     };
     for step in 0..STEPS {
         if step == 10 || step == 20 {
             // Control changes between replays reach the graph through the control image.
             stream.synchronize().unwrap();
-            sources[2].hp.control.set_enabled(step == 20);
+            sources[2].hp.control().set_enabled(step == 20);
             sources[0]
                 .hp
-                .control
+                .control()
                 .set_selection(if step == 10 { RowSelection::Rows(vec![5, 1]) } else { RowSelection::All })
                 .unwrap();
             cap.apply_controls(&reg, stream.handle()).unwrap();
@@ -602,7 +602,7 @@ fn graph_begun_steps(defer: bool) {
         assert_eq!((g.step, g.hookpoint), (*step, *hp), "record {i}");
         assert_eq!(&g.metas, metas, "row metadata of record {i} (step {step}, hookpoint {hp})");
         let s = &sources[*hp as usize];
-        let rb = s.hp.spec.row_bytes() as usize;
+        let rb = s.hp.spec().row_bytes() as usize;
         let src = pattern_bytes(seed(*step, *hp), s.bytes());
         for (k, &r) in keep.iter().enumerate() {
             assert!(g.rows[k] == src[r as usize * rb..(r as usize + 1) * rb], "row {k} of record {i} differs");

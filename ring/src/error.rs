@@ -136,3 +136,13 @@ pub enum SourceError {
     #[error("device drain: {0}")]
     Device(String),
 }
+
+/// A hookpoint spec is not usable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid hookpoint `{name}`: {why}")]
+pub struct SpecError {
+    /// Name of the hookpoint.
+    pub name: String,
+    /// What is wrong and how to fix it.
+    pub why: String,
+}

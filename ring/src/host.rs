@@ -19,7 +19,6 @@
 //! The GPU backend implements the same protocol with device-side counters; the record bytes are identical.
 
 use std::cell::UnsafeCell;
-#[cfg(not(loom))]
 use std::time::Instant;
 
 use crossbeam_utils::CachePadded;
@@ -29,7 +28,7 @@ use crate::record::{
     align_up, flags, write_payload, RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta, HEADER_LEN, RECORD_ALIGN,
 };
 use crate::space;
-use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering, Shadow};
+use crate::sync::{self, fence, Arc, AtomicBool, AtomicU64, AtomicUsize, Backoff, Ordering, Shadow, WaitQueue};
 
 /// Smallest ring capacity accepted, in bytes.
 pub const MIN_CAPACITY: usize = 4 * RECORD_ALIGN;
@@ -48,7 +47,6 @@ struct Shared {
     producer_alive: AtomicBool,
     consumer_alive: AtomicBool,
     shadow: Shadow,
-    #[cfg(not(loom))]
     space: SpaceSignal,
 }
 
@@ -88,23 +86,22 @@ impl Shared {
 }
 
 /// Wakes a producer waiting for space (full mode) when the consumer releases some. Costs the consumer one SeqCst
-/// load per release when nobody waits.
-#[cfg(not(loom))]
+/// fence and load per release when nobody waits.
 struct SpaceSignal {
-    waiters: std::sync::atomic::AtomicUsize,
-    lock: parking_lot::Mutex<()>,
-    cond: parking_lot::Condvar,
+    waiters: AtomicUsize,
+    queue: WaitQueue,
 }
 
-#[cfg(not(loom))]
 impl SpaceSignal {
     fn notify(&self) {
-        // Pairs with the producer's SeqCst increment-then-reload in `reserve_until`: either it sees our new tail, or
-        // we see its waiter count and take the lock it holds until it sleeps, so the wake-up cannot be lost.
-        std::sync::atomic::fence(Ordering::SeqCst);
+        // Dekker-style with `reserve_until`: we store `tail` (in `release`), fence, load `waiters`; the producer
+        // increments `waiters`, fences, loads `tail`. The two SeqCst fences forbid both loads missing both stores, so
+        // either it sees our new tail, or we see its waiter count and take the lock it holds until it sleeps: the
+        // wake-up cannot be lost.
+        fence(Ordering::SeqCst);
         if self.waiters.load(Ordering::SeqCst) > 0 {
-            let _guard = self.lock.lock();
-            self.cond.notify_all();
+            let _guard = self.queue.lock();
+            self.queue.notify_all();
         }
     }
 }
@@ -128,12 +125,7 @@ pub fn channel(capacity: usize) -> Result<(Producer, Consumer), RingError> {
         producer_alive: AtomicBool::new(true),
         consumer_alive: AtomicBool::new(true),
         shadow: Shadow::new(capacity),
-        #[cfg(not(loom))]
-        space: SpaceSignal {
-            waiters: std::sync::atomic::AtomicUsize::new(0),
-            lock: parking_lot::Mutex::new(()),
-            cond: parking_lot::Condvar::new(),
-        },
+        space: SpaceSignal { waiters: AtomicUsize::new(0), queue: WaitQueue::new() },
     });
     let producer = Producer { shared: shared.clone(), head: 0, head_offset: 0, cached_tail: 0, next_seq: 0 };
     let consumer = Consumer { shared, read: 0, read_offset: 0, cached_head: 0, pending: None, expected_seq: 0 };
@@ -220,14 +212,17 @@ impl Producer {
     }
 
     /// Reserves space for a data record, waiting for the drain to release space until `deadline` (full mode).
-    #[cfg(not(loom))]
+    ///
+    /// Fails like [`try_reserve`](Self::try_reserve), except that a full ring is waited on: with
+    /// [`ReserveError::DeadlineExceeded`] when `deadline` passes first, and with [`ReserveError::Disconnected`] as soon
+    /// as the consumer is dropped.
     pub fn reserve_until(&mut self, meta: RecordMeta, deadline: Instant) -> Result<Reservation<'_>, ReserveError> {
-        let started = Instant::now();
-        let backoff = crossbeam_utils::Backoff::new();
+        let started = sync::now();
+        let backoff = Backoff::new();
         let pad = loop {
             match self.check_space(&meta) {
                 Err(ReserveError::Full { needed, free }) => {
-                    let now = Instant::now();
+                    let now = sync::now();
                     if now >= deadline {
                         let waited_ms = now.duration_since(started).as_millis() as u64;
                         return Err(ReserveError::DeadlineExceeded { waited_ms, needed, free });
@@ -237,16 +232,23 @@ impl Producer {
                         continue;
                     }
                     let signal = &self.shared.space;
-                    let mut guard = signal.lock.lock();
+                    let mut guard = signal.queue.lock();
                     signal.waiters.fetch_add(1, Ordering::SeqCst);
+                    // The mirror of the fence in `SpaceSignal::notify`. C++20's rules already order a SeqCst RMW and
+                    // load against that fence, but loom models SeqCst accesses as AcqRel and checks only fences; next
+                    // to a sleep, the fence costs nothing.
+                    fence(Ordering::SeqCst);
                     let tail = self.shared.tail.load(Ordering::SeqCst);
                     let still_full = !space::fits(self.head, tail, needed as u64, self.shared.capacity as u64);
+                    // `Consumer::drop` stores `false` before taking the lock we hold: we see it, or it notifies us.
                     if still_full && self.shared.consumer_alive.load(Ordering::SeqCst) {
-                        // The timeout is a backstop only; `SpaceSignal::notify` wakes us when space is released.
+                        // The timeout is a backstop only; `SpaceSignal::notify` wakes us when space is released (the
+                        // loom model waits without it, so a lost wake-up there fails the model).
                         let wake = deadline.min(now + std::time::Duration::from_millis(10));
-                        signal.cond.wait_until(&mut guard, wake);
+                        guard = signal.queue.wait_until(guard, wake);
                     }
                     signal.waiters.fetch_sub(1, Ordering::SeqCst);
+                    drop(guard);
                 }
                 other => break other?,
             }
@@ -451,7 +453,6 @@ impl Consumer {
     pub fn release(&mut self) {
         // Release: our reads of those bytes happen before the producer's Acquire load lets it overwrite them.
         self.shared.tail.store(self.read, Ordering::Release);
-        #[cfg(not(loom))]
         self.shared.space.notify();
     }
 
@@ -483,11 +484,10 @@ impl Consumer {
 impl Drop for Consumer {
     fn drop(&mut self) {
         self.shared.consumer_alive.store(false, Ordering::Release);
-        #[cfg(not(loom))]
-        {
-            let _guard = self.shared.space.lock.lock();
-            self.shared.space.cond.notify_all();
-        }
+        // Under the lock: a producer between its `consumer_alive` check and its sleep holds it, so this notify comes
+        // after it sleeps.
+        let _guard = self.shared.space.queue.lock();
+        self.shared.space.queue.notify_all();
     }
 }
 

@@ -4,6 +4,7 @@
 //! records from the capture side (HookPoints) to the drain side (the exporter).
 //!
 //! * [`record`] — the 64-byte header, per-row metadata, payload layout; encode/decode with checks that never panic.
+//! * [`spec`] — what a record's hookpoint id stands for (name, site, layer, dtype, row width).
 //! * [`host`] — the ring protocol over host memory: reserve → write → publish on the producer,
 //!   peek → advance → release on the consumer.
 //! * [`cuda`] — the same protocol on device memory: capture kernels publish, a drain copies through pinned memory.
@@ -21,12 +22,14 @@ pub mod error;
 pub mod host;
 pub mod record;
 pub mod space;
+pub mod spec;
 mod sync;
 
 pub use dtype::DType;
-pub use error::{DecodeError, ReserveError, RingError, SourceError};
+pub use error::{DecodeError, ReserveError, RingError, SourceError, SpecError};
 pub use host::{channel, Consumer, Producer, Reservation};
 pub use record::{RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta};
+pub use spec::{HookPointSpec, SiteKind};
 
 /// The drain end of a ring, whatever its backend: hands out checked records in stream order.
 pub trait RecordSource: Send {
@@ -36,6 +39,20 @@ pub trait RecordSource: Send {
     fn advance(&mut self);
     /// True when the producer is gone and every record it published has been handed out.
     fn is_finished(&mut self) -> bool;
+}
+
+impl<S: RecordSource + ?Sized> RecordSource for Box<S> {
+    fn peek(&mut self) -> Result<Option<RecordView<'_>>, SourceError> {
+        (**self).peek()
+    }
+
+    fn advance(&mut self) {
+        (**self).advance()
+    }
+
+    fn is_finished(&mut self) -> bool {
+        (**self).is_finished()
+    }
 }
 
 impl RecordSource for Consumer {

@@ -315,6 +315,20 @@ impl<'a> RecordView<'a> {
         Ok((RecordView { header, payload }, footprint))
     }
 
+    /// A view of a data record whose header was already decoded (and checked) from the ring: the way a record is
+    /// handed on after the drain decoded it once, without decoding its header again. Checks only that `payload` is
+    /// as long as the header says.
+    pub fn from_parts(header: RecordHeader, payload: &'a [u8]) -> Result<RecordView<'a>, DecodeError> {
+        if header.kind != RecordKind::Data {
+            return Err(DecodeError::Inconsistent(format!("record {} is a pad, not a data record", header.seq)));
+        }
+        let need = header.payload_len as usize;
+        if payload.len() != need {
+            return Err(DecodeError::Truncated { need, have: payload.len() });
+        }
+        Ok(RecordView { header, payload })
+    }
+
     /// Number of rows.
     pub fn rows(&self) -> usize {
         self.header.meta.rows as usize

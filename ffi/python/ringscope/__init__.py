@@ -42,6 +42,7 @@ _STATUS = {
     12: "RS_ERR_ENDED",
     13: "RS_ERR_PANIC",
 }
+_CODE = {name: code for code, name in _STATUS.items()}
 _DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_backpressure", "sink_error", "corrupt")
 
 #: dtype codes of the record format (docs/format.md) → (name, numpy dtype of the raw element; bf16 as uint16).
@@ -207,9 +208,9 @@ class Subscription:
         info = _RecordInfo()
         while True:
             st = lib.rs_poll(self._h, int(timeout * 1000), ctypes.byref(info), self._buf, len(self._buf))
-            if st == 10:  # RS_ERR_TIMEOUT
+            if st == _CODE["RS_ERR_TIMEOUT"]:
                 return None
-            if st == 11:  # RS_ERR_BUFFER_TOO_SMALL: grow and take the same record again
+            if st == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:  # grow and take the same record again
                 self._buf = ctypes.create_string_buffer(int(info.needed))
                 continue
             _check(st)

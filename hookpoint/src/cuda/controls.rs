@@ -142,7 +142,7 @@ impl Controls {
 
     /// The device control entry of `hp` now, and its row list (explicit selections).
     fn control_of(&self, hp: &HookPoint) -> Result<(DeviceControl, Option<Vec<u32>>), DeviceCaptureError> {
-        let (mode, list): (RowMode, Option<Vec<u32>>) = match &*hp.control.selection() {
+        let (mode, list): (RowMode, Option<Vec<u32>>) = match &*hp.control().selection() {
             RowSelection::All => (RowMode::All, None),
             RowSelection::Rows(r) => (RowMode::List, Some(r.clone())),
             RowSelection::LastPerRequest => (RowMode::LastPerRequest, None),
@@ -151,18 +151,18 @@ impl Controls {
             if list.len() > self.max_batch_rows as usize {
                 return Err(DeviceCaptureError::Usage(format!(
                     "row selection of `{}` has {} rows, more than max_batch_rows {}",
-                    hp.spec.name,
+                    hp.spec().name,
                     list.len(),
                     self.max_batch_rows
                 )));
             }
         }
         let control = DeviceControl {
-            enabled: hp.control.enabled() as u32,
-            every_n: hp.control.every_n_steps(),
+            enabled: hp.control().enabled() as u32,
+            every_n: hp.control().every_n_steps(),
             mode,
             list_len: list.as_ref().map_or(0, |l| l.len() as u32),
-            valid_rows_ptr: self.valid_rows.get(hp.id as usize).copied().unwrap_or(DevicePtr::NULL).addr(),
+            valid_rows_ptr: self.valid_rows.get(hp.id() as usize).copied().unwrap_or(DevicePtr::NULL).addr(),
             ..DeviceControl::default()
         };
         Ok((control, list))
@@ -189,8 +189,8 @@ impl Controls {
         self.mirrors.resize(all.len(), HostMirror::default());
         self.lists.resize_with(all.len(), || None);
         for hp in &all {
-            let i = hp.id as usize;
-            let generation = hp.control.generation();
+            let i = hp.id() as usize;
+            let generation = hp.control().generation();
             let m = &self.mirrors[i];
             if m.uploaded && m.generation == generation {
                 continue;
@@ -209,7 +209,7 @@ impl Controls {
             }
             // Entry `i` of the control table (i < max_hookpoints); pageable source, staged by the driver.
             self.table.copy_from_host_async(i * CONTROL_BYTES, &control.to_bytes(), stream.clone())?;
-            self.mirrors[i] = HostMirror { generation, control, row_bytes: hp.spec.row_bytes(), uploaded: true };
+            self.mirrors[i] = HostMirror { generation, control, row_bytes: hp.spec().row_bytes(), uploaded: true };
         }
         self.synced_changes = Some(changes);
         Ok(())

@@ -66,12 +66,12 @@ impl Counters {
         self.stream.synchronize()?;
         self.folded.resize(n, [0; COUNTER_WORDS]);
         for hp in registry.all().iter().take(n) {
-            let i = hp.id as usize;
+            let i = hp.id() as usize;
             let now: [u64; COUNTER_WORDS] =
                 std::array::from_fn(|w| self.host.u64_at((i * COUNTER_WORDS + w) * 8).load(Ordering::Relaxed));
             let before = self.folded[i];
             let delta = |w: usize| Tally { records: now[w] - before[w], rows: now[w + 1] - before[w + 1] };
-            let c = &hp.counters;
+            let c = &hp.counters();
             for (w, count) in [
                 (counter::PRODUCED, Count::Produced),
                 (counter::SAMPLED, Count::SampledOut),

@@ -352,13 +352,13 @@ impl DeviceCapture {
         src_rows: u32,
         stream: StreamRef,
     ) -> Result<(), DeviceCaptureError> {
-        let name = &hp.spec.name;
+        let name = &hp.spec().name;
         if !self.step_begun {
             return Err(DeviceCaptureError::Usage(format!(
                 "capture of `{name}` before the first begin_step: the session must be given a step's batch first"
             )));
         }
-        if !self.controls.uploaded(hp.id) {
+        if !self.controls.uploaded(hp.id()) {
             return Err(DeviceCaptureError::Usage(format!(
                 "hookpoint `{name}` was registered (or its valid-rows pointer set) after the last begin_step: its \
                  controls reach the device at the next begin_step"
@@ -370,11 +370,11 @@ impl DeviceCapture {
                 self.options.max_batch_rows
             )));
         }
-        let row_bytes = hp.spec.row_bytes();
+        let row_bytes = hp.spec().row_bytes();
         let bytes = src_rows as usize * row_bytes as usize;
         let what = format!("capture of `{name}`");
         self.gpu.bind()?;
-        self.gpu.check_device_range(&what, src, bytes, hp.spec.dtype.size())?;
+        self.gpu.check_device_range(&what, src, bytes, hp.spec().dtype.size())?;
         self.check_stream(&stream)?;
         let payload = footprint(src_rows as u64, row_bytes as u64) as usize - HEADER_LEN;
         if payload > self.ring.max_payload_len() {
@@ -384,7 +384,7 @@ impl DeviceCapture {
                 self.ring.max_payload_len()
             )));
         }
-        let dtype = hp.spec.dtype.code() as u32;
+        let dtype = hp.spec().dtype.code() as u32;
         if self.options.defer {
             if self.step_stream.as_ref() != Some(&stream) {
                 return Err(DeviceCaptureError::Usage(format!(
@@ -395,13 +395,13 @@ impl DeviceCapture {
                 self.join()?;
                 self.flush_deferred(&stream)?;
             }
-            self.deferred.note(CaptureEntry { src: src.addr(), hookpoint: hp.id, dtype, row_bytes, src_rows });
+            self.deferred.note(CaptureEntry { src: src.addr(), hookpoint: hp.id(), dtype, row_bytes, src_rows });
             return Ok(());
         }
         // 16 KiB per block (256 threads × 4 × 16 B) up to two blocks per SM; larger captures loop.
         let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, self.gpu.sms() * 2);
         let args = CaptureArgs {
-            hookpoint: hp.id,
+            hookpoint: hp.id(),
             dtype,
             row_bytes,
             src: src.addr(),

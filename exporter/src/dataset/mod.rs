@@ -1,4 +1,6 @@
-//! The on-disk dataset: directory layout, the Arrow schema of a dump, and turning records into Arrow batches.
+//! The on-disk dataset: directory layout, the Arrow schema of a dump, turning records into Arrow batches, and the
+//! [`FileSink`] that writes them as committed files. How the bytes of one file are encoded is the business of a
+//! [`FileFormat`] (the `writing` module implements Parquet and Arrow IPC).
 //!
 //! ```text
 //! <root>/<run_id>/hookpoint=<name>/rank=<rank>/part-00000.parquet
@@ -25,10 +27,40 @@ use arrow::array::{
 };
 use arrow::buffer::{Buffer, OffsetBuffer};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
-use ringscope_hookpoint::HookPoint;
+use serde::de::IntoDeserializer;
+use serde::Deserialize;
 
-use crate::output::DirectIo;
-use crate::record::Record;
+use crate::routing::catalog::CatalogEntry;
+use crate::routing::record::Record;
+
+mod error;
+mod files;
+
+pub use error::{FileError, FormatError, OptionsError};
+pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink, FinishedFile};
+
+/// How a file sink writes its files (`export.direct_io` in a session config: `"auto"`, `"on"` or `"off"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DirectIo {
+    /// `O_DIRECT` where the file system accepts it (Linux), else through the page cache.
+    #[default]
+    Auto,
+    /// Always `O_DIRECT`; a file system (or platform) without it is an error when the file is created.
+    On,
+    /// Through the page cache.
+    Off,
+}
+
+impl std::str::FromStr for DirectIo {
+    type Err = OptionsError;
+
+    /// The names a config file uses (serde's, so the two cannot disagree).
+    fn from_str(s: &str) -> Result<Self, OptionsError> {
+        let de: serde::de::value::StrDeserializer<'_, serde::de::value::Error> = s.into_deserializer();
+        DirectIo::deserialize(de).map_err(|_| OptionsError::DirectIo(s.to_owned()))
+    }
+}
 
 /// Where a dump goes and how its rows are labelled.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,12 +105,12 @@ impl DatasetOptions {
     }
 
     /// Checks the options before anything is written.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), OptionsError> {
         if self.run_id.is_empty() || self.run_id.contains(['/', '\\']) || self.run_id.starts_with('.') {
-            return Err(format!("run id `{}` must be a non-empty directory name not starting with `.`", self.run_id));
+            return Err(OptionsError::RunId(self.run_id.clone()));
         }
         if self.max_file_bytes == 0 || self.batch_bytes == 0 {
-            return Err("max_file_bytes and batch_bytes must be positive".into());
+            return Err(OptionsError::ZeroSize);
         }
         Ok(())
     }
@@ -126,8 +158,8 @@ pub mod keys {
 }
 
 /// The schema of one hookpoint's files.
-pub fn schema(hp: &HookPoint) -> SchemaRef {
-    let spec = &hp.spec;
+pub fn schema(hp: &CatalogEntry) -> SchemaRef {
+    let spec = hp.spec();
     let activation_meta = HashMap::from([
         (keys::DTYPE.to_owned(), spec.dtype.name().to_owned()),
         (keys::SHAPE.to_owned(), format!("[{}]", spec.row_width)),
@@ -168,7 +200,7 @@ pub struct Batch<'a> {
     /// The hookpoint's file schema ([`schema`]).
     pub schema: &'a SchemaRef,
     /// The hookpoint.
-    pub hookpoint: &'a HookPoint,
+    pub hookpoint: &'a CatalogEntry,
     /// Run id and rank, written into every row.
     pub run_id: &'a str,
     /// See `run_id`.
@@ -184,15 +216,15 @@ impl Batch<'_> {
     }
 
     /// The size of a row in bytes, after checking that every record's rows have the size the schema says.
-    pub fn row_bytes(&self) -> Result<usize, String> {
-        let want = self.hookpoint.spec.row_bytes();
+    pub fn row_bytes(&self) -> Result<usize, FormatError> {
+        let want = self.hookpoint.spec().row_bytes();
         match self.records.iter().find(|r| r.header().meta.row_bytes != want) {
-            Some(r) => Err(format!(
-                "record {} of hookpoint {} has rows of {} bytes, its schema {want}",
-                r.header().seq,
-                self.hookpoint.spec.name,
-                r.header().meta.row_bytes
-            )),
+            Some(r) => Err(FormatError::RowSize {
+                seq: r.header().seq,
+                hookpoint: self.hookpoint.name().to_owned(),
+                found: r.header().meta.row_bytes,
+                schema: want,
+            }),
             None => Ok(want as usize),
         }
     }
@@ -224,7 +256,7 @@ impl Batch<'_> {
     /// The value of metadata column `index` when it is the same in every row of the batch (of the hookpoint's
     /// partition, in fact): run id, hookpoint, site, layer, rank, dtype, shape.
     pub(crate) fn constant(&self, index: usize) -> Option<Constant<'_>> {
-        let spec = &self.hookpoint.spec;
+        let spec = self.hookpoint.spec();
         Some(match index {
             0 => Constant::Str(self.run_id),
             1 => Constant::Str(&spec.name),
@@ -267,16 +299,16 @@ impl Batch<'_> {
             activations.extend_from_slice(record.data());
         }
         let mut columns = self.metadata_columns();
-        let row_bytes = self.hookpoint.spec.row_bytes() as i32;
+        let row_bytes = self.hookpoint.spec().row_bytes() as i32;
         columns.push(Arc::new(FixedSizeBinaryArray::new(row_bytes, Buffer::from_vec(activations), None)));
         RecordBatch::try_new(self.schema.clone(), columns).expect("columns are built to match the schema")
     }
 }
 
 /// File metadata describing a finished file.
-pub(crate) fn file_metadata(hp: &HookPoint, run_id: &str, records: u64, rows: u64) -> Vec<(String, String)> {
-    let spec = &hp.spec;
-    let mut snapshot = hp.counters.snapshot();
+pub(crate) fn file_metadata(hp: &CatalogEntry, run_id: &str, records: u64, rows: u64) -> Vec<(String, String)> {
+    let spec = hp.spec();
+    let mut snapshot = hp.accounting();
     // This file's records are still held by their receipts until the file is committed; count them as exported.
     snapshot.exported.records += records;
     snapshot.exported.rows += rows;
@@ -327,7 +359,7 @@ mod tests {
         let mut o = DatasetOptions::new("/tmp/x");
         assert!(o.validate().is_ok());
         o.run_id = "a/b".into();
-        assert!(o.validate().unwrap_err().contains("a/b"));
+        assert!(o.validate().unwrap_err().to_string().contains("a/b"));
         o.run_id = "r1".into();
         o.rank = 3;
         assert_eq!(o.partition_dir("", "layers.0.resid"), PathBuf::from("/tmp/x/r1/hookpoint=layers.0.resid/rank=3"));

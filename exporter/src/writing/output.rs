@@ -21,6 +21,8 @@ use std::thread::JoinHandle;
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 
+use crate::dataset::DirectIo;
+
 /// Alignment of direct writes: file offsets, lengths and memory. 4096 covers devices with 512-byte and 4 KiB logical
 /// blocks.
 pub const ALIGN: usize = 4096;
@@ -54,32 +56,6 @@ fn keep_spare(buffers: impl IntoIterator<Item = Buffer>) {
             bytes += b.capacity();
             b.clear();
             spare.push(b);
-        }
-    }
-}
-
-/// How a file sink writes its files (`export.direct_io` in a session config: `"auto"`, `"on"` or `"off"`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DirectIo {
-    /// `O_DIRECT` where the file system accepts it (Linux), else through the page cache.
-    #[default]
-    Auto,
-    /// Always `O_DIRECT`; a file system (or platform) without it is an error when the file is created.
-    On,
-    /// Through the page cache.
-    Off,
-}
-
-impl std::str::FromStr for DirectIo {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(DirectIo::Auto),
-            "on" => Ok(DirectIo::On),
-            "off" => Ok(DirectIo::Off),
-            _ => Err(format!("direct_io `{s}`: expected auto, on or off")),
         }
     }
 }
@@ -577,7 +553,7 @@ mod tests {
     #[test]
     fn bad_settings_and_failed_writes_are_errors_naming_the_file() {
         assert_eq!("on".parse(), Ok(DirectIo::On));
-        assert!("yes".parse::<DirectIo>().unwrap_err().contains("expected auto, on or off"));
+        assert!("yes".parse::<DirectIo>().unwrap_err().to_string().contains("expected auto, on or off"));
         // A directory that does not exist.
         let e = Output::create(&scratch("missing").join("f"), DirectIo::Auto, ALIGN).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);

@@ -1,7 +1,7 @@
 //! `inspect`: summarises a ringscope dump and checks it.
 //!
 //! ```text
-//! cargo run --release --bin inspect -- ringscope-out/<run id> [--verify]
+//! cargo run --release -p ringscope-inspect -- ringscope-out/<run id> [--verify]
 //! ```
 //!
 //! Prints, per hookpoint: files, layer, step range, distinct requests, rows, activation bytes, and the accounting
@@ -216,7 +216,7 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
     let get = |k: &str| kv.get(k).cloned().ok_or_else(|| format!("metadata key {k} missing"));
     let row_bytes: u64 = {
         let shape: Vec<u64> = serde_json::from_str(&get("ringscope.shape")?).map_err(|e| e.to_string())?;
-        let dtype = get("ringscope.dtype")?.parse::<ringscope::DType>().map_err(|e| e.to_string())?;
+        let dtype = get("ringscope.dtype")?.parse::<ringscope_ring::DType>().map_err(|e| e.to_string())?;
         shape.iter().product::<u64>() * dtype.size() as u64
     };
     let mut rows = 0;

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
-use ringscope_hookpoint::HookPoint;
 use ringscope_policy::{DropReason, LossPolicy, OnFull};
 
-use crate::record::Record;
+use crate::routing::catalog::CatalogEntry;
+use crate::routing::record::Record;
 
 /// Which records a sink or consumer receives. Empty sets mean "all".
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,10 +47,10 @@ impl Filter {
     }
 
     /// Whether records of `hp` pass.
-    pub fn matches(&self, hp: &HookPoint) -> bool {
-        self.shard.is_none_or(|(n, i)| hp.id % n == i)
-            && (self.hookpoints.is_empty() || self.hookpoints.contains(&hp.spec.name))
-            && (self.layers.is_empty() || hp.spec.layer.is_some_and(|l| self.layers.contains(&l)))
+    pub fn matches(&self, hp: &CatalogEntry) -> bool {
+        self.shard.is_none_or(|(n, i)| hp.id() % n == i)
+            && (self.hookpoints.is_empty() || self.hookpoints.contains(hp.name()))
+            && (self.layers.is_empty() || hp.spec().layer.is_some_and(|l| self.layers.contains(&l)))
     }
 }
 

@@ -1,7 +1,10 @@
-//! The two file formats: Parquet (zstd-compressed, for storage and analytics) and Arrow IPC (uncompressed, for
-//! fast local reading and memory-mapping).
+//! Writing: how the bytes of one file are laid out and reach the disk. The two [`FileFormat`]s — Parquet
+//! (zstd-compressed, for storage and analytics) and Arrow IPC (uncompressed, for fast local reading and
+//! memory-mapping) — and what they stand on: Parquet pages written by us ([`pages`], [`constants`]) and files
+//! written through our own buffers, with `O_DIRECT` where possible ([`output`]).
 
-use std::fs::File;
+use std::path::Path;
+use std::sync::atomic::Ordering;
 
 use arrow::datatypes::SchemaRef;
 use arrow::ipc::writer::FileWriter;
@@ -17,21 +20,40 @@ use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterVersi
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::types::ColumnPath;
 
-use crate::constants::constant_chunk;
-use crate::dataset::Batch;
-use crate::files::{CommittedFiles, FileFormat, FileSink};
-use crate::output::{Output, ALIGN};
-use crate::pages::{ActivationPages, Placeholder, SpliceWriter};
-use crate::record::Record;
-use crate::sink::SinkError;
-use crate::DatasetOptions;
+pub(crate) mod constants;
+pub mod output;
+pub(crate) mod pages;
+
+use crate::dataset::{
+    Batch, CommittedFiles, DatasetOptions, FileFormat, FileSink, FinishedFile, FormatError, OptionsError,
+};
+use crate::routing::record::Record;
+use crate::routing::sink::SinkError;
+use constants::constant_chunk;
+use output::{Output, ALIGN};
+use pages::{ActivationPages, Placeholder, SpliceWriter};
+
+/// Opens the output of a new file: its buffers hold a whole batch, so the Parquet sink can compress a row group's
+/// activation column into one.
+fn open(path: &Path, options: &DatasetOptions) -> std::io::Result<Output> {
+    let buffer_bytes = options.batch_bytes + options.batch_bytes / 8 + (64 << 10);
+    Output::create(path, options.direct_io, buffer_bytes)
+}
+
+/// Finishes `out` and says whether every byte went out with `O_DIRECT` (read after the last write: with `auto`, a
+/// file system that rejects a direct write sends the rest through the page cache).
+fn finish(out: Output) -> Result<FinishedFile, FormatError> {
+    let direct = out.direct_writes();
+    let file = out.finish()?;
+    Ok(FinishedFile { file, direct_io: direct.load(Ordering::Relaxed) })
+}
 
 /// Parquet files with zstd.
 #[derive(Debug, Clone)]
 pub struct Parquet {
     properties: WriterProperties,
     /// The properties are ours ([`Parquet::with_zstd_level`]): the constant metadata columns are written in constant
-    /// time (`crate::constants`), as their properties say (uncompressed, dictionary, statistics).
+    /// time ([`constants`]), as their properties say (uncompressed, dictionary, statistics).
     defaults: bool,
 }
 
@@ -42,8 +64,8 @@ impl Parquet {
     /// fixed-size binary value per row, PLAIN-encoded, with no dictionary and no statistics; writer version 1
     /// (version 2 switches fixed-length columns to DELTA_BYTE_ARRAY, which is slower and no smaller here). The small
     /// columns keep dictionaries and statistics, so readers can prune by step or request, and are not compressed.
-    pub fn with_zstd_level(level: i32) -> Result<Self, String> {
-        let level = ZstdLevel::try_new(level).map_err(|e| format!("zstd level {level}: {e}"))?;
+    pub fn with_zstd_level(level: i32) -> Result<Self, OptionsError> {
+        let level = ZstdLevel::try_new(level).map_err(|e| OptionsError::ZstdLevel { level, why: e.to_string() })?;
         let activation = activation_path();
         // The metadata columns are dictionary- and run-length encoded, a few bytes per row; zstd would shrink them
         // little and cost each column writer of each row group two zstd contexts (measured: a few percent).
@@ -66,7 +88,7 @@ impl Parquet {
 
     /// Parquet with writer properties of your own (compression, page size, statistics, ...). Keep the activation
     /// column's dictionary off: every row is distinct. Row groups are the sink's batches
-    /// ([`DatasetOptions::batch_bytes`](crate::DatasetOptions::batch_bytes)); the row group limits in `properties`
+    /// ([`DatasetOptions::batch_bytes`](crate::dataset::DatasetOptions::batch_bytes)); the row group limits in `properties`
     /// do not apply.
     pub fn with_properties(properties: WriterProperties) -> Self {
         Parquet { properties, defaults: false }
@@ -97,31 +119,32 @@ impl FileFormat for Parquet {
     const NAME: &'static str = "parquet";
     const SUBDIR: &'static str = "";
 
-    fn create(&self, out: Output, schema: &SchemaRef) -> Result<Self::Writer, String> {
+    fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError> {
+        let out = open(path, options)?;
         // The Arrow writer sets up the file exactly as it would (Parquet schema from the Arrow one, the Arrow schema
         // in the footer for readers); its lower-level halves then let each batch be written column after column.
         let options = ArrowWriterOptions::new().with_properties(self.properties.clone());
         let (file, columns) = ArrowWriter::try_new_with_options(SpliceWriter::new(out), schema.clone(), options)
-            .and_then(ArrowWriter::into_serialized_writer)
-            .map_err(|e| e.to_string())?;
+            .and_then(ArrowWriter::into_serialized_writer)?;
         let page_bytes = self.properties.column_data_page_size_limit(&activation_path());
         let pages = match self.properties.compression(&activation_path()) {
-            Compression::ZSTD(level) => Some(ActivationPages::new(level, page_bytes).map_err(|e| e.to_string())?),
+            Compression::ZSTD(level) => Some(ActivationPages::new(level, page_bytes)?),
             _ => None,
         };
         Ok(ParquetWriter { file, columns, row_groups: 0, page_bytes, pages, constants: self.defaults })
     }
 
-    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String> {
-        write_row_group(writer, batch).map_err(|e| e.to_string())
+    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError> {
+        let row_bytes = batch.row_bytes()?;
+        Ok(write_row_group(writer, batch, row_bytes)?)
     }
 
-    fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String> {
+    fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<FinishedFile, FormatError> {
         for (k, v) in metadata {
             writer.file.append_key_value_metadata(KeyValue::new(k, v));
         }
-        let out = writer.file.into_inner().map_err(|e| e.to_string())?;
-        out.into_inner().map_err(|e| e.to_string())
+        let out = writer.file.into_inner()?;
+        finish(out.into_inner())
     }
 }
 
@@ -129,7 +152,7 @@ impl FileFormat for Parquet {
 /// the activation column, last in the schema and nearly all of the bytes, is written straight from the records: by
 /// [`ActivationPages`] when it is zstd-compressed (the default), else by the generic column writer, still without
 /// copying the rows into an Arrow array first.
-fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::errors::Result<()> {
+fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>, row_bytes: usize) -> parquet::errors::Result<()> {
     let mut column_writers = writer.columns.create_column_writers(writer.row_groups)?;
     writer.row_groups += 1;
     column_writers.pop(); // the activation's: written below
@@ -157,7 +180,6 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>) -> parquet::er
         }
     }
     let activation = writer.file.schema_descr().column(chunks.len());
-    let row_bytes = batch.row_bytes().map_err(ParquetError::General)?;
     // Our own pages (zstd): the chunk is encoded first and handed to the file for its byte range, right after the
     // metadata columns' chunks (see `SpliceWriter`).
     let spliced = match writer.pages.as_mut() {
@@ -267,22 +289,21 @@ impl FileFormat for ArrowIpc {
     const NAME: &'static str = "arrow_ipc";
     const SUBDIR: &'static str = "_arrow_ipc";
 
-    fn create(&self, out: Output, schema: &SchemaRef) -> Result<Self::Writer, String> {
-        FileWriter::try_new(out, schema).map_err(|e| e.to_string())
+    fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError> {
+        Ok(FileWriter::try_new(open(path, options)?, schema)?)
     }
 
-    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String> {
+    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError> {
         batch.row_bytes()?;
-        writer.write(&batch.record_batch()).map_err(|e| e.to_string())
+        Ok(writer.write(&batch.record_batch())?)
     }
 
-    fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String> {
+    fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<FinishedFile, FormatError> {
         for (k, v) in metadata {
             writer.write_metadata(k, v);
         }
-        writer.finish().map_err(|e| e.to_string())?;
-        let out = writer.into_inner().map_err(|e| e.to_string())?;
-        out.finish().map_err(|e| e.to_string())
+        writer.finish()?;
+        finish(writer.into_inner()?)
     }
 }
 
@@ -293,8 +314,8 @@ pub type ArrowIpcSink = FileSink<ArrowIpc>;
 
 /// A Parquet sink under `options.run_dir()` with zstd at `zstd_level`.
 pub fn parquet_sink(options: DatasetOptions, zstd_level: i32) -> Result<(ParquetSink, CommittedFiles), SinkError> {
-    let format =
-        Parquet::with_zstd_level(zstd_level).map_err(|message| SinkError { sink: "parquet".into(), message })?;
+    let format = Parquet::with_zstd_level(zstd_level)
+        .map_err(|e| SinkError::File { sink: Parquet::NAME.into(), source: e.into() })?;
     FileSink::create(format, options)
 }
 

@@ -19,8 +19,8 @@ use parquet::file::metadata::{ColumnChunkMetaData, OffsetIndexBuilder};
 use parquet::file::reader::{ChunkReader, Length};
 use parquet::schema::types::ColumnDescPtr;
 
-use crate::output::{Buffer, Output};
-use crate::record::Record;
+use crate::routing::record::Record;
+use crate::writing::output::{Buffer, Output};
 
 /// See [`ActivationPages::encode`].
 const DIRECT_PAGE_MIN: usize = 64 << 10;
@@ -67,7 +67,7 @@ impl ActivationPages {
             self.page.reserve_exact(page_cap);
         }
         chunk.clear();
-        chunk.extend(&[0; crate::output::ALIGN][..lead]);
+        chunk.extend(&[0; crate::writing::output::ALIGN][..lead]);
         let mut asm = Assembly { lead, row_bytes, rows: 0, uncompressed: 0, offsets: Default::default() };
         // Records at least this big become pages of their own, compressed in place (no copy); smaller ones are
         // gathered into page-sized pages. zstd compresses 64 KiB pages as well as 1 MiB ones: it works in blocks of
@@ -331,8 +331,8 @@ impl SpliceWriter {
     }
 
     /// The file, every byte written (see [`Output::finish`]).
-    pub(crate) fn into_inner(self) -> std::io::Result<std::fs::File> {
-        self.out.finish()
+    pub(crate) fn into_inner(self) -> Output {
+        self.out
     }
 }
 
@@ -378,7 +378,8 @@ mod tests {
 
     #[test]
     fn a_splice_replaces_exactly_its_byte_range_whatever_the_write_sizes() {
-        use crate::output::{DirectIo, ALIGN};
+        use crate::dataset::DirectIo;
+        use crate::writing::output::ALIGN;
         let path = scratch("splice");
         let stream: Vec<u8> = (0..30_000u32).map(|i| (i % 251) as u8).collect();
         let spliced: Vec<u8> = (0..9_000u32).map(|i| 255 - (i % 7) as u8).collect();
@@ -401,7 +402,7 @@ mod tests {
                     w.write_all(piece).unwrap();
                 }
                 w.end_splice().unwrap();
-                w.into_inner().unwrap();
+                w.into_inner().finish().unwrap();
                 let mut want = stream.clone();
                 want[5_000..14_000].copy_from_slice(&spliced);
                 assert_eq!(std::fs::read(&path).unwrap(), want, "{direct_io:?}, writes of {write_size}");

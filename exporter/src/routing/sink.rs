@@ -1,20 +1,68 @@
-//! The sink trait and the in-memory sinks.
+//! The sink trait — the seam between routing and everything that writes records somewhere — and the in-memory
+//! sinks.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::record::Record;
+use crate::dataset::FileError;
+use crate::routing::record::Record;
 
-/// A sink failed to take a record.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("sink `{sink}`: {message}")]
-pub struct SinkError {
-    /// Name of the sink.
-    pub sink: String,
-    /// What went wrong.
-    pub message: String,
+/// Any error, boxed: what a user's callback may return.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A sink failed to take a record (or to close). Every variant names the sink and keeps the error behind it.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// A file sink could not write, finish or commit a file (or set up its directory).
+    #[error("sink `{sink}`: {source}")]
+    File {
+        /// Name of the sink.
+        sink: String,
+        /// What failed, naming the file.
+        #[source]
+        source: FileError,
+    },
+    /// Several partitions of a file sink failed when it closed.
+    #[error("sink `{sink}`: {}", .errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Files {
+        /// Name of the sink.
+        sink: String,
+        /// One error per failed partition.
+        errors: Vec<FileError>,
+    },
+    /// A user's sink or callback returned an error.
+    #[error("sink `{sink}`: {source}")]
+    Callback {
+        /// Name of the sink.
+        sink: String,
+        /// The callback's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The sink panicked (a bug in it); it is not called again.
+    #[error("sink `{sink}` panicked{}: {message}", if *.on_close { " on close" } else { "" })]
+    Panicked {
+        /// Name of the sink.
+        sink: String,
+        /// The panic's message.
+        message: String,
+        /// Whether it panicked in `close`.
+        on_close: bool,
+    },
+}
+
+impl SinkError {
+    /// The name of the sink that failed.
+    pub fn sink(&self) -> &str {
+        match self {
+            SinkError::File { sink, .. }
+            | SinkError::Files { sink, .. }
+            | SinkError::Callback { sink, .. }
+            | SinkError::Panicked { sink, .. } => sink,
+        }
+    }
 }
 
 /// A destination for records. Each sink runs on its own thread and sees the records it subscribed to in stream
@@ -81,13 +129,13 @@ impl Sink for SummarySink {
         let hp = record.hookpoint();
         let view = record.view();
         let mut out = self.out.lock();
-        let s = out.entry(hp.spec.name.clone()).or_default();
+        let s = out.entry(hp.name().to_owned()).or_default();
         let step = record.step();
         s.records += 1;
         s.rows += record.rows() as u64;
         s.bytes += view.data().len() as u64;
         s.steps = Some(s.steps.map_or((step, step), |(a, b)| (a.min(step), b.max(step))));
-        let seen = self.requests.entry(hp.spec.name.clone()).or_default();
+        let seen = self.requests.entry(hp.name().to_owned()).or_default();
         let mut digest = crc32fast::Hasher::new_with_initial(s.digest);
         for (i, m) in view.row_metas().enumerate() {
             seen.insert(m.request_id);
@@ -109,7 +157,7 @@ pub struct CallbackSink<F> {
 
 impl<F> CallbackSink<F>
 where
-    F: FnMut(&Record) -> Result<(), String> + Send,
+    F: FnMut(&Record) -> Result<(), BoxError> + Send,
 {
     /// A sink named `name` that calls `f` per record; an `Err` from `f` fails the sink.
     pub fn new(name: impl Into<String>, f: F) -> Self {
@@ -119,13 +167,13 @@ where
 
 impl<F> Sink for CallbackSink<F>
 where
-    F: FnMut(&Record) -> Result<(), String> + Send,
+    F: FnMut(&Record) -> Result<(), BoxError> + Send,
 {
     fn name(&self) -> &str {
         &self.name
     }
 
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
-        (self.f)(record).map_err(|message| SinkError { sink: self.name.clone(), message })
+        (self.f)(record).map_err(|source| SinkError::Callback { sink: self.name.clone(), source })
     }
 }

@@ -20,7 +20,7 @@ use parquet::file::statistics::{Statistics, ValueStatistics};
 use parquet::schema::types::ColumnDescPtr;
 
 use crate::dataset::Constant;
-use crate::pages::{page_header, uleb128, PageKind};
+use crate::writing::pages::{page_header, uleb128, PageKind};
 
 /// The column chunk of `column` holding `value` in each of `rows` rows, uncompressed, and what the file writer needs
 /// to know about it (offsets relative to the chunk's start).

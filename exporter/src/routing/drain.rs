@@ -1,4 +1,4 @@
-//! The drain: ring → owned records → one bounded queue per sink or consumer.
+//! The drain: ring → records → one bounded queue per sink or consumer.
 //!
 //! The drain thread copies each published record out of the ring and releases its ring space at once, then offers
 //! it to every destination whose filter matches. Each sink runs on its own worker thread behind a queue whose
@@ -12,13 +12,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender};
-use ringscope_hookpoint::{HookPoint, Registry};
 use ringscope_policy::{DropReason, LossPolicy};
 use ringscope_ring::RecordSource;
 
-use crate::fanout::{port, Backlog, Filter, Port, Subscription};
-use crate::record::Record;
-use crate::sink::{Sink, SinkError};
+use crate::routing::catalog::{Catalog, CatalogEntry};
+use crate::routing::fanout::{port, Backlog, Filter, Offer, Port, Subscription};
+use crate::routing::record::Record;
+use crate::routing::sink::{Sink, SinkError};
 use crate::ExporterError;
 
 /// Tuning of a drain.
@@ -85,10 +85,10 @@ pub struct Drain {
 
 impl Drain {
     /// Starts the drain thread on `consumer` (a ring's drain end: host or CUDA), resolving hookpoint ids in
-    /// `registry`, and one worker thread per sink (each with the filter of the records it takes).
+    /// `catalog`, and one worker thread per sink (each with the filter of the records it takes).
     pub fn spawn(
         consumer: impl RecordSource + 'static,
-        registry: Arc<Registry>,
+        catalog: Arc<dyn Catalog>,
         sinks: Vec<(Box<dyn Sink>, Filter)>,
         options: DrainOptions,
     ) -> Result<Drain, ExporterError> {
@@ -106,7 +106,7 @@ impl Drain {
         let (subscribe, new_ports) = crossbeam::channel::unbounded();
         let thread = std::thread::Builder::new()
             .name("ringscope-drain".into())
-            .spawn(move || run_drain(Box::new(consumer), &registry, ports, new_ports, options))
+            .spawn(move || run_drain(Box::new(consumer), &*catalog, ports, new_ports, options))
             .map_err(ExporterError::Spawn)?;
         Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes })
     }
@@ -141,15 +141,15 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 
 fn run_drain(
     mut consumer: Box<dyn RecordSource>,
-    registry: &Registry,
+    catalog: &dyn Catalog,
     mut ports: Vec<Port>,
     new_ports: Receiver<Port>,
     options: DrainOptions,
 ) -> DrainReport {
     let started = Instant::now();
     let mut report = DrainReport::default();
-    // Local copy of the registry, refreshed only when a record names an id we have not seen: no lock per record.
-    let mut hookpoints: Vec<Arc<HookPoint>> = registry.all();
+    // Entries seen so far, by id: the catalog is asked only for an id not seen before, never per record.
+    let mut hookpoints: Vec<Option<Arc<CatalogEntry>>> = Vec::new();
     let mut idle = Duration::from_micros(20);
 
     'drain: loop {
@@ -157,12 +157,17 @@ fn run_drain(
         loop {
             let record = match consumer.peek() {
                 Ok(Some(view)) => {
-                    let id = view.header.meta.hookpoint as usize;
-                    if id >= hookpoints.len() {
-                        hookpoints = registry.all();
+                    let id = view.header.meta.hookpoint;
+                    let i = id as usize;
+                    if hookpoints.get(i).is_none_or(Option::is_none) {
+                        if hookpoints.len() <= i {
+                            hookpoints.resize(i + 1, None);
+                        }
+                        hookpoints[i] = catalog.entry(id);
                     }
-                    let Some(hp) = hookpoints.get(id) else {
-                        // Cannot happen with a registry that only grows; nothing to attribute the record to.
+                    let Some(hp) = &hookpoints[i] else {
+                        // Cannot happen with a catalog whose ids are registered before their records are produced;
+                        // nothing to attribute the record to.
                         report.errors.push(format!("record {} names unknown hookpoint id {id}", view.header.seq));
                         consumer.advance();
                         continue;
@@ -191,7 +196,7 @@ fn run_drain(
             report.bytes += record.header().footprint() as u64;
             report.data_bytes += record.data().len() as u64;
             for p in ports.iter_mut() {
-                if p.offer(&record, &options.policy) == crate::fanout::Offer::Dropped(DropReason::SinkBackpressure) {
+                if p.offer(&record, &options.policy) == Offer::Dropped(DropReason::SinkBackpressure) {
                     report.backpressure_drops += 1;
                 }
             }
@@ -231,7 +236,7 @@ fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>
             record.receipt().fail(DropReason::SinkError);
         } else {
             let result = catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
-                Err(SinkError { sink: report.name.clone(), message: format!("panicked: {}", panic_message(&*p)) })
+                Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: false })
             });
             match result {
                 Ok(()) => report.records += 1,
@@ -246,7 +251,7 @@ fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>
         backlog.taken(size);
     }
     let closed = catch_unwind(AssertUnwindSafe(|| sink.close())).unwrap_or_else(|p| {
-        Err(SinkError { sink: report.name.clone(), message: format!("panicked on close: {}", panic_message(&*p)) })
+        Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: true })
     });
     if let Err(e) = closed {
         report.errors.push(e.to_string());
@@ -257,28 +262,15 @@ fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::{CallbackSink, SummarySink};
-    use ringscope_hookpoint::{capture_host, HookPointSpec, SiteKind, StepBatch};
+    use crate::routing::sink::{CallbackSink, SummarySink};
+    use crate::testing::TestCatalog;
     use ringscope_policy::Mode;
-    use ringscope_ring::{channel, DType};
+    use ringscope_ring::channel;
 
-    fn setup() -> (ringscope_ring::Producer, ringscope_ring::Consumer, Arc<Registry>) {
+    fn setup() -> (ringscope_ring::Producer, ringscope_ring::Consumer, TestCatalog) {
         let (p, c) = channel(1 << 16).unwrap();
-        let reg = Arc::new(Registry::new());
-        for l in 0..2 {
-            reg.register(HookPointSpec {
-                name: format!("layers.{l}.resid"),
-                site: SiteKind::Residual,
-                layer: Some(l),
-                dtype: DType::F16,
-                row_width: 8,
-            })
-            .unwrap();
-        }
-        (p, c, reg)
+        (p, c, TestCatalog::layers(2, 8))
     }
-
-    const FULL: LossPolicy = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_secs(10) };
 
     fn boxed(s: impl Sink + 'static) -> (Box<dyn Sink>, Filter) {
         (Box::new(s), Filter::all())
@@ -288,11 +280,10 @@ mod tests {
     fn drains_everything_and_accounts_for_it() {
         let (mut p, c, reg) = setup();
         let (summary, handle) = SummarySink::new();
-        let drain = Drain::spawn(c, reg.clone(), vec![boxed(summary)], DrainOptions::default()).unwrap();
+        let drain = Drain::spawn(c, reg.catalog(), vec![boxed(summary)], DrainOptions::default()).unwrap();
         for step in 0..500u64 {
-            let batch = StepBatch::new(step, [(1, step as u32), (2, step as u32)]).unwrap();
-            for hp in reg.all() {
-                capture_host(&mut p, &FULL, &hp, &batch, &[step as u8; 32]).unwrap();
+            for hp in 0..2 {
+                reg.capture(&mut p, hp, step, &[(1, step as u32), (2, step as u32)], &[step as u8; 32]);
             }
         }
         drop(p);
@@ -312,7 +303,7 @@ mod tests {
         let flaky = CallbackSink::new("flaky", move |_: &Record| {
             n += 1;
             if n == 3 {
-                Err("disk full".to_string())
+                Err("disk full".into())
             } else {
                 Ok(())
             }
@@ -323,11 +314,10 @@ mod tests {
             }
             Ok(())
         });
-        let drain = Drain::spawn(c, reg.clone(), vec![boxed(flaky), boxed(panicky)], DrainOptions::default()).unwrap();
-        let hp = reg.get(0).unwrap();
+        let drain =
+            Drain::spawn(c, reg.catalog(), vec![boxed(flaky), boxed(panicky)], DrainOptions::default()).unwrap();
         for step in 0..10u64 {
-            let batch = StepBatch::new(step, [(1, 0)]).unwrap();
-            capture_host(&mut p, &FULL, &hp, &batch, &[0; 16]).unwrap();
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
         }
         drop(p);
         let report = drain.join().unwrap();
@@ -343,19 +333,18 @@ mod tests {
     #[test]
     fn subscriptions_filter_and_departed_consumers_are_counted() {
         let (mut p, c, reg) = setup();
-        let drain = Drain::spawn(c, reg.clone(), vec![], DrainOptions::default()).unwrap();
+        let drain = Drain::spawn(c, reg.catalog(), vec![], DrainOptions::default()).unwrap();
         let layer1 = drain.subscribe("layer1", Filter::layers([1])).unwrap();
         let quitter = drain.subscribe("quitter", Filter::all()).unwrap();
         // Let the drain pick up both subscriptions before anything is published.
         std::thread::sleep(Duration::from_millis(50));
         for step in 0..20u64 {
-            let batch = StepBatch::new(step, [(7, step as u32)]).unwrap();
-            for hp in reg.all() {
-                capture_host(&mut p, &FULL, &hp, &batch, &[1; 16]).unwrap();
+            for hp in 0..2 {
+                reg.capture(&mut p, hp, step, &[(7, step as u32)], &[1; 16]);
             }
         }
         let first = quitter.recv().unwrap();
-        assert_eq!((first.step(), first.hookpoint().id), (0, 0));
+        assert_eq!((first.step(), first.hookpoint().id()), (0, 0));
         // Wait until the drain has queued all 39 others for the quitter before it quits.
         let deadline = Instant::now() + Duration::from_secs(10);
         while quitter.backlog_bytes() < 39 * first.size_bytes() && Instant::now() < deadline {
@@ -364,7 +353,7 @@ mod tests {
         drop(first);
         drop(quitter);
         drop(p);
-        let received: Vec<_> = layer1.iter().map(|r| (r.step(), r.hookpoint().spec.layer, r.row_meta(0))).collect();
+        let received: Vec<_> = layer1.iter().map(|r| (r.step(), r.hookpoint().spec().layer, r.row_meta(0))).collect();
         assert_eq!(received.len(), 20);
         assert!(received
             .iter()
@@ -386,13 +375,11 @@ mod tests {
             policy: LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO },
             ..DrainOptions::default()
         };
-        let drain = Drain::spawn(c, reg.clone(), vec![], options).unwrap();
+        let drain = Drain::spawn(c, reg.catalog(), vec![], options).unwrap();
         let slow = drain.subscribe("slow", Filter::all()).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let hp = reg.get(0).unwrap();
         for step in 0..100u64 {
-            let batch = StepBatch::new(step, [(1, 0)]).unwrap();
-            capture_host(&mut p, &FULL, &hp, &batch, &[0; 16]).unwrap();
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
         }
         drop(p);
         // Nobody reads `slow` until the drain is done: its 1 KiB budget holds a handful of 192-byte records.
@@ -415,13 +402,11 @@ mod tests {
             policy: LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO },
             ..DrainOptions::default()
         };
-        let drain = Drain::spawn(c, reg.clone(), vec![], options).unwrap();
+        let drain = Drain::spawn(c, reg.catalog(), vec![], options).unwrap();
         let idle = drain.subscribe("idle", Filter::all()).unwrap();
-        let hp = reg.get(0).unwrap();
-        let total = crate::fanout::PORT_RECORDS as u64 + 1000;
+        let total = crate::routing::fanout::PORT_RECORDS as u64 + 1000;
         for step in 0..total {
-            let batch = StepBatch::new(step, [(1, 0)]).unwrap();
-            capture_host(&mut p, &FULL, &hp, &batch, &[0; 16]).unwrap();
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
         }
         drop(p);
         let report = drain.join().unwrap();
@@ -429,6 +414,6 @@ mod tests {
         let acc = reg.accounting();
         acc.check().unwrap();
         assert_eq!(acc.hookpoints[0].1.dropped_for(DropReason::SinkBackpressure).records, 1000);
-        assert_eq!(idle.iter().count(), crate::fanout::PORT_RECORDS);
+        assert_eq!(idle.iter().count(), crate::routing::fanout::PORT_RECORDS);
     }
 }

@@ -1,39 +1,40 @@
 //! Records after they leave the ring, and the receipts that account for them.
 //!
-//! The drain copies each record out of the ring (so ring space is released at once) into a [`Record`]: an owned,
-//! cheaply cloned handle shared by every sink and consumer that takes it. Each record carries one [`Receipt`];
-//! when the last clone of the record *and* of its receipt is gone, the record is counted — as exported, or as
-//! dropped for the first reason any holder reported with [`Receipt::fail`]. A sink that buffers data (a Parquet
-//! file being written) keeps only the small receipt until its data is durable, so a file that fails to commit
-//! turns into counted drops instead of silently lost rows.
+//! The drain copies each record's payload out of the ring (so ring space is released at once) into a [`Record`]: an
+//! owned, cheaply cloned handle shared by every sink and consumer that takes it. The header was decoded and checked
+//! once, in the ring; the record keeps it decoded, so nothing downstream decodes it again. Each record carries one
+//! [`Receipt`]; when the last clone of the record *and* of its receipt is gone, the record is counted — as
+//! exported, or as dropped for the first reason any holder reported with [`Receipt::fail`]. A sink that buffers
+//! data (a Parquet file being written) keeps only the small receipt until its data is durable, so a file that fails
+//! to commit turns into counted drops instead of silently lost rows.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use ringscope_hookpoint::HookPoint;
 use ringscope_policy::DropReason;
 use ringscope_ring::{RecordHeader, RecordView, RowMeta};
+
+use crate::routing::catalog::CatalogEntry;
 
 /// A record copied out of the ring. Clones share the bytes.
 #[derive(Clone)]
 pub struct Record(Arc<Inner>);
 
 struct Inner {
-    /// A `Vec`, not an `Arc<[u8]>`: turning the filled `Vec` into an `Arc<[u8]>` would copy the record again.
-    bytes: Arc<Vec<u8>>,
+    /// The payload (row metadata, then rows). An `Arc<Vec<u8>>`, not an `Arc<[u8]>`: turning the filled `Vec` into
+    /// an `Arc<[u8]>` would copy the record again.
+    payload: Arc<Vec<u8>>,
     header: RecordHeader,
-    hookpoint: Arc<HookPoint>,
+    hookpoint: Arc<CatalogEntry>,
     receipt: Receipt,
 }
 
 impl Record {
-    /// Copies `view` out of the ring.
-    pub fn copy_from(view: &RecordView<'_>, hookpoint: Arc<HookPoint>) -> Record {
-        let mut bytes = Vec::with_capacity(ringscope_ring::record::HEADER_LEN + view.payload().len());
-        bytes.extend_from_slice(&view.header.encode());
-        bytes.extend_from_slice(view.payload());
+    /// Copies `view`'s payload out of the ring; `hookpoint` is the catalog entry of the id in its header.
+    pub fn copy_from(view: &RecordView<'_>, hookpoint: Arc<CatalogEntry>) -> Record {
+        let payload = view.payload().to_vec();
         let receipt = Receipt::new(hookpoint.clone(), view.rows() as u64);
-        Record(Arc::new(Inner { bytes: Arc::new(bytes), header: view.header, hookpoint, receipt }))
+        Record(Arc::new(Inner { payload: Arc::new(payload), header: view.header, hookpoint, receipt }))
     }
 
     /// The same record without accounting responsibility: what a consumer's queue holds. Handing a record to an
@@ -41,16 +42,16 @@ impl Record {
     pub(crate) fn detached(&self) -> Record {
         let i = &self.0;
         Record(Arc::new(Inner {
-            bytes: i.bytes.clone(),
+            payload: i.payload.clone(),
             header: i.header,
             hookpoint: i.hookpoint.clone(),
             receipt: Receipt(None),
         }))
     }
 
-    /// A checked view of the record (header, row metadata, rows).
+    /// A view of the record (header, row metadata, rows). Cheap: the header is not decoded again.
     pub fn view(&self) -> RecordView<'_> {
-        RecordView::decode(&self.0.bytes).expect("a record is validated when it is copied out of the ring").0
+        RecordView::from_parts(self.0.header, &self.0.payload).expect("the payload was copied with its header's length")
     }
 
     /// The header.
@@ -58,8 +59,8 @@ impl Record {
         &self.0.header
     }
 
-    /// The hookpoint that produced it.
-    pub fn hookpoint(&self) -> &Arc<HookPoint> {
+    /// The catalog entry of the hookpoint that produced it.
+    pub fn hookpoint(&self) -> &Arc<CatalogEntry> {
         &self.0.hookpoint
     }
 
@@ -86,13 +87,13 @@ impl Record {
 
     /// All rows, back to back.
     pub fn data(&self) -> &[u8] {
-        let start = ringscope_ring::record::HEADER_LEN + self.0.header.meta.data_offset();
-        &self.0.bytes[start..start + self.rows() * self.0.header.meta.row_bytes as usize]
+        let start = self.0.header.meta.data_offset();
+        &self.0.payload[start..start + self.rows() * self.0.header.meta.row_bytes as usize]
     }
 
-    /// Bytes this record occupies in memory (what sink backlogs are budgeted in).
+    /// Bytes this record occupies in memory (what sink backlogs are budgeted in): its header and payload.
     pub fn size_bytes(&self) -> usize {
-        self.0.bytes.len()
+        ringscope_ring::record::HEADER_LEN + self.0.payload.len()
     }
 
     /// The record's receipt: hold it while the record's data is not yet durable, [`Receipt::fail`] it if the data
@@ -105,7 +106,7 @@ impl Record {
 impl std::fmt::Debug for Record {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Record")
-            .field("hookpoint", &self.0.hookpoint.spec.name)
+            .field("hookpoint", &self.0.hookpoint.name())
             .field("seq", &self.0.header.seq)
             .field("step", &self.step())
             .field("rows", &self.rows())
@@ -118,14 +119,14 @@ impl std::fmt::Debug for Record {
 pub struct Receipt(Option<Arc<ReceiptState>>);
 
 struct ReceiptState {
-    hookpoint: Arc<HookPoint>,
+    hookpoint: Arc<CatalogEntry>,
     rows: u64,
     /// 0 = no failure; otherwise 1 + the index of the first reason reported.
     failure: AtomicU8,
 }
 
 impl Receipt {
-    fn new(hookpoint: Arc<HookPoint>, rows: u64) -> Receipt {
+    fn new(hookpoint: Arc<CatalogEntry>, rows: u64) -> Receipt {
         Receipt(Some(Arc::new(ReceiptState { hookpoint, rows, failure: AtomicU8::new(0) })))
     }
 
@@ -141,7 +142,7 @@ impl Receipt {
 
 impl Drop for ReceiptState {
     fn drop(&mut self) {
-        let counters = &self.hookpoint.counters;
+        let counters = self.hookpoint.counters();
         match *self.failure.get_mut() {
             0 => counters.exported(self.rows),
             code => counters.dropped(DropReason::ALL[code as usize - 1], self.rows),

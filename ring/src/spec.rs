@@ -1,11 +1,13 @@
-//! What a HookPoint captures: its name, where in the model it sits, and the shape of one row.
+//! What a hookpoint id in a record stands for: the hookpoint's name, where in the model it sits, and the shape of
+//! one row. The capture side registers specs; the export side reads them from the catalog the session hands it. Both
+//! depend on this crate and on nothing of each other.
 
 use std::fmt;
 
-use ringscope_ring::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::error::HookPointError;
+use crate::dtype::DType;
+use crate::error::SpecError;
 
 /// Where in a decoder the hookpoint reads.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -67,8 +69,8 @@ impl HookPointSpec {
     }
 
     /// Checks the spec: a non-empty printable name, a non-zero row width, a row size the format can carry.
-    pub fn validate(&self) -> Result<(), HookPointError> {
-        let bad = |why: String| HookPointError::InvalidSpec { name: self.name.clone(), why };
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let bad = |why: String| SpecError { name: self.name.clone(), why };
         if self.name.is_empty() {
             return Err(bad("the name is empty".into()));
         }

@@ -7,21 +7,22 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
 use parking_lot::Mutex;
-use ringscope_hookpoint::HookPoint;
 use ringscope_policy::DropReason;
 
-use crate::dataset::{file_metadata, in_progress_path, part_name, schema, Batch, DatasetOptions};
-use crate::output::Output;
-use crate::record::{Receipt, Record};
-use crate::sink::{Sink, SinkError};
+use crate::dataset::{
+    file_metadata, in_progress_path, part_name, schema, Batch, DatasetOptions, FileError, FormatError,
+};
+use crate::routing::catalog::CatalogEntry;
+use crate::routing::record::{Receipt, Record};
+use crate::routing::sink::{Sink, SinkError};
 
-/// A file format a [`FileSink`] can write.
+/// A file format a [`FileSink`] can write: how the bytes of one file are laid out. The sink decides which records go
+/// into which file, names and commits files, and accounts for their records.
 pub trait FileFormat: Send + 'static {
     /// Writer of one open file.
     type Writer: Send;
@@ -31,12 +32,21 @@ pub trait FileFormat: Send + 'static {
     const NAME: &'static str;
     /// Subdirectory of the run directory holding this format's partitions (empty: the run directory itself).
     const SUBDIR: &'static str;
-    /// Starts a file.
-    fn create(&self, out: Output, schema: &SchemaRef) -> Result<Self::Writer, String>;
+    /// Starts a file at `path` (created new), with `options.direct_io`, for batches of about `options.batch_bytes`.
+    fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError>;
     /// Appends a batch of one hookpoint's records (the Parquet format writes each batch as one row group).
-    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), String>;
+    fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError>;
     /// Writes the footer with `metadata` and returns the file, flushed.
-    fn finish(&self, writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<File, String>;
+    fn finish(&self, writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<FinishedFile, FormatError>;
+}
+
+/// A file whose footer is written, not yet synced or renamed.
+#[derive(Debug)]
+pub struct FinishedFile {
+    /// The file.
+    pub file: File,
+    /// Whether every byte of it was written with `O_DIRECT`.
+    pub direct_io: bool,
 }
 
 /// A file the sink committed.
@@ -60,7 +70,6 @@ pub type CommittedFiles = Arc<Mutex<Vec<CommittedFile>>>;
 
 struct OpenFile<W> {
     writer: W,
-    direct_io: Arc<AtomicBool>,
     tmp: PathBuf,
     index: u32,
     activation_bytes: u64,
@@ -70,7 +79,7 @@ struct OpenFile<W> {
 }
 
 struct Partition<W> {
-    hp: Arc<HookPoint>,
+    hp: Arc<CatalogEntry>,
     dir: PathBuf,
     schema: SchemaRef,
     next_index: u32,
@@ -91,43 +100,39 @@ pub struct FileSink<F: FileFormat> {
 impl<F: FileFormat> FileSink<F> {
     /// A sink writing under `options.run_dir()`. Checks the options and that the directory can be created.
     pub fn create(format: F, options: DatasetOptions) -> Result<(Self, CommittedFiles), SinkError> {
-        options.validate().map_err(|message| SinkError { sink: F::NAME.into(), message })?;
+        Self::setup(&options).map_err(Self::error)?;
+        let committed = CommittedFiles::default();
+        let sink = FileSink { format, options, partitions: HashMap::new(), committed: committed.clone() };
+        Ok((sink, committed))
+    }
+
+    fn setup(options: &DatasetOptions) -> Result<(), FileError> {
+        options.validate()?;
         let run = options.run_dir().join(F::SUBDIR);
         // A run directory belongs to one run: never mix two runs' files (or overwrite one) by reusing it.
         let holds_data = std::fs::read_dir(&run).is_ok_and(|mut entries| {
             entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("hookpoint=")))
         });
         if holds_data {
-            return Err(SinkError {
-                sink: F::NAME.into(),
-                message: format!(
-                    "run directory {} already holds a dump; choose another run id or remove it",
-                    run.display()
-                ),
-            });
+            return Err(FileError::RunDirInUse(run));
         }
-        std::fs::create_dir_all(&run).map_err(|e| SinkError {
-            sink: F::NAME.into(),
-            message: format!("cannot create output directory {}: {e}", run.display()),
-        })?;
-        let committed = CommittedFiles::default();
-        let sink = FileSink { format, options, partitions: HashMap::new(), committed: committed.clone() };
-        Ok((sink, committed))
+        std::fs::create_dir_all(&run).map_err(|source| FileError::CreateDir { dir: run, source })
     }
 
-    fn error(&self, message: String) -> SinkError {
-        SinkError { sink: F::NAME.into(), message }
+    fn error(source: FileError) -> SinkError {
+        SinkError::File { sink: F::NAME.into(), source }
     }
 
-    fn partition(&mut self, hp: &Arc<HookPoint>) -> Result<&mut Partition<F::Writer>, SinkError> {
-        if !self.partitions.contains_key(&hp.id) {
-            let dir = self.options.partition_dir(F::SUBDIR, &hp.spec.name);
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| self.error(format!("cannot create directory {}: {e}", dir.display())))?;
+    fn partition(&mut self, hp: &Arc<CatalogEntry>) -> Result<&mut Partition<F::Writer>, SinkError> {
+        if !self.partitions.contains_key(&hp.id()) {
+            let dir = self.options.partition_dir(F::SUBDIR, hp.name());
+            if let Err(source) = std::fs::create_dir_all(&dir) {
+                return Err(Self::error(FileError::CreateDir { dir, source }));
+            }
             // Continue numbering after files already there (a run directory reused), never overwrite one.
             let next_index = (0u32..).find(|&i| !dir.join(part_name(i, F::EXT)).exists()).unwrap_or(u32::MAX);
             self.partitions.insert(
-                hp.id,
+                hp.id(),
                 Partition {
                     hp: hp.clone(),
                     dir,
@@ -139,12 +144,12 @@ impl<F: FileFormat> FileSink<F> {
                 },
             );
         }
-        Ok(self.partitions.get_mut(&hp.id).expect("inserted above"))
+        Ok(self.partitions.get_mut(&hp.id()).expect("inserted above"))
     }
 
     /// Writes the partition's buffered rows into its open file (opening one if needed); commits the file once it
     /// reaches the rotation size, or when `commit` is set.
-    fn flush(&mut self, id: u32, commit: bool) -> Result<(), SinkError> {
+    fn flush(&mut self, id: u32, commit: bool) -> Result<(), FileError> {
         let (format, options, committed) = (&self.format, &self.options, &self.committed);
         let part = self.partitions.get_mut(&id).expect("partition exists");
         let result = flush_partition(format, options, committed, part, commit);
@@ -161,7 +166,7 @@ impl<F: FileFormat> FileSink<F> {
                 let _ = std::fs::remove_file(&open.tmp);
             }
         }
-        result.map_err(|m| self.error(m))
+        result
     }
 }
 
@@ -171,21 +176,18 @@ fn flush_partition<F: FileFormat>(
     committed: &CommittedFiles,
     part: &mut Partition<F::Writer>,
     commit: bool,
-) -> Result<(), String> {
+) -> Result<(), FileError> {
     if !part.pending.is_empty() {
         if part.open.is_none() {
             let index = part.next_index;
             part.next_index += 1;
             let tmp = in_progress_path(&part.dir, index, F::EXT);
-            // Buffers hold a whole batch, so the Parquet sink can compress a row group's activation column into one.
-            let buffer_bytes = options.batch_bytes + options.batch_bytes / 8 + (64 << 10);
-            let out = Output::create(&tmp, options.direct_io, buffer_bytes)
-                .map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-            let direct_io = out.direct_writes();
-            let writer = format.create(out, &part.schema)?;
+            let writer = match format.create(&tmp, options, &part.schema) {
+                Ok(w) => w,
+                Err(source) => return Err(FileError::Create { path: tmp, source }),
+            };
             let receipts = Vec::new();
-            part.open =
-                Some(OpenFile { writer, direct_io, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts });
+            part.open = Some(OpenFile { writer, tmp, index, activation_bytes: 0, records: 0, rows: 0, receipts });
         }
         let open = part.open.as_mut().expect("opened above");
         let batch = Batch {
@@ -196,7 +198,9 @@ fn flush_partition<F: FileFormat>(
             records: &part.pending,
         };
         let rows = batch.rows() as u64;
-        format.write(&mut open.writer, &batch).map_err(|e| format!("writing {}: {e}", open.tmp.display()))?;
+        if let Err(source) = format.write(&mut open.writer, &batch) {
+            return Err(FileError::Write { path: open.tmp.clone(), source });
+        }
         open.activation_bytes += part.pending_bytes as u64;
         open.rows += rows;
         open.records += part.pending.len() as u64;
@@ -209,17 +213,17 @@ fn flush_partition<F: FileFormat>(
         let open = part.open.take().expect("checked above");
         let metadata = file_metadata(&part.hp, &options.run_id, open.records, open.rows);
         let tmp = open.tmp.clone();
-        let finished = format.finish(open.writer, metadata).map_err(|e| format!("closing {}: {e}", tmp.display()));
-        let file = match finished {
+        let finished = match format.finish(open.writer, metadata) {
             Ok(f) => f,
-            Err(e) => {
+            Err(source) => {
                 // The caller's cleanup fails the partition's records; fail this file's here.
                 part.open = None;
                 open.receipts.iter().for_each(|r| r.fail(DropReason::SinkError));
                 let _ = std::fs::remove_file(&tmp);
-                return Err(e);
+                return Err(FileError::Finish { path: tmp, source });
             }
         };
+        let file = finished.file;
         let synced = file.sync_all().and_then(|()| file.metadata().map(|m| m.len()));
         let path = part.dir.join(part_name(open.index, F::EXT));
         let renamed = synced.and_then(|len| std::fs::rename(&tmp, &path).map(|()| len));
@@ -227,18 +231,18 @@ fn flush_partition<F: FileFormat>(
             Ok(len) => {
                 committed.lock().push(CommittedFile {
                     path,
-                    hookpoint: part.hp.spec.name.clone(),
+                    hookpoint: part.hp.name().to_owned(),
                     rows: open.rows,
                     bytes: len,
-                    direct_io: open.direct_io.load(Ordering::Relaxed), // final: the file is finished
+                    direct_io: finished.direct_io,
                 });
                 // Dropping the receipts counts the file's records as exported.
                 drop(open.receipts);
             }
-            Err(e) => {
+            Err(source) => {
                 open.receipts.iter().for_each(|r| r.fail(DropReason::SinkError));
                 let _ = std::fs::remove_file(&tmp);
-                return Err(format!("committing {}: {e}", path.display()));
+                return Err(FileError::Commit { path, source });
             }
         }
     }
@@ -251,7 +255,7 @@ impl<F: FileFormat> Sink for FileSink<F> {
     }
 
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
-        let id = record.hookpoint().id;
+        let id = record.hookpoint().id();
         // A batch never outgrows the file size target, so small files still rotate.
         let batch_bytes =
             self.options.batch_bytes.min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
@@ -259,7 +263,7 @@ impl<F: FileFormat> Sink for FileSink<F> {
         part.pending.push(record.clone());
         part.pending_bytes += record.data().len();
         if part.pending_bytes >= batch_bytes {
-            self.flush(id, false)?;
+            self.flush(id, false).map_err(Self::error)?;
         }
         Ok(())
     }
@@ -267,12 +271,11 @@ impl<F: FileFormat> Sink for FileSink<F> {
     fn close(&mut self) -> Result<(), SinkError> {
         let mut ids: Vec<u32> = self.partitions.keys().copied().collect();
         ids.sort_unstable();
-        let errors: Vec<String> =
-            ids.into_iter().filter_map(|id| self.flush(id, true).err()).map(|e| e.message).collect();
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(self.error(errors.join("; ")))
+        let mut errors: Vec<FileError> = ids.into_iter().filter_map(|id| self.flush(id, true).err()).collect();
+        match errors.len() {
+            0 => Ok(()),
+            1 => Err(Self::error(errors.remove(0))),
+            _ => Err(SinkError::Files { sink: F::NAME.into(), errors }),
         }
     }
 }

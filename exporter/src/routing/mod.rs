@@ -1,0 +1,20 @@
+//! Routing: records leave the ring and reach every sink and consumer that asked for them, each behind a bounded
+//! queue, with the policy deciding what happens when a queue is full.
+//!
+//! * [`drain`] — the drain thread: ring → [`Record`]s → one port per destination; sink worker threads.
+//! * [`fanout`] — ports, byte-bounded backlogs, [`Filter`]s and consumers' [`Subscription`]s.
+//! * [`record`] — a record after the ring, and the [`Receipt`] that accounts for it.
+//! * [`sink`] — the [`Sink`] trait: the one seam between routing and everything that writes.
+//! * [`catalog`] — what a record's hookpoint id stands for ([`Catalog`]).
+
+pub mod catalog;
+pub mod drain;
+pub mod fanout;
+pub mod record;
+pub mod sink;
+
+pub use catalog::{Catalog, CatalogEntry};
+pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
+pub use fanout::{Filter, Subscription};
+pub use record::{Receipt, Record};
+pub use sink::{BoxError, CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};

@@ -1,0 +1,130 @@
+//! The CUDA backend: capture kernels on the engine's stream copy device tensors into a ring in device memory; the
+//! drain copies it out through pinned memory.
+
+use std::sync::Arc;
+
+use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
+use ringscope_hookpoint::{HookPoint, Registry, StepBatch};
+use ringscope_policy::{LossPolicy, Mode};
+use ringscope_ring::cuda::{DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, Gpu, StreamRef};
+
+use super::{Backend, Started};
+use crate::config::RingConfig;
+use crate::Error;
+
+/// The capture side of a device ring, and its open step ([`crate::GRAPH_STEP`] for one begun inside a graph).
+pub(crate) struct CudaBackend {
+    capture: DeviceCapture,
+    ring: Arc<DeviceRing>,
+    open: Option<u64>,
+}
+
+impl CudaBackend {
+    fn check_no_step(&self, new: u64) -> Result<(), Error> {
+        match self.open {
+            Some(open) => Err(Error::StepOpen { open, new }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Opens the device, allocates a ring of `capacity` bytes and its drain end, and loads the capture kernels.
+    pub(crate) fn start(config: &RingConfig, capacity: usize, policy: &LossPolicy) -> Result<Started, Error> {
+        let gpu = Gpu::open(config.device)?;
+        let ring =
+            DeviceRing::new(&gpu, capacity).map_err(|e| Error::Setting { key: "ring.capacity", source: e.into() })?;
+        let tuning = DrainTuning {
+            chunk_bytes: usize::try_from(config.drain_chunk.0).unwrap_or(usize::MAX),
+            max_in_flight: config.drain_in_flight as usize,
+        };
+        let consumer = DeviceConsumer::new(&ring, tuning)
+            .map_err(|e| Error::Setting { key: "ring.drain_chunk / ring.drain_in_flight", source: e.into() })?;
+        let options = DeviceCaptureOptions {
+            max_batch_rows: config.max_batch_rows,
+            max_hookpoints: 1024,
+            full_mode_deadline: (policy.mode == Mode::Full).then_some(policy.full_deadline),
+            defer: config.defer_captures,
+        };
+        let capture = DeviceCapture::new(&ring, options)?;
+        Ok(Started { backend: Box::new(CudaBackend { capture, ring, open: None }), source: Box::new(consumer) })
+    }
+}
+
+impl Backend for CudaBackend {
+    fn max_record_payload(&self) -> usize {
+        self.ring.max_payload_len()
+    }
+
+    fn begin_step_on(&mut self, registry: &Registry, batch: &StepBatch, stream: StreamRef) -> Result<(), Error> {
+        self.check_no_step(batch.step())?;
+        match self.capture.begin_step(registry, batch, stream) {
+            Ok(()) => {
+                self.open = Some(batch.step());
+                Ok(())
+            }
+            // The step is begun: its captures are dropped on the device and counted as `deadline`.
+            Err(e @ DeviceCaptureError::Deadline { .. }) => {
+                self.open = Some(batch.step());
+                Err(e.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn begin_step_graph(&mut self, registry: &Registry, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
+        self.check_no_step(crate::GRAPH_STEP)?;
+        self.capture.begin_step_graph(registry, batch, stream)?;
+        self.open = Some(crate::GRAPH_STEP);
+        Ok(())
+    }
+
+    fn apply_controls(&mut self, registry: &Registry, stream: StreamRef) -> Result<(), Error> {
+        Ok(self.capture.apply_controls(registry, stream)?)
+    }
+
+    fn submit_captures(&mut self) -> Result<(), Error> {
+        self.open.ok_or(Error::NoStep)?;
+        Ok(self.capture.submit()?)
+    }
+
+    fn end_step(&mut self) -> Result<(), Error> {
+        self.open.take().ok_or(Error::NoStep)?;
+        Ok(self.capture.end_step()?)
+    }
+
+    fn capture_device(&mut self, hp: &HookPoint, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
+        self.open.ok_or(Error::NoStep)?;
+        Ok(self.capture.capture(hp, ptr, rows, stream)?)
+    }
+
+    fn set_valid_rows_device(&mut self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
+        Ok(self.capture.set_valid_rows_ptr(id, ptr)?)
+    }
+
+    fn fold_counters(&mut self, registry: &Registry) {
+        // A failed read leaves the counters folded last time; shutdown reports a failure that persists.
+        let _ = self.capture.fold_counters(registry);
+    }
+
+    fn close(&mut self, registry: &Registry) -> Vec<String> {
+        let mut problems = Vec::new();
+        // Deferred captures of a step left open are copied, not forgotten.
+        if let Err(e) = self.capture.end_step() {
+            problems.push(format!("CUDA backend: copying the open step's deferred captures failed: {e}"));
+        }
+        // Let every capture already issued run, then count it; the drain stops once it has copied the rest.
+        if let Err(e) = self.ring.gpu().synchronize() {
+            problems.push(format!("CUDA backend at shutdown: {e}"));
+        }
+        if let Err(e) = self.capture.fold_counters(registry) {
+            problems.push(format!("CUDA backend: reading the device counters failed: {e}"));
+        }
+        let bits = self.ring.error_bits();
+        if bits != 0 {
+            problems.push(format!("CUDA backend: {}", ringscope_ring::cuda::errors::describe(bits)));
+        }
+        self.ring.close_producer();
+        problems
+    }
+}
