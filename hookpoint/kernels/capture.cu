@@ -6,7 +6,7 @@
 // hookpoint/src/cuda/kernels.rs generates from the Rust constants and puts before this file; static_asserts it
 // appends after it hold the structs below to the Rust encoders' layout. Do not define those numbers here.
 //
-// Rules these kernels live by (see docs/gpu.md):
+// Rules these kernels live by (docs/architecture.md, "The path of a record"):
 // * Everything that can change between graph replays is read from device memory at run time: the step
 //   descriptor, the per-hookpoint controls, the number of valid rows. Kernel arguments are fixed addresses.
 // * No kernel ever waits: a capture that finds the ring full drops its record and counts it.

@@ -94,13 +94,7 @@ impl DeviceBuffer {
     }
 
     fn check_range(&self, what: &str, offset: usize, len: usize) -> Result<(), CudaError> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(CudaError::Invalid(format!(
-                "{what} of {len} bytes at offset {offset} of a {}-byte device buffer",
-                self.len
-            )));
-        }
-        Ok(())
+        check_range("device", self.len, what, offset, len)
     }
 
     /// Copies `src` into the buffer at `offset`, stream-ordered on `stream`. The source is pageable host memory
@@ -231,13 +225,7 @@ impl PinnedBuffer {
     }
 
     fn check_range(&self, what: &str, offset: usize, len: usize) -> Result<(), CudaError> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(CudaError::Invalid(format!(
-                "{what} of {len} bytes at offset {offset} of a {}-byte pinned buffer",
-                self.len
-            )));
-        }
-        Ok(())
+        check_range("pinned", self.len, what, offset, len)
     }
 
     /// The bytes `[offset, offset + len)`.
@@ -316,4 +304,14 @@ impl Drop for PinnedBuffer {
             let _ = unsafe { result::free_host(self.ptr.cast()) };
         }
     }
+}
+
+/// Checks that `[offset, offset + len)` lies in a `kind` buffer of `size` bytes.
+fn check_range(kind: &str, size: usize, what: &str, offset: usize, len: usize) -> Result<(), CudaError> {
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(CudaError::Invalid(format!(
+            "{what} of {len} bytes at offset {offset} of a {size}-byte {kind} buffer"
+        )));
+    }
+    Ok(())
 }
