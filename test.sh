@@ -1,19 +1,46 @@
 #!/usr/bin/env bash
 # The test suite: Rust unit, integration and doc tests; the loom model check of the ring protocol; the main example
 # dumping to Parquet, checked by `inspect` and read back bit for bit from Python (pyarrow, DuckDB, Polars); the C ABI
-# example compiled with the system C compiler against libringscope and its dump read back.
-# Needs the Python packages in tests/python/requirements.txt. The GPU tests skip without a GPU
-# (docs/gpu-benchmarks.md says how to run them on one).
+# example compiled with the system C compiler against libringscope and its dump read back; the Python package and its
+# PyTorch / Hugging Face integration.
+#
+# Sets itself up: needs only the Rust toolchain, Python 3 (with pip) and a C compiler. The Python packages the tests
+# use are installed, at the versions in tests/python/constraints.txt and tests/python/torch.txt, into a virtual
+# environment in the checkout (.venv, or $RINGSCOPE_VENV) the first time, and again only when those files change.
+# That first run downloads torch and NVRTC (a few GB with torch's CUDA libraries) and takes several minutes on top of
+# the Rust build. NVRTC lets the tests compile the CUDA kernels without a GPU; the GPU tests themselves skip without
+# one (docs/gpu-benchmarks.md says how to run them on one).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-# NVRTC from PyPI (`pip install nvidia-cuda-nvrtc`), if installed, lets the tests compile the CUDA kernels without a
-# GPU; with a CUDA toolkit or driver already on the loader path this changes nothing.
-nvrtc_dir=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null || true)
-if [ -n "$nvrtc_dir" ] && [ -e "$nvrtc_dir/libnvrtc.so.13" ]; then
-  export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# --- Python environment -------------------------------------------------------------------------------------------
+venv=${RINGSCOPE_VENV:-.venv}
+if [ ! -x "$venv/bin/python" ]; then
+  echo "== creating the Python environment for the tests in $venv"
+  python3 -m venv "$venv" || {
+    echo "test.sh: 'python3 -m venv' failed; install your distribution's venv module (Debian: apt install python3-venv)" >&2
+    exit 1
+  }
+fi
+py="$venv/bin/python"
+wanted=$(cat tests/python/requirements.txt tests/python/constraints.txt tests/python/torch.txt | sha256sum | cut -d' ' -f1)
+stamp="$venv/.ringscope-packages"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+  echo "== installing the tests' Python packages into $venv (first run: several minutes)"
+  "$py" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$py" -m pip install --quiet --disable-pip-version-check \
+    -r tests/python/requirements.txt -r tests/python/torch.txt -c tests/python/constraints.txt
+  echo "$wanted" > "$stamp"
 fi
 
+# NVRTC (CUDA 13) from PyPI, in the environment: the tests compile the CUDA kernels with it and fail if it is missing.
+nvrtc_dir=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export RINGSCOPE_REQUIRE_NVRTC=1
+# torch and transformers are installed above: their tests must run, not skip.
+export RINGSCOPE_REQUIRE_TORCH=1
+
+# --- Rust -----------------------------------------------------------------------------------------------------------
 cargo test --workspace
 
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
@@ -23,7 +50,7 @@ rm -rf ringscope-out/ci
 cargo run --release --example dump_parquet -- --layers 4 --hidden 512 --requests 48 --run-id ci --arrow-ipc
 cargo run --release -p ringscope-inspect -- ringscope-out/ci
 
-# The C ABI: build libringscope (.so and .a), compile the C example against the committed header with the system C
+# --- The C ABI: build libringscope (.so and .a), compile the C example against the committed header with the system C
 # compiler, run it both ways, and check its dump.
 cargo build --release -p ringscope-ffi
 cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c -L target/release -lringscope -o target/c_engine
@@ -34,4 +61,6 @@ LD_LIBRARY_PATH=target/release ./target/c_engine ringscope-out c-engine
 ./target/c_engine_static ringscope-out c-engine-static
 cargo run --release -p ringscope-inspect -- ringscope-out/c-engine
 
-RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine python3 -m pytest -q tests/python
+# --- Python: the package installed the way the README says (`pip install ./ffi/python`), then its tests.
+"$py" -m pip install --quiet --disable-pip-version-check ./ffi/python
+RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine "$py" -m pytest -q tests/python

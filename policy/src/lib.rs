@@ -98,9 +98,29 @@ pub enum PolicyError {
     /// Full mode with a zero deadline would fail every capture that finds the ring momentarily full.
     #[error("policy.full_deadline_ms is 0: full mode needs a positive deadline (for example 5000), or use mode = \"best_effort\"")]
     ZeroDeadline,
-    /// The accounting invariant does not hold.
-    #[error("accounting does not add up: {0}")]
-    Unbalanced(String),
+    /// The accounting invariant does not hold for these hookpoints.
+    #[error("accounting does not add up: {}", .0.iter().map(|(name, e)| format!("hookpoint `{name}`: {e}")).collect::<Vec<_>>().join("; "))]
+    Unbalanced(Vec<(String, Imbalance)>),
+}
+
+/// One hookpoint's counters do not add up: `produced ≠ exported + dropped + sampled_out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "produced {} records / {} rows, but exported {} + dropped {} + sampled out {} = {} records / {} rows",
+    .produced.records, .produced.rows, .exported.records, .dropped.records, .sampled_out.records,
+    .outcomes.records, .outcomes.rows
+)]
+pub struct Imbalance {
+    /// Captures accepted.
+    pub produced: Tally,
+    /// Records exported.
+    pub exported: Tally,
+    /// Records dropped, all reasons.
+    pub dropped: Tally,
+    /// Captures sampled out.
+    pub sampled_out: Tally,
+    /// `exported + dropped + sampled_out`.
+    pub outcomes: Tally,
 }
 
 /// Why a record was not exported.
@@ -298,19 +318,16 @@ impl CounterSnapshot {
     }
 
     /// Checks `produced = exported + dropped + sampled_out`, for records and for rows.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Imbalance> {
         let outcomes = self.exported + self.dropped_total() + self.sampled_out;
         if outcomes != self.produced {
-            return Err(format!(
-                "produced {} records / {} rows, but exported {} + dropped {} + sampled out {} = {} records / {} rows",
-                self.produced.records,
-                self.produced.rows,
-                self.exported.records,
-                self.dropped_total().records,
-                self.sampled_out.records,
-                outcomes.records,
-                outcomes.rows
-            ));
+            return Err(Imbalance {
+                produced: self.produced,
+                exported: self.exported,
+                dropped: self.dropped_total(),
+                sampled_out: self.sampled_out,
+                outcomes,
+            });
         }
         Ok(())
     }
@@ -326,15 +343,12 @@ pub struct AccountingSnapshot {
 impl AccountingSnapshot {
     /// Checks the invariant for every hookpoint; the error names each hookpoint that does not add up.
     pub fn check(&self) -> Result<(), PolicyError> {
-        let problems: Vec<String> = self
-            .hookpoints
-            .iter()
-            .filter_map(|(name, c)| c.check().err().map(|e| format!("hookpoint `{name}`: {e}")))
-            .collect();
+        let problems: Vec<(String, Imbalance)> =
+            self.hookpoints.iter().filter_map(|(name, c)| c.check().err().map(|e| (name.clone(), e))).collect();
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(PolicyError::Unbalanced(problems.join("; ")))
+            Err(PolicyError::Unbalanced(problems))
         }
     }
 

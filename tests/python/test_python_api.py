@@ -1,7 +1,7 @@
 """The Python package (ffi/python, ctypes over libringscope): a session from Python with numpy arrays, an online
 consumer, the read-back helper, and every bad input the API promises to turn into a RingscopeError.
 
-Uses the installed package (`pip install ./ffi/python`, as .ci/run does) or, if it is not installed, the sources in
+Uses the installed package (`pip install ./ffi/python`, as test.sh does) or, if it is not installed, the sources in
 ffi/python with the library that `cargo build --release -p ringscope-ffi` built (test.sh builds it).
 """
 import numpy as np
