@@ -37,6 +37,7 @@ def capture(x: torch.Tensor, sink: torch.Tensor, session: int, hookpoint: int, r
     ``hookpoint`` of the session whose C handle is ``session``. CUDA tensors: a kernel on the current stream (graph
     capturable); CPU tensors: a host copy."""
     session, hookpoint = _u64("session", session), _u32("hookpoint", hookpoint)
+    row_width = _u32("row_width", row_width, lo=1)
     if not x.is_contiguous():
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"ringscope.capture needs a contiguous tensor (got strides {tuple(x.stride())}); "
