@@ -33,7 +33,8 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "library_path", "DTYPE_CODES"]
+__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "library_path", "DTYPE_CODES",
+           "MAX_TIMEOUT_S"]
 
 # Status codes (ffi/include/ringscope.h, `rs_status`).
 _STATUS = {
