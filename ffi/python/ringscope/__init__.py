@@ -4,6 +4,12 @@ Python bindings (ctypes) over ``libringscope``, the library's C ABI (``ffi/inclu
 the library raises :class:`RingscopeError` with the library's message; nothing here can crash the interpreter
 through bad input (null pointers, stale handles and panics are all turned into errors by the C ABI).
 
+Every argument is checked before it reaches C, and a bad one is a :class:`RingscopeError` (``RS_ERR_INVALID_ARGUMENT``)
+naming it — never a value silently wrapped, truncated or cut short: integers must be ints (or numpy integers; not
+floats, not bools) in the C type's range; strings must be encodable as UTF-8 and hold no NUL; timeouts are seconds
+in 0..=4294967.295 (the C ABI waits at most ``2**32 - 1`` ms, about 49.7 days), never negative or NaN; arrays must
+be C-contiguous and little-endian (or single-byte), of the hookpoint's dtype, with rows of the hookpoint's width.
+
     import numpy as np, ringscope
     with ringscope.Session('[export]\\nparquet = true\\ndir = "out"\\nrun_id = "demo"') as s:
         hp = s.register("layers.0.resid", site="residual", layer=0, dtype="f32", row_width=4)
@@ -17,13 +23,18 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import numbers
+import operator
 import os
 import pathlib
+import sys
+from collections.abc import Mapping
 from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "library_path", "DTYPE_CODES"]
+__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "library_path", "DTYPE_CODES",
+           "MAX_TIMEOUT_S"]
 
 # Status codes (ffi/include/ringscope.h, `rs_status`).
 _STATUS = {
@@ -71,6 +82,153 @@ class RingscopeError(Exception):
         super().__init__(f"{message} [{status}]")
         self.status = status
         self.message = message
+
+
+# -- argument checks ----------------------------------------------------------------------------------------------
+# Every value that crosses into C goes through one of these. ctypes wraps an out-of-range integer, truncates a
+# float, and C stops reading a string at its first NUL, all without a word: so each value is checked here first and
+# refused with an error that names the argument. Integers are ints or numpy integers (anything with __index__);
+# bools and floats are refused, so a flag or a computed 4.7 never passes for a count.
+
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+#: The longest wait the C ABI can express: a u32 of milliseconds, about 49.7 days.
+MAX_TIMEOUT_S = _U32_MAX / 1000
+
+
+def _invalid(message: str) -> RingscopeError:
+    return RingscopeError("RS_ERR_INVALID_ARGUMENT", message)
+
+
+def _show(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _int(name: str, value, lo: int, hi: int, hint: str = "") -> int:
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            v = operator.index(value)
+        except TypeError:
+            v = None
+        if v is not None and lo <= v <= hi:
+            return v
+    raise _invalid(f"{name} must be an integer in {lo}..={hi}, got {_show(value)}{hint}")
+
+
+def _u32(name: str, value, lo: int = 0) -> int:
+    return _int(name, value, lo, _U32_MAX)
+
+
+def _u64(name: str, value) -> int:
+    return _int(name, value, 0, _U64_MAX)
+
+
+def _flag(name: str, value) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise _invalid(f"{name} must be True or False, got {_show(value)}")
+
+
+def _timeout_ms(name: str, seconds) -> int:
+    """Seconds → the C ABI's u32 milliseconds, rounded to the nearest millisecond."""
+    ok = isinstance(seconds, numbers.Real) and not isinstance(seconds, (bool, np.bool_))
+    if ok:
+        try:
+            s = float(seconds)
+        except OverflowError:
+            s = float("inf")
+        ok = 0.0 <= s <= MAX_TIMEOUT_S  # False for NaN too
+    if not ok:
+        raise _invalid(f"{name} must be a number of seconds in 0..={MAX_TIMEOUT_S} (the library waits at most "
+                       f"2**32 - 1 ms, about 49.7 days), got {_show(seconds)}")
+    return min(round(s * 1000), _U32_MAX)
+
+
+def _text(name: str, value) -> bytes:
+    """A string → UTF-8 bytes for a NUL-terminated C string."""
+    if not isinstance(value, str):
+        raise _invalid(f"{name} must be a string, got {type(value).__name__} {_show(value)}")
+    try:
+        data = value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _invalid(f"{name} is not encodable as UTF-8 ({e.reason} at index {e.start}): {_show(value)}") from None
+    return _no_nul(name, data, value.find("\0"))
+
+
+def _no_nul(name: str, data: bytes, at: int) -> bytes:
+    if b"\0" in data:
+        raise _invalid(f"{name} contains a NUL character (at index {at}): C would ignore everything after it")
+    return data
+
+
+def _path(name: str, value) -> bytes:
+    try:
+        data = os.fsencode(value)
+    except TypeError:
+        raise _invalid(f"{name} must be a path (str, bytes or os.PathLike), got {type(value).__name__} "
+                       f"{_show(value)}") from None
+    except UnicodeEncodeError as e:
+        raise _invalid(f"{name} is not encodable for the file system ({e.reason}): {_show(value)}") from None
+    return _no_nul(name, data, data.find(b"\0"))
+
+
+def _int_array(name: str, values, dtype) -> np.ndarray:
+    """A one-dimensional sequence of integers → a C-contiguous array of ``dtype`` (uint32 or uint64), every element
+    range-checked. Lists are checked element by element (numpy would turn ``[1, 2**64 - 1]`` into floats)."""
+    dtype = np.dtype(dtype)
+    hi = int(np.iinfo(dtype).max)
+    if isinstance(values, (str, bytes)) or values is None:
+        raise _invalid(f"{name} must be a sequence of integers, got {type(values).__name__} {_show(values)}")
+    if not isinstance(values, np.ndarray) and hasattr(values, "__array__") and not isinstance(values, (list, tuple)):
+        values = np.asarray(values)  # torch tensors and other array-likes
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise _invalid(f"{name} must be one-dimensional, got an array of shape {values.shape}")
+        if values.dtype.kind in "iu":
+            if values.size:
+                lo_i, hi_i = int(values.argmin()), int(values.argmax())
+                for i in (lo_i, hi_i):
+                    if not 0 <= int(values[i]) <= hi:
+                        raise _invalid(f"{name}[{i}] must be an integer in 0..={hi}, got {int(values[i])}")
+            return np.ascontiguousarray(values, dtype=dtype)  # converts values (and byte order), never reinterprets
+        if values.dtype.kind != "O":
+            raise _invalid(f"{name} must hold integers, got an array of {values.dtype}")
+        values = values.tolist()
+    try:
+        items = list(values)
+    except TypeError:
+        raise _invalid(f"{name} must be a sequence of integers, got {type(values).__name__} {_show(values)}") from None
+    return np.array([_int(f"{name}[{i}]", v, 0, hi) for i, v in enumerate(items)], dtype=dtype)
+
+
+def _host_array(name: str, array, dtype: "str | None", row_width: "int | None") -> np.ndarray:
+    """The array a host capture reads: C-contiguous, little-endian (the record format's byte order; a big-endian
+    array is refused, not converted, like a non-contiguous one: the copy is the caller's to make), of ``dtype``
+    (bf16: uint16/int16 bit patterns or ml_dtypes' bfloat16) and with rows of ``row_width`` elements (its last
+    dimension; leading dimensions are rows in row-major order). ``dtype``/``row_width`` None: not known here."""
+    a = np.asarray(array)
+    if not a.flags["C_CONTIGUOUS"]:
+        raise _invalid(f"{name} is not C-contiguous: pass np.ascontiguousarray(x) (a copy) explicitly")
+    dt = a.dtype
+    if dt.kind not in "iuf" and dt.name != "bfloat16":
+        raise _invalid(f"{name} must be a numeric array, got an array of {dt}")
+    if dt.itemsize > 1 and (dt.byteorder == ">" or dt.byteorder == "=" and sys.byteorder == "big"):
+        raise _invalid(f"{name} is big-endian ({dt.str}) but records are little-endian: pass "
+                       f"x.astype('{dt.newbyteorder('<').str}') (a copy) explicitly")
+    if dtype is not None:
+        want = _NUMPY_FOR_DTYPE.get(dtype)
+        # bf16 has no numpy dtype: its bit patterns as (u)int16, or ml_dtypes' bfloat16 — never float16, whose
+        # bits mean something else.
+        bf16_bits = dtype == "bf16" and (dt.kind in "ui" and dt.itemsize == 2 or dt.name == "bfloat16")
+        if want is not None and dt.newbyteorder("<") != want and not bf16_bits:
+            hint = " (bf16: pass its bit patterns as uint16, e.g. tensor.view(torch.uint16).numpy())" \
+                if dtype == "bf16" else ""
+            raise _invalid(f"{name} holds {dtype}; got an array of {dt}{hint}")
+    if row_width is not None and (a.ndim == 0 or a.shape[-1] != row_width):
+        raise _invalid(f"{name} has rows of {row_width} elements: the array must be (rows, {row_width}); got shape "
+                       f"{a.shape}")
+    return a
 
 
 class _Counts(ctypes.Structure):
@@ -159,13 +317,6 @@ def _check(status: int) -> None:
         raise RingscopeError(_STATUS.get(status, f"status {status}"), msg)
 
 
-def _u64_array(values: Sequence[int], what: str) -> np.ndarray:
-    a = np.ascontiguousarray(values, dtype=np.uint64)
-    if a.ndim != 1:
-        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{what} must be one-dimensional")
-    return a
-
-
 class Record:
     """One record delivered to a subscription: ``hookpoint`` (id), ``step``, ``seq``, ``dtype`` (name),
     ``request_id`` / ``position`` / ``batch_row`` (numpy arrays, one per row) and ``rows`` (numpy array of shape
@@ -203,11 +354,12 @@ class Subscription:
 
     def poll(self, timeout: float = 1.0) -> Optional[Record]:
         """The next record, waiting up to ``timeout`` seconds; ``None`` on timeout. Raises ``RS_ERR_ENDED`` once
-        the session is closed and everything was delivered."""
+        the session is closed and everything was delivered. ``timeout``: seconds in 0..=:data:`MAX_TIMEOUT_S`."""
+        ms = _timeout_ms("timeout", timeout)
         lib = _load()
         info = _RecordInfo()
         while True:
-            st = lib.rs_poll(self._h, int(timeout * 1000), ctypes.byref(info), self._buf, len(self._buf))
+            st = lib.rs_poll(self._h, ms, ctypes.byref(info), self._buf, len(self._buf))
             if st == _CODE["RS_ERR_TIMEOUT"]:
                 return None
             if st == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:  # grow and take the same record again
@@ -232,17 +384,21 @@ class Subscription:
 
 
 class Session:
-    """A ringscope session. ``config`` is TOML text (the README's configuration reference) or a dict of TOML
-    sections; or give ``config_file``. Use as a context manager, or call :meth:`close`."""
+    """A ringscope session. ``config`` is TOML text (``str``, or UTF-8 ``bytes``; the README's configuration
+    reference) or a dict (any mapping) of TOML sections, each a mapping (``hookpoints``: a list of mappings); or give
+    ``config_file``, a path. Use as a context manager, or call :meth:`close`."""
 
-    def __init__(self, config: "str | dict | None" = None, *, config_file: "str | os.PathLike | None" = None):
+    def __init__(self, config: "str | bytes | Mapping | None" = None, *,
+                 config_file: "str | os.PathLike | None" = None):
+        if config_file is not None:
+            if config is not None:
+                raise _invalid("give config or config_file, not both")
+            arg, opener = _path("config_file", config_file), "rs_session_open_file"
+        else:
+            arg, opener = _config_text(config), "rs_session_open"
         lib = _load()
         h = ctypes.c_uint64(0)
-        if config_file is not None:
-            _check(lib.rs_session_open_file(os.fsencode(config_file), ctypes.byref(h)))
-        else:
-            text = _to_toml(config) if isinstance(config, dict) else (config or "")
-            _check(lib.rs_session_open(text.encode("utf-8"), ctypes.byref(h)))
+        _check(getattr(lib, opener)(arg, ctypes.byref(h)))
         self._h = h.value
         self._row_bytes: Dict[int, tuple] = {}
         self.totals: Optional[dict] = None
@@ -250,34 +406,40 @@ class Session:
     # -- hookpoints ----------------------------------------------------------------------------------------------
     def register(self, name: str, *, site: str = "residual", layer: Optional[int] = None, dtype: str = "bf16",
                  row_width: int) -> int:
-        """Registers a hookpoint; returns its id."""
+        """Registers a hookpoint; returns its id. ``layer``: None (no layer) or 0..=2**32-1; ``row_width``:
+        elements per row, 1..=2**32-1."""
+        name_b, site_b, dtype_b = _text("name", name), _text("site", site), _text("dtype", dtype)
+        layer_c = -1 if layer is None else _int("layer", layer, 0, _U32_MAX, " (None for no layer)")
+        width = _u32("row_width", row_width, lo=1)
         out = ctypes.c_uint32()
-        _check(_load().rs_register_hookpoint(self._h, name.encode(), site.encode(), -1 if layer is None else layer,
-                                             dtype.encode(), int(row_width), ctypes.byref(out)))
-        self._row_bytes[out.value] = (_ALIASES.get(dtype, dtype), int(row_width))
+        _check(_load().rs_register_hookpoint(self._h, name_b, site_b, layer_c, dtype_b, width, ctypes.byref(out)))
+        self._row_bytes[out.value] = (_ALIASES.get(dtype, dtype), width)
         return out.value
 
     def hookpoint_id(self, name: str) -> int:
         out = ctypes.c_uint32()
-        _check(_load().rs_hookpoint_id(self._h, name.encode(), ctypes.byref(out)))
+        _check(_load().rs_hookpoint_id(self._h, _text("name", name), ctypes.byref(out)))
         return out.value
 
     def set_enabled(self, hookpoint: int, enabled: bool) -> None:
-        _check(_load().rs_set_enabled(self._h, hookpoint, bool(enabled)))
+        _check(_load().rs_set_enabled(self._h, _u32("hookpoint", hookpoint), _flag("enabled", enabled)))
 
     def set_every_n_steps(self, hookpoint: int, n: int) -> None:
-        _check(_load().rs_set_every_n_steps(self._h, hookpoint, int(n)))
+        """Captures only steps that are multiples of ``n`` (1..=2**32-1)."""
+        _check(_load().rs_set_every_n_steps(self._h, _u32("hookpoint", hookpoint), _u32("n", n, lo=1)))
 
     def set_rows(self, hookpoint: int, rows: "str | Sequence[int]") -> None:
         """``"all"``, ``"last_per_request"``, or a list of batch rows."""
+        hp = _u32("hookpoint", hookpoint)
         lib = _load()
-        if rows == "all":
-            _check(lib.rs_set_rows(self._h, hookpoint, 0, None, 0))
-        elif rows == "last_per_request":
-            _check(lib.rs_set_rows(self._h, hookpoint, 1, None, 0))
+        if isinstance(rows, str):
+            modes = {"all": 0, "last_per_request": 1}
+            if rows not in modes:
+                raise _invalid(f"rows must be \"all\", \"last_per_request\" or a list of batch rows, got {_show(rows)}")
+            _check(lib.rs_set_rows(self._h, hp, modes[rows], None, 0))
         else:
-            a = np.ascontiguousarray(rows, dtype=np.uint32)
-            _check(lib.rs_set_rows(self._h, hookpoint, 2, a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), a.size))
+            a = _int_array("rows", rows, np.uint32)
+            _check(lib.rs_set_rows(self._h, hp, 2, a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), a.size))
 
     # -- steps and captures --------------------------------------------------------------------------------------
     def begin_step(self, step: int, request_ids: Sequence[int], positions: Sequence[int],
@@ -285,8 +447,10 @@ class Session:
         """Starts a step: row i of every tensor captured in it belongs to ``request_ids[i]`` at ``positions[i]``.
         With the CUDA backend pass the engine's ``stream`` (a ``CUstream`` handle as an int, e.g.
         ``torch.cuda.current_stream().cuda_stream``)."""
-        ids = _u64_array(request_ids, "request_ids")
-        pos = np.ascontiguousarray(positions, dtype=np.uint32)
+        step = _u64("step", step)
+        stream = None if stream is None else _u64("stream", stream)
+        ids = _int_array("request_ids", request_ids, np.uint64)
+        pos = _int_array("positions", positions, np.uint32)
         if pos.shape != ids.shape:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"{ids.size} request ids but {pos.size} positions: give one of each per batch row")
@@ -294,9 +458,9 @@ class Session:
         pids = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
         ppos = pos.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
         if stream is None:
-            _check(lib.rs_begin_step(self._h, int(step), pids, ppos, ids.size))
+            _check(lib.rs_begin_step(self._h, step, pids, ppos, ids.size))
         else:
-            _check(lib.rs_begin_step_on_stream(self._h, int(step), pids, ppos, ids.size, int(stream)))
+            _check(lib.rs_begin_step_on_stream(self._h, step, pids, ppos, ids.size, stream))
 
     def begin_step_graph(self, request_ids, positions, stream: Optional[int] = None) -> None:
         """CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded (or eagerly). The
@@ -326,8 +490,9 @@ class Session:
         if stream is None:
             import torch
             stream = torch.cuda.current_stream(request_ids.device).cuda_stream
-        _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(), batch, seq, stride,
-                                           int(stream)))
+        _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(),
+                                           _u32("the batch size", batch), _u32("the sequence length", seq),
+                                           _u32("the positions' row stride", stride), _u64("stream", stream)))
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """CUDA backend: uploads control changes (enable, every-N, rows) on ``stream`` (default: torch's current
@@ -336,7 +501,7 @@ class Session:
         if stream is None:
             import torch
             stream = torch.cuda.current_stream().cuda_stream
-        _check(_load().rs_apply_controls(self._h, int(stream)))
+        _check(_load().rs_apply_controls(self._h, _u64("stream", stream)))
 
     def submit_captures(self) -> None:
         """With ``ring.defer_captures`` (CUDA backend): starts copying the step's captures noted so far now, on a side
@@ -348,52 +513,40 @@ class Session:
 
     def capture(self, hookpoint: int, array) -> str:
         """Captures a host array (numpy, or anything exposing the buffer protocol) holding the step's batch rows ×
-        row width, C-contiguous, of the hookpoint's dtype (bf16: uint16 bit patterns). Returns ``"published"``,
-        ``"sampled_out"`` or ``"dropped"``."""
-        a = np.asarray(array)
-        if not a.flags["C_CONTIGUOUS"]:
-            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                 "the array is not C-contiguous: pass np.ascontiguousarray(x) (a copy) explicitly")
-        known = self._row_bytes.get(hookpoint)
-        if known is not None:
-            name, width = known
-            want = _NUMPY_FOR_DTYPE.get(name)
-            # bf16 has no numpy dtype: its bit patterns as (u)int16, or ml_dtypes' bfloat16 — never float16, whose
-            # bits mean something else.
-            bf16_bits = name == "bf16" and (a.dtype.kind in "ui" and a.dtype.itemsize == 2
-                                            or a.dtype.name == "bfloat16")
-            if want is not None and a.dtype.newbyteorder("<") != want and not bf16_bits:
-                hint = " (bf16: pass its bit patterns as uint16, e.g. tensor.view(torch.uint16).numpy())" \
-                    if name == "bf16" else ""
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"hookpoint {hookpoint} holds {name}; got an array of {a.dtype}{hint}")
-            if a.ndim == 0 or a.shape[-1] != width and a.size % width != 0:
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"hookpoint {hookpoint} has rows of {width} elements; got shape {a.shape}")
+        row width, C-contiguous, little-endian, of the hookpoint's dtype (bf16: uint16 bit patterns): shape
+        (rows, row_width), or (row_width,) for one row, or any shape whose last dimension is the row width (leading
+        dimensions are rows in row-major order, e.g. (batch, seq, hidden)). A big-endian array is refused, not
+        converted. Returns ``"published"``, ``"sampled_out"`` or ``"dropped"``."""
+        hp = _u32("hookpoint", hookpoint)
+        dtype, width = self._row_bytes.get(hp, (None, None))
+        a = _host_array(f"the array for hookpoint {hp}", array, dtype, width)
         outcome = ctypes.c_int32(-1)
-        _check(_load().rs_capture_host(self._h, hookpoint, a.ctypes.data, a.nbytes, ctypes.byref(outcome)))
+        _check(_load().rs_capture_host(self._h, hp, a.ctypes.data, a.nbytes, ctypes.byref(outcome)))
         return {0: "published", 1: "sampled_out", 2: "dropped"}[outcome.value]
 
     def capture_device(self, hookpoint: int, device_ptr: int, rows: int, stream: int) -> None:
         """CUDA backend: launches the capture of ``rows`` contiguous rows at ``device_ptr`` on ``stream``."""
-        _check(_load().rs_capture_device(self._h, hookpoint, int(device_ptr), int(rows), int(stream)))
+        _check(_load().rs_capture_device(self._h, _u32("hookpoint", hookpoint), _u64("device_ptr", device_ptr),
+                                         _u32("rows", rows), _u64("stream", stream)))
 
     # -- state ---------------------------------------------------------------------------------------------------
     def stats(self, hookpoint: int) -> dict:
         """Counters of one hookpoint (records and rows): produced, sampled out, exported, dropped (by reason)."""
         c = _Counts()
-        _check(_load().rs_stats(self._h, hookpoint, ctypes.byref(c)))
+        _check(_load().rs_stats(self._h, _u32("hookpoint", hookpoint), ctypes.byref(c)))
         return c.to_dict()
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Waits until everything captured so far is exported or dropped (file sinks export at file commit)."""
-        _check(_load().rs_flush(self._h, int(timeout * 1000)))
+        """Waits until everything captured so far is exported or dropped (file sinks export at file commit), up to
+        ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`); ``RS_ERR_TIMEOUT`` if that did not happen."""
+        _check(_load().rs_flush(self._h, _timeout_ms("timeout", timeout)))
 
     def subscribe(self, name: str, layers: Optional[Iterable[int]] = None) -> Subscription:
         """An online consumer of the records of ``layers`` (all when None) captured from now on."""
-        a = np.ascontiguousarray(list(layers) if layers is not None else [], dtype=np.uint32)
+        name_b = _text("name", name)
+        a = _int_array("layers", [] if layers is None else layers, np.uint32)
         h = ctypes.c_uint64()
-        _check(_load().rs_subscribe(self._h, name.encode(), a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), a.size,
+        _check(_load().rs_subscribe(self._h, name_b, a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), a.size,
                                     ctypes.byref(h)))
         return Subscription(h.value)
 
@@ -414,28 +567,86 @@ class Session:
         return False
 
 
-def _to_toml(d: dict) -> str:
-    def value(v):
-        if isinstance(v, bool):
+def _config_text(config) -> bytes:
+    """``Session``'s ``config`` → NUL-free UTF-8 TOML text."""
+    if config is None:
+        return b""
+    if isinstance(config, str):
+        return _text("config", config)
+    if isinstance(config, (bytes, bytearray)):
+        data = bytes(config)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _invalid(f"config is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        return _no_nul("config", data, data.find(b"\0"))
+    if isinstance(config, Mapping):
+        return _text("config", _to_toml(config))
+    raise _invalid(f"config must be TOML text (str or bytes) or a dict of TOML sections, got {type(config).__name__} "
+                   f"{_show(config)}; for a file use Session(config_file=...)")
+
+
+_BARE_KEY = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def _to_toml(d: Mapping) -> str:
+    def key(k, where):
+        if not isinstance(k, str):
+            raise _invalid(f"{where}: keys must be strings, got {type(k).__name__} {_show(k)}")
+        _text(where, k)
+        return k if k and set(k) <= _BARE_KEY else string(k)
+
+    def string(v):
+        # TOML basic string: backslash, quote and every control character escaped (NULs were refused before).
+        out = []
+        for ch in v:
+            if ch in '\\"':
+                out.append("\\" + ch)
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04X}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+
+    def value(v, where):
+        if isinstance(v, (bool, np.bool_)):
             return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
+        if isinstance(v, numbers.Integral):
+            return str(int(v))
+        if isinstance(v, numbers.Real):
+            return repr(float(v))  # nan, inf and -inf are TOML too
         if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            _text(where, v)
+            return string(v)
         if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise RingscopeError("RS_ERR_CONFIG", f"cannot write {v!r} as TOML")
+            return "[" + ", ".join(value(x, f"{where}[{i}]") for i, x in enumerate(v)) + "]"
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{key(k, where)} = {value(x, f'{where}[{k!r}]')}" for k, x in v.items()) + "}"
+        raise _invalid(f"{where}: cannot write {type(v).__name__} {_show(v)} as TOML")
+
+    def table(body, where):
+        if not isinstance(body, Mapping):
+            raise _invalid(f"{where} must be a table (a dict of settings), got {type(body).__name__} {_show(body)}")
+        return [f"{key(k, where)} = {value(v, f'{where}[{k!r}]')}" for k, v in body.items()]
 
     out = []
     for section, body in d.items():
+        where = f"config[{section!r}]"
         if section == "hookpoints":
-            for hp in body:
+            if not isinstance(body, (list, tuple)):
+                raise _invalid(f"{where} must be a list of tables (one dict per hookpoint), got "
+                               f"{type(body).__name__} {_show(body)}")
+            for i, hp in enumerate(body):
                 out.append("[[hookpoints]]")
-                out += [f"{k} = {value(v)}" for k, v in hp.items()]
+                out += table(hp, f"{where}[{i}]")
         else:
-            out.append(f"[{section}]")
-            out += [f"{k} = {value(v)}" for k, v in body.items()]
+            out.append(f"[{key(section, 'config')}]")
+            out += table(body, where)
     return "\n".join(out) + "\n"
+
+
+_COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or when the session is closed, so read "
+                "after Session.close()")
 
 
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
@@ -443,19 +654,43 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
     with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every dtype becomes a torch tensor then),
     else as uint16 bit patterns (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
-    Needs pyarrow."""
+    Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
+    :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
+    run, and when the run (or that hookpoint) holds no committed file yet. Needs pyarrow."""
     import pyarrow.dataset as ds
 
-    root = pathlib.Path(path)
+    root = pathlib.Path(os.fsdecode(_path("path", path)))
+    if hookpoint is not None:
+        _text("hookpoint", hookpoint)
+    if not root.exists():
+        raise RingscopeError("RS_ERR_IO", f"{root} does not exist: give the run directory (<export.dir>/<run_id>)")
+    if not root.is_dir():
+        raise RingscopeError("RS_ERR_IO", f"{root} is not a directory: give the run directory "
+                                          "(<export.dir>/<run_id>), not one of its files")
     parts = sorted(p for p in root.glob("hookpoint=*") if p.is_dir())
     if not parts:
-        raise RingscopeError("RS_ERR_IO", f"{root} holds no hookpoint=... partitions: not a ringscope Parquet dump")
+        runs = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("hookpoint=*")))
+        if runs:
+            raise RingscopeError("RS_ERR_IO", f"{root} is not a run directory but holds runs ({', '.join(runs)}): "
+                                              f"give one, e.g. read_dump({str(root / runs[0])!r})")
+        raise RingscopeError("RS_ERR_IO", f"{root} holds no committed files yet (no hookpoint=... partitions): "
+                                          f"{_COMMIT_HINT}; or it is not a ringscope Parquet run directory "
+                                          "(<export.dir>/<run_id>)")
+    names = [p.name[len("hookpoint="):] for p in parts]
+    if hookpoint is not None and hookpoint not in names:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"hookpoint {hookpoint!r} is not in {root}; it holds {', '.join(map(repr, names))}")
+    # Committed files only: in-progress ones are hidden (.part-*.inprogress) and pyarrow skips them.
+    committed = {p: sorted(p.glob("rank=*/part-*.parquet")) for p in parts
+                 if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
+    if not any(committed.values()):
+        what = f"hookpoint {hookpoint!r} of {root}" if hookpoint is not None else f"the run {root}"
+        raise RingscopeError("RS_ERR_IO", f"{what} holds no committed files yet: {_COMMIT_HINT}")
+    parts = [p for p in parts if committed.get(p)]
     out = {}
     for part in parts:
         # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
         name = part.name[len("hookpoint="):]
-        if hookpoint is not None and name != hookpoint:
-            continue
         t = ds.dataset(str(part), format="parquet", partitioning="hive").to_table()
         if t.num_rows == 0:
             continue

@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import RingscopeError, Session, _check, _load
+from . import _U32_MAX, RingscopeError, Session, _check, _int, _int_array, _load, _u32, _u64
 
 __all__ = ["capture", "submit", "attach", "Attachment", "SUPPORTED_MODEL_TYPES"]
 
@@ -36,6 +36,8 @@ def capture(x: torch.Tensor, sink: torch.Tensor, session: int, hookpoint: int, r
     """Captures ``x`` (any shape whose last dimension is the row width; rows in row-major order) into hookpoint
     ``hookpoint`` of the session whose C handle is ``session``. CUDA tensors: a kernel on the current stream (graph
     capturable); CPU tensors: a host copy."""
+    session, hookpoint = _u64("session", session), _u32("hookpoint", hookpoint)
+    row_width = _u32("row_width", row_width, lo=1)
     if not x.is_contiguous():
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"ringscope.capture needs a contiguous tensor (got strides {tuple(x.stride())}); "
@@ -48,7 +50,7 @@ def capture(x: torch.Tensor, sink: torch.Tensor, session: int, hookpoint: int, r
     lib = _load()
     if x.is_cuda:
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        _check(lib.rs_capture_device(session, hookpoint, x.data_ptr(), rows, stream))
+        _check(lib.rs_capture_device(session, hookpoint, x.data_ptr(), _u32("rows", rows), stream))
     else:
         outcome = ctypes.c_int32(-1)
         _check(lib.rs_capture_host(session, hookpoint, ctypes.c_void_p(x.data_ptr()), x.numel() * x.element_size(),
@@ -64,7 +66,7 @@ def _(x, sink, session, hookpoint, row_width):
 def submit(sink: torch.Tensor, session: int) -> None:
     """Starts copying the step's deferred captures now, on a side stream (``Session.submit_captures``); a custom op
     so that compiled models keep it in place without a graph break."""
-    _check(_load().rs_submit_captures(session))
+    _check(_load().rs_submit_captures(_u64("session", session)))
 
 
 @submit.register_fake
@@ -87,6 +89,14 @@ def _decoder(model):
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 _SITES = ("residual", "attention_output", "mlp_output", "final_norm", "logits")
+
+
+def _device_ids(ids: List[int]) -> torch.Tensor:
+    """Request ids as the int64 tensor a step begun inside a CUDA graph reads: ids past 2**63 - 1 cannot be named
+    there (eager steps take the full u64 range)."""
+    for i, r in enumerate(ids):
+        _int(f"request_ids[{i}]", r, 0, 2**63 - 1, " (request ids read by CUDA graphs are int64)")
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def _first(output):
@@ -128,14 +138,14 @@ class Attachment:
 
     @request_ids.setter
     def request_ids(self, ids: Optional[Sequence[int]]) -> None:
-        self._request_ids = None if ids is None else [int(i) for i in ids]
+        self._request_ids = None if ids is None else _int_array("request_ids", ids, np.uint64).tolist()
         if ids is None or not self._req_dev:
             return
         if torch.cuda.is_current_stream_capturing():
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  "attach: request ids were set while a CUDA graph is being recorded; set them before "
                                  "recording or between replays")
-        new = torch.tensor(self._request_ids, dtype=torch.int64)
+        new = _device_ids(self._request_ids)
         for t in self._req_dev.values():
             if new.numel() <= t.numel():  # a larger batch gets a new tensor at its first (eager) forward pass
                 t[:new.numel()].copy_(new)
@@ -163,7 +173,7 @@ class Attachment:
                                      "forward pass first (the usual warm-up) or call set_request_ids(...)")
             t = self._req_dev[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
             if self.request_ids is not None and len(self.request_ids) <= t.numel():
-                t[:len(self.request_ids)].copy_(torch.tensor(list(self.request_ids), dtype=torch.int64))
+                t[:len(self.request_ids)].copy_(_device_ids(self.request_ids))
         return t[:batch]
 
     def detach(self) -> None:
@@ -224,7 +234,8 @@ class Attachment:
                 past = kwargs.get("past_key_values")
                 start = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
                 pos = torch.arange(start, start + seq).reshape(1, -1).expand(batch, seq)
-        positions = pos.detach().to("cpu", torch.int64).reshape(batch, seq).numpy().astype(np.uint32)
+        # Range-checked by begin_step (a negative position is refused, not wrapped to 2**32 - 1).
+        positions = pos.detach().to("cpu", torch.int64).reshape(batch, seq).numpy()
         req = np.asarray(self.request_ids if self.request_ids is not None else range(batch), dtype=np.uint64)
         if req.shape != (batch,):
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
@@ -282,7 +293,8 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     bad = [s for s in sites if s not in _SITES]
     if bad:
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: unknown site(s) {bad}; use {list(_SITES)}")
-    chosen = list(range(len(decoder_layers))) if layers is None else list(layers)
+    chosen = list(range(len(decoder_layers))) if layers is None else [
+        _int(f"layers[{k}]", i, 0, _U32_MAX) for k, i in enumerate(layers)]
     for i in chosen:
         if not 0 <= i < len(decoder_layers):
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
