@@ -77,6 +77,13 @@ impl HookPointSpec {
         if self.name.len() > 256 || self.name.chars().any(|c| c.is_control() || c == '/' || c == '=') {
             return Err(bad("names must be at most 256 characters, without control characters, `/` or `=` (they become directory names)".into()));
         }
+        if self.layer.is_some_and(|l| l > i32::MAX as u32) {
+            return Err(bad(format!(
+                "layer {} is past {} (datasets store the layer as a 32-bit signed integer)",
+                self.layer.unwrap_or_default(),
+                i32::MAX
+            )));
+        }
         if self.row_width == 0 {
             return Err(bad("row_width is 0; it must be the number of elements per row (e.g. the hidden size)".into()));
         }
@@ -117,5 +124,8 @@ mod tests {
             let err = spec(name, width).validate().unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");
         }
+        let far = HookPointSpec { layer: Some(i32::MAX as u32 + 1), ..spec("far", 8) };
+        assert!(far.validate().unwrap_err().to_string().contains("32-bit signed"));
+        assert!(HookPointSpec { layer: Some(i32::MAX as u32), ..spec("edge", 8) }.validate().is_ok());
     }
 }

@@ -293,9 +293,9 @@ def test_valid_edge_values(tmp_path):
     config = {"policy": {"mode": "full"}, "export": {"parquet": True, "dir": str(tmp_path), "run_id": "edge"}}
     with ringscope.Session(config) as s:
         one = s.register("one", layer=0, dtype="f32", row_width=1)
-        # The C ABI takes layers up to 2**32 - 1, but the Parquet `layer` column is int32 (a layer past 2**31 - 1
-        # is written negative: a Rust exporter matter, not this package's), so the round trip uses 2**31 - 1.
-        assert s.register("top_layer", layer=2**32 - 1, dtype="f32", row_width=2) >= 0
+        # Datasets store the layer as int32: the library refuses a layer past 2**31 - 1 (it would read back negative).
+        with pytest.raises(ringscope.RingscopeError, match="32-bit signed"):
+            s.register("top_layer", layer=2**31, dtype="f32", row_width=2)
         big_layer = s.register("big_layer", layer=2**31 - 1, dtype="f32", row_width=2)
         assert s.hookpoint_id("one") == one
         s.set_every_n_steps(one, 1)
