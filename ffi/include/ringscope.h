@@ -39,7 +39,8 @@
 // The drain side was gone (shut down or crashed) when the record was captured.
 #define RS_DROP_DISCONNECTED 3
 
-// Best-effort: a sink or consumer backlog was full.
+// The exporter could not take the record for a sink or consumer: its backlog was full (best-effort; or, in full
+// mode, a consumer that stopped reading for a whole deadline), or the memory for the record's copy was refused.
 #define RS_DROP_SINK_BACKPRESSURE 4
 
 // A sink failed to write the record.

@@ -139,7 +139,8 @@ pub const RS_DROP_DEADLINE: usize = 1;
 pub const RS_DROP_TOO_LARGE: usize = 2;
 /// The drain side was gone (shut down or crashed) when the record was captured.
 pub const RS_DROP_DISCONNECTED: usize = 3;
-/// Best-effort: a sink or consumer backlog was full.
+/// The exporter could not take the record for a sink or consumer: its backlog was full (best-effort; or, in full
+/// mode, a consumer that stopped reading for a whole deadline), or the memory for the record's copy was refused.
 pub const RS_DROP_SINK_BACKPRESSURE: usize = 4;
 /// A sink failed to write the record.
 pub const RS_DROP_SINK_ERROR: usize = 5;
