@@ -501,7 +501,7 @@ mod tests {
         // More than the address space: the kernel refuses the mapping whatever the overcommit setting.
         let dir = scratch("refused");
         std::fs::create_dir_all(&dir).unwrap();
-        let err = Output::create(&dir.join("f"), DirectIo::Off, 1 << 62).err().expect("a 4 EiB buffer is refused");
+        let err = Output::create(&dir.join("f"), DirectIo::Off, 1 << 62).expect_err("a 4 EiB buffer is refused");
         assert_eq!(err.kind(), io::ErrorKind::OutOfMemory, "{err}");
         assert!(err.to_string().contains("cannot map a 4611686018427387904-byte output buffer"), "{err}");
         let mut out = Output::create(&dir.join("g"), DirectIo::Off, ALIGN).unwrap();
