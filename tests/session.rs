@@ -348,7 +348,7 @@ fn a_subscriber_that_never_polls_holds_full_mode_for_about_one_deadline_not_one_
     }
     let report = session.shutdown().expect("the accounting balances");
     let took = started.elapsed();
-    assert!(took < 10 * deadline, "400 captures and close took {took:?} with a stalled subscriber");
+    assert!(took < 20 * deadline, "400 captures and close took {took:?} with a stalled subscriber");
     let total = report.accounting.total();
     let queued = idle.iter().count() as u64;
     assert!(queued > 0 && queued < 400, "{queued}");

@@ -480,7 +480,7 @@ mod tests {
         }
         settle(&reg, 300);
         let stalled_after = started.elapsed();
-        assert!(stalled_after < 10 * deadline, "a stalled consumer held the drain for {stalled_after:?}");
+        assert!(stalled_after < 25 * deadline, "a stalled consumer held the drain for {stalled_after:?}");
         let first: Vec<_> = std::iter::from_fn(|| idle.try_recv()).collect();
         assert!((2..=16).contains(&first.len()), "{}", first.len());
         assert_eq!(first.last().unwrap().step(), first.len() as u64 - 1, "the queue kept the oldest records");
@@ -495,7 +495,7 @@ mod tests {
         assert_eq!(second.first().unwrap().step(), 300, "records were queued again once it read");
         drop(p);
         let report = drain.join().unwrap();
-        assert!(started.elapsed() < 20 * deadline, "shutdown waited on the stalled consumer");
+        assert!(started.elapsed() < 50 * deadline, "shutdown waited on the stalled consumer");
         let received = (first.len() + second.len()) as u64;
         assert_eq!(report.backpressure_drops, 400 - received);
         assert!(report.errors[0].contains("declared stalled 2 times"), "{:?}", report.errors);
