@@ -87,7 +87,7 @@ fn records(registry: &Registry) -> (Vec<Record>, Vec<u8>) {
             .collect();
         let bytes = encode_record(r as u64, &meta, &metas, &buf);
         let (view, _) = RecordView::decode(&bytes).unwrap();
-        records.push(Record::copy_from(&view, Arc::clone(&hp)));
+        records.push(Record::copy_from(&view, Arc::clone(&hp)).unwrap());
     }
     (records, all)
 }

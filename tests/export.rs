@@ -267,7 +267,7 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
                 .map(|(i, &id)| RowMeta { request_id: id, position: 7, batch_row: i as u32 })
                 .collect();
             let bytes = encode_record(step as u64, &meta, &metas, &data);
-            Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone())
+            Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone()).unwrap()
         })
         .collect();
     let dir = tempdir("pages");
@@ -347,7 +347,7 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
         let meta = RecordMeta { step: 0, hookpoint: hp.id(), rows: 1, row_bytes: short, dtype: DType::BF16, flags: 0 };
         let bytes =
             encode_record(0, &meta, &[RowMeta { request_id: 1, position: 0, batch_row: 0 }], &vec![0; short as usize]);
-        let record = Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone());
+        let record = Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone()).unwrap();
         let before = hp.accounting().dropped_for(DropReason::SinkError).rows;
         let mut options = DatasetOptions::new(&dir);
         options.run_id = name.into();
@@ -397,7 +397,7 @@ fn constant_metadata_columns_match_the_generic_writer_byte_for_byte() {
                     .collect();
                 let data: Vec<u8> = (0..rows as usize * 128).map(|i| (i * 31 + r as usize) as u8).collect();
                 let bytes = encode_record(r, &meta, &metas, &data);
-                Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone())
+                Record::copy_from(&RecordView::decode(&bytes).unwrap().0, hp.clone()).unwrap()
             })
             .collect();
         let ours = Parquet::with_zstd_level(1).unwrap();

@@ -324,3 +324,36 @@ fn dropping_a_session_still_drains_its_records() {
     drop(session);
     assert_eq!(exported.load(Ordering::Relaxed), 100);
 }
+
+#[test]
+fn a_subscriber_that_never_polls_holds_full_mode_for_about_one_deadline_not_one_per_capture() {
+    // The case: 1 MiB ring, 64 KiB backlog, 500 ms deadline, a few hundred captures, a subscriber that never
+    // polls. Before, every capture past its full backlog made the drain wait two deadlines: closing took minutes.
+    let deadline = std::time::Duration::from_millis(500);
+    let text = format!(
+        "[ring]\ncapacity = \"1 MiB\"\n[policy]\nmode = \"full\"\nfull_deadline_ms = 500\n[export]\nbacklog = \"64 KiB\"\n{}",
+        ringscope::synthetic::residual_hookpoints_toml(4, 512)
+    );
+    let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    let idle = session.subscribe("idle", ringscope::Filter::all()).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let started = std::time::Instant::now();
+    let row = vec![0u8; 1024];
+    for step in 0..100u64 {
+        session.begin_step(step, [(1, step as u32)]).unwrap();
+        for layer in 0..4 {
+            assert!(matches!(session.capture(layer, &row).unwrap(), CaptureOutcome::Published { .. }));
+        }
+        session.end_step().unwrap();
+    }
+    let report = session.shutdown().expect("the accounting balances");
+    let took = started.elapsed();
+    assert!(took < 20 * deadline, "400 captures and close took {took:?} with a stalled subscriber");
+    let total = report.accounting.total();
+    let queued = idle.iter().count() as u64;
+    assert!(queued > 0 && queued < 400, "{queued}");
+    assert_eq!(total.produced.records, 400);
+    assert_eq!(total.exported.records, queued, "what reached its queue is exported");
+    assert_eq!(total.dropped_for(DropReason::SinkBackpressure).records, 400 - queued, "the rest is counted");
+    assert!(report.drain.errors.iter().any(|e| e.contains("declared stalled")), "{:?}", report.drain.errors);
+}

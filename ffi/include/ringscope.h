@@ -39,7 +39,8 @@
 // The drain side was gone (shut down or crashed) when the record was captured.
 #define RS_DROP_DISCONNECTED 3
 
-// Best-effort: a sink or consumer backlog was full.
+// The exporter could not take the record for a sink or consumer: its backlog was full (best-effort; or, in full
+// mode, a consumer that stopped reading for a whole deadline), or the memory for the record's copy was refused.
 #define RS_DROP_SINK_BACKPRESSURE 4
 
 // A sink failed to write the record.
@@ -99,7 +100,7 @@ enum rs_status
   RS_ERR_INVALID_HANDLE = 2,
   // The configuration is invalid; the message names the key.
   RS_ERR_CONFIG = 3,
-  // The session is closed.
+  // The session is closed, or (from `rs_poll`) the subscription was closed.
   RS_ERR_CLOSED = 4,
   // A capture or `rs_end_step` outside a step, or `rs_begin_step` while one is open.
   RS_ERR_STEP = 5,
@@ -371,7 +372,9 @@ rs_status rs_subscribe(uint64_t session_handle,
 // Waits up to `timeout_ms` for the next record of a subscription. On success fills `info` and copies the row
 // metadata and rows into `buf` (layout in [`RsRecordInfo::needed`]). `RS_ERR_TIMEOUT`: nothing arrived.
 // `RS_ERR_BUFFER_TOO_SMALL`: `info->needed` says how large `buf` must be; the record is kept for the next call.
-// `RS_ERR_ENDED`: the session closed and everything was delivered.
+// `RS_ERR_ENDED`: the session closed and everything was delivered. `RS_ERR_CLOSED`: the subscription is closed —
+// also when [`rs_subscription_close`] is called by another thread while this call waits: it then returns at once,
+// and never returns a record after `rs_subscription_close` has returned.
 //
 // # Safety
 // `info` is writable; `buf` is valid for `buf_len` writes (may be null when `buf_len` is 0).
@@ -381,8 +384,9 @@ rs_status rs_poll(uint64_t subscription,
                   void *buf,
                   size_t buf_len);
 
-// Ends a subscription (records still queued for it were already counted as exported). Closing twice is
-// harmless.
+// Ends a subscription (records still queued for it were already counted as exported). Safe to call while
+// another thread waits in [`rs_poll`] on the same subscription: that call wakes and returns `RS_ERR_CLOSED`, and no
+// poll returns a record once this has returned. Closing twice is harmless.
 rs_status rs_subscription_close(uint64_t subscription);
 
 #ifdef __cplusplus

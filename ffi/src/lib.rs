@@ -45,7 +45,7 @@ pub enum RsStatus {
     RsErrInvalidHandle = 2,
     /// The configuration is invalid; the message names the key.
     RsErrConfig = 3,
-    /// The session is closed.
+    /// The session is closed, or (from `rs_poll`) the subscription was closed.
     RsErrClosed = 4,
     /// A capture or `rs_end_step` outside a step, or `rs_begin_step` while one is open.
     RsErrStep = 5,
@@ -139,7 +139,8 @@ pub const RS_DROP_DEADLINE: usize = 1;
 pub const RS_DROP_TOO_LARGE: usize = 2;
 /// The drain side was gone (shut down or crashed) when the record was captured.
 pub const RS_DROP_DISCONNECTED: usize = 3;
-/// Best-effort: a sink or consumer backlog was full.
+/// The exporter could not take the record for a sink or consumer: its backlog was full (best-effort; or, in full
+/// mode, a consumer that stopped reading for a whole deadline), or the memory for the record's copy was refused.
 pub const RS_DROP_SINK_BACKPRESSURE: usize = 4;
 /// A sink failed to write the record.
 pub const RS_DROP_SINK_ERROR: usize = 5;
@@ -524,8 +525,17 @@ pub unsafe extern "C" fn rs_set_rows(
         let selection = match mode {
             RS_ROWS_ALL => RowSelection::All,
             RS_ROWS_LAST_PER_REQUEST => RowSelection::LastPerRequest,
-            // SAFETY: per the function's contract.
-            RS_ROWS_LIST => RowSelection::Rows(unsafe { slice_arg(rows, n, "rows") }?.to_vec()),
+            RS_ROWS_LIST => {
+                // SAFETY: per the function's contract.
+                let rows = unsafe { slice_arg(rows, n, "rows") }?;
+                // `n` comes from the caller: a copy the allocator refuses is an error, not an abort.
+                let mut list = Vec::new();
+                list.try_reserve_exact(rows.len()).map_err(|e| {
+                    invalid(format!("rows: a copy of {n} row indices could not be allocated ({e}); select fewer rows"))
+                })?;
+                list.extend_from_slice(rows);
+                RowSelection::Rows(list)
+            }
             other => {
                 return Err(invalid(format!(
                     "row selection mode {other} (use RS_ROWS_ALL, RS_ROWS_LAST_PER_REQUEST or RS_ROWS_LIST)"
@@ -805,7 +815,9 @@ pub unsafe extern "C" fn rs_subscribe(
 /// Waits up to `timeout_ms` for the next record of a subscription. On success fills `info` and copies the row
 /// metadata and rows into `buf` (layout in [`RsRecordInfo::needed`]). `RS_ERR_TIMEOUT`: nothing arrived.
 /// `RS_ERR_BUFFER_TOO_SMALL`: `info->needed` says how large `buf` must be; the record is kept for the next call.
-/// `RS_ERR_ENDED`: the session closed and everything was delivered.
+/// `RS_ERR_ENDED`: the session closed and everything was delivered. `RS_ERR_CLOSED`: the subscription is closed —
+/// also when [`rs_subscription_close`] is called by another thread while this call waits: it then returns at once,
+/// and never returns a record after `rs_subscription_close` has returned.
 ///
 /// # Safety
 /// `info` is writable; `buf` is valid for `buf_len` writes (may be null when `buf_len` is 0).
@@ -831,14 +843,21 @@ pub unsafe extern "C" fn rs_poll(
                 ))
             }
         };
+        let closed = || Failure(RsStatus::RsErrClosed, "the subscription was closed".into());
         let record = match take_pending(subscription) {
             Some(r) => r,
             None => match entry.recv_timeout(Duration::from_millis(timeout_ms as u64)) {
                 Ok(Some(r)) => r,
                 Ok(None) => return Err(Failure(RsStatus::RsErrTimeout, "no record arrived in time".into())),
+                Err(()) if entry.is_closed() => return Err(closed()),
                 Err(()) => return Err(Failure(RsStatus::RsErrEnded, "the subscription's stream has ended".into())),
             },
         };
+        if entry.is_closed() {
+            // Closed by another thread while this call waited or took a pending record: a closed subscription
+            // returns no record (it was counted as exported when it was queued).
+            return Err(closed());
+        }
         let view = record.view();
         let rows = view.rows();
         let meta_len = rows * 16;
@@ -857,7 +876,13 @@ pub unsafe extern "C" fn rs_poll(
         // SAFETY: checked non-null; writable per the contract.
         unsafe { *info = i };
         if buf_len < needed || buf.is_null() {
-            PENDING.lock().push((subscription, record));
+            let mut pending = PENDING.lock();
+            // Checked under the lock that `rs_subscription_close` takes after closing: either it sees this record
+            // and discards it, or this sees the subscription closed.
+            if entry.is_closed() {
+                return Err(closed());
+            }
+            pending.push((subscription, record));
             return Err(Failure(
                 RsStatus::RsErrBufferTooSmall,
                 format!("the record needs {needed} bytes, the buffer has {buf_len}"),
@@ -884,8 +909,9 @@ fn take_pending(subscription: u64) -> Option<Record> {
     Some(pending.swap_remove(i).1)
 }
 
-/// Ends a subscription (records still queued for it were already counted as exported). Closing twice is
-/// harmless.
+/// Ends a subscription (records still queued for it were already counted as exported). Safe to call while
+/// another thread waits in [`rs_poll`] on the same subscription: that call wakes and returns `RS_ERR_CLOSED`, and no
+/// poll returns a record once this has returned. Closing twice is harmless.
 #[no_mangle]
 pub extern "C" fn rs_subscription_close(subscription: u64) -> RsStatus {
     ffi(|| {
@@ -893,8 +919,12 @@ pub extern "C" fn rs_subscription_close(subscription: u64) -> RsStatus {
         match map.get(&subscription) {
             Some(Entry::ClosedSubscription) => Ok(()),
             Some(Entry::Subscription(_)) => {
-                map.insert(subscription, Entry::ClosedSubscription);
+                let Some(Entry::Subscription(sub)) = map.insert(subscription, Entry::ClosedSubscription) else {
+                    unreachable!()
+                };
                 drop(map);
+                // Wakes pollers holding their own reference to it; the drain stops offering records to it.
+                sub.close();
                 take_pending(subscription);
                 Ok(())
             }

@@ -195,6 +195,62 @@ fn bad_input_gets_the_documented_status_and_a_message() {
     assert!(last_error().contains("subscription"), "{}", last_error());
 }
 
+#[test]
+fn a_ring_the_machine_cannot_allocate_is_a_config_error_not_an_abort() {
+    // 1 TiB: refused by the allocator on any machine with less memory (the kernel's heuristic overcommit refuses a
+    // single allocation larger than RAM and swap); before, the process aborted.
+    let cfg = c("[ring]\ncapacity = \"1024 GiB\"\n");
+    let mut h = 0u64;
+    // SAFETY: valid string and out-pointer.
+    let st = unsafe { rs_session_open(cfg.as_ptr(), &mut h) };
+    assert_eq!(st, RsStatus::RsErrConfig, "{}", last_error());
+    let msg = last_error();
+    assert!(
+        msg.contains("ring.capacity") && msg.contains("1024 GiB") && msg.contains("refused"),
+        "the message names the key, the size and what happened: {msg}"
+    );
+}
+
+#[test]
+fn closing_a_subscription_wakes_a_thread_waiting_in_rs_poll_which_returns_closed_never_a_record() {
+    let s = open("");
+    let id = register(s, "layers.0.resid", 4);
+    let mut sub = 0u64;
+    let name = c("probe");
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { rs_subscribe(s, name.as_ptr(), std::ptr::null(), 0, &mut sub) }, RsStatus::RsOk);
+    std::thread::sleep(Duration::from_millis(20));
+    let poller = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let mut info = RsRecordInfo::default();
+        let mut buf = vec![0u8; 1 << 16];
+        // SAFETY: `info` writable, `buf` holds `buf.len()` bytes.
+        let st = unsafe { rs_poll(sub, 30_000, &mut info, buf.as_mut_ptr().cast(), buf.len()) };
+        (st, last_error(), started.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(rs_subscription_close(sub), RsStatus::RsOk);
+    // A record captured after the close must not reach the poller (before, it returned it with RS_OK).
+    let (ids, pos, data) = ([1u64], [0u32], [0u8; 8]);
+    // SAFETY: arrays of 1; `data` holds one row of 4 bf16.
+    unsafe {
+        assert_eq!(rs_begin_step(s, 0, ids.as_ptr(), pos.as_ptr(), 1), RsStatus::RsOk);
+        assert_eq!(rs_capture_host(s, id, data.as_ptr().cast(), 8, std::ptr::null_mut()), RsStatus::RsOk);
+    }
+    assert_eq!(rs_end_step(s), RsStatus::RsOk);
+    let (st, msg, waited) = poller.join().unwrap();
+    assert_eq!(st, RsStatus::RsErrClosed, "{msg}");
+    assert!(msg.contains("closed"), "{msg}");
+    assert!(waited < Duration::from_secs(20), "rs_poll kept waiting after the close ({waited:?})");
+    let mut info = RsRecordInfo::default();
+    // SAFETY: `info` writable.
+    assert_eq!(unsafe { rs_poll(sub, 0, &mut info, std::ptr::null_mut(), 0) }, RsStatus::RsErrClosed);
+    let mut totals = RsCounts::default();
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_session_close(s, &mut totals) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((totals.produced_records, totals.exported_records), (1, 1));
+}
+
 /// `[(name of the constant, its value, what it stands for), ...]`.
 macro_rules! named {
     ($($constant:ident => $stands_for:expr),* $(,)?) => {

@@ -43,21 +43,40 @@ impl StepBatch {
     /// A request's rows need not be contiguous; its *last* row (for [`crate::RowSelection::LastPerRequest`]) is
     /// the one with the highest batch index. An empty batch is an error: there is nothing to capture.
     pub fn new(step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<Self, HookPointError> {
-        let rows: Vec<RowMeta> = rows
-            .into_iter()
-            .enumerate()
-            .map(|(i, (request_id, position))| RowMeta { request_id, position, batch_row: i as u32 })
-            .collect();
+        let rows = rows.into_iter();
+        // The row count comes from the engine (through the C ABI, any number): every allocation sized by it is
+        // fallible, so a batch the machine has no memory for is an error, not an abort of the engine.
+        let refused = |what: &'static str, count: usize, size: usize| HookPointError::BatchAllocation {
+            step,
+            what,
+            bytes: count.saturating_mul(size),
+        };
+        let mut metas: Vec<RowMeta> = Vec::new();
+        metas.try_reserve_exact(rows.size_hint().0).map_err(|_| refused("row metadata", rows.size_hint().0, 16))?;
+        for (i, (request_id, position)) in rows.enumerate() {
+            if i >= u32::MAX as usize {
+                return Err(HookPointError::InvalidBatch { step, why: "more than 2^32 rows".into() });
+            }
+            if metas.len() == metas.capacity() {
+                metas.try_reserve(1).map_err(|_| refused("row metadata", i + 1, 16))?;
+            }
+            metas.push(RowMeta { request_id, position, batch_row: i as u32 });
+        }
+        let rows = metas;
         if rows.is_empty() {
             return Err(HookPointError::InvalidBatch { step, why: "the batch has no rows".into() });
         }
-        if rows.len() > u32::MAX as usize {
-            return Err(HookPointError::InvalidBatch { step, why: "more than 2^32 rows".into() });
+        let mut seen: HashSet<u64, BuildHasherDefault<RequestIdHasher>> = HashSet::default();
+        seen.try_reserve(rows.len()).map_err(|_| refused("the request-id set", rows.len(), 16))?;
+        let mut last_per_request: Vec<RowMeta> = Vec::new();
+        for r in rows.iter().rev().filter(|r| seen.insert(r.request_id)) {
+            if last_per_request.len() == last_per_request.capacity() {
+                // Grows as a Vec does (doubling), fallibly; at most one entry per row.
+                let more = last_per_request.len().max(4).min(rows.len() - last_per_request.len());
+                last_per_request.try_reserve(more).map_err(|_| refused("last rows per request", rows.len(), 16))?;
+            }
+            last_per_request.push(*r);
         }
-        let mut seen: HashSet<u64, BuildHasherDefault<RequestIdHasher>> =
-            HashSet::with_capacity_and_hasher(rows.len(), Default::default());
-        let mut last_per_request: Vec<RowMeta> =
-            rows.iter().rev().filter(|r| seen.insert(r.request_id)).copied().collect();
         last_per_request.reverse();
         Ok(StepBatch { step, rows, last_per_request })
     }
@@ -99,6 +118,26 @@ mod tests {
         let last: Vec<_> = b.last_per_request().iter().map(|m| (m.request_id, m.position, m.batch_row)).collect();
         assert_eq!(last, vec![(7, 2, 2), (3, 40, 3), (9, 1, 5)]);
         assert_eq!(b.rows()[4], RowMeta { request_id: 9, position: 0, batch_row: 4 });
+    }
+
+    /// Claims more rows than any memory holds, as a C caller's `rows` argument may.
+    struct Claims(usize);
+
+    impl Iterator for Claims {
+        type Item = (u64, u32);
+        fn next(&mut self) -> Option<(u64, u32)> {
+            None
+        }
+        fn size_hint(&self) -> (usize, Option<usize>) {
+            (self.0, Some(self.0))
+        }
+    }
+
+    #[test]
+    fn a_batch_too_large_for_memory_is_an_error_not_an_abort() {
+        let err = StepBatch::new(4, Claims(usize::MAX / 8)).unwrap_err();
+        assert!(matches!(err, HookPointError::BatchAllocation { step: 4, what: "row metadata", .. }), "{err}");
+        assert!(err.to_string().contains("was refused; pass fewer rows"), "{err}");
     }
 
     #[test]

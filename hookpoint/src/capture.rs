@@ -45,25 +45,31 @@ pub fn capture_host(
 ) -> Result<CaptureOutcome, HookPointError> {
     let row_bytes = hp.spec().row_bytes();
     let rb = row_bytes as usize;
-    let expected = batch.len() * rb;
+    let expected = batch.len().saturating_mul(rb);
     let metas: Cow<'_, [RowMeta]> = match &*hp.control().selection() {
         RowSelection::All => Cow::Borrowed(batch.rows()),
         RowSelection::LastPerRequest => Cow::Borrowed(batch.last_per_request()),
-        RowSelection::Rows(idx) => Cow::Owned(
-            idx.iter()
-                .map(|&i| {
-                    batch.rows().get(i as usize).copied().ok_or_else(|| HookPointError::RowIndex {
-                        hookpoint: hp.spec().name.clone(),
-                        index: i,
-                        batch_rows: batch.len(),
-                    })
-                })
-                .collect::<Result<_, _>>()?,
-        ),
+        RowSelection::Rows(idx) => {
+            // Sized by the selection the user set: a refused allocation is an error, not an abort.
+            let mut metas = Vec::new();
+            metas.try_reserve_exact(idx.len()).map_err(|_| HookPointError::SelectionAllocation {
+                hookpoint: hp.spec().name.clone(),
+                rows: idx.len(),
+                bytes: idx.len().saturating_mul(std::mem::size_of::<RowMeta>()),
+            })?;
+            for &i in idx.iter() {
+                metas.push(batch.rows().get(i as usize).copied().ok_or_else(|| HookPointError::RowIndex {
+                    hookpoint: hp.spec().name.clone(),
+                    index: i,
+                    batch_rows: batch.len(),
+                })?);
+            }
+            Cow::Owned(metas)
+        }
     };
     // The tensor holds either the whole batch, or exactly the selected rows in selection order (e.g. logits that
     // an engine computed for each request's last token only).
-    let preselected = data.len() != expected && data.len() == metas.len() * rb;
+    let preselected = data.len() != expected && data.len() == metas.len().saturating_mul(rb);
     if data.len() != expected && !preselected {
         return Err(HookPointError::DataLength {
             hookpoint: hp.spec().name.clone(),

@@ -36,6 +36,26 @@ pub enum HookPointError {
         /// What is wrong.
         why: String,
     },
+    /// The memory for a step's batch descriptor (sized by its row count) was refused.
+    #[error("begin_step({step}): the allocation of {bytes} bytes for {what} was refused; pass fewer rows per step or free memory")]
+    BatchAllocation {
+        /// The step.
+        step: u64,
+        /// What was being allocated.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
+    /// An explicit row selection could not be copied: the allocation was refused.
+    #[error("row selection of `{hookpoint}`: the allocation of {bytes} bytes for {rows} rows was refused; select fewer rows")]
+    SelectionAllocation {
+        /// Hookpoint name.
+        hookpoint: String,
+        /// Rows selected.
+        rows: usize,
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// The tensor handed to a capture does not have the hookpoint's shape for this batch.
     #[error(
         "capture of `{hookpoint}` got {got} bytes, expected {expected} ({rows} batch rows × {row_bytes} bytes per row)"

@@ -70,6 +70,10 @@ impl LossPolicy {
     /// engine's capture times out first, so the engine hears of a stuck sink from its own call, loudly, before the
     /// drain gives up on that sink and drops for it (counted as `sink_backpressure`). The wait is bounded so that
     /// a sink stuck forever can never hang the drain or shutdown.
+    ///
+    /// The drain waits this long only for a destination that makes progress: a consumer (subscription) that takes
+    /// nothing for one whole `full_deadline` is declared stalled and dropped for without waiting until it reads again
+    /// (the exporter's `Subscription` docs), so it holds the engine for at most one deadline.
     pub fn on_backlog_full(&self) -> OnFull {
         match self.mode {
             Mode::Full => OnFull::Wait(self.full_deadline.saturating_mul(2)),
@@ -135,7 +139,9 @@ pub enum DropReason {
     TooLarge,
     /// The drain side was gone (shut down or crashed) when the record was captured.
     Disconnected,
-    /// Best-effort: a sink or consumer backlog was full.
+    /// The exporter could not take the record for a sink or consumer: its backlog was full (best-effort; or, in full
+    /// mode, a consumer that stopped reading for a whole deadline), or the memory for the record's copy out of the
+    /// ring was refused.
     SinkBackpressure,
     /// A sink failed to write the record.
     SinkError,

@@ -87,6 +87,14 @@ pub enum RingError {
         /// Minimum capacity.
         min: usize,
     },
+    /// The machine refused the ring's memory (not enough memory, or an address-space limit).
+    #[error("a ring of {} could not be allocated: the allocation was refused ({source}); lower the ring capacity", in_units(*.capacity))]
+    AllocationRefused {
+        /// Capacity asked for.
+        capacity: usize,
+        /// The allocator's report.
+        source: std::collections::TryReserveError,
+    },
 }
 
 /// Space for a record could not be reserved.
@@ -145,4 +153,14 @@ pub struct SpecError {
     pub name: String,
     /// What is wrong and how to fix it.
     pub why: String,
+}
+
+/// `bytes` in the largest binary unit that divides it exactly ("1024 GiB", "96 KiB", "1000 bytes"), the way sizes are
+/// written in the configuration.
+pub(crate) fn in_units(bytes: usize) -> String {
+    const UNITS: [(usize, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    match UNITS.iter().find(|(size, _)| bytes >= *size && bytes % size == 0) {
+        Some((size, unit)) => format!("{} {unit}", bytes / size),
+        None => format!("{bytes} bytes"),
+    }
 }

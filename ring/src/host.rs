@@ -114,8 +114,13 @@ pub fn channel(capacity: usize) -> Result<(Producer, Consumer), RingError> {
     if capacity < MIN_CAPACITY || capacity % CAPACITY_ALIGN != 0 {
         return Err(RingError::InvalidCapacity { capacity, align: CAPACITY_ALIGN, min: MIN_CAPACITY });
     }
-    let buf: Box<[UnsafeCell<Slot>]> =
-        (0..capacity / RECORD_ALIGN).map(|_| UnsafeCell::new(Slot([0; RECORD_ALIGN]))).collect();
+    // The capacity comes from configuration: an allocation the machine refuses is an error for the caller to
+    // report, never an abort of the engine the library is linked into.
+    let slots = capacity / RECORD_ALIGN;
+    let mut buf: Vec<UnsafeCell<Slot>> = Vec::new();
+    buf.try_reserve_exact(slots).map_err(|source| RingError::AllocationRefused { capacity, source })?;
+    buf.extend((0..slots).map(|_| UnsafeCell::new(Slot([0; RECORD_ALIGN]))));
+    let buf = buf.into_boxed_slice();
     prefault(&buf);
     let shared = Arc::new(Shared {
         buf,
@@ -510,6 +515,16 @@ mod tests {
         assert!(matches!(channel(0), Err(RingError::InvalidCapacity { .. })));
         assert!(matches!(channel(1000), Err(RingError::InvalidCapacity { .. })));
         assert!(channel(1024).is_ok());
+    }
+
+    #[test]
+    fn a_refused_allocation_is_an_error_not_an_abort() {
+        // Larger than any address space: the allocator refuses it whatever the overcommit setting (the root crate's
+        // `tests/allocation.rs` has the allocator refuse a plausible size, under an address-space limit).
+        let capacity = (isize::MAX as usize / CAPACITY_ALIGN) * CAPACITY_ALIGN + CAPACITY_ALIGN;
+        let err = channel(capacity).err().expect("a ring larger than the address space cannot be allocated");
+        assert!(matches!(err, RingError::AllocationRefused { capacity: c, .. } if c == capacity), "{err}");
+        assert!(err.to_string().contains("lower the ring capacity"), "{err}");
     }
 
     #[test]

@@ -70,6 +70,11 @@ pub struct DrainReport {
     pub sinks: Vec<SinkReport>,
     /// Records dropped for a destination because its backlog was full.
     pub backpressure_drops: u64,
+    /// Records dropped (counted as `sink_backpressure`) because the memory for their copy out of the ring was
+    /// refused.
+    pub allocation_drops: u64,
+    /// The largest payload, in bytes, whose copy was refused.
+    pub largest_refused: usize,
     /// Ring errors (a corrupted record stops the drain), and every sink's errors.
     pub errors: Vec<String>,
 }
@@ -172,7 +177,21 @@ fn run_drain(
                         consumer.advance();
                         continue;
                     };
-                    Record::copy_from(&view, hp.clone())
+                    match Record::copy_from(&view, hp.clone()) {
+                        Ok(record) => record,
+                        Err(_) => {
+                            // No memory for the copy: the record is lost for every destination, counted (the
+                            // exporter had no room for it, as with a full backlog) and reported, never an abort.
+                            let rows = view.rows() as u64;
+                            let bytes = view.payload().len();
+                            hp.counters().dropped(DropReason::SinkBackpressure, rows);
+                            report.allocation_drops += 1;
+                            report.largest_refused = report.largest_refused.max(bytes);
+                            consumer.advance();
+                            drained_any = true;
+                            continue;
+                        }
+                    }
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -213,11 +232,22 @@ fn run_drain(
     while let Ok(p) = new_ports.try_recv() {
         ports.push(p);
     }
+    if report.allocation_drops > 0 {
+        report.errors.push(format!(
+            "{} records dropped (counted as sink_backpressure): the memory to copy them out of the ring was refused \
+             (the largest needed {} bytes); free memory, lower export.backlog or ring.capacity",
+            report.allocation_drops, report.largest_refused
+        ));
+    }
     for p in ports.iter_mut() {
         p.finish();
         if p.dropped > 0 {
+            let stalled = match p.stalls {
+                0 => String::new(),
+                n => format!("; it took nothing for a whole deadline and was declared stalled {n} times"),
+            };
             report.errors.push(format!(
-                "`{}` fell behind: {} records dropped for it (backlog over {} bytes)",
+                "`{}` fell behind: {} records dropped for it (backlog over {} bytes){stalled}",
                 p.name, p.dropped, options.backlog_bytes
             ));
         }
@@ -415,5 +445,128 @@ mod tests {
         acc.check().unwrap();
         assert_eq!(acc.hookpoints[0].1.dropped_for(DropReason::SinkBackpressure).records, 1000);
         assert_eq!(idle.iter().count(), crate::routing::fanout::PORT_RECORDS);
+    }
+
+    fn full(deadline_ms: u64, backlog_bytes: usize) -> DrainOptions {
+        DrainOptions {
+            backlog_bytes,
+            policy: LossPolicy { mode: Mode::Full, full_deadline: Duration::from_millis(deadline_ms) },
+            ..DrainOptions::default()
+        }
+    }
+
+    /// Waits until the drain has read `records` records (each exported or dropped by then, for a consumer).
+    fn settle(reg: &TestCatalog, records: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while reg.accounting().total().in_flight() > 0 || reg.accounting().total().produced.records < records {
+            assert!(Instant::now() < deadline, "the drain did not catch up: {:?}", reg.accounting().total());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_consumer_that_stops_reading_holds_the_drain_one_deadline_then_is_dropped_for_until_it_reads() {
+        let (mut p, c, reg) = setup();
+        let deadline = Duration::from_millis(200);
+        let drain = Drain::spawn(c, reg.catalog(), vec![], full(200, 1024)).unwrap();
+        let idle = drain.subscribe("idle", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        // A few hundred captures while nobody reads: once its 1 KiB backlog is full, the drain waits one deadline
+        // for it, declares it stalled, and drops the rest for it without waiting (before: up to two deadlines each,
+        // about two minutes here).
+        for step in 0..300u64 {
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+        }
+        settle(&reg, 300);
+        let stalled_after = started.elapsed();
+        assert!(stalled_after < 25 * deadline, "a stalled consumer held the drain for {stalled_after:?}");
+        let first: Vec<_> = std::iter::from_fn(|| idle.try_recv()).collect();
+        assert!((2..=16).contains(&first.len()), "{}", first.len());
+        assert_eq!(first.last().unwrap().step(), first.len() as u64 - 1, "the queue kept the oldest records");
+
+        // It reads again: back to full mode's rules — a full backlog is waited for, one deadline, then it is
+        // declared stalled once more.
+        for step in 300..400u64 {
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+        }
+        settle(&reg, 400);
+        let second: Vec<_> = std::iter::from_fn(|| idle.try_recv()).collect();
+        assert_eq!(second.first().unwrap().step(), 300, "records were queued again once it read");
+        drop(p);
+        let report = drain.join().unwrap();
+        assert!(started.elapsed() < 50 * deadline, "shutdown waited on the stalled consumer");
+        let received = (first.len() + second.len()) as u64;
+        assert_eq!(report.backpressure_drops, 400 - received);
+        assert!(report.errors[0].contains("declared stalled 2 times"), "{:?}", report.errors);
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        let c = acc.hookpoints[0].1;
+        assert_eq!(
+            (c.exported.records, c.dropped_for(DropReason::SinkBackpressure).records),
+            (received, 400 - received)
+        );
+    }
+
+    #[test]
+    fn a_slow_consumer_that_makes_progress_back_pressures_and_loses_nothing() {
+        let (mut p, c, reg) = setup();
+        // Its backlog holds a handful of records; it takes one every 20 ms, well within the 200 ms deadline.
+        let drain = Drain::spawn(c, reg.catalog(), vec![], full(200, 1024)).unwrap();
+        let slow = drain.subscribe("slow", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let reader = std::thread::spawn(move || {
+            let mut n = 0;
+            while slow.recv().is_some() {
+                n += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            n
+        });
+        for step in 0..60u64 {
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        assert_eq!(reader.join().unwrap(), 60);
+        assert_eq!(report.backpressure_drops, 0, "{:?}", report.errors);
+        reg.accounting().check().unwrap();
+        assert_eq!(reg.accounting().total().exported.records, 60);
+    }
+
+    #[test]
+    fn closing_a_subscription_wakes_every_thread_blocked_receiving_on_it() {
+        let (mut p, c, reg) = setup();
+        let drain = Drain::spawn(c, reg.catalog(), vec![], full(200, 1 << 20)).unwrap();
+        let sub = Arc::new(drain.subscribe("probe", Filter::all()).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        let (done, woke) = crossbeam::channel::unbounded();
+        let blocked = {
+            let (sub, done) = (sub.clone(), done.clone());
+            std::thread::spawn(move || done.send(format!("recv: {:?}", sub.recv().map(|r| r.step()))).unwrap())
+        };
+        let timed = {
+            let sub = sub.clone();
+            std::thread::spawn(move || {
+                let got = sub.recv_timeout(Duration::from_secs(60)).map(|r| r.map(|r| r.step()));
+                done.send(format!("recv_timeout: {got:?}")).unwrap()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        sub.close();
+        let mut seen = [woke.recv_timeout(Duration::from_secs(5)), woke.recv_timeout(Duration::from_secs(5))]
+            .map(|r| r.expect("close woke the receiver"));
+        seen.sort();
+        assert_eq!(seen, ["recv: None".to_owned(), "recv_timeout: Err(())".to_owned()]);
+        assert!(sub.is_closed());
+        // Closed: records captured afterwards are neither offered nor returned.
+        reg.capture(&mut p, 0, 0, &[(1, 0)], &[0; 16]);
+        settle(&reg, 1);
+        assert!(sub.try_recv().is_none() && sub.recv().is_none());
+        drop(p);
+        drain.join().unwrap();
+        blocked.join().unwrap();
+        timed.join().unwrap();
+        reg.accounting().check().unwrap();
     }
 }

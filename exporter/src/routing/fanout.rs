@@ -2,11 +2,11 @@
 //! bytes, and the policy's answer when it is full.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam::channel::{Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 use ringscope_policy::{DropReason, LossPolicy, OnFull};
 
@@ -59,20 +59,40 @@ impl Filter {
 pub(crate) struct Backlog {
     bytes: AtomicUsize,
     max: usize,
+    /// Records the destination has taken so far: its progress, which tells a slow consumer from a stalled one.
+    progress: AtomicU64,
     lock: Mutex<()>,
     taken: Condvar,
 }
 
 impl Backlog {
     pub(crate) fn new(max: usize) -> Arc<Backlog> {
-        Arc::new(Backlog { bytes: AtomicUsize::new(0), max, lock: Mutex::new(()), taken: Condvar::new() })
+        Arc::new(Backlog {
+            bytes: AtomicUsize::new(0),
+            max,
+            progress: AtomicU64::new(0),
+            lock: Mutex::new(()),
+            taken: Condvar::new(),
+        })
     }
 
     /// The destination took a record of `size` bytes.
     pub(crate) fn taken(&self, size: usize) {
         self.bytes.fetch_sub(size, Ordering::AcqRel);
+        self.progress.fetch_add(1, Ordering::AcqRel);
+        self.wake();
+    }
+
+    /// Wakes the drain if it waits for room (something was taken, or the destination left).
+    fn wake(&self) {
+        // Under the lock: the drain checks for room and the destination's departure while holding it, then sleeps;
+        // a notify taken under it cannot fall between the check and the sleep.
         let _guard = self.lock.lock();
         self.taken.notify_all();
+    }
+
+    fn progress(&self) -> u64 {
+        self.progress.load(Ordering::Acquire)
     }
 
     pub(crate) fn queued(&self) -> usize {
@@ -110,6 +130,8 @@ pub(crate) fn port(
         closed: false,
         dropped: 0,
         consumer,
+        stalled_at: None,
+        stalls: 0,
     };
     (port, rx, backlog, gone)
 }
@@ -130,6 +152,12 @@ pub(crate) struct Port {
     pub(crate) dropped: u64,
     /// An online consumer (a subscription), as opposed to a sink: delivery into its queue is its export.
     pub(crate) consumer: bool,
+    /// A consumer declared stalled (full mode: no record taken for a whole deadline while its backlog was full):
+    /// its progress count then. Until the count moves, records that find its backlog full are dropped for it at
+    /// once instead of making the drain wait.
+    pub(crate) stalled_at: Option<u64>,
+    /// Times this consumer was declared stalled.
+    pub(crate) stalls: u64,
 }
 
 /// What happened when the drain offered a record to a port.
@@ -156,10 +184,10 @@ impl Port {
             return Offer::Filtered;
         }
         let size = record.size_bytes();
-        if !self.backlog.fits(size) {
+        if !self.has_room(size) {
             let admitted = match policy.on_backlog_full() {
                 OnFull::Drop => false,
-                OnFull::Wait(deadline) => self.wait_for_room(size, Instant::now() + deadline),
+                OnFull::Wait(limit) => self.wait_for_room(size, limit, policy.full_deadline),
             };
             if !admitted {
                 self.dropped += 1;
@@ -169,13 +197,9 @@ impl Port {
         }
         self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
         let queued = if self.consumer { record.detached() } else { record.clone() };
-        // The channel's record-count bound only matters for tiny records under a large byte budget; the policy
-        // applies to it as to the byte budget. (The channel cannot disconnect: the port holds a receiver too.)
-        let sent = match policy.on_backlog_full() {
-            OnFull::Drop => self.tx.try_send(queued).is_ok(),
-            OnFull::Wait(deadline) => self.tx.send_timeout(queued, deadline).is_ok(),
-        };
-        if sent {
+        // `has_room` saw a free slot in the channel too, and the drain is its only sender: this does not fail. (Nor
+        // can the channel disconnect: the port holds a receiver too.)
+        if self.tx.try_send(queued).is_ok() {
             return Offer::Queued;
         }
         self.backlog.bytes.fetch_sub(size, Ordering::AcqRel);
@@ -200,18 +224,54 @@ impl Port {
         }
     }
 
-    fn wait_for_room(&self, size: usize, deadline: Instant) -> bool {
-        if self.gone.load(Ordering::Acquire) {
-            return false;
-        }
-        let mut guard = self.backlog.lock.lock();
-        while !self.backlog.fits(size) {
-            if Instant::now() >= deadline {
+    /// Whether a record of `size` bytes can be queued now: within the byte budget, and a free slot in the channel
+    /// (whose record-count bound only matters for tiny records under a large byte budget).
+    fn has_room(&self, size: usize) -> bool {
+        self.backlog.fits(size) && !self.tx.is_full()
+    }
+
+    /// Full mode: waits until a record of `size` bytes fits, for at most `limit`. Returns whether it fits.
+    ///
+    /// A consumer that takes records (however slowly) is waited for, up to `limit`: it back-pressures. One that
+    /// takes nothing for `stall_after` (the policy's deadline) is declared stalled, and later records that find its
+    /// backlog full are dropped for it without waiting until it takes a record again — so a consumer that stopped
+    /// reading holds the drain, and through it the engine, for at most one deadline, and shutdown does not wait on
+    /// it at all once it is stalled. A departed consumer is never waited for.
+    fn wait_for_room(&mut self, size: usize, limit: Duration, stall_after: Duration) -> bool {
+        let backlog = self.backlog.clone();
+        let started = Instant::now();
+        let deadline = started + limit;
+        let mut progress = backlog.progress();
+        if let Some(at) = self.stalled_at {
+            if progress == at {
                 return false;
             }
-            // Timeout as a backstop: `Backlog::taken` notifies under the same lock.
-            let wake = deadline.min(Instant::now() + Duration::from_millis(10));
-            self.backlog.taken.wait_until(&mut guard, wake);
+            self.stalled_at = None; // it reads again: back to back-pressure
+        }
+        let mut last_progress = started;
+        let mut guard = backlog.lock.lock();
+        while !self.has_room(size) {
+            if self.gone.load(Ordering::Acquire) {
+                return false;
+            }
+            let now = Instant::now();
+            let p = backlog.progress();
+            if p != progress {
+                (progress, last_progress) = (p, now);
+            }
+            let stall_at = last_progress + stall_after;
+            if self.consumer && now >= stall_at {
+                self.stalled_at = Some(progress);
+                self.stalls += 1;
+                return false;
+            }
+            if now >= deadline {
+                return false;
+            }
+            // Timeout as a backstop: `Backlog::taken` and the subscription's `close` notify under the same lock.
+            let wake =
+                deadline.min(if self.consumer { stall_at } else { deadline }).min(now + Duration::from_millis(10));
+            backlog.taken.wait_until(&mut guard, wake);
         }
         true
     }
@@ -219,46 +279,99 @@ impl Port {
 
 /// A consumer's end of the stream: records of the hookpoints it subscribed to, in stream order.
 ///
-/// A record is exported once it is in the subscription's queue. Receive promptly: a subscription that falls behind
-/// its byte budget makes the drain wait (full mode, up to twice the deadline) or drops records for it
-/// (best-effort, counted as `sink_backpressure`). Dropping the subscription unsubscribes.
+/// A record is exported once it is in the subscription's queue, whose size is bounded by `export.backlog` bytes.
+/// When the queue is full:
+///
+/// * best-effort mode drops the record for this subscription (counted as `sink_backpressure`);
+/// * full mode makes the drain wait while the subscription makes progress — a consumer that is merely slow
+///   back-pressures the drain (up to twice the deadline per record), and through the ring the engine;
+/// * but a subscription that takes **no** record for one whole deadline (`policy.full_deadline_ms`) while its queue
+///   is full is declared *stalled*: from then on a record that finds its queue full is dropped for it at once and
+///   counted (`sink_backpressure`), without waiting, until it takes a record again. A consumer that stopped reading
+///   therefore holds the engine for at most one deadline, and shutting the session down waits on it at most that
+///   long (once stalled, not at all).
+///
+/// [`close`](Self::close) (or dropping the subscription) unsubscribes: any thread blocked in [`recv`](Self::recv)
+/// or [`recv_timeout`](Self::recv_timeout) on it wakes at once and sees the end of the stream, and no record is
+/// returned after `close` has returned.
 pub struct Subscription {
     rx: Receiver<Record>,
     backlog: Arc<Backlog>,
+    /// Set by `close`: the drain stops offering records, receivers see the end.
     gone: Arc<AtomicBool>,
+    /// Dropped by `close`, which disconnects `closed` and so wakes every receiver blocked in a `select`.
+    closer: Mutex<Option<Sender<()>>>,
+    closed: Receiver<()>,
 }
 
 impl Subscription {
     pub(crate) fn new(rx: Receiver<Record>, backlog: Arc<Backlog>, gone: Arc<AtomicBool>) -> Self {
-        Subscription { rx, backlog, gone }
+        let (closer, closed) = crossbeam::channel::bounded(0);
+        Subscription { rx, backlog, gone, closer: Mutex::new(Some(closer)), closed }
     }
 
-    fn took(&self, r: Record) -> Record {
+    /// Accounts for a record taken from the queue; `None` if the subscription was closed meanwhile (so a receiver
+    /// racing with `close` never hands out a record after `close` returned).
+    fn took(&self, r: Record) -> Option<Record> {
         self.backlog.taken(r.size_bytes());
-        r
+        (!self.is_closed()).then_some(r)
     }
 
-    /// Waits for the next record; `None` once the session has shut down and everything was received.
+    /// Waits for the next record; `None` once the session has shut down and everything was received, or once the
+    /// subscription is closed (from any thread).
     pub fn recv(&self) -> Option<Record> {
-        self.rx.recv().ok().map(|r| self.took(r))
+        if self.is_closed() {
+            return None;
+        }
+        crossbeam::select! {
+            recv(self.rx) -> r => r.ok().and_then(|r| self.took(r)),
+            recv(self.closed) -> _ => None,
+        }
     }
 
-    /// Waits up to `timeout` for the next record. `Ok(None)` on timeout; `Err(())` once the stream has ended.
+    /// Waits up to `timeout` for the next record. `Ok(None)` on timeout; `Err(())` once the stream has ended or the
+    /// subscription is closed ([`is_closed`](Self::is_closed) tells which).
     #[allow(clippy::result_unit_err)]
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Record>, ()> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => Ok(Some(self.took(r))),
-            Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => Err(()),
+        if self.is_closed() {
+            return Err(());
+        }
+        crossbeam::select! {
+            recv(self.rx) -> r => match r {
+                Ok(r) => self.took(r).map(Some).ok_or(()),
+                Err(_) => Err(()),
+            },
+            recv(self.closed) -> _ => Err(()),
+            default(timeout) => Ok(None),
         }
     }
 
     /// The next record if one is queued.
     pub fn try_recv(&self) -> Option<Record> {
+        if self.is_closed() {
+            return None;
+        }
         match self.rx.try_recv() {
-            Ok(r) => Some(self.took(r)),
+            Ok(r) => self.took(r),
             Err(TryRecvError::Empty | TryRecvError::Disconnected) => None,
         }
+    }
+
+    /// Unsubscribes, from any thread: the drain offers nothing more (and stops waiting for room, if it was), what
+    /// is queued is released, and every thread blocked receiving on this subscription wakes and sees the end of the
+    /// stream. Records already queued were counted as exported when they were queued. Closing twice is harmless.
+    pub fn close(&self) {
+        self.gone.store(true, Ordering::Release);
+        drop(self.closer.lock().take());
+        while let Ok(r) = self.rx.try_recv() {
+            self.backlog.taken(r.size_bytes());
+        }
+        self.backlog.wake();
+    }
+
+    /// Whether [`close`](Self::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
     }
 
     /// Bytes queued for this subscription and not yet received.
@@ -274,9 +387,6 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        self.gone.store(true, Ordering::Release);
-        while let Ok(r) = self.rx.try_recv() {
-            self.backlog.taken(r.size_bytes());
-        }
+        self.close();
     }
 }

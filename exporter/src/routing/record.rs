@@ -8,6 +8,7 @@
 //! data (a Parquet file being written) keeps only the small receipt until its data is durable, so a file that fails
 //! to commit turns into counted drops instead of silently lost rows.
 
+use std::collections::TryReserveError;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -31,10 +32,15 @@ struct Inner {
 
 impl Record {
     /// Copies `view`'s payload out of the ring; `hookpoint` is the catalog entry of the id in its header.
-    pub fn copy_from(view: &RecordView<'_>, hookpoint: Arc<CatalogEntry>) -> Record {
-        let payload = view.payload().to_vec();
+    ///
+    /// The payload's size comes from the producer (up to half the ring): when the allocator refuses it, this returns
+    /// the error instead of aborting, and nothing is counted — the caller counts the record as dropped.
+    pub fn copy_from(view: &RecordView<'_>, hookpoint: Arc<CatalogEntry>) -> Result<Record, TryReserveError> {
+        let mut payload = Vec::new();
+        payload.try_reserve_exact(view.payload().len())?;
+        payload.extend_from_slice(view.payload());
         let receipt = Receipt::new(hookpoint.clone(), view.rows() as u64);
-        Record(Arc::new(Inner { payload: Arc::new(payload), header: view.header, hookpoint, receipt }))
+        Ok(Record(Arc::new(Inner { payload: Arc::new(payload), header: view.header, hookpoint, receipt })))
     }
 
     /// The same record without accounting responsibility: what a consumer's queue holds. Handing a record to an

@@ -39,10 +39,10 @@ static SPARE: Mutex<Vec<Buffer>> = Mutex::new(Vec::new());
 const SPARE_MAX_BYTES: usize = 64 << 20;
 
 /// A spare buffer of at least `capacity` bytes, or a new one.
-fn spare_buffer(capacity: usize) -> Buffer {
+fn spare_buffer(capacity: usize) -> io::Result<Buffer> {
     let mut spare = SPARE.lock();
     match spare.iter().position(|b| b.capacity() >= capacity) {
-        Some(i) => spare.swap_remove(i),
+        Some(i) => Ok(spare.swap_remove(i)),
         None => Buffer::with_capacity(capacity),
     }
 }
@@ -74,13 +74,15 @@ impl Buffer {
     /// A buffer of no memory at all.
     const NONE: Buffer = Buffer { map: None, len: 0 };
 
-    fn with_capacity(capacity: usize) -> Self {
-        let capacity = capacity.max(1).next_multiple_of(ALIGN);
-        let map = memmap2::MmapMut::map_anon(capacity)
-            .unwrap_or_else(|e| panic!("cannot map a {capacity}-byte output buffer: {e}"));
+    /// Maps a buffer of at least `capacity` bytes. Its size follows the configuration and the records (a batch, a
+    /// compressed column chunk), so a mapping the kernel refuses is an error the sink reports (its records counted as
+    /// `sink_error`), never a panic or an abort.
+    fn with_capacity(capacity: usize) -> io::Result<Self> {
+        let capacity = capacity.max(1).checked_next_multiple_of(ALIGN).ok_or_else(|| refused(capacity, None))?;
+        let map = memmap2::MmapMut::map_anon(capacity).map_err(|e| refused(capacity, Some(e)))?;
         #[cfg(target_os = "linux")]
         let _ = map.advise(memmap2::Advice::HugePage); // only advice: without huge pages it works as well
-        Buffer { map: Some(map), len: 0 }
+        Ok(Buffer { map: Some(map), len: 0 })
     }
 
     /// Bytes in the buffer.
@@ -115,21 +117,24 @@ impl Buffer {
         self.len = self.len.min(len);
     }
 
-    /// Makes room for `n` more bytes (moving to a larger buffer if needed).
-    pub(crate) fn reserve(&mut self, n: usize) {
-        let need = self.len + n;
+    /// Makes room for `n` more bytes (moving to a larger buffer if needed); fails, leaving the buffer as it was,
+    /// when the larger buffer cannot be mapped.
+    pub(crate) fn reserve(&mut self, n: usize) -> io::Result<()> {
+        let need = self.len.checked_add(n).ok_or_else(|| refused(usize::MAX, None))?;
         if need > self.capacity() {
-            let mut bigger = Buffer::with_capacity(need.max(self.capacity() + self.capacity() / 4));
-            bigger.extend(self.bytes());
+            let mut bigger = Buffer::with_capacity(need.max(self.capacity() + self.capacity() / 4))?;
+            bigger.extend(self.bytes())?;
             *self = bigger;
         }
+        Ok(())
     }
 
-    pub(crate) fn extend(&mut self, data: &[u8]) {
-        self.reserve(data.len());
+    pub(crate) fn extend(&mut self, data: &[u8]) -> io::Result<()> {
+        self.reserve(data.len())?;
         let len = self.len;
         self.memory()[len..len + data.len()].copy_from_slice(data);
         self.len += data.len();
+        Ok(())
     }
 
     /// The free space after the bytes, to write into and then [`advance`](Self::advance) over.
@@ -143,6 +148,18 @@ impl Buffer {
         assert!(self.len + n <= self.capacity(), "advanced past the buffer");
         self.len += n;
     }
+}
+
+/// The error of an output buffer the kernel would not map.
+fn refused(capacity: usize, cause: Option<io::Error>) -> io::Error {
+    let cause = cause.map_or_else(|| "the size overflows".to_owned(), |e| e.to_string());
+    io::Error::new(
+        io::ErrorKind::OutOfMemory,
+        format!(
+            "cannot map a {capacity}-byte output buffer ({cause}): the sink's batches (`batch_bytes`) or single \
+             records are too large for the memory left; free memory or capture smaller records"
+        ),
+    )
 }
 
 /// Where the buffers go: written on the caller's thread, or handed to the file's I/O thread.
@@ -219,7 +236,7 @@ impl Output {
             direct,
             direct_writes,
             buffer_bytes,
-            current: spare_buffer(buffer_bytes),
+            current: spare_buffer(buffer_bytes)?,
             shipped: 0,
             pool: Vec::new(),
             made: 1,
@@ -264,8 +281,9 @@ impl Output {
                 }
             }
         }
+        let buffer = spare_buffer(self.buffer_bytes)?;
         self.made += 1;
-        Ok(spare_buffer(self.buffer_bytes))
+        Ok(buffer)
     }
 
     /// Takes back a buffer from [`take_buffer`](Self::take_buffer) that was not adopted.
@@ -300,7 +318,7 @@ impl Output {
         let len = self.position();
         let filled = self.current.len();
         let total = if self.direct { filled.next_multiple_of(ALIGN) } else { filled };
-        self.current.extend(&[0; ALIGN][..total - filled]);
+        self.current.extend(&[0; ALIGN][..total - filled])?;
         let last = std::mem::replace(&mut self.current, Buffer::NONE);
         self.send(last, total)?;
         let file = match std::mem::replace(&mut self.writer, Writer::Failed("finished".into())) {
@@ -392,17 +410,17 @@ impl Write for Output {
         let room = self.buffer_bytes.max(self.current.capacity()) - self.current.len();
         if room >= ALIGN || room >= data.len() {
             let n = data.len().min(room);
-            self.current.extend(&data[..n]);
+            self.current.extend(&data[..n])?;
             return Ok(n);
         }
         // Full: send its whole blocks, carry the rest (less than a block) over to an empty buffer.
         let mut next = self.take_buffer()?;
         let whole = self.current.len() - self.current.len() % ALIGN;
-        next.extend(&self.current.bytes()[whole..]);
+        next.extend(&self.current.bytes()[whole..])?;
         let full = std::mem::replace(&mut self.current, next);
         self.send(full, whole)?;
         let n = data.len().min(self.buffer_bytes - self.current.len());
-        self.current.extend(&data[..n]);
+        self.current.extend(&data[..n])?;
         Ok(n)
     }
 
@@ -477,6 +495,24 @@ mod tests {
     }
 
     #[test]
+    fn a_buffer_the_kernel_refuses_is_an_error_not_a_panic() {
+        let overflow = Buffer::with_capacity(usize::MAX - 1).err().expect("a size that overflows is refused");
+        assert!(overflow.to_string().contains("the size overflows"), "{overflow}");
+        // More than the address space: the kernel refuses the mapping whatever the overcommit setting.
+        let dir = scratch("refused");
+        std::fs::create_dir_all(&dir).unwrap();
+        let err = Output::create(&dir.join("f"), DirectIo::Off, 1 << 62).expect_err("a 4 EiB buffer is refused");
+        assert_eq!(err.kind(), io::ErrorKind::OutOfMemory, "{err}");
+        assert!(err.to_string().contains("cannot map a 4611686018427387904-byte output buffer"), "{err}");
+        let mut out = Output::create(&dir.join("g"), DirectIo::Off, ALIGN).unwrap();
+        let mut chunk = out.take_buffer().unwrap();
+        assert!(chunk.reserve(1 << 62).is_err(), "growing past the address space is refused");
+        chunk.extend(b"still usable").unwrap();
+        assert_eq!(chunk.bytes(), b"still usable");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn every_byte_reaches_the_file_in_order_and_the_padding_is_cut() {
         let path = scratch("bytes");
         let data: Vec<u8> = (0..100_003u32).map(|i| (i * 7 % 253) as u8).collect();
@@ -494,8 +530,8 @@ mod tests {
             let mut out = Output::create(&path, direct_io, ALIGN).unwrap();
             out.write_all(&data[..5000]).unwrap();
             let mut chunk = out.take_buffer().unwrap();
-            chunk.extend(&[0; 5000 % ALIGN]);
-            chunk.extend(&data[5000..90_000]);
+            chunk.extend(&[0; 5000 % ALIGN]).unwrap();
+            chunk.extend(&data[5000..90_000]).unwrap();
             let short = out.take_buffer().unwrap();
             let e = out.adopt(short, 0).unwrap_err().to_string();
             assert!(e.contains("must lead with its last 904 bytes"), "{e}");
@@ -517,7 +553,7 @@ mod tests {
         // A write of an unaligned length is what a file system that opened a file with O_DIRECT rejects.
         let path = scratch("fallback");
         let Ok(mut probe) = open_direct(&path) else { return }; // no O_DIRECT here: nothing to fall back from
-        if probe.write_all(&Buffer::with_capacity(ALIGN).memory()[..100]).is_ok() {
+        if probe.write_all(&Buffer::with_capacity(ALIGN).unwrap().memory()[..100]).is_ok() {
             return; // this file system (tmpfs) takes unaligned direct writes: nothing is rejected
         }
         for fallback in [true, false] {
@@ -525,10 +561,10 @@ mod tests {
             let file = open_direct(&path).unwrap();
             let (jobs, job_rx) = bounded(2);
             let (done_tx, done) = bounded(2);
-            let mut aligned = Buffer::with_capacity(ALIGN);
-            aligned.extend(&[7; ALIGN]);
-            let mut odd = Buffer::with_capacity(ALIGN);
-            odd.extend(&[9; 100]);
+            let mut aligned = Buffer::with_capacity(ALIGN).unwrap();
+            aligned.extend(&[7; ALIGN]).unwrap();
+            let mut odd = Buffer::with_capacity(ALIGN).unwrap();
+            odd.extend(&[9; 100]).unwrap();
             jobs.send((aligned, ALIGN)).unwrap();
             jobs.send((odd, 100)).unwrap();
             drop(jobs);

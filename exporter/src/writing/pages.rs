@@ -64,10 +64,13 @@ impl ActivationPages {
     ) -> Result<ColumnCloseResult> {
         let page_cap = (self.page_bytes / row_bytes).max(1) * row_bytes;
         if self.page.capacity() < page_cap {
-            self.page.reserve_exact(page_cap);
+            // Sized by `export.page_bytes`: refused memory fails the sink (counted), it does not abort.
+            self.page.try_reserve_exact(page_cap - self.page.len()).map_err(|e| {
+                ParquetError::General(format!("a {page_cap}-byte page buffer could not be allocated: {e}"))
+            })?;
         }
         chunk.clear();
-        chunk.extend(&[0; crate::writing::output::ALIGN][..lead]);
+        chunk.extend(&[0; crate::writing::output::ALIGN][..lead])?;
         let mut asm = Assembly { lead, row_bytes, rows: 0, uncompressed: 0, offsets: Default::default() };
         // Records at least this big become pages of their own, compressed in place (no copy); smaller ones are
         // gathered into page-sized pages. zstd compresses 64 KiB pages as well as 1 MiB ones: it works in blocks of
@@ -137,8 +140,8 @@ fn compress_page(
     let bound = zstd::zstd_safe::compress_bound(rows.len());
     let slot = data_page_header(rows.len(), bound, n)?.len();
     let start = chunk.len();
-    chunk.reserve(slot + bound);
-    chunk.extend(&[0; 64][..slot]); // the header slot (a header is at most 29 bytes)
+    chunk.reserve(slot + bound)?;
+    chunk.extend(&[0; 64][..slot])?; // the header slot (a header is at most 29 bytes)
     let compressed =
         compressor.compress_to_buffer(rows, chunk.spare()).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
     chunk.advance(compressed);
@@ -391,8 +394,8 @@ mod tests {
                 let start = 5_000u64;
                 let lead = start as usize % ALIGN;
                 let mut chunk = out.take_buffer().unwrap();
-                chunk.extend(&vec![9; lead]);
-                chunk.extend(&spliced);
+                chunk.extend(&vec![9; lead]).unwrap();
+                chunk.extend(&spliced).unwrap();
                 let mut w = SpliceWriter::new(out);
                 w.write_all(&stream[..100]).unwrap();
                 w.splice(start, chunk, lead).unwrap();
@@ -418,7 +421,7 @@ mod tests {
         for stop in [50, 10] {
             let mut w = SpliceWriter::new(Output::create(&path, DirectIo::Off, ALIGN).unwrap());
             let mut chunk = w.output().take_buffer().unwrap();
-            chunk.extend(&[0; 20 + 100]);
+            chunk.extend(&[0; 20 + 100]).unwrap();
             w.splice(20, chunk, 20).unwrap();
             w.write_all(&vec![0; stop]).unwrap();
             let e = w.end_splice().unwrap_err().to_string();

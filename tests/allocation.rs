@@ -1,0 +1,114 @@
+//! Allocations the machine refuses, for real. Each case runs in a child process (this test binary run again, with
+//! the case in an environment variable) under an address-space limit (`RLIMIT_AS`), where the allocator returns
+//! failure for a request above the limit instead of handing out lazily backed memory. Before, each case aborted the
+//! process ("memory allocation of ... bytes failed"); a library linked into an engine must never do that.
+
+use std::process::Command;
+
+use ringscope::{Config, DropReason, Error, Session};
+
+const CASE: &str = "RINGSCOPE_ALLOCATION_CASE";
+
+/// Runs `case` in a child process and asserts that it reached its end.
+fn run_case(case: &str) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(CASE, case)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && stdout.contains(&format!("case {case} passed")),
+        "case {case}: {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+}
+
+/// Limits this process's address space to what it maps now plus `extra` bytes (the soft limit only).
+fn limit_address_space(extra: u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmSize in /proc/self/status");
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid, writable rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) }, 0);
+    limit.rlim_cur = (kib * 1024 + extra).min(limit.rlim_max);
+    // SAFETY: `limit` is a valid rlimit; lowering the soft limit needs no privilege.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
+}
+
+fn config(capacity: &str, extra: &str) -> Config {
+    Config::from_toml(&format!(
+        "[ring]\ncapacity = \"{capacity}\"\n[policy]\nmode = \"best_effort\"\n{extra}\n[[hookpoints]]\n\
+         name = \"h\"\nsite = \"residual\"\ndtype = \"u8\"\nrow_width = 16\n"
+    ))
+    .unwrap()
+}
+
+/// The cases, run only in a child process.
+#[test]
+fn child() {
+    let Ok(case) = std::env::var(CASE) else { return };
+    const GIB: u64 = 1 << 30;
+    match case.as_str() {
+        "ring" => {
+            limit_address_space(GIB);
+            for capacity in ["8 GiB", "1024 GiB"] {
+                let err = Session::new(config(capacity, "")).err().expect("a ring over the limit is refused");
+                assert!(matches!(err, Error::Setting { key: "ring.capacity", .. }), "{err}");
+                let msg = err.to_string();
+                assert!(msg.contains(capacity) && msg.contains("refused"), "{msg}");
+            }
+            // What fits still opens.
+            Session::new(config("64 MiB", "")).unwrap().shutdown().unwrap();
+        }
+        "batch" => {
+            let session = Session::new(config("1 MiB", "")).unwrap();
+            limit_address_space(GIB);
+            // 2^28 rows: 4 GiB of row metadata.
+            let err = session.begin_step(0, (0..1u64 << 28).map(|i| (i, 0))).unwrap_err();
+            assert!(err.to_string().contains("begin_step(0)") && err.to_string().contains("refused"), "{err}");
+            // The session goes on.
+            session.begin_step(0, [(1, 0)]).unwrap();
+            session.capture(0, &[7; 16]).unwrap();
+            session.end_step().unwrap();
+            let report = session.shutdown().unwrap();
+            assert_eq!(report.accounting.total().exported.records, 1);
+        }
+        "copy" => {
+            // One 96 MiB record: the ring holds it, the drain's copy of it is refused.
+            let text = "[ring]\ncapacity = \"256 MiB\"\n[policy]\nmode = \"best_effort\"\n[[hookpoints]]\n\
+                        name = \"big\"\nsite = \"residual\"\ndtype = \"u8\"\nrow_width = 100663296\n";
+            let session = Session::new(Config::from_toml(text).unwrap()).unwrap();
+            let row = vec![1u8; 96 << 20];
+            limit_address_space(48 << 20);
+            session.begin_step(0, [(1, 0)]).unwrap();
+            session.capture(0, &row).unwrap();
+            session.end_step().unwrap();
+            let report = session.shutdown().expect("the refused copy is counted");
+            let total = report.accounting.total();
+            assert_eq!((total.produced.records, total.dropped_for(DropReason::SinkBackpressure).records), (1, 1));
+            assert!(report.drain.errors.iter().any(|e| e.contains("was refused")), "{:?}", report.drain.errors);
+        }
+        other => panic!("unknown case {other}"),
+    }
+    println!("case {case} passed");
+}
+
+#[test]
+fn a_ring_over_the_address_space_limit_is_a_config_error() {
+    run_case("ring");
+}
+
+#[test]
+fn a_step_of_2_to_the_28_rows_over_the_address_space_limit_is_an_error() {
+    run_case("batch");
+}
+
+#[test]
+fn a_record_copy_the_allocator_refuses_in_the_drain_is_a_counted_drop() {
+    run_case("copy");
+}
