@@ -32,15 +32,21 @@ fn register(s: u64, name: &str, width: u32) -> u32 {
     id
 }
 
+/// Subscribes `name` to every record of session `s`, and gives the drain time to pick the subscription up.
+fn subscribe_all(s: u64, name: &str) -> u64 {
+    let mut sub = 0u64;
+    let name = c(name);
+    // SAFETY: valid pointers; no layer filter.
+    assert_eq!(unsafe { rs_subscribe(s, name.as_ptr(), std::ptr::null(), 0, &mut sub) }, RsStatus::RsOk);
+    std::thread::sleep(Duration::from_millis(20));
+    sub
+}
+
 #[test]
 fn a_session_through_the_c_abi_captures_subscribes_counts_and_closes() {
     let s = open("");
     let id = register(s, "layers.0.resid", 4);
-    let mut sub = 0u64;
-    let name = c("probe");
-    // SAFETY: valid pointers.
-    assert_eq!(unsafe { rs_subscribe(s, name.as_ptr(), std::ptr::null(), 0, &mut sub) }, RsStatus::RsOk);
-    std::thread::sleep(Duration::from_millis(20));
+    let sub = subscribe_all(s, "probe");
     let (ids, pos) = ([7u64, 9, 9], [17u32, 0, 1]);
     // SAFETY: arrays of 3.
     assert_eq!(unsafe { rs_begin_step(s, 0, ids.as_ptr(), pos.as_ptr(), 3) }, RsStatus::RsOk);
@@ -215,11 +221,7 @@ fn a_ring_the_machine_cannot_allocate_is_a_config_error_not_an_abort() {
 fn closing_a_subscription_wakes_a_thread_waiting_in_rs_poll_which_returns_closed_never_a_record() {
     let s = open("");
     let id = register(s, "layers.0.resid", 4);
-    let mut sub = 0u64;
-    let name = c("probe");
-    // SAFETY: valid pointers.
-    assert_eq!(unsafe { rs_subscribe(s, name.as_ptr(), std::ptr::null(), 0, &mut sub) }, RsStatus::RsOk);
-    std::thread::sleep(Duration::from_millis(20));
+    let sub = subscribe_all(s, "probe");
     let poller = std::thread::spawn(move || {
         let started = std::time::Instant::now();
         let mut info = RsRecordInfo::default();

@@ -465,6 +465,24 @@ mod tests {
             }
         }
 
+        /// A record handed on with its decoded header: the same view as decoding it, and a payload of another
+        /// length, or a pad's header, is an error.
+        #[test]
+        fn from_parts_matches_decode_and_checks_the_payload((seq, meta, metas, data) in arb_record(), cut in 1usize..64) {
+            let bytes = encode_record(seq, &meta, &metas, &data);
+            let (decoded, _) = RecordView::decode(&bytes).unwrap();
+            let payload = decoded.payload();
+            let view = RecordView::from_parts(decoded.header, payload).unwrap();
+            prop_assert_eq!(view.row_metas().collect::<Vec<_>>(), metas);
+            prop_assert_eq!(view.data(), &data[..]);
+            let short = &payload[..payload.len().saturating_sub(cut)];
+            let truncated = RecordView::from_parts(decoded.header, short);
+            assert!(matches!(truncated, Err(DecodeError::Truncated { .. })), "{truncated:?}");
+            let pad = RecordHeader::pad(HEADER_LEN + 64);
+            let not_data = RecordView::from_parts(pad, &[0; 64]);
+            assert!(matches!(not_data, Err(DecodeError::Inconsistent(_))), "{not_data:?}");
+        }
+
         #[test]
         fn truncation_is_an_error_not_a_panic((seq, meta, metas, data) in arb_record(), cut in 0usize..4096) {
             let bytes = encode_record(seq, &meta, &metas, &data);

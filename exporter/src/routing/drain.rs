@@ -326,6 +326,42 @@ mod tests {
         assert_eq!(s["layers.0.resid"].requests, 2);
     }
 
+    /// A record whose hookpoint id the catalog does not resolve is reported and skipped; the drain goes on.
+    #[test]
+    fn a_record_of_an_id_the_catalog_does_not_know_is_reported_not_fatal() {
+        let (mut p, c, reg) = setup();
+        let (summary, handle) = SummarySink::new();
+        let drain = Drain::spawn(c, reg.catalog(), vec![boxed(summary)], DrainOptions::default()).unwrap();
+        reg.capture(&mut p, 0, 0, &[(1, 0)], &[0; 16]);
+        let meta = ringscope_ring::RecordMeta {
+            step: 1,
+            hookpoint: 7,
+            rows: 1,
+            row_bytes: 16,
+            dtype: ringscope_ring::DType::F16,
+            flags: 0,
+        };
+        let row = [ringscope_ring::RowMeta { request_id: 1, position: 1, batch_row: 0 }];
+        p.try_push(meta, &row, &[0; 16]).unwrap();
+        reg.capture(&mut p, 1, 2, &[(1, 2)], &[0; 16]);
+        drop(p);
+        let report = drain.join().unwrap();
+        assert_eq!(report.errors, vec!["record 1 names unknown hookpoint id 7".to_string()]);
+        assert_eq!(report.records, 2);
+        assert_eq!(handle.lock().len(), 2);
+        reg.accounting().check().unwrap();
+    }
+
+    #[test]
+    fn a_list_catalog_resolves_only_entries_whose_id_is_their_index() {
+        let reg = TestCatalog::layers(2, 8);
+        let catalog = reg.catalog();
+        assert_eq!(catalog.entry(1).map(|e| e.id()), Some(1));
+        assert!(catalog.entry(2).is_none());
+        let misplaced: Vec<Arc<CatalogEntry>> = vec![catalog.entry(1).unwrap()];
+        assert!(misplaced.entry(0).is_none() && misplaced.entry(1).is_none());
+    }
+
     #[test]
     fn failing_and_panicking_sinks_are_counted_not_fatal() {
         let (mut p, c, reg) = setup();
