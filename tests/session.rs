@@ -233,6 +233,8 @@ fn bad_input_gets_clear_errors() {
     assert!(matches!(session.begin_step(1, [(1, 1)]), Err(Error::StepOpen { open: 0, new: 1 })));
     // Unknown hookpoint, by id and by name.
     assert!(session.capture(9, &[0; 16]).unwrap_err().to_string().contains("unknown hookpoint id 9"));
+    assert!(session.hookpoint_by_id(9).unwrap_err().to_string().contains("unknown hookpoint id 9"));
+    assert_eq!(session.hookpoint_by_id(0).unwrap().spec().name, session.hookpoints()[0].spec().name);
     assert!(session.capture_by_name("layers.9.resid", &[0; 16]).unwrap_err().to_string().contains("layers.0.resid"));
     // Wrong size.
     let err = session.capture(0, &[0; 15]).unwrap_err().to_string();
