@@ -125,7 +125,12 @@ impl SessionBuilder {
         };
         let mut sinks = self.sinks;
         let mut files = Vec::new();
-        let dataset = config.export.dataset_options();
+        let mut dataset = config.export.dataset_options();
+        // Records a file sink holds for its batches hold ring space (they are lent, not copied): all file sinks
+        // together hold at most a quarter of the ring, so the drain always has room to move.
+        let file_sinks =
+            config.export.threads as usize * (config.export.parquet as usize + config.export.arrow_ipc as usize);
+        dataset.max_pending_bytes = dataset.max_pending_bytes.min(capacity / 4 / file_sinks.max(1)).max(1);
         let run_dir = (config.export.parquet || config.export.arrow_ipc).then(|| dataset.run_dir());
         let threads = config.export.threads;
         if threads == 0 || threads > 256 {

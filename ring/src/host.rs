@@ -24,6 +24,7 @@ use std::time::Instant;
 use crossbeam_utils::CachePadded;
 
 use crate::error::{DecodeError, ReserveError, RingError};
+use crate::lease::{Lease, LeaseBook};
 use crate::record::{
     align_up, flags, write_payload, RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta, HEADER_LEN, RECORD_ALIGN,
 };
@@ -133,7 +134,9 @@ pub fn channel(capacity: usize) -> Result<(Producer, Consumer), RingError> {
         space: SpaceSignal { waiters: AtomicUsize::new(0), queue: WaitQueue::new() },
     });
     let producer = Producer { shared: shared.clone(), head: 0, head_offset: 0, cached_tail: 0, next_seq: 0 };
-    let consumer = Consumer { shared, read: 0, read_offset: 0, cached_head: 0, pending: None, expected_seq: 0 };
+    let book = LeaseBook::new(std::sync::Arc::new(shared.clone()));
+    let consumer =
+        Consumer { shared, read: 0, read_offset: 0, cached_head: 0, pending: None, expected_seq: 0, book, released: 0 };
     Ok((producer, consumer))
 }
 
@@ -382,8 +385,9 @@ impl Reservation<'_> {
 /// The reading end of a ring. There is exactly one; it is `Send` but not `Clone`.
 ///
 /// Reading is split from releasing so a drain can look at several records and hand their space back with one
-/// store: [`peek`](Self::peek) the next record, [`advance`](Self::advance) past it, and [`release`](Self::release)
-/// everything advanced past so far.
+/// store: [`peek`](Self::peek) the next record, [`advance`](Self::advance) past it (or [`lease`](Self::lease) its
+/// payload, which moves past it without copying), and [`release`](Self::release) everything advanced past so far,
+/// up to the oldest lease still out.
 pub struct Consumer {
     shared: Arc<Shared>,
     /// Read position: everything before it has been advanced past (released or about to be).
@@ -391,9 +395,13 @@ pub struct Consumer {
     /// `read % capacity`.
     read_offset: usize,
     cached_head: u64,
-    /// Footprint of the record returned by the last `peek`, not yet advanced past.
-    pending: Option<usize>,
+    /// Footprint and payload length of the record returned by the last `peek`, not yet advanced past.
+    pending: Option<(usize, usize)>,
     expected_seq: u64,
+    /// Payloads lent out and not yet seen returned.
+    book: LeaseBook,
+    /// The tail last stored.
+    released: u64,
 }
 
 impl Consumer {
@@ -436,7 +444,7 @@ impl Consumer {
             if view.header.seq != self.expected_seq {
                 return Err(DecodeError::SequenceGap { expected: self.expected_seq, found: view.header.seq });
             }
-            self.pending = Some(footprint);
+            self.pending = Some((footprint, view.payload().len()));
             return Ok(Some(view));
         }
     }
@@ -444,7 +452,7 @@ impl Consumer {
     /// Moves past the record returned by the last [`peek`](Self::peek). Its space is returned to the producer at
     /// the next [`release`](Self::release). Does nothing if no record is pending.
     pub fn advance(&mut self) {
-        if let Some(footprint) = self.pending.take() {
+        if let Some((footprint, _)) = self.pending.take() {
             self.read += footprint as u64;
             self.read_offset += footprint;
             if self.read_offset == self.shared.capacity {
@@ -454,11 +462,40 @@ impl Consumer {
         }
     }
 
-    /// Hands the space of every record advanced past back to the producer.
+    /// Moves past the record returned by the last [`peek`](Self::peek) and lends its payload instead of copying it:
+    /// the producer gets its space back only after the lease is dropped (and every older lease too). `None` if no
+    /// record is pending.
+    pub fn lease(&mut self) -> Option<Lease> {
+        let (footprint, payload_len) = self.pending?;
+        let start = self.read;
+        let offset = self.read_offset + HEADER_LEN;
+        // SAFETY: `base` is the start of the buffer and `offset + payload_len` lies within it (the record was
+        // decoded there, and records never wrap).
+        let ptr = unsafe { std::ptr::NonNull::new_unchecked(self.shared.base().add(offset)) };
+        // SAFETY: the payload is published; we store a tail past `start` only once `reclaim` says the lease came
+        // back, so the producer does not write it while the lease lives. `lease` is called in ring order.
+        let lease = unsafe { self.book.lend(ptr, payload_len, start, footprint as u64) };
+        self.advance();
+        Some(lease)
+    }
+
+    /// Hands the space of every record advanced past back to the producer, up to the oldest lease still out.
     pub fn release(&mut self) {
-        // Release: our reads of those bytes happen before the producer's Acquire load lets it overwrite them.
-        self.shared.tail.store(self.read, Ordering::Release);
+        let tail = self.book.reclaim(self.read);
+        if tail == self.released {
+            return;
+        }
+        self.released = tail;
+        // Release: our reads of those bytes (and, through `reclaim`'s Acquire, every lease holder's) happen before
+        // the producer's Acquire load lets it overwrite them.
+        self.shared.tail.store(tail, Ordering::Release);
         self.shared.space.notify();
+    }
+
+    /// Ring bytes read but not yet reusable because a lease on them, or on a record before them, is still out (as
+    /// of the last [`release`](Self::release)).
+    pub fn held_bytes(&self) -> u64 {
+        self.read - self.released
     }
 
     /// Reads the next record with `f`, then advances and releases it. `Ok(None)` when nothing is published.

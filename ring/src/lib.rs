@@ -10,6 +10,7 @@
 //! * [`cuda`] — the same protocol on device memory: capture kernels publish, a drain copies through pinned memory.
 //!   [`cuda::driver`] is the one CUDA driver layer of ringscope (raw calls, errors, RAII owners); the driver is
 //!   loaded at run time, and without one opening a device is an error, never a panic.
+//! * [`lease`] — record payloads lent to the exporter without a copy; ring space comes back when the lease does.
 //! * [`space`] — the ring-space arithmetic (wrap padding, "does it fit") both backends decide with.
 //!
 //! This crate moves bytes and decides nothing: whether to wait for space or drop a record is the policy's call.
@@ -20,6 +21,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod host;
+pub mod lease;
 pub mod record;
 pub mod space;
 pub mod spec;
@@ -28,6 +30,7 @@ mod sync;
 pub use dtype::DType;
 pub use error::{DecodeError, ReserveError, RingError, SourceError, SpecError};
 pub use host::{channel, Consumer, Producer, Reservation};
+pub use lease::Lease;
 pub use record::{RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta};
 pub use spec::{HookPointSpec, SiteKind};
 
@@ -37,6 +40,13 @@ pub trait RecordSource: Send {
     fn peek(&mut self) -> Result<Option<RecordView<'_>>, SourceError>;
     /// Moves past the record returned by the last `peek` and gives its space back to the producer.
     fn advance(&mut self);
+    /// Moves past the record returned by the last `peek` and lends its payload (no copy): its space goes back to the
+    /// producer once the lease, and every older one, is dropped. `None` if no record is pending.
+    fn lease(&mut self) -> Option<Lease>;
+    /// Ring bytes handed out but not reusable yet because a lease on them, or on a record before them, is still out.
+    fn held_bytes(&mut self) -> u64;
+    /// Bytes of the memory records are lent from (the ring, or the CUDA backend's staging).
+    fn capacity(&self) -> usize;
     /// True when the producer is gone and every record it published has been handed out.
     fn is_finished(&mut self) -> bool;
 }
@@ -50,6 +60,18 @@ impl<S: RecordSource + ?Sized> RecordSource for Box<S> {
         (**self).advance()
     }
 
+    fn lease(&mut self) -> Option<Lease> {
+        (**self).lease()
+    }
+
+    fn held_bytes(&mut self) -> u64 {
+        (**self).held_bytes()
+    }
+
+    fn capacity(&self) -> usize {
+        (**self).capacity()
+    }
+
     fn is_finished(&mut self) -> bool {
         (**self).is_finished()
     }
@@ -57,12 +79,29 @@ impl<S: RecordSource + ?Sized> RecordSource for Box<S> {
 
 impl RecordSource for Consumer {
     fn peek(&mut self) -> Result<Option<RecordView<'_>>, SourceError> {
+        // Space of leases returned since the last look goes back to the producer (a no-op when none came back).
+        self.release();
         Ok(Consumer::peek(self)?)
     }
 
     fn advance(&mut self) {
         Consumer::advance(self);
         self.release();
+    }
+
+    fn lease(&mut self) -> Option<Lease> {
+        let lease = Consumer::lease(self);
+        self.release();
+        lease
+    }
+
+    fn held_bytes(&mut self) -> u64 {
+        self.release();
+        Consumer::held_bytes(self)
+    }
+
+    fn capacity(&self) -> usize {
+        Consumer::capacity(self)
     }
 
     fn is_finished(&mut self) -> bool {

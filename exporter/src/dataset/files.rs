@@ -94,6 +94,8 @@ pub struct FileSink<F: FileFormat> {
     format: F,
     options: DatasetOptions,
     partitions: HashMap<u32, Partition<F::Writer>>,
+    /// Activation bytes pending over all partitions.
+    pending_bytes: usize,
     committed: CommittedFiles,
 }
 
@@ -102,7 +104,8 @@ impl<F: FileFormat> FileSink<F> {
     pub fn create(format: F, options: DatasetOptions) -> Result<(Self, CommittedFiles), SinkError> {
         Self::setup(&options).map_err(Self::error)?;
         let committed = CommittedFiles::default();
-        let sink = FileSink { format, options, partitions: HashMap::new(), committed: committed.clone() };
+        let sink =
+            FileSink { format, options, partitions: HashMap::new(), pending_bytes: 0, committed: committed.clone() };
         Ok((sink, committed))
     }
 
@@ -152,6 +155,8 @@ impl<F: FileFormat> FileSink<F> {
     fn flush(&mut self, id: u32, commit: bool) -> Result<(), FileError> {
         let (format, options, committed) = (&self.format, &self.options, &self.committed);
         let part = self.partitions.get_mut(&id).expect("partition exists");
+        // Written or failed: either way the partition holds nothing pending afterwards.
+        self.pending_bytes -= part.pending_bytes;
         let result = flush_partition(format, options, committed, part, commit);
         if result.is_err() {
             // Everything of this partition not yet committed is lost: count it, and remove the partial file.
@@ -262,8 +267,17 @@ impl<F: FileFormat> Sink for FileSink<F> {
         let part = self.partition(record.hookpoint())?;
         part.pending.push(record.clone());
         part.pending_bytes += record.data().len();
-        if part.pending_bytes >= batch_bytes {
+        let full = part.pending_bytes >= batch_bytes;
+        self.pending_bytes += record.data().len();
+        if full {
             self.flush(id, false).map_err(Self::error)?;
+        }
+        // Records held for batches hold their ring space: across many hookpoints, write the largest early rather
+        // than let them hold the ring.
+        while self.pending_bytes > self.options.max_pending_bytes {
+            let largest = self.partitions.iter().max_by_key(|(_, p)| p.pending_bytes).map(|(&id, _)| id);
+            let Some(largest) = largest else { break };
+            self.flush(largest, false).map_err(Self::error)?;
         }
         Ok(())
     }

@@ -76,6 +76,10 @@ pub struct DatasetOptions {
     /// Records are held per hookpoint and written in batches of about this many activation bytes; each batch is one
     /// Parquet row group (and one Arrow IPC record batch).
     pub batch_bytes: usize,
+    /// Most activation bytes held for batches across all of a sink's hookpoints: past it, the hookpoint holding the
+    /// most is written at once (a smaller row group). Held records keep their ring space, so this must stay well
+    /// below the ring's capacity (the session sets it to at most a quarter of it).
+    pub max_pending_bytes: usize,
     /// Whether files are written with `O_DIRECT` (past the page cache): `Auto` where the file system supports it.
     /// Each open file then has a writer thread and up to three buffers of about `batch_bytes`.
     pub direct_io: DirectIo,
@@ -90,6 +94,7 @@ impl DatasetOptions {
             rank: 0,
             max_file_bytes: 256 << 20,
             batch_bytes: 4 << 20,
+            max_pending_bytes: 64 << 20,
             direct_io: DirectIo::Auto,
         }
     }
@@ -109,7 +114,7 @@ impl DatasetOptions {
         if self.run_id.is_empty() || self.run_id.contains(['/', '\\']) || self.run_id.starts_with('.') {
             return Err(OptionsError::RunId(self.run_id.clone()));
         }
-        if self.max_file_bytes == 0 || self.batch_bytes == 0 {
+        if self.max_file_bytes == 0 || self.batch_bytes == 0 || self.max_pending_bytes == 0 {
             return Err(OptionsError::ZeroSize);
         }
         Ok(())

@@ -1,10 +1,17 @@
 //! The drain: ring → records → one bounded queue per sink or consumer.
 //!
-//! The drain thread copies each published record out of the ring and releases its ring space at once, then offers
-//! it to every destination whose filter matches. Each sink runs on its own worker thread behind a queue whose
-//! backlog is bounded in bytes; consumers read their queue from their own threads. When a backlog is full the
-//! policy decides: full mode waits (up to the deadline — the ring then fills and back-pressure reaches the
-//! producer), best-effort drops the record for that destination and counts it.
+//! The drain thread takes each published record from the ring *without copying it* — the ring lends the payload
+//! ([`ringscope_ring::Lease`]) and gets the space back when the last holder drops the record — and offers it to every
+//! destination whose filter matches. Each sink runs on its own worker thread behind a queue whose backlog is bounded
+//! in bytes; consumers read their queue from their own threads (and get their own copy when they receive). When a
+//! backlog is full the policy decides: full mode waits (up to the deadline — the ring then fills and back-pressure
+//! reaches the producer), best-effort drops the record for that destination and counts it.
+//!
+//! Ring space comes back in ring order, so one record held long would hold everything after it. When more than half
+//! of the ring is held, the drain moves the records waiting in destinations' queues out of the ring into host memory
+//! (bounded by the backlogs); what sinks hold while writing is bounded by their batches. A slow destination thus
+//! costs host memory up to its backlog, never the ring — and in best-effort mode never stalls capture or the other
+//! destinations.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -12,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender};
-use ringscope_policy::{DropReason, LossPolicy};
+use ringscope_policy::{DropReason, LossPolicy, Mode};
 use ringscope_ring::RecordSource;
 
 use crate::routing::catalog::{Catalog, CatalogEntry};
@@ -70,11 +77,13 @@ pub struct DrainReport {
     pub sinks: Vec<SinkReport>,
     /// Records dropped for a destination because its backlog was full.
     pub backpressure_drops: u64,
-    /// Records dropped (counted as `sink_backpressure`) because the memory for their copy out of the ring was
-    /// refused.
-    pub allocation_drops: u64,
-    /// The largest payload, in bytes, whose copy was refused.
-    pub largest_refused: usize,
+    /// Times queued records were moved out of the ring because more than half of it was held.
+    pub evacuations: u64,
+    /// Records moved out of the ring into host memory by those evacuations.
+    pub evacuated_records: u64,
+    /// Records that could not be moved out of the ring because the memory for the copy was refused (they stayed in
+    /// the ring, holding it until their destination took them).
+    pub evacuation_refused: u64,
     /// Ring errors (a corrupted record stops the drain), and every sink's errors.
     pub errors: Vec<String>,
 }
@@ -156,6 +165,7 @@ fn run_drain(
     // Entries seen so far, by id: the catalog is asked only for an id not seen before, never per record.
     let mut hookpoints: Vec<Option<Arc<CatalogEntry>>> = Vec::new();
     let mut idle = Duration::from_micros(20);
+    let mut pressure = Pressure::new(consumer.capacity() as u64, &options.policy);
 
     'drain: loop {
         let mut drained_any = false;
@@ -177,21 +187,10 @@ fn run_drain(
                         consumer.advance();
                         continue;
                     };
-                    match Record::copy_from(&view, hp.clone()) {
-                        Ok(record) => record,
-                        Err(_) => {
-                            // No memory for the copy: the record is lost for every destination, counted (the
-                            // exporter had no room for it, as with a full backlog) and reported, never an abort.
-                            let rows = view.rows() as u64;
-                            let bytes = view.payload().len();
-                            hp.counters().dropped(DropReason::SinkBackpressure, rows);
-                            report.allocation_drops += 1;
-                            report.largest_refused = report.largest_refused.max(bytes);
-                            consumer.advance();
-                            drained_any = true;
-                            continue;
-                        }
-                    }
+                    let header = view.header;
+                    let hp = hp.clone();
+                    let lease = consumer.lease().expect("a record was just peeked");
+                    Record::leased(header, lease, hp)
                 }
                 Ok(None) => break,
                 Err(e) => {
@@ -207,8 +206,6 @@ fn run_drain(
             while let Ok(p) = new_ports.try_recv() {
                 ports.push(p);
             }
-            // The bytes are copied out: hand the ring space back before anything can make us wait.
-            consumer.advance();
             drained_any = true;
             report.records += 1;
             report.rows += record.rows() as u64;
@@ -219,6 +216,13 @@ fn run_drain(
                     report.backpressure_drops += 1;
                 }
             }
+            drop(record);
+            pressure.check(&mut *consumer, &mut ports, &mut report);
+        }
+        if !drained_any {
+            // Holders may have let go of records while we found nothing new: check once more, so that a queue
+            // that holds the ring is moved out even when nothing more is published.
+            pressure.check(&mut *consumer, &mut ports, &mut report);
         }
         if drained_any {
             idle = Duration::from_micros(20);
@@ -232,11 +236,11 @@ fn run_drain(
     while let Ok(p) = new_ports.try_recv() {
         ports.push(p);
     }
-    if report.allocation_drops > 0 {
+    if report.evacuation_refused > 0 {
         report.errors.push(format!(
-            "{} records dropped (counted as sink_backpressure): the memory to copy them out of the ring was refused \
-             (the largest needed {} bytes); free memory, lower export.backlog or ring.capacity",
-            report.allocation_drops, report.largest_refused
+            "{} queued records could not be moved out of the ring (the memory for the copy was refused): they held \
+             ring space until taken; free memory or lower export.backlog",
+            report.evacuation_refused
         ));
     }
     for p in ports.iter_mut() {
@@ -257,36 +261,91 @@ fn run_drain(
     report
 }
 
-fn run_sink(mut sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>) -> SinkReport {
+/// When to move queued records out of the ring: when more than half of it is held, and again only once the held
+/// part has grown by another eighth (what sinks hold while writing cannot be moved, and must not make every record
+/// rescan the queues).
+///
+/// Which queues: in best-effort mode every destination's (a slow destination must not stall capture or the others;
+/// it costs host memory up to its backlog, then drops). In full mode only consumers' (a consumer is user code that
+/// may stop reading: it costs host memory up to its backlog, then full mode's stall rule applies); a sink, which
+/// makes progress however slowly, holds the ring and so back-pressures the producer — full mode's contract.
+struct Pressure {
+    capacity: u64,
+    next: u64,
+    only_consumers: bool,
+}
+
+impl Pressure {
+    fn new(capacity: u64, policy: &LossPolicy) -> Pressure {
+        Pressure { capacity, next: capacity / 2, only_consumers: policy.mode == Mode::Full }
+    }
+
+    fn check(&mut self, source: &mut dyn RecordSource, ports: &mut [Port], report: &mut DrainReport) {
+        let held = source.held_bytes();
+        if held <= self.capacity / 2 {
+            self.next = self.capacity / 2;
+            return;
+        }
+        if held <= self.next {
+            return;
+        }
+        let (mut moved, mut refused) = (0, 0);
+        for p in ports.iter_mut().filter(|p| !self.only_consumers || p.consumer) {
+            let (m, r) = p.evacuate();
+            (moved, refused) = (moved + m, refused + r);
+        }
+        if moved + refused > 0 {
+            report.evacuations += 1;
+            report.evacuated_records += moved;
+            report.evacuation_refused += refused;
+        }
+        self.next = source.held_bytes().max(self.capacity / 2) + self.capacity / 8;
+    }
+}
+
+fn run_sink(sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>) -> SinkReport {
     let mut report = SinkReport { name: sink.name().to_owned(), ..SinkReport::default() };
-    let mut failed = false;
+    // `None` once it failed: it is closed and dropped at once, so that records it held (lent by the ring) go back
+    // instead of holding the ring until shutdown.
+    let mut live = Some(sink);
     for record in rx.iter() {
         let size = record.size_bytes();
-        if failed {
-            record.receipt().fail(DropReason::SinkError);
-        } else {
-            let result = catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
-                Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: false })
-            });
-            match result {
-                Ok(()) => report.records += 1,
-                Err(e) => {
-                    record.receipt().fail(DropReason::SinkError);
-                    report.errors.push(e.to_string());
-                    failed = true;
+        match live.as_mut() {
+            None => record.receipt().fail(DropReason::SinkError),
+            Some(sink) => {
+                let result = catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
+                    Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: false })
+                });
+                match result {
+                    Ok(()) => report.records += 1,
+                    Err(e) => {
+                        record.receipt().fail(DropReason::SinkError);
+                        report.errors.push(e.to_string());
+                        close_sink(live.take().expect("live"), &mut report);
+                    }
                 }
             }
         }
         drop(record);
         backlog.taken(size);
     }
+    if let Some(sink) = live {
+        close_sink(sink, &mut report);
+    }
+    report
+}
+
+/// Closes `sink` and drops it, turning a panic in either into an error of the report.
+fn close_sink(mut sink: Box<dyn Sink>, report: &mut SinkReport) {
     let closed = catch_unwind(AssertUnwindSafe(|| sink.close())).unwrap_or_else(|p| {
         Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: true })
     });
     if let Err(e) = closed {
         report.errors.push(e.to_string());
     }
-    report
+    if let Err(p) = catch_unwind(AssertUnwindSafe(|| drop(sink))) {
+        report.errors.push(format!("sink `{}` panicked when dropped: {}", report.name, panic_message(&*p)));
+    }
 }
 
 #[cfg(test)]
@@ -568,6 +627,116 @@ mod tests {
         assert_eq!(report.backpressure_drops, 0, "{:?}", report.errors);
         reg.accounting().check().unwrap();
         assert_eq!(reg.accounting().total().exported.records, 60);
+    }
+
+    /// The pattern of record `step`'s rows in the lease tests: every byte says which record it belongs to.
+    fn pattern(step: u64, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (step as usize * 31 + i) as u8).collect()
+    }
+
+    #[test]
+    fn records_are_lent_not_copied_and_a_record_a_sink_holds_is_never_overwritten() {
+        // A 64 KiB ring and records of 2 KiB: 2,000 of them are 60 laps. The sink keeps the last 6 records it got
+        // (a fifth of the ring, as a file sink holds records for a batch) and re-checks every byte of all of them
+        // each time, while the producer waits for space and writes behind them.
+        let (p, c) = channel(1 << 16).unwrap();
+        let reg = TestCatalog::layers(1, 1024);
+        let mut p = p;
+        let (tx, checked) = crossbeam::channel::unbounded();
+        let mut window: std::collections::VecDeque<Record> = Default::default();
+        let holder = CallbackSink::new("holder", move |r: &Record| {
+            window.push_back(r.clone());
+            if window.len() > 6 {
+                window.pop_front();
+            }
+            for held in &window {
+                if held.data() != pattern(held.step(), held.data().len()).as_slice() {
+                    return Err(format!("record of step {} was overwritten while held", held.step()).into());
+                }
+            }
+            // Full mode, a sink that makes progress: it holds the ring (back-pressure), nothing is moved out.
+            tx.send(r.is_leased()).unwrap();
+            Ok(())
+        });
+        let drain = Drain::spawn(c, reg.catalog(), vec![boxed(holder)], full(10_000, 1 << 20)).unwrap();
+        for step in 0..2000u64 {
+            reg.capture(&mut p, 0, step, &[(1, step as u32)], &pattern(step, 2048));
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        let leased: Vec<bool> = checked.try_iter().collect();
+        assert_eq!(leased.len(), 2000);
+        assert!(leased.iter().all(|&l| l), "records are lent, not copied");
+        assert_eq!(report.evacuations, 0);
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        assert_eq!(acc.total().exported.records, 2000);
+    }
+
+    #[test]
+    fn a_stalled_consumer_costs_its_backlog_in_host_memory_never_the_ring_and_drops_are_counted_exactly() {
+        // Best-effort. A consumer that never reads, with a backlog (1 MiB) far larger than the ring (64 KiB): its
+        // queue would hold the whole ring if it stayed there, and every capture would then wait forever (the test
+        // fixture panics after 10 s). The drain moves it out of the ring instead; the fast sink gets everything.
+        let (p, c) = channel(1 << 16).unwrap();
+        let reg = TestCatalog::layers(1, 1024);
+        let mut p = p;
+        let (summary, handle) = SummarySink::new();
+        let options = DrainOptions {
+            backlog_bytes: 1 << 20,
+            policy: LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO },
+            ..DrainOptions::default()
+        };
+        let drain = Drain::spawn(c, reg.catalog(), vec![boxed(summary)], options).unwrap();
+        let stalled = drain.subscribe("stalled", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let total = 3000u64;
+        for step in 0..total {
+            reg.capture(&mut p, 0, step, &[(1, step as u32)], &pattern(step, 2048));
+        }
+        drop(p);
+        std::thread::sleep(Duration::from_millis(100));
+        let queued: Vec<Record> = std::iter::from_fn(|| stalled.try_recv()).collect();
+        let report = drain.join().unwrap();
+        // What the stalled consumer's queue kept: the oldest records, each intact, as much as 1 MiB holds.
+        let size = queued[0].size_bytes();
+        assert_eq!(queued.len(), (1 << 20) / size, "a full backlog, no more");
+        assert!(queued.iter().enumerate().all(|(i, r)| r.step() == i as u64 && r.data() == pattern(i as u64, 2048)));
+        assert!(queued.iter().all(|r| !r.is_leased()), "a received record is the consumer's own copy");
+        assert!(report.evacuations > 0 && report.evacuated_records > 0, "{report:?}");
+        assert_eq!(report.backpressure_drops, total - queued.len() as u64);
+        assert_eq!(handle.lock()["layers.0.resid"].records, total, "the fast destination lost nothing");
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        let c = acc.hookpoints[0].1;
+        // A record is exported when every destination has it (the stalled consumer's queue counts as having it).
+        assert_eq!(c.exported.records, queued.len() as u64);
+        assert_eq!(c.dropped_for(DropReason::SinkBackpressure).records, total - queued.len() as u64);
+        assert_eq!(c.dropped_for(DropReason::RingFull).records, 0);
+    }
+
+    #[test]
+    fn full_mode_a_consumer_that_never_reads_cannot_hold_the_ring_and_is_declared_stalled_at_its_backlog() {
+        // Its backlog (256 KiB) is four rings: left in the ring, its queue would hold all of it long before the
+        // backlog filled, and every capture would wait forever (the fixture panics after 10 s).
+        let (p, c) = channel(1 << 16).unwrap();
+        let reg = TestCatalog::layers(1, 1024);
+        let mut p = p;
+        let drain = Drain::spawn(c, reg.catalog(), vec![], full(200, 256 << 10)).unwrap();
+        let idle = drain.subscribe("idle", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        for step in 0..400u64 {
+            reg.capture(&mut p, 0, step, &[(1, step as u32)], &pattern(step, 2048));
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        let kept: Vec<u64> = std::iter::from_fn(|| idle.try_recv()).map(|r| r.step()).collect();
+        assert_eq!(kept, (0..kept.len() as u64).collect::<Vec<_>>());
+        assert!(report.evacuated_records > 0 && kept.len() >= 100, "{report:?}");
+        assert_eq!(report.backpressure_drops, 400 - kept.len() as u64);
+        assert!(report.errors[0].contains("declared stalled 1 times"), "{:?}", report.errors);
+        reg.accounting().check().unwrap();
     }
 
     #[test]

@@ -217,6 +217,41 @@ impl Port {
         }
     }
 
+    /// Moves the records waiting in this destination's queue out of the ring into host memory of their own, keeping
+    /// their order, so that they no longer hold ring space. Returns how many were moved and how many could not be
+    /// (memory refused: those stay leased). The destination may take records meanwhile: it sees an empty queue
+    /// until they are back, in order — the drain, the only sender, is the caller.
+    pub(crate) fn evacuate(&mut self) -> (u64, u64) {
+        if self.closed {
+            return (0, 0);
+        }
+        let queued: Vec<Record> = std::iter::from_fn(|| self.rx_back.try_recv().ok()).collect();
+        let (mut moved, mut refused) = (0, 0);
+        for r in queued {
+            let r = if r.is_leased() {
+                match r.detach() {
+                    Ok(copy) => {
+                        moved += 1;
+                        copy
+                    }
+                    Err(_) => {
+                        refused += 1;
+                        r
+                    }
+                }
+            } else {
+                r
+            };
+            // Room: these records were in the channel a moment ago and only the drain sends. The byte count is
+            // unchanged (same sizes).
+            if let Err(e) = self.tx.try_send(r) {
+                // Unreachable while the port holds a receiver; account the record as taken rather than lose track.
+                self.backlog.taken(e.into_inner().size_bytes());
+            }
+        }
+        (moved, refused)
+    }
+
     /// At shutdown: a departed consumer's leftovers are released; a live one keeps its queue to receive.
     pub(crate) fn finish(&mut self) {
         if self.gone.load(Ordering::Acquire) {
@@ -279,6 +314,9 @@ impl Port {
 
 /// A consumer's end of the stream: records of the hookpoints it subscribed to, in stream order.
 ///
+/// Records wait in the queue where the drain put them (in the ring); each one received is the consumer's own copy,
+/// made on the receiving thread, which it may keep as long as it likes.
+///
 /// A record is exported once it is in the subscription's queue, whose size is bounded by `export.backlog` bytes.
 /// When the queue is full:
 ///
@@ -310,9 +348,13 @@ impl Subscription {
         Subscription { rx, backlog, gone, closer: Mutex::new(Some(closer)), closed }
     }
 
-    /// Accounts for a record taken from the queue; `None` if the subscription was closed meanwhile (so a receiver
-    /// racing with `close` never hands out a record after `close` returned).
+    /// Accounts for a record taken from the queue and gives the consumer its own copy, so that what it keeps never
+    /// holds ring space; `None` if the subscription was closed meanwhile (so a receiver racing with `close` never
+    /// hands out a record after `close` returned).
     fn took(&self, r: Record) -> Option<Record> {
+        // The copy is made here, on the consumer's thread, not the drain's. Memory refused: the record stays in the
+        // ring (correct, only holding ring space while kept).
+        let r = r.detach().unwrap_or(r);
         self.backlog.taken(r.size_bytes());
         (!self.is_closed()).then_some(r)
     }

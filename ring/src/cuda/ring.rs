@@ -15,6 +15,9 @@
 //! * The drain copies `[tail, head)` to a pinned (not write-combined) staging buffer with the same layout as the
 //!   ring, in chunks on its own stream; after each chunk it writes the new `tail` to the device on that stream
 //!   (stream-ordered after the copy), so ring space goes back to the kernels without the host waiting.
+//! * Records in staging are lent to the exporter ([`crate::lease`]), not copied: a staging range is copied into
+//!   again only once every lease on it and before it has been dropped. Ring space goes back to the kernels as soon
+//!   as its bytes are in staging; staging space goes back when the exporter is done with the records.
 //!
 //! Records never wrap (pad records, as on the host), so a record is contiguous in the ring and in staging.
 
@@ -28,6 +31,7 @@ use parking_lot::{Condvar, Mutex};
 use super::driver::{CudaError, DeviceBuffer, Event, Gpu, PinnedBuffer, Stream};
 use crate::error::{DecodeError, SourceError};
 use crate::host::{CAPACITY_ALIGN, MIN_CAPACITY};
+use crate::lease::{Lease, LeaseBook};
 use crate::record::{RecordHeader, RecordKind, RecordView, HEADER_LEN};
 use crate::RecordSource;
 
@@ -262,7 +266,8 @@ pub struct DeviceConsumer {
     ring: Arc<DeviceRing>,
     tuning: DrainTuning,
     stream: Stream,
-    staging: PinnedBuffer,
+    /// Shared with the leases on it, which keep it allocated.
+    staging: Arc<PinnedBuffer>,
     /// One 64-byte slot per event: the `tail` value its HtoD copy reads.
     tail_slots: PinnedBuffer,
     events: Vec<Event>,
@@ -271,7 +276,11 @@ pub struct DeviceConsumer {
     submitted: u64,
     completed: u64,
     parsed: u64,
-    pending: Option<usize>,
+    /// Staging before this position may be copied into again: every lease on it came back.
+    reusable: u64,
+    book: LeaseBook,
+    /// Footprint and payload length of the record returned by the last peek.
+    pending: Option<(usize, usize)>,
     expected_seq: u64,
     thread_ready: bool,
     /// Whether `cuStreamWriteValue64` works here (`None`: not tried yet).
@@ -291,11 +300,13 @@ impl DeviceConsumer {
         gpu.bind()?;
         let stream = Stream::new(gpu)?;
         let events = (0..tuning.max_in_flight).map(|_| Event::new(gpu, false)).collect::<Result<Vec<_>, _>>()?;
+        let staging = Arc::new(PinnedBuffer::zeroed(gpu, ring.capacity(), false)?);
         Ok(DeviceConsumer {
             ring: ring.clone(),
             tuning,
             stream,
-            staging: PinnedBuffer::zeroed(gpu, ring.capacity(), false)?,
+            book: LeaseBook::new(staging.clone()),
+            staging,
             tail_slots: PinnedBuffer::zeroed(gpu, 64 * tuning.max_in_flight, false)?,
             free_events: (0..tuning.max_in_flight).rev().collect(),
             events,
@@ -303,6 +314,7 @@ impl DeviceConsumer {
             submitted: 0,
             completed: 0,
             parsed: 0,
+            reusable: 0,
             pending: None,
             expected_seq: 0,
             thread_ready: false,
@@ -344,16 +356,18 @@ impl DeviceConsumer {
         }
         let cap = self.ring.capacity() as u64;
         let head = self.ring.published();
-        while self.submitted < head && self.submitted < self.parsed + cap {
+        self.reusable = self.book.reclaim(self.parsed);
+        while self.submitted < head && self.submitted < self.reusable + cap {
             let Some(slot) = self.free_events.pop() else { break };
             let offset = self.submitted % cap;
             let len = (head - self.submitted)
                 .min(self.tuning.chunk_bytes as u64)
                 .min(cap - offset)
-                .min(self.parsed + cap - self.submitted);
+                .min(self.reusable + cap - self.submitted);
             // SAFETY: `[offset, offset + len)` lies in both the ring and the staging buffer (same size); the staging
-            // range is not being read (it is at or past `parsed + cap - cap`), nor read until the copy's event has
-            // completed (`completed` moves only then), and the ring range is published.
+            // range is neither being read by us nor lent out (it is at or past `reusable + cap - cap`: every lease
+            // on it came back, per `reclaim`'s Acquire), nor read until the copy's event has completed (`completed`
+            // moves only then), and the ring range is published.
             unsafe {
                 self.staging.copy_from_device_async(
                     offset as usize,
@@ -436,17 +450,43 @@ impl DeviceConsumer {
                 return Err(DecodeError::SequenceGap { expected: self.expected_seq, found: header.seq }.into());
             }
             let (view, _) = RecordView::decode(&bytes[..footprint])?;
-            self.pending = Some(footprint);
+            self.pending = Some((footprint, view.payload().len()));
             return Ok(Some(view));
         }
     }
 
     /// Moves past the record returned by the last peek.
     pub fn advance_record(&mut self) {
-        if let Some(footprint) = self.pending.take() {
+        if let Some((footprint, _)) = self.pending.take() {
             self.parsed += footprint as u64;
             self.expected_seq += 1;
         }
+    }
+
+    /// Moves past the record returned by the last peek and lends its payload where it lies in staging: that staging
+    /// range is copied into again only after the lease (and every older one) is dropped. `None` if no record is
+    /// pending.
+    pub fn lease_record(&mut self) -> Option<Lease> {
+        let (footprint, payload_len) = self.pending?;
+        let start = self.parsed;
+        let offset = (start % self.ring.capacity() as u64) as usize + HEADER_LEN;
+        // SAFETY: the record was just decoded from `[parsed, parsed + footprint)` of staging, which has been copied
+        // and is not copied into while `parsed` has not moved past it.
+        let payload = unsafe { self.staging.slice(offset, payload_len) };
+        let ptr = std::ptr::NonNull::from(payload).cast::<u8>();
+        // SAFETY: the range is the record's payload in staging; `pump` copies into staging only below
+        // `reusable + cap`, and `reusable` (from `reclaim`) stays at or before `start` until this lease comes back.
+        // Records are lent in ring order.
+        let lease = unsafe { self.book.lend(ptr, payload_len, start, footprint as u64) };
+        self.advance_record();
+        Some(lease)
+    }
+
+    /// Staging bytes handed out as records but not reusable yet because a lease on them, or on a record before
+    /// them, is still out.
+    pub fn held_bytes(&mut self) -> u64 {
+        self.reusable = self.book.reclaim(self.parsed);
+        self.parsed - self.reusable
     }
 
     /// True when the producer is closed and every published byte has been handed out.
@@ -466,6 +506,18 @@ impl RecordSource for DeviceConsumer {
         self.advance_record();
     }
 
+    fn lease(&mut self) -> Option<Lease> {
+        self.lease_record()
+    }
+
+    fn held_bytes(&mut self) -> u64 {
+        DeviceConsumer::held_bytes(self)
+    }
+
+    fn capacity(&self) -> usize {
+        self.ring.capacity()
+    }
+
     fn is_finished(&mut self) -> bool {
         if self.pump().is_err() {
             return true;
@@ -482,7 +534,8 @@ impl Drop for DeviceConsumer {
             self.ring.space.notify_all();
         }
         if self.ring.gpu().bind().is_ok() {
-            // Copies in flight write into `staging`: wait for them before it is freed (the fields drop after this).
+            // Copies in flight write into `staging`: wait for them before it may be freed (the fields drop after
+            // this; leases still out keep it allocated).
             let _ = self.stream.synchronize();
         }
     }

@@ -1,0 +1,173 @@
+//! Leases: a record's bytes handed out by a ring's drain end without copying them.
+//!
+//! The drain end of a ring (the host ring itself, or the CUDA backend's pinned staging) lends each record's payload
+//! to whoever takes it, as a [`Lease`]. The space under a lease is reused — released to the producer (host) or
+//! overwritten by the next device-to-host copy (CUDA) — only once the lease is dropped. Leases may come back in any
+//! order; space comes back in ring order, up to the oldest lease still out ([`LeaseBook::reclaim`]).
+//!
+//! Holding a lease therefore holds every byte of the ring after it: a holder that keeps records for long must copy
+//! them (the exporter moves records waiting in slow destinations' queues out of the ring when more than half of it
+//! is lent out).
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// A record's payload, lent by the ring. Dereferences to the bytes; dropping it gives the space back.
+pub struct Lease {
+    ptr: NonNull<u8>,
+    len: usize,
+    ticket: Arc<Ticket>,
+}
+
+// SAFETY: the bytes under a lease are not written by anyone while it lives (the drain end reuses them only after
+// `Ticket::returned` is set by `Drop`), and `Ticket::memory` keeps the allocation alive; so the lease is a shared,
+// immutable byte slice that any thread may read or drop.
+unsafe impl Send for Lease {}
+// SAFETY: as above: only `&[u8]` is handed out.
+unsafe impl Sync for Lease {}
+
+impl Lease {
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr + len` was a live, published, immutable range when the lease was made (`LeaseBook::lend`'s
+        // contract) and stays so until the lease is dropped; `ticket.memory` keeps it allocated.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Ring position of the record this lease belongs to.
+    pub fn position(&self) -> u64 {
+        self.ticket.start
+    }
+}
+
+impl std::ops::Deref for Lease {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("position", &self.ticket.start).field("len", &self.len).finish()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Release: every read of the bytes through this lease happens before the drain end's Acquire load of the flag
+        // lets it reuse them.
+        self.ticket.returned.store(true, Ordering::Release);
+    }
+}
+
+struct Ticket {
+    /// Ring position of the record (its header): everything before the oldest outstanding ticket is free.
+    start: u64,
+    /// Footprint of the record in the ring.
+    footprint: u64,
+    returned: AtomicBool,
+    /// Keeps the lent memory allocated while any lease on it lives (even after the drain end is gone).
+    _memory: Arc<dyn Any + Send + Sync>,
+}
+
+/// The drain end's record of what it lent: one ticket per lease, in ring order.
+pub struct LeaseBook {
+    memory: Arc<dyn Any + Send + Sync>,
+    outstanding: VecDeque<Arc<Ticket>>,
+    /// Footprints of the outstanding tickets, summed.
+    lent: u64,
+}
+
+impl LeaseBook {
+    /// A book for leases on memory kept alive by `memory`.
+    pub fn new(memory: Arc<dyn Any + Send + Sync>) -> LeaseBook {
+        LeaseBook { memory, outstanding: VecDeque::new(), lent: 0 }
+    }
+
+    /// Lends `len` bytes at `ptr`: the payload of the record at ring position `start` whose footprint is `footprint`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` lies in the memory this book was made for, holds the record's published bytes, and the caller
+    /// (the drain end) does not write or reuse that range until [`reclaim`](Self::reclaim) has returned a position
+    /// past `start`. Records are lent in ring order (`start` increases).
+    pub unsafe fn lend(&mut self, ptr: NonNull<u8>, len: usize, start: u64, footprint: u64) -> Lease {
+        debug_assert!(self.outstanding.back().is_none_or(|t| t.start + t.footprint <= start));
+        let ticket =
+            Arc::new(Ticket { start, footprint, returned: AtomicBool::new(false), _memory: self.memory.clone() });
+        self.outstanding.push_back(ticket.clone());
+        self.lent += footprint;
+        Lease { ptr, len, ticket }
+    }
+
+    /// Forgets tickets whose leases came back, oldest first, and returns the position up to which the ring's space
+    /// may be reused: the start of the oldest lease still out, or `read` (everything handed out so far) if none is.
+    pub fn reclaim(&mut self, read: u64) -> u64 {
+        while let Some(t) = self.outstanding.front() {
+            // Acquire: pairs with the Release in `Lease::drop` (the holder's reads happen before our reuse).
+            if !t.returned.load(Ordering::Acquire) {
+                return t.start;
+            }
+            self.lent -= t.footprint;
+            self.outstanding.pop_front();
+        }
+        read
+    }
+
+    /// Ring bytes (footprints) of the leases not seen returned by the last [`reclaim`](Self::reclaim).
+    pub fn lent_bytes(&self) -> u64 {
+        self.lent
+    }
+
+    /// Leases not seen returned by the last `reclaim`.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn book(bytes: &Arc<Vec<u8>>) -> LeaseBook {
+        LeaseBook::new(bytes.clone() as Arc<dyn Any + Send + Sync>)
+    }
+
+    fn lend(book: &mut LeaseBook, bytes: &Arc<Vec<u8>>, start: u64, len: usize) -> Lease {
+        let ptr = NonNull::new(bytes[start as usize..].as_ptr().cast_mut()).unwrap();
+        // SAFETY: in bounds of `bytes`, which nobody writes.
+        unsafe { book.lend(ptr, len, start, len as u64) }
+    }
+
+    #[test]
+    fn space_comes_back_in_ring_order_up_to_the_oldest_lease_out() {
+        let bytes = Arc::new((0..=255u8).collect::<Vec<_>>());
+        let mut b = book(&bytes);
+        let l0 = lend(&mut b, &bytes, 0, 64);
+        let l1 = lend(&mut b, &bytes, 64, 64);
+        let l2 = lend(&mut b, &bytes, 128, 64);
+        assert_eq!((l1.bytes()[0], l2.len()), (64, 64));
+        assert_eq!((b.reclaim(192), b.lent_bytes()), (0, 192));
+        drop(l1);
+        assert_eq!(b.reclaim(192), 0, "a later lease returned first frees nothing");
+        drop(l0);
+        assert_eq!((b.reclaim(192), b.lent_bytes(), b.outstanding()), (128, 64, 1));
+        drop(l2);
+        assert_eq!((b.reclaim(192), b.lent_bytes()), (192, 0));
+        assert_eq!(b.reclaim(256), 256);
+    }
+
+    #[test]
+    fn a_lease_keeps_its_memory_alive_after_the_book_is_gone() {
+        let bytes = Arc::new(vec![7u8; 128]);
+        let mut b = book(&bytes);
+        let lease = lend(&mut b, &bytes, 64, 32);
+        drop((b, bytes));
+        let reader = std::thread::spawn(move || lease.iter().map(|&x| x as u32).sum::<u32>());
+        assert_eq!(reader.join().unwrap(), 7 * 32);
+    }
+}
