@@ -1,0 +1,414 @@
+//! Bulk capture through the public API: what a user gets from a `Session`, first capture to `shutdown()` returned,
+//! next to the physical ceilings measured in the same run.
+//!
+//! ```text
+//! cargo bench --bench bulk_capture                                  # host backend (any machine)
+//! cargo bench --bench bulk_capture -- --backend cuda --dir /data    # CUDA backend (an NVIDIA GPU), files on /data
+//! ```
+//!
+//! Every configuration runs in a child process of this binary, so that its peak RSS (`VmHWM`) is its own. The
+//! producer is a synthetic engine: each step captures every hookpoint's rows (bf16 values drawn from a normal
+//! distribution, so that compression sees realistic activations) — on the CUDA backend from device buffers with
+//! `capture_device` on one stream, as an engine's prefill would; on the host backend from host memory with
+//! `capture`. The stream is several times longer than the ring, in full mode, so back-pressure is part of the
+//! measurement. Printed: a Markdown table, one row per configuration, and the ceilings:
+//!
+//! * `pinned D2H`: back-to-back device → pinned copies of the drain's chunk size (CUDA);
+//! * `memcpy`: one thread copying the same records into a reused buffer (host);
+//! * `disk write`: the same bytes written sequentially to a file in `--dir` (8 MiB writes, `O_DIRECT` where the file
+//!   system takes it, else through the page cache, then `fsync`) — what a file sink could reach there.
+
+use std::io::Write;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use ringscope::config::{Backend, HookPointConfig, RowsConfig};
+use ringscope::cuda::{DeviceBuffer, Gpu, Stream};
+use ringscope::{Config, Mode, Session};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// `host`, `cuda` or `all`.
+    #[arg(long, default_value = "host")]
+    backend: String,
+    /// Directory for the file-sink configurations (a real disk, to compare with its write rate).
+    #[arg(long, default_value = "target/bulk_capture")]
+    dir: String,
+    /// Memory-backed directory for the in-memory file configurations.
+    #[arg(long, default_value = "/dev/shm")]
+    shm: String,
+    /// Stream length as a multiple of the ring's capacity.
+    #[arg(long, default_value_t = 4)]
+    laps: usize,
+    /// Run only configurations whose name contains this.
+    #[arg(long)]
+    only: Option<String>,
+    /// Internal: run one configuration and print its result line.
+    #[arg(long)]
+    child: Option<String>,
+    /// Ignored (cargo bench passes it).
+    #[arg(long)]
+    bench: bool,
+}
+
+/// One measured configuration.
+#[derive(Clone)]
+struct Setup {
+    name: String,
+    backend: Backend,
+    /// Ring capacity, bytes.
+    ring: u64,
+    hookpoints: u32,
+    rows: u32,
+    row_width: u32,
+    /// `(parquet, arrow_ipc, dir)`, or `None` for no sink.
+    files: Option<(bool, bool, String)>,
+    threads: u32,
+    zstd_level: i32,
+}
+
+impl Setup {
+    fn step_bytes(&self) -> u64 {
+        self.hookpoints as u64 * self.rows as u64 * self.row_width as u64 * 2
+    }
+
+    fn config(&self) -> Config {
+        let mut c = Config::new();
+        c.ring.capacity = ringscope::config::ByteSize(self.ring);
+        c.ring.backend = self.backend;
+        c.ring.max_batch_rows = self.rows;
+        c.policy.mode = Mode::Full;
+        c.policy.full_deadline_ms = 60_000;
+        if let Some((parquet, ipc, dir)) = &self.files {
+            c.export.parquet = *parquet;
+            c.export.arrow_ipc = *ipc;
+            c.export.dir = dir.clone();
+            c.export.run_id = Some(format!("{}-{}", self.name.replace(['/', ' '], "_"), std::process::id()));
+            c.export.threads = self.threads;
+            c.export.zstd_level = self.zstd_level;
+            c.export.max_file_size = ringscope::config::ByteSize(1 << 30);
+        }
+        c.hookpoints = (0..self.hookpoints)
+            .map(|l| HookPointConfig {
+                name: format!("layers.{l}.resid"),
+                site: ringscope::SiteKind::Residual,
+                layer: Some(l),
+                dtype: "bf16".into(),
+                row_width: self.row_width,
+                rows: RowsConfig::default(),
+                every_n_steps: 1,
+                enabled: true,
+            })
+            .collect();
+        c
+    }
+}
+
+/// bf16 values of a standard normal distribution (Box–Muller over a xorshift generator), as little-endian bytes.
+fn activations(bytes: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(bytes);
+    while out.len() < bytes {
+        let (u, v) = (next().max(1e-300), next());
+        let z = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
+        out.extend_from_slice(&(((z as f32).to_bits() >> 16) as u16).to_le_bytes());
+    }
+    out.truncate(bytes);
+    out
+}
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(f64::NAN);
+    kib / 1024.0
+}
+
+/// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
+fn run_child(setup: &Setup, laps: usize) -> Res<()> {
+    let steps = ((setup.ring as usize * laps) as u64).div_ceil(setup.step_bytes()).max(2);
+    let session = Session::new(setup.config())?;
+    let ids: Vec<u32> = session.hookpoints().iter().map(|h| h.id()).collect();
+    let per_hp = setup.rows as usize * setup.row_width as usize * 2;
+    let rows = setup.rows;
+    let batch = |step: u64| (0..rows).map(move |i| (step * 8 + (i / 2048) as u64, i % 2048));
+    let (started, flushed);
+    match setup.backend {
+        Backend::Cuda => {
+            let gpu = Gpu::open(0)?;
+            let stream = Stream::new(&gpu)?;
+            let sources: Vec<DeviceBuffer> = ids
+                .iter()
+                .map(|&id| -> Res<DeviceBuffer> {
+                    let b = DeviceBuffer::zeroed(&gpu, per_hp)?;
+                    b.copy_from_host_async(0, &activations(per_hp, id as u64 + 1), stream.handle())?;
+                    Ok(b)
+                })
+                .collect::<Res<_>>()?;
+            stream.synchronize()?;
+            started = Instant::now();
+            for step in 0..steps {
+                session.begin_step_on(step, batch(step), stream.handle())?;
+                for (id, src) in ids.iter().zip(&sources) {
+                    session.capture_device(*id, src.ptr(), rows, stream.handle())?;
+                }
+                session.end_step()?;
+            }
+            stream.synchronize()?;
+            if !session.wait_drained(Duration::from_secs(600)) {
+                return Err("not drained within 10 minutes".into());
+            }
+            flushed = Instant::now();
+        }
+        Backend::Host => {
+            let sources: Vec<Vec<u8>> = ids.iter().map(|&id| activations(per_hp, id as u64 + 1)).collect();
+            started = Instant::now();
+            for step in 0..steps {
+                session.begin_step(step, batch(step))?;
+                for (id, src) in ids.iter().zip(&sources) {
+                    session.capture(*id, src)?;
+                }
+                session.end_step()?;
+            }
+            if !session.wait_drained(Duration::from_secs(600)) {
+                return Err("not drained within 10 minutes".into());
+            }
+            flushed = Instant::now();
+        }
+    }
+    let report = session.shutdown()?;
+    let closed = Instant::now();
+    let total = report.accounting.total();
+    let bytes = steps * setup.step_bytes();
+    let secs = (closed - started).as_secs_f64();
+    let file_bytes: u64 = report.files.iter().map(|f| f.bytes).sum();
+    println!(
+        "RESULT\t{}\t{:.2}\t{:.0}\t{:.1}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}",
+        setup.name,
+        bytes as f64 / secs / 1e9,
+        (steps * rows as u64) as f64 / secs,
+        (closed - flushed).as_secs_f64() * 1e3,
+        peak_rss_mib(),
+        total.exported.rows,
+        total.produced.rows - total.exported.rows,
+        report.drain.evacuated_records,
+        if file_bytes > 0 { file_bytes as f64 / bytes as f64 } else { f64::NAN },
+        report.drain.errors.len(),
+    );
+    for e in report.drain.errors.iter().take(3) {
+        eprintln!("{}: {e}", setup.name);
+    }
+    Ok(())
+}
+
+/// Device → pinned copies of `chunk` bytes back to back, `total` bytes in all, GB/s (best of three).
+fn pinned_ceiling(chunk: usize, total: usize) -> Res<f64> {
+    use ringscope_ring::cuda::PinnedBuffer;
+    let gpu = Gpu::open(0)?;
+    let src = DeviceBuffer::zeroed(&gpu, total)?;
+    let dst = PinnedBuffer::zeroed(&gpu, total, false)?;
+    let stream = Stream::new(&gpu)?;
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for off in (0..total).step_by(chunk) {
+            // SAFETY: both buffers hold `total` bytes; `dst` is not read and outlives the copies (synchronised below).
+            unsafe { dst.copy_from_device_async(off, &src, off, chunk.min(total - off), stream.stream_ref()) }?;
+        }
+        stream.synchronize()?;
+        best = best.max(total as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(best)
+}
+
+/// One thread copying records of `record` bytes into a reused `ring`-byte buffer, `total` bytes, GB/s (best of 3).
+fn memcpy_ceiling(record: usize, ring: usize, total: usize) -> f64 {
+    let src = activations(record, 7);
+    let mut dst = vec![0u8; ring];
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let (mut off, mut done) = (0, 0);
+        while done < total {
+            if off + record > ring {
+                off = 0;
+            }
+            dst[off..off + record].copy_from_slice(&src);
+            std::hint::black_box(&dst[off]);
+            off += record;
+            done += record;
+        }
+        best = best.max(total as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Sequential write rate of `dir`: `total` bytes in 8 MiB writes (`O_DIRECT` if the file system takes it, else the
+/// page cache), then `fsync`. Returns GB/s and how it was written.
+fn disk_write_rate(dir: &str, total: usize) -> Res<(f64, &'static str)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::create_dir_all(dir)?;
+    let path = std::path::Path::new(dir).join(format!(".write-rate-{}", std::process::id()));
+    const CHUNK: usize = 8 << 20;
+    // 4 KiB-aligned buffer for O_DIRECT.
+    let mut raw = vec![0u8; CHUNK + 4096];
+    let off = raw.as_ptr().align_offset(4096);
+    let buf = &mut raw[off..off + CHUNK];
+    buf.copy_from_slice(&activations(CHUNK, 3));
+    let open = |direct: bool| {
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create(true).truncate(true);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(&path)
+    };
+    let (mut file, mut how) = match open(true) {
+        Ok(f) => (f, "O_DIRECT"),
+        Err(_) => (open(false)?, "page cache + fsync"),
+    };
+    let t = Instant::now();
+    let mut written = 0;
+    while written < total {
+        match file.write_all(buf) {
+            Ok(()) => written += CHUNK,
+            Err(_) if how == "O_DIRECT" && written == 0 => {
+                (file, how) = (open(false)?, "page cache + fsync");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    file.sync_all()?;
+    let rate = written as f64 / t.elapsed().as_secs_f64() / 1e9;
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok((rate, how))
+}
+
+fn setups(args: &Args) -> Vec<Setup> {
+    let mut out = Vec::new();
+    let want = |b: &str| args.backend == "all" || args.backend == b;
+    if want("host") {
+        // 4 hookpoints × 1,024 rows × 2,048 bf16 = 16 MiB a step; a 256 MiB ring.
+        let host = Setup {
+            name: "host: no sink".into(),
+            backend: Backend::Host,
+            ring: 256 << 20,
+            hookpoints: 4,
+            rows: 1024,
+            row_width: 2048,
+            files: None,
+            threads: 1,
+            zstd_level: 1,
+        };
+        out.push(host.clone());
+        out.push(Setup {
+            name: "host: Arrow IPC (memory)".into(),
+            files: Some((false, true, args.shm.clone())),
+            ..host.clone()
+        });
+    }
+    if want("cuda") {
+        // A 1B-shape Llama's prefill: 16 layers × 16,384 tokens × 2,048 bf16 = 1 GiB a step; a 4 GiB ring.
+        let cuda = Setup {
+            name: "cuda: no sink".into(),
+            backend: Backend::Cuda,
+            ring: 4 << 30,
+            hookpoints: 16,
+            rows: 16384,
+            row_width: 2048,
+            files: None,
+            threads: 8,
+            zstd_level: 1,
+        };
+        out.push(cuda.clone());
+        for (name, dir) in [("disk", &args.dir), ("memory", &args.shm)] {
+            out.push(Setup {
+                name: format!("cuda: Arrow IPC ({name}), 8 threads"),
+                files: Some((false, true, dir.clone())),
+                ..cuda.clone()
+            });
+        }
+        for threads in [1, 2, 4, 8] {
+            out.push(Setup {
+                name: format!("cuda: Parquet zstd(1) (memory), {threads} threads"),
+                files: Some((true, false, args.shm.clone())),
+                threads,
+                ..cuda.clone()
+            });
+        }
+    }
+    if let Some(only) = &args.only {
+        out.retain(|s| s.name.contains(only.as_str()));
+    }
+    out
+}
+
+fn main() -> Res<()> {
+    let args = Args::parse();
+    let all = setups(&args);
+    if let Some(name) = &args.child {
+        let setup = all.iter().find(|s| &s.name == name).ok_or("unknown configuration")?;
+        return run_child(setup, args.laps);
+    }
+    if all.iter().any(|s| s.backend == Backend::Cuda) && Gpu::open(0).is_err() {
+        println!("skipped: no CUDA device");
+        return Ok(());
+    }
+    println!("## Bulk capture through a Session (full mode, {} ring capacities per configuration)\n", args.laps);
+    println!(
+        "| configuration | GB/s (first capture → shutdown returned) | tokens/s | close after flush (ms) | peak RSS (MiB) \
+         | rows exported | rows not exported | moved out of the ring | file bytes ÷ activation bytes | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let exe = std::env::current_exe()?;
+    for s in &all {
+        let out = Command::new(&exe)
+            .args(["--child", &s.name, "--dir", &args.dir, "--shm", &args.shm, "--laps", &args.laps.to_string()])
+            .output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")) {
+            Some(line) => println!("| {} |", line.split('\t').collect::<Vec<_>>().join(" | ")),
+            None => println!("| {} | failed: {} |", s.name, String::from_utf8_lossy(&out.stderr).trim().replace('\n', " ")),
+        }
+        let errors = String::from_utf8_lossy(&out.stderr);
+        for line in errors.lines().filter(|l| !l.trim().is_empty()).take(3) {
+            eprintln!("  {line}");
+        }
+        std::io::stdout().flush()?;
+    }
+    println!("\n### Ceilings, same run\n");
+    if all.iter().any(|s| s.backend == Backend::Host) {
+        println!(
+            "- memcpy, one thread, 4 MiB records into a reused 256 MiB buffer: {:.2} GB/s",
+            memcpy_ceiling(4 << 20, 256 << 20, 4 << 30)
+        );
+    }
+    if all.iter().any(|s| s.backend == Backend::Cuda) {
+        let chunk = Config::new().ring.drain_chunk.0 as usize;
+        println!("- pinned D2H, {} MiB chunks back to back: {:.1} GB/s", chunk >> 20, pinned_ceiling(chunk, 4 << 30)?);
+    }
+    let mut dirs = vec![("memory", args.shm.as_str())];
+    if all.iter().any(|s| s.files.as_ref().is_some_and(|f| f.2 == args.dir)) {
+        dirs.push(("disk", args.dir.as_str()));
+    }
+    for (name, dir) in dirs {
+        match disk_write_rate(dir, 4 << 30) {
+            Ok((rate, how)) => println!("- sequential write, {name} ({dir}), 4 GiB in 8 MiB writes, {how}: {rate:.2} GB/s"),
+            Err(e) => println!("- sequential write, {name} ({dir}): failed: {e}"),
+        }
+    }
+    Ok(())
+}
