@@ -23,7 +23,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use ringscope::config::{Backend, HookPointConfig, RowsConfig};
+use ringscope::config::{Backend, Compression, HookPointConfig, RowsConfig};
 use ringscope::cuda::{DeviceBuffer, Gpu, Stream};
 use ringscope::{Config, Mode, Session};
 
@@ -68,11 +68,17 @@ struct Setup {
     files: Option<(bool, bool, String)>,
     threads: u32,
     zstd_level: i32,
+    compression: Compression,
 }
 
 impl Setup {
     fn step_bytes(&self) -> u64 {
         self.hookpoints as u64 * self.rows as u64 * self.row_width as u64 * 2
+    }
+
+    /// The run directory's name (the parent removes the run before and after the child).
+    fn run_id(&self) -> String {
+        format!("bulk_capture-{}", self.name.replace(|c: char| !c.is_ascii_alphanumeric(), "_"))
     }
 
     fn config(&self) -> Config {
@@ -86,9 +92,10 @@ impl Setup {
             c.export.parquet = *parquet;
             c.export.arrow_ipc = *ipc;
             c.export.dir = dir.clone();
-            c.export.run_id = Some(format!("{}-{}", self.name.replace(['/', ' '], "_"), std::process::id()));
+            c.export.run_id = Some(self.run_id());
             c.export.threads = self.threads;
             c.export.zstd_level = self.zstd_level;
+            c.export.compression = self.compression;
             c.export.max_file_size = ringscope::config::ByteSize(1 << 30);
         }
         c.hookpoints = (0..self.hookpoints)
@@ -136,6 +143,18 @@ fn peak_rss_mib() -> f64 {
     kib / 1024.0
 }
 
+/// Without file sinks: waits until every record is exported and returns when. With them, records count as exported
+/// only when their file is committed at shutdown, so there is nothing to wait for: `None`.
+fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
+    if setup.files.is_some() {
+        return Ok(None);
+    }
+    if !session.wait_drained(Duration::from_secs(600)) {
+        return Err("not drained within 10 minutes".into());
+    }
+    Ok(Some(Instant::now()))
+}
+
 /// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
 fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let steps = ((setup.ring as usize * laps) as u64).div_ceil(setup.step_bytes()).max(2);
@@ -167,10 +186,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
                 session.end_step()?;
             }
             stream.synchronize()?;
-            if !session.wait_drained(Duration::from_secs(600)) {
-                return Err("not drained within 10 minutes".into());
-            }
-            flushed = Instant::now();
+            flushed = flush(&session, setup)?;
         }
         Backend::Host => {
             let sources: Vec<Vec<u8>> = ids.iter().map(|&id| activations(per_hp, id as u64 + 1)).collect();
@@ -182,10 +198,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
                 }
                 session.end_step()?;
             }
-            if !session.wait_drained(Duration::from_secs(600)) {
-                return Err("not drained within 10 minutes".into());
-            }
-            flushed = Instant::now();
+            flushed = flush(&session, setup)?;
         }
     }
     let report = session.shutdown()?;
@@ -195,11 +208,11 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let secs = (closed - started).as_secs_f64();
     let file_bytes: u64 = report.files.iter().map(|f| f.bytes).sum();
     println!(
-        "RESULT\t{}\t{:.2}\t{:.0}\t{:.1}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}",
+        "RESULT\t{}\t{:.2}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}",
         setup.name,
         bytes as f64 / secs / 1e9,
         (steps * rows as u64) as f64 / secs,
-        (closed - flushed).as_secs_f64() * 1e3,
+        flushed.map_or("— (files commit at shutdown)".into(), |f| format!("{:.1}", (closed - f).as_secs_f64() * 1e3)),
         peak_rss_mib(),
         total.exported.rows,
         total.produced.rows - total.exported.rows,
@@ -312,6 +325,7 @@ fn setups(args: &Args) -> Vec<Setup> {
             files: None,
             threads: 1,
             zstd_level: 1,
+            compression: Compression::Zstd,
         };
         out.push(host.clone());
         out.push(Setup {
@@ -332,12 +346,21 @@ fn setups(args: &Args) -> Vec<Setup> {
             files: None,
             threads: 8,
             zstd_level: 1,
+            compression: Compression::Zstd,
         };
         out.push(cuda.clone());
         for (name, dir) in [("disk", &args.dir), ("memory", &args.shm)] {
             out.push(Setup {
                 name: format!("cuda: Arrow IPC ({name}), 8 threads"),
                 files: Some((false, true, dir.clone())),
+                ..cuda.clone()
+            });
+        }
+        for (codec, compression) in [("lz4", Compression::Lz4), ("none", Compression::None)] {
+            out.push(Setup {
+                name: format!("cuda: Parquet {codec} (memory), 8 threads"),
+                files: Some((true, false, args.shm.clone())),
+                compression,
                 ..cuda.clone()
             });
         }
@@ -375,13 +398,23 @@ fn main() -> Res<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let exe = std::env::current_exe()?;
     for s in &all {
+        let run_dir = s.files.as_ref().map(|(_, _, dir)| std::path::Path::new(dir).join(s.run_id()));
+        if let Some(d) = &run_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
         let out = Command::new(&exe)
-            .args(["--child", &s.name, "--dir", &args.dir, "--shm", &args.shm, "--laps", &args.laps.to_string()])
+            .args(["--child", &s.name, "--backend", &args.backend, "--dir", &args.dir, "--shm", &args.shm])
+            .args(["--laps", &args.laps.to_string()])
             .output()?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         match stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")) {
             Some(line) => println!("| {} |", line.split('\t').collect::<Vec<_>>().join(" | ")),
-            None => println!("| {} | failed: {} |", s.name, String::from_utf8_lossy(&out.stderr).trim().replace('\n', " ")),
+            None => {
+                println!("| {} | failed: {} |", s.name, String::from_utf8_lossy(&out.stderr).trim().replace('\n', " "))
+            }
+        }
+        if let Some(d) = &run_dir {
+            let _ = std::fs::remove_dir_all(d);
         }
         let errors = String::from_utf8_lossy(&out.stderr);
         for line in errors.lines().filter(|l| !l.trim().is_empty()).take(3) {
@@ -406,7 +439,9 @@ fn main() -> Res<()> {
     }
     for (name, dir) in dirs {
         match disk_write_rate(dir, 4 << 30) {
-            Ok((rate, how)) => println!("- sequential write, {name} ({dir}), 4 GiB in 8 MiB writes, {how}: {rate:.2} GB/s"),
+            Ok((rate, how)) => {
+                println!("- sequential write, {name} ({dir}), 4 GiB in 8 MiB writes, {how}: {rate:.2} GB/s")
+            }
             Err(e) => println!("- sequential write, {name} ({dir}): failed: {e}"),
         }
     }

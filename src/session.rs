@@ -139,7 +139,7 @@ impl SessionBuilder {
         for shard in 0..threads {
             let filter = if threads == 1 { Filter::all() } else { Filter::shard(threads, shard) };
             if config.export.parquet {
-                let (sink, committed) = parquet_sink(dataset.clone(), config.export.zstd_level)
+                let (sink, committed) = parquet_sink(dataset.clone(), config.export.codec())
                     .map_err(|e| Error::Setting { key: "export.parquet", source: e.into() })?;
                 sinks.push((Box::new(sink), filter.clone()));
                 files.push(committed);

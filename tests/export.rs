@@ -283,6 +283,8 @@ fn parquet_pages_keep_every_row_in_order_whatever_the_record_sizes() {
         ("zstd", Parquet::with_zstd_level(1).unwrap()),
         ("zstd9", Parquet::with_zstd_level(9).unwrap()),
         ("plain", Parquet::with_properties(uncompressed)),
+        ("lz4", Parquet::with_codec(ringscope_exporter::Codec::Lz4).unwrap()),
+        ("none", Parquet::with_codec(ringscope_exporter::Codec::Uncompressed).unwrap()),
     ];
     let direct_ios = [("page-cache", DirectIo::Off), ("auto", DirectIo::Auto)];
     for ((format_name, format), (io_name, direct_io)) in

@@ -294,6 +294,13 @@ fn invalid_configs_are_refused() {
         let err = Session::new(b).err().unwrap().to_string();
         assert!(err.contains(key), "{err}");
     }
+    let err = Config::from_toml("[export]\ncompression = \"gzip\"\n").unwrap_err().to_string();
+    assert!(err.contains("compression") && err.contains("gzip"), "{err}");
+    let lz4 = Config::from_toml("[export]\ncompression = \"lz4\"\n").unwrap();
+    assert_eq!(lz4.export.codec(), ringscope_exporter::Codec::Lz4);
+    let none = Config::from_toml("[export]\ncompression = \"none\"\nzstd_level = 5\n").unwrap();
+    assert_eq!(none.export.codec(), ringscope_exporter::Codec::Uncompressed);
+    assert_eq!(Config::new().export.codec(), ringscope_exporter::Codec::Zstd { level: 1 });
     let err = Config::from_toml("[ring]\nbackend = \"tpu\"\n").unwrap_err().to_string();
     assert!(err.contains("backend") || err.contains("tpu"), "{err}");
     let err = Config::from_toml("[ring]\ndefer_captures = \"yes\"\n").unwrap_err().to_string();

@@ -29,7 +29,7 @@ pub use routing::{
     BoxError, CallbackSink, Catalog, CatalogEntry, Drain, DrainOptions, DrainReport, Filter, HookPointSummary, Receipt,
     Record, Sink, SinkError, SinkReport, Subscription, Summary, SummarySink,
 };
-pub use writing::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Parquet, ParquetSink, ParquetWriter};
+pub use writing::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet, ParquetSink, ParquetWriter};
 
 /// Errors of the drain's life cycle (a sink's errors are [`SinkError`]s, in the [`DrainReport`]).
 #[derive(Debug, thiserror::Error)]

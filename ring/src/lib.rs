@@ -47,6 +47,11 @@ pub trait RecordSource: Send {
     fn held_bytes(&mut self) -> u64;
     /// Bytes of the memory records are lent from (the ring, or the CUDA backend's staging).
     fn capacity(&self) -> usize;
+    /// Bytes published by the producer and not yet handed out as records: when not zero while `peek` finds nothing,
+    /// a record is on its way (the CUDA backend's copy to the host) and the drain should look again soon.
+    fn arriving_bytes(&mut self) -> u64 {
+        0
+    }
     /// True when the producer is gone and every record it published has been handed out.
     fn is_finished(&mut self) -> bool;
 }
@@ -70,6 +75,10 @@ impl<S: RecordSource + ?Sized> RecordSource for Box<S> {
 
     fn capacity(&self) -> usize {
         (**self).capacity()
+    }
+
+    fn arriving_bytes(&mut self) -> u64 {
+        (**self).arriving_bytes()
     }
 
     fn is_finished(&mut self) -> bool {

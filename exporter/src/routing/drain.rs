@@ -228,6 +228,10 @@ fn run_drain(
             idle = Duration::from_micros(20);
         } else if consumer.is_finished() {
             break;
+        } else if consumer.arriving_bytes() > 0 {
+            // A record is being copied to us (a large one takes several copies): look again soon, or the copies
+            // would wait for our sleep instead of the link.
+            std::thread::sleep(Duration::from_micros(20));
         } else {
             std::thread::sleep(idle);
             idle = (idle * 2).min(options.max_idle_sleep);

@@ -1,0 +1,130 @@
+"""Bulk capture as a user generating training data for sparse autoencoders would do it, end to end on one GPU.
+
+    python benches/prefill_capture.py --out results.json [--dir /data/dumps]   # needs CUDA, torch, transformers,
+                                                                             # libringscope + NVRTC
+
+A 1B-shaped Llama (16 layers, hidden 2048, bf16, random weights: no download, see hf_overhead.py), prefill of
+8 x 2048 tokens, `ringscope.torch.attach(model, session, sites=["residual"])`, `ring.backend = "cuda"`,
+`ring.capacity = "16 GiB"`, full mode, 8 prefills (8.6 GB of activations), timed from the first capture until
+`flush()` returned (no file sink) and `close()` finished. Each variant runs in its own process (so its peak RSS is
+its own); the model alone, as GB/s of residuals produced, is measured the same way.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+PREFILLS, BATCH, TOKENS, LAYERS, HIDDEN = 8, 8, 2048, 16, 2048
+BYTES = PREFILLS * BATCH * TOKENS * LAYERS * HIDDEN * 2
+
+
+def variants(args):
+    ring = {"backend": "cuda", "capacity": "16 GiB", "max_batch_rows": BATCH * TOKENS}
+    policy = {"mode": "full", "full_deadline_ms": 120000}
+
+    def files(**export):
+        return {"ring": ring, "policy": policy,
+                "export": {"dir": export.pop("dir", args.dir), "max_file_size": "1 GiB", **export}}
+    return {
+        "model alone (no capture)": None,
+        "no sink": {"ring": ring, "policy": policy},
+        "no sink, drain_chunk 32 MiB x 16": {"ring": {**ring, "drain_chunk": "32 MiB", "drain_in_flight": 16},
+                                             "policy": policy},
+        "Arrow IPC (disk), 8 threads": files(arrow_ipc=True, threads=8),
+        "Arrow IPC (memory), 8 threads": files(arrow_ipc=True, threads=8, dir=args.shm),
+        "Parquet zstd(1) (memory), 1 thread": files(parquet=True, threads=1, dir=args.shm),
+        "Parquet zstd(1) (memory), 8 threads": files(parquet=True, threads=8, dir=args.shm),
+        "Parquet lz4 (memory), 8 threads": files(parquet=True, threads=8, compression="lz4", dir=args.shm),
+    }
+
+
+def run_variant(name, config):
+    import torch
+    import ringscope
+    import ringscope.torch as rt
+    from hf_overhead import build_model, DEV
+
+    model = build_model(LAYERS)
+    ids = [torch.randint(0, 1000, (BATCH, TOKENS), device=DEV) for _ in range(PREFILLS)]
+    with torch.no_grad():
+        model(input_ids=ids[0][:1, :128], use_cache=False)  # warm up kernels and allocator
+    torch.cuda.synchronize()
+    session = att = None
+    if config is not None:
+        session = ringscope.Session(config)
+        att = rt.attach(model, session, sites=["residual"])
+    out = {"variant": name}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for x in ids:
+            model(input_ids=x, use_cache=False)
+    torch.cuda.synchronize()
+    out["prefills_s"] = time.perf_counter() - t0
+    if session is not None:
+        if "export" not in config:
+            session.flush(timeout=600)
+            out["flushed_s"] = time.perf_counter() - t0
+        att.detach()
+        t_close = time.perf_counter()
+        totals = session.close()
+        out["close_ms"] = (time.perf_counter() - t_close) * 1e3
+        out["exported_rows"] = totals["exported_rows"]
+        out["dropped_rows"] = totals["dropped_rows"]
+        if "export" in config:
+            root = config["export"]["dir"]
+            out["file_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
+                                    if f.endswith((".parquet", ".arrow")))
+    total_s = time.perf_counter() - t0
+    out["total_s"] = total_s
+    out["gb_per_s"] = BYTES / total_s / 1e9
+    out["tokens_per_s"] = PREFILLS * BATCH * TOKENS / total_s
+    out["expected_rows"] = PREFILLS * BATCH * TOKENS * LAYERS
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="prefill_capture.json")
+    p.add_argument("--dir", default="/tmp/ringscope-prefill")
+    p.add_argument("--shm", default="/dev/shm/ringscope-prefill")
+    p.add_argument("--only", default=None)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    vs = variants(args)
+    if args.variant is not None:
+        run_variant(args.variant, vs[args.variant])
+        return
+    results = []
+    for name in vs:
+        if args.only and args.only not in name:
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--dir", args.dir, "--shm", args.shm]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            r = {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
+        else:
+            r = json.loads(line[len("RESULT "):])
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        for d in (args.dir, args.shm):
+            subprocess.run(["rm", "-rf", d])
+    print("\n| export | GB/s, first capture -> flushed and closed | tokens/s | close (ms) | peak RSS (MiB) | rows |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][-300:]!r} |")
+            continue
+        rows = f"{r.get('exported_rows', '-')}/{r['expected_rows']}" if "exported_rows" in r else "-"
+        print(f"| {r['variant']} | {r['gb_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r.get('close_ms', float('nan')):.1f} "
+              f"| {r['peak_rss_mib']:.0f} | {rows} |")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
