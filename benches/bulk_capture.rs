@@ -208,9 +208,10 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let secs = (closed - started).as_secs_f64();
     let file_bytes: u64 = report.files.iter().map(|f| f.bytes).sum();
     println!(
-        "RESULT\t{}\t{:.2}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}",
+        "RESULT\t{}\t{:.2}\t{}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}",
         setup.name,
         bytes as f64 / secs / 1e9,
+        flushed.map_or("—".into(), |f| format!("{:.1}", bytes as f64 / (f - started).as_secs_f64() / 1e9)),
         (steps * rows as u64) as f64 / secs,
         flushed.map_or("— (files commit at shutdown)".into(), |f| format!("{:.1}", (closed - f).as_secs_f64() * 1e3)),
         peak_rss_mib(),
@@ -392,10 +393,11 @@ fn main() -> Res<()> {
     }
     println!("## Bulk capture through a Session (full mode, {} ring capacities per configuration)\n", args.laps);
     println!(
-        "| configuration | GB/s (first capture → shutdown returned) | tokens/s | close after flush (ms) | peak RSS (MiB) \
+        "| configuration | GB/s (first capture → shutdown returned) | drain GB/s (first capture → flushed) | tokens/s \
+         | close after flush (ms) | peak RSS (MiB) \
          | rows exported | rows not exported | moved out of the ring | file bytes ÷ activation bytes | errors |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let exe = std::env::current_exe()?;
     for s in &all {
         let run_dir = s.files.as_ref().map(|(_, _, dir)| std::path::Path::new(dir).join(s.run_id()));

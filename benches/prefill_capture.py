@@ -100,7 +100,7 @@ def main():
         return
     results = []
     for name in vs:
-        if args.only and args.only not in name:
+        if args.only and (args.only not in name or (args.only in vs and args.only != name)):
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--dir", args.dir, "--shm", args.shm]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))

@@ -350,10 +350,12 @@ impl Session {
     pub fn shutdown(&self) -> Result<Report, Error> {
         let mut capture = self.capture.lock().take().ok_or(Error::Closed)?;
         let device_errors = capture.backend.close(&self.registry);
+        // The capture side goes first (its work has completed; the host backend's producer leaving is what ends the
+        // drain): its memory is freed now, before the drain frees the ring's in the background.
+        drop(capture);
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let mut drain = drain.join()?;
         drain.errors.extend(device_errors);
-        drop(capture);
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
         let report = Report { accounting: self.registry.accounting(), drain, files, run_dir: self.run_dir.clone() };
         if let Some(dir) = &report.run_dir {

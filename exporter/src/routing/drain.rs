@@ -261,6 +261,10 @@ fn run_drain(
         }
     }
     drop(ports);
+    // The ring's memory goes back on a thread of its own: unpinning the CUDA backend's staging takes about a tenth
+    // of a second per GiB (and the driver serialises other memory calls behind it), which closing a session must
+    // not wait for. If no thread can be started, the closure — and the ring with it — is dropped here.
+    let _ = std::thread::Builder::new().name("ringscope-free".into()).spawn(move || drop(consumer));
     report.elapsed = started.elapsed();
     report
 }

@@ -544,19 +544,5 @@ impl Drop for DeviceConsumer {
         }
         // Unpinning a large staging buffer takes seconds (about 0.2 s per GiB): hand it to a thread of its own so
         // that closing a session does not wait for it. The buffer keeps its context alive until it is freed.
-        // The thread frees it once it holds the last reference: ours go when the fields drop, right after this;
-        // leases still out keep it longer. If no thread can be started, the closure (and the buffer with it) is
-        // dropped here.
-        let staging = self.staging.clone();
-        let _ = std::thread::Builder::new().name("ringscope-unpin".into()).spawn(move || {
-            let mut staging = staging;
-            loop {
-                match Arc::try_unwrap(staging) {
-                    Ok(buffer) => return drop(buffer),
-                    Err(shared) => staging = shared,
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        });
     }
 }
