@@ -342,3 +342,39 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
     att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
     return att
+
+
+class ActivationDataset(torch.utils.data.IterableDataset):
+    """A dump as a stream of training batches: ``torch`` tensors of ``batch_size`` rows of one hookpoint, read file
+    by file (memory-mapped Arrow IPC where the run has it, else Parquet), optionally shuffled within a buffer of
+    ``shuffle_buffer`` rows; bf16 stays ``torch.bfloat16``. Use it with ``DataLoader(ds, batch_size=None,
+    num_workers=N)``: each worker reads its own share of the files. Each item is a dict: ``activation`` (rows,
+    row_width), ``hookpoint``, and with ``with_meta`` the ``step``, ``request_id`` and ``position`` of every row.
+    Arguments as :func:`ringscope.stream.iter_batches`; they are checked here, not in the workers."""
+
+    def __init__(self, path, hookpoints=None, batch_size: int = 4096, shuffle_buffer: int = 0, seed: int = 0,
+                 format: str = "auto", drop_last: bool = False, with_meta: bool = False):
+        from . import stream
+
+        self._args = dict(path=path, hookpoints=hookpoints, batch_size=batch_size, shuffle_buffer=shuffle_buffer,
+                          seed=seed, format=format, drop_last=drop_last, with_meta=with_meta)
+        # Check everything (and that the run has files) now: an error in a worker process is harder to read.
+        next(iter(stream.iter_batches(**{**self._args, "batch_size": 1, "shuffle_buffer": 0})), None)
+
+    def __iter__(self):
+        from . import stream
+
+        info = torch.utils.data.get_worker_info()
+        shard = (info.id, info.num_workers) if info is not None else (0, 1)
+        seed = self._args["seed"] + (info.id if info is not None else 0)
+        for b in stream.iter_batches(**{**self._args, "seed": seed}, shard=shard):
+            rows = b["activation"]
+            # Rows straight from a memory-mapped file are read-only: a tensor must not write into the dump.
+            act = torch.from_numpy(rows if rows.flags.writeable else rows.copy())
+            if b["dtype"] == "bf16":
+                act = act.view(torch.bfloat16)
+            item = {"hookpoint": b["hookpoint"], "activation": act}
+            for c in stream.META_COLUMNS:
+                if c in b:
+                    item[c] = torch.from_numpy(b[c].astype(np.int64))
+            yield item
