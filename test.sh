@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test suite: Rust unit, integration and doc tests; the loom model check of the ring protocol; the main example
+# The test suite: Rust unit, integration and doc tests; the loom model check of the ring protocol; Miri on the host
+# ring's and the leases' unsafe code; the main example
 # dumping to Parquet, checked by `inspect` and read back bit for bit from Python (pyarrow, DuckDB, Polars); the C ABI
 # example compiled with the system C compiler against libringscope and its dump read back; the Python package and its
 # PyTorch / Hugging Face integration.
@@ -45,6 +46,23 @@ cargo test --workspace
 
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
   cargo test -p ringscope-ring --release --test loom --target-dir target/loom
+
+# Miri on the host ring's and the leases' unsafe code (undefined behaviour and data races), on a nightly toolchain with
+# the miri component, installed through rustup the first time. Without rustup this step is skipped with a message,
+# unless RINGSCOPE_REQUIRE_MIRI=1 (CI).
+if command -v rustup >/dev/null; then
+  if ! cargo +nightly miri --version >/dev/null 2>&1; then
+    echo "== installing a nightly toolchain with Miri (first run only)"
+    rustup toolchain install nightly --profile minimal --component miri,rust-src
+  fi
+  MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p ringscope-ring --lib --target-dir target/miri \
+    -- host:: lease:: space::
+elif [ "${RINGSCOPE_REQUIRE_MIRI:-0}" = 1 ]; then
+  echo "test.sh: Miri needs rustup (to install a nightly toolchain with the miri component)" >&2
+  exit 1
+else
+  echo "== skipping Miri: no rustup to install a nightly toolchain with it"
+fi
 
 rm -rf ringscope-out/ci
 cargo run --release --example dump_parquet -- --layers 4 --hidden 512 --requests 48 --run-id ci --arrow-ipc

@@ -607,6 +607,51 @@ mod tests {
         assert_eq!(c.used_bytes(), 0);
     }
 
+    /// Leases hold their ring space, on another thread too, until dropped — oldest first — and the producer writes
+    /// around them. Run under Miri as well (CI), whose race detector checks the Release/Acquire pairs that order the
+    /// holder's reads before the producer's overwrite.
+    #[test]
+    fn a_leased_record_keeps_its_space_until_dropped_even_on_another_thread() {
+        let (mut p, mut c) = channel(1024).unwrap();
+        // Footprint of a 1-row, 64-byte record: 64 header + 64 meta + 64 data = 192.
+        for i in 0..2 {
+            p.try_push(meta(1, 64, i), &metas(1), &[i as u8 + 1; 64]).unwrap();
+        }
+        fn lease(c: &mut Consumer) -> Lease {
+            c.peek().unwrap().unwrap();
+            let lease = c.lease().unwrap();
+            c.release();
+            lease
+        }
+        let (first, second) = (lease(&mut c), lease(&mut c));
+        assert_eq!(c.held_bytes(), 384);
+        // The reader on another thread checks the first record's row while the producer fills the rest of the ring.
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let reader = std::thread::spawn(move || {
+            wait.recv().unwrap();
+            let row = &first[64..128]; // after the row metadata, padded to 64 bytes
+            assert!(row.iter().all(|&b| b == 1), "the leased row was overwritten");
+            drop(first);
+        });
+        for i in 2..5 {
+            p.try_push(meta(1, 64, i), &metas(1), &[0xEE; 64]).unwrap();
+        }
+        for _ in 2..5 {
+            drop(lease(&mut c)); // read and returned at once, but behind the two leases still out
+        }
+        assert!(matches!(p.try_reserve(meta(1, 64, 5)), Err(ReserveError::Full { .. })), "the leases hold the ring");
+        drop(second);
+        c.release();
+        assert!(matches!(p.try_reserve(meta(1, 64, 5)), Err(ReserveError::Full { .. })), "the oldest lease is out");
+        go.send(()).unwrap();
+        reader.join().unwrap();
+        c.release();
+        assert_eq!(c.held_bytes(), 0);
+        p.try_push(meta(1, 64, 5), &metas(1), &[5; 64]).unwrap();
+        c.peek().unwrap().unwrap();
+        assert_eq!(c.lease().unwrap()[64..128], [5; 64]);
+    }
+
     #[test]
     fn abandoned_reservation_publishes_nothing() {
         let (mut p, mut c) = channel(1024).unwrap();
