@@ -23,7 +23,7 @@ use ringscope_policy::{DropReason, LossPolicy, Mode};
 use ringscope_ring::RecordSource;
 
 use crate::routing::catalog::{Catalog, CatalogEntry};
-use crate::routing::fanout::{port, Backlog, Filter, Offer, Port, Subscription};
+use crate::routing::fanout::{port, Backlog, Filter, Offer, Port, Queue, Received, Subscription};
 use crate::routing::record::Record;
 use crate::routing::sink::{Sink, SinkError};
 use crate::ExporterError;
@@ -109,11 +109,11 @@ impl Drain {
         let mut ports = Vec::new();
         let mut workers = Vec::new();
         for (sink, filter) in sinks {
-            let (p, rx, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes, false);
+            let (p, queue, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes, false);
             ports.push(p);
             let thread = std::thread::Builder::new()
                 .name(format!("ringscope-sink-{}", sink.name()))
-                .spawn(move || run_sink(sink, rx, backlog))
+                .spawn(move || run_sink(sink, queue, backlog))
                 .map_err(ExporterError::Spawn)?;
             workers.push(thread);
         }
@@ -127,9 +127,9 @@ impl Drain {
 
     /// Subscribes a consumer to the records that pass `filter`: every record published after this returns.
     pub fn subscribe(&self, name: &str, filter: Filter) -> Result<Subscription, ExporterError> {
-        let (p, rx, backlog, gone) = port(name.to_owned(), filter, self.backlog_bytes, true);
+        let (p, queue, backlog, gone) = port(name.to_owned(), filter, self.backlog_bytes, true);
         self.subscribe.send(p).map_err(|_| ExporterError::Stopped)?;
-        Ok(Subscription::new(rx, backlog, gone))
+        Ok(Subscription::new(queue, backlog, gone))
     }
 
     /// Waits for the drain to finish (drop the producer first, or this waits forever), then for every sink to
@@ -311,12 +311,12 @@ impl Pressure {
     }
 }
 
-fn run_sink(sink: Box<dyn Sink>, rx: Receiver<Record>, backlog: Arc<Backlog>) -> SinkReport {
+fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>) -> SinkReport {
     let mut report = SinkReport { name: sink.name().to_owned(), ..SinkReport::default() };
     // `None` once it failed: it is closed and dropped at once, so that records it held (lent by the ring) go back
     // instead of holding the ring until shutdown.
     let mut live = Some(sink);
-    for record in rx.iter() {
+    while let Received::Record(record) = queue.pop(None) {
         let size = record.size_bytes();
         match live.as_mut() {
             None => record.receipt().fail(DropReason::SinkError),
@@ -722,6 +722,42 @@ mod tests {
         assert_eq!(c.exported.records, queued.len() as u64);
         assert_eq!(c.dropped_for(DropReason::SinkBackpressure).records, total - queued.len() as u64);
         assert_eq!(c.dropped_for(DropReason::RingFull).records, 0);
+    }
+
+    #[test]
+    fn records_moved_out_of_the_ring_while_a_consumer_receives_keep_their_order() {
+        // Best-effort, a consumer that reads slowly: its queue is moved out of the ring again and again while it
+        // receives. Moving happens in place, so it must see every record it gets in stream order.
+        let (p, c) = channel(1 << 16).unwrap();
+        let reg = TestCatalog::layers(1, 1024);
+        let mut p = p;
+        let options = DrainOptions {
+            backlog_bytes: 1 << 20,
+            policy: LossPolicy { mode: Mode::BestEffort, full_deadline: Duration::ZERO },
+            ..DrainOptions::default()
+        };
+        let drain = Drain::spawn(c, reg.catalog(), vec![], options).unwrap();
+        let slow = drain.subscribe("slow", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let reader = std::thread::spawn(move || {
+            let mut steps = Vec::new();
+            while let Some(r) = slow.recv() {
+                assert_eq!(r.data(), pattern(r.step(), 2048).as_slice(), "record of step {} changed", r.step());
+                steps.push(r.step());
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            steps
+        });
+        for step in 0..3000u64 {
+            reg.capture(&mut p, 0, step, &[(1, step as u32)], &pattern(step, 2048));
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        let steps = reader.join().unwrap();
+        assert!(steps.windows(2).all(|w| w[0] < w[1]), "out of order");
+        assert!(report.evacuations > 1 && report.evacuated_records > 0, "{report:?}");
+        assert_eq!(report.backpressure_drops, 3000 - steps.len() as u64);
+        reg.accounting().check().unwrap();
     }
 
     #[test]

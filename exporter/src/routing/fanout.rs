@@ -1,12 +1,11 @@
 //! Fan-out from the drain to sinks and consumers: one bounded channel per destination, with a backlog bounded in
 //! bytes, and the policy's answer when it is full.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 use ringscope_policy::{DropReason, LossPolicy, OnFull};
 
@@ -107,24 +106,125 @@ impl Backlog {
     }
 }
 
-/// Capacity of a port's channel in records. The byte budget is the real bound; this only caps bookkeeping.
+/// Capacity of a port's queue in records. The byte budget is the real bound; this only caps bookkeeping.
 pub(crate) const PORT_RECORDS: usize = 1 << 16;
 
-/// A new port and the receiving end for its destination.
+/// One destination's queue: records in stream order, taken from the front by the destination, added at the back by
+/// the drain, and — under ring pressure — moved out of the ring *in place* by the drain ([`Queue::evacuate`]), which
+/// a channel could not do without taking records out and putting them back (a receiver taking one meanwhile would
+/// see them out of order).
+pub(crate) struct Queue {
+    items: Mutex<Items>,
+    ready: Condvar,
+}
+
+struct Items {
+    records: VecDeque<Record>,
+    /// The drain is gone: once empty, nothing more will come.
+    ended: bool,
+    /// The destination closed it (a subscription's `close`): receivers see the end at once.
+    closed: bool,
+}
+
+/// What a receiver got from a [`Queue`].
+pub(crate) enum Received {
+    Record(Record),
+    /// Nothing within the time given.
+    Timeout,
+    /// The stream ended (drain gone, queue empty) or the queue was closed.
+    End,
+}
+
+impl Queue {
+    fn new() -> Arc<Queue> {
+        Arc::new(Queue {
+            items: Mutex::new(Items { records: VecDeque::new(), ended: false, closed: false }),
+            ready: Condvar::new(),
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.items.lock().records.len()
+    }
+
+    fn push(&self, record: Record) {
+        self.items.lock().records.push_back(record);
+        self.ready.notify_one();
+    }
+
+    /// The next record: waits up to `timeout` (`None`: until one comes or the stream ends).
+    pub(crate) fn pop(&self, timeout: Option<Duration>) -> Received {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut items = self.items.lock();
+        loop {
+            if items.closed {
+                return Received::End;
+            }
+            if let Some(r) = items.records.pop_front() {
+                return Received::Record(r);
+            }
+            if items.ended {
+                return Received::End;
+            }
+            match deadline {
+                None => self.ready.wait(&mut items),
+                Some(d) => {
+                    if self.ready.wait_until(&mut items, d).timed_out() && items.records.is_empty() {
+                        return if items.closed || items.ended { Received::End } else { Received::Timeout };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes every queued record out (a departed or closed destination's leftovers).
+    fn take_all(&self) -> Vec<Record> {
+        self.items.lock().records.drain(..).collect()
+    }
+
+    /// The drain is gone: receivers get what is queued, then the end.
+    pub(crate) fn end(&self) {
+        self.items.lock().ended = true;
+        self.ready.notify_all();
+    }
+
+    /// The destination is closed: every receiver, waiting or not, sees the end.
+    fn close(&self) {
+        self.items.lock().closed = true;
+        self.ready.notify_all();
+    }
+
+    /// Moves every queued record that is still lent by the ring into host memory of its own, in place (order and
+    /// byte counts unchanged). Returns how many were moved and how many could not be (memory refused: they stay).
+    fn evacuate(&self) -> (u64, u64) {
+        let (mut moved, mut refused) = (0, 0);
+        for r in self.items.lock().records.iter_mut().filter(|r| r.is_leased()) {
+            match r.detach() {
+                Ok(copy) => {
+                    *r = copy;
+                    moved += 1;
+                }
+                Err(_) => refused += 1,
+            }
+        }
+        (moved, refused)
+    }
+}
+
+/// A new port and the queue its destination receives from.
 pub(crate) fn port(
     name: String,
     filter: Filter,
     max_backlog_bytes: usize,
     consumer: bool,
-) -> (Port, Receiver<Record>, Arc<Backlog>, Arc<AtomicBool>) {
-    let (tx, rx) = crossbeam::channel::bounded(PORT_RECORDS);
+) -> (Port, Arc<Queue>, Arc<Backlog>, Arc<AtomicBool>) {
+    let queue = Queue::new();
     let backlog = Backlog::new(max_backlog_bytes);
     let gone = Arc::new(AtomicBool::new(false));
     let port = Port {
         name,
         filter,
-        tx,
-        rx_back: rx.clone(),
+        queue: queue.clone(),
         backlog: backlog.clone(),
         gone: gone.clone(),
         closed: false,
@@ -133,16 +233,14 @@ pub(crate) fn port(
         stalled_at: None,
         stalls: 0,
     };
-    (port, rx, backlog, gone)
+    (port, queue, backlog, gone)
 }
 
 /// One destination of the drain: a sink's worker thread or a consumer's subscription.
 pub(crate) struct Port {
     pub(crate) name: String,
     pub(crate) filter: Filter,
-    pub(crate) tx: Sender<Record>,
-    /// A second receiving end, used only to take back what a departed consumer left queued.
-    pub(crate) rx_back: Receiver<Record>,
+    pub(crate) queue: Arc<Queue>,
     pub(crate) backlog: Arc<Backlog>,
     /// Set by a consumer's subscription when it is dropped.
     pub(crate) gone: Arc<AtomicBool>,
@@ -158,6 +256,13 @@ pub(crate) struct Port {
     pub(crate) stalled_at: Option<u64>,
     /// Times this consumer was declared stalled.
     pub(crate) stalls: u64,
+}
+
+impl Drop for Port {
+    fn drop(&mut self) {
+        // The drain is done with this destination: its receiver gets what is queued, then the end.
+        self.queue.end();
+    }
 }
 
 /// What happened when the drain offered a record to a port.
@@ -197,59 +302,27 @@ impl Port {
         }
         self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
         let queued = if self.consumer { record.detached() } else { record.clone() };
-        // `has_room` saw a free slot in the channel too, and the drain is its only sender: this does not fail. (Nor
-        // can the channel disconnect: the port holds a receiver too.)
-        if self.tx.try_send(queued).is_ok() {
-            return Offer::Queued;
-        }
-        self.backlog.bytes.fetch_sub(size, Ordering::AcqRel);
-        self.dropped += 1;
-        // The original record: a consumer's queued copy is detached and carries no receipt.
-        record.receipt().fail(DropReason::SinkBackpressure);
-        Offer::Dropped(DropReason::SinkBackpressure)
+        // `has_room` saw a free slot in the queue too, and the drain is its only producer.
+        self.queue.push(queued);
+        Offer::Queued
     }
 
     /// The consumer is gone: nothing more is offered, and what it left queued is released.
     pub(crate) fn close_departed(&mut self) {
         self.closed = true;
-        while let Ok(r) = self.rx_back.try_recv() {
+        for r in self.queue.take_all() {
             self.backlog.taken(r.size_bytes());
         }
     }
 
-    /// Moves the records waiting in this destination's queue out of the ring into host memory of their own, keeping
-    /// their order, so that they no longer hold ring space. Returns how many were moved and how many could not be
-    /// (memory refused: those stay leased). The destination may take records meanwhile: it sees an empty queue
-    /// until they are back, in order — the drain, the only sender, is the caller.
+    /// Moves the records waiting in this destination's queue out of the ring into host memory of their own, in
+    /// place and in order, so that they no longer hold ring space. Returns how many were moved and how many could
+    /// not be (memory refused: those stay lent).
     pub(crate) fn evacuate(&mut self) -> (u64, u64) {
         if self.closed {
             return (0, 0);
         }
-        let queued: Vec<Record> = std::iter::from_fn(|| self.rx_back.try_recv().ok()).collect();
-        let (mut moved, mut refused) = (0, 0);
-        for r in queued {
-            let r = if r.is_leased() {
-                match r.detach() {
-                    Ok(copy) => {
-                        moved += 1;
-                        copy
-                    }
-                    Err(_) => {
-                        refused += 1;
-                        r
-                    }
-                }
-            } else {
-                r
-            };
-            // Room: these records were in the channel a moment ago and only the drain sends. The byte count is
-            // unchanged (same sizes).
-            if let Err(e) = self.tx.try_send(r) {
-                // Unreachable while the port holds a receiver; account the record as taken rather than lose track.
-                self.backlog.taken(e.into_inner().size_bytes());
-            }
-        }
-        (moved, refused)
+        self.queue.evacuate()
     }
 
     /// At shutdown: a departed consumer's leftovers are released; a live one keeps its queue to receive.
@@ -262,7 +335,7 @@ impl Port {
     /// Whether a record of `size` bytes can be queued now: within the byte budget, and a free slot in the channel
     /// (whose record-count bound only matters for tiny records under a large byte budget).
     fn has_room(&self, size: usize) -> bool {
-        self.backlog.fits(size) && !self.tx.is_full()
+        self.backlog.fits(size) && self.queue.len() < PORT_RECORDS
     }
 
     /// Full mode: waits until a record of `size` bytes fits, for at most `limit`. Returns whether it fits.
@@ -333,19 +406,15 @@ impl Port {
 /// or [`recv_timeout`](Self::recv_timeout) on it wakes at once and sees the end of the stream, and no record is
 /// returned after `close` has returned.
 pub struct Subscription {
-    rx: Receiver<Record>,
+    queue: Arc<Queue>,
     backlog: Arc<Backlog>,
     /// Set by `close`: the drain stops offering records, receivers see the end.
     gone: Arc<AtomicBool>,
-    /// Dropped by `close`, which disconnects `closed` and so wakes every receiver blocked in a `select`.
-    closer: Mutex<Option<Sender<()>>>,
-    closed: Receiver<()>,
 }
 
 impl Subscription {
-    pub(crate) fn new(rx: Receiver<Record>, backlog: Arc<Backlog>, gone: Arc<AtomicBool>) -> Self {
-        let (closer, closed) = crossbeam::channel::bounded(0);
-        Subscription { rx, backlog, gone, closer: Mutex::new(Some(closer)), closed }
+    pub(crate) fn new(queue: Arc<Queue>, backlog: Arc<Backlog>, gone: Arc<AtomicBool>) -> Self {
+        Subscription { queue, backlog, gone }
     }
 
     /// Accounts for a record taken from the queue and gives the consumer its own copy, so that what it keeps never
@@ -362,12 +431,9 @@ impl Subscription {
     /// Waits for the next record; `None` once the session has shut down and everything was received, or once the
     /// subscription is closed (from any thread).
     pub fn recv(&self) -> Option<Record> {
-        if self.is_closed() {
-            return None;
-        }
-        crossbeam::select! {
-            recv(self.rx) -> r => r.ok().and_then(|r| self.took(r)),
-            recv(self.closed) -> _ => None,
+        match self.queue.pop(None) {
+            Received::Record(r) => self.took(r),
+            Received::Timeout | Received::End => None,
         }
     }
 
@@ -375,27 +441,18 @@ impl Subscription {
     /// subscription is closed ([`is_closed`](Self::is_closed) tells which).
     #[allow(clippy::result_unit_err)]
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Record>, ()> {
-        if self.is_closed() {
-            return Err(());
-        }
-        crossbeam::select! {
-            recv(self.rx) -> r => match r {
-                Ok(r) => self.took(r).map(Some).ok_or(()),
-                Err(_) => Err(()),
-            },
-            recv(self.closed) -> _ => Err(()),
-            default(timeout) => Ok(None),
+        match self.queue.pop(Some(timeout)) {
+            Received::Record(r) => self.took(r).map(Some).ok_or(()),
+            Received::Timeout => Ok(None),
+            Received::End => Err(()),
         }
     }
 
     /// The next record if one is queued.
     pub fn try_recv(&self) -> Option<Record> {
-        if self.is_closed() {
-            return None;
-        }
-        match self.rx.try_recv() {
-            Ok(r) => self.took(r),
-            Err(TryRecvError::Empty | TryRecvError::Disconnected) => None,
+        match self.queue.pop(Some(Duration::ZERO)) {
+            Received::Record(r) => self.took(r),
+            Received::Timeout | Received::End => None,
         }
     }
 
@@ -404,8 +461,8 @@ impl Subscription {
     /// stream. Records already queued were counted as exported when they were queued. Closing twice is harmless.
     pub fn close(&self) {
         self.gone.store(true, Ordering::Release);
-        drop(self.closer.lock().take());
-        while let Ok(r) = self.rx.try_recv() {
+        self.queue.close();
+        for r in self.queue.take_all() {
             self.backlog.taken(r.size_bytes());
         }
         self.backlog.wake();
