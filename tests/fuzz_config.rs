@@ -393,6 +393,11 @@ fn exercise(text: &str, dir: &std::path::Path) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// 128 cases unless `PROPTEST_CASES` says otherwise.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128)
+}
+
 fn scratch_dir() -> tempdir::Scratch {
     tempdir::Scratch::new("fuzz-config")
 }
@@ -417,7 +422,7 @@ mod tempdir {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: ProptestConfig::default().cases.min(128), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     /// Documents from the schema's grammar: parsed, and opened and run where they describe a small host session.
     #[test]
