@@ -938,3 +938,6 @@ pub extern "C" fn rs_subscription_close(subscription: u64) -> RsStatus {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod fuzz;
