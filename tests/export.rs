@@ -480,7 +480,9 @@ fn full_mode_refuses_captures_once_a_sink_failed_and_a_failed_manifest_leaves_no
         other => panic!("expected SinkFailed, got {other:?}"),
     }
 
-    let Err(Error::Manifest { path, report, .. }) = session.shutdown() else { panic!("the manifest cannot be written") };
+    let Err(Error::Manifest { path, report, .. }) = session.shutdown() else {
+        panic!("the manifest cannot be written")
+    };
     assert_eq!(path, run_dir.join("_ringscope_run.json"));
     report.accounting.check().unwrap();
     let total = report.accounting.total();

@@ -381,9 +381,8 @@ fn a_failed_sink_reaches_the_engine_while_it_runs_and_is_reported_after_close() 
     let st = unsafe { rs_sink_failure(s, 0, &mut info, buf.as_mut_ptr(), buf.len()) };
     assert_eq!(st, RsStatus::RsOk, "{}", last_error());
     // SAFETY: both strings are NUL-terminated inside `buf`.
-    let (name, message) = unsafe {
-        (CStr::from_ptr(buf.as_ptr()), CStr::from_ptr(buf.as_ptr().add(info.sink_len as usize + 1)))
-    };
+    let (name, message) =
+        unsafe { (CStr::from_ptr(buf.as_ptr()), CStr::from_ptr(buf.as_ptr().add(info.sink_len as usize + 1))) };
     assert_eq!(name.to_str().unwrap(), "parquet");
     assert!(message.to_str().unwrap().contains("hookpoint=layers.0.resid"), "{message:?}");
     assert_eq!(info.unix_ns, status.first_failure_unix_ns);

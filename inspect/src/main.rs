@@ -125,9 +125,7 @@ fn main() -> ExitCode {
         .as_ref()
         .and_then(|m| m["files"].as_array())
         .map(|fs| {
-            fs.iter()
-                .filter_map(|f| Some((f["path"].as_str()?.to_owned(), f["sink"].as_str()?.to_owned())))
-                .collect()
+            fs.iter().filter_map(|f| Some((f["path"].as_str()?.to_owned(), f["sink"].as_str()?.to_owned()))).collect()
         })
         .unwrap_or_default();
     let mut problems: Vec<String> = Vec::new();
@@ -166,9 +164,7 @@ fn main() -> ExitCode {
 
     let accounting: BTreeMap<String, Value> = manifest["hookpoints"]
         .as_array()
-        .map(|hs| {
-            hs.iter().filter_map(|h| Some((h["name"].as_str()?.to_owned(), h["accounting"].clone()))).collect()
-        })
+        .map(|hs| hs.iter().filter_map(|h| Some((h["name"].as_str()?.to_owned(), h["accounting"].clone()))).collect())
         .unwrap_or_default();
     // What each sink says it committed, per hookpoint; absent in manifests older than the `sinks` section.
     let sinks: Option<Vec<Value>> = manifest["sinks"].as_array().cloned();
@@ -297,7 +293,10 @@ fn main() -> ExitCode {
 /// summarised; what was produced and lost is unknown.
 fn interrupted(parts: &BTreeMap<(String, String), Partition>, problems: &[String]) -> ExitCode {
     println!("interrupted: no manifest ({MANIFEST}): the run did not shut down (killed, or crashed); the committed files hold:");
-    println!("{:<10} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>10}", "sink", "hookpoint", "layer", "files", "steps", "requests", "rows", "MiB");
+    println!(
+        "{:<10} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>10}",
+        "sink", "hookpoint", "layer", "files", "steps", "requests", "rows", "MiB"
+    );
     for ((sink, hookpoint), p) in parts {
         let steps = p.steps.map_or("-".into(), |(a, b)| format!("{a}..{b}"));
         let layer = p.layer.map_or("-".into(), |l| l.to_string());
