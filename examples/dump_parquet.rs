@@ -8,12 +8,17 @@
 //! ```
 //!
 //! Read the output back with pyarrow, DuckDB or Polars (README, "Reading a dump").
+//!
+//! Exits with status 1, saying why on stderr, when anything went wrong — including a run that completed but lost
+//! records to a failed sink (a full disk, say): `sink_error` drops or sink errors in the report. In full mode a
+//! failed sink stops the capture loop (the session refuses captures); the session is still shut down, so the files
+//! committed before the failure and the manifest are there to inspect.
 
 use std::time::Instant;
 
 use clap::Parser;
 use ringscope::synthetic::{pregenerate, residual_hookpoints_toml, EngineConfig};
-use ringscope::{CaptureOutcome, Config, Session};
+use ringscope::{CaptureOutcome, Config, DropReason, Session};
 
 #[derive(Parser)]
 #[command(about = "Dump a synthetic decoder's residual stream to Parquet through ringscope")]
@@ -92,15 +97,21 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 
     let started = Instant::now();
     let mut dropped_at_capture = 0u64;
-    for (s, layers) in &steps {
-        session.begin_step(s.step, s.rows.iter().copied())?;
-        for (l, data) in layers.iter().enumerate() {
-            if let CaptureOutcome::Dropped(_) = session.capture(l as u32, data)? {
-                dropped_at_capture += 1;
+    let mut capture = || -> Result<(), ringscope::Error> {
+        for (s, layers) in &steps {
+            session.begin_step(s.step, s.rows.iter().copied())?;
+            for (l, data) in layers.iter().enumerate() {
+                if let CaptureOutcome::Dropped(_) = session.capture(l as u32, data)? {
+                    dropped_at_capture += 1;
+                }
             }
+            session.end_step()?;
         }
-        session.end_step()?;
-    }
+        Ok(())
+    };
+    // A failed capture (full mode refuses them once a sink failed) ends the loop, not the run: the session is shut
+    // down below so that what was committed and the manifest exist, and the error is returned at the end.
+    let stopped = capture().err();
     let capture_s = started.elapsed().as_secs_f64();
     let report = session.shutdown()?;
     let total_s = started.elapsed().as_secs_f64();
@@ -167,6 +178,19 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     for e in &report.drain.errors {
         println!("error: {e}");
+    }
+    if let Some(e) = stopped {
+        return Err(format!("capture stopped: {e}").into());
+    }
+    // A run that lost records to a failed sink did not do its job, however cleanly it ended.
+    let sink_losses = t.dropped_for(DropReason::SinkError).records;
+    if sink_losses > 0 || !report.sink_failures.is_empty() {
+        let failed: Vec<String> = report.sink_failures.iter().map(|f| f.message.clone()).collect();
+        return Err(format!(
+            "{sink_losses} records lost to sink errors (sink_error); failed sinks: {}",
+            if failed.is_empty() { "none reported".into() } else { failed.join("; ") }
+        )
+        .into());
     }
     Ok(())
 }

@@ -53,6 +53,14 @@ pub use config::Config;
 /// Stands for "a step begun inside a graph" (numbered on the device) in [`Error::StepOpen`].
 pub const GRAPH_STEP: u64 = u64::MAX;
 
+/// `at` as seconds since the Unix epoch (UTC), for messages.
+fn unix_seconds(at: std::time::SystemTime) -> String {
+    match at.duration_since(std::time::UNIX_EPOCH) {
+        Ok(d) => format!("{:.3} s since the Unix epoch", d.as_secs_f64()),
+        Err(_) => "an unknown time".into(),
+    }
+}
+
 fn step_name(step: u64) -> String {
     if step == GRAPH_STEP {
         "(begun in a graph)".into()
@@ -71,8 +79,8 @@ pub use ringscope_ring::{DType, HookPointSpec, RecordHeader, RecordView, RowMeta
 // What a consumer or a sink of their own sees: records, filters, subscriptions, the sink seam and the built-in sinks.
 pub use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, ArrowIpc, BoxError, CallbackSink, CatalogEntry, CommittedFile, DatasetOptions,
-    DirectIo, DrainReport, FileSink, Filter, HookPointSummary, Parquet, Receipt, Record, Sink, SinkError, SinkReport,
-    Subscription, Summary, SummarySink,
+    DirectIo, DrainReport, FileSink, Filter, HookPointSummary, Parquet, Receipt, Record, Sink, SinkError, SinkFailure,
+    SinkReport, Subscription, Summary, SummarySink,
 };
 
 /// The CUDA backend's types an engine passes in: streams, device memory, steps recorded inside graphs.
@@ -105,14 +113,38 @@ pub enum Error {
     /// The exporter failed.
     #[error(transparent)]
     Exporter(#[from] ringscope_exporter::ExporterError),
-    /// The run manifest could not be written.
-    #[error("writing the run manifest in {}: {source}", .dir.display())]
+    /// The run manifest could not be written (nothing of it is left behind: no partial or hidden file). The files
+    /// already committed stay readable; the run's final accounting is in `report` only.
+    #[error(
+        "could not write the run manifest {}: {source}; the committed data files are intact, but the run's final \
+         accounting is only in this report (free space in the run directory, or check its permissions)",
+        .path.display()
+    )]
     Manifest {
-        /// The run directory.
-        dir: std::path::PathBuf,
+        /// The manifest's path.
+        path: std::path::PathBuf,
         /// Why.
         #[source]
         source: std::io::Error,
+        /// The full report (accounting, files, sink errors).
+        report: Box<Report>,
+    },
+    /// Full mode: a sink has failed, so the records it should write would be lost; captures and new steps are
+    /// refused from then on instead of losing records silently. (Best-effort mode keeps capturing and counts the
+    /// losses as `sink_error`.)
+    #[error(
+        "{message} (failed at {}); full mode refuses captures once a sink has failed, since its records would be \
+         lost: close the session (its report and manifest count what was lost), fix the cause and start a new one, \
+         or set policy.mode = \"best_effort\" to keep capturing and count the losses as sink_error",
+        unix_seconds(*.at)
+    )]
+    SinkFailed {
+        /// The failed sink's name.
+        sink: String,
+        /// Its error, naming the sink and the cause.
+        message: String,
+        /// When it failed.
+        at: std::time::SystemTime,
     },
     /// The CUDA driver failed, or a device call was given bad input (the message says which).
     #[error("CUDA backend: {0}")]

@@ -1,15 +1,28 @@
 //! The run manifest: `_ringscope_run.json` in a run directory, written at shutdown after every file is committed.
 //!
-//! It names the hookpoints, the files, and the final per-hookpoint accounting. The leading `_` keeps dataset
-//! readers (pyarrow, DuckDB and Polars globs on `*.parquet`) from mistaking it for data.
+//! It names the hookpoints, the files, the final per-hookpoint accounting, and per sink what it committed. The leading
+//! `_` keeps dataset readers (pyarrow, DuckDB and Polars globs on `*.parquet`) from mistaking it for data.
+//!
+//! Two views, which answer different questions and so may differ without contradicting each other:
+//! * `hookpoints[].accounting.exported` counts a record as exported only once *every* destination has it (all
+//!   sinks and consumers): with Parquet and Arrow IPC both configured, a record the Parquet sink committed but the
+//!   Arrow IPC sink lost is `dropped.sink_error`, not exported.
+//! * `sinks[]` says per sink (`parquet`, `arrow_ipc`, or a sink of the user's) what it *holds*: records it took,
+//!   rows committed per hookpoint, and whether and when it failed. A committed file's rows are in its sink's
+//!   `committed` — the numbers a reader of that format's files finds on disk.
+//!
+//! A manifest that cannot be written leaves nothing behind (its temporary file is removed).
 
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::Path;
+use std::time::SystemTime;
 
 use ringscope_hookpoint::Registry;
 use ringscope_policy::DropReason;
 use serde_json::{json, Value};
 
-use crate::{Error, Report};
+use crate::Report;
 
 /// File name of the manifest inside a run directory.
 pub const MANIFEST: &str = "_ringscope_run.json";
@@ -18,8 +31,49 @@ fn tally(t: ringscope_policy::Tally) -> Value {
     json!({ "records": t.records, "rows": t.rows })
 }
 
-/// Writes the manifest of `report` into `run_dir` (atomically: a temporary file renamed into place).
-pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Result<(), Error> {
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Per sink: records it took, its errors, when it failed, and what it committed per hookpoint. A sink split over
+/// `export.threads` workers appears once, with its workers' numbers summed.
+fn sinks(report: &Report) -> Vec<Value> {
+    let mut names: Vec<&str> = Vec::new();
+    for s in &report.drain.sinks {
+        if !names.contains(&s.name.as_str()) {
+            names.push(&s.name);
+        }
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let workers = report.drain.sinks.iter().filter(|s| s.name == name);
+            let records: u64 = workers.clone().map(|s| s.records).sum();
+            let errors: Vec<&String> = workers.flat_map(|s| &s.errors).collect();
+            let first_failure = report.sink_failures.iter().find(|f| f.sink == name);
+            let mut committed: BTreeMap<&str, (u64, u64, u64)> = BTreeMap::new();
+            for f in report.files.iter().filter(|f| f.sink == name) {
+                let c = committed.entry(&f.hookpoint).or_default();
+                (c.0, c.1, c.2) = (c.0 + 1, c.1 + f.rows, c.2 + f.bytes);
+            }
+            json!({
+                "name": name,
+                "records_taken": records,
+                "failed": first_failure.is_some() || !errors.is_empty(),
+                "failed_at_unix_ms": first_failure.map(|f| unix_ms(f.at)),
+                "errors": errors,
+                "committed": committed
+                    .into_iter()
+                    .map(|(hp, (files, rows, bytes))| (hp.to_owned(), json!({ "files": files, "rows": rows, "bytes": bytes })))
+                    .collect::<serde_json::Map<_, _>>(),
+            })
+        })
+        .collect()
+}
+
+/// Writes the manifest of `report` into `run_dir` atomically: a temporary file, synced, renamed into place. On
+/// failure the temporary file is removed, so a run whose manifest could not be written leaves no hidden debris.
+pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std::io::Result<()> {
     let hookpoints: Vec<Value> = registry
         .all()
         .iter()
@@ -47,6 +101,7 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
             let rel = f.path.strip_prefix(run_dir).unwrap_or(&f.path);
             json!({
                 "path": rel.to_string_lossy(),
+                "sink": f.sink,
                 "hookpoint": f.hookpoint,
                 "rows": f.rows,
                 "bytes": f.bytes,
@@ -59,6 +114,7 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
         "run_id": run_dir.file_name().map(|n| n.to_string_lossy().into_owned()),
         "hookpoints": hookpoints,
         "files": files,
+        "sinks": sinks(report),
         "drain": {
             "records": report.drain.records,
             "rows": report.drain.rows,
@@ -69,7 +125,12 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> Res
     });
     let tmp = run_dir.join(format!(".{MANIFEST}.inprogress"));
     let text = serde_json::to_string_pretty(&manifest).expect("plain JSON values");
-    std::fs::write(&tmp, text)
-        .and_then(|()| std::fs::rename(&tmp, run_dir.join(MANIFEST)))
-        .map_err(|source| Error::Manifest { dir: run_dir.to_owned(), source })
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, run_dir.join(MANIFEST)));
+    if written.is_err() {
+        // A truncated hidden file would only mislead (and hold space on a full disk).
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }

@@ -6,11 +6,11 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain, DrainOptions,
-    DrainReport, Filter, Sink, Subscription,
+    DrainReport, Filter, Sink, SinkFailure, SinkHealth, Subscription,
 };
 use ringscope_hookpoint::cuda::GraphBatch;
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, LossPolicy};
+use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
 
 use crate::backend::cuda::CudaBackend;
@@ -30,6 +30,8 @@ pub struct Report {
     pub files: Vec<CommittedFile>,
     /// The run directory, when a file sink was configured.
     pub run_dir: Option<std::path::PathBuf>,
+    /// Sinks that failed during the run (their records from then on are counted as `sink_error`).
+    pub sink_failures: Vec<SinkFailure>,
 }
 
 impl Report {
@@ -67,6 +69,11 @@ impl Catalog for RegistryCatalog {
 ///
 /// All methods take `&self`; captures are serialised internally (the ring has one producer), so one engine thread
 /// should drive them.
+///
+/// A sink that fails (a full disk, a file it cannot create) is known at once: [`sink_failures`](Self::sink_failures)
+/// lists it, with its error and time. In full mode `begin_step*` and captures then return [`Error::SinkFailed`]
+/// (full mode promises not to lose records, and the failed sink's would be lost); in best-effort mode they go on and
+/// the failed sink's records are counted as dropped (`sink_error`).
 pub struct Session {
     registry: Arc<Registry>,
     policy: LossPolicy,
@@ -75,6 +82,8 @@ pub struct Session {
     drain: Mutex<Option<Drain>>,
     files: Vec<CommittedFiles>,
     run_dir: Option<std::path::PathBuf>,
+    /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
+    health: SinkHealth,
 }
 
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
@@ -157,6 +166,7 @@ impl SessionBuilder {
         };
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
         let drain = Drain::spawn(source, catalog, sinks, options)?;
+        let health = drain.health();
         let capture = Capture { backend };
         Ok(Session {
             registry,
@@ -165,6 +175,7 @@ impl SessionBuilder {
             drain: Mutex::new(Some(drain)),
             files,
             run_dir,
+            health,
         })
     }
 }
@@ -218,6 +229,23 @@ impl Session {
         Ok(())
     }
 
+    /// The sinks that have failed so far: which, why and when (empty while all are healthy). Answered while the
+    /// session runs and after it is shut down; cheap enough to poll every step.
+    pub fn sink_failures(&self) -> Vec<SinkFailure> {
+        self.health.failures()
+    }
+
+    /// Full mode: refuses to capture once a sink has failed, because what it captured would be lost — the engine
+    /// learns it at the next capture, not at shutdown. Best-effort: goes on (losses are counted as `sink_error`).
+    /// One atomic load while every sink is healthy.
+    fn check_sinks(&self) -> Result<(), Error> {
+        if self.policy.mode != Mode::Full || !self.health.any_failed() {
+            return Ok(());
+        }
+        let f = self.health.first().expect("a failure is listed before the flag is set");
+        Err(Error::SinkFailed { sink: f.sink, message: f.message, at: f.at })
+    }
+
     /// Runs `f` on the open session's capture side.
     fn with_capture<T>(&self, f: impl FnOnce(&mut Capture) -> Result<T, Error>) -> Result<T, Error> {
         f(self.capture.lock().as_mut().ok_or(Error::Closed)?)
@@ -226,6 +254,7 @@ impl Session {
     /// Starts step `step`: `rows` gives `(request_id, token_position)` for each batch row, in batch order.
     /// Host backend; a CUDA session uses [`begin_step_on`](Self::begin_step_on).
     pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
+        self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
         self.with_capture(|c| c.backend.begin_step(&self.registry, batch))
     }
@@ -243,6 +272,7 @@ impl Session {
         rows: impl IntoIterator<Item = (u64, u32)>,
         stream: StreamRef,
     ) -> Result<(), Error> {
+        self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
         self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream))
     }
@@ -291,6 +321,7 @@ impl Session {
     }
 
     fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
+        self.check_sinks()?;
         self.with_capture(|c| c.backend.capture(&self.policy, hp, data))
     }
 
@@ -306,6 +337,7 @@ impl Session {
     /// captures reading it have run — is the promise of [`DevicePtr::from_raw`].
     pub fn capture_device(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
+        self.check_sinks()?;
         self.with_capture(|c| c.backend.capture_device(&hp, ptr, rows, stream))
     }
 
@@ -357,9 +389,18 @@ impl Session {
         let mut drain = drain.join()?;
         drain.errors.extend(device_errors);
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
-        let report = Report { accounting: self.registry.accounting(), drain, files, run_dir: self.run_dir.clone() };
+        let report = Report {
+            accounting: self.registry.accounting(),
+            drain,
+            files,
+            run_dir: self.run_dir.clone(),
+            sink_failures: self.health.failures(),
+        };
         if let Some(dir) = &report.run_dir {
-            crate::manifest::write(dir, &self.registry, &report)?;
+            if let Err(source) = crate::manifest::write(dir, &self.registry, &report) {
+                let path = dir.join(crate::manifest::MANIFEST);
+                return Err(Error::Manifest { path, source, report: Box::new(report) });
+            }
         }
         if let Err(e) = report.accounting.check() {
             return Err(Error::Unbalanced { error: e, report: Box::new(report) });

@@ -163,7 +163,10 @@ fn unusable_output_directory_is_a_clear_error() {
 fn a_partition_breaking_mid_run_is_counted_and_finished_files_stay_readable() {
     let dir = tempdir("midrun");
     let cfg = EngineConfig { layers: 2, hidden: 128, requests: 24, ..EngineConfig::default() };
-    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "max_file_size = \"32 KiB\"")).unwrap();
+    // Best-effort: the engine goes on past the failure (full mode would refuse the next capture; see
+    // `full_mode_refuses_captures_once_a_sink_failed_and_a_failed_manifest_leaves_no_debris`).
+    let extra = "max_file_size = \"32 KiB\"\n[policy]\nmode = \"best_effort\"";
+    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, extra)).unwrap();
     let broken = dir.join("r").join("hookpoint=layers.0.resid");
     let rows = run(&session, cfg, |step| {
         if step == 40 {
@@ -440,5 +443,56 @@ fn constant_metadata_columns_match_the_generic_writer_byte_for_byte() {
             }
         }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Full mode and a sink that fails mid-run (its partition directory cannot be created, as on a full disk): the next
+/// step is refused with `Error::SinkFailed` naming the sink, `sink_failures` says which, why and when, every record
+/// is still accounted; a manifest that cannot be written is `Error::Manifest` naming its path, carrying the report,
+/// and leaves no hidden temporary file.
+#[test]
+fn full_mode_refuses_captures_once_a_sink_failed_and_a_failed_manifest_leaves_no_debris() {
+    let dir = tempdir("sinkfail-full");
+    let cfg = EngineConfig { layers: 1, hidden: 64, requests: 4, ..EngineConfig::default() };
+    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "[policy]\nmode = \"full\"")).unwrap();
+    let run_dir = dir.join("r");
+    std::fs::write(run_dir.join("hookpoint=layers.0.resid"), b"in the way").unwrap();
+    std::fs::create_dir(run_dir.join("_ringscope_run.json")).unwrap();
+    assert!(session.sink_failures().is_empty());
+
+    let before = std::time::SystemTime::now();
+    session.begin_step(0, [(1, 0)]).unwrap();
+    session.capture(0, &vec![0u8; 2 * cfg.hidden as usize]).unwrap();
+    session.end_step().unwrap();
+    assert!(session.wait_drained(std::time::Duration::from_secs(10)));
+    let failures = session.sink_failures();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].sink, "parquet");
+    assert!(failures[0].message.contains("hookpoint=layers.0.resid"), "{failures:?}");
+    assert!(failures[0].at >= before);
+
+    match session.begin_step(1, [(1, 1)]) {
+        Err(Error::SinkFailed { sink, message, .. }) => assert!(sink == "parquet" && message.contains("parquet")),
+        other => panic!("expected SinkFailed, got {other:?}"),
+    }
+    match session.capture(0, &vec![0u8; 2 * cfg.hidden as usize]) {
+        Err(e @ Error::SinkFailed { .. }) => assert!(e.to_string().contains("best_effort"), "{e}"),
+        other => panic!("expected SinkFailed, got {other:?}"),
+    }
+
+    let Err(Error::Manifest { path, report, .. }) = session.shutdown() else {
+        panic!("the manifest cannot be written")
+    };
+    assert_eq!(path, run_dir.join("_ringscope_run.json"));
+    report.accounting.check().unwrap();
+    let total = report.accounting.total();
+    assert_eq!((total.produced.records, total.dropped_for(DropReason::SinkError).records), (1, 1));
+    assert_eq!(report.sink_failures, failures);
+    let hidden: Vec<_> = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(hidden.is_empty(), "{hidden:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

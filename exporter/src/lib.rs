@@ -27,7 +27,7 @@ pub use dataset::{
 };
 pub use routing::{
     BoxError, CallbackSink, Catalog, CatalogEntry, Drain, DrainOptions, DrainReport, Filter, HookPointSummary, Receipt,
-    Record, Sink, SinkError, SinkReport, Subscription, Summary, SummarySink,
+    Record, Sink, SinkError, SinkFailure, SinkHealth, SinkReport, Subscription, Summary, SummarySink,
 };
 pub use writing::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet, ParquetSink, ParquetWriter};
 

@@ -121,6 +121,10 @@ enum rs_status
   RS_ERR_ENDED = 12,
   // The library panicked (a bug); the message has the panic text. The session should be closed.
   RS_ERR_PANIC = 13,
+  // Full mode: a sink has failed (the message names it and the cause), so captures and new steps are refused —
+  // its records would be lost. Close the session (the totals count what was lost). `rs_sink_status` and
+  // `rs_sink_failure` tell which sink failed and when, in either mode.
+  RS_ERR_SINK = 14,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -153,6 +157,26 @@ typedef struct rs_counts {
   // sink_backpressure, sink_error, corrupt`).
   uint64_t dropped_by_reason[RS_DROP_REASON_COUNT];
 } rs_counts;
+
+// The health of a session's sinks (see [`rs_sink_status`]).
+typedef struct rs_sink_health {
+  // Sink workers that have failed so far (0: every sink is healthy).
+  uint32_t failed_sinks;
+  // When the first one failed, in nanoseconds since the Unix epoch (0 while none has).
+  uint64_t first_failure_unix_ns;
+} rs_sink_health;
+
+// One failed sink (see [`rs_sink_failure`]).
+typedef struct rs_sink_failure_info {
+  // When it failed, in nanoseconds since the Unix epoch.
+  uint64_t unix_ns;
+  // Bytes of the sink's name (without its NUL).
+  uint32_t sink_len;
+  // Bytes of the error message (without its NUL).
+  uint32_t message_len;
+  // Bytes the buffer must hold: the name, a NUL, the message, a NUL (`sink_len + message_len + 2`).
+  uint64_t needed;
+} rs_sink_failure_info;
 
 // A record delivered to a subscription (see [`rs_poll`]).
 typedef struct rs_record_info {
@@ -198,10 +222,13 @@ rs_status rs_session_open(const char *config_toml,
 // `path` is a NUL-terminated string; `out` is writable.
 rs_status rs_session_open_file(const char *path, uint64_t *out);
 
-// Closes a session: stops capturing, drains every record, closes the sinks (finishing their files) and checks
-// the accounting. Writes the totals over all hookpoints to `totals` unless it is null. Returns
-// `RS_ERR_UNBALANCED` (totals still written) if a record went uncounted. Closing a closed session is harmless
-// (`RS_OK`, `totals` untouched); the handle stays invalid for everything else.
+// Closes a session: stops capturing, drains every record, closes the sinks (finishing their files), writes the run
+// manifest and checks the accounting. Writes the totals over all hookpoints to `totals` unless it is null. Returns
+// `RS_ERR_UNBALANCED` (totals still written) if a record went uncounted, `RS_ERR_IO` (totals still written; no
+// partial manifest left behind) if the manifest could not be written. A sink that failed does not fail the close:
+// its losses are in the totals (`sink_error`), and `rs_sink_status` / `rs_sink_failure` still answer on the closed
+// handle. Closing a closed session is harmless (`RS_OK`, `totals` untouched); the handle stays invalid for
+// everything else.
 //
 // # Safety
 // `totals` is null or writable.
@@ -357,6 +384,29 @@ rs_status rs_stats(uint64_t session_handle, uint32_t hookpoint, struct rs_counts
 // Parquet or Arrow IPC export this waits for that; sinks without files and subscriptions export on delivery.
 rs_status rs_flush(uint64_t session_handle,
                    uint32_t timeout_ms);
+
+// Writes the health of the session's sinks to `out`: how many have failed, and when the first did. Cheap (poll it
+// every step); answers on an open or a closed session. In full mode a failed sink also makes captures and new steps
+// return `RS_ERR_SINK`; in best-effort mode they go on, and the failed sink's records are counted as `sink_error`.
+// Details of each failure: [`rs_sink_failure`].
+//
+// # Safety
+// `out` is writable.
+rs_status rs_sink_status(uint64_t session_handle,
+                         struct rs_sink_health *out);
+
+// Failure number `index` (0 ≤ `index` < `failed_sinks` of [`rs_sink_status`], in the order they happened): fills
+// `info` and writes into `buf` the sink's name, a NUL, the error message, a NUL (`buf` is then the name as a C
+// string and `buf + info->sink_len + 1` the message). `RS_ERR_BUFFER_TOO_SMALL`: `info->needed` says how large
+// `buf` must be. `RS_ERR_INVALID_ARGUMENT`: no failure has that index. Answers on an open or a closed session.
+//
+// # Safety
+// `info` is writable; `buf` is valid for `buf_len` writes (may be null when `buf_len` is 0).
+rs_status rs_sink_failure(uint64_t session_handle,
+                          uint32_t index,
+                          struct rs_sink_failure_info *info,
+                          char *buf,
+                          size_t buf_len);
 
 // Subscribes a consumer to every record captured from now on whose hookpoint's layer is in `layers[0..n]` (all
 // records when `n` is 0). Read them with [`rs_poll`]; a consumer that falls behind is handled by the policy.

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use ringscope_api::cuda::{DevicePtr, GraphBatch, StreamRef};
 use ringscope_api::{
     AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DropReason, Error, Filter, HookPointSpec, Record,
-    RowSelection, Session, SiteKind, Subscription,
+    RowSelection, Session, SinkFailure, SiteKind, Subscription,
 };
 
 /// Status codes returned by every function.
@@ -66,6 +66,34 @@ pub enum RsStatus {
     RsErrEnded = 12,
     /// The library panicked (a bug); the message has the panic text. The session should be closed.
     RsErrPanic = 13,
+    /// Full mode: a sink has failed (the message names it and the cause), so captures and new steps are refused —
+    /// its records would be lost. Close the session (the totals count what was lost). `rs_sink_status` and
+    /// `rs_sink_failure` tell which sink failed and when, in either mode.
+    RsErrSink = 14,
+}
+
+/// The health of a session's sinks (see [`rs_sink_status`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RsSinkHealth {
+    /// Sink workers that have failed so far (0: every sink is healthy).
+    pub failed_sinks: u32,
+    /// When the first one failed, in nanoseconds since the Unix epoch (0 while none has).
+    pub first_failure_unix_ns: u64,
+}
+
+/// One failed sink (see [`rs_sink_failure`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RsSinkFailureInfo {
+    /// When it failed, in nanoseconds since the Unix epoch.
+    pub unix_ns: u64,
+    /// Bytes of the sink's name (without its NUL).
+    pub sink_len: u32,
+    /// Bytes of the error message (without its NUL).
+    pub message_len: u32,
+    /// Bytes the buffer must hold: the name, a NUL, the message, a NUL (`sink_len + message_len + 2`).
+    pub needed: u64,
 }
 
 /// Per-hookpoint counters, as records and token rows. `produced = exported + dropped + sampled_out` once the
@@ -178,7 +206,8 @@ pub const RS_DTYPE_F8E5M2: u32 = 11;
 
 enum Entry {
     Session(Arc<Session>),
-    ClosedSession,
+    /// Keeps the session's sink failures, which stay answerable after close.
+    ClosedSession(Arc<[SinkFailure]>),
     Subscription(Arc<Subscription>),
     ClosedSubscription,
 }
@@ -215,6 +244,7 @@ impl From<Error> for Failure {
             Error::Config(_) | Error::Setting { .. } | Error::Policy(_) => RsStatus::RsErrConfig,
             Error::HookPoint(_) => RsStatus::RsErrCapture,
             Error::Exporter(_) | Error::Manifest { .. } => RsStatus::RsErrIo,
+            Error::SinkFailed { .. } => RsStatus::RsErrSink,
             Error::Cuda(_) | Error::DeviceCapture(_) => RsStatus::RsErrCuda,
             Error::Backend(_) => RsStatus::RsErrInvalidArgument,
             Error::Closed => RsStatus::RsErrClosed,
@@ -232,7 +262,7 @@ fn invalid(msg: impl Into<String>) -> Failure {
 fn session(handle: u64) -> Result<Arc<Session>, Failure> {
     match handles().map.lock().get(&handle) {
         Some(Entry::Session(s)) => Ok(s.clone()),
-        Some(Entry::ClosedSession) => Err(Failure(RsStatus::RsErrClosed, "the session is closed".into())),
+        Some(Entry::ClosedSession(_)) => Err(Failure(RsStatus::RsErrClosed, "the session is closed".into())),
         Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
             Err(Failure(RsStatus::RsErrInvalidHandle, format!("handle {handle:#x} is a subscription, not a session")))
         }
@@ -359,10 +389,13 @@ pub unsafe extern "C" fn rs_session_open_file(path: *const c_char, out: *mut u64
     })
 }
 
-/// Closes a session: stops capturing, drains every record, closes the sinks (finishing their files) and checks
-/// the accounting. Writes the totals over all hookpoints to `totals` unless it is null. Returns
-/// `RS_ERR_UNBALANCED` (totals still written) if a record went uncounted. Closing a closed session is harmless
-/// (`RS_OK`, `totals` untouched); the handle stays invalid for everything else.
+/// Closes a session: stops capturing, drains every record, closes the sinks (finishing their files), writes the run
+/// manifest and checks the accounting. Writes the totals over all hookpoints to `totals` unless it is null. Returns
+/// `RS_ERR_UNBALANCED` (totals still written) if a record went uncounted, `RS_ERR_IO` (totals still written; no
+/// partial manifest left behind) if the manifest could not be written. A sink that failed does not fail the close:
+/// its losses are in the totals (`sink_error`), and `rs_sink_status` / `rs_sink_failure` still answer on the closed
+/// handle. Closing a closed session is harmless (`RS_OK`, `totals` untouched); the handle stays invalid for
+/// everything else.
 ///
 /// # Safety
 /// `totals` is null or writable.
@@ -371,7 +404,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
     ffi(|| {
         let mut map = handles().map.lock();
         match map.get(&session_handle) {
-            Some(Entry::ClosedSession) => return Ok(()),
+            Some(Entry::ClosedSession(_)) => return Ok(()),
             Some(Entry::Session(_)) => {}
             Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
                 return Err(Failure(
@@ -386,7 +419,9 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
                 ))
             }
         }
-        let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession) else { unreachable!() };
+        let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession(Arc::new([]))) else {
+            unreachable!()
+        };
         drop(map);
         let write = |acc: &AccountingSnapshot| {
             if !totals.is_null() {
@@ -394,7 +429,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
                 unsafe { *totals = counts(&acc.total()) };
             }
         };
-        match s.shutdown() {
+        let result = match s.shutdown() {
             Ok(report) => {
                 write(&report.accounting);
                 Ok(())
@@ -403,8 +438,17 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
                 write(&report.accounting);
                 Err(Failure(RsStatus::RsErrUnbalanced, error.to_string()))
             }
+            Err(e @ Error::Manifest { .. }) => {
+                if let Error::Manifest { report, .. } = &e {
+                    write(&report.accounting);
+                }
+                Err(e.into())
+            }
             Err(e) => Err(e.into()),
-        }
+        };
+        // Failures are final once the sinks are closed: keep them for rs_sink_status on the closed handle.
+        handles().map.lock().insert(session_handle, Entry::ClosedSession(s.sink_failures().into()));
+        result
     })
 }
 
@@ -780,6 +824,93 @@ pub extern "C" fn rs_flush(session_handle: u64, timeout_ms: u32) -> RsStatus {
         } else {
             Err(Failure(RsStatus::RsErrTimeout, format!("records still in flight after {timeout_ms} ms")))
         }
+    })
+}
+
+/// The sink failures of an open or closed session.
+fn sink_failures(handle: u64) -> Result<Arc<[SinkFailure]>, Failure> {
+    match handles().map.lock().get(&handle) {
+        Some(Entry::ClosedSession(f)) => Ok(f.clone()),
+        Some(Entry::Session(s)) => Ok(s.sink_failures().into()),
+        Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
+            Err(Failure(RsStatus::RsErrInvalidHandle, format!("handle {handle:#x} is a subscription, not a session")))
+        }
+        None => Err(Failure(RsStatus::RsErrInvalidHandle, format!("{handle:#x} is not a ringscope session handle"))),
+    }
+}
+
+fn unix_ns(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Writes the health of the session's sinks to `out`: how many have failed, and when the first did. Cheap (poll it
+/// every step); answers on an open or a closed session. In full mode a failed sink also makes captures and new steps
+/// return `RS_ERR_SINK`; in best-effort mode they go on, and the failed sink's records are counted as `sink_error`.
+/// Details of each failure: [`rs_sink_failure`].
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_sink_status(session_handle: u64, out: *mut RsSinkHealth) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let failures = sink_failures(session_handle)?;
+        let status = RsSinkHealth {
+            failed_sinks: failures.len() as u32,
+            first_failure_unix_ns: failures.first().map_or(0, |f| unix_ns(f.at)),
+        };
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *out = status };
+        Ok(())
+    })
+}
+
+/// Failure number `index` (0 ≤ `index` < `failed_sinks` of [`rs_sink_status`], in the order they happened): fills
+/// `info` and writes into `buf` the sink's name, a NUL, the error message, a NUL (`buf` is then the name as a C
+/// string and `buf + info->sink_len + 1` the message). `RS_ERR_BUFFER_TOO_SMALL`: `info->needed` says how large
+/// `buf` must be. `RS_ERR_INVALID_ARGUMENT`: no failure has that index. Answers on an open or a closed session.
+///
+/// # Safety
+/// `info` is writable; `buf` is valid for `buf_len` writes (may be null when `buf_len` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn rs_sink_failure(
+    session_handle: u64,
+    index: u32,
+    info: *mut RsSinkFailureInfo,
+    buf: *mut c_char,
+    buf_len: usize,
+) -> RsStatus {
+    ffi(|| {
+        out_arg(info, "info")?;
+        let failures = sink_failures(session_handle)?;
+        let Some(f) = failures.get(index as usize) else {
+            return Err(invalid(format!("no sink failure {index}: {} sinks have failed", failures.len())));
+        };
+        let needed = f.sink.len() + f.message.len() + 2;
+        let i = RsSinkFailureInfo {
+            unix_ns: unix_ns(f.at),
+            sink_len: f.sink.len() as u32,
+            message_len: f.message.len() as u32,
+            needed: needed as u64,
+        };
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *info = i };
+        if buf.is_null() || buf_len < needed {
+            return Err(Failure(
+                RsStatus::RsErrBufferTooSmall,
+                format!("the failure needs {needed} bytes, the buffer has {buf_len}"),
+            ));
+        }
+        // SAFETY: `buf` is valid for `buf_len ≥ needed` writes per the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), needed) };
+        let (name, rest) = out.split_at_mut(f.sink.len() + 1);
+        // Names and messages are Rust strings: a NUL inside one would cut it short in C, so it becomes a space.
+        let clean = |s: &str| s.bytes().map(|b| if b == 0 { b' ' } else { b }).collect::<Vec<u8>>();
+        name[..f.sink.len()].copy_from_slice(&clean(&f.sink));
+        name[f.sink.len()] = 0;
+        rest[..f.message.len()].copy_from_slice(&clean(&f.message));
+        rest[f.message.len()] = 0;
+        Ok(())
     })
 }
 

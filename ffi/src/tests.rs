@@ -323,3 +323,93 @@ fn the_committed_header_is_current() {
          the_committed_header_is_current` and commit it"
     );
 }
+
+/// A file sink that fails mid-run (its partition directory cannot be created): the engine learns it at the next
+/// capture (`RS_ERR_SINK`, naming the sink), `rs_sink_status` / `rs_sink_failure` say which sink failed, why and
+/// when — before and after close —, and a manifest that cannot be written is `RS_ERR_IO` with the totals still
+/// written and no hidden temporary file left behind.
+#[test]
+fn a_failed_sink_reaches_the_engine_while_it_runs_and_is_reported_after_close() {
+    let dir = std::env::temp_dir().join(format!("ringscope-ffi-sinkfail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = open(&format!("[export]\nparquet = true\ndir = {:?}\nrun_id = \"r\"\n", dir.display().to_string()));
+    let id = register(s, "layers.0.resid", 4);
+    let run = dir.join("r");
+    // A file where the sink will create the hookpoint's partition directory: its first write fails (as on a full
+    // disk), whoever runs the test (root ignores permissions).
+    std::fs::write(run.join("hookpoint=layers.0.resid"), b"in the way").unwrap();
+    // The manifest's place taken by a directory: the rename at close fails.
+    std::fs::create_dir(run.join("_ringscope_run.json")).unwrap();
+
+    let mut status = RsSinkHealth { failed_sinks: 9, first_failure_unix_ns: 9 };
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_sink_status(s, &mut status) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(status, RsSinkHealth::default(), "healthy at start");
+
+    let (ids, pos) = ([1u64], [0u32]);
+    let data = [0u8; 8];
+    let step = |n: u64| {
+        // SAFETY: arrays of 1.
+        let st = unsafe { rs_begin_step(s, n, ids.as_ptr(), pos.as_ptr(), 1) };
+        if st != RsStatus::RsOk {
+            return st;
+        }
+        // SAFETY: `data` holds 8 bytes.
+        let st = unsafe { rs_capture_host(s, id, data.as_ptr().cast(), 8, std::ptr::null_mut()) };
+        assert_eq!(rs_end_step(s), RsStatus::RsOk);
+        st
+    };
+    let before = unix_ns(std::time::SystemTime::now());
+    assert_eq!(step(0), RsStatus::RsOk, "the sink has not failed yet: {}", last_error());
+    // The record reaches the sink, which fails on it; it is then counted (dropped), which is what flush waits for.
+    assert_eq!(rs_flush(s, 10_000), RsStatus::RsOk, "{}", last_error());
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_sink_status(s, &mut status) }, RsStatus::RsOk);
+    assert_eq!(status.failed_sinks, 1);
+    assert!(status.first_failure_unix_ns >= before, "{status:?}");
+
+    // Full mode: the next step is refused, naming the sink.
+    assert_eq!(step(1), RsStatus::RsErrSink);
+    assert!(last_error().contains("sink `parquet`") && last_error().contains("full mode"), "{}", last_error());
+
+    let mut info = RsSinkFailureInfo::default();
+    // SAFETY: `info` writable, no buffer: the needed size is reported.
+    assert_eq!(unsafe { rs_sink_failure(s, 0, &mut info, std::ptr::null_mut(), 0) }, RsStatus::RsErrBufferTooSmall);
+    assert_eq!(info.needed, info.sink_len as u64 + info.message_len as u64 + 2);
+    let mut buf = vec![1 as c_char; info.needed as usize];
+    // SAFETY: `buf` holds `needed` bytes.
+    let st = unsafe { rs_sink_failure(s, 0, &mut info, buf.as_mut_ptr(), buf.len()) };
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    // SAFETY: both strings are NUL-terminated inside `buf`.
+    let (name, message) =
+        unsafe { (CStr::from_ptr(buf.as_ptr()), CStr::from_ptr(buf.as_ptr().add(info.sink_len as usize + 1))) };
+    assert_eq!(name.to_str().unwrap(), "parquet");
+    assert!(message.to_str().unwrap().contains("hookpoint=layers.0.resid"), "{message:?}");
+    assert_eq!(info.unix_ns, status.first_failure_unix_ns);
+    // SAFETY: `info` writable.
+    let st = unsafe { rs_sink_failure(s, 1, &mut info, buf.as_mut_ptr(), buf.len()) };
+    assert_eq!(st, RsStatus::RsErrInvalidArgument, "only one failure");
+
+    let mut totals = RsCounts::default();
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_session_close(s, &mut totals) }, RsStatus::RsErrIo);
+    assert!(last_error().contains("_ringscope_run.json"), "the message names the manifest: {}", last_error());
+    assert_eq!(
+        (totals.produced_records, totals.exported_records, totals.dropped_by_reason[RS_DROP_SINK_ERROR]),
+        (1, 0, 1),
+        "totals are written even though the manifest was not"
+    );
+    let debris: Vec<_> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(debris.is_empty(), "hidden files left behind: {debris:?}");
+
+    // The closed handle still answers for its sinks.
+    let mut after = RsSinkHealth::default();
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_sink_status(s, &mut after) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(after, status);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -4,12 +4,26 @@
 //! cargo run --release -p ringscope-inspect -- ringscope-out/<run id> [--verify]
 //! ```
 //!
-//! Prints, per hookpoint: files, layer, step range, distinct requests, rows, activation bytes, and the accounting
-//! (produced / exported / dropped / sampled out). Exits with status 1 if any file is unreadable, a file's row
-//! count disagrees with its metadata, the accounting does not add up, or the rows on disk are not what the
-//! accounting says was exported; with status 2 if the path is not a run directory.
+//! Prints, per format and hookpoint: files, layer, step range, distinct requests, rows, activation bytes, and the
+//! run's accounting (produced / exported / dropped / sampled out) from the run manifest (`_ringscope_run.json`).
+//!
+//! What is compared with what: the rows of each format's files on disk against what the manifest says *that sink*
+//! committed (`sinks[].committed`); the accounting's `exported` counts a record only once every sink has it, so with
+//! two sinks a record one of them lost is `dropped` (`sink_error`) even though the other's file holds it.
+//!
+//! Exit status (also in `--help`):
+//! * 0 — every file readable, the files hold what the manifest says was committed, the accounting adds up, and no
+//!   sink failed;
+//! * 1 — a problem: a file unreadable, a file's rows disagree with its metadata, the files on disk are not what the
+//!   manifest says was committed, or the accounting does not add up;
+//! * 2 — the path is not a run directory (no manifest and no data files);
+//! * 3 — the run was interrupted: no manifest (the process was killed, or could not write it); the committed files are
+//!   summarised (each is complete: files are committed by rename after they are synced), but nothing says what was
+//!   lost;
+//! * 4 — a sink failed during the run (a full disk, say): the files are consistent, but records were lost
+//!   (`sink_error`); the manifest's `sinks` and `errors` say which sink and why.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -20,8 +34,22 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
 use serde_json::Value;
 
+/// File name of the run manifest (`ringscope::manifest::MANIFEST`; inspect does not depend on the library).
+const MANIFEST: &str = "_ringscope_run.json";
+
+const EXIT_PROBLEM: u8 = 1;
+const EXIT_NOT_A_RUN: u8 = 2;
+const EXIT_INTERRUPTED: u8 = 3;
+const EXIT_SINK_FAILED: u8 = 4;
+
 #[derive(Parser)]
-#[command(about = "Summarise and check a ringscope dump (a run directory)")]
+#[command(
+    about = "Summarise and check a ringscope dump (a run directory)",
+    after_help = "Exit status: 0 ok; 1 a problem (unreadable file, rows that disagree with the metadata or the \
+                  manifest, accounting that does not add up); 2 not a run directory; 3 interrupted run (no \
+                  manifest: the committed files are summarised); 4 a sink failed during the run (records lost to \
+                  sink_error; the files are consistent)."
+)]
 struct Args {
     /// The run directory (e.g. ringscope-out/run-20261130T012345Z-4242).
     run_dir: PathBuf,
@@ -38,35 +66,76 @@ struct Partition {
     bytes: u64,
     steps: Option<(u64, u64)>,
     requests: HashSet<u64>,
-    /// (part index, accounting JSON) of the newest file.
-    accounting: Option<(String, Value)>,
+}
+
+/// The sink that wrote `path`: as the manifest lists it, else by extension (the built-in sinks' names).
+fn sink_of(path: &Path, run_dir: &Path, listed: &HashMap<String, String>) -> String {
+    let rel = path.strip_prefix(run_dir).unwrap_or(path).to_string_lossy().into_owned();
+    if let Some(sink) = listed.get(&rel) {
+        return sink.clone();
+    }
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("arrow") => "arrow_ipc".into(),
+        Some(ext) => ext.to_owned(),
+        None => String::new(),
+    }
+}
+
+fn rows_of(v: &Value) -> u64 {
+    v["rows"].as_u64().unwrap_or(0)
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
     if !args.run_dir.is_dir() {
         eprintln!("inspect: {} is not a directory", args.run_dir.display());
-        return ExitCode::from(2);
+        return ExitCode::from(EXIT_NOT_A_RUN);
     }
-    let files = match data_files(&args.run_dir) {
-        Ok(f) if !f.is_empty() => f,
-        Ok(_) => {
-            eprintln!("inspect: no part-*.parquet or part-*.arrow files under {}", args.run_dir.display());
-            return ExitCode::from(2);
-        }
+    let manifest_path = args.run_dir.join(MANIFEST);
+    let manifest: Option<Value> = match std::fs::read(&manifest_path) {
+        Ok(bytes) => match serde_json::from_slice(&bytes) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                println!("PROBLEM: {} is not valid JSON: {e}", manifest_path.display());
+                return ExitCode::from(EXIT_PROBLEM);
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => {
-            eprintln!("inspect: cannot list {}: {e}", args.run_dir.display());
-            return ExitCode::from(2);
+            println!("PROBLEM: {} unreadable: {e}", manifest_path.display());
+            return ExitCode::from(EXIT_PROBLEM);
         }
     };
+    let files = match data_files(&args.run_dir) {
+        Ok(f) if f.is_empty() && manifest.is_none() => {
+            eprintln!(
+                "inspect: no {MANIFEST} and no part-*.parquet or part-*.arrow files under {}: not a run directory, \
+                 or a run that committed nothing",
+                args.run_dir.display()
+            );
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("inspect: cannot list {}: {e}", args.run_dir.display());
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+    };
+    let listed: HashMap<String, String> = manifest
+        .as_ref()
+        .and_then(|m| m["files"].as_array())
+        .map(|fs| {
+            fs.iter().filter_map(|f| Some((f["path"].as_str()?.to_owned(), f["sink"].as_str()?.to_owned()))).collect()
+        })
+        .unwrap_or_default();
     let mut problems: Vec<String> = Vec::new();
-    // Keyed by (format, hookpoint): each file sink writes a complete copy of the stream.
+    // Keyed by (sink, hookpoint): each file sink writes its own copy of the stream.
     let mut parts: BTreeMap<(String, String), Partition> = BTreeMap::new();
     for path in &files {
-        let format = path.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default();
+        let sink = sink_of(path, &args.run_dir, &listed);
         match read_file(path, args.verify) {
             Ok(summary) => {
-                let p = parts.entry((format, summary.hookpoint.clone())).or_default();
+                let p = parts.entry((sink, summary.hookpoint.clone())).or_default();
                 p.files += 1;
                 p.layer = p.layer.or(summary.layer);
                 p.rows += summary.rows;
@@ -83,19 +152,39 @@ fn main() -> ExitCode {
                         summary.file_rows
                     ));
                 }
-                let name = path.file_name().unwrap().to_string_lossy().into_owned();
-                if p.accounting.as_ref().is_none_or(|(n, _)| *n < name) {
-                    p.accounting = Some((name, summary.accounting));
-                }
             }
             Err(e) => problems.push(format!("{}: unreadable: {e}", path.display())),
         }
     }
 
     println!("run {}: {} files", args.run_dir.display(), files.len());
+    let Some(manifest) = manifest else {
+        return interrupted(&parts, &problems);
+    };
+
+    let accounting: BTreeMap<String, Value> = manifest["hookpoints"]
+        .as_array()
+        .map(|hs| hs.iter().filter_map(|h| Some((h["name"].as_str()?.to_owned(), h["accounting"].clone()))).collect())
+        .unwrap_or_default();
+    // What each sink says it committed, per hookpoint; absent in manifests older than the `sinks` section.
+    let sinks: Option<Vec<Value>> = manifest["sinks"].as_array().cloned();
+    let committed = |sink: &str, hookpoint: &str| -> Option<u64> {
+        let s = sinks.as_ref()?.iter().find(|s| s["name"] == sink)?;
+        Some(s["committed"][hookpoint]["rows"].as_u64().unwrap_or(0))
+    };
+    // Every (sink, hookpoint) the manifest says holds rows, even if no file of it is on disk any more.
+    for s in sinks.iter().flatten() {
+        let name = s["name"].as_str().unwrap_or_default();
+        for (hp, c) in s["committed"].as_object().into_iter().flatten() {
+            if rows_of(c) > 0 {
+                parts.entry((name.to_owned(), hp.clone())).or_default();
+            }
+        }
+    }
+
     println!(
-        "{:<8} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>10} | {:>10} {:>10} {:>8} {:>8}",
-        "format",
+        "{:<10} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>10} | {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "sink",
         "hookpoint",
         "layer",
         "files",
@@ -103,49 +192,130 @@ fn main() -> ExitCode {
         "requests",
         "rows",
         "MiB",
+        "committed",
         "produced",
         "exported",
         "dropped",
         "sampled"
     );
-    for ((format, hookpoint), p) in &parts {
-        let acc = p.accounting.as_ref().map(|(_, v)| v.clone()).unwrap_or(Value::Null);
-        let rows_of = |v: &Value| v["rows"].as_u64().unwrap_or(0);
+    for ((sink, hookpoint), p) in &parts {
+        let acc = accounting.get(hookpoint).cloned().unwrap_or(Value::Null);
         let produced = rows_of(&acc["produced"]);
         let exported = rows_of(&acc["exported"]);
         let sampled = rows_of(&acc["sampled_out"]);
         let dropped: u64 = acc["dropped"].as_object().map_or(0, |m| m.values().map(rows_of).sum());
         let steps = p.steps.map_or("-".into(), |(a, b)| format!("{a}..{b}"));
         let layer = p.layer.map_or("-".into(), |l| l.to_string());
+        let sink_committed = committed(sink, hookpoint);
         println!(
-            "{format:<8} {hookpoint:<22} {layer:>5} {:>6} {steps:>13} {:>9} {:>10} {:>10.1} | {produced:>10} {exported:>10} {dropped:>8} {sampled:>8}",
+            "{sink:<10} {hookpoint:<22} {layer:>5} {:>6} {steps:>13} {:>9} {:>10} {:>10.1} | {:>10} {produced:>10} {exported:>10} {dropped:>8} {sampled:>8}",
+            p.files,
+            p.requests.len(),
+            p.rows,
+            p.bytes as f64 / 1048576.0,
+            sink_committed.map_or("-".into(), |c| c.to_string()),
+        );
+        if acc.is_null() {
+            problems.push(format!("{sink} {hookpoint}: the manifest has no accounting for this hookpoint"));
+            continue;
+        }
+        match sink_committed {
+            // Like with like: this sink's files against what this sink committed.
+            Some(c) if c != p.rows => problems.push(format!(
+                "{sink} {hookpoint}: {} rows on disk but the manifest says the sink committed {c}",
+                p.rows
+            )),
+            Some(_) => {}
+            // An older manifest: no per-sink numbers; each sink then holds every exported row.
+            None if p.rows != exported => {
+                problems.push(format!("{sink} {hookpoint}: {} rows on disk but {exported} exported", p.rows))
+            }
+            None => {}
+        }
+    }
+    for (hookpoint, acc) in &accounting {
+        let produced = rows_of(&acc["produced"]);
+        let exported = rows_of(&acc["exported"]);
+        let sampled = rows_of(&acc["sampled_out"]);
+        let dropped: u64 = acc["dropped"].as_object().map_or(0, |m| m.values().map(rows_of).sum());
+        if produced != exported + dropped + sampled {
+            problems.push(format!(
+                "{hookpoint}: produced {produced} rows but exported {exported} + dropped {dropped} + sampled out {sampled}"
+            ));
+        }
+    }
+
+    // Records lost because a sink failed: not an inconsistency of the dump, but a run that did not do its job.
+    let mut failures: Vec<String> = Vec::new();
+    for s in sinks.iter().flatten().filter(|s| s["failed"].as_bool() == Some(true)) {
+        let errors: Vec<&str> = s["errors"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        failures.push(format!(
+            "sink `{}` failed{}: {}",
+            s["name"].as_str().unwrap_or("?"),
+            s["failed_at_unix_ms"].as_u64().map_or(String::new(), |ms| format!(" at {ms} ms since the Unix epoch")),
+            if errors.is_empty() { "(no message)".into() } else { errors.join("; ") }
+        ));
+    }
+    let lost: (u64, u64) = accounting.values().fold((0, 0), |(r, w), a| {
+        let e = &a["dropped"]["sink_error"];
+        (r + e["records"].as_u64().unwrap_or(0), w + rows_of(e))
+    });
+    if lost.0 > 0 {
+        failures.push(format!(
+            "{} records ({} rows) lost to sink errors (sink_error): each is missing from at least one sink's files",
+            lost.0, lost.1
+        ));
+    }
+
+    if !problems.is_empty() {
+        for p in &problems {
+            println!("PROBLEM: {p}");
+        }
+        for f in &failures {
+            println!("SINK FAILED: {f}");
+        }
+        return ExitCode::from(EXIT_PROBLEM);
+    }
+    if !failures.is_empty() {
+        for f in &failures {
+            println!("SINK FAILED: {f}");
+        }
+        println!("files consistent with the manifest, but the run lost records: see above");
+        return ExitCode::from(EXIT_SINK_FAILED);
+    }
+    println!(
+        "ok: every file readable and as committed, accounting adds up (produced = exported + dropped + sampled out)"
+    );
+    ExitCode::SUCCESS
+}
+
+/// A run directory without a manifest: the run did not shut down. Its committed files are complete, so they are
+/// summarised; what was produced and lost is unknown.
+fn interrupted(parts: &BTreeMap<(String, String), Partition>, problems: &[String]) -> ExitCode {
+    println!("interrupted: no manifest ({MANIFEST}): the run did not shut down (killed, or crashed); the committed files hold:");
+    println!(
+        "{:<10} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>10}",
+        "sink", "hookpoint", "layer", "files", "steps", "requests", "rows", "MiB"
+    );
+    for ((sink, hookpoint), p) in parts {
+        let steps = p.steps.map_or("-".into(), |(a, b)| format!("{a}..{b}"));
+        let layer = p.layer.map_or("-".into(), |l| l.to_string());
+        println!(
+            "{sink:<10} {hookpoint:<22} {layer:>5} {:>6} {steps:>13} {:>9} {:>10} {:>10.1}",
             p.files,
             p.requests.len(),
             p.rows,
             p.bytes as f64 / 1048576.0
         );
-        if acc.is_null() {
-            problems.push(format!("{format} {hookpoint}: no accounting in the file metadata"));
-            continue;
-        }
-        if produced != exported + dropped + sampled {
-            problems.push(format!(
-                "{format} {hookpoint}: produced {produced} rows but exported {exported} + dropped {dropped} + sampled out {sampled}"
-            ));
-        }
-        if p.rows != exported {
-            problems.push(format!("{format} {hookpoint}: {} rows on disk but {exported} exported", p.rows));
-        }
     }
-    if problems.is_empty() {
-        println!("ok: every file readable, accounting adds up (produced = exported + dropped + sampled out)");
-        ExitCode::SUCCESS
-    } else {
-        for p in &problems {
+    if !problems.is_empty() {
+        for p in problems {
             println!("PROBLEM: {p}");
         }
-        ExitCode::from(1)
+        return ExitCode::from(EXIT_PROBLEM);
     }
+    println!("records captured but not committed before the interruption are not in any file and not counted anywhere");
+    ExitCode::from(EXIT_INTERRUPTED)
 }
 
 fn data_files(run: &Path) -> std::io::Result<Vec<PathBuf>> {
@@ -178,7 +348,6 @@ struct FileSummary {
     bytes: u64,
     steps: Option<(u64, u64)>,
     requests: HashSet<u64>,
-    accounting: Value,
 }
 
 fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
@@ -249,6 +418,5 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
         bytes: rows * row_bytes,
         steps,
         requests,
-        accounting: serde_json::from_str(&get("ringscope.accounting")?).map_err(|e| e.to_string())?,
     })
 }

@@ -1,5 +1,7 @@
 //! `inspect` on a dump written by a session: a good run summarised with its accounting, a truncated file named and
-//! failed (exit status 1), a directory that is no run refused (exit status 2).
+//! failed (exit status 1), a directory that is no run refused (exit status 2), an interrupted run (no manifest)
+//! summarised (exit status 3), a run whose Arrow IPC sink failed while Parquet committed everything (exit status 4,
+//! the sink named; each sink's files compared with what that sink committed).
 
 use std::path::{Path, PathBuf};
 
@@ -30,12 +32,19 @@ fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
 }
 
 fn dump(dir: &Path, cfg: EngineConfig) {
+    dump_with(dir, cfg, "full", |_| {});
+}
+
+/// Dumps the synthetic engine's run to Parquet and Arrow IPC under `dir/r`; `started` runs once the session has
+/// started, before the first capture.
+fn dump_with(dir: &Path, cfg: EngineConfig, mode: &str, started: impl FnOnce(&Path)) -> ringscope::Report {
     let mut text = format!(
-        "[ring]\ncapacity = \"4 MiB\"\n[export]\nparquet = true\narrow_ipc = true\ndir = {:?}\nrun_id = \"r\"\n",
+        "[ring]\ncapacity = \"4 MiB\"\n[policy]\nmode = {mode:?}\n[export]\nparquet = true\narrow_ipc = true\ndir = {:?}\nrun_id = \"r\"\n",
         dir.display().to_string()
     );
     text += &ringscope::synthetic::residual_hookpoints_toml(cfg.layers, cfg.hidden);
     let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    started(&dir.join("r"));
     let mut buf = Vec::new();
     for step in SyntheticEngine::new(cfg) {
         session.begin_step(step.step, step.rows.iter().copied()).unwrap();
@@ -45,7 +54,84 @@ fn dump(dir: &Path, cfg: EngineConfig) {
         }
         session.end_step().unwrap();
     }
-    session.shutdown().unwrap();
+    session.shutdown().unwrap()
+}
+
+fn inspect(path: &Path) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_inspect")).arg(path).output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn an_interrupted_run_is_summarised_and_exits_3_not_an_accounting_problem() {
+    let dir = tempdir("inspect-interrupted");
+    let cfg = EngineConfig { layers: 2, hidden: 64, requests: 12, ..EngineConfig::default() };
+    dump(&dir, cfg);
+    let run_dir = dir.join("r");
+    // What a kill -9 leaves: the committed files, no manifest.
+    std::fs::remove_file(run_dir.join("_ringscope_run.json")).unwrap();
+    let (code, stdout) = inspect(&run_dir);
+    assert_eq!(code, Some(3), "{stdout}");
+    assert!(stdout.contains("interrupted: no manifest"), "{stdout}");
+    assert!(!stdout.contains("PROBLEM"), "{stdout}");
+    // Rows per hookpoint and sink, as the files hold them.
+    let rows = |sink: &str, hp: &str| {
+        let line = stdout.lines().find(|l| l.starts_with(sink) && l.contains(hp)).unwrap_or_else(|| panic!("{stdout}"));
+        line.split_whitespace().nth(6).unwrap().parse::<u64>().unwrap()
+    };
+    assert!(rows("parquet", "layers.1.resid") > 0);
+    assert_eq!(rows("parquet", "layers.1.resid"), rows("arrow_ipc", "layers.1.resid"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failed_sink_is_named_and_exits_4_while_each_sinks_files_match_what_it_committed() {
+    let dir = tempdir("inspect-sinkfail");
+    let cfg = EngineConfig { layers: 2, hidden: 64, requests: 12, ..EngineConfig::default() };
+    // The Arrow IPC sink cannot create its partition directories (files are in the way, as a full disk would stop
+    // it); the Parquet sink writes everything. Best-effort, so the engine runs to the end.
+    let report = dump_with(&dir, cfg, "best_effort", |run| {
+        std::fs::create_dir_all(run.join("_arrow_ipc")).unwrap();
+        for l in 0..cfg.layers {
+            std::fs::write(run.join(format!("_arrow_ipc/hookpoint=layers.{l}.resid")), b"in the way").unwrap();
+        }
+    });
+    let run_dir = dir.join("r");
+    assert_eq!(report.sink_failures.len(), 1, "{:?}", report.sink_failures);
+    assert_eq!(report.sink_failures[0].sink, "arrow_ipc");
+
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("_ringscope_run.json")).unwrap()).unwrap();
+    let sink = |name: &str| manifest["sinks"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap().clone();
+    let (parquet, arrow) = (sink("parquet"), sink("arrow_ipc"));
+    assert_eq!((parquet["failed"].as_bool(), arrow["failed"].as_bool()), (Some(false), Some(true)));
+    assert!(arrow["failed_at_unix_ms"].as_u64().unwrap() > 0);
+    assert!(arrow["errors"][0].as_str().unwrap().contains("hookpoint=layers."), "{arrow}");
+    for h in manifest["hookpoints"].as_array().unwrap() {
+        let name = h["name"].as_str().unwrap();
+        let acc = &h["accounting"];
+        // Exported means every sink has it: none, since Arrow IPC lost everything.
+        assert_eq!(acc["exported"]["rows"], 0, "{acc}");
+        assert_eq!(acc["dropped"]["sink_error"]["rows"], acc["produced"]["rows"], "{acc}");
+        // Yet the Parquet sink committed every row, and the manifest says so.
+        assert_eq!(parquet["committed"][name]["rows"], acc["produced"]["rows"], "{parquet}");
+        assert!(arrow["committed"].get(name).is_none(), "{arrow}");
+    }
+    // Each Parquet file's own metadata does not claim more than the manifest: its rows are not "exported".
+    for f in files_with_ext(&run_dir, "parquet") {
+        let reader = parquet::file::reader::SerializedFileReader::new(std::fs::File::open(&f).unwrap()).unwrap();
+        let kv = parquet::file::reader::FileReader::metadata(&reader).file_metadata().key_value_metadata().cloned();
+        let acc = kv.unwrap().into_iter().find(|k| k.key == "ringscope.accounting").unwrap().value.unwrap();
+        let acc: serde_json::Value = serde_json::from_str(&acc).unwrap();
+        assert_eq!(acc["exported"]["rows"], 0, "{}: {acc}", f.display());
+    }
+
+    let (code, stdout) = inspect(&run_dir);
+    assert_eq!(code, Some(4), "{stdout}");
+    assert!(stdout.contains("SINK FAILED: sink `arrow_ipc` failed"), "{stdout}");
+    assert!(stdout.contains("lost to sink errors"), "{stdout}");
+    assert!(!stdout.contains("PROBLEM") && !stdout.contains("ok:"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

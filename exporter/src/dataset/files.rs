@@ -52,6 +52,8 @@ pub struct FinishedFile {
 /// A file the sink committed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommittedFile {
+    /// The sink that wrote it (its format's name: `parquet`, `arrow_ipc`).
+    pub sink: String,
     /// Final path.
     pub path: PathBuf,
     /// Hookpoint of its rows.
@@ -235,6 +237,7 @@ fn flush_partition<F: FileFormat>(
         match renamed {
             Ok(len) => {
                 committed.lock().push(CommittedFile {
+                    sink: F::NAME.to_owned(),
                     path,
                     hookpoint: part.hp.name().to_owned(),
                     rows: open.rows,

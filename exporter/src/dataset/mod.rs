@@ -158,7 +158,9 @@ pub mod keys {
     pub const FILE_ROWS: &str = "ringscope.file_rows";
     /// Records in this file.
     pub const FILE_RECORDS: &str = "ringscope.file_records";
-    /// The hookpoint's accounting (JSON) as of this file's close, this file's rows counted as exported.
+    /// The hookpoint's accounting (JSON) as of this file's close: produced, exported, dropped by reason, sampled out
+    /// and in flight (not yet exported or dropped, this file's records included) at that moment. The final numbers
+    /// are in the run manifest.
     pub const ACCOUNTING: &str = "ringscope.accounting";
 }
 
@@ -313,13 +315,20 @@ impl Batch<'_> {
 /// File metadata describing a finished file.
 pub(crate) fn file_metadata(hp: &CatalogEntry, run_id: &str, records: u64, rows: u64) -> Vec<(String, String)> {
     let spec = hp.spec();
-    let mut snapshot = hp.accounting();
-    // This file's records are still held by their receipts until the file is committed; count them as exported.
-    snapshot.exported.records += records;
-    snapshot.exported.rows += rows;
+    let snapshot = hp.accounting();
+    // A snapshot taken while the run goes on: records not yet exported or dropped are `in_flight` (this file's among
+    // them, until it is committed), so that the numbers add up and never claim more than the final manifest. This
+    // file's records are *not* counted as exported here: a record is exported only once every sink has it, which
+    // this sink cannot know (another sink may yet lose it); what this file holds is `ringscope.file_rows`.
+    let outcomes = snapshot.exported + snapshot.dropped_total() + snapshot.sampled_out;
+    let in_flight = serde_json::json!({
+        "records": snapshot.produced.records.saturating_sub(outcomes.records),
+        "rows": snapshot.produced.rows.saturating_sub(outcomes.rows),
+    });
     let accounting = serde_json::json!({
         "produced": snapshot.produced,
         "exported": snapshot.exported,
+        "in_flight": in_flight,
         "sampled_out": snapshot.sampled_out,
         "dropped": ringscope_policy::DropReason::ALL
             .iter()

@@ -14,11 +14,13 @@
 //! destinations.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam::channel::{Receiver, Sender};
+use parking_lot::Mutex;
 use ringscope_policy::{DropReason, LossPolicy, Mode};
 use ringscope_ring::RecordSource;
 
@@ -60,6 +62,53 @@ pub struct SinkReport {
     pub errors: Vec<String>,
 }
 
+/// A sink that failed: which one, why, and when. A sink fails at its first failed write or close; it is not called
+/// again, and every later record for it is counted as dropped (`sink_error`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkFailure {
+    /// The sink's name.
+    pub sink: String,
+    /// The error, naming the sink and the file or cause.
+    pub message: String,
+    /// When it failed.
+    pub at: SystemTime,
+}
+
+/// The failures of a drain's sinks, shared between the sink workers that report them and whoever watches the run
+/// (the session, to refuse captures in full mode; monitoring). Cheap to poll: [`SinkHealth::any_failed`] is one
+/// atomic load, so a capture can check it every time.
+#[derive(Debug, Clone, Default)]
+pub struct SinkHealth(Arc<HealthInner>);
+
+#[derive(Debug, Default)]
+struct HealthInner {
+    failed: AtomicBool,
+    failures: Mutex<Vec<SinkFailure>>,
+}
+
+impl SinkHealth {
+    /// Whether any sink has failed so far.
+    pub fn any_failed(&self) -> bool {
+        self.0.failed.load(Ordering::Acquire)
+    }
+
+    /// Every failure so far, in the order they happened (one per failed sink worker).
+    pub fn failures(&self) -> Vec<SinkFailure> {
+        self.0.failures.lock().clone()
+    }
+
+    /// The first failure, if any.
+    pub fn first(&self) -> Option<SinkFailure> {
+        self.0.failures.lock().first().cloned()
+    }
+
+    fn report(&self, sink: &str, message: String) {
+        self.0.failures.lock().push(SinkFailure { sink: sink.to_owned(), message, at: SystemTime::now() });
+        // After the push: whoever sees the flag finds the failure in the list.
+        self.0.failed.store(true, Ordering::Release);
+    }
+}
+
 /// What a drain did, returned when it finishes.
 #[derive(Debug, Clone, Default)]
 pub struct DrainReport {
@@ -95,6 +144,7 @@ pub struct Drain {
     workers: Vec<JoinHandle<SinkReport>>,
     subscribe: Sender<Port>,
     backlog_bytes: usize,
+    health: SinkHealth,
 }
 
 impl Drain {
@@ -108,12 +158,14 @@ impl Drain {
     ) -> Result<Drain, ExporterError> {
         let mut ports = Vec::new();
         let mut workers = Vec::new();
+        let health = SinkHealth::default();
         for (sink, filter) in sinks {
             let (p, queue, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes, false);
             ports.push(p);
+            let health = health.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("ringscope-sink-{}", sink.name()))
-                .spawn(move || run_sink(sink, queue, backlog))
+                .spawn(move || run_sink(sink, queue, backlog, health))
                 .map_err(ExporterError::Spawn)?;
             workers.push(thread);
         }
@@ -122,7 +174,13 @@ impl Drain {
             .name("ringscope-drain".into())
             .spawn(move || run_drain(Box::new(consumer), &*catalog, ports, new_ports, options))
             .map_err(ExporterError::Spawn)?;
-        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes })
+        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes, health })
+    }
+
+    /// The sinks' health: which have failed, why and when — updated by the sink workers as it happens, and still
+    /// readable after [`Drain::join`].
+    pub fn health(&self) -> SinkHealth {
+        self.health.clone()
     }
 
     /// Subscribes a consumer to the records that pass `filter`: every record published after this returns.
@@ -311,7 +369,7 @@ impl Pressure {
     }
 }
 
-fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>) -> SinkReport {
+fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>, health: SinkHealth) -> SinkReport {
     let mut report = SinkReport { name: sink.name().to_owned(), ..SinkReport::default() };
     // `None` once it failed: it is closed and dropped at once, so that records it held (lent by the ring) go back
     // instead of holding the ring until shutdown.
@@ -327,6 +385,10 @@ fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>) -> Si
                 match result {
                     Ok(()) => report.records += 1,
                     Err(e) => {
+                        // Reported the moment it happens (and before the record is counted as dropped, so that a
+                        // caller who sees the drop sees the failure), so that the engine learns while it runs: full
+                        // mode refuses captures from now on.
+                        health.report(&report.name, e.to_string());
                         record.receipt().fail(DropReason::SinkError);
                         report.errors.push(e.to_string());
                         close_sink(live.take().expect("live"), &mut report);
@@ -339,6 +401,11 @@ fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>) -> Si
     }
     if let Some(sink) = live {
         close_sink(sink, &mut report);
+        // A sink that wrote everything but failed to commit it at close failed too (its last files' records are
+        // counted as `sink_error`).
+        if let Some(e) = report.errors.first() {
+            health.report(&report.name, e.clone());
+        }
     }
     report
 }
@@ -461,6 +528,67 @@ mod tests {
         let c = acc.hookpoints[0].1;
         // Records 0 and 1 reached both sinks; from record 2 (flaky) on, every record failed somewhere.
         assert_eq!((c.exported.records, c.dropped_for(DropReason::SinkError).records), (2, 8));
+    }
+
+    #[test]
+    fn a_failed_sink_is_reported_while_the_drain_runs_with_its_name_error_and_time() {
+        let (mut p, c, reg) = setup();
+        let mut n = 0;
+        let flaky = CallbackSink::new("flaky", move |_: &Record| {
+            n += 1;
+            if n == 3 {
+                Err("disk full".into())
+            } else {
+                Ok(())
+            }
+        });
+        let (summary, _) = SummarySink::new();
+        let drain =
+            Drain::spawn(c, reg.catalog(), vec![boxed(flaky), boxed(summary)], DrainOptions::default()).unwrap();
+        let health = drain.health();
+        let before = SystemTime::now();
+        for step in 0..2u64 {
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+        }
+        settle(&reg, 2);
+        assert!(!health.any_failed() && health.failures().is_empty());
+        reg.capture(&mut p, 0, 2, &[(1, 0)], &[0; 16]);
+        settle(&reg, 3);
+        // Known before shutdown: the producer is still alive.
+        assert!(health.any_failed());
+        let failures = health.failures();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert_eq!(failures[0].sink, "flaky");
+        assert!(failures[0].message.contains("disk full"), "{failures:?}");
+        assert!(failures[0].at >= before && failures[0].at <= SystemTime::now());
+        drop(p);
+        drain.join().unwrap();
+        assert_eq!(health.failures(), failures, "one failure per sink, kept after join");
+    }
+
+    #[test]
+    fn a_sink_that_fails_only_at_close_is_reported_as_failed() {
+        struct FailsOnClose;
+        impl Sink for FailsOnClose {
+            fn name(&self) -> &str {
+                "closer"
+            }
+            fn write(&mut self, _: &Record) -> Result<(), SinkError> {
+                Ok(())
+            }
+            fn close(&mut self) -> Result<(), SinkError> {
+                Err(SinkError::Callback { sink: "closer".into(), source: "no space left on device".into() })
+            }
+        }
+        let (mut p, c, reg) = setup();
+        let drain = Drain::spawn(c, reg.catalog(), vec![boxed(FailsOnClose)], DrainOptions::default()).unwrap();
+        let health = drain.health();
+        reg.capture(&mut p, 0, 0, &[(1, 0)], &[0; 16]);
+        drop(p);
+        drain.join().unwrap();
+        let failures = health.failures();
+        assert_eq!(failures.len(), 1, "{failures:?}");
+        assert!(failures[0].sink == "closer" && failures[0].message.contains("no space left"), "{failures:?}");
     }
 
     #[test]

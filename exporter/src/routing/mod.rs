@@ -14,7 +14,7 @@ pub mod record;
 pub mod sink;
 
 pub use catalog::{Catalog, CatalogEntry};
-pub use drain::{Drain, DrainOptions, DrainReport, SinkReport};
+pub use drain::{Drain, DrainOptions, DrainReport, SinkFailure, SinkHealth, SinkReport};
 pub use fanout::{Filter, Subscription};
 pub use record::{Receipt, Record};
 pub use sink::{BoxError, CallbackSink, HookPointSummary, Sink, SinkError, Summary, SummarySink};

@@ -52,6 +52,7 @@ _STATUS = {
     11: "RS_ERR_BUFFER_TOO_SMALL",
     12: "RS_ERR_ENDED",
     13: "RS_ERR_PANIC",
+    14: "RS_ERR_SINK",
 }
 _CODE = {name: code for code, name in _STATUS.items()}
 _DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_backpressure", "sink_error", "corrupt")
@@ -248,6 +249,15 @@ class _RecordInfo(ctypes.Structure):
                 ("needed", ctypes.c_uint64)]
 
 
+class _SinkHealth(ctypes.Structure):
+    _fields_ = [("failed_sinks", ctypes.c_uint32), ("first_failure_unix_ns", ctypes.c_uint64)]
+
+
+class _SinkFailureInfo(ctypes.Structure):
+    _fields_ = [("unix_ns", ctypes.c_uint64), ("sink_len", ctypes.c_uint32), ("message_len", ctypes.c_uint32),
+                ("needed", ctypes.c_uint64)]
+
+
 def library_path() -> str:
     """Where libringscope is loaded from: ``$RINGSCOPE_LIB``, else the copy inside this package, else a cargo
     build of the checkout this package sits in (``target/release``)."""
@@ -299,6 +309,8 @@ def _load():
         "rs_set_valid_rows_device": ([u64, u32, u64], i32),
         "rs_stats": ([u64, u32, p(_Counts)], i32),
         "rs_flush": ([u64, u32], i32),
+        "rs_sink_status": ([u64, p(_SinkHealth)], i32),
+        "rs_sink_failure": ([u64, u32, p(_SinkFailureInfo), ctypes.c_char_p, sz], i32),
         "rs_subscribe": ([u64, cp, p(u32), sz, p(u64)], i32),
         "rs_poll": ([u64, u32, p(_RecordInfo), ctypes.c_void_p, sz], i32),
         "rs_subscription_close": ([u64], i32),
@@ -535,6 +547,32 @@ class Session:
         c = _Counts()
         _check(_load().rs_stats(self._h, _u32("hookpoint", hookpoint), ctypes.byref(c)))
         return c.to_dict()
+
+    def sink_failures(self) -> list:
+        """The sinks that have failed so far, in the order they failed: a list of dicts with ``sink`` (its name),
+        ``message`` (the error, naming the file or cause) and ``unix_ns`` (when, nanoseconds since the Unix epoch);
+        empty while every sink is healthy. Cheap enough to call every step; answers after :meth:`close` too.
+
+        In full mode a failed sink also makes ``begin_step`` and captures raise ``RS_ERR_SINK`` (its records would be
+        lost); in best-effort mode they go on and its records are counted as ``sink_error``."""
+        lib = _load()
+        health = _SinkHealth()
+        _check(lib.rs_sink_status(self._h, ctypes.byref(health)))
+        out = []
+        for i in range(health.failed_sinks):
+            info = _SinkFailureInfo()
+            buf = ctypes.create_string_buffer(512)
+            st = lib.rs_sink_failure(self._h, i, ctypes.byref(info), buf, len(buf))
+            if st == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
+                buf = ctypes.create_string_buffer(info.needed)
+                st = lib.rs_sink_failure(self._h, i, ctypes.byref(info), buf, len(buf))
+            _check(st)
+            raw = buf.raw
+            sink = raw[:info.sink_len].decode("utf-8", "replace")
+            start = info.sink_len + 1
+            message = raw[start:start + info.message_len].decode("utf-8", "replace")
+            out.append({"sink": sink, "message": message, "unix_ns": info.unix_ns})
+        return out
 
     def flush(self, timeout: float = 10.0) -> None:
         """Waits until everything captured so far is exported or dropped (file sinks export at file commit), up to
