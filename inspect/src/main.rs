@@ -22,6 +22,10 @@
 //!   lost;
 //! * 4 — a sink failed during the run (a full disk, say): the files are consistent, but records were lost
 //!   (`sink_error`); the manifest's `sinks` and `errors` say which sink and why.
+//!
+//! `--verify` also reads every page of every Parquet column and checks its CRC (and zstd's frame checksum), and checks
+//! each Arrow IPC record batch against its CRC-32 in the file's metadata (`ringscope.batch_crc32`), naming the file
+//! and the page or batch (exit status 1).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
@@ -53,7 +57,7 @@ const EXIT_SINK_FAILED: u8 = 4;
 struct Args {
     /// The run directory (e.g. ringscope-out/run-20261130T012345Z-4242).
     run_dir: PathBuf,
-    /// Also decode every activation value (slower; proves every byte is readable).
+    /// Also decode every value and check every checksum (slower; proves every byte is as written).
     #[arg(long)]
     verify: bool,
 }
@@ -351,6 +355,9 @@ struct FileSummary {
 }
 
 fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
+    if verify {
+        verify_checksums(path)?;
+    }
     let file = File::open(path).map_err(|e| e.to_string())?;
     let (kv, batches): (BTreeMap<String, String>, Vec<RecordBatch>) =
         if path.extension().is_some_and(|e| e == "parquet") {
@@ -419,4 +426,52 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
         steps,
         requests,
     })
+}
+
+/// Checks every checksum of a file: for Parquet, reads every page of every column chunk (the page reader checks the
+/// CRC in each page header, and zstd the checksum of each frame); for Arrow IPC, the CRC-32 of each record batch's
+/// stretch of the file against the list in its metadata.
+fn verify_checksums(path: &Path) -> Result<(), String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let file = File::open(path).map_err(|e| e.to_string())?;
+    if path.extension().is_some_and(|e| e == "parquet") {
+        let reader = SerializedFileReader::new(file).map_err(|e| e.to_string())?;
+        for g in 0..reader.num_row_groups() {
+            let row_group = reader.get_row_group(g).map_err(|e| e.to_string())?;
+            for c in 0..row_group.num_columns() {
+                let name = row_group.metadata().column(c).column_path().string();
+                let pages = row_group.get_column_page_reader(c).map_err(|e| e.to_string())?;
+                for (i, page) in pages.enumerate() {
+                    page.map_err(|e| format!("row group {g}, column {name}, page {i}: {e}"))?;
+                }
+            }
+        }
+        return Ok(());
+    }
+    // SAFETY: as in `read_file`: a committed dump file is not modified while it is read.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
+    let reader =
+        arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None).map_err(|e| e.to_string())?;
+    let Some(list) = reader.custom_metadata().get("ringscope.batch_crc32") else {
+        return Err("no record batch checksums (metadata key ringscope.batch_crc32)".into());
+    };
+    let crcs: Vec<(u64, u32)> =
+        serde_json::from_str(list).map_err(|e| format!("ringscope.batch_crc32 is not a list of [end, crc]: {e}"))?;
+    if crcs.len() != reader.num_batches() {
+        return Err(format!("{} record batches, but {} checksums", reader.num_batches(), crcs.len()));
+    }
+    let mut start = 0u64;
+    for (i, &(end, want)) in crcs.iter().enumerate() {
+        let bytes = map.get(start as usize..end as usize).ok_or_else(|| {
+            format!("record batch {i}: its checksum covers bytes {start}..{end}, past the file's {}", map.len())
+        })?;
+        let got = crc32fast::hash(bytes);
+        if got != want {
+            return Err(format!(
+                "record batch {i} (bytes {start}..{end}): CRC-32 {got:08x}, but the file's metadata says {want:08x}"
+            ));
+        }
+        start = end;
+    }
+    Ok(())
 }

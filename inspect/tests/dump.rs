@@ -163,3 +163,67 @@ fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
     assert_eq!(inspect(&dir.join("nope")).status.code(), Some(2));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Where single-byte flips go in a file: for Parquet, the middle of the first row group's activation chunk (its
+/// zstd pages) and the last byte of its `step` chunk (a metadata column's data page, PLAIN/RLE, uncompressed); for
+/// Arrow IPC, inside the first record batch's body (its activation buffer, just before the batch's end).
+fn flip_positions(path: &Path) -> Vec<(&'static str, usize)> {
+    if path.extension().is_some_and(|e| e == "parquet") {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+        let row_group = reader.metadata().row_group(0);
+        let chunk = |name: &str| {
+            let c =
+                (0..row_group.num_columns()).map(|i| row_group.column(i)).find(|c| c.column_path().string() == name);
+            let c = c.unwrap();
+            let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset()) as usize;
+            (start, c.compressed_size() as usize)
+        };
+        let (a, a_len) = chunk("activation");
+        let (s, s_len) = chunk("step");
+        vec![("activation page", a + a_len / 2), ("step page", s + s_len - 1)]
+    } else {
+        let bytes = std::fs::read(path).unwrap();
+        let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(bytes), None).unwrap();
+        let crcs: Vec<(u64, u32)> = serde_json::from_str(&reader.custom_metadata()["ringscope.batch_crc32"]).unwrap();
+        vec![("record batch body", crcs[0].0 as usize - 100)]
+    }
+}
+
+#[test]
+fn verify_names_a_file_with_any_flipped_byte_in_its_data() {
+    let dir = tempdir("verify-flips");
+    let cfg = EngineConfig { layers: 1, hidden: 256, requests: 12, ..EngineConfig::default() };
+    dump(&dir, cfg);
+    let run_dir = dir.join("r");
+    let verify = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_inspect")).arg(&run_dir).arg("--verify").output();
+        let out = out.unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (code, stdout) = verify();
+    assert_eq!(code, Some(0), "{stdout}");
+    for ext in ["parquet", "arrow"] {
+        let victim = files_with_ext(&run_dir, ext).remove(0);
+        let good = std::fs::read(&victim).unwrap();
+        for (what, at) in flip_positions(&victim) {
+            for bit in [0x01, 0x80] {
+                let mut bad = good.clone();
+                bad[at] ^= bit;
+                std::fs::write(&victim, &bad).unwrap();
+                let (code, stdout) = verify();
+                let name = victim.file_name().unwrap().to_string_lossy();
+                assert_eq!(code, Some(1), "{what} byte {at} ^ {bit:#x} went unnoticed: {stdout}");
+                let problem = stdout.lines().find(|l| l.contains(&*name)).unwrap_or_default();
+                assert!(problem.contains("PROBLEM") && problem.contains(&*name), "{what}: {stdout}");
+                match ext {
+                    "parquet" => assert!(problem.contains("row group 0, column "), "{what}: {problem}"),
+                    _ => assert!(problem.contains("record batch 0"), "{what}: {problem}"),
+                }
+            }
+        }
+        std::fs::write(&victim, &good).unwrap();
+        assert_eq!(verify().0, Some(0));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

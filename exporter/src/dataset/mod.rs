@@ -162,6 +162,10 @@ pub mod keys {
     /// and in flight (not yet exported or dropped, this file's records included) at that moment. The final numbers
     /// are in the run manifest.
     pub const ACCOUNTING: &str = "ringscope.accounting";
+    /// Arrow IPC files only: per record batch, in file order, `[end, crc]` (a JSON list of them): the offset in the
+    /// file where the batch's message ends, and the CRC-32 of the file's bytes from the previous batch's end (0 for
+    /// the first) to that end. (Parquet pages carry their CRCs in their headers.)
+    pub const BATCH_CRC32: &str = "ringscope.batch_crc32";
 }
 
 /// The schema of one hookpoint's files.

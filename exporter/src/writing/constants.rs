@@ -77,7 +77,8 @@ pub(crate) fn constant_chunk(
         Some(plain) => (1, plain),
         None => (0, Vec::new()),
     };
-    let mut chunk = page_header(PageKind::Dictionary { values: entries }, plain.len(), plain.len())?;
+    let dictionary = PageKind::Dictionary { values: entries, encoding: Encoding::PLAIN, sorted: false };
+    let mut chunk = page_header(dictionary, plain.len(), plain.len(), crc32fast::hash(&plain))?;
     chunk.extend_from_slice(&plain);
     body.push(0); // bit width of the indices: one entry needs none
     if entries > 0 {
@@ -85,7 +86,8 @@ pub(crate) fn constant_chunk(
     }
     let data_start = chunk.len();
     let encoding = Encoding::RLE_DICTIONARY;
-    chunk.extend(page_header(PageKind::Data { values: rows, encoding }, body.len(), body.len())?);
+    let data = PageKind::Data { values: rows, encoding, levels: Encoding::RLE };
+    chunk.extend(page_header(data, body.len(), body.len(), crc32fast::hash(&body))?);
     chunk.extend_from_slice(&body);
     let mut offsets = OffsetIndexBuilder::new();
     offsets.append_offset_and_size(data_start as i64, (chunk.len() - data_start) as i32);

@@ -5,32 +5,37 @@
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
 use arrow::ipc::writer::FileWriter;
 use bytes::Bytes;
-use parquet::arrow::arrow_writer::{compute_leaves, ArrowColumnChunk, ArrowRowGroupWriterFactory, ArrowWriterOptions};
+use parquet::arrow::arrow_writer::{compute_leaves, ArrowRowGroupWriterFactory, ArrowWriterOptions};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::column::writer::{ColumnCloseResult, ColumnWriterImpl};
 use parquet::data_type::{ByteArray, FixedLenByteArray, FixedLenByteArrayType};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::KeyValue;
-use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterVersion};
+use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterPropertiesPtr, WriterVersion};
 use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::types::ColumnDescPtr;
 use parquet::schema::types::ColumnPath;
 
+pub(crate) mod checksums;
 pub(crate) mod constants;
 pub mod output;
 pub(crate) mod pages;
 
+use crate::dataset::keys;
 use crate::dataset::{
     Batch, CommittedFiles, DatasetOptions, FileFormat, FileSink, FinishedFile, FormatError, OptionsError,
 };
 use crate::routing::record::Record;
 use crate::routing::sink::SinkError;
+use checksums::{BatchCrcs, ChunkPageWriter, PageBlobs};
 use constants::constant_chunk;
-use output::{Output, ALIGN};
+use output::{Buffer, Output, ALIGN};
 use pages::{ActivationPages, Placeholder, SpliceWriter};
 
 /// Opens the output of a new file: its buffers hold a whole batch, so the Parquet sink can compress a row group's
@@ -130,6 +135,9 @@ pub struct ParquetWriter {
     columns: ArrowRowGroupWriterFactory,
     row_groups: usize,
     page_bytes: usize,
+    properties: WriterPropertiesPtr,
+    /// The pages the Arrow column writers encode, given their CRCs before they go to the file.
+    blobs: PageBlobs,
     /// The activation column's own page writer, when it is zstd-compressed (other codecs use the generic writer).
     pages: Option<ActivationPages>,
     /// See [`Parquet::defaults`].
@@ -152,7 +160,10 @@ impl FileFormat for Parquet {
         let out = open(path, options)?;
         // The Arrow writer sets up the file exactly as it would (Parquet schema from the Arrow one, the Arrow schema
         // in the footer for readers); its lower-level halves then let each batch be written column after column.
-        let options = ArrowWriterOptions::new().with_properties(self.properties.clone());
+        let blobs = PageBlobs::default();
+        let options = ArrowWriterOptions::new()
+            .with_properties(self.properties.clone())
+            .with_page_store_factory(Arc::new(blobs.clone()));
         let (file, columns) = ArrowWriter::try_new_with_options(SpliceWriter::new(out), schema.clone(), options)
             .and_then(ArrowWriter::into_serialized_writer)?;
         let page_bytes = self.properties.column_data_page_size_limit(&activation_path());
@@ -160,7 +171,17 @@ impl FileFormat for Parquet {
             Compression::ZSTD(level) => Some(ActivationPages::new(level, page_bytes)?),
             _ => None,
         };
-        Ok(ParquetWriter { file, columns, row_groups: 0, page_bytes, pages, constants: self.defaults })
+        let properties = Arc::new(self.properties.clone());
+        Ok(ParquetWriter {
+            file,
+            columns,
+            row_groups: 0,
+            page_bytes,
+            properties,
+            blobs,
+            pages,
+            constants: self.defaults,
+        })
     }
 
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError> {
@@ -180,12 +201,12 @@ impl FileFormat for Parquet {
 /// Writes `batch` as one row group. The metadata columns go through Arrow's column writers (a few bytes per row);
 /// the activation column, last in the schema and nearly all of the bytes, is written straight from the records: by
 /// [`ActivationPages`] when it is zstd-compressed (the default), else by the generic column writer, still without
-/// copying the rows into an Arrow array first.
+/// copying the rows into an Arrow array first. Every page carries its CRC ([`checksums`]).
 fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>, row_bytes: usize) -> parquet::errors::Result<()> {
     let mut column_writers = writer.columns.create_column_writers(writer.row_groups)?;
     writer.row_groups += 1;
     column_writers.pop(); // the activation's: written below
-    let mut chunks = Vec::with_capacity(column_writers.len());
+    let mut chunks: Vec<(Bytes, ColumnCloseResult)> = Vec::with_capacity(column_writers.len());
     // With our defaults the constant columns are written in constant time, the others through Arrow's column
     // writers; with properties of the user's own, every column through Arrow's.
     let mut arrays: Box<dyn Iterator<Item = arrow::array::ArrayRef>> = match writer.constants {
@@ -195,55 +216,44 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>, row_bytes: usi
     let rows = batch.rows();
     for ((i, mut column), field) in column_writers.into_iter().enumerate().zip(batch.schema.fields()) {
         match batch.constant(i).filter(|_| writer.constants) {
-            Some(value) => {
-                let (bytes, close) = constant_chunk(writer.file.schema_descr().column(i), value, rows)?;
-                chunks.push(Chunk::Constant(bytes, close));
-            }
+            Some(value) => chunks.push(constant_chunk(writer.file.schema_descr().column(i), value, rows)?),
             None => {
                 let array = arrays.next().expect("an array for every column not written as a constant");
                 for leaf in compute_leaves(field, &array)? {
                     column.write(&leaf)?;
                 }
-                chunks.push(Chunk::Arrow(column.close()?));
+                let close = column.close()?.close().clone(); // its pages are in `blobs`
+                chunks.push(writer.blobs.take_chunk(i, close)?);
             }
         }
     }
+    // The activation chunk is encoded first, into a buffer of the output, and handed to the file for its byte range,
+    // right after the metadata columns' chunks (see `SpliceWriter`).
     let activation = writer.file.schema_descr().column(chunks.len());
-    // Our own pages (zstd): the chunk is encoded first and handed to the file for its byte range, right after the
-    // metadata columns' chunks (see `SpliceWriter`).
-    let spliced = match writer.pages.as_mut() {
-        Some(pages) => {
-            let start = writer.file.bytes_written() as u64 + chunks.iter().map(Chunk::len).sum::<u64>();
-            let lead = (start % ALIGN as u64) as usize;
-            let mut chunk = writer.file.inner_mut().output().take_buffer()?;
-            let close = pages.encode(activation, batch.records, row_bytes, &mut chunk, lead)?;
-            let len = close.metadata.compressed_size() as u64;
-            writer.file.inner_mut().splice(start, chunk, lead)?;
-            Some((close, start, len))
+    let start = writer.file.bytes_written() as u64 + chunks.iter().map(|(b, _)| b.len() as u64).sum::<u64>();
+    let lead = (start % ALIGN as u64) as usize;
+    let mut chunk = writer.file.inner_mut().output().take_buffer()?;
+    let close = match writer.pages.as_mut() {
+        Some(pages) => pages.encode(activation, batch.records, row_bytes, &mut chunk, lead)?,
+        None => {
+            let properties = writer.properties.clone();
+            encode_activations(activation, properties, batch, row_bytes, writer.page_bytes, &mut chunk, lead)?
         }
-        None => None,
     };
+    let len = close.metadata.compressed_size() as u64;
+    writer.file.inner_mut().splice(start, chunk, lead)?;
     let mut row_group = writer.file.next_row_group()?;
-    for chunk in chunks {
-        match chunk {
-            Chunk::Arrow(chunk) => chunk.append_to_row_group(&mut row_group)?,
-            Chunk::Constant(bytes, close) => row_group.append_column(&bytes, close)?,
-        }
+    for (bytes, close) in chunks {
+        row_group.append_column(&bytes, close)?;
     }
-    let Some((close, start, len)) = spliced else {
-        let mut column = row_group
-            .next_column()?
-            .ok_or_else(|| ParquetError::General("the schema has no activation column".into()))?;
-        write_activations(column.typed::<FixedLenByteArrayType>(), batch, row_bytes, writer.page_bytes)?;
-        column.close()?;
-        row_group.close()?;
-        return Ok(());
-    };
     row_group.append_column(&Placeholder(len), close)?;
     let meta = row_group.close()?;
     writer.file.flush()?; // the writer's own buffer may still hold the placeholder's last bytes
     writer.file.inner_mut().end_splice()?;
-    let placed = meta.columns().last().map(|c| (c.data_page_offset() as u64, c.compressed_size() as u64));
+    let placed = meta.columns().last().map(|c| {
+        let start = c.dictionary_page_offset().unwrap_or(c.data_page_offset());
+        (start as u64, c.compressed_size() as u64)
+    });
     if placed != Some((start, len)) {
         return Err(ParquetError::General(format!(
             "the Parquet writer placed the activation chunk at {placed:?}, not at ({start}, {len}) where it was spliced"
@@ -252,21 +262,23 @@ fn write_row_group(writer: &mut ParquetWriter, batch: &Batch<'_>, row_bytes: usi
     Ok(())
 }
 
-/// A metadata column's chunk, encoded and waiting to be appended to its row group.
-enum Chunk {
-    Arrow(ArrowColumnChunk),
-    Constant(Bytes, ColumnCloseResult),
-}
-
-impl Chunk {
-    /// Its size in the file.
-    fn len(&self) -> u64 {
-        let close = match self {
-            Chunk::Arrow(chunk) => chunk.close(),
-            Chunk::Constant(_, close) => close,
-        };
-        close.metadata.compressed_size() as u64
-    }
+/// The activation column chunk through parquet's generic column writer (codecs other than zstd, or the user's
+/// properties), its pages written into `chunk` after `lead` bytes by a [`ChunkPageWriter`].
+fn encode_activations(
+    column: ColumnDescPtr,
+    properties: WriterPropertiesPtr,
+    batch: &Batch<'_>,
+    row_bytes: usize,
+    page_bytes: usize,
+    chunk: &mut Buffer,
+    lead: usize,
+) -> parquet::errors::Result<ColumnCloseResult> {
+    chunk.clear();
+    chunk.extend(&[0; ALIGN][..lead])?;
+    let pages = Box::new(ChunkPageWriter { chunk, lead });
+    let mut column = ColumnWriterImpl::<FixedLenByteArrayType>::new(column, properties, pages);
+    write_activations(&mut column, batch, row_bytes, page_bytes)?;
+    column.close()
 }
 
 /// The rows of `batch` as fixed-length values that share the records' memory, handed to the column writer about
@@ -313,26 +325,30 @@ fn activation_path() -> ColumnPath {
 pub struct ArrowIpc;
 
 impl FileFormat for ArrowIpc {
-    type Writer = FileWriter<Output>;
+    type Writer = FileWriter<BatchCrcs<Output>>;
     const EXT: &'static str = "arrow";
     const NAME: &'static str = "arrow_ipc";
     const SUBDIR: &'static str = "_arrow_ipc";
 
     fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError> {
-        Ok(FileWriter::try_new(open(path, options)?, schema)?)
+        Ok(FileWriter::try_new(BatchCrcs::new(open(path, options)?), schema)?)
     }
 
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError> {
         batch.row_bytes()?;
-        Ok(writer.write(&batch.record_batch())?)
+        writer.write(&batch.record_batch())?;
+        writer.get_mut().end_batch();
+        Ok(())
     }
 
     fn finish(&self, mut writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<FinishedFile, FormatError> {
         for (k, v) in metadata {
             writer.write_metadata(k, v);
         }
+        let crcs = writer.get_ref().metadata();
+        writer.write_metadata(keys::BATCH_CRC32, crcs);
         writer.finish()?;
-        finish(writer.into_inner()?)
+        finish(writer.into_inner()?.into_inner())
     }
 }
 

@@ -46,8 +46,11 @@ struct Assembly {
 impl ActivationPages {
     /// Pages of about `page_bytes` raw bytes (whole rows), zstd at `level`.
     pub(crate) fn new(level: ZstdLevel, page_bytes: usize) -> Result<Self> {
-        let compressor = zstd::bulk::Compressor::new(level.compression_level())
-            .map_err(|e| ParquetError::General(format!("zstd level {}: {e}", level.compression_level())))?;
+        let zstd_error = |e| ParquetError::General(format!("zstd level {}: {e}", level.compression_level()));
+        let mut compressor = zstd::bulk::Compressor::new(level.compression_level()).map_err(zstd_error)?;
+        // Each page's frame ends with a checksum of its uncompressed bytes (4 bytes of XXH64), which every zstd
+        // decoder checks: a page whose CRC a reader does not check still cannot decode to wrong values silently.
+        compressor.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true)).map_err(zstd_error)?;
         Ok(ActivationPages { level, compressor, page_bytes: page_bytes.max(1), page: Vec::new() })
     }
 
@@ -138,14 +141,15 @@ fn compress_page(
 ) -> Result<()> {
     let n = rows.len() / asm.row_bytes;
     let bound = zstd::zstd_safe::compress_bound(rows.len());
-    let slot = data_page_header(rows.len(), bound, n)?.len();
+    let slot = data_page_header(rows.len(), bound, n, WIDEST_CRC)?.len();
     let start = chunk.len();
     chunk.reserve(slot + bound)?;
     chunk.extend(&[0; 64][..slot])?; // the header slot (a header is at most 29 bytes)
     let compressed =
         compressor.compress_to_buffer(rows, chunk.spare()).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
     chunk.advance(compressed);
-    let header = data_page_header(rows.len(), compressed, n)?;
+    let crc = crc32fast::hash(&chunk.bytes()[start + slot..start + slot + compressed]);
+    let header = data_page_header(rows.len(), compressed, n, crc)?;
     let bytes = chunk.bytes_mut();
     if header.len() < slot {
         // (A smaller number never needs a longer varint, so the header is never longer than its slot.)
@@ -161,38 +165,57 @@ fn compress_page(
 }
 
 /// The Thrift (compact protocol) `PageHeader` of a version-1 data page of PLAIN values, RLE level encodings, no
-/// statistics, no CRC (see [`page_header`]).
-fn data_page_header(uncompressed: usize, compressed: usize, rows: usize) -> Result<Vec<u8>> {
-    page_header(PageKind::Data { values: rows, encoding: Encoding::PLAIN }, uncompressed, compressed)
+/// statistics, its CRC `crc` (see [`page_header`]).
+fn data_page_header(uncompressed: usize, compressed: usize, rows: usize, crc: u32) -> Result<Vec<u8>> {
+    let kind = PageKind::Data { values: rows, encoding: Encoding::PLAIN, levels: Encoding::RLE };
+    page_header(kind, uncompressed, compressed, crc)
 }
+
+/// The CRC whose varint in a page header is longest (zigzag `u32::MAX`: five bytes), for sizing a header slot
+/// before the page's bytes, and so its CRC, are known.
+const WIDEST_CRC: u32 = 0x8000_0000;
 
 /// A page's kind and what its header says about its values.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum PageKind {
-    /// A version-1 data page: `values` values (nulls included) in `encoding`; levels, if any, RLE.
-    Data { values: usize, encoding: Encoding },
-    /// A dictionary page of `values` PLAIN values, not sorted.
-    Dictionary { values: usize },
+    /// A version-1 data page: `values` values (nulls included) in `encoding`; levels, if any, in `levels`.
+    Data { values: usize, encoding: Encoding, levels: Encoding },
+    /// A version-2 data page: levels uncompressed in front of the (maybe compressed) values.
+    DataV2 {
+        values: usize,
+        nulls: usize,
+        rows: usize,
+        encoding: Encoding,
+        def_bytes: usize,
+        rep_bytes: usize,
+        compressed: bool,
+    },
+    /// A dictionary page of `values` values in `encoding`.
+    Dictionary { values: usize, encoding: Encoding, sorted: bool },
 }
 
-/// The Thrift (compact protocol) `PageHeader` of a page, no statistics, no CRC. Field by field from parquet.thrift:
-/// `PageHeader { 1: type, 2: uncompressed_page_size, 3: compressed_page_size, 5: data_page_header,
-/// 7: dictionary_page_header }`, `DataPageHeader { 1: num_values, 2: encoding, 3: definition_level_encoding,
-/// 4: repetition_level_encoding }` and `DictionaryPageHeader { 1: num_values, 2: encoding, 3: is_sorted }`.
-pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize) -> Result<Vec<u8>> {
+/// The Thrift (compact protocol) `PageHeader` of a page with CRC-32 `crc` (of the page's bytes as they are in the
+/// file, after this header, as the Parquet format specifies), without statistics. Field by field from
+/// parquet.thrift: `PageHeader { 1: type, 2: uncompressed_page_size, 3: compressed_page_size, 4: crc,
+/// 5: data_page_header, 7: dictionary_page_header, 8: data_page_header_v2 }`, `DataPageHeader { 1: num_values,
+/// 2: encoding, 3: definition_level_encoding, 4: repetition_level_encoding }`, `DictionaryPageHeader { 1: num_values,
+/// 2: encoding, 3: is_sorted }` and `DataPageHeaderV2 { 1: num_values, 2: num_nulls, 3: num_rows, 4: encoding,
+/// 5: definition_levels_byte_length, 6: repetition_levels_byte_length, 7: is_compressed }`.
+pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize, crc: u32) -> Result<Vec<u8>> {
     let int = |v: usize, what: &str| {
         i32::try_from(v).map_err(|_| ParquetError::General(format!("a page's {what} ({v}) exceeds i32")))
     };
     const I32: u8 = 5; // compact-protocol type ids
+    const TRUE: u8 = 1;
     const FALSE: u8 = 2;
     const STRUCT: u8 = 12;
-    const RLE: i32 = 3; // Encoding
-    let mut out = Vec::with_capacity(32);
+    let mut out = Vec::with_capacity(40);
     let field = |out: &mut Vec<u8>, delta: u8, ty: u8| out.push(delta << 4 | ty);
     let i32v = |out: &mut Vec<u8>, v: i32| uleb128(out, ((v << 1) ^ (v >> 31)) as u32 as u64); // zigzag first
     let page_type = match kind {
         PageKind::Data { .. } => 0,
         PageKind::Dictionary { .. } => 2,
+        PageKind::DataV2 { .. } => 3,
     };
     field(&mut out, 1, I32);
     i32v(&mut out, page_type);
@@ -200,25 +223,41 @@ pub(crate) fn page_header(kind: PageKind, uncompressed: usize, compressed: usize
     i32v(&mut out, int(uncompressed, "uncompressed size")?);
     field(&mut out, 1, I32);
     i32v(&mut out, int(compressed, "compressed size")?);
+    field(&mut out, 1, I32);
+    i32v(&mut out, crc as i32); // Thrift has no unsigned integers: the CRC's bits as an i32
     match kind {
-        PageKind::Data { values, encoding } => {
-            field(&mut out, 2, STRUCT); // field 5, after field 3
+        PageKind::Data { values, encoding, levels } => {
+            field(&mut out, 1, STRUCT); // field 5, after field 4
             field(&mut out, 1, I32);
             i32v(&mut out, int(values, "value count")?);
             field(&mut out, 1, I32);
             i32v(&mut out, encoding as i32);
             field(&mut out, 1, I32);
-            i32v(&mut out, RLE);
+            i32v(&mut out, levels as i32);
             field(&mut out, 1, I32);
-            i32v(&mut out, RLE);
+            i32v(&mut out, levels as i32);
         }
-        PageKind::Dictionary { values } => {
-            field(&mut out, 4, STRUCT); // field 7, after field 3
+        PageKind::Dictionary { values, encoding, sorted } => {
+            field(&mut out, 3, STRUCT); // field 7, after field 4
             field(&mut out, 1, I32);
             i32v(&mut out, int(values, "value count")?);
             field(&mut out, 1, I32);
-            i32v(&mut out, Encoding::PLAIN as i32);
-            field(&mut out, 1, FALSE); // is_sorted = false
+            i32v(&mut out, encoding as i32);
+            field(&mut out, 1, if sorted { TRUE } else { FALSE });
+        }
+        PageKind::DataV2 { values, nulls, rows, encoding, def_bytes, rep_bytes, compressed } => {
+            field(&mut out, 4, STRUCT); // field 8, after field 4
+            for (v, what) in [(values, "value count"), (nulls, "null count"), (rows, "row count")] {
+                field(&mut out, 1, I32);
+                i32v(&mut out, int(v, what)?);
+            }
+            field(&mut out, 1, I32);
+            i32v(&mut out, encoding as i32);
+            for (v, what) in [(def_bytes, "definition level bytes"), (rep_bytes, "repetition level bytes")] {
+                field(&mut out, 1, I32);
+                i32v(&mut out, int(v, what)?);
+            }
+            field(&mut out, 1, if compressed { TRUE } else { FALSE });
         }
     }
     out.push(0); // end of the inner header
@@ -432,14 +471,66 @@ mod tests {
 
     #[test]
     fn page_headers_use_the_compact_protocol() {
-        // Small sizes: one varint byte each (zigzag doubles them).
+        // Small sizes: one varint byte each (zigzag doubles them); the CRC's bits as an i32, zigzagged.
         assert_eq!(
-            data_page_header(100, 60, 5).unwrap(),
-            vec![0x15, 0x00, 0x15, 200, 0x01, 0x15, 120, 0x2c, 0x15, 10, 0x15, 0x00, 0x15, 6, 0x15, 6, 0, 0]
+            data_page_header(100, 60, 5, 3).unwrap(),
+            vec![0x15, 0x00, 0x15, 200, 0x01, 0x15, 120, 0x15, 6, 0x1c, 0x15, 10, 0x15, 0x00, 0x15, 6, 0x15, 6, 0, 0]
         );
         // 1 MiB: zigzag 2^21 → three LEB128 bytes.
-        let h = data_page_header(1 << 20, 1, 1).unwrap();
+        let h = data_page_header(1 << 20, 1, 1, 0).unwrap();
         assert_eq!(&h[2..7], &[0x15, 0x80, 0x80, 0x80, 0x01]);
-        assert!(data_page_header(1 << 31, 1, 1).unwrap_err().to_string().contains("uncompressed size"));
+        assert!(data_page_header(1 << 31, 1, 1, 0).unwrap_err().to_string().contains("uncompressed size"));
+        // No CRC makes a longer header than the widest one, which sizes the slot a page is compressed behind.
+        let widest = data_page_header(10, 10, 1, WIDEST_CRC).unwrap().len();
+        for crc in [0, 1, 0x7fff_ffff, 0xffff_ffff, 0x1234_5678, 0xdead_beef] {
+            assert!(data_page_header(10, 10, 1, crc).unwrap().len() <= widest, "{crc:#x}");
+        }
+    }
+
+    #[test]
+    fn activation_pages_carry_their_crc_and_a_zstd_frame_checksum() {
+        use crate::dataset::DirectIo;
+        let path = scratch("crc");
+        let mut out = Output::create(&path, DirectIo::Off, 1 << 20).unwrap();
+        let mut chunk = out.take_buffer().unwrap();
+        let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 16).unwrap();
+        let rows: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 253) as u8).collect();
+        let mut asm = Assembly { lead: 0, row_bytes: 100, rows: 0, uncompressed: 0, offsets: Default::default() };
+        compress_page(&mut pages.compressor, &mut chunk, &rows, &mut asm).unwrap();
+        let bytes = chunk.bytes();
+        // Header fields 1-3 (three zigzag varints after their 0x15 field bytes), then field 4, the CRC.
+        let mut at = 0;
+        let varint = |at: &mut usize| {
+            let (mut v, mut shift) = (0u64, 0);
+            loop {
+                let b = bytes[*at];
+                *at += 1;
+                v |= u64::from(b & 0x7f) << shift;
+                shift += 7;
+                if b < 0x80 {
+                    return v;
+                }
+            }
+        };
+        let mut fields = Vec::new();
+        for _ in 0..4 {
+            assert_eq!(bytes[at], 0x15);
+            at += 1;
+            let z = varint(&mut at);
+            fields.push(((z >> 1) as i64) ^ -((z & 1) as i64));
+        }
+        let compressed = fields[2] as usize;
+        let header_len = bytes.len() - compressed;
+        let page = &bytes[header_len..];
+        assert_eq!(fields[3] as i32 as u32, crc32fast::hash(page));
+        // A zstd frame whose descriptor has the content-checksum bit, decoding to the rows.
+        assert_eq!(&page[..4], &[0x28, 0xb5, 0x2f, 0xfd]);
+        assert_ne!(page[4] & 0x04, 0, "content checksum flag");
+        assert_eq!(zstd::bulk::decompress(page, rows.len()).unwrap(), rows);
+        let mut flipped = page.to_vec();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1; // in the frame checksum itself
+        assert!(zstd::bulk::decompress(&flipped, rows.len()).is_err());
+        let _ = std::fs::remove_file(&path);
     }
 }

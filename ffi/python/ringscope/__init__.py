@@ -687,6 +687,28 @@ _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or whe
                 "after Session.close()")
 
 
+def _read_checked(part: pathlib.Path):
+    """The table of one hookpoint's Parquet files, each page's CRC checked (the writer puts one in every page
+    header); a file whose bytes are not as written is a RingscopeError naming it."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    checked = ds.ParquetFileFormat(
+        default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True))
+    dataset = ds.dataset(str(part), format=checked, partitioning="hive")
+    try:
+        return dataset.to_table()
+    except (OSError, pa.ArrowException) as e:
+        failure = e
+    # pyarrow does not say which file failed: read them one by one to name it.
+    for fragment in dataset.get_fragments():
+        try:
+            fragment.to_table()
+        except (OSError, pa.ArrowException) as e:
+            raise RingscopeError("RS_ERR_IO", f"{fragment.path} is corrupt (its bytes are not as written): {e}") from e
+    raise RingscopeError("RS_ERR_IO", f"cannot read {part}: {failure}") from failure
+
+
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
     """Reads a Parquet dump (a run directory) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
@@ -694,7 +716,8 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     else as uint16 bit patterns (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
     Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
     :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
-    run, and when the run (or that hookpoint) holds no committed file yet. Needs pyarrow."""
+    run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
+    file's bytes are not as written: every Parquet page's CRC is checked as it is read. Needs pyarrow."""
     import pyarrow.dataset as ds
 
     root = pathlib.Path(os.fsdecode(_path("path", path)))
@@ -729,7 +752,7 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     for part in parts:
         # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
         name = part.name[len("hookpoint="):]
-        t = ds.dataset(str(part), format="parquet", partitioning="hive").to_table()
+        t = _read_checked(part)
         if t.num_rows == 0:
             continue
         t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])

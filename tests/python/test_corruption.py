@@ -1,0 +1,46 @@
+"""A byte changed in a Parquet file after it was written is found by read_dump: every page carries its CRC, and
+read_dump checks them, raising a RingscopeError that names the file instead of returning changed values."""
+import pathlib
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import ringscope  # installed, or from the checkout (conftest.py)
+
+
+@pytest.fixture()
+def run_dir(tmp_path):
+    config = {"ring": {"capacity": "4 MiB"}, "policy": {"mode": "full"},
+              "export": {"parquet": True, "dir": str(tmp_path), "run_id": "crc"}}
+    rng = np.random.default_rng(0)
+    with ringscope.Session(config) as s:
+        hp = s.register("layers.0.resid", site="residual", layer=0, dtype="bf16", row_width=256)
+        for step in range(40):
+            s.begin_step(step, [7, 8, 9, 10], [step] * 4)
+            s.capture(hp, rng.integers(0, 1 << 16, (4, 256), dtype=np.uint16))
+            s.end_step()
+        s.close()
+    return tmp_path / "crc"
+
+
+def chunk_range(path: pathlib.Path, column: str):
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    c = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == column)
+    start = c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+    return start, c.total_compressed_size
+
+
+@pytest.mark.parametrize("column, where", [("activation", 0.5), ("activation", 0.9), ("step", 1.0),
+                                           ("request_id", 1.0)])
+def test_a_flipped_byte_in_a_page_is_an_error_naming_the_file(run_dir, column, where):
+    before = ringscope.read_dump(run_dir)["layers.0.resid"]["activation"].copy()
+    victim = sorted(run_dir.glob("hookpoint=*/rank=*/part-*.parquet"))[0]
+    start, size = chunk_range(victim, column)
+    at = start + min(int(size * where), size - 1)
+    data = bytearray(victim.read_bytes())
+    data[at] ^= 0x10
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ringscope.RingscopeError) as e:
+        after = ringscope.read_dump(run_dir)["layers.0.resid"]["activation"]
+        pytest.fail(f"read_dump returned {'changed' if (after != before).any() else 'the same'} values")
+    assert e.value.status == "RS_ERR_IO" and victim.name in e.value.message and "corrupt" in e.value.message
