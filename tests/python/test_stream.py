@@ -109,3 +109,32 @@ def test_torch_dataset_in_a_data_loader_keeps_bf16_and_every_row(expected):
         got = keyed(step, req, pos, act.view(torch.int16).numpy().view(np.uint16))
         np.testing.assert_array_equal(got[3], expected["activation"])
         np.testing.assert_array_equal(got[1], expected["request_id"])
+
+
+def test_a_changed_byte_in_a_dump_file_is_an_error_naming_it_not_changed_values(tmp_path):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    shutil.copytree(RUN_DIR, run)
+    ipc = sorted((run / "_arrow_ipc" / f"hookpoint={HP}").glob("rank=*/part-*.arrow"))[0]
+    reader = pa.ipc.open_file(str(ipc))
+    ends = [end for end, _ in __import__("json").loads(reader.metadata[b"ringscope.batch_crc32"])]
+    parquet = sorted((run / f"hookpoint={HP}").glob("rank=*/part-*.parquet"))[0]
+    column = pq.ParquetFile(parquet).metadata.row_group(0)
+    act = next(column.column(i) for i in range(column.num_columns) if column.column(i).path_in_schema == "activation")
+    for fmt, victim, at in [("arrow", ipc, (ends[0] + ends[1]) // 2 if len(ends) > 1 else ends[0] - 100),
+                            ("parquet", parquet, act.data_page_offset + act.total_compressed_size // 2)]:
+        data = bytearray(victim.read_bytes())
+        data[at] ^= 0x10
+        victim.write_bytes(bytes(data))
+        with pytest.raises(RingscopeError) as e:
+            for _ in stream.iter_batches(run, HP, 256, format=fmt):
+                pass
+        assert victim.name in str(e.value) and "corrupt" in str(e.value)
+        if fmt == "arrow":
+            # Without the checks the reader goes on and returns the changed value. (Parquet's zstd pages carry a
+            # frame checksum every decoder checks, so there the change is found even then.)
+            assert sum(len(b["activation"]) for b in stream.iter_batches(run, HP, 256, format=fmt, verify=False)) > 0

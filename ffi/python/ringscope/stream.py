@@ -6,8 +6,10 @@ within a buffer, without loading the run into memory. Activations keep their dty
 ``uint16`` bit patterns (numpy has no bfloat16; ``ringscope.torch.ActivationDataset`` turns them into
 ``torch.bfloat16`` tensors without a copy of the values). Needs pyarrow.
 """
+import json
 import os
 import pathlib
+import zlib
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -59,24 +61,52 @@ def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) ->
     return "parquet", files
 
 
-def _record_batches(fmt: str, path: pathlib.Path, columns: List[str]):
+def _corrupt(path, what):
+    return RingscopeError("RS_ERR_IO", f"{path} is corrupt: {what} (the file changed after it was written)")
+
+
+def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bool):
     import pyarrow as pa
 
     if fmt == "arrow":
         # Memory-mapped: the activations are read straight from the page cache, not copied into Arrow buffers.
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        source = pa.memory_map(str(path), "r")
+        reader = pa.ipc.open_file(source)
+        crcs = None
+        if verify:
+            # Each batch's bytes against its CRC-32 in the footer (docs/format.md, "Checksums in dump files").
+            listed = (reader.metadata or {}).get(b"ringscope.batch_crc32")
+            if listed is None:
+                raise _corrupt(path, "no record batch checksums (ringscope.batch_crc32)")
+            crcs = json.loads(listed)
+            if len(crcs) != reader.num_record_batches:
+                raise _corrupt(path, f"{len(crcs)} batch checksums for {reader.num_record_batches} batches")
+            whole = memoryview(source.read_buffer(source.size()))
+        start = 0
         for i in range(reader.num_record_batches):
+            if crcs is not None:
+                end, crc = crcs[i]
+                if zlib.crc32(whole[start:end]) != crc:
+                    raise _corrupt(path, f"record batch {i} (bytes {start}..{end}) does not match its CRC-32")
+                start = end
             yield reader.get_batch(i).select(columns)
     else:
         import pyarrow.parquet as pq
 
         # Row groups read several at a time, decompressed in parallel (reading them one batch at a time left all
-        # but one core idle: 0.65 of pyarrow's whole-file read).
-        f = pq.ParquetFile(str(path))
+        # but one core idle: 0.65 of pyarrow's whole-file read). Page CRCs are checked by pyarrow when `verify`.
+        try:
+            f = pq.ParquetFile(str(path), page_checksum_verification=verify)
+        except OSError as e:
+            raise _corrupt(path, str(e)) from None
         step = max(1, os.cpu_count() or 1)
         for first in range(0, f.num_row_groups, step):
             groups = list(range(first, min(first + step, f.num_row_groups)))
-            yield from f.read_row_groups(groups, columns=columns, use_threads=True).to_batches()
+            try:
+                table = f.read_row_groups(groups, columns=columns, use_threads=True)
+            except OSError as e:
+                raise _corrupt(path, str(e)) from None
+            yield from table.to_batches()
 
 
 def _rows(rb, with_meta: bool):
@@ -92,7 +122,7 @@ def _rows(rb, with_meta: bool):
 
 def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] = None, batch_size: int = 4096,
                  shuffle_buffer: int = 0, seed: int = 0, format: str = "auto", drop_last: bool = False,
-                 with_meta: bool = False, shard: Tuple[int, int] = (0, 1)) -> Iterator[Batch]:
+                 with_meta: bool = False, shard: Tuple[int, int] = (0, 1), verify: bool = True) -> Iterator[Batch]:
     """Yields :class:`Batch` es of ``batch_size`` rows of one hookpoint at a time, reading the run at ``path`` file
     by file.
 
@@ -100,7 +130,9 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
     drawn from them (0: stream order; a buffer of N rows costs N × row bytes of memory). ``format``: ``"arrow"``
     (memory-mapped Arrow IPC files), ``"parquet"``, or ``"auto"`` (Arrow IPC when the run has it). ``shard``:
     ``(index, count)`` — read only every count-th file, from index (one shard per data-loader worker).
-    ``drop_last``: leave out each hookpoint's last, shorter batch. Only committed files are read."""
+    ``drop_last``: leave out each hookpoint's last, shorter batch. ``verify``: check every Parquet page's CRC and
+    every Arrow IPC batch's CRC-32 (a file changed after it was written raises :class:`RingscopeError` naming it,
+    never yields changed values); ``False`` skips the checks for speed. Only committed files are read."""
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     batch_size = _int("batch_size", batch_size, 1, 1 << 31)
     shuffle_buffer = _int("shuffle_buffer", shuffle_buffer, 0, 1 << 40)
@@ -129,10 +161,11 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
     for name, f in files:
         by_hookpoint.setdefault(name, []).append(f)
     for name, paths in by_hookpoint.items():
-        yield from _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta)
+        yield from _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta,
+                                      verify)
 
 
-def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta):
+def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta, verify):
     pending = []  # (activation uint8 rows, meta) chunks not yet emitted, in order
     held = 0
     dtype = None
@@ -152,7 +185,7 @@ def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rn
         return b
 
     for path in paths:
-        for rb in _record_batches(fmt, path, columns):
+        for rb in _record_batches(fmt, path, columns, verify):
             if rb.num_rows == 0:
                 continue
             acts, dt, meta = _rows(rb, with_meta)

@@ -353,11 +353,12 @@ class ActivationDataset(torch.utils.data.IterableDataset):
     Arguments as :func:`ringscope.stream.iter_batches`; they are checked here, not in the workers."""
 
     def __init__(self, path, hookpoints=None, batch_size: int = 4096, shuffle_buffer: int = 0, seed: int = 0,
-                 format: str = "auto", drop_last: bool = False, with_meta: bool = False):
+                 format: str = "auto", drop_last: bool = False, with_meta: bool = False, verify: bool = True):
         from . import stream
 
         self._args = dict(path=path, hookpoints=hookpoints, batch_size=batch_size, shuffle_buffer=shuffle_buffer,
-                          seed=seed, format=format, drop_last=drop_last, with_meta=with_meta)
+                          seed=seed, format=format, drop_last=drop_last, with_meta=with_meta,
+                          verify=verify)
         # Check everything (and that the run has files) now: an error in a worker process is harder to read.
         next(iter(stream.iter_batches(**{**self._args, "batch_size": 1, "shuffle_buffer": 0})), None)
 
