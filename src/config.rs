@@ -265,11 +265,31 @@ pub struct PolicyConfig {
     /// Full mode: how long a capture may wait for ring space before failing.
     #[serde(default = "default_deadline_ms")]
     pub full_deadline_ms: u64,
+    /// Full mode: what happens once a sink has failed (a full disk, say) — `"error"`: captures and `begin_step`
+    /// return an error naming the sink (nothing more is captured that would be lost); `"continue"`: capture goes on
+    /// and the failed sink's records are counted as dropped (`sink_error`), as in best-effort mode.
+    #[serde(default)]
+    pub on_sink_failure: OnSinkFailure,
+}
+
+/// `policy.on_sink_failure`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnSinkFailure {
+    /// Refuse further captures with an error naming the failed sink.
+    #[default]
+    Error,
+    /// Go on capturing; the failed sink's records are counted as `sink_error`.
+    Continue,
 }
 
 impl Default for PolicyConfig {
     fn default() -> Self {
-        PolicyConfig { mode: default_mode(), full_deadline_ms: default_deadline_ms() }
+        PolicyConfig {
+            mode: default_mode(),
+            full_deadline_ms: default_deadline_ms(),
+            on_sink_failure: OnSinkFailure::default(),
+        }
     }
 }
 

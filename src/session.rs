@@ -72,11 +72,14 @@ impl Catalog for RegistryCatalog {
 ///
 /// A sink that fails (a full disk, a file it cannot create) is known at once: [`sink_failures`](Self::sink_failures)
 /// lists it, with its error and time. In full mode `begin_step*` and captures then return [`Error::SinkFailed`]
-/// (full mode promises not to lose records, and the failed sink's would be lost); in best-effort mode they go on and
-/// the failed sink's records are counted as dropped (`sink_error`).
+/// (full mode promises not to lose records, and the failed sink's would be lost) — unless
+/// `policy.on_sink_failure = "continue"`; in best-effort mode they go on and the failed sink's records are counted as
+/// dropped (`sink_error`).
 pub struct Session {
     registry: Arc<Registry>,
     policy: LossPolicy,
+    /// Full mode's answer to a failed sink (`policy.on_sink_failure`).
+    on_sink_failure: config::OnSinkFailure,
     /// `None` once shut down.
     capture: Mutex<Option<Capture>>,
     drain: Mutex<Option<Drain>>,
@@ -171,6 +174,7 @@ impl SessionBuilder {
         Ok(Session {
             registry,
             policy,
+            on_sink_failure: config.policy.on_sink_failure,
             capture: Mutex::new(Some(capture)),
             drain: Mutex::new(Some(drain)),
             files,
@@ -239,7 +243,10 @@ impl Session {
     /// learns it at the next capture, not at shutdown. Best-effort: goes on (losses are counted as `sink_error`).
     /// One atomic load while every sink is healthy.
     fn check_sinks(&self) -> Result<(), Error> {
-        if self.policy.mode != Mode::Full || !self.health.any_failed() {
+        if self.policy.mode != Mode::Full
+            || self.on_sink_failure == config::OnSinkFailure::Continue
+            || !self.health.any_failed()
+        {
             return Ok(());
         }
         let f = self.health.first().expect("a failure is listed before the flag is set");

@@ -496,3 +496,27 @@ fn full_mode_refuses_captures_once_a_sink_failed_and_a_failed_manifest_leaves_no
     assert!(hidden.is_empty(), "{hidden:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Full mode with `policy.on_sink_failure = "continue"`: once the sink has failed, capture goes on (no error) and
+/// the failed sink's records are counted as `sink_error`; the failure is still listed.
+#[test]
+fn full_mode_configured_to_continue_past_a_failed_sink_captures_on_and_counts_the_losses() {
+    let dir = tempdir("sinkfail-continue");
+    let cfg = EngineConfig { layers: 1, hidden: 64, requests: 4, ..EngineConfig::default() };
+    let extra = "[policy]\nmode = \"full\"\non_sink_failure = \"continue\"";
+    let session = Session::new(config(&dir, cfg.layers, cfg.hidden, extra)).unwrap();
+    std::fs::write(dir.join("r").join("hookpoint=layers.0.resid"), b"in the way").unwrap();
+    for step in 0..5u64 {
+        session.begin_step(step, [(1, step as u32)]).unwrap();
+        session.capture(0, &vec![0u8; 2 * cfg.hidden as usize]).unwrap();
+        session.end_step().unwrap();
+        assert!(session.wait_drained(std::time::Duration::from_secs(10)));
+    }
+    assert_eq!(session.sink_failures().len(), 1);
+    let report = session.shutdown().unwrap();
+    let total = report.accounting.total();
+    assert_eq!((total.produced.records, total.dropped_for(DropReason::SinkError).records), (5, 5));
+    let err = Config::from_toml("[policy]\non_sink_failure = \"retry\"\n").unwrap_err().to_string();
+    assert!(err.contains("on_sink_failure") && err.contains("retry"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
