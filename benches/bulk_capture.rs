@@ -334,6 +334,17 @@ fn setups(args: &Args) -> Vec<Setup> {
             files: Some((false, true, args.shm.clone())),
             ..host.clone()
         });
+        // One large hookpoint (4,096 rows a step): with several sink threads, its records are dealt out to them.
+        for threads in [1, 2] {
+            out.push(Setup {
+                name: format!("host: Parquet zstd(1) (memory), 1 hookpoint, {threads} threads"),
+                hookpoints: 1,
+                rows: 4096,
+                files: Some((true, false, args.shm.clone())),
+                threads,
+                ..host.clone()
+            });
+        }
     }
     if want("cuda") {
         // A 1B-shape Llama's prefill: 16 layers × 16,384 tokens × 2,048 bf16 = 1 GiB a step; a 4 GiB ring.

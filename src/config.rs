@@ -172,7 +172,8 @@ pub struct ExportConfig {
     /// Parquet zstd level (with `compression = "zstd"`).
     #[serde(default = "one_i32")]
     pub zstd_level: i32,
-    /// Threads per file format: hookpoints are split over this many sink threads (each writes whole hookpoints).
+    /// Threads per file format: records are dealt out round-robin to this many sink threads, each writing files of
+    /// its own (`part-NNNNN-sK`), so one large hookpoint can use them all.
     #[serde(default = "one_u32")]
     pub threads: u32,
     /// `"auto"` (default): write files with `O_DIRECT`, past the page cache, where the file system supports it;

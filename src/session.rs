@@ -150,6 +150,8 @@ impl SessionBuilder {
         }
         for shard in 0..threads {
             let filter = if threads == 1 { Filter::all() } else { Filter::shard(threads, shard) };
+            let mut dataset = dataset.clone();
+            dataset.file_shard = (threads > 1).then_some(shard);
             if config.export.parquet {
                 let (sink, committed) = parquet_sink(dataset.clone(), config.export.codec())
                     .map_err(|e| Error::Setting { key: "export.parquet", source: e.into() })?;

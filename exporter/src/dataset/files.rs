@@ -135,7 +135,8 @@ impl<F: FileFormat> FileSink<F> {
                 return Err(Self::error(FileError::CreateDir { dir, source }));
             }
             // Continue numbering after files already there (a run directory reused), never overwrite one.
-            let next_index = (0u32..).find(|&i| !dir.join(part_name(i, F::EXT)).exists()).unwrap_or(u32::MAX);
+            let shard = self.options.file_shard;
+            let next_index = (0u32..).find(|&i| !dir.join(part_name(i, shard, F::EXT)).exists()).unwrap_or(u32::MAX);
             self.partitions.insert(
                 hp.id(),
                 Partition {
@@ -188,7 +189,7 @@ fn flush_partition<F: FileFormat>(
         if part.open.is_none() {
             let index = part.next_index;
             part.next_index += 1;
-            let tmp = in_progress_path(&part.dir, index, F::EXT);
+            let tmp = in_progress_path(&part.dir, index, options.file_shard, F::EXT);
             let writer = match format.create(&tmp, options, &part.schema) {
                 Ok(w) => w,
                 Err(source) => return Err(FileError::Create { path: tmp, source }),
@@ -232,7 +233,7 @@ fn flush_partition<F: FileFormat>(
         };
         let file = finished.file;
         let synced = file.sync_all().and_then(|()| file.metadata().map(|m| m.len()));
-        let path = part.dir.join(part_name(open.index, F::EXT));
+        let path = part.dir.join(part_name(open.index, options.file_shard, F::EXT));
         let renamed = synced.and_then(|len| std::fs::rename(&tmp, &path).map(|()| len));
         match renamed {
             Ok(len) => {

@@ -80,6 +80,10 @@ pub struct DatasetOptions {
     /// most is written at once (a smaller row group). Held records keep their ring space, so this must stay well
     /// below the ring's capacity (the session sets it to at most a quarter of it).
     pub max_pending_bytes: usize,
+    /// This sink is shard `k` of several sinks writing the same partitions (`export.threads` > 1, records dealt out
+    /// round-robin): its files are named `part-NNNNN-sK.<ext>` so that they never collide with another shard's. A
+    /// hookpoint's rows are then spread over the shards' files (each in stream order; sort by `step` across files).
+    pub file_shard: Option<u32>,
     /// Whether files are written with `O_DIRECT` (past the page cache): `Auto` where the file system supports it.
     /// Each open file then has a writer thread and up to three buffers of about `batch_bytes`.
     pub direct_io: DirectIo,
@@ -95,6 +99,7 @@ impl DatasetOptions {
             max_file_bytes: 256 << 20,
             batch_bytes: 4 << 20,
             max_pending_bytes: 64 << 20,
+            file_shard: None,
             direct_io: DirectIo::Auto,
         }
     }
@@ -356,14 +361,18 @@ pub(crate) fn file_metadata(hp: &CatalogEntry, run_id: &str, records: u64, rows:
     kv
 }
 
-/// `part-00042.<ext>`: the committed name of a partition's 42nd file.
-pub(crate) fn part_name(index: u32, ext: &str) -> String {
-    format!("part-{index:05}.{ext}")
+/// `part-00042.<ext>`: the committed name of a partition's 42nd file; `part-00042-s3.<ext>` for a sink that is shard
+/// 3 of several writing the same partitions ([`DatasetOptions::file_shard`]).
+pub(crate) fn part_name(index: u32, shard: Option<u32>, ext: &str) -> String {
+    match shard {
+        None => format!("part-{index:05}.{ext}"),
+        Some(s) => format!("part-{index:05}-s{s}.{ext}"),
+    }
 }
 
 /// The in-progress name of a file: hidden (leading `.`), so pyarrow ignores it and `*.parquet` globs miss it.
-pub(crate) fn in_progress_path(dir: &Path, index: u32, ext: &str) -> PathBuf {
-    dir.join(format!(".{}.inprogress", part_name(index, ext)))
+pub(crate) fn in_progress_path(dir: &Path, index: u32, shard: Option<u32>, ext: &str) -> PathBuf {
+    dir.join(format!(".{}.inprogress", part_name(index, shard, ext)))
 }
 
 #[cfg(test)]

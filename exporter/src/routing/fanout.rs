@@ -19,8 +19,9 @@ pub struct Filter {
     pub hookpoints: HashSet<String>,
     /// Layers to receive (empty: every layer, and hookpoints without a layer).
     pub layers: HashSet<u32>,
-    /// `(count, index)`: only hookpoints whose id is `index` modulo `count` — splits one sink's work over
-    /// several sink threads, each owning whole hookpoints (so each file still has one writer).
+    /// `(count, index)`: only records whose sequence number is `index` modulo `count` — splits one sink's work over
+    /// several sink threads record by record, so that one large hookpoint keeps them all busy. Each thread writes
+    /// files of its own (see `DatasetOptions::file_shard`), so each file still has one writer.
     pub shard: Option<(u32, u32)>,
 }
 
@@ -45,10 +46,14 @@ impl Filter {
         Filter { shard: Some((count.max(1), index)), ..Filter::default() }
     }
 
-    /// Whether records of `hp` pass.
+    /// Whether `record` passes: its hookpoint ([`matches`](Self::matches)) and its shard.
+    pub fn accepts(&self, record: &Record) -> bool {
+        self.shard.is_none_or(|(n, i)| record.header().seq % n as u64 == i as u64) && self.matches(record.hookpoint())
+    }
+
+    /// Whether records of `hp` pass the hookpoint and layer sets (the shard is per record: [`accepts`](Self::accepts)).
     pub fn matches(&self, hp: &CatalogEntry) -> bool {
-        self.shard.is_none_or(|(n, i)| hp.id() % n == i)
-            && (self.hookpoints.is_empty() || self.hookpoints.contains(hp.name()))
+        (self.hookpoints.is_empty() || self.hookpoints.contains(hp.name()))
             && (self.layers.is_empty() || hp.spec().layer.is_some_and(|l| self.layers.contains(&l)))
     }
 }
@@ -285,7 +290,7 @@ impl Port {
             self.close_departed();
             return Offer::Closed;
         }
-        if !self.filter.matches(record.hookpoint()) {
+        if !self.filter.accepts(record) {
             return Offer::Filtered;
         }
         let size = record.size_bytes();
