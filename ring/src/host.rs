@@ -665,6 +665,9 @@ mod tests {
     }
 
     #[test]
+    // The wait parks in parking_lot, whose futex call (a variadic `syscall` given `&AtomicI32`) Miri rejects; the
+    // wait/wake protocol is model-checked with loom instead (ring/tests/loom.rs).
+    #[cfg_attr(miri, ignore = "parking_lot's futex call is rejected by Miri; loom checks this path")]
     fn reserve_until_waits_for_the_drain_and_times_out_without_one() {
         let (mut p, mut c) = channel(1024).unwrap();
         for i in 0..5 {
@@ -690,6 +693,9 @@ mod tests {
     }
 
     #[test]
+    // The wait parks in parking_lot, whose futex call (a variadic `syscall` given `&AtomicI32`) Miri rejects; the
+    // wait/wake protocol is model-checked with loom instead (ring/tests/loom.rs).
+    #[cfg_attr(miri, ignore = "parking_lot's futex call is rejected by Miri; loom checks this path")]
     fn dropped_consumer_unblocks_a_waiting_producer() {
         let (mut p, c) = channel(1024).unwrap();
         for i in 0..5 {
