@@ -172,8 +172,13 @@ def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rn
     keep = max(shuffle_buffer, batch_size)
 
     def take_all():
+        """Everything pending as one array (and its metadata), shuffled when a shuffle buffer is asked for."""
         acts = np.concatenate([a for a, _ in pending]) if len(pending) > 1 else pending[0][0]
         meta = {c: np.concatenate([m[c] for _, m in pending]) for c in META_COLUMNS} if with_meta else {}
+        if shuffle_buffer:
+            order = rng.permutation(len(acts))
+            acts = acts[order]
+            meta = {c: v[order] for c, v in meta.items()}
         return acts, meta
 
     def emit(acts, meta, lo, hi):
@@ -195,10 +200,6 @@ def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rn
             if held < keep + batch_size:
                 continue
             acts, meta = take_all()
-            if shuffle_buffer:
-                order = rng.permutation(len(acts))
-                acts = acts[order]
-                meta = {c: v[order] for c, v in meta.items()}
             # Emit whole batches while at least `shuffle_buffer` rows stay behind to mix with what comes next.
             n = (len(acts) - shuffle_buffer) // batch_size if shuffle_buffer else len(acts) // batch_size
             for i in range(n):
@@ -210,10 +211,6 @@ def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rn
     if held == 0:
         return
     acts, meta = take_all()
-    if shuffle_buffer:
-        order = rng.permutation(len(acts))
-        acts = acts[order]
-        meta = {c: v[order] for c, v in meta.items()}
     n = len(acts) // batch_size
     for i in range(n):
         yield emit(acts, meta, i * batch_size, (i + 1) * batch_size)
