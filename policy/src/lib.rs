@@ -8,6 +8,10 @@
 //! * [`Counters`] / [`Accounting`] — per-hookpoint tallies with the invariant
 //!   `produced = exported + dropped + sampled_out`, checked at shutdown by [`AccountingSnapshot::check`].
 //!
+//! * [`Planner`] — the policy manager's decisions: which [`Rung`] of the degradation ladder (full → every-N-steps →
+//!   last row per request → fp8 downcast → off) each hookpoint stands on, so that what capture produces fits the
+//!   drain's byte-rate cap and the memory budgets; [`simulate`] holds it to its promises without a GPU.
+//!
 //! This crate decides from numbers and knows no memory: it never touches a ring or a record.
 #![warn(missing_docs)]
 
@@ -16,6 +20,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+pub mod plan;
+pub mod simulate;
+
+pub use plan::{
+    Budget, HookPointLoad, Keep, Ladder, Measurements, Planner, PlannerSettings, Projection, Rung, RungChange,
+};
 
 /// How the producer behaves when the ring (or, later, a sink) has no room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
