@@ -108,6 +108,7 @@ impl Setup {
                 rows: RowsConfig::default(),
                 every_n_steps: 1,
                 enabled: true,
+                priority: 0,
             })
             .collect();
         c

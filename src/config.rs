@@ -7,6 +7,18 @@
 //! [policy]
 //! mode = "full"              # or "best_effort"
 //! full_deadline_ms = 5000
+//! # Budgets (all optional). In best-effort mode, any of them turns on the policy manager: it moves hookpoints
+//! # down a ladder (every-N steps → last row per request → fp8 downcast → off), lowest priority first, so that
+//! # what capture produces fits, and back up when there is room again.
+//! drain_rate = "20 GB/s"     # the drain's byte-rate cap (the PCIe share for observability)
+//! gpu_memory = "2 GiB"       # device ring (ring.capacity must fit in it, and hold one step's worst case)
+//! pinned_memory = "2 GiB"    # pinned staging of the CUDA drain (as large as the ring)
+//! host_memory = "8 GiB"      # records queued for all sinks and consumers together
+//! high_watermark = 0.75      # a memory budget this full means the path is saturated
+//! low_watermark = 0.25       # every budget this empty means there is room to recover
+//! dwell_ms = 500             # least time between changes of the plan
+//! max_every_n = 8            # the ladder's sampling rungs: every 2, 3, …, 8 steps
+//! on_deadline = "error"      # full mode, a step that found no room by the deadline: "error" or "degrade"
 //!
 //! [[hookpoints]]
 //! name = "layers.0.resid"
@@ -17,6 +29,7 @@
 //! rows = "all"               # all | last_per_request | [0, 5, 7]
 //! every_n_steps = 1
 //! enabled = true
+//! priority = 0               # the policy manager degrades lower priorities first
 //! ```
 //!
 //! Unknown keys are errors (a typo must not silently fall back to a default).
@@ -24,7 +37,8 @@
 use std::time::Duration;
 
 use ringscope_hookpoint::{HookPointSpec, RowSelection, SiteKind};
-use ringscope_policy::{LossPolicy, Mode};
+use ringscope_policy::{Ladder, LossPolicy, Mode, PlannerSettings};
+use ringscope_ring::record::{align_up, HEADER_LEN, ROW_META_LEN};
 use ringscope_ring::DType;
 use serde::Deserialize;
 
@@ -271,6 +285,61 @@ pub struct PolicyConfig {
     /// and the failed sink's records are counted as dropped (`sink_error`), as in best-effort mode.
     #[serde(default)]
     pub on_sink_failure: OnSinkFailure,
+    /// The drain's byte-rate cap, bytes per second (`"20 GB/s"`).
+    #[serde(default)]
+    pub drain_rate: Option<ByteRate>,
+    /// Most device memory for the ring.
+    #[serde(default)]
+    pub gpu_memory: Option<ByteSize>,
+    /// Most pinned host memory for the CUDA drain's staging.
+    #[serde(default)]
+    pub pinned_memory: Option<ByteSize>,
+    /// Most host memory for records queued for all sinks and consumers together.
+    #[serde(default)]
+    pub host_memory: Option<ByteSize>,
+    /// A memory budget filled past this fraction means the path is saturated.
+    #[serde(default = "default_high_watermark")]
+    pub high_watermark: f64,
+    /// Every memory budget below this fraction means there is room to recover.
+    #[serde(default = "default_low_watermark")]
+    pub low_watermark: f64,
+    /// Least time between changes of the policy manager's plan.
+    #[serde(default = "default_dwell_ms")]
+    pub dwell_ms: u64,
+    /// The ladder's sampling rungs go up to one step in this many.
+    #[serde(default = "default_max_every_n")]
+    pub max_every_n: u32,
+    /// Full mode: what a step that found no room by the deadline does.
+    #[serde(default)]
+    pub on_deadline: OnDeadline,
+}
+
+/// `policy.on_deadline`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnDeadline {
+    /// The step's captures are dropped (counted as `deadline`) and the engine gets an error.
+    #[default]
+    Error,
+    /// The step goes on as in best-effort mode: what fits is captured, the rest is dropped and counted as
+    /// `deadline`; the engine gets no error (the stall and the loss are in the statistics and the events table).
+    Degrade,
+}
+
+fn default_high_watermark() -> f64 {
+    0.75
+}
+
+fn default_low_watermark() -> f64 {
+    0.25
+}
+
+fn default_dwell_ms() -> u64 {
+    500
+}
+
+fn default_max_every_n() -> u32 {
+    8
 }
 
 /// `policy.on_sink_failure`.
@@ -290,6 +359,15 @@ impl Default for PolicyConfig {
             mode: default_mode(),
             full_deadline_ms: default_deadline_ms(),
             on_sink_failure: OnSinkFailure::default(),
+            drain_rate: None,
+            gpu_memory: None,
+            pinned_memory: None,
+            host_memory: None,
+            high_watermark: default_high_watermark(),
+            low_watermark: default_low_watermark(),
+            dwell_ms: default_dwell_ms(),
+            max_every_n: default_max_every_n(),
+            on_deadline: OnDeadline::default(),
         }
     }
 }
@@ -306,6 +384,95 @@ impl PolicyConfig {
     /// The policy these settings describe.
     pub fn loss_policy(&self) -> LossPolicy {
         LossPolicy { mode: self.mode, full_deadline: Duration::from_millis(self.full_deadline_ms) }
+    }
+
+    /// Whether the policy manager moves hookpoints along the ladder: best-effort mode with a budget set (full mode is
+    /// lossless: it waits instead, and its budgets are only checked and measured).
+    pub fn adaptive(&self) -> bool {
+        self.mode == Mode::BestEffort
+            && (self.drain_rate.is_some() || self.host_memory.is_some() || self.gpu_memory.is_some())
+    }
+
+    /// The planner's settings.
+    pub fn planner_settings(&self) -> PlannerSettings {
+        PlannerSettings {
+            drain_bytes_per_s: self.drain_rate.map(|r| r.0 as f64),
+            high_watermark: self.high_watermark,
+            low_watermark: self.low_watermark,
+            dwell: Duration::from_millis(self.dwell_ms),
+            ladder: Ladder::new(self.max_every_n),
+        }
+    }
+
+    /// Checks the policy's own numbers; every error names its key.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |key: &str, why: String| Err(Error::Config(format!("policy.{key}: {why}")));
+        for (key, v) in [("high_watermark", self.high_watermark), ("low_watermark", self.low_watermark)] {
+            if !(v > 0.0 && v < 1.0) {
+                return bad(key, format!("{v} is not a fraction between 0 and 1 (exclusive)"));
+            }
+        }
+        if self.low_watermark >= self.high_watermark {
+            return bad(
+                "low_watermark",
+                format!(
+                    "{} is not below policy.high_watermark {}: recovery needs a lower mark than degradation, or the \
+                     plan would flap",
+                    self.low_watermark, self.high_watermark
+                ),
+            );
+        }
+        if self.max_every_n == 0 || self.max_every_n > 1 << 16 {
+            return bad(
+                "max_every_n",
+                format!("{} is out of range: use 1 (no sampling rungs) to 65536", self.max_every_n),
+            );
+        }
+        if self.dwell_ms > 3_600_000 {
+            return bad("dwell_ms", format!("{} ms is more than an hour", self.dwell_ms));
+        }
+        for (key, v) in
+            [("gpu_memory", self.gpu_memory), ("pinned_memory", self.pinned_memory), ("host_memory", self.host_memory)]
+        {
+            if v.is_some_and(|v| v.0 == 0) {
+                return bad(key, "0 bytes cannot hold anything; leave the key out for no budget".into());
+            }
+        }
+        if self.drain_rate.is_some_and(|r| r.0 == 0) {
+            return bad("drain_rate", "0 B/s would never drain; leave the key out for no cap".into());
+        }
+        Ok(())
+    }
+}
+
+/// A byte rate: a [`ByteSize`] per second, written `"20 GB/s"`, `"512 MiB/s"` or a plain number of bytes per second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteRate(pub u64);
+
+impl<'de> Deserialize<'de> for ByteRate {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteRate(n)),
+            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl std::str::FromStr for ByteRate {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        let size = t
+            .strip_suffix("/s")
+            .ok_or_else(|| format!("`{s}` is not a rate; write e.g. \"20 GB/s\" or \"512 MiB/s\""))?;
+        size.parse::<ByteSize>().map(|b| ByteRate(b.0))
     }
 }
 
@@ -333,6 +500,9 @@ pub struct HookPointConfig {
     /// Capture at all.
     #[serde(default = "yes")]
     pub enabled: bool,
+    /// The policy manager degrades lower priorities first (any integer; default 0).
+    #[serde(default)]
+    pub priority: i32,
 }
 
 fn one() -> u32 {
@@ -435,6 +605,65 @@ impl std::str::FromStr for ByteSize {
 }
 
 impl Config {
+    /// Checks the `[policy]` budgets against the rest of the configuration: the ring must fit the GPU (or host)
+    /// memory budget and hold one step's worst case (every configured hookpoint, `ring.max_batch_rows` rows, once),
+    /// and the CUDA drain's staging (as large as the ring) the pinned budget. Errors name the keys and the
+    /// hookpoints that do not fit.
+    pub fn validate_budgets(&self) -> Result<(), Error> {
+        self.policy.validate()?;
+        let p = &self.policy;
+        let capacity = self.ring.capacity.0;
+        if let Some(gpu) = p.gpu_memory {
+            if capacity > gpu.0 {
+                return Err(Error::Config(format!(
+                    "ring.capacity {capacity} bytes is over policy.gpu_memory {} bytes: lower ring.capacity or raise \
+                     the budget",
+                    gpu.0
+                )));
+            }
+            // One step's worst case: every hookpoint, every row of the largest batch.
+            let rows = self.ring.max_batch_rows as u64;
+            let mut total = 0u64;
+            let mut over = Vec::new();
+            for hc in self.hookpoints.iter().filter(|h| h.enabled) {
+                let (spec, _) = hc.resolve()?;
+                let record = align_up(HEADER_LEN + align_up(rows as usize * ROW_META_LEN)) as u64
+                    + rows * spec.row_bytes() as u64;
+                total = total.saturating_add(record);
+                if total > capacity {
+                    over.push(format!("`{}` ({record} bytes)", spec.name));
+                }
+            }
+            if !over.is_empty() {
+                return Err(Error::Config(format!(
+                    "policy.gpu_memory: the ring (ring.capacity {capacity} bytes) cannot hold one step's worst case \
+                     of {total} bytes ({rows} rows, ring.max_batch_rows, of every hookpoint); these do not fit: {} — \
+                     raise ring.capacity within the budget, lower ring.max_batch_rows, or capture fewer hookpoints",
+                    over.join(", ")
+                )));
+            }
+        }
+        if let (Some(pinned), Backend::Cuda) = (p.pinned_memory, self.ring.backend) {
+            if capacity > pinned.0 {
+                return Err(Error::Config(format!(
+                    "policy.pinned_memory {} bytes is under ring.capacity {capacity} bytes: the CUDA drain's pinned \
+                     staging is as large as the ring; lower ring.capacity or raise the budget",
+                    pinned.0
+                )));
+            }
+        }
+        if let Some(host) = p.host_memory {
+            if self.export.backlog.0 > host.0 {
+                return Err(Error::Config(format!(
+                    "export.backlog {} bytes (per sink or consumer) is over policy.host_memory {} bytes (all of them \
+                     together): lower export.backlog or raise the budget",
+                    self.export.backlog.0, host.0
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Parses a TOML document. Errors name the offending key and line.
     pub fn from_toml(text: &str) -> Result<Config, Error> {
         toml::from_str(text).map_err(|e| Error::Config(e.to_string()))

@@ -43,6 +43,7 @@
 
 mod backend;
 pub mod config;
+mod governor;
 pub mod manifest;
 mod session;
 #[cfg(feature = "synthetic")]

@@ -1,5 +1,6 @@
 //! `Session`: one ring, its hookpoints, its drain and its policy, wired from one [`Config`].
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,15 +9,16 @@ use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain, DrainOptions,
     DrainReport, Filter, Sink, SinkFailure, SinkHealth, Subscription,
 };
-use ringscope_hookpoint::cuda::GraphBatch;
-use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
+use ringscope_hookpoint::cuda::{DeviceCaptureError, GraphBatch};
+use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointError, HookPointSpec, Registry, StepBatch};
+use ringscope_policy::{AccountingSnapshot, DropReason, LossPolicy, Mode, RungChange};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, Started};
 use crate::config::{self, Config};
+use crate::governor::{self, Governor};
 use crate::Error;
 
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
@@ -87,6 +89,32 @@ pub struct Session {
     run_dir: Option<std::path::PathBuf>,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
     health: SinkHealth,
+    /// The policy manager (best-effort mode with budgets), deciding at step boundaries.
+    governor: Option<Governor>,
+    /// Full mode: what a step that found no room by the deadline does.
+    on_deadline: config::OnDeadline,
+    /// Steps begun, and their batches' rows and requests (the policy manager's production measure).
+    steps: StepTally,
+    /// The step whose deadline passed with `on_deadline = "degrade"`: its remaining captures do not wait.
+    degraded_step: Mutex<Option<u64>>,
+}
+
+/// Steps begun and what their batches held.
+#[derive(Debug, Default)]
+struct StepTally {
+    steps: AtomicU64,
+    rows: AtomicU64,
+    requests: AtomicU64,
+    last: AtomicU64,
+}
+
+impl StepTally {
+    fn begun(&self, batch: &StepBatch) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        self.requests.fetch_add(batch.last_per_request().len() as u64, Ordering::Relaxed);
+        self.last.store(batch.step(), Ordering::Relaxed);
+    }
 }
 
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
@@ -118,6 +146,7 @@ impl SessionBuilder {
         let config = self.config;
         let policy = config.policy.loss_policy();
         policy.validate()?;
+        config.validate_budgets()?;
         let capacity = usize::try_from(config.ring.capacity.0)
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
         config.ring.validate_cuda_keys()?;
@@ -133,6 +162,7 @@ impl SessionBuilder {
         let options = DrainOptions {
             backlog_bytes: usize::try_from(config.export.backlog.0).unwrap_or(usize::MAX),
             policy,
+            max_bytes_per_s: config.policy.drain_rate.map(|r| r.0 as f64),
             ..DrainOptions::default()
         };
         let mut sinks = self.sinks;
@@ -182,6 +212,13 @@ impl SessionBuilder {
             files,
             run_dir,
             health,
+            governor: config.policy.adaptive().then(|| {
+                let priorities = config.hookpoints.iter().map(|h| (h.name.clone(), h.priority)).collect();
+                Governor::new(config.policy.planner_settings(), priorities, false)
+            }),
+            on_deadline: config.policy.on_deadline,
+            steps: StepTally::default(),
+            degraded_step: Mutex::new(None),
         })
     }
 }
@@ -265,6 +302,7 @@ impl Session {
     pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
+        self.step_boundary(&batch);
         self.with_capture(|c| c.backend.begin_step(&self.registry, batch))
     }
 
@@ -283,8 +321,46 @@ impl Session {
     ) -> Result<(), Error> {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
-        self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream))
+        self.step_boundary(&batch);
+        let begun = self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream));
+        match begun {
+            // The step is begun with its captures dropped and counted (`deadline`); the engine goes on.
+            Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
+                if self.on_deadline == config::OnDeadline::Degrade =>
+            {
+                Ok(())
+            }
+            other => other,
+        }
     }
+
+    /// At each step's start: tallies the batch, and lets the policy manager decide (at most every few
+    /// milliseconds); its rung changes reach the controls before this step's captures.
+    fn step_boundary(&self, batch: &StepBatch) {
+        self.steps.begun(batch);
+        self.govern();
+    }
+
+    /// One decision of the policy manager, if it runs and a tick has passed.
+    fn govern(&self) {
+        let Some(g) = &self.governor else { return };
+        let changes = g.tick(&self.registry, || self.sample());
+        for (hp, c) in changes {
+            self.log_rung_change(&hp, &c);
+        }
+    }
+
+    /// What the policy manager measures now.
+    fn sample(&self) -> governor::Sample {
+        governor::Sample {
+            steps: self.steps.steps.load(Ordering::Relaxed),
+            rows: self.steps.rows.load(Ordering::Relaxed),
+            requests: self.steps.requests.load(Ordering::Relaxed),
+            ..Default::default()
+        }
+    }
+
+    fn log_rung_change(&self, _hp: &HookPoint, _change: &RungChange) {}
 
     /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
     /// The recorded kernel builds the step's batch descriptor at every replay from the engine's own device tensors
@@ -300,6 +376,7 @@ impl Session {
     /// they make no host call) use them from the next replay on. Call it between replays, outside graph recording.
     /// Steps begun with [`begin_step_on`](Self::begin_step_on) pick changes up by themselves.
     pub fn apply_controls(&self, stream: StreamRef) -> Result<(), Error> {
+        self.govern();
         self.with_capture(|c| c.backend.apply_controls(&self.registry, stream))
     }
 
@@ -331,6 +408,21 @@ impl Session {
 
     fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
         self.check_sinks()?;
+        let step = self.steps.last.load(Ordering::Relaxed);
+        if self.policy.mode == Mode::Full && self.on_deadline == config::OnDeadline::Degrade {
+            // A step whose deadline passed goes on as in best-effort: nothing more of it waits.
+            if *self.degraded_step.lock() == Some(step) {
+                let best_effort = LossPolicy { mode: Mode::BestEffort, ..self.policy };
+                return self.with_capture(|c| c.backend.capture(&best_effort, hp, data));
+            }
+            return match self.with_capture(|c| c.backend.capture(&self.policy, hp, data)) {
+                Err(Error::HookPoint(HookPointError::Deadline { .. })) => {
+                    *self.degraded_step.lock() = Some(step);
+                    Ok(CaptureOutcome::Dropped(DropReason::Deadline))
+                }
+                other => other,
+            };
+        }
         self.with_capture(|c| c.backend.capture(&self.policy, hp, data))
     }
 

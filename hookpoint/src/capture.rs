@@ -46,7 +46,7 @@ pub fn capture_host(
     let row_bytes = hp.spec().row_bytes();
     let rb = row_bytes as usize;
     let expected = batch.len().saturating_mul(rb);
-    let metas: Cow<'_, [RowMeta]> = match &*hp.control().selection() {
+    let metas: Cow<'_, [RowMeta]> = match &*hp.control().effective_selection() {
         RowSelection::All => Cow::Borrowed(batch.rows()),
         RowSelection::LastPerRequest => Cow::Borrowed(batch.last_per_request()),
         RowSelection::Rows(idx) => {
@@ -102,7 +102,16 @@ pub fn capture_host(
 
     let reserved = match policy.on_ring_full() {
         OnFull::Drop => producer.try_reserve(record),
-        OnFull::Wait(deadline) => producer.reserve_until(record, Instant::now() + deadline),
+        OnFull::Wait(deadline) => match producer.try_reserve(record) {
+            Err(ReserveError::Full { .. }) => {
+                // Only a real wait is a stall: time it.
+                let started = Instant::now();
+                let r = producer.reserve_until(record, started + deadline);
+                hp.stall().waited(started.elapsed());
+                r
+            }
+            other => other,
+        },
     };
     let mut reservation = match reserved {
         Ok(r) => r,

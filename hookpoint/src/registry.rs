@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::RwLock;
-use ringscope_policy::{AccountingSnapshot, Counters};
+use parking_lot::{RwLock, RwLockReadGuard};
+use ringscope_policy::{AccountingSnapshot, Counters, Keep, StallMeter};
 
 use crate::error::HookPointError;
 use ringscope_ring::HookPointSpec;
@@ -24,11 +24,17 @@ pub enum RowSelection {
 
 /// The runtime controls of a hookpoint. Changes take effect at the next capture; engines change them between
 /// steps (the GPU backend mirrors them into device memory read by the kernel at replay time).
+///
+/// Two layers: the user's settings (`set_enabled`, `set_every_n_steps`, `set_selection`) and, over them, the policy
+/// manager's rung ([`Control::set_keep`]): sampling multiplies, "last row" narrows a whole-batch selection, "off"
+/// disables. Captures follow the combination (`effective_*`); the user's settings read back as the user set them.
 #[derive(Debug)]
 pub struct Control {
     enabled: AtomicBool,
     every_n_steps: AtomicU32,
     selection: RwLock<RowSelection>,
+    /// The policy manager's layer, packed ([`pack_keep`]); 0 = keep everything.
+    keep: AtomicU64,
     /// Bumped by every change, so the GPU backend re-uploads controls only when they changed.
     generation: AtomicU64,
     /// The registry's change counter (bumped with `generation`).
@@ -41,6 +47,7 @@ impl Control {
             enabled: AtomicBool::new(true),
             every_n_steps: AtomicU32::new(1),
             selection: RwLock::default(),
+            keep: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             registry_changes,
         }
@@ -82,9 +89,42 @@ impl Control {
         Ok(())
     }
 
-    /// Whether a capture at `step` is taken (enabled and on a sampled step).
+    /// Whether a capture at `step` is taken (enabled and on a sampled step, the policy manager's rung included).
     pub fn samples(&self, step: u64) -> bool {
-        self.enabled() && step % self.every_n_steps() as u64 == 0
+        self.effective_enabled() && step % self.effective_every_n() as u64 == 0
+    }
+
+    /// The policy manager's layer over the user's settings.
+    pub fn keep(&self) -> Keep {
+        unpack_keep(self.keep.load(Ordering::Relaxed))
+    }
+
+    /// Sets the policy manager's layer (the rung a hookpoint stands on). Bumps the generation only on a change.
+    pub fn set_keep(&self, keep: Keep) {
+        if self.keep.swap(pack_keep(keep), Ordering::Relaxed) != pack_keep(keep) {
+            self.changed();
+        }
+    }
+
+    /// Enabled by the user and not switched off by the policy manager.
+    pub fn effective_enabled(&self) -> bool {
+        self.enabled() && !self.keep().off
+    }
+
+    /// The user's sampling times the policy manager's.
+    pub fn effective_every_n(&self) -> u32 {
+        self.every_n_steps().saturating_mul(self.keep().every_n.max(1))
+    }
+
+    /// The rows captures keep: the user's selection, narrowed to each request's last row when the policy manager's
+    /// rung says so and the user's selection is the whole batch.
+    pub fn effective_selection(&self) -> EffectiveSelection<'_> {
+        let user = self.selection.read();
+        if self.keep().last_row && *user == RowSelection::All {
+            EffectiveSelection::LastRow
+        } else {
+            EffectiveSelection::User(user)
+        }
     }
 
     /// The current row selection.
@@ -103,6 +143,45 @@ impl Control {
     }
 }
 
+/// The row selection captures follow now ([`Control::effective_selection`]).
+pub enum EffectiveSelection<'a> {
+    /// The user's selection.
+    User(RwLockReadGuard<'a, RowSelection>),
+    /// The policy manager narrowed a whole-batch selection to each request's last row.
+    LastRow,
+}
+
+impl std::ops::Deref for EffectiveSelection<'_> {
+    type Target = RowSelection;
+    fn deref(&self) -> &RowSelection {
+        match self {
+            EffectiveSelection::User(g) => g,
+            EffectiveSelection::LastRow => &RowSelection::LastPerRequest,
+        }
+    }
+}
+
+const KEEP_LAST_ROW: u64 = 1 << 32;
+const KEEP_DOWNCAST: u64 = 1 << 33;
+const KEEP_OFF: u64 = 1 << 34;
+
+/// One word for [`Keep`], so that captures read the policy manager's layer with one atomic load.
+fn pack_keep(k: Keep) -> u64 {
+    let n = if k.every_n <= 1 { 0 } else { k.every_n as u64 };
+    n | if k.last_row { KEEP_LAST_ROW } else { 0 }
+        | if k.downcast { KEEP_DOWNCAST } else { 0 }
+        | if k.off { KEEP_OFF } else { 0 }
+}
+
+fn unpack_keep(w: u64) -> Keep {
+    Keep {
+        every_n: (w as u32).max(1),
+        last_row: w & KEEP_LAST_ROW != 0,
+        downcast: w & KEEP_DOWNCAST != 0,
+        off: w & KEEP_OFF != 0,
+    }
+}
+
 /// A registered hookpoint: its id (as written in records), spec, controls and loss counters.
 #[derive(Debug)]
 pub struct HookPoint {
@@ -112,9 +191,16 @@ pub struct HookPoint {
     /// Shared with the exporter's catalog entry: the capture side counts what it produced and dropped, the export
     /// side what it exported or lost, and the two meet only in these counters.
     counters: Arc<Counters>,
+    /// The session's full-mode wait tally (shared by every hookpoint of a registry).
+    stall: Arc<StallMeter>,
 }
 
 impl HookPoint {
+    /// The session's full-mode wait tally.
+    pub fn stall(&self) -> &StallMeter {
+        &self.stall
+    }
+
     /// Id written into every record of this hookpoint; its index in the registry.
     pub fn id(&self) -> u32 {
         self.id
@@ -142,6 +228,8 @@ pub struct Registry {
     inner: RwLock<Inner>,
     /// Bumped by every registration and every control change.
     changes: Arc<AtomicU64>,
+    /// Full-mode waits of every producer of the session.
+    stall: Arc<StallMeter>,
 }
 
 #[derive(Debug, Default)]
@@ -166,7 +254,7 @@ impl Registry {
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
         let control = Control::new(self.changes.clone());
-        let hp = Arc::new(HookPoint { id, spec, control, counters: Arc::default() });
+        let hp = Arc::new(HookPoint { id, spec, control, counters: Arc::default(), stall: self.stall.clone() });
         inner.by_id.push(hp.clone());
         self.changes.fetch_add(1, Ordering::Release);
         Ok(hp)
@@ -185,6 +273,11 @@ impl Registry {
             known: inner.by_id.iter().map(|h| h.spec().name.clone()).take(8).collect::<Vec<_>>().join(", "),
         })?;
         Ok(inner.by_id[id as usize].clone())
+    }
+
+    /// Time producers waited for room in full mode: capture on the host path, step admission on the CUDA path.
+    pub fn stall(&self) -> &StallMeter {
+        &self.stall
     }
 
     /// A number that changes whenever a hookpoint is registered or any control changes (one atomic load: the GPU
@@ -260,5 +353,30 @@ mod tests {
         assert!(h.control().set_selection(RowSelection::Rows(vec![])).is_err());
         h.control().set_selection(RowSelection::LastPerRequest).unwrap();
         assert_eq!(*h.control().selection(), RowSelection::LastPerRequest);
+    }
+
+    #[test]
+    fn the_policy_layer_combines_with_the_user_settings() {
+        let r = Registry::new();
+        let h = r.register(spec("a")).unwrap();
+        let c = h.control();
+        c.set_every_n_steps(2).unwrap();
+        let g = c.generation();
+        c.set_keep(Keep { every_n: 3, last_row: true, downcast: false, off: false });
+        assert!(c.generation() > g);
+        let g = c.generation();
+        c.set_keep(Keep { every_n: 3, last_row: true, downcast: false, off: false });
+        assert_eq!(c.generation(), g, "no change, no re-upload");
+        assert_eq!((c.every_n_steps(), c.effective_every_n()), (2, 6));
+        assert!(c.samples(12) && !c.samples(4));
+        assert_eq!(*c.selection(), RowSelection::All);
+        assert_eq!(*c.effective_selection(), RowSelection::LastPerRequest);
+        // An explicit list is the user's choice: the rung does not replace it.
+        c.set_selection(RowSelection::Rows(vec![1])).unwrap();
+        assert_eq!(*c.effective_selection(), RowSelection::Rows(vec![1]));
+        c.set_keep(Keep { every_n: 1, off: true, ..Keep::default() });
+        assert!(c.enabled() && !c.effective_enabled() && !c.samples(0));
+        c.set_keep(Keep::default());
+        assert!(c.samples(0) && c.keep() == Keep { every_n: 1, ..Keep::default() });
     }
 }

@@ -247,6 +247,29 @@ pub enum Count {
     Dropped(DropReason),
 }
 
+/// Time producers spent waiting for room in full mode (a session-wide tally: captures on the host path, step
+/// admission on the CUDA path).
+#[derive(Debug, Default)]
+pub struct StallMeter {
+    waits: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl StallMeter {
+    /// A producer waited `waited` (counted only when it is not zero).
+    pub fn waited(&self, waited: Duration) {
+        if !waited.is_zero() {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            self.nanos.fetch_add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        }
+    }
+
+    /// How many waits, and how long all of them together.
+    pub fn total(&self) -> (u64, Duration) {
+        (self.waits.load(Ordering::Relaxed), Duration::from_nanos(self.nanos.load(Ordering::Relaxed)))
+    }
+}
+
 /// Live counters of one hookpoint. Producer and drain update them concurrently (relaxed atomics: they are
 /// tallies, read consistently only after the drain has stopped).
 #[derive(Debug, Default)]

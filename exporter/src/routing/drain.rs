@@ -39,6 +39,9 @@ pub struct DrainOptions {
     pub backlog_bytes: usize,
     /// What to do when a backlog is full (full mode waits up to its deadline, best-effort drops).
     pub policy: LossPolicy,
+    /// Most bytes per second taken from the ring (`policy.drain_rate`: the PCIe share for observability); `None`
+    /// for no cap. Paced per record with a burst of a few milliseconds' worth.
+    pub max_bytes_per_s: Option<f64>,
 }
 
 impl Default for DrainOptions {
@@ -47,6 +50,7 @@ impl Default for DrainOptions {
             max_idle_sleep: Duration::from_millis(1),
             backlog_bytes: 256 << 20,
             policy: LossPolicy::default(),
+            max_bytes_per_s: None,
         }
     }
 }
@@ -224,6 +228,7 @@ fn run_drain(
     let mut hookpoints: Vec<Option<Arc<CatalogEntry>>> = Vec::new();
     let mut idle = Duration::from_micros(20);
     let mut pressure = Pressure::new(consumer.capacity() as u64, &options.policy);
+    let mut pace = options.max_bytes_per_s.map(Pace::new);
 
     'drain: loop {
         let mut drained_any = false;
@@ -274,8 +279,12 @@ fn run_drain(
                     report.backpressure_drops += 1;
                 }
             }
+            let footprint = record.header().footprint() as u64;
             drop(record);
             pressure.check(&mut *consumer, &mut ports, &mut report);
+            if let Some(pace) = pace.as_mut() {
+                pace.take(footprint);
+            }
         }
         if !drained_any {
             // Holders may have let go of records while we found nothing new: check once more, so that a queue
@@ -325,6 +334,34 @@ fn run_drain(
     let _ = std::thread::Builder::new().name("ringscope-free".into()).spawn(move || drop(consumer));
     report.elapsed = started.elapsed();
     report
+}
+
+/// The drain's byte-rate cap: a token bucket of a few milliseconds' worth of bytes. Taking a record spends its
+/// footprint; a debt is paid by sleeping, so the drain (and, on the CUDA backend, the device-to-host copies it
+/// triggers) averages at most the rate — the ring absorbs what the producer makes beyond it, and the policy
+/// manager degrades before it overflows.
+struct Pace {
+    bytes_per_s: f64,
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Pace {
+    fn new(bytes_per_s: f64) -> Pace {
+        let burst = (bytes_per_s * 0.005).max(1.0);
+        Pace { bytes_per_s, burst, tokens: burst, at: Instant::now() }
+    }
+
+    fn take(&mut self, bytes: u64) {
+        let now = Instant::now();
+        self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.bytes_per_s).min(self.burst);
+        self.at = now;
+        self.tokens -= bytes as f64;
+        if self.tokens < 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(-self.tokens / self.bytes_per_s));
+        }
+    }
 }
 
 /// When to move queued records out of the ring: when more than half of it is held, and again only once the held

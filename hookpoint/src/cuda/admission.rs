@@ -67,12 +67,14 @@ pub(super) struct Admission {
     /// Recorded on the engine's stream when a step must wait, to learn when every earlier step's captures have run
     /// (their reservations can then be retired).
     marker: Event,
+    /// How long the last `admit` waited (zero when there was room at once).
+    pub(super) last_wait: Duration,
 }
 
 impl Admission {
     /// `deadline`: `Some` in full mode (how long a step may wait for room), `None` in best-effort.
     pub(super) fn new(gpu: &Arc<Gpu>, deadline: Option<Duration>) -> Result<Admission, DeviceCaptureError> {
-        Ok(Admission { deadline, pending: VecDeque::new(), marker: Event::new(gpu, false)? })
+        Ok(Admission { deadline, pending: VecDeque::new(), marker: Event::new(gpu, false)?, last_wait: Duration::ZERO })
     }
 
     /// Full mode: waits, up to the deadline, until the ring has room for `bound` more bytes on top of what earlier
@@ -96,6 +98,7 @@ impl Admission {
         let started = Instant::now();
         let until = started + deadline;
         let mut marker_recorded = false;
+        self.last_wait = Duration::ZERO;
         loop {
             let progress = ring.progress();
             while self.pending.front().is_some_and(|&(index, _)| index + 1 < progress) {
@@ -108,6 +111,10 @@ impl Admission {
             let in_flight: u64 = self.pending.iter().map(|&(_, b)| b).sum();
             let worst_head = ring.published() + in_flight;
             if space::fits(worst_head, ring.released(), bound, cap) {
+                if marker_recorded {
+                    // It had to wait (the marker is recorded on the first miss).
+                    self.last_wait = started.elapsed();
+                }
                 break;
             }
             if !marker_recorded {
@@ -115,6 +122,7 @@ impl Admission {
                 marker_recorded = true;
             }
             if Instant::now() >= until {
+                self.last_wait = started.elapsed();
                 return Ok(Admitted::Late(DeviceCaptureError::Deadline {
                     step,
                     needed: bound,

@@ -142,7 +142,7 @@ impl Controls {
 
     /// The device control entry of `hp` now, and its row list (explicit selections).
     fn control_of(&self, hp: &HookPoint) -> Result<(DeviceControl, Option<Vec<u32>>), DeviceCaptureError> {
-        let (mode, list): (RowMode, Option<Vec<u32>>) = match &*hp.control().selection() {
+        let (mode, list): (RowMode, Option<Vec<u32>>) = match &*hp.control().effective_selection() {
             RowSelection::All => (RowMode::All, None),
             RowSelection::Rows(r) => (RowMode::List, Some(r.clone())),
             RowSelection::LastPerRequest => (RowMode::LastPerRequest, None),
@@ -158,8 +158,8 @@ impl Controls {
             }
         }
         let control = DeviceControl {
-            enabled: hp.control().enabled() as u32,
-            every_n: hp.control().every_n_steps(),
+            enabled: hp.control().effective_enabled() as u32,
+            every_n: hp.control().effective_every_n(),
             mode,
             list_len: list.as_ref().map_or(0, |l| l.len() as u32),
             valid_rows_ptr: self.valid_rows.get(hp.id() as usize).copied().unwrap_or(DevicePtr::NULL).addr(),

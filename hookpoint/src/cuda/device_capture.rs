@@ -307,7 +307,9 @@ impl DeviceCapture {
         if self.options.full_mode_deadline.is_some() {
             let bound = step_bound(self.controls.mirrors(), batch);
             let index = self.slots.next_index();
-            if let Admitted::Late(e) = self.admission.admit(&self.ring, batch.step(), bound, index, &stream)? {
+            let admitted = self.admission.admit(&self.ring, batch.step(), bound, index, &stream)?;
+            registry.stall().waited(self.admission.last_wait);
+            if let Admitted::Late(e) = admitted {
                 flags |= desc::DEADLINE;
                 deadline_error = Some(e);
             }

@@ -1,0 +1,167 @@
+//! The policy manager at work in a session: at step boundaries (at most every [`TICK`]) it samples what the session
+//! measures, turns the differences into rates ([`Measurements`]), asks the [`Planner`] for rung changes, applies them
+//! to the hookpoints' controls (the CUDA backend uploads changed controls before the next step's captures, so
+//! recorded graphs follow them without re-recording) and writes each change into the events table.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use ringscope_hookpoint::{HookPoint, Registry};
+use ringscope_policy::{Budget, HookPointLoad, Measurements, Planner, PlannerSettings, RungChange};
+use ringscope_ring::DType;
+
+/// Least time between two decisions.
+pub(crate) const TICK: Duration = Duration::from_millis(10);
+/// Weight of the newest window in the smoothed loads.
+const SMOOTHING: f64 = 0.3;
+
+/// What the session measured at one moment: cumulative counts and current fills.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sample {
+    /// Steps begun so far, and the rows and requests (last rows) of their batches.
+    pub steps: u64,
+    pub rows: u64,
+    pub requests: u64,
+    /// Bytes delivered to the slowest destination so far (or drained, when there is none).
+    pub delivered_bytes: u64,
+    /// Memory budgets' use, as fractions.
+    pub occupancy: Vec<(Budget, f64)>,
+}
+
+/// One hookpoint's smoothed load.
+#[derive(Debug, Clone, Copy)]
+struct Smoothed {
+    produced_rows: u64,
+    rows_per_step: f64,
+}
+
+/// The previous sample, and the smoothed loads.
+struct State {
+    planner: Planner,
+    at: Instant,
+    sample: Sample,
+    loads: Vec<Option<Smoothed>>,
+    last_row_fraction: f64,
+}
+
+/// The session's policy manager.
+pub(crate) struct Governor {
+    state: Mutex<State>,
+    started: Instant,
+    priorities: Vec<(String, i32)>,
+    /// Whether the capture path can downcast (the downcast rung is offered only then).
+    downcast: bool,
+}
+
+impl Governor {
+    /// A governor with every hookpoint on the full rung. `priorities` by hookpoint name (others: 0).
+    pub(crate) fn new(settings: PlannerSettings, priorities: Vec<(String, i32)>, downcast: bool) -> Governor {
+        let now = Instant::now();
+        Governor {
+            state: Mutex::new(State {
+                planner: Planner::new(settings),
+                at: now,
+                sample: Sample::default(),
+                loads: Vec::new(),
+                last_row_fraction: 1.0,
+            }),
+            started: now,
+            priorities,
+            downcast,
+        }
+    }
+
+    /// Decides, if a tick has passed since the last decision: `sample` is what the session measures now. Returns
+    /// the changes made (already applied to the controls), with the hookpoint each concerns.
+    pub(crate) fn tick(
+        &self,
+        registry: &Registry,
+        sample: impl FnOnce() -> Sample,
+    ) -> Vec<(std::sync::Arc<HookPoint>, RungChange)> {
+        let Some(mut st) = self.state.try_lock() else { return Vec::new() };
+        let now = Instant::now();
+        let elapsed = now.duration_since(st.at);
+        if elapsed < TICK {
+            return Vec::new();
+        }
+        let sample = sample();
+        let steps = sample.steps.saturating_sub(st.sample.steps);
+        if steps == 0 {
+            return Vec::new();
+        }
+        let secs = elapsed.as_secs_f64();
+        let rows = sample.rows.saturating_sub(st.sample.rows);
+        let requests = sample.requests.saturating_sub(st.sample.requests);
+        if rows > 0 {
+            let f = (requests as f64 / rows as f64).clamp(0.0, 1.0);
+            st.last_row_fraction = smooth(st.last_row_fraction, f);
+        }
+        let ladder = st.planner.settings().ladder.clone();
+        let hookpoints = registry.all();
+        if st.loads.len() < hookpoints.len() {
+            st.loads.resize(hookpoints.len(), None);
+        }
+        let mut loads = Vec::with_capacity(hookpoints.len());
+        for hp in &hookpoints {
+            let produced = hp.counters().snapshot().produced.rows;
+            let keep = hp.control().keep();
+            // Produced rows are counted after the row selection: undo the rung's own narrowing to get the rows the
+            // hookpoint makes on the full rung.
+            let narrowed = keep.last_row && *hp.control().selection() == ringscope_hookpoint::RowSelection::All;
+            let lrf = st.last_row_fraction.max(1e-6);
+            let slot = &mut st.loads[hp.id() as usize];
+            let delta = produced.saturating_sub(slot.map_or(produced, |s| s.produced_rows));
+            let per_step = delta as f64 / steps as f64 / if narrowed { lrf } else { 1.0 };
+            let rows_per_step = match *slot {
+                Some(s) => smooth(s.rows_per_step, per_step),
+                None => per_step,
+            };
+            *slot = Some(Smoothed { produced_rows: produced, rows_per_step });
+            if slot_is_new(delta, rows_per_step) {
+                continue;
+            }
+            let spec = hp.spec();
+            let row_bytes = spec.row_bytes() as f64;
+            let width = spec.row_width as f64;
+            let downcast_ratio = (self.downcast && matches!(spec.dtype, DType::BF16 | DType::F16 | DType::F32))
+                .then(|| (width + 4.0) / row_bytes);
+            loads.push(HookPointLoad {
+                id: hp.id(),
+                priority: self.priorities.iter().find(|(n, _)| *n == spec.name).map_or(0, |p| p.1),
+                bytes_per_step: rows_per_step * row_bytes,
+                rows_per_step,
+                last_row_fraction: st.last_row_fraction,
+                downcast_ratio,
+            });
+        }
+        let delivered = sample.delivered_bytes.saturating_sub(st.sample.delivered_bytes);
+        let m = Measurements {
+            now: now.duration_since(self.started),
+            steps_per_s: steps as f64 / secs,
+            delivered_bytes_per_s: delivered as f64 / secs,
+            occupancy: sample.occupancy.clone(),
+            hookpoints: loads,
+        };
+        st.at = now;
+        st.sample = sample;
+        let changes = st.planner.plan(&m);
+        drop(st);
+        changes
+            .into_iter()
+            .filter_map(|c| {
+                let hp = hookpoints.iter().find(|h| h.id() == c.hookpoint)?.clone();
+                hp.control().set_keep(ladder.keep(c.to));
+                Some((hp, c))
+            })
+            .collect()
+    }
+}
+
+/// A hookpoint not captured in this window has no load to plan for.
+fn slot_is_new(delta: u64, rows_per_step: f64) -> bool {
+    delta == 0 && rows_per_step == 0.0
+}
+
+fn smooth(old: f64, new: f64) -> f64 {
+    old + SMOOTHING * (new - old)
+}
