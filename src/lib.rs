@@ -44,7 +44,9 @@
 mod backend;
 pub mod config;
 pub mod manifest;
+pub mod metrics;
 mod session;
+pub mod stats;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
 
@@ -69,6 +71,9 @@ fn step_name(step: u64) -> String {
     }
 }
 pub use session::{Report, Session, SessionBuilder};
+pub use stats::{
+    rung_label, DestinationKind, DestinationStats, DrainStats, HookPointStats, RingStats, SessionStats, STEP_WINDOW,
+};
 
 // What a session's user holds: hookpoints and their controls, the outcome of a capture, the accounting.
 pub use ringscope_hookpoint::{CaptureOutcome, Control, HookPoint, RowSelection};

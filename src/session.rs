@@ -1,14 +1,15 @@
 //! `Session`: one ring, its hookpoints, its drain and its policy, wired from one [`Config`].
 
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain, DrainOptions,
     DrainReport, Filter, Sink, SinkFailure, SinkHealth, Subscription,
 };
-use ringscope_hookpoint::cuda::GraphBatch;
+use ringscope_hookpoint::cuda::{DeviceCaptureError, GraphBatch};
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
 use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
@@ -17,6 +18,8 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, Started};
 use crate::config::{self, Config};
+use crate::metrics::MetricsServer;
+use crate::stats::{Observer, SessionStats, StepClock};
 use crate::Error;
 
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
@@ -87,6 +90,11 @@ pub struct Session {
     run_dir: Option<std::path::PathBuf>,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
     health: SinkHealth,
+    /// What `stats` reads (shared with the metrics endpoint's thread); outlives the drain.
+    observer: Arc<Observer>,
+    /// The Prometheus endpoint (`[metrics] listen`), stopped at shutdown.
+    metrics: Mutex<Option<MetricsServer>>,
+    metrics_addr: Option<SocketAddr>,
 }
 
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
@@ -116,8 +124,11 @@ impl SessionBuilder {
     /// Validates the config, allocates the ring, registers the configured hookpoints and starts the drain.
     pub fn start(self) -> Result<Session, Error> {
         let config = self.config;
+        let started = Instant::now();
         let policy = config.policy.loss_policy();
         policy.validate()?;
+        // Bound first: a port in use is an error before any memory is allocated.
+        let listener = config.metrics.listen_addr()?.map(crate::metrics::bind).transpose()?;
         let capacity = usize::try_from(config.ring.capacity.0)
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
         config.ring.validate_cuda_keys()?;
@@ -173,6 +184,22 @@ impl SessionBuilder {
         let drain = Drain::spawn(source, catalog, sinks, options)?;
         let health = drain.health();
         let capture = Capture { backend };
+        let observer = Arc::new(Observer {
+            registry: registry.clone(),
+            monitor: drain.monitor(),
+            steps: StepClock::default(),
+            started,
+            mode: policy.mode,
+            backend: match config.ring.backend {
+                config::Backend::Host => "host",
+                config::Backend::Cuda => "cuda",
+            },
+        });
+        let metrics = match listener {
+            Some(l) => Some(MetricsServer::start(l, observer.clone())?),
+            None => None,
+        };
+        let metrics_addr = metrics.as_ref().map(MetricsServer::addr);
         Ok(Session {
             registry,
             policy,
@@ -182,6 +209,9 @@ impl SessionBuilder {
             files,
             run_dir,
             health,
+            observer,
+            metrics: Mutex::new(metrics),
+            metrics_addr,
         })
     }
 }
@@ -265,7 +295,9 @@ impl Session {
     pub fn begin_step(&self, step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<(), Error> {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
-        self.with_capture(|c| c.backend.begin_step(&self.registry, batch))
+        self.with_capture(|c| c.backend.begin_step(&self.registry, batch))?;
+        self.observer.steps.begun(Some(step));
+        Ok(())
     }
 
     /// CUDA backend: starts step `step` on the engine's `stream` (before the step's kernels or graph replay, outside
@@ -283,7 +315,12 @@ impl Session {
     ) -> Result<(), Error> {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
-        self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream))
+        let begun = self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream));
+        // Past full mode's deadline the step is begun all the same (its captures are dropped and counted).
+        if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {
+            self.observer.steps.begun(Some(step));
+        }
+        begun
     }
 
     /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
@@ -292,7 +329,9 @@ impl Session {
     /// picks up control changes — so a replay needs no host call. Record the step's captures and
     /// [`end_step`](Self::end_step) in the same graph.
     pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
-        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))
+        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))?;
+        self.observer.steps.begun(None);
+        Ok(())
     }
 
     /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so
@@ -314,7 +353,9 @@ impl Session {
     /// Ends the current step. CUDA backend with `ring.defer_captures`: launches the one kernel that copies the step's
     /// captures, on the step's stream; inside a graph recording, call it before the recording ends.
     pub fn end_step(&self) -> Result<(), Error> {
-        self.with_capture(|c| c.backend.end_step())
+        self.with_capture(|c| c.backend.end_step())?;
+        self.observer.steps.ended();
+        Ok(())
     }
 
     /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
@@ -386,10 +427,38 @@ impl Session {
         self.registry.accounting()
     }
 
+    /// The session's numbers now: steps and step time, ring occupancy, what the drain moved, each sink's and
+    /// consumer's progress and lag, each hookpoint's counters, production and rung ([`SessionStats`] says what each
+    /// means, per backend). Counters are cumulative: difference two snapshots for rates.
+    ///
+    /// Cheap enough to call every step from any thread: atomic loads and short locks that the engine's capture path
+    /// does not wait on; it allocates per hookpoint and per destination, never per record; no device call (so on
+    /// the CUDA backend the device-counted hookpoint counters are those of the last [`accounting`](Self::accounting)
+    /// call). Answers after shutdown too, with the final numbers.
+    pub fn stats(&self) -> SessionStats {
+        self.observer.stats()
+    }
+
+    /// [`stats`](Self::stats) in the Prometheus text exposition format (0.0.4), for an engine that serves its own
+    /// `/metrics`; the names and labels are in [`crate::metrics`]. The same text the `[metrics] listen` endpoint
+    /// serves.
+    pub fn metrics_text(&self) -> String {
+        crate::metrics::exposition(&self.stats())
+    }
+
+    /// The address the metrics endpoint listens on (`[metrics] listen`; with port 0, the port the system chose),
+    /// `None` when none is configured. The endpoint stops at shutdown.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
     /// Stops capturing, drains every record still in the ring, closes the sinks, and checks that every record
     /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
     pub fn shutdown(&self) -> Result<Report, Error> {
         let mut capture = self.capture.lock().take().ok_or(Error::Closed)?;
+        if let Some(mut server) = self.metrics.lock().take() {
+            server.stop();
+        }
         let device_errors = capture.backend.close(&self.registry);
         // The capture side goes first (its work has completed; the host backend's producer leaving is what ends the
         // drain): its memory is freed now, before the drain frees the ring's in the background.
