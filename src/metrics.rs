@@ -131,9 +131,7 @@ pub fn exposition(stats: &SessionStats) -> String {
         ("destination_delivered_records_total", Kind::Counter, "Records a sink wrote or a consumer received.", |d| {
             d.delivered_records
         }),
-        ("destination_delivered_bytes_total", Kind::Counter, "Bytes of the records delivered.", |d| {
-            d.delivered_bytes
-        }),
+        ("destination_delivered_bytes_total", Kind::Counter, "Bytes of the records delivered.", |d| d.delivered_bytes),
         ("destination_queued_records", Kind::Gauge, "Records queued for the destination: its lag.", |d| {
             d.queued_records
         }),

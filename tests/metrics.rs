@@ -76,7 +76,10 @@ fn stats_count_steps_production_rungs_and_destinations() {
     assert_eq!(odd.published_bytes, 4 * 16);
     // The sink wrote every record; the probe's queue holds them all until it reads.
     let [sink, consumer] = &s.destinations[..] else { panic!("{:?}", s.destinations) };
-    assert_eq!((sink.kind, sink.delivered_records, sink.queued_records, sink.failed), (DestinationKind::Sink, records, 0, false));
+    assert_eq!(
+        (sink.kind, sink.delivered_records, sink.queued_records, sink.failed),
+        (DestinationKind::Sink, records, 0, false)
+    );
     assert_eq!((consumer.name.as_str(), consumer.kind), ("probe", DestinationKind::Consumer));
     assert_eq!((consumer.delivered_records, consumer.queued_records), (0, records));
     assert_eq!(consumer.queued_bytes, sink.delivered_bytes);

@@ -257,6 +257,8 @@ typedef struct rs_hookpoint_snapshot {
   uint32_t id;
   // Bytes of one row.
   uint64_t row_bytes;
+  // Bytes of its name (without the NUL); the name is written to the caller's buffer.
+  uint64_t name_len;
   // Its counters (as `rs_stats` writes them; CUDA: device counts as of the last `rs_stats` or `rs_flush`).
   struct rs_counts counts;
   // Activation bytes offered for capture (produced rows × row bytes).
@@ -538,13 +540,18 @@ rs_status rs_session_stats(uint64_t session_handle,
                            struct rs_session_snapshot *out);
 
 // Writes hookpoint `hookpoint`'s numbers — its counters, bytes produced / published / exported, its rung — to `out`
-// (set `out->struct_size = sizeof(rs_hookpoint_snapshot)` first). `RS_ERR_CAPTURE` for an unknown id.
+// (set `out->struct_size = sizeof(rs_hookpoint_snapshot)` first) and its name, NUL-terminated, to `name`.
+// `RS_ERR_CAPTURE` for an unknown id. `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and `out->name_len + 1` says how
+// large `name` must be.
 //
 // # Safety
-// `out` is valid for reads and writes of the `struct_size` bytes it announces.
+// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+// writes (may be null when `name_cap` is 0).
 rs_status rs_hookpoint_stats(uint64_t session_handle,
                              uint32_t hookpoint,
-                             struct rs_hookpoint_snapshot *out);
+                             struct rs_hookpoint_snapshot *out,
+                             char *name,
+                             size_t name_cap);
 
 // Writes destination `index`'s progress and lag to `out` (set `out->struct_size = sizeof(rs_destination_snapshot)`
 // first) and its name, NUL-terminated, to `name` (sinks first, then subscriptions in the order they were made;

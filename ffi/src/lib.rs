@@ -223,6 +223,8 @@ pub struct RsHookPointSnapshot {
     pub id: u32,
     /// Bytes of one row.
     pub row_bytes: u64,
+    /// Bytes of its name (without the NUL); the name is written to the caller's buffer.
+    pub name_len: u64,
     /// Its counters (as `rs_stats` writes them; CUDA: device counts as of the last `rs_stats` or `rs_flush`).
     pub counts: RsCounts,
     /// Activation bytes offered for capture (produced rows × row bytes).
@@ -1112,12 +1114,21 @@ pub unsafe extern "C" fn rs_session_stats(session_handle: u64, out: *mut RsSessi
 }
 
 /// Writes hookpoint `hookpoint`'s numbers — its counters, bytes produced / published / exported, its rung — to `out`
-/// (set `out->struct_size = sizeof(rs_hookpoint_snapshot)` first). `RS_ERR_CAPTURE` for an unknown id.
+/// (set `out->struct_size = sizeof(rs_hookpoint_snapshot)` first) and its name, NUL-terminated, to `name`.
+/// `RS_ERR_CAPTURE` for an unknown id. `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and `out->name_len + 1` says how
+/// large `name` must be.
 ///
 /// # Safety
-/// `out` is valid for reads and writes of the `struct_size` bytes it announces.
+/// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+/// writes (may be null when `name_cap` is 0).
 #[no_mangle]
-pub unsafe extern "C" fn rs_hookpoint_stats(session_handle: u64, hookpoint: u32, out: *mut RsHookPointSnapshot) -> RsStatus {
+pub unsafe extern "C" fn rs_hookpoint_stats(
+    session_handle: u64,
+    hookpoint: u32,
+    out: *mut RsHookPointSnapshot,
+    name: *mut c_char,
+    name_cap: usize,
+) -> RsStatus {
     ffi(|| {
         out_arg(out, "out")?;
         let s = session(session_handle)?;
@@ -1135,6 +1146,7 @@ pub unsafe extern "C" fn rs_hookpoint_stats(session_handle: u64, hookpoint: u32,
             struct_size: 0,
             id: h.id,
             row_bytes: h.row_bytes,
+            name_len: h.name.len() as u64,
             counts: counts(&h.counters),
             produced_bytes: h.produced_bytes,
             published_bytes: h.published_bytes,
@@ -1142,7 +1154,9 @@ pub unsafe extern "C" fn rs_hookpoint_stats(session_handle: u64, hookpoint: u32,
             rung,
         };
         // SAFETY: per the contract.
-        unsafe { write_sized(out, value, "out", "rs_hookpoint_snapshot") }
+        unsafe { write_sized(out, value, "out", "rs_hookpoint_snapshot") }?;
+        // SAFETY: per the contract.
+        unsafe { write_c_string(&h.name, name, name_cap, "name") }
     })
 }
 

@@ -450,14 +450,22 @@ fn session_hookpoint_and_destination_stats_and_the_metrics_text_through_the_c_ab
     assert!(st.step_time_ns > 0 && st.step_interval_ns > 0 && st.unix_ns > 0);
 
     let mut hp: RsHookPointSnapshot = sized(|v: &mut RsHookPointSnapshot| &mut v.struct_size);
-    // SAFETY: as above.
-    assert_eq!(unsafe { rs_hookpoint_stats(s, id, &mut hp) }, RsStatus::RsOk, "{}", last_error());
+    let mut name = [0 as c_char; 64];
+    // SAFETY: `name` holds 64 bytes.
+    assert_eq!(
+        unsafe { rs_hookpoint_stats(s, id, &mut hp, name.as_mut_ptr(), name.len()) },
+        RsStatus::RsOk,
+        "{}",
+        last_error()
+    );
     assert_eq!((hp.id, hp.row_bytes, hp.counts.produced_rows, hp.produced_bytes), (id, 8, 4, 32));
+    // SAFETY: NUL-terminated by the call.
+    assert_eq!(unsafe { CStr::from_ptr(name.as_ptr()) }.to_str().unwrap(), "layers.0.resid");
     // SAFETY: the rung is NUL-terminated.
     assert_eq!(unsafe { CStr::from_ptr(hp.rung.as_ptr()) }.to_str().unwrap(), "full");
     assert_eq!(rs_set_every_n_steps(s, id, 3), RsStatus::RsOk);
     // SAFETY: as above.
-    assert_eq!(unsafe { rs_hookpoint_stats(s, id, &mut hp) }, RsStatus::RsOk);
+    assert_eq!(unsafe { rs_hookpoint_stats(s, id, &mut hp, name.as_mut_ptr(), name.len()) }, RsStatus::RsOk);
     // SAFETY: as above.
     assert_eq!(unsafe { CStr::from_ptr(hp.rung.as_ptr()) }.to_str().unwrap(), "every_3");
 
@@ -500,7 +508,10 @@ fn stats_calls_refuse_bad_input_and_name_it() {
     assert_eq!(unsafe { rs_session_stats(s, std::ptr::null_mut()) }, RsStatus::RsErrInvalidArgument);
     assert!(last_error().contains("out"), "{}", last_error());
     // SAFETY: as above.
-    assert_eq!(unsafe { rs_metrics_text(s, std::ptr::null_mut(), 0, std::ptr::null_mut()) }, RsStatus::RsErrInvalidArgument);
+    assert_eq!(
+        unsafe { rs_metrics_text(s, std::ptr::null_mut(), 0, std::ptr::null_mut()) },
+        RsStatus::RsErrInvalidArgument
+    );
     assert!(last_error().contains("needed"), "{}", last_error());
     // A struct_size the caller forgot (0) or from a smaller struct: refused, nothing written but the error.
     let mut st = RsSessionSnapshot { steps: 77, ..RsSessionSnapshot::default() };
@@ -519,14 +530,19 @@ fn stats_calls_refuse_bad_input_and_name_it() {
     }
     let mut newer = Newer { known: RsHookPointSnapshot::default(), future: 0xABCD };
     newer.known.struct_size = std::mem::size_of::<Newer>() as u32;
-    // SAFETY: the struct holds `struct_size` bytes.
-    assert_eq!(unsafe { rs_hookpoint_stats(s, id, &mut newer.known) }, RsStatus::RsOk, "{}", last_error());
+    let mut name = [0 as c_char; 8];
+    // SAFETY: the struct holds `struct_size` bytes; `name` 8.
+    let status = unsafe { rs_hookpoint_stats(s, id, &mut newer.known, name.as_mut_ptr(), name.len()) };
+    assert_eq!(status, RsStatus::RsOk, "{}", last_error());
     assert_eq!(newer.known.struct_size as usize, std::mem::size_of::<RsHookPointSnapshot>());
     assert_eq!((newer.known.row_bytes, newer.future), (8, 0xABCD), "nothing past the known fields is written");
     // Unknown ids and indices, a too-small name buffer, a small text buffer.
     let mut hp: RsHookPointSnapshot = sized(|v: &mut RsHookPointSnapshot| &mut v.struct_size);
-    // SAFETY: whole struct.
-    assert_eq!(unsafe { rs_hookpoint_stats(s, 99, &mut hp) }, RsStatus::RsErrCapture);
+    // SAFETY: whole struct, no name buffer.
+    assert_eq!(unsafe { rs_hookpoint_stats(s, 99, &mut hp, std::ptr::null_mut(), 0) }, RsStatus::RsErrCapture);
+    // SAFETY: whole struct, no name buffer: the numbers and the name's length come back.
+    let status = unsafe { rs_hookpoint_stats(s, id, &mut hp, std::ptr::null_mut(), 0) };
+    assert_eq!((status, hp.name_len, hp.row_bytes), (RsStatus::RsErrBufferTooSmall, 1, 8));
     let mut d: RsDestinationSnapshot = sized(|v: &mut RsDestinationSnapshot| &mut v.struct_size);
     // SAFETY: whole struct, no name buffer.
     assert_eq!(unsafe { rs_destination_stats(s, 0, &mut d, std::ptr::null_mut(), 0) }, RsStatus::RsErrInvalidArgument);
@@ -538,8 +554,8 @@ fn stats_calls_refuse_bad_input_and_name_it() {
     assert_eq!(status, RsStatus::RsErrBufferTooSmall);
     assert!(needed > 16 && small.iter().all(|&b| b == 0), "nothing written to a buffer too small");
     // Bad handles.
-    // SAFETY: whole struct.
-    assert_eq!(unsafe { rs_hookpoint_stats(0, id, &mut hp) }, RsStatus::RsErrInvalidHandle);
+    // SAFETY: whole struct, no name buffer.
+    assert_eq!(unsafe { rs_hookpoint_stats(0, id, &mut hp, std::ptr::null_mut(), 0) }, RsStatus::RsErrInvalidHandle);
     // SAFETY: as above.
     assert_eq!(unsafe { rs_metrics_text(12345, std::ptr::null_mut(), 0, &mut needed) }, RsStatus::RsErrInvalidHandle);
     // SAFETY: writable.

@@ -967,7 +967,11 @@ mod tests {
         let names: Vec<_> = d.iter().map(|d| (d.name.as_str(), d.kind)).collect();
         assert_eq!(
             names,
-            [("gated", DestinationKind::Sink), ("broken", DestinationKind::Sink), ("probe \"one\"", DestinationKind::Consumer)]
+            [
+                ("gated", DestinationKind::Sink),
+                ("broken", DestinationKind::Sink),
+                ("probe \"one\"", DestinationKind::Consumer)
+            ]
         );
         // The gated sink is writing one record (it counts as queued until written) and has four waiting; the broken
         // one took them all and failed.
