@@ -52,7 +52,7 @@ fn dump_parquet_prints_progress_from_the_session_stats_when_asked() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "stderr: {stderr}");
     // The last line is read after shutdown: everything exported, nothing dropped, nothing waiting.
-    let last = stderr.lines().filter(|l| l.starts_with("ringscope progress:")).last().expect("a progress line");
+    let last = stderr.lines().rfind(|l| l.starts_with("ringscope progress:")).expect("a progress line");
     assert!(last.contains(" 0 records dropped, backlog 0.0 MiB"), "{last}");
     let rows: u64 = last.split(", ").find_map(|p| p.strip_suffix(" rows exported")?.parse().ok()).expect("rows");
     assert!(rows > 0, "{last}");
