@@ -9,12 +9,18 @@
 //!
 //! Read the output back with pyarrow, DuckDB or Polars (README, "Reading a dump").
 //!
+//! While it runs, a progress line on stderr about once a second — rows exported, drain GB/s, drops, the
+//! destinations' backlog, ring use — read from `Session::stats`: when stderr is a terminal, or with `--progress`;
+//! `--no-progress` turns it off.
+//!
 //! Exits with status 1, saying why on stderr, when anything went wrong — including a run that completed but lost
 //! records to a failed sink (a full disk, say): `sink_error` drops or sink errors in the report. In full mode a
 //! failed sink stops the capture loop (the session refuses captures); the session is still shut down, so the files
 //! committed before the failure and the manifest are there to inspect.
 
-use std::time::Instant;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use ringscope::synthetic::{pregenerate, residual_hookpoints_toml, EngineConfig};
@@ -62,6 +68,58 @@ struct Args {
     /// `auto`, `on` or `off`: write files with O_DIRECT (past the page cache).
     #[arg(long, default_value = "auto")]
     direct_io: String,
+    /// Print a progress line on stderr about once a second (the default when stderr is a terminal).
+    #[arg(long, conflicts_with = "no_progress")]
+    progress: bool,
+    /// No progress line.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// One progress line from the session's statistics: what was exported, how fast the drain moves activations since
+/// the last line, what was dropped, what waits for the destinations, how full the ring is.
+fn progress_line(session: &Session, last: &mut (Instant, u64)) -> String {
+    let st = session.stats();
+    let rows: u64 = st.hookpoints.iter().map(|h| h.counters.exported.rows).sum();
+    let drops: u64 = st.hookpoints.iter().map(|h| h.counters.dropped_total().records).sum();
+    let backlog: u64 = st.destinations.iter().map(|d| d.queued_bytes).sum();
+    let now = Instant::now();
+    let gb_s = (st.drain.data_bytes - last.1) as f64 / now.duration_since(last.0).as_secs_f64().max(1e-9) / 1e9;
+    *last = (now, st.drain.data_bytes);
+    let ring = st.ring.used_bytes as f64 / st.ring.capacity_bytes.max(1) as f64 * 100.0;
+    format!(
+        "ringscope progress: {:.1} s, step {}, {rows} rows exported, {gb_s:.2} GB/s, {drops} records dropped, backlog \
+         {:.1} MiB, ring {ring:.0}% used",
+        st.uptime.as_secs_f64(),
+        st.last_step.map_or("-".into(), |s| s.to_string()),
+        backlog as f64 / 1048576.0
+    )
+}
+
+/// Prints [`progress_line`] every second until `done`, and once more at the end. On a terminal each line replaces the
+/// last one.
+fn report_progress(session: &Session, done: &AtomicBool) {
+    let terminal = std::io::stderr().is_terminal();
+    let mut last = (Instant::now(), 0);
+    let mut next = Instant::now() + Duration::from_secs(1);
+    while !done.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50));
+        if Instant::now() >= next {
+            let line = progress_line(session, &mut last);
+            if terminal {
+                eprint!("\r\x1b[2K{line}");
+            } else {
+                eprintln!("{line}");
+            }
+            next += Duration::from_secs(1);
+        }
+    }
+    let line = progress_line(session, &mut last);
+    if terminal {
+        eprintln!("\r\x1b[2K{line}");
+    } else {
+        eprintln!("{line}");
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -94,11 +152,28 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let session = Session::new(Config::from_toml(&toml)?)?;
 
     let steps = pregenerate(engine);
+    let show_progress = !args.no_progress && (args.progress || std::io::stderr().is_terminal());
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        if show_progress {
+            scope.spawn(|| report_progress(&session, &done));
+        }
+        let result = dump(&session, &steps, &engine);
+        done.store(true, Ordering::Relaxed);
+        result
+    })
+}
 
+/// Runs the engine's steps through `session`, shuts it down and prints the summary.
+fn dump(
+    session: &Session,
+    steps: &[(ringscope::synthetic::EngineStep, Vec<Vec<u8>>)],
+    engine: &EngineConfig,
+) -> Result<(), Box<dyn std::error::Error>> {
     let started = Instant::now();
     let mut dropped_at_capture = 0u64;
     let mut capture = || -> Result<(), ringscope::Error> {
-        for (s, layers) in &steps {
+        for (s, layers) in steps {
             session.begin_step(s.step, s.rows.iter().copied())?;
             for (l, data) in layers.iter().enumerate() {
                 if let CaptureOutcome::Dropped(_) = session.capture(l as u32, data)? {
@@ -140,7 +215,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         engine.requests,
         engine.layers,
         engine.hidden,
-        args.mode
+        session.policy().mode
     );
     println!(
         "records: {} produced, {} exported, {} dropped ({} at capture), {} sampled out",

@@ -30,9 +30,19 @@
 //! every_n_steps = 1
 //! enabled = true
 //! priority = 0               # the policy manager degrades lower priorities first
+//!
+//! [metrics]                  # optional; absent: no HTTP endpoint
+//! listen = "127.0.0.1:9464"  # serve GET /metrics (Prometheus text) here; port 0: any free port
+//! allow_remote = false       # true: allow a non-loopback address (the endpoint has no authentication)
 //! ```
 //!
 //! Unknown keys are errors (a typo must not silently fall back to a default).
+//!
+//! `[metrics]`: the session's statistics ([`Session::stats`](crate::Session::stats)) in the Prometheus text
+//! format, on a local HTTP endpoint served by one thread of the session. Off unless `listen` is set. `listen` is an
+//! IP address and port (`"127.0.0.1:9464"`, `"[::1]:9464"`; no host names); a non-loopback address is refused
+//! unless `allow_remote = true`. An engine that serves its own `/metrics` calls
+//! [`Session::metrics_text`](crate::Session::metrics_text) instead.
 
 use std::time::Duration;
 
@@ -60,6 +70,41 @@ pub struct Config {
     /// Hookpoints registered at start (more can be registered later).
     #[serde(default)]
     pub hookpoints: Vec<HookPointConfig>,
+    /// The Prometheus endpoint.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: the optional Prometheus endpoint (module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Where to serve `GET /metrics`: an IP address and port. `None` (the default): no endpoint.
+    #[serde(default)]
+    pub listen: Option<String>,
+    /// Allow `listen` to be an address other hosts can reach (the endpoint has no authentication).
+    #[serde(default)]
+    pub allow_remote: bool,
+}
+
+impl MetricsConfig {
+    /// The address to listen on, checked: `None` when no endpoint is configured.
+    pub fn listen_addr(&self) -> Result<Option<std::net::SocketAddr>, Error> {
+        let Some(text) = &self.listen else { return Ok(None) };
+        let addr: std::net::SocketAddr = text.trim().parse().map_err(|_| {
+            Error::Config(format!(
+                "metrics.listen = {text:?} is not an IP address and port; write e.g. \"127.0.0.1:9464\" (host names \
+                 are not resolved)"
+            ))
+        })?;
+        if !addr.ip().is_loopback() && !self.allow_remote {
+            return Err(Error::Config(format!(
+                "metrics.listen = {text:?} is not a loopback address, so other hosts could read the metrics (the \
+                 endpoint has no authentication); use 127.0.0.1 or [::1], or set metrics.allow_remote = true"
+            )));
+        }
+        Ok(Some(addr))
+    }
 }
 
 /// `[ring]`.
@@ -687,6 +732,7 @@ impl Config {
             policy: PolicyConfig::default(),
             export: ExportConfig::default(),
             hookpoints: Vec::new(),
+            metrics: MetricsConfig::default(),
         }
     }
 }
@@ -766,6 +812,24 @@ mod tests {
             let msg = err.expect_err(text).to_string();
             assert!(msg.contains(needle), "config {text:?}: error {msg:?} does not mention {needle:?}");
         }
+    }
+
+    #[test]
+    fn metrics_listen_is_checked_and_names_its_key() {
+        let addr = |text: &str| Config::from_toml(text).and_then(|c| c.metrics.listen_addr());
+        assert_eq!(addr("").unwrap(), None);
+        assert_eq!(addr("[metrics]\nlisten = \"127.0.0.1:9464\"").unwrap(), Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(addr("[metrics]\nlisten = \"[::1]:0\"").unwrap(), Some("[::1]:0".parse().unwrap()));
+        let remote = "[metrics]\nlisten = \"0.0.0.0:9464\"";
+        let err = addr(remote).unwrap_err().to_string();
+        assert!(err.contains("metrics.listen") && err.contains("metrics.allow_remote"), "{err}");
+        assert!(addr(&format!("{remote}\nallow_remote = true")).unwrap().is_some());
+        for bad in ["localhost:9464", "127.0.0.1", "127.0.0.1:99999", ""] {
+            let err = addr(&format!("[metrics]\nlisten = \"{bad}\"")).unwrap_err().to_string();
+            assert!(err.contains("metrics.listen") && err.contains("not an IP address and port"), "{bad}: {err}");
+        }
+        let err = addr("[metrics]\nport = 9464").unwrap_err().to_string();
+        assert!(err.contains("port"), "{err}");
     }
 
     #[test]

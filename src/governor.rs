@@ -22,8 +22,10 @@ pub(crate) struct Sample {
     pub steps: u64,
     pub rows: u64,
     pub requests: u64,
-    /// Bytes delivered to the slowest destination so far (or drained, when there is none).
-    pub delivered_bytes: u64,
+    /// Bytes the drain handed on so far.
+    pub drained_bytes: u64,
+    /// Bytes each destination took so far, by name (failed destinations left out).
+    pub delivered: Vec<(String, u64)>,
     /// Memory budgets' use, as fractions.
     pub occupancy: Vec<(Budget, f64)>,
 }
@@ -134,7 +136,17 @@ impl Governor {
                 downcast_ratio,
             });
         }
-        let delivered = sample.delivered_bytes.saturating_sub(st.sample.delivered_bytes);
+        // What the path delivered: the slowest destination present in both samples (a new subscription has no
+        // rate yet), or the drain itself when there is none.
+        let slowest = sample
+            .delivered
+            .iter()
+            .filter_map(|(name, now)| {
+                let before = st.sample.delivered.iter().find(|(n, _)| n == name)?.1;
+                Some(now.saturating_sub(before))
+            })
+            .min();
+        let delivered = slowest.unwrap_or(sample.drained_bytes.saturating_sub(st.sample.drained_bytes));
         let m = Measurements {
             now: now.duration_since(self.started),
             steps_per_s: steps as f64 / secs,

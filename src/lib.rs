@@ -45,7 +45,9 @@ mod backend;
 pub mod config;
 mod governor;
 pub mod manifest;
+pub mod metrics;
 mod session;
+pub mod stats;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
 
@@ -70,6 +72,9 @@ fn step_name(step: u64) -> String {
     }
 }
 pub use session::{Report, Session, SessionBuilder};
+pub use stats::{
+    rung_label, DestinationKind, DestinationStats, DrainStats, HookPointStats, RingStats, SessionStats, STEP_WINDOW,
+};
 
 // What a session's user holds: hookpoints and their controls, the outcome of a capture, the accounting.
 pub use ringscope_hookpoint::{CaptureOutcome, Control, HookPoint, RowSelection};

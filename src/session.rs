@@ -1,8 +1,9 @@
 //! `Session`: one ring, its hookpoints, its drain and its policy, wired from one [`Config`].
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use ringscope_exporter::{
@@ -11,7 +12,7 @@ use ringscope_exporter::{
 };
 use ringscope_hookpoint::cuda::{DeviceCaptureError, GraphBatch};
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointError, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, DropReason, LossPolicy, Mode, RungChange};
+use ringscope_policy::{AccountingSnapshot, Budget, DropReason, LossPolicy, Mode, RungChange};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
 
 use crate::backend::cuda::CudaBackend;
@@ -19,6 +20,8 @@ use crate::backend::host::HostBackend;
 use crate::backend::{Backend, Started};
 use crate::config::{self, Config};
 use crate::governor::{self, Governor};
+use crate::metrics::MetricsServer;
+use crate::stats::{Observer, SessionStats, StepClock};
 use crate::Error;
 
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
@@ -95,8 +98,16 @@ pub struct Session {
     on_deadline: config::OnDeadline,
     /// Steps begun, and their batches' rows and requests (the policy manager's production measure).
     steps: StepTally,
+    /// `policy.host_memory`, and `export.backlog` (per destination: the host budget when none is set).
+    host_memory: Option<u64>,
+    backlog_bytes: u64,
     /// The step whose deadline passed with `on_deadline = "degrade"`: its remaining captures do not wait.
     degraded_step: Mutex<Option<u64>>,
+    /// What `stats` reads (shared with the metrics endpoint's thread); outlives the drain.
+    observer: Arc<Observer>,
+    /// The Prometheus endpoint (`[metrics] listen`), stopped at shutdown.
+    metrics: Mutex<Option<MetricsServer>>,
+    metrics_addr: Option<SocketAddr>,
 }
 
 /// Steps begun and what their batches held.
@@ -144,9 +155,12 @@ impl SessionBuilder {
     /// Validates the config, allocates the ring, registers the configured hookpoints and starts the drain.
     pub fn start(self) -> Result<Session, Error> {
         let config = self.config;
+        let started = Instant::now();
         let policy = config.policy.loss_policy();
         policy.validate()?;
         config.validate_budgets()?;
+        // Bound first: a port in use is an error before any memory is allocated.
+        let listener = config.metrics.listen_addr()?.map(crate::metrics::bind).transpose()?;
         let capacity = usize::try_from(config.ring.capacity.0)
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
         config.ring.validate_cuda_keys()?;
@@ -203,6 +217,22 @@ impl SessionBuilder {
         let drain = Drain::spawn(source, catalog, sinks, options)?;
         let health = drain.health();
         let capture = Capture { backend };
+        let observer = Arc::new(Observer {
+            registry: registry.clone(),
+            monitor: drain.monitor(),
+            steps: StepClock::default(),
+            started,
+            mode: policy.mode,
+            backend: match config.ring.backend {
+                config::Backend::Host => "host",
+                config::Backend::Cuda => "cuda",
+            },
+        });
+        let metrics = match listener {
+            Some(l) => Some(MetricsServer::start(l, observer.clone())?),
+            None => None,
+        };
+        let metrics_addr = metrics.as_ref().map(MetricsServer::addr);
         Ok(Session {
             registry,
             policy,
@@ -218,7 +248,12 @@ impl SessionBuilder {
             }),
             on_deadline: config.policy.on_deadline,
             steps: StepTally::default(),
+            host_memory: config.policy.host_memory.map(|b| b.0),
+            backlog_bytes: config.export.backlog.0,
             degraded_step: Mutex::new(None),
+            observer,
+            metrics: Mutex::new(metrics),
+            metrics_addr,
         })
     }
 }
@@ -303,7 +338,9 @@ impl Session {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
         self.step_boundary(&batch);
-        self.with_capture(|c| c.backend.begin_step(&self.registry, batch))
+        self.with_capture(|c| c.backend.begin_step(&self.registry, batch))?;
+        self.observer.steps.begun(Some(step));
+        Ok(())
     }
 
     /// CUDA backend: starts step `step` on the engine's `stream` (before the step's kernels or graph replay, outside
@@ -323,8 +360,12 @@ impl Session {
         let batch = StepBatch::new(step, rows)?;
         self.step_boundary(&batch);
         let begun = self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream));
+        // Past full mode's deadline the step is begun all the same (its captures are dropped and counted).
+        if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {
+            self.observer.steps.begun(Some(step));
+        }
         match begun {
-            // The step is begun with its captures dropped and counted (`deadline`); the engine goes on.
+            // With `on_deadline = "degrade"` the engine goes on without an error.
             Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
                 if self.on_deadline == config::OnDeadline::Degrade =>
             {
@@ -352,11 +393,34 @@ impl Session {
 
     /// What the policy manager measures now.
     fn sample(&self) -> governor::Sample {
+        // The CUDA backend counts production on the device: fold it in (one small copy; skipped if busy).
+        self.fold_device_counters();
+        let stats = self.stats();
+        let mut occupancy = Vec::new();
+        let ring = stats.ring;
+        if ring.capacity_bytes > 0 {
+            occupancy.push((Budget::GpuRing, ring.used_bytes as f64 / ring.capacity_bytes as f64));
+            if stats.backend == "cuda" {
+                // Staging is as large as the ring; what it holds is lent to destinations.
+                occupancy.push((Budget::PinnedStaging, ring.held_bytes as f64 / ring.capacity_bytes as f64));
+            }
+        }
+        let live: Vec<_> = stats.destinations.iter().filter(|d| !d.failed).collect();
+        let queued: u64 = live.iter().map(|d| d.queued_bytes).sum();
+        let host_budget = match self.host_memory {
+            Some(b) => b,
+            None => self.backlog_bytes.saturating_mul(live.len() as u64),
+        };
+        if host_budget > 0 {
+            occupancy.push((Budget::HostBacklog, queued as f64 / host_budget as f64));
+        }
         governor::Sample {
             steps: self.steps.steps.load(Ordering::Relaxed),
             rows: self.steps.rows.load(Ordering::Relaxed),
             requests: self.steps.requests.load(Ordering::Relaxed),
-            ..Default::default()
+            drained_bytes: stats.drain.bytes,
+            delivered: live.iter().map(|d| (d.name.clone(), d.delivered_bytes)).collect(),
+            occupancy,
         }
     }
 
@@ -368,7 +432,9 @@ impl Session {
     /// picks up control changes — so a replay needs no host call. Record the step's captures and
     /// [`end_step`](Self::end_step) in the same graph.
     pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
-        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))
+        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))?;
+        self.observer.steps.begun(None);
+        Ok(())
     }
 
     /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so
@@ -391,7 +457,9 @@ impl Session {
     /// Ends the current step. CUDA backend with `ring.defer_captures`: launches the one kernel that copies the step's
     /// captures, on the step's stream; inside a graph recording, call it before the recording ends.
     pub fn end_step(&self) -> Result<(), Error> {
-        self.with_capture(|c| c.backend.end_step())
+        self.with_capture(|c| c.backend.end_step())?;
+        self.observer.steps.ended();
+        Ok(())
     }
 
     /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
@@ -478,10 +546,38 @@ impl Session {
         self.registry.accounting()
     }
 
+    /// The session's numbers now: steps and step time, ring occupancy, what the drain moved, each sink's and
+    /// consumer's progress and lag, each hookpoint's counters, production and rung ([`SessionStats`] says what each
+    /// means, per backend). Counters are cumulative: difference two snapshots for rates.
+    ///
+    /// Cheap enough to call every step from any thread: atomic loads and short locks that the engine's capture path
+    /// does not wait on; it allocates per hookpoint and per destination, never per record; no device call (so on
+    /// the CUDA backend the device-counted hookpoint counters are those of the last [`accounting`](Self::accounting)
+    /// call). Answers after shutdown too, with the final numbers.
+    pub fn stats(&self) -> SessionStats {
+        self.observer.stats()
+    }
+
+    /// [`stats`](Self::stats) in the Prometheus text exposition format (0.0.4), for an engine that serves its own
+    /// `/metrics`; the names and labels are in [`crate::metrics`]. The same text the `[metrics] listen` endpoint
+    /// serves.
+    pub fn metrics_text(&self) -> String {
+        crate::metrics::exposition(&self.stats())
+    }
+
+    /// The address the metrics endpoint listens on (`[metrics] listen`; with port 0, the port the system chose),
+    /// `None` when none is configured. The endpoint stops at shutdown.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
     /// Stops capturing, drains every record still in the ring, closes the sinks, and checks that every record
     /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
     pub fn shutdown(&self) -> Result<Report, Error> {
         let mut capture = self.capture.lock().take().ok_or(Error::Closed)?;
+        if let Some(mut server) = self.metrics.lock().take() {
+            server.stop();
+        }
         let device_errors = capture.backend.close(&self.registry);
         // The capture side goes first (its work has completed; the host backend's producer leaving is what ends the
         // drain): its memory is freed now, before the drain frees the ring's in the background.

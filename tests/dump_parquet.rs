@@ -41,3 +41,24 @@ fn dump_parquet_exits_non_zero_when_a_sink_fails() {
     assert!(manifest.contains("\"failed\": true"), "{manifest}");
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+#[test]
+fn dump_parquet_prints_progress_from_the_session_stats_when_asked() {
+    let out = std::env::temp_dir().join(format!("ringscope-test-dump-progress-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let bin = example();
+    let args = ["--out", out.to_str().unwrap(), "--run-id", "r", "--layers", "2", "--hidden", "256", "--requests", "8"];
+    let run = Command::new(&bin).args(args).arg("--progress").output().unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "stderr: {stderr}");
+    // The last line is read after shutdown: everything exported, nothing dropped, nothing waiting.
+    let last = stderr.lines().rfind(|l| l.starts_with("ringscope progress:")).expect("a progress line");
+    assert!(last.contains(" 0 records dropped, backlog 0.0 MiB"), "{last}");
+    let rows: u64 = last.split(", ").find_map(|p| p.strip_suffix(" rows exported")?.parse().ok()).expect("rows");
+    assert!(rows > 0, "{last}");
+    // Not a terminal and not asked: no progress line.
+    let _ = std::fs::remove_dir_all(&out);
+    let run = Command::new(&bin).args(args).output().unwrap();
+    assert!(run.status.success() && !String::from_utf8_lossy(&run.stderr).contains("ringscope progress"));
+    std::fs::remove_dir_all(&out).unwrap();
+}

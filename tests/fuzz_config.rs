@@ -79,6 +79,7 @@ const EXPORT_KEYS: &[&str] = &[
     "threads",
     "direct_io",
 ];
+const METRICS_KEYS: &[&str] = &["listen", "allow_remote"];
 const HOOKPOINT_KEYS: &[&str] = &["name", "site", "layer", "dtype", "row_width", "rows", "every_n_steps", "enabled"];
 const UNKNOWN_KEYS: &[&str] = &["capacty", "colour", "Mode", "ring", "hookpoints", "", " ", "ключ", "a.b", "\u{0}"];
 
@@ -248,6 +249,14 @@ fn value_for(key: &'static str, wild: bool) -> BoxedStrategy<Value> {
         "dir" => s(vec!["ringscope-out", "", "\u{0}"]),
         "run_id" => prop_oneof![4 => s(vec!["run-1", "r"]), 1 => s(vec!["", "..", "a/b", ".hidden", "nul\u{0}"]), 1 => string().prop_map(Value::Str)].boxed(),
         "parquet" | "arrow_ipc" => prop_oneof![4 => raw(vec!["false"]), 1 => raw(vec!["true"])].boxed(),
+        // Port 0 (any free port) or addresses that cannot be bound here (TEST-NET-1, port 1 needs privileges or is
+        // taken), and addresses that are not addresses.
+        "listen" => prop_oneof![
+            3 => s(vec!["127.0.0.1:0", "[::1]:0"]),
+            1 => s(vec!["192.0.2.1:0", "localhost:9464", "127.0.0.1", "127.0.0.1:99999", ""]),
+            1 => string().prop_map(Value::Str),
+        ]
+        .boxed(),
         _ => any::<bool>().prop_map(|b| Value::Raw(b.to_string())).boxed(),
     };
     if wild {
@@ -306,6 +315,7 @@ fn document() -> impl Strategy<Value = String> {
                 prop::option::weighted(0.7, entries(POLICY_KEYS, &[], wild)),
                 prop::option::weighted(0.5, entries(EXPORT_KEYS, &[], wild)),
                 prop::collection::vec(entries(HOOKPOINT_KEYS, required, wild), 0..4),
+                prop::option::weighted(0.2, entries(METRICS_KEYS, &[], wild)),
                 prop::option::weighted(
                     0.2,
                     (
@@ -323,7 +333,7 @@ fn document() -> impl Strategy<Value = String> {
                 Just(wild),
             )
         })
-        .prop_map(|(ring, policy, export, hookpoints, odd, deep, wild)| {
+        .prop_map(|(ring, policy, export, hookpoints, metrics, odd, deep, wild)| {
             let (odd, deep) = if wild { (odd, deep) } else { (None, None) };
             let mut doc = String::new();
             if let Some(kv) = ring {
@@ -337,6 +347,9 @@ fn document() -> impl Strategy<Value = String> {
             }
             for kv in hookpoints {
                 doc += &table("[[hookpoints]]", &kv);
+            }
+            if let Some(kv) = metrics {
+                doc += &table("[metrics]", &kv);
             }
             if let Some((header, kv)) = odd {
                 doc += &table(header, &kv);

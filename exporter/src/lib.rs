@@ -26,8 +26,9 @@ pub use dataset::{
     CommittedFile, CommittedFiles, DatasetOptions, DirectIo, FileError, FileFormat, FileSink, FormatError, OptionsError,
 };
 pub use routing::{
-    BoxError, CallbackSink, Catalog, CatalogEntry, Drain, DrainOptions, DrainReport, Filter, HookPointSummary, Receipt,
-    Record, Sink, SinkError, SinkFailure, SinkHealth, SinkReport, Subscription, Summary, SummarySink,
+    BoxError, CallbackSink, Catalog, CatalogEntry, DestinationKind, DestinationStats, Drain, DrainMonitor,
+    DrainOptions, DrainReport, DrainStats, Filter, HookPointSummary, Receipt, Record, Sink, SinkError, SinkFailure,
+    SinkHealth, SinkReport, Subscription, Summary, SummarySink,
 };
 pub use writing::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet, ParquetSink, ParquetWriter};
 

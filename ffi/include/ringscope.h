@@ -7,6 +7,33 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The version of this C ABI, as [`rs_abi_version`] returns it: 2 added `rs_abi_version`, `rs_session_stats`,
+// `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the ABI before them). Structs whose first
+// field is `struct_size` grow at their end only: the caller sets `struct_size = sizeof(the struct)` it was
+// compiled with, and the library fills that many bytes (never more) and writes back how many it filled.
+#define RS_ABI_VERSION 2
+
+// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
+#define RS_MODE_FULL 0
+
+// Best-effort (never waits, drops and counts).
+#define RS_MODE_BEST_EFFORT 1
+
+// Ring backends (`rs_session_snapshot.backend`): host memory.
+#define RS_BACKEND_HOST 0
+
+// CUDA device memory.
+#define RS_BACKEND_CUDA 1
+
+// Destination kinds (`rs_destination_snapshot.kind`): a sink (file sink, callback, ...).
+#define RS_DESTINATION_SINK 0
+
+// An online consumer (a subscription).
+#define RS_DESTINATION_CONSUMER 1
+
+// Bytes of `rs_hookpoint_snapshot.rung`, its NUL included.
+#define RS_RUNG_LEN 32
+
 // Row selection modes for [`rs_set_rows`].
 #define RS_ROWS_ALL 0
 
@@ -177,6 +204,95 @@ typedef struct rs_sink_failure_info {
   // Bytes the buffer must hold: the name, a NUL, the message, a NUL (`sink_len + message_len + 2`).
   uint64_t needed;
 } rs_sink_failure_info;
+
+// A session's numbers at one moment (see [`rs_session_stats`]; the Rust `SessionStats` documents each). Set
+// `struct_size` before the call.
+typedef struct rs_session_snapshot {
+  // In: `sizeof(rs_session_snapshot)` as the caller knows it. Out: the bytes the library filled.
+  uint32_t struct_size;
+  // `RS_MODE_*`.
+  uint32_t mode;
+  // `RS_BACKEND_*`.
+  uint32_t backend;
+  // Hookpoints registered (ids `0..hookpoints`, for [`rs_hookpoint_stats`]).
+  uint32_t hookpoints;
+  // Sinks and subscriptions (indices `0..destinations`, for [`rs_destination_stats`]).
+  uint32_t destinations;
+  // Reserved (0).
+  uint32_t reserved;
+  // When the numbers were read, in nanoseconds since the Unix epoch.
+  uint64_t unix_ns;
+  // Nanoseconds since the session started.
+  uint64_t uptime_ns;
+  // Steps begun through `rs_begin_step` / `rs_begin_step_on_stream` (not those begun inside a CUDA graph).
+  uint64_t steps;
+  // The last of those steps' number (valid when `steps > 0`).
+  uint64_t last_step;
+  // Mean nanoseconds from begin step to `rs_end_step` over the last 16 steps; 0 when unknown.
+  uint64_t step_time_ns;
+  // Mean nanoseconds from one begin step to the next over the last 16 steps; 0 when unknown.
+  uint64_t step_interval_ns;
+  // Bytes of the ring.
+  uint64_t ring_capacity_bytes;
+  // Ring bytes published and not yet reclaimed (host: records waiting or lent; CUDA: device bytes not yet
+  // copied out).
+  uint64_t ring_used_bytes;
+  // Bytes lent to sinks and consumers (CUDA: of the drain's pinned staging).
+  uint64_t ring_held_bytes;
+  // Records the drain handed on from the ring (cumulative).
+  uint64_t drain_records;
+  // Token rows in them.
+  uint64_t drain_rows;
+  // Ring bytes of them.
+  uint64_t drain_bytes;
+  // Activation bytes of them.
+  uint64_t drain_data_bytes;
+} rs_session_snapshot;
+
+// One hookpoint's numbers (see [`rs_hookpoint_stats`]). Set `struct_size` before the call.
+typedef struct rs_hookpoint_snapshot {
+  // In: `sizeof(rs_hookpoint_snapshot)` as the caller knows it. Out: the bytes the library filled.
+  uint32_t struct_size;
+  // The hookpoint's id.
+  uint32_t id;
+  // Bytes of one row.
+  uint64_t row_bytes;
+  // Bytes of its name (without the NUL); the name is written to the caller's buffer.
+  uint64_t name_len;
+  // Its counters (as `rs_stats` writes them; CUDA: device counts as of the last `rs_stats` or `rs_flush`).
+  struct rs_counts counts;
+  // Activation bytes offered for capture (produced rows × row bytes).
+  uint64_t produced_bytes;
+  // Activation bytes that entered the ring.
+  uint64_t published_bytes;
+  // Activation bytes that reached every destination.
+  uint64_t exported_bytes;
+  // The capture level its controls select, NUL-terminated: `off`, `full`, `last_row`, `rows`, `every_N`, or a
+  // sampling and a selection joined with `+` (`every_4+last_row`).
+  char rung[RS_RUNG_LEN];
+} rs_hookpoint_snapshot;
+
+// One sink's or subscription's progress and lag (see [`rs_destination_stats`]). Set `struct_size` before the call.
+typedef struct rs_destination_snapshot {
+  // In: `sizeof(rs_destination_snapshot)` as the caller knows it. Out: the bytes the library filled.
+  uint32_t struct_size;
+  // `RS_DESTINATION_*`.
+  uint32_t kind;
+  // Records it received (a sink wrote them, a consumer polled them).
+  uint64_t delivered_records;
+  // Bytes of them (record headers and payloads).
+  uint64_t delivered_bytes;
+  // Records queued for it and not yet done with: its lag.
+  uint64_t queued_records;
+  // Bytes of them.
+  uint64_t queued_bytes;
+  // Records dropped for it because its backlog was full.
+  uint64_t dropped_records;
+  // 1 once the sink has failed.
+  uint32_t failed;
+  // Bytes of its name (without the NUL); the name is written to the caller's buffer.
+  uint32_t name_len;
+} rs_destination_snapshot;
 
 // A record delivered to a subscription (see [`rs_poll`]).
 typedef struct rs_record_info {
@@ -407,6 +523,61 @@ rs_status rs_sink_failure(uint64_t session_handle,
                           struct rs_sink_failure_info *info,
                           char *buf,
                           size_t buf_len);
+
+// The version of the C ABI this library implements ([`RS_ABI_VERSION`] of the header it was built with). A caller
+// compiled against a newer header checks it before calling functions the library may not have.
+uint32_t rs_abi_version(void);
+
+// Writes the session's numbers now — steps and step time, ring occupancy, what the drain moved, how many hookpoints
+// and destinations there are — to `out` (set `out->struct_size = sizeof(rs_session_snapshot)` first). Cheap enough
+// for every step; no device call. Counters are cumulative: difference two calls for rates. Per hookpoint:
+// [`rs_hookpoint_stats`]; per sink or subscription: [`rs_destination_stats`]; all of it as Prometheus text:
+// [`rs_metrics_text`].
+//
+// # Safety
+// `out` is valid for reads and writes of the `struct_size` bytes it announces.
+rs_status rs_session_stats(uint64_t session_handle,
+                           struct rs_session_snapshot *out);
+
+// Writes hookpoint `hookpoint`'s numbers — its counters, bytes produced / published / exported, its rung — to `out`
+// (set `out->struct_size = sizeof(rs_hookpoint_snapshot)` first) and its name, NUL-terminated, to `name`.
+// `RS_ERR_CAPTURE` for an unknown id. `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and `out->name_len + 1` says how
+// large `name` must be.
+//
+// # Safety
+// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+// writes (may be null when `name_cap` is 0).
+rs_status rs_hookpoint_stats(uint64_t session_handle,
+                             uint32_t hookpoint,
+                             struct rs_hookpoint_snapshot *out,
+                             char *name,
+                             size_t name_cap);
+
+// Writes destination `index`'s progress and lag to `out` (set `out->struct_size = sizeof(rs_destination_snapshot)`
+// first) and its name, NUL-terminated, to `name` (sinks first, then subscriptions in the order they were made;
+// `index < rs_session_snapshot.destinations`). `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and `out->name_len + 1`
+// says how large `name` must be. `RS_ERR_INVALID_ARGUMENT`: no destination has that index.
+//
+// # Safety
+// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+// writes (may be null when `name_cap` is 0).
+rs_status rs_destination_stats(uint64_t session_handle,
+                               uint32_t index,
+                               struct rs_destination_snapshot *out,
+                               char *name,
+                               size_t name_cap);
+
+// Writes the session's statistics in the Prometheus text exposition format (0.0.4), NUL-terminated, into `buf` —
+// for an engine that serves its own `/metrics` (the optional `[metrics] listen` endpoint serves the same text).
+// `*needed` is set to the bytes the text takes with its NUL; `RS_ERR_BUFFER_TOO_SMALL` when `buf_len` is less
+// (nothing is written to `buf`; call again with a larger buffer: the text may grow a little between calls).
+//
+// # Safety
+// `buf` is valid for `buf_len` writes (may be null when `buf_len` is 0); `needed` is writable.
+rs_status rs_metrics_text(uint64_t session_handle,
+                          char *buf,
+                          size_t buf_len,
+                          size_t *needed);
 
 // Subscribes a consumer to every record captured from now on whose hookpoint's layer is in `layers[0..n]` (all
 // records when `n` is 0). Read them with [`rs_poll`]; a consumer that falls behind is handled by the policy.

@@ -29,8 +29,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use ringscope_api::cuda::{DevicePtr, GraphBatch, StreamRef};
 use ringscope_api::{
-    AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DropReason, Error, Filter, HookPointSpec, Record,
-    RowSelection, Session, SinkFailure, SiteKind, Subscription,
+    AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DestinationKind, DropReason, Error, Filter,
+    HookPointSpec, Mode, Record, RowSelection, Session, SinkFailure, SiteKind, Subscription,
 };
 
 /// Status codes returned by every function.
@@ -141,6 +141,125 @@ pub struct RsRecordInfo {
     /// Bytes the buffer must hold: `rows × 16` bytes of row metadata (u64 request id, u32 position, u32 batch
     /// row, little-endian), then `rows × row_bytes` bytes of rows.
     pub needed: u64,
+}
+
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 2 added `rs_abi_version`, `rs_session_stats`,
+/// `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the ABI before them). Structs whose first
+/// field is `struct_size` grow at their end only: the caller sets `struct_size = sizeof(the struct)` it was
+/// compiled with, and the library fills that many bytes (never more) and writes back how many it filled.
+pub const RS_ABI_VERSION: u32 = 2;
+
+/// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
+pub const RS_MODE_FULL: u32 = 0;
+/// Best-effort (never waits, drops and counts).
+pub const RS_MODE_BEST_EFFORT: u32 = 1;
+
+/// Ring backends (`rs_session_snapshot.backend`): host memory.
+pub const RS_BACKEND_HOST: u32 = 0;
+/// CUDA device memory.
+pub const RS_BACKEND_CUDA: u32 = 1;
+
+/// Destination kinds (`rs_destination_snapshot.kind`): a sink (file sink, callback, ...).
+pub const RS_DESTINATION_SINK: u32 = 0;
+/// An online consumer (a subscription).
+pub const RS_DESTINATION_CONSUMER: u32 = 1;
+
+/// Bytes of `rs_hookpoint_snapshot.rung`, its NUL included.
+pub const RS_RUNG_LEN: usize = 32;
+
+/// A session's numbers at one moment (see [`rs_session_stats`]; the Rust `SessionStats` documents each). Set
+/// `struct_size` before the call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RsSessionSnapshot {
+    /// In: `sizeof(rs_session_snapshot)` as the caller knows it. Out: the bytes the library filled.
+    pub struct_size: u32,
+    /// `RS_MODE_*`.
+    pub mode: u32,
+    /// `RS_BACKEND_*`.
+    pub backend: u32,
+    /// Hookpoints registered (ids `0..hookpoints`, for [`rs_hookpoint_stats`]).
+    pub hookpoints: u32,
+    /// Sinks and subscriptions (indices `0..destinations`, for [`rs_destination_stats`]).
+    pub destinations: u32,
+    /// Reserved (0).
+    pub reserved: u32,
+    /// When the numbers were read, in nanoseconds since the Unix epoch.
+    pub unix_ns: u64,
+    /// Nanoseconds since the session started.
+    pub uptime_ns: u64,
+    /// Steps begun through `rs_begin_step` / `rs_begin_step_on_stream` (not those begun inside a CUDA graph).
+    pub steps: u64,
+    /// The last of those steps' number (valid when `steps > 0`).
+    pub last_step: u64,
+    /// Mean nanoseconds from begin step to `rs_end_step` over the last 16 steps; 0 when unknown.
+    pub step_time_ns: u64,
+    /// Mean nanoseconds from one begin step to the next over the last 16 steps; 0 when unknown.
+    pub step_interval_ns: u64,
+    /// Bytes of the ring.
+    pub ring_capacity_bytes: u64,
+    /// Ring bytes published and not yet reclaimed (host: records waiting or lent; CUDA: device bytes not yet
+    /// copied out).
+    pub ring_used_bytes: u64,
+    /// Bytes lent to sinks and consumers (CUDA: of the drain's pinned staging).
+    pub ring_held_bytes: u64,
+    /// Records the drain handed on from the ring (cumulative).
+    pub drain_records: u64,
+    /// Token rows in them.
+    pub drain_rows: u64,
+    /// Ring bytes of them.
+    pub drain_bytes: u64,
+    /// Activation bytes of them.
+    pub drain_data_bytes: u64,
+}
+
+/// One hookpoint's numbers (see [`rs_hookpoint_stats`]). Set `struct_size` before the call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RsHookPointSnapshot {
+    /// In: `sizeof(rs_hookpoint_snapshot)` as the caller knows it. Out: the bytes the library filled.
+    pub struct_size: u32,
+    /// The hookpoint's id.
+    pub id: u32,
+    /// Bytes of one row.
+    pub row_bytes: u64,
+    /// Bytes of its name (without the NUL); the name is written to the caller's buffer.
+    pub name_len: u64,
+    /// Its counters (as `rs_stats` writes them; CUDA: device counts as of the last `rs_stats` or `rs_flush`).
+    pub counts: RsCounts,
+    /// Activation bytes offered for capture (produced rows × row bytes).
+    pub produced_bytes: u64,
+    /// Activation bytes that entered the ring.
+    pub published_bytes: u64,
+    /// Activation bytes that reached every destination.
+    pub exported_bytes: u64,
+    /// The capture level its controls select, NUL-terminated: `off`, `full`, `last_row`, `rows`, `every_N`, or a
+    /// sampling and a selection joined with `+` (`every_4+last_row`).
+    pub rung: [c_char; RS_RUNG_LEN],
+}
+
+/// One sink's or subscription's progress and lag (see [`rs_destination_stats`]). Set `struct_size` before the call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RsDestinationSnapshot {
+    /// In: `sizeof(rs_destination_snapshot)` as the caller knows it. Out: the bytes the library filled.
+    pub struct_size: u32,
+    /// `RS_DESTINATION_*`.
+    pub kind: u32,
+    /// Records it received (a sink wrote them, a consumer polled them).
+    pub delivered_records: u64,
+    /// Bytes of them (record headers and payloads).
+    pub delivered_bytes: u64,
+    /// Records queued for it and not yet done with: its lag.
+    pub queued_records: u64,
+    /// Bytes of them.
+    pub queued_bytes: u64,
+    /// Records dropped for it because its backlog was full.
+    pub dropped_records: u64,
+    /// 1 once the sink has failed.
+    pub failed: u32,
+    /// Bytes of its name (without the NUL); the name is written to the caller's buffer.
+    pub name_len: u32,
 }
 
 /// Row selection modes for [`rs_set_rows`].
@@ -911,6 +1030,221 @@ pub unsafe extern "C" fn rs_sink_failure(
         rest[..f.message.len()].copy_from_slice(&clean(&f.message));
         rest[f.message.len()] = 0;
         Ok(())
+    })
+}
+
+/// The version of the C ABI this library implements ([`RS_ABI_VERSION`] of the header it was built with). A caller
+/// compiled against a newer header checks it before calling functions the library may not have.
+#[no_mangle]
+pub extern "C" fn rs_abi_version() -> u32 {
+    RS_ABI_VERSION
+}
+
+/// Writes `value` into the caller's struct `out`, whose first field is the `u32` `struct_size` the caller set: that
+/// many bytes, never more, and at least the whole of `T` (every version of these structs so far is `T` itself:
+/// there is no older, shorter one); `struct_size` is set to the bytes filled. A caller compiled against a newer
+/// header (a larger struct) gets the fields this library knows and their size back.
+///
+/// # Safety
+/// `out` is null or valid for reads and writes of the `struct_size` bytes its first `u32` announces.
+unsafe fn write_sized<T: Copy>(out: *mut T, value: T, what: &str, c_name: &str) -> Result<(), Failure> {
+    out_arg(out, what)?;
+    if (out as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(invalid(format!("{what} is not aligned for {c_name}")));
+    }
+    let ours = std::mem::size_of::<T>();
+    // SAFETY: non-null and aligned; its first field is the caller's `struct_size`, readable per the contract.
+    let announced = unsafe { out.cast::<u32>().read() } as usize;
+    if announced < ours {
+        return Err(invalid(format!(
+            "{what}->struct_size is {announced}: set it to sizeof({c_name}) ({ours} bytes in the header this library \
+             was built with) before the call"
+        )));
+    }
+    // SAFETY: the caller's struct holds at least `announced ≥ ours` bytes, per the contract; `value` is a plain
+    // `repr(C)` struct of `ours` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), out.cast::<u8>(), ours);
+        out.cast::<u32>().write(ours as u32);
+    }
+    Ok(())
+}
+
+/// Writes the session's numbers now — steps and step time, ring occupancy, what the drain moved, how many hookpoints
+/// and destinations there are — to `out` (set `out->struct_size = sizeof(rs_session_snapshot)` first). Cheap enough
+/// for every step; no device call. Counters are cumulative: difference two calls for rates. Per hookpoint:
+/// [`rs_hookpoint_stats`]; per sink or subscription: [`rs_destination_stats`]; all of it as Prometheus text:
+/// [`rs_metrics_text`].
+///
+/// # Safety
+/// `out` is valid for reads and writes of the `struct_size` bytes it announces.
+#[no_mangle]
+pub unsafe extern "C" fn rs_session_stats(session_handle: u64, out: *mut RsSessionSnapshot) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let st = session(session_handle)?.stats();
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let value = RsSessionSnapshot {
+            struct_size: 0,
+            mode: match st.mode {
+                Mode::Full => RS_MODE_FULL,
+                Mode::BestEffort => RS_MODE_BEST_EFFORT,
+            },
+            backend: if st.backend == "cuda" { RS_BACKEND_CUDA } else { RS_BACKEND_HOST },
+            hookpoints: st.hookpoints.len() as u32,
+            destinations: st.destinations.len() as u32,
+            reserved: 0,
+            unix_ns: st.unix_ns,
+            uptime_ns: nanos(st.uptime),
+            steps: st.steps,
+            last_step: st.last_step.unwrap_or(0),
+            step_time_ns: st.step_time.map_or(0, nanos),
+            step_interval_ns: st.step_interval.map_or(0, nanos),
+            ring_capacity_bytes: st.ring.capacity_bytes,
+            ring_used_bytes: st.ring.used_bytes,
+            ring_held_bytes: st.ring.held_bytes,
+            drain_records: st.drain.records,
+            drain_rows: st.drain.rows,
+            drain_bytes: st.drain.bytes,
+            drain_data_bytes: st.drain.data_bytes,
+        };
+        // SAFETY: per the contract.
+        unsafe { write_sized(out, value, "out", "rs_session_snapshot") }
+    })
+}
+
+/// Writes hookpoint `hookpoint`'s numbers — its counters, bytes produced / published / exported, its rung — to `out`
+/// (set `out->struct_size = sizeof(rs_hookpoint_snapshot)` first) and its name, NUL-terminated, to `name`.
+/// `RS_ERR_CAPTURE` for an unknown id. `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and `out->name_len + 1` says how
+/// large `name` must be.
+///
+/// # Safety
+/// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+/// writes (may be null when `name_cap` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn rs_hookpoint_stats(
+    session_handle: u64,
+    hookpoint: u32,
+    out: *mut RsHookPointSnapshot,
+    name: *mut c_char,
+    name_cap: usize,
+) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let s = session(session_handle)?;
+        s.hookpoint_by_id(hookpoint)?;
+        let st = s.stats();
+        let Some(h) = st.hookpoints.iter().find(|h| h.id == hookpoint) else {
+            return Err(invalid(format!("no hookpoint with id {hookpoint}")));
+        };
+        let mut rung = [0 as c_char; RS_RUNG_LEN];
+        // Rung labels are short ASCII (`every_4294967295+last_row` is the longest): they fit with their NUL.
+        for (dst, &b) in rung.iter_mut().zip(h.rung.as_bytes().iter().take(RS_RUNG_LEN - 1)) {
+            *dst = b as c_char;
+        }
+        let value = RsHookPointSnapshot {
+            struct_size: 0,
+            id: h.id,
+            row_bytes: h.row_bytes,
+            name_len: h.name.len() as u64,
+            counts: counts(&h.counters),
+            produced_bytes: h.produced_bytes,
+            published_bytes: h.published_bytes,
+            exported_bytes: h.exported_bytes,
+            rung,
+        };
+        // SAFETY: per the contract.
+        unsafe { write_sized(out, value, "out", "rs_hookpoint_snapshot") }?;
+        // SAFETY: per the contract.
+        unsafe { write_c_string(&h.name, name, name_cap, "name") }
+    })
+}
+
+/// Writes destination `index`'s progress and lag to `out` (set `out->struct_size = sizeof(rs_destination_snapshot)`
+/// first) and its name, NUL-terminated, to `name` (sinks first, then subscriptions in the order they were made;
+/// `index < rs_session_snapshot.destinations`). `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and `out->name_len + 1`
+/// says how large `name` must be. `RS_ERR_INVALID_ARGUMENT`: no destination has that index.
+///
+/// # Safety
+/// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+/// writes (may be null when `name_cap` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn rs_destination_stats(
+    session_handle: u64,
+    index: u32,
+    out: *mut RsDestinationSnapshot,
+    name: *mut c_char,
+    name_cap: usize,
+) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let st = session(session_handle)?.stats();
+        let Some(d) = st.destinations.get(index as usize) else {
+            return Err(invalid(format!("no destination {index}: the session has {}", st.destinations.len())));
+        };
+        let value = RsDestinationSnapshot {
+            struct_size: 0,
+            kind: match d.kind {
+                DestinationKind::Sink => RS_DESTINATION_SINK,
+                DestinationKind::Consumer => RS_DESTINATION_CONSUMER,
+            },
+            delivered_records: d.delivered_records,
+            delivered_bytes: d.delivered_bytes,
+            queued_records: d.queued_records,
+            queued_bytes: d.queued_bytes,
+            dropped_records: d.dropped_records,
+            failed: d.failed as u32,
+            name_len: d.name.len() as u32,
+        };
+        // SAFETY: per the contract.
+        unsafe { write_sized(out, value, "out", "rs_destination_snapshot") }?;
+        // SAFETY: per the contract.
+        unsafe { write_c_string(&d.name, name, name_cap, "name") }
+    })
+}
+
+/// Writes `text` and a NUL into `buf` (NULs inside it become spaces), or fails with `RS_ERR_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+/// `buf` is null or valid for `cap` writes.
+unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize, what: &str) -> Result<(), Failure> {
+    let needed = text.len() + 1;
+    if buf.is_null() || cap < needed {
+        return Err(Failure(
+            RsStatus::RsErrBufferTooSmall,
+            format!("{what} needs {needed} bytes (with its NUL), the buffer has {cap}"),
+        ));
+    }
+    // SAFETY: `buf` is valid for `cap ≥ needed` writes per the contract.
+    let out = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), needed) };
+    for (dst, b) in out.iter_mut().zip(text.bytes()) {
+        *dst = if b == 0 { b' ' } else { b };
+    }
+    out[text.len()] = 0;
+    Ok(())
+}
+
+/// Writes the session's statistics in the Prometheus text exposition format (0.0.4), NUL-terminated, into `buf` —
+/// for an engine that serves its own `/metrics` (the optional `[metrics] listen` endpoint serves the same text).
+/// `*needed` is set to the bytes the text takes with its NUL; `RS_ERR_BUFFER_TOO_SMALL` when `buf_len` is less
+/// (nothing is written to `buf`; call again with a larger buffer: the text may grow a little between calls).
+///
+/// # Safety
+/// `buf` is valid for `buf_len` writes (may be null when `buf_len` is 0); `needed` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_metrics_text(
+    session_handle: u64,
+    buf: *mut c_char,
+    buf_len: usize,
+    needed: *mut usize,
+) -> RsStatus {
+    ffi(|| {
+        out_arg(needed, "needed")?;
+        let text = session(session_handle)?.metrics_text();
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *needed = text.len() + 1 };
+        // SAFETY: per the contract.
+        unsafe { write_c_string(&text, buf, buf_len, "the metrics text") }
     })
 }
 

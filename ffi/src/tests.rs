@@ -413,3 +413,151 @@ fn a_failed_sink_reaches_the_engine_while_it_runs_and_is_reported_after_close() 
     assert_eq!(after, status);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A snapshot struct with its `struct_size` set as a caller compiled against this header sets it.
+fn sized<T: Default>(set: impl FnOnce(&mut T) -> &mut u32) -> T {
+    let mut v = T::default();
+    *set(&mut v) = std::mem::size_of::<T>() as u32;
+    v
+}
+
+#[test]
+fn session_hookpoint_and_destination_stats_and_the_metrics_text_through_the_c_abi() {
+    assert_eq!(rs_abi_version(), RS_ABI_VERSION);
+    let s = open("");
+    let id = register(s, "layers.0.resid", 4);
+    let sub = subscribe_all(s, "probe \"p\"");
+    for step in 0..2u64 {
+        let (ids, pos) = ([7u64, 9], [step as u32, step as u32]);
+        // SAFETY: arrays of 2.
+        assert_eq!(unsafe { rs_begin_step(s, step, ids.as_ptr(), pos.as_ptr(), 2) }, RsStatus::RsOk);
+        let data = [1u8; 2 * 8];
+        let mut outcome = -1;
+        // SAFETY: `data` holds 16 bytes.
+        let st = unsafe { rs_capture_host(s, id, data.as_ptr().cast(), data.len(), &mut outcome) };
+        assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+        assert_eq!(rs_end_step(s), RsStatus::RsOk);
+    }
+    assert_eq!(rs_flush(s, 10_000), RsStatus::RsOk, "{}", last_error());
+
+    let mut st: RsSessionSnapshot = sized(|v: &mut RsSessionSnapshot| &mut v.struct_size);
+    // SAFETY: a whole struct with its size set.
+    assert_eq!(unsafe { rs_session_stats(s, &mut st) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(st.struct_size as usize, std::mem::size_of::<RsSessionSnapshot>());
+    assert_eq!((st.mode, st.backend, st.hookpoints, st.destinations), (RS_MODE_FULL, RS_BACKEND_HOST, 1, 1));
+    assert_eq!((st.steps, st.last_step, st.drain_records, st.drain_rows), (2, 1, 2, 4));
+    assert_eq!(st.ring_capacity_bytes, 1 << 20);
+    assert!(st.step_time_ns > 0 && st.step_interval_ns > 0 && st.unix_ns > 0);
+
+    let mut hp: RsHookPointSnapshot = sized(|v: &mut RsHookPointSnapshot| &mut v.struct_size);
+    let mut name = [0 as c_char; 64];
+    // SAFETY: `name` holds 64 bytes.
+    assert_eq!(
+        unsafe { rs_hookpoint_stats(s, id, &mut hp, name.as_mut_ptr(), name.len()) },
+        RsStatus::RsOk,
+        "{}",
+        last_error()
+    );
+    assert_eq!((hp.id, hp.row_bytes, hp.counts.produced_rows, hp.produced_bytes), (id, 8, 4, 32));
+    // SAFETY: NUL-terminated by the call.
+    assert_eq!(unsafe { CStr::from_ptr(name.as_ptr()) }.to_str().unwrap(), "layers.0.resid");
+    // SAFETY: the rung is NUL-terminated.
+    assert_eq!(unsafe { CStr::from_ptr(hp.rung.as_ptr()) }.to_str().unwrap(), "full");
+    assert_eq!(rs_set_every_n_steps(s, id, 3), RsStatus::RsOk);
+    // SAFETY: as above.
+    assert_eq!(unsafe { rs_hookpoint_stats(s, id, &mut hp, name.as_mut_ptr(), name.len()) }, RsStatus::RsOk);
+    // SAFETY: as above.
+    assert_eq!(unsafe { CStr::from_ptr(hp.rung.as_ptr()) }.to_str().unwrap(), "every_3");
+
+    let mut d: RsDestinationSnapshot = sized(|v: &mut RsDestinationSnapshot| &mut v.struct_size);
+    // SAFETY: no name buffer: the size comes back with the numbers.
+    let status = unsafe { rs_destination_stats(s, 0, &mut d, std::ptr::null_mut(), 0) };
+    assert_eq!(status, RsStatus::RsErrBufferTooSmall, "{}", last_error());
+    assert_eq!((d.kind, d.queued_records, d.delivered_records, d.name_len), (RS_DESTINATION_CONSUMER, 2, 0, 9));
+    let mut name = vec![0 as c_char; d.name_len as usize + 1];
+    // SAFETY: `name` holds `name_len + 1` bytes.
+    assert_eq!(unsafe { rs_destination_stats(s, 0, &mut d, name.as_mut_ptr(), name.len()) }, RsStatus::RsOk);
+    // SAFETY: NUL-terminated by the call.
+    assert_eq!(unsafe { CStr::from_ptr(name.as_ptr()) }.to_str().unwrap(), "probe \"p\"");
+
+    let mut needed = 0usize;
+    // SAFETY: no buffer, `needed` writable.
+    let status = unsafe { rs_metrics_text(s, std::ptr::null_mut(), 0, &mut needed) };
+    assert_eq!(status, RsStatus::RsErrBufferTooSmall, "{}", last_error());
+    let mut text = vec![0 as c_char; needed + 256];
+    // SAFETY: `text` holds more than `needed` bytes.
+    assert_eq!(unsafe { rs_metrics_text(s, text.as_mut_ptr(), text.len(), &mut needed) }, RsStatus::RsOk);
+    // SAFETY: NUL-terminated by the call.
+    let text = unsafe { CStr::from_ptr(text.as_ptr()) }.to_str().unwrap().to_owned();
+    assert_eq!(text.len() + 1, needed);
+    assert!(text.contains("ringscope_hookpoint_produced_rows_total{hookpoint=\"layers.0.resid\"} 4\n"), "{text}");
+    assert!(text.contains(r#"ringscope_destination_queued_records{destination="probe \"p\"",kind="consumer"} 2"#));
+    assert_eq!(rs_subscription_close(sub), RsStatus::RsOk);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
+    // SAFETY: as above.
+    assert_eq!(unsafe { rs_session_stats(s, &mut st) }, RsStatus::RsErrClosed);
+}
+
+#[test]
+fn stats_calls_refuse_bad_input_and_name_it() {
+    let s = open("");
+    let id = register(s, "h", 4);
+    // Null outputs.
+    // SAFETY: null pointers, which the ABI checks.
+    assert_eq!(unsafe { rs_session_stats(s, std::ptr::null_mut()) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("out"), "{}", last_error());
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { rs_metrics_text(s, std::ptr::null_mut(), 0, std::ptr::null_mut()) },
+        RsStatus::RsErrInvalidArgument
+    );
+    assert!(last_error().contains("needed"), "{}", last_error());
+    // A struct_size the caller forgot (0) or from a smaller struct: refused, nothing written but the error.
+    let mut st = RsSessionSnapshot { steps: 77, ..RsSessionSnapshot::default() };
+    // SAFETY: a whole struct (announcing 0 bytes).
+    assert_eq!(unsafe { rs_session_stats(s, &mut st) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("struct_size") && last_error().contains("rs_session_snapshot"), "{}", last_error());
+    assert_eq!((st.struct_size, st.steps), (0, 77));
+    st.struct_size = 8;
+    // SAFETY: as above.
+    assert_eq!(unsafe { rs_session_stats(s, &mut st) }, RsStatus::RsErrInvalidArgument);
+    // A caller compiled against a newer, larger struct: gets the fields this library knows, and their size.
+    #[repr(C)]
+    struct Newer {
+        known: RsHookPointSnapshot,
+        future: u64,
+    }
+    let mut newer = Newer { known: RsHookPointSnapshot::default(), future: 0xABCD };
+    newer.known.struct_size = std::mem::size_of::<Newer>() as u32;
+    let mut name = [0 as c_char; 8];
+    // SAFETY: the struct holds `struct_size` bytes; `name` 8.
+    let status = unsafe { rs_hookpoint_stats(s, id, &mut newer.known, name.as_mut_ptr(), name.len()) };
+    assert_eq!(status, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(newer.known.struct_size as usize, std::mem::size_of::<RsHookPointSnapshot>());
+    assert_eq!((newer.known.row_bytes, newer.future), (8, 0xABCD), "nothing past the known fields is written");
+    // Unknown ids and indices, a too-small name buffer, a small text buffer.
+    let mut hp: RsHookPointSnapshot = sized(|v: &mut RsHookPointSnapshot| &mut v.struct_size);
+    // SAFETY: whole struct, no name buffer.
+    assert_eq!(unsafe { rs_hookpoint_stats(s, 99, &mut hp, std::ptr::null_mut(), 0) }, RsStatus::RsErrCapture);
+    // SAFETY: whole struct, no name buffer: the numbers and the name's length come back.
+    let status = unsafe { rs_hookpoint_stats(s, id, &mut hp, std::ptr::null_mut(), 0) };
+    assert_eq!((status, hp.name_len, hp.row_bytes), (RsStatus::RsErrBufferTooSmall, 1, 8));
+    let mut d: RsDestinationSnapshot = sized(|v: &mut RsDestinationSnapshot| &mut v.struct_size);
+    // SAFETY: whole struct, no name buffer.
+    assert_eq!(unsafe { rs_destination_stats(s, 0, &mut d, std::ptr::null_mut(), 0) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("no destination 0"), "{}", last_error());
+    let mut small = [0 as c_char; 16];
+    let mut needed = 0usize;
+    // SAFETY: `small` holds 16 bytes.
+    let status = unsafe { rs_metrics_text(s, small.as_mut_ptr(), small.len(), &mut needed) };
+    assert_eq!(status, RsStatus::RsErrBufferTooSmall);
+    assert!(needed > 16 && small.iter().all(|&b| b == 0), "nothing written to a buffer too small");
+    // Bad handles.
+    // SAFETY: whole struct, no name buffer.
+    assert_eq!(unsafe { rs_hookpoint_stats(0, id, &mut hp, std::ptr::null_mut(), 0) }, RsStatus::RsErrInvalidHandle);
+    // SAFETY: as above.
+    assert_eq!(unsafe { rs_metrics_text(12345, std::ptr::null_mut(), 0, &mut needed) }, RsStatus::RsErrInvalidHandle);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+}

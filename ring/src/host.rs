@@ -521,6 +521,36 @@ impl Consumer {
     pub fn used_bytes(&self) -> usize {
         (self.shared.head.load(Ordering::Acquire) - self.shared.tail.load(Ordering::Acquire)) as usize
     }
+
+    /// A gauge of this ring's occupancy for other threads ([`HostGauge`]).
+    pub fn gauge(&self) -> HostGauge {
+        HostGauge { shared: self.shared.clone(), lent: self.book.lent_gauge() }
+    }
+}
+
+/// The occupancy of a host ring, read from any thread ([`crate::OccupancyGauge`]):
+///
+/// * `used` — bytes between the consumer's released position and the producer's published one: records not yet
+///   read, records read and lent (a lease holds its space and everything after it until it comes back), and pads.
+///   This is what the producer cannot write into.
+/// * `held` — the footprints of the records lent out and not yet seen returned (part of `used`).
+///
+/// It keeps the ring's memory allocated while it lives.
+pub struct HostGauge {
+    shared: Arc<Shared>,
+    /// The lease book's count (std atomics: the lease book is outside the loom model).
+    lent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl crate::OccupancyGauge for HostGauge {
+    fn read(&self) -> crate::Occupancy {
+        // `tail` first: `head` only grows and never falls behind `tail`, so a later `head` is at least this `tail`.
+        let tail = self.shared.tail.load(Ordering::Acquire);
+        let head = self.shared.head.load(Ordering::Acquire);
+        let capacity = self.shared.capacity as u64;
+        let used = head.saturating_sub(tail).min(capacity);
+        crate::Occupancy { capacity, used, held: self.lent.load(std::sync::atomic::Ordering::Relaxed).min(used) }
+    }
 }
 
 impl Drop for Consumer {
@@ -650,6 +680,29 @@ mod tests {
         p.try_push(meta(1, 64, 5), &metas(1), &[5; 64]).unwrap();
         c.peek().unwrap().unwrap();
         assert_eq!(c.lease().unwrap()[64..128], [5; 64]);
+    }
+
+    #[test]
+    fn the_gauge_sees_published_lent_and_released_bytes_from_another_thread() {
+        use crate::OccupancyGauge;
+        let (mut p, mut c) = channel(1024).unwrap();
+        let gauge = c.gauge();
+        let read = move || std::thread::scope(|s| s.spawn(|| gauge.read()).join().unwrap());
+        assert_eq!(read(), crate::Occupancy { capacity: 1024, used: 0, held: 0 });
+        // Footprint of a 1-row, 64-byte record: 192 bytes.
+        for i in 0..2 {
+            p.try_push(meta(1, 64, i), &metas(1), &[0; 64]).unwrap();
+        }
+        assert_eq!(read(), crate::Occupancy { capacity: 1024, used: 384, held: 0 });
+        c.peek().unwrap().unwrap();
+        let lease = c.lease().unwrap();
+        c.release();
+        assert_eq!(read(), crate::Occupancy { capacity: 1024, used: 384, held: 192 }, "a lease holds its space");
+        c.pop_with(|_| ()).unwrap().unwrap();
+        assert_eq!(read().used, 384, "space behind a lease stays used");
+        drop(lease);
+        c.release();
+        assert_eq!(read(), crate::Occupancy { capacity: 1024, used: 0, held: 0 });
     }
 
     #[test]

@@ -12,7 +12,7 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// A record's payload, lent by the ring. Dereferences to the bytes; dropping it gives the space back.
@@ -81,12 +81,14 @@ pub struct LeaseBook {
     outstanding: VecDeque<Arc<Ticket>>,
     /// Footprints of the outstanding tickets, summed.
     lent: u64,
+    /// A copy of `lent` that other threads may read (monitoring: [`crate::OccupancyGauge`]); only this book stores it.
+    lent_shared: Arc<AtomicU64>,
 }
 
 impl LeaseBook {
     /// A book for leases on memory kept alive by `memory`.
     pub fn new(memory: Arc<dyn Any + Send + Sync>) -> LeaseBook {
-        LeaseBook { memory, outstanding: VecDeque::new(), lent: 0 }
+        LeaseBook { memory, outstanding: VecDeque::new(), lent: 0, lent_shared: Arc::default() }
     }
 
     /// Lends `len` bytes at `ptr`: the payload of the record at ring position `start` whose footprint is `footprint`.
@@ -101,26 +103,39 @@ impl LeaseBook {
             Arc::new(Ticket { start, footprint, returned: AtomicBool::new(false), _memory: self.memory.clone() });
         self.outstanding.push_back(ticket.clone());
         self.lent += footprint;
+        self.lent_shared.store(self.lent, Ordering::Relaxed);
         Lease { ptr, len, ticket }
     }
 
     /// Forgets tickets whose leases came back, oldest first, and returns the position up to which the ring's space
     /// may be reused: the start of the oldest lease still out, or `read` (everything handed out so far) if none is.
     pub fn reclaim(&mut self, read: u64) -> u64 {
+        let lent = self.lent;
+        let mut upto = read;
         while let Some(t) = self.outstanding.front() {
             // Acquire: pairs with the Release in `Lease::drop` (the holder's reads happen before our reuse).
             if !t.returned.load(Ordering::Acquire) {
-                return t.start;
+                upto = t.start;
+                break;
             }
             self.lent -= t.footprint;
             self.outstanding.pop_front();
         }
-        read
+        if self.lent != lent {
+            self.lent_shared.store(self.lent, Ordering::Relaxed);
+        }
+        upto
     }
 
     /// Ring bytes (footprints) of the leases not seen returned by the last [`reclaim`](Self::reclaim).
     pub fn lent_bytes(&self) -> u64 {
         self.lent
+    }
+
+    /// [`lent_bytes`](Self::lent_bytes), readable from any thread (kept current by this book; a reader sees a value
+    /// at most one `lend` or `reclaim` old).
+    pub fn lent_gauge(&self) -> Arc<AtomicU64> {
+        self.lent_shared.clone()
     }
 
     /// Leases not seen returned by the last `reclaim`.
@@ -159,6 +174,12 @@ mod tests {
         drop(l2);
         assert_eq!((b.reclaim(192), b.lent_bytes()), (192, 0));
         assert_eq!(b.reclaim(256), 256);
+        let gauge = b.lent_gauge();
+        let l3 = lend(&mut b, &bytes, 0, 128);
+        assert_eq!(gauge.load(Ordering::Relaxed), 128, "the gauge follows a lend");
+        drop(l3);
+        b.reclaim(128);
+        assert_eq!(gauge.load(Ordering::Relaxed), 0, "and a reclaim");
     }
 
     #[test]

@@ -29,10 +29,30 @@ mod sync;
 
 pub use dtype::DType;
 pub use error::{DecodeError, ReserveError, RingError, SourceError, SpecError};
-pub use host::{channel, Consumer, Producer, Reservation};
+pub use host::{channel, Consumer, HostGauge, Producer, Reservation};
 pub use lease::Lease;
 pub use record::{RecordHeader, RecordKind, RecordMeta, RecordView, RowMeta};
 pub use spec::{HookPointSpec, SiteKind};
+
+/// How full a ring is at one moment, as [`OccupancyGauge::read`] sees it. What `used` and `held` count depends on
+/// the backend (each gauge's docs say); both are at most `capacity`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Bytes of ring memory.
+    pub capacity: u64,
+    /// Ring bytes published by the producer and not yet given back to it.
+    pub used: u64,
+    /// Bytes whose records are lent to the exporter (sinks, consumers' queues) and not yet returned.
+    pub held: u64,
+}
+
+/// Reads a ring's occupancy from any thread while producer and drain run, without touching either end: plain
+/// atomic loads, no lock, no device call. For monitoring; nothing decides on it. A gauge keeps the ring's memory
+/// allocated while it lives, so its holder drops it once the drain has finished.
+pub trait OccupancyGauge: Send + Sync {
+    /// The occupancy now (each number a moment's value; the two need not be from the same instant).
+    fn read(&self) -> Occupancy;
+}
 
 /// The drain end of a ring, whatever its backend: hands out checked records in stream order.
 pub trait RecordSource: Send {
@@ -54,6 +74,8 @@ pub trait RecordSource: Send {
     }
     /// True when the producer is gone and every record it published has been handed out.
     fn is_finished(&mut self) -> bool;
+    /// A gauge of this ring's occupancy that other threads may read while the drain runs.
+    fn gauge(&self) -> std::sync::Arc<dyn OccupancyGauge>;
 }
 
 impl<S: RecordSource + ?Sized> RecordSource for Box<S> {
@@ -83,6 +105,10 @@ impl<S: RecordSource + ?Sized> RecordSource for Box<S> {
 
     fn is_finished(&mut self) -> bool {
         (**self).is_finished()
+    }
+
+    fn gauge(&self) -> std::sync::Arc<dyn OccupancyGauge> {
+        (**self).gauge()
     }
 }
 
@@ -115,5 +141,9 @@ impl RecordSource for Consumer {
 
     fn is_finished(&mut self) -> bool {
         Consumer::is_finished(self)
+    }
+
+    fn gauge(&self) -> std::sync::Arc<dyn OccupancyGauge> {
+        std::sync::Arc::new(Consumer::gauge(self))
     }
 }

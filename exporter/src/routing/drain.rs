@@ -26,6 +26,7 @@ use ringscope_ring::RecordSource;
 
 use crate::routing::catalog::{Catalog, CatalogEntry};
 use crate::routing::fanout::{port, Backlog, Filter, Offer, Port, Queue, Received, Subscription};
+use crate::routing::monitor::{DestinationKind, DrainMonitor, DrainStats};
 use crate::routing::record::Record;
 use crate::routing::sink::{Sink, SinkError};
 use crate::ExporterError;
@@ -149,6 +150,7 @@ pub struct Drain {
     subscribe: Sender<Port>,
     backlog_bytes: usize,
     health: SinkHealth,
+    monitor: DrainMonitor,
 }
 
 impl Drain {
@@ -163,8 +165,10 @@ impl Drain {
         let mut ports = Vec::new();
         let mut workers = Vec::new();
         let health = SinkHealth::default();
+        let monitor = DrainMonitor::new(consumer.gauge());
         for (sink, filter) in sinks {
             let (p, queue, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes, false);
+            monitor.add_destination(sink.name(), DestinationKind::Sink, backlog.clone());
             ports.push(p);
             let health = health.clone();
             let thread = std::thread::Builder::new()
@@ -174,11 +178,18 @@ impl Drain {
             workers.push(thread);
         }
         let (subscribe, new_ports) = crossbeam::channel::unbounded();
+        let drain_monitor = monitor.clone();
         let thread = std::thread::Builder::new()
             .name("ringscope-drain".into())
-            .spawn(move || run_drain(Box::new(consumer), &*catalog, ports, new_ports, options))
+            .spawn(move || run_drain(Box::new(consumer), &*catalog, ports, new_ports, options, &drain_monitor))
             .map_err(ExporterError::Spawn)?;
-        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes, health })
+        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes, health, monitor })
+    }
+
+    /// The drain's numbers — records and bytes moved, ring occupancy, each destination's progress and lag — for
+    /// any thread, while it runs and after [`Drain::join`].
+    pub fn monitor(&self) -> DrainMonitor {
+        self.monitor.clone()
     }
 
     /// The sinks' health: which have failed, why and when — updated by the sink workers as it happens, and still
@@ -191,6 +202,7 @@ impl Drain {
     pub fn subscribe(&self, name: &str, filter: Filter) -> Result<Subscription, ExporterError> {
         let (p, queue, backlog, gone) = port(name.to_owned(), filter, self.backlog_bytes, true);
         self.subscribe.send(p).map_err(|_| ExporterError::Stopped)?;
+        self.monitor.add_destination(name, DestinationKind::Consumer, backlog.clone());
         Ok(Subscription::new(queue, backlog, gone))
     }
 
@@ -221,6 +233,7 @@ fn run_drain(
     mut ports: Vec<Port>,
     new_ports: Receiver<Port>,
     options: DrainOptions,
+    monitor: &DrainMonitor,
 ) -> DrainReport {
     let started = Instant::now();
     let mut report = DrainReport::default();
@@ -274,6 +287,12 @@ fn run_drain(
             report.rows += record.rows() as u64;
             report.bytes += record.header().footprint() as u64;
             report.data_bytes += record.data().len() as u64;
+            monitor.set_drained(DrainStats {
+                records: report.records,
+                rows: report.rows,
+                bytes: report.bytes,
+                data_bytes: report.data_bytes,
+            });
             for p in ports.iter_mut() {
                 if p.offer(&record, &options.policy) == Offer::Dropped(DropReason::SinkBackpressure) {
                     report.backpressure_drops += 1;
@@ -328,6 +347,7 @@ fn run_drain(
         }
     }
     drop(ports);
+    monitor.finish_ring();
     // The ring's memory goes back on a thread of its own: unpinning the CUDA backend's staging takes about a tenth
     // of a second per GiB (and the driver serialises other memory calls behind it), which closing a session must
     // not wait for. If no thread can be started, the closure — and the ring with it — is dropped here.
@@ -420,8 +440,12 @@ fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>, healt
                     Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: false })
                 });
                 match result {
-                    Ok(()) => report.records += 1,
+                    Ok(()) => {
+                        report.records += 1;
+                        backlog.delivered(size);
+                    }
                     Err(e) => {
+                        backlog.set_failed();
                         // Reported the moment it happens (and before the record is counted as dropped, so that a
                         // caller who sees the drop sees the failure), so that the engine learns while it runs: full
                         // mode refuses captures from now on.
@@ -441,6 +465,7 @@ fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>, healt
         // A sink that wrote everything but failed to commit it at close failed too (its last files' records are
         // counted as `sink_error`).
         if let Some(e) = report.errors.first() {
+            backlog.set_failed();
             health.report(&report.name, e.clone());
         }
     }
@@ -946,6 +971,70 @@ mod tests {
         assert_eq!(report.backpressure_drops, 400 - kept.len() as u64);
         assert!(report.errors[0].contains("declared stalled 1 times"), "{:?}", report.errors);
         reg.accounting().check().unwrap();
+    }
+
+    #[test]
+    fn the_monitor_shows_the_ring_each_destinations_lag_and_delivery_while_the_drain_runs() {
+        let (p, c) = channel(1 << 16).unwrap();
+        let reg = TestCatalog::layers(1, 1024);
+        let mut p = p;
+        // A sink that takes one record, then waits for the test before writing it; a sink that fails at once.
+        let (gate, opened) = crossbeam::channel::unbounded::<()>();
+        let gated = CallbackSink::new("gated", move |_: &Record| {
+            opened.recv().unwrap();
+            Ok(())
+        });
+        let broken = CallbackSink::new("broken", |_: &Record| Err("disk full".into()));
+        let drain = Drain::spawn(c, reg.catalog(), vec![boxed(gated), boxed(broken)], full(10_000, 1 << 20)).unwrap();
+        let monitor = drain.monitor();
+        let probe = drain.subscribe("probe \"one\"", Filter::all()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        for step in 0..5u64 {
+            reg.capture(&mut p, 0, step, &[(1, step as u32)], &pattern(step, 2048));
+        }
+        let size = (ringscope_ring::record::HEADER_LEN + 64 + 2048) as u64;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while monitor.drain().records < 5 || monitor.destinations()[1].queued_records > 0 {
+            assert!(Instant::now() < deadline, "{monitor:?}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let drained = monitor.drain();
+        assert_eq!((drained.records, drained.rows, drained.data_bytes), (5, 5, 5 * 2048));
+        let d = monitor.destinations();
+        let names: Vec<_> = d.iter().map(|d| (d.name.as_str(), d.kind)).collect();
+        assert_eq!(
+            names,
+            [
+                ("gated", DestinationKind::Sink),
+                ("broken", DestinationKind::Sink),
+                ("probe \"one\"", DestinationKind::Consumer)
+            ]
+        );
+        // The gated sink is writing one record (it counts as queued until written) and has four waiting; the broken
+        // one took them all and failed.
+        assert_eq!((d[0].delivered_records, d[0].queued_records, d[0].queued_bytes), (0, 5, 5 * size));
+        assert_eq!((d[1].delivered_records, d[1].queued_records, d[1].failed), (0, 0, true));
+        assert!(!d[0].failed && !d[2].failed);
+        assert_eq!((d[2].queued_records, d[2].delivered_records), (5, 0));
+        // Every record is still lent (the gated sink and the probe's queue hold them): the ring is used and held.
+        let ring = monitor.ring();
+        assert_eq!(ring.capacity, 1 << 16);
+        assert!(ring.held > 0 && ring.used >= ring.held, "{ring:?}");
+        assert_eq!(probe.recv().unwrap().step(), 0);
+        let d = monitor.destinations();
+        assert_eq!((d[2].queued_records, d[2].delivered_records, d[2].delivered_bytes), (4, 1, size));
+        for _ in 0..5 {
+            gate.send(()).unwrap();
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        let d = monitor.destinations();
+        assert_eq!((d[0].delivered_records, d[0].delivered_bytes, d[0].queued_records), (5, 5 * size, 0));
+        assert_eq!(report.records, monitor.drain().records);
+        // After the drain: the last reading stands (the subscription still holds its four records).
+        assert_eq!(monitor.ring().capacity, 1 << 16);
+        assert_eq!(probe.iter().count(), 4);
+        assert_eq!(monitor.destinations()[2].delivered_records, 5);
     }
 
     #[test]

@@ -58,13 +58,25 @@ impl Filter {
     }
 }
 
-/// Bytes queued for one destination and not yet taken by it.
+/// Bytes queued for one destination and not yet taken by it — and, for monitoring ([`DrainMonitor`]), the running
+/// totals of what it received. Shared by the drain (which queues), the destination (which takes) and the monitor.
+///
+/// [`DrainMonitor`]: crate::routing::monitor::DrainMonitor
 #[derive(Debug)]
 pub(crate) struct Backlog {
     bytes: AtomicUsize,
+    /// Records queued and not yet taken (moves with `bytes`).
+    records: AtomicU64,
     max: usize,
     /// Records the destination has taken so far: its progress, which tells a slow consumer from a stalled one.
     progress: AtomicU64,
+    /// Records the destination received (a sink wrote it, a consumer received its copy), and their bytes.
+    delivered_records: AtomicU64,
+    delivered_bytes: AtomicU64,
+    /// Records dropped for this destination because its backlog was full.
+    dropped: AtomicU64,
+    /// The sink failed (nothing more is written to it).
+    failed: AtomicBool,
     lock: Mutex<()>,
     taken: Condvar,
 }
@@ -73,8 +85,13 @@ impl Backlog {
     pub(crate) fn new(max: usize) -> Arc<Backlog> {
         Arc::new(Backlog {
             bytes: AtomicUsize::new(0),
+            records: AtomicU64::new(0),
             max,
             progress: AtomicU64::new(0),
+            delivered_records: AtomicU64::new(0),
+            delivered_bytes: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            failed: AtomicBool::new(false),
             lock: Mutex::new(()),
             taken: Condvar::new(),
         })
@@ -83,8 +100,32 @@ impl Backlog {
     /// The destination took a record of `size` bytes.
     pub(crate) fn taken(&self, size: usize) {
         self.bytes.fetch_sub(size, Ordering::AcqRel);
+        self.records.fetch_sub(1, Ordering::Relaxed);
         self.progress.fetch_add(1, Ordering::AcqRel);
         self.wake();
+    }
+
+    /// The destination received a record of `size` bytes (a sink wrote it, a consumer got its copy).
+    pub(crate) fn delivered(&self, size: usize) {
+        self.delivered_records.fetch_add(1, Ordering::Relaxed);
+        self.delivered_bytes.fetch_add(size as u64, Ordering::Relaxed);
+    }
+
+    /// The sink failed: it is not written to again.
+    pub(crate) fn set_failed(&self) {
+        self.failed.store(true, Ordering::Relaxed);
+    }
+
+    /// Its numbers now, for a monitor.
+    pub(crate) fn read(&self) -> BacklogReading {
+        BacklogReading {
+            delivered_records: self.delivered_records.load(Ordering::Relaxed),
+            delivered_bytes: self.delivered_bytes.load(Ordering::Relaxed),
+            queued_records: self.records.load(Ordering::Relaxed),
+            queued_bytes: self.queued() as u64,
+            dropped_records: self.dropped.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+        }
     }
 
     /// Wakes the drain if it waits for room (something was taken, or the destination left).
@@ -109,6 +150,17 @@ impl Backlog {
         let q = self.queued();
         q == 0 || q + size <= self.max
     }
+}
+
+/// One destination's numbers at one moment ([`Backlog::read`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct BacklogReading {
+    pub(crate) delivered_records: u64,
+    pub(crate) delivered_bytes: u64,
+    pub(crate) queued_records: u64,
+    pub(crate) queued_bytes: u64,
+    pub(crate) dropped_records: u64,
+    pub(crate) failed: bool,
 }
 
 /// Capacity of a port's queue in records. The byte budget is the real bound; this only caps bookkeeping.
@@ -301,11 +353,13 @@ impl Port {
             };
             if !admitted {
                 self.dropped += 1;
+                self.backlog.dropped.fetch_add(1, Ordering::Relaxed);
                 record.receipt().fail(DropReason::SinkBackpressure);
                 return Offer::Dropped(DropReason::SinkBackpressure);
             }
         }
         self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
+        self.backlog.records.fetch_add(1, Ordering::Relaxed);
         let queued = if self.consumer { record.detached() } else { record.clone() };
         // `has_room` saw a free slot in the queue too, and the drain is its only producer.
         self.queue.push(queued);
@@ -430,7 +484,11 @@ impl Subscription {
         // ring (correct, only holding ring space while kept).
         let r = r.detach().unwrap_or(r);
         self.backlog.taken(r.size_bytes());
-        (!self.is_closed()).then_some(r)
+        let open = !self.is_closed();
+        if open {
+            self.backlog.delivered(r.size_bytes());
+        }
+        open.then_some(r)
     }
 
     /// Waits for the next record; `None` once the session has shut down and everything was received, or once the

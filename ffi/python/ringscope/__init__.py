@@ -258,6 +258,35 @@ class _SinkFailureInfo(ctypes.Structure):
                 ("needed", ctypes.c_uint64)]
 
 
+class _SessionSnapshot(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint32) for n in (
+        "struct_size", "mode", "backend", "hookpoints", "destinations", "reserved")] + [(n, ctypes.c_uint64) for n in (
+        "unix_ns", "uptime_ns", "steps", "last_step", "step_time_ns", "step_interval_ns", "ring_capacity_bytes",
+        "ring_used_bytes", "ring_held_bytes", "drain_records", "drain_rows", "drain_bytes", "drain_data_bytes")]
+
+
+_RUNG_LEN = 32
+
+
+class _HookPointSnapshot(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("id", ctypes.c_uint32), ("row_bytes", ctypes.c_uint64),
+                ("name_len", ctypes.c_uint64), ("counts", _Counts), ("produced_bytes", ctypes.c_uint64), ("published_bytes", ctypes.c_uint64),
+                ("exported_bytes", ctypes.c_uint64), ("rung", ctypes.c_char * _RUNG_LEN)]
+
+
+class _DestinationSnapshot(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
+        "delivered_records", "delivered_bytes", "queued_records", "queued_bytes", "dropped_records")] + [
+        ("failed", ctypes.c_uint32), ("name_len", ctypes.c_uint32)]
+
+
+def _sized(struct_type):
+    """A snapshot struct with ``struct_size`` set, as the C ABI asks."""
+    v = struct_type()
+    v.struct_size = ctypes.sizeof(struct_type)
+    return v
+
+
 def library_path() -> str:
     """Where libringscope is loaded from: ``$RINGSCOPE_LIB``, else the copy inside this package, else a cargo
     build of the checkout this package sits in (``target/release``)."""
@@ -315,11 +344,33 @@ def _load():
         "rs_poll": ([u64, u32, p(_RecordInfo), ctypes.c_void_p, sz], i32),
         "rs_subscription_close": ([u64], i32),
     }
+    # ABI 2 (statistics): a library built before it lacks them, and only the calls that need them fail.
+    stats_sigs = {
+        "rs_abi_version": ([], u32),
+        "rs_session_stats": ([u64, p(_SessionSnapshot)], i32),
+        "rs_hookpoint_stats": ([u64, u32, p(_HookPointSnapshot), ctypes.c_char_p, sz], i32),
+        "rs_destination_stats": ([u64, u32, p(_DestinationSnapshot), ctypes.c_char_p, sz], i32),
+        "rs_metrics_text": ([u64, ctypes.c_char_p, sz, p(sz)], i32),
+    }
     for name, (args, res) in sigs.items():
         f = getattr(lib, name)
         f.argtypes = args
         f.restype = res
+    for name, (args, res) in stats_sigs.items():
+        f = getattr(lib, name, None)
+        if f is not None:
+            f.argtypes = args
+            f.restype = res
     _lib = lib
+    return lib
+
+
+def _stats_lib():
+    """The library, checked to have the statistics calls (C ABI 2)."""
+    lib = _load()
+    if not hasattr(lib, "rs_session_stats"):
+        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the statistics calls (C ABI 2): rebuild it "
+                                              "with `cargo build --release -p ringscope-ffi`")
     return lib
 
 
@@ -547,6 +598,77 @@ class Session:
         c = _Counts()
         _check(_load().rs_stats(self._h, _u32("hookpoint", hookpoint), ctypes.byref(c)))
         return c.to_dict()
+
+    def stats_all(self) -> dict:
+        """The session's numbers now, as a dict mirroring the Rust ``SessionStats``: ``unix_ns``, ``uptime_s``,
+        ``mode``, ``backend``, ``steps``, ``last_step`` (None before the first step), ``step_time_s`` and
+        ``step_interval_s`` (mean over the last 16 steps of begin→end and begin→next begin; None when unknown),
+        ``ring`` (``capacity_bytes``, ``used_bytes``, ``held_bytes``), ``drain`` (``records``, ``rows``, ``bytes``,
+        ``data_bytes``), ``destinations`` (a list of dicts: ``name``, ``kind`` "sink" or "consumer",
+        ``delivered_records``, ``delivered_bytes``, ``queued_records``, ``queued_bytes``, ``dropped_records``,
+        ``failed``) and ``hookpoints`` (a list of dicts: ``id``, ``name``, ``row_bytes``, ``counters`` as
+        :meth:`stats` returns them, ``produced_bytes``, ``published_bytes``, ``exported_bytes``, ``rung``).
+
+        Counters are cumulative: difference two calls for rates. Cheap enough to call every step; no device call
+        (CUDA backend: the device-counted hookpoint counters are those of the last :meth:`stats` or :meth:`flush`).
+        """
+        lib = _stats_lib()
+        st = _sized(_SessionSnapshot)
+        _check(lib.rs_session_stats(self._h, ctypes.byref(st)))
+        hookpoints = []
+        for hp_id in range(st.hookpoints):
+            hp = _sized(_HookPointSnapshot)
+            name = ctypes.create_string_buffer(257)  # hookpoint names are at most 256 bytes
+            _check(lib.rs_hookpoint_stats(self._h, hp_id, ctypes.byref(hp), name, len(name)))
+            hookpoints.append({
+                "id": hp.id, "name": name.raw[:hp.name_len].decode("utf-8", "replace"), "row_bytes": hp.row_bytes, "counters": hp.counts.to_dict(),
+                "produced_bytes": hp.produced_bytes, "published_bytes": hp.published_bytes,
+                "exported_bytes": hp.exported_bytes, "rung": hp.rung.decode("ascii", "replace"),
+            })
+        destinations = []
+        for i in range(st.destinations):
+            d = _sized(_DestinationSnapshot)
+            name = ctypes.create_string_buffer(256)
+            status = lib.rs_destination_stats(self._h, i, ctypes.byref(d), name, len(name))
+            if status == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
+                name = ctypes.create_string_buffer(d.name_len + 1)
+                status = lib.rs_destination_stats(self._h, i, ctypes.byref(d), name, len(name))
+            _check(status)
+            destinations.append({
+                "name": name.raw[:d.name_len].decode("utf-8", "replace"),
+                "kind": "consumer" if d.kind == 1 else "sink",
+                "delivered_records": d.delivered_records, "delivered_bytes": d.delivered_bytes,
+                "queued_records": d.queued_records, "queued_bytes": d.queued_bytes,
+                "dropped_records": d.dropped_records, "failed": bool(d.failed),
+            })
+        seconds = (lambda ns: ns / 1e9 if ns else None)
+        return {
+            "unix_ns": st.unix_ns, "uptime_s": st.uptime_ns / 1e9,
+            "mode": "best_effort" if st.mode == 1 else "full", "backend": "cuda" if st.backend == 1 else "host",
+            "steps": st.steps, "last_step": st.last_step if st.steps else None,
+            "step_time_s": seconds(st.step_time_ns), "step_interval_s": seconds(st.step_interval_ns),
+            "ring": {"capacity_bytes": st.ring_capacity_bytes, "used_bytes": st.ring_used_bytes,
+                     "held_bytes": st.ring_held_bytes},
+            "drain": {"records": st.drain_records, "rows": st.drain_rows, "bytes": st.drain_bytes,
+                      "data_bytes": st.drain_data_bytes},
+            "destinations": destinations,
+            "hookpoints": hookpoints,
+        }
+
+    def metrics_text(self) -> str:
+        """The session's statistics in the Prometheus text exposition format (0.0.4), for an engine that serves its
+        own ``/metrics``."""
+        lib = _stats_lib()
+        needed = ctypes.c_size_t(0)
+        buf = ctypes.create_string_buffer(64 << 10)
+        for _ in range(8):
+            status = lib.rs_metrics_text(self._h, buf, len(buf), ctypes.byref(needed))
+            if status != _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
+                break
+            # The text may grow a little between calls (a new destination, larger numbers): leave room.
+            buf = ctypes.create_string_buffer(needed.value + 4096)
+        _check(status)
+        return buf.value.decode("utf-8", "replace")
 
     def sink_failures(self) -> list:
         """The sinks that have failed so far, in the order they failed: a list of dicts with ``sink`` (its name),

@@ -528,6 +528,36 @@ impl RecordSource for DeviceConsumer {
         }
         self.finished()
     }
+
+    fn gauge(&self) -> Arc<dyn crate::OccupancyGauge> {
+        Arc::new(DeviceGauge { ring: self.ring.clone(), lent: self.book.lent_gauge() })
+    }
+}
+
+/// The occupancy of a device ring, read from any thread with what the host already knows — no device call:
+///
+/// * `used` — device ring bytes published by capture kernels (the host block's `head`) and not yet handed back
+///   by the drain (its copies out of them have not completed). Bytes a capture kernel is writing but has not
+///   published yet are not counted.
+/// * `held` — bytes of the drain's pinned staging (as large as the ring) whose records are lent to the exporter
+///   and not yet returned. Staging is separate memory: the device ring's space goes back as soon as its bytes are
+///   copied out, so `held` is not part of `used` here.
+///
+/// It keeps the ring (device memory and all) allocated while it lives.
+struct DeviceGauge {
+    ring: Arc<DeviceRing>,
+    lent: Arc<AtomicU64>,
+}
+
+impl crate::OccupancyGauge for DeviceGauge {
+    fn read(&self) -> crate::Occupancy {
+        // `released` first: it never passes `published`, which only grows.
+        let released = self.ring.released();
+        let published = self.ring.published();
+        let capacity = self.ring.capacity() as u64;
+        let used = published.saturating_sub(released).min(capacity);
+        crate::Occupancy { capacity, used, held: self.lent.load(Ordering::Relaxed).min(capacity) }
+    }
 }
 
 impl Drop for DeviceConsumer {
