@@ -98,6 +98,13 @@ pub fn exposition(stats: &SessionStats) -> String {
     e.sample("session_info", &[("mode", &stats.mode.to_string()), ("backend", stats.backend)], 1);
     e.single("uptime_seconds", Kind::Gauge, "Seconds since the session started.", seconds(stats.uptime));
     e.single("steps_total", Kind::Counter, "Steps begun through begin_step / begin_step_on.", stats.steps);
+    e.single("stalls_total", Kind::Counter, "Full mode: times a producer waited for room in the ring.", stats.stalls);
+    e.single(
+        "stall_seconds_total",
+        Kind::Counter,
+        "Full mode: seconds producers waited for room in the ring, all waits together.",
+        seconds(stats.stall_time),
+    );
     if let Some(t) = stats.step_time {
         e.single(
             "step_duration_seconds",

@@ -44,6 +44,11 @@ pub struct SessionStats {
     pub step_interval: Option<Duration>,
     /// How full the ring is.
     pub ring: RingStats,
+    /// Full mode: how many times producers waited for room (captures on the host backend, step admission on the
+    /// CUDA backend).
+    pub stalls: u64,
+    /// How long those waits took together.
+    pub stall_time: Duration,
     /// What the drain has moved out of the ring.
     pub drain: DrainStats,
     /// Each sink's and consumer's progress and lag, sinks first, then subscriptions in the order they were made.
@@ -211,6 +216,7 @@ impl Observer {
             (t.steps, t.last_step, t.durations.mean(), t.intervals.mean())
         };
         let ring = self.monitor.ring();
+        let (stalls, stall_time) = self.registry.stall().total();
         let hookpoints = self
             .registry
             .all()
@@ -240,6 +246,8 @@ impl Observer {
             step_time,
             step_interval,
             ring: RingStats { capacity_bytes: ring.capacity, used_bytes: ring.used, held_bytes: ring.held },
+            stalls,
+            stall_time,
             drain: self.monitor.drain(),
             destinations: self.monitor.destinations(),
             hookpoints,
