@@ -7,6 +7,8 @@
 //!   *best-effort* (the producer never waits: a record that finds the ring full is dropped and counted).
 //! * [`Counters`] / [`Accounting`] — per-hookpoint tallies with the invariant
 //!   `produced = exported + dropped + sampled_out`, checked at shutdown by [`AccountingSnapshot::check`].
+//! * [`EventLog`] — what happened when: spans of dropped records (step range, hookpoint, reason, rows lost) and
+//!   rung changes, written into every dataset as its `_ringscope_events` table.
 //!
 //! This crate decides from numbers and knows no memory: it never touches a ring or a record.
 #![warn(missing_docs)]
@@ -16,6 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+pub mod events;
+pub use events::{Event, EventKind, EventLog};
 
 /// How the producer behaves when the ring (or, later, a sink) has no room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
