@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
-use ringscope_policy::{AccountingSnapshot, Counters};
+use ringscope_policy::{AccountingSnapshot, Counters, DropReason, EventLog};
 
 use crate::error::HookPointError;
 use ringscope_ring::HookPointSpec;
@@ -112,6 +112,8 @@ pub struct HookPoint {
     /// Shared with the exporter's catalog entry: the capture side counts what it produced and dropped, the export
     /// side what it exported or lost, and the two meet only in these counters.
     counters: Arc<Counters>,
+    /// The session's event log, where every drop counted here is logged with its step.
+    events: Arc<EventLog>,
 }
 
 impl HookPoint {
@@ -134,6 +136,17 @@ impl HookPoint {
     pub fn counters(&self) -> &Arc<Counters> {
         &self.counters
     }
+
+    /// The session's event log (shared by every hookpoint of the registry).
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
+    }
+
+    /// A record of `rows` rows captured at `step` was dropped for `reason`: counts it and logs it.
+    pub fn dropped(&self, reason: DropReason, step: u64, rows: u64) {
+        self.counters.dropped(reason, rows);
+        self.events.dropped(&self.spec.name, reason, step, 1, rows);
+    }
 }
 
 /// All hookpoints of a session. Append-only: ids are never reused, so a record's hookpoint id always resolves.
@@ -142,6 +155,8 @@ pub struct Registry {
     inner: RwLock<Inner>,
     /// Bumped by every registration and every control change.
     changes: Arc<AtomicU64>,
+    /// Where the hookpoints log their drops.
+    events: Arc<EventLog>,
 }
 
 #[derive(Debug, Default)]
@@ -151,9 +166,19 @@ struct Inner {
 }
 
 impl Registry {
-    /// An empty registry.
+    /// An empty registry with an event log of its own.
     pub fn new() -> Self {
         Registry::default()
+    }
+
+    /// An empty registry whose hookpoints log their drops into `events` (the session's log).
+    pub fn with_events(events: Arc<EventLog>) -> Self {
+        Registry { events, ..Registry::default() }
+    }
+
+    /// The event log the hookpoints log their drops into.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
     }
 
     /// Registers a hookpoint and returns it. Fails on an invalid spec or a name already taken.
@@ -166,7 +191,7 @@ impl Registry {
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
         let control = Control::new(self.changes.clone());
-        let hp = Arc::new(HookPoint { id, spec, control, counters: Arc::default() });
+        let hp = Arc::new(HookPoint { id, spec, control, counters: Arc::default(), events: self.events.clone() });
         inner.by_id.push(hp.clone());
         self.changes.fetch_add(1, Ordering::Release);
         Ok(hp)
