@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ringscope_exporter::{
-    arrow_ipc_sink, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain, DrainOptions,
-    DrainReport, Filter, Sink, SinkFailure, SinkHealth, Subscription,
+    arrow_ipc_sink, event_recorder, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain,
+    DrainOptions, DrainReport, EventRecorder, EventsFile, Filter, Sink, SinkFailure, SinkHealth, Subscription,
 };
 use ringscope_hookpoint::cuda::GraphBatch;
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, LossPolicy, Mode};
+use ringscope_policy::{AccountingSnapshot, EventLog, LossPolicy, Mode};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
 
 use crate::backend::cuda::CudaBackend;
@@ -32,6 +32,9 @@ pub struct Report {
     pub run_dir: Option<std::path::PathBuf>,
     /// Sinks that failed during the run (their records from then on are counted as `sink_error`).
     pub sink_failures: Vec<SinkFailure>,
+    /// The events table's files (`<run dir>/_ringscope_events/`), in commit order; empty without a file sink or
+    /// when nothing was lost.
+    pub events: Vec<EventsFile>,
 }
 
 impl Report {
@@ -53,7 +56,7 @@ struct RegistryCatalog(Arc<Registry>);
 impl Catalog for RegistryCatalog {
     fn entry(&self, id: u32) -> Option<Arc<CatalogEntry>> {
         let hp = self.0.get(id).ok()?;
-        Some(Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone())))
+        Some(Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone(), hp.events().clone())))
     }
 }
 
@@ -87,6 +90,11 @@ pub struct Session {
     run_dir: Option<std::path::PathBuf>,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
     health: SinkHealth,
+    /// What was lost, when and why, and rung changes: every drop counted anywhere is logged here.
+    events: Arc<EventLog>,
+    /// Writes `events` into the run directory's events table as it happens (with a file sink); `None` once shut
+    /// down.
+    recorder: Mutex<Option<EventRecorder>>,
 }
 
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
@@ -122,7 +130,8 @@ impl SessionBuilder {
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
         config.ring.validate_cuda_keys()?;
 
-        let registry = Arc::new(Registry::new());
+        let events = Arc::new(EventLog::new());
+        let registry = Arc::new(Registry::with_events(events.clone()));
         for hc in &config.hookpoints {
             let (spec, selection) = hc.resolve()?;
             let hp = registry.register(spec)?;
@@ -172,6 +181,7 @@ impl SessionBuilder {
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
         let drain = Drain::spawn(source, catalog, sinks, options)?;
         let health = drain.health();
+        let recorder = run_dir.as_deref().map(|dir| event_recorder(dir, events.clone())).transpose()?;
         let capture = Capture { backend };
         Ok(Session {
             registry,
@@ -182,6 +192,8 @@ impl SessionBuilder {
             files,
             run_dir,
             health,
+            events,
+            recorder: Mutex::new(recorder),
         })
     }
 }
@@ -221,6 +233,14 @@ impl Session {
     /// The loss policy in force.
     pub fn policy(&self) -> LossPolicy {
         self.policy
+    }
+
+    /// The session's event log. Every drop is logged in it as it is counted (a span per hookpoint and reason); push
+    /// rung changes and stalls into it. With a file sink the session writes it into the run's events table (taking
+    /// it every half second and at shutdown): do not [`take`](EventLog::take) it then, or what you take is not
+    /// written. Without one, nothing takes it but you.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
     }
 
     /// Largest record payload the ring accepts, in bytes.
@@ -397,6 +417,14 @@ impl Session {
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let mut drain = drain.join()?;
         drain.errors.extend(device_errors);
+        // Last: the drain and every sink have let go of their records, so every drop is counted and logged, and the
+        // table's rows lost add up to the accounting's.
+        let mut events = Vec::new();
+        if let Some(recorder) = self.recorder.lock().take() {
+            let written = recorder.finish()?;
+            drain.errors.extend(written.errors);
+            events = written.files;
+        }
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
         let report = Report {
             accounting: self.registry.accounting(),
@@ -404,6 +432,7 @@ impl Session {
             files,
             run_dir: self.run_dir.clone(),
             sink_failures: self.health.failures(),
+            events,
         };
         if let Some(dir) = &report.run_dir {
             if let Err(source) = crate::manifest::write(dir, &self.registry, &report) {
