@@ -569,7 +569,7 @@ impl Events {
             }
         }
         for ((hookpoint, reason), l) in &self.lost {
-            if !accounting.get(hookpoint).is_some_and(|a| a["dropped"].get(reason).is_some()) {
+            if accounting.get(hookpoint).is_none_or(|a| a["dropped"].get(reason).is_none()) {
                 problems.push(format!(
                     "{hookpoint}: the events table has {} rows dropped for {reason}, which the manifest does not count",
                     l.rows

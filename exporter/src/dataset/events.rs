@@ -242,9 +242,12 @@ pub struct EventRecorder {
     thread: JoinHandle<Recorded>,
 }
 
+/// An [`EventsTable::write`], its format left behind.
+type WriteEvents = Box<dyn FnMut(&[Event]) -> Result<EventsFile, FileError> + Send>;
+
 /// The recorder thread's state, handed back when it stops.
 struct Recorded {
-    write: Box<dyn FnMut(&[Event]) -> Result<EventsFile, FileError> + Send>,
+    write: WriteEvents,
     /// Taken from the log but not written yet (a write failed).
     unwritten: Vec<Event>,
     report: EventsReport,
