@@ -64,7 +64,7 @@ fn records(registry: &Registry) -> (Vec<Record>, Vec<u8>) {
         })
         .unwrap();
     // The export side sees the hookpoint through its catalog entry (same counters).
-    let hp = Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone()));
+    let hp = Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone(), hp.events().clone()));
     let mut all = Vec::new();
     let mut records = Vec::new();
     let mut buf = Vec::new();

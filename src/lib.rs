@@ -78,15 +78,20 @@ pub use stats::{
 
 // What a session's user holds: hookpoints and their controls, the outcome of a capture, the accounting.
 pub use ringscope_hookpoint::{CaptureOutcome, Control, HookPoint, RowSelection};
-pub use ringscope_policy::{AccountingSnapshot, CounterSnapshot, DropReason, LossPolicy, Mode, Tally};
+pub use ringscope_policy::{
+    AccountingSnapshot, CounterSnapshot, DropReason, Event, EventKind, EventLog, LossPolicy, Mode, Tally,
+};
 pub use ringscope_ring::record::FORMAT_VERSION;
 pub use ringscope_ring::{DType, HookPointSpec, RecordHeader, RecordView, RowMeta, SiteKind};
+
+// What a reader of a run's events table uses (`_ringscope_events/`: what was lost, when and why).
+pub use ringscope_exporter::read_events;
 
 // What a consumer or a sink of their own sees: records, filters, subscriptions, the sink seam and the built-in sinks.
 pub use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, ArrowIpc, BoxError, CallbackSink, CatalogEntry, CommittedFile, DatasetOptions,
-    DirectIo, DrainReport, FileSink, Filter, HookPointSummary, Parquet, Receipt, Record, Sink, SinkError, SinkFailure,
-    SinkReport, Subscription, Summary, SummarySink,
+    DirectIo, DrainReport, EventsFile, FileSink, Filter, HookPointSummary, Parquet, Receipt, Record, Sink, SinkError,
+    SinkFailure, SinkReport, Subscription, Summary, SummarySink,
 };
 
 /// The CUDA backend's types an engine passes in: streams, device memory, steps recorded inside graphs.

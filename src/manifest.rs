@@ -11,6 +11,9 @@
 //!   rows committed per hookpoint, and whether and when it failed. A committed file's rows are in its sink's
 //!   `committed` — the numbers a reader of that format's files finds on disk.
 //!
+//! `events` lists the files of the events table (`_ringscope_events/`: what was lost, when and why), each with its
+//! events and rows lost; over all of them, rows lost per (hookpoint, reason) equal the accounting's dropped rows.
+//!
 //! A manifest that cannot be written leaves nothing behind (its temporary file is removed).
 
 use std::collections::BTreeMap;
@@ -109,11 +112,20 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std
             })
         })
         .collect();
+    let events: Vec<Value> = report
+        .events
+        .iter()
+        .map(|f| {
+            let rel = f.path.strip_prefix(run_dir).unwrap_or(&f.path);
+            json!({ "path": rel.to_string_lossy(), "events": f.events, "rows_lost": f.rows_lost, "bytes": f.bytes })
+        })
+        .collect();
     let manifest = json!({
         "format_version": ringscope_ring::record::FORMAT_VERSION,
         "run_id": run_dir.file_name().map(|n| n.to_string_lossy().into_owned()),
         "hookpoints": hookpoints,
         "files": files,
+        "events": events,
         "sinks": sinks(report),
         "drain": {
             "records": report.drain.records,

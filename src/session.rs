@@ -7,12 +7,15 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use ringscope_exporter::{
-    arrow_ipc_sink, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain, DrainOptions,
-    DrainReport, Filter, Sink, SinkFailure, SinkHealth, Subscription,
+    arrow_ipc_sink, event_recorder, parquet_sink, Catalog, CatalogEntry, CommittedFile, CommittedFiles, Drain,
+    DrainOptions, DrainReport, EventRecorder, EventsFile, Filter, Sink, SinkFailure, SinkHealth, Subscription,
 };
 use ringscope_hookpoint::cuda::{DeviceCaptureError, GraphBatch};
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, HookPointError, HookPointSpec, Registry, StepBatch};
-use ringscope_policy::{AccountingSnapshot, Budget, DropReason, LossPolicy, Mode, RungChange};
+use ringscope_policy::events::unix_ns_now;
+use ringscope_policy::{
+    AccountingSnapshot, Budget, DropReason, Event, EventKind, EventLog, LossPolicy, Mode, RungChange,
+};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
 
 use crate::backend::cuda::CudaBackend;
@@ -37,6 +40,9 @@ pub struct Report {
     pub run_dir: Option<std::path::PathBuf>,
     /// Sinks that failed during the run (their records from then on are counted as `sink_error`).
     pub sink_failures: Vec<SinkFailure>,
+    /// The events table's files (`<run dir>/_ringscope_events/`), in commit order; empty without a file sink or
+    /// when nothing was lost.
+    pub events: Vec<EventsFile>,
 }
 
 impl Report {
@@ -58,7 +64,7 @@ struct RegistryCatalog(Arc<Registry>);
 impl Catalog for RegistryCatalog {
     fn entry(&self, id: u32) -> Option<Arc<CatalogEntry>> {
         let hp = self.0.get(id).ok()?;
-        Some(Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone())))
+        Some(Arc::new(CatalogEntry::new(hp.id(), hp.spec().clone(), hp.counters().clone(), hp.events().clone())))
     }
 }
 
@@ -108,6 +114,11 @@ pub struct Session {
     /// The Prometheus endpoint (`[metrics] listen`), stopped at shutdown.
     metrics: Mutex<Option<MetricsServer>>,
     metrics_addr: Option<SocketAddr>,
+    /// What was lost, when and why, and rung changes: every drop counted anywhere is logged here.
+    events: Arc<EventLog>,
+    /// Writes `events` into the run directory's events table as it happens (with a file sink); `None` once shut
+    /// down.
+    recorder: Mutex<Option<EventRecorder>>,
 }
 
 /// Steps begun and what their batches held.
@@ -165,7 +176,8 @@ impl SessionBuilder {
             .map_err(|_| Error::Config(format!("ring.capacity {} does not fit in memory", config.ring.capacity.0)))?;
         config.ring.validate_cuda_keys()?;
 
-        let registry = Arc::new(Registry::new());
+        let events = Arc::new(EventLog::new());
+        let registry = Arc::new(Registry::with_events(events.clone()));
         for hc in &config.hookpoints {
             let (spec, selection) = hc.resolve()?;
             let hp = registry.register(spec)?;
@@ -216,6 +228,7 @@ impl SessionBuilder {
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
         let drain = Drain::spawn(source, catalog, sinks, options)?;
         let health = drain.health();
+        let recorder = run_dir.as_deref().map(|dir| event_recorder(dir, events.clone())).transpose()?;
         let capture = Capture { backend };
         let observer = Arc::new(Observer {
             registry: registry.clone(),
@@ -254,6 +267,8 @@ impl SessionBuilder {
             observer,
             metrics: Mutex::new(metrics),
             metrics_addr,
+            events,
+            recorder: Mutex::new(recorder),
         })
     }
 }
@@ -293,6 +308,14 @@ impl Session {
     /// The loss policy in force.
     pub fn policy(&self) -> LossPolicy {
         self.policy
+    }
+
+    /// The session's event log. Every drop is logged in it as it is counted (a span per hookpoint and reason); push
+    /// rung changes and stalls into it. With a file sink the session writes it into the run's events table (taking
+    /// it every half second and at shutdown): do not [`take`](EventLog::take) it then, or what you take is not
+    /// written. Without one, nothing takes it but you.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
     }
 
     /// Largest record payload the ring accepts, in bytes.
@@ -369,6 +392,7 @@ impl Session {
             Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
                 if self.on_deadline == config::OnDeadline::Degrade =>
             {
+                self.log_degraded_step(step, "");
                 Ok(())
             }
             other => other,
@@ -424,7 +448,41 @@ impl Session {
         }
     }
 
-    fn log_rung_change(&self, _hp: &HookPoint, _change: &RungChange) {}
+    /// Writes a rung change into the events table (as it happens, like every drop).
+    fn log_rung_change(&self, hp: &HookPoint, change: &RungChange) {
+        let step = self.steps.last.load(Ordering::Relaxed);
+        self.events.push(Event {
+            unix_ns: unix_ns_now(),
+            hookpoint: hp.spec().name.clone(),
+            first_step: step,
+            last_step: step,
+            kind: EventKind::Rung,
+            rung: change.to.name(),
+            reason: change.budget.map_or("recovered", |b| b.name()).to_owned(),
+            records_lost: 0,
+            rows_lost: 0,
+            detail: format!("{} -> {}: {}", change.from, change.to, change.detail),
+        });
+    }
+
+    /// Full mode with `on_deadline = "degrade"`: a step went on without room; said in the events table.
+    fn log_degraded_step(&self, step: u64, hookpoint: &str) {
+        self.events.push(Event {
+            unix_ns: unix_ns_now(),
+            hookpoint: hookpoint.to_owned(),
+            first_step: step,
+            last_step: step,
+            kind: EventKind::Stall,
+            rung: String::new(),
+            reason: "full_mode_deadline".into(),
+            records_lost: 0,
+            rows_lost: 0,
+            detail: format!(
+                "no room by the deadline ({} ms): the step went on as in best-effort (policy.on_deadline = \"degrade\")",
+                self.policy.full_deadline.as_millis()
+            ),
+        });
+    }
 
     /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
     /// The recorded kernel builds the step's batch descriptor at every replay from the engine's own device tensors
@@ -486,6 +544,7 @@ impl Session {
             return match self.with_capture(|c| c.backend.capture(&self.policy, hp, data)) {
                 Err(Error::HookPoint(HookPointError::Deadline { .. })) => {
                     *self.degraded_step.lock() = Some(step);
+                    self.log_degraded_step(step, &hp.spec().name);
                     Ok(CaptureOutcome::Dropped(DropReason::Deadline))
                 }
                 other => other,
@@ -585,6 +644,14 @@ impl Session {
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let mut drain = drain.join()?;
         drain.errors.extend(device_errors);
+        // Last: the drain and every sink have let go of their records, so every drop is counted and logged, and the
+        // table's rows lost add up to the accounting's.
+        let mut events = Vec::new();
+        if let Some(recorder) = self.recorder.lock().take() {
+            let written = recorder.finish()?;
+            drain.errors.extend(written.errors);
+            events = written.files;
+        }
         let files = self.files.iter().flat_map(|f| f.lock().clone()).collect();
         let report = Report {
             accounting: self.registry.accounting(),
@@ -592,6 +659,7 @@ impl Session {
             files,
             run_dir: self.run_dir.clone(),
             sink_failures: self.health.failures(),
+            events,
         };
         if let Some(dir) = &report.run_dir {
             if let Err(source) = crate::manifest::write(dir, &self.registry, &report) {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use ringscope::{CaptureOutcome, Config, DropReason, Error, Session};
+use ringscope::{CaptureOutcome, Config, DropReason, Error, EventKind, Session};
 use ringscope_exporter::CallbackSink;
 
 fn toml(policy: &str, hookpoints: u32, width: u32) -> String {
@@ -64,6 +64,11 @@ fn a_drain_cap_is_met_by_sampling_not_by_dropping() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let rungs: Vec<_> = session.hookpoints().iter().map(|h| h.control().keep()).collect();
+    // Every rung change is an event (no file sink here: nothing else takes the log).
+    let events = session.events().take();
+    let rung_events: Vec<_> = events.iter().filter(|e| e.kind == EventKind::Rung).collect();
+    assert!(!rung_events.is_empty() && rung_events.iter().all(|e| e.reason == "drain_rate"), "{events:?}");
+    assert!(rung_events.iter().any(|e| e.rung.starts_with("every_")), "{rung_events:?}");
     let report = session.shutdown().unwrap();
     let total = report.accounting.total();
     assert!(total.sampled_out.rows > 0, "the policy manager never degraded: {rungs:?}");

@@ -8,7 +8,8 @@
 //!   reason — when its last holder lets go of it and of its [`Receipt`]. Hookpoint ids resolve through the
 //!   [`Catalog`] the session hands over: this crate does not know the capture side.
 //! * [`dataset`] — what a dump is on disk: Hive-partitioned directories, the Arrow schema, batches, and the
-//!   [`FileSink`] that writes, rotates and commits files. It meets routing at the [`Sink`] trait.
+//!   [`FileSink`] that writes, rotates and commits files. It meets routing at the [`Sink`] trait. Next to the data,
+//!   the [`EventRecorder`] writes the session's event log (what was lost, when and why) as the run's events table.
 //! * [`writing`] — how one file's bytes are laid out and reach the disk: [`Parquet`] (our own zstd pages) and
 //!   [`ArrowIpc`], files written with `O_DIRECT` where possible. It meets the dataset at the [`FileFormat`] trait.
 //!
@@ -23,14 +24,18 @@ mod testing;
 pub mod writing;
 
 pub use dataset::{
-    CommittedFile, CommittedFiles, DatasetOptions, DirectIo, FileError, FileFormat, FileSink, FormatError, OptionsError,
+    read_events, CommittedFile, CommittedFiles, DatasetOptions, DirectIo, EventRecorder, EventsFile, EventsReport,
+    EventsTable, FileError, FileFormat, FileSink, FormatError, OptionsError, TableFormat, EVENTS_DIR,
 };
 pub use routing::{
     BoxError, CallbackSink, Catalog, CatalogEntry, DestinationKind, DestinationStats, Drain, DrainMonitor,
     DrainOptions, DrainReport, DrainStats, Filter, HookPointSummary, Receipt, Record, Sink, SinkError, SinkFailure,
     SinkHealth, SinkReport, Subscription, Summary, SummarySink,
 };
-pub use writing::{arrow_ipc_sink, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet, ParquetSink, ParquetWriter};
+pub use writing::{
+    arrow_ipc_sink, event_recorder, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet, ParquetSink, ParquetTable,
+    ParquetWriter,
+};
 
 /// Errors of the drain's life cycle (a sink's errors are [`SinkError`]s, in the [`DrainReport`]).
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ringscope_policy::{AccountingSnapshot, Counters, LossPolicy, Mode};
+use ringscope_policy::{AccountingSnapshot, Counters, EventLog, LossPolicy, Mode};
 use ringscope_ring::{DType, HookPointSpec, Producer, RecordMeta, RowMeta, SiteKind};
 
 use crate::routing::catalog::{Catalog, CatalogEntry};
@@ -13,26 +13,31 @@ use crate::routing::catalog::{Catalog, CatalogEntry};
 /// Full mode with a deadline no test reaches.
 pub(crate) const FULL: LossPolicy = LossPolicy { mode: Mode::Full, full_deadline: Duration::from_secs(10) };
 
-/// Hookpoints `0..n`, each with its own counters.
-pub(crate) struct TestCatalog(Vec<Arc<CatalogEntry>>);
+/// Hookpoints `0..n`, each with its own counters, logging into one event log.
+pub(crate) struct TestCatalog(Vec<Arc<CatalogEntry>>, Arc<EventLog>);
 
 impl TestCatalog {
     /// `n` residual hookpoints `layers.{l}.resid` of `row_width` f16 elements, hookpoint `l` on layer `l`.
     pub(crate) fn layers(n: u32, row_width: u32) -> Self {
-        TestCatalog(
-            (0..n)
-                .map(|l| {
-                    let spec = HookPointSpec {
-                        name: format!("layers.{l}.resid"),
-                        site: SiteKind::Residual,
-                        layer: Some(l),
-                        dtype: DType::F16,
-                        row_width,
-                    };
-                    Arc::new(CatalogEntry::new(l, spec, Arc::new(Counters::default())))
-                })
-                .collect(),
-        )
+        let events = Arc::new(EventLog::new());
+        let entries = (0..n)
+            .map(|l| {
+                let spec = HookPointSpec {
+                    name: format!("layers.{l}.resid"),
+                    site: SiteKind::Residual,
+                    layer: Some(l),
+                    dtype: DType::F16,
+                    row_width,
+                };
+                Arc::new(CatalogEntry::new(l, spec, Arc::new(Counters::default()), events.clone()))
+            })
+            .collect();
+        TestCatalog(entries, events)
+    }
+
+    /// The event log every hookpoint logs its drops into.
+    pub(crate) fn events(&self) -> &Arc<EventLog> {
+        &self.1
     }
 
     /// The catalog, as the drain takes it.

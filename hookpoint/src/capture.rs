@@ -134,7 +134,7 @@ pub fn capture_host(
                     unreachable!("capture of `{}` built an invalid record: {e}", hp.spec().name)
                 }
             };
-            counters.dropped(reason, rows as u64);
+            hp.dropped(reason, batch.step(), rows as u64);
             return match error {
                 Some(err) => Err(err),
                 None => Ok(CaptureOutcome::Dropped(reason)),
@@ -280,6 +280,19 @@ mod tests {
         assert_eq!(s.dropped_for(DropReason::RingFull).records, 2);
         assert_eq!(s.dropped_for(DropReason::Deadline).records, 1);
         assert_eq!(s.produced.records, 5);
+        // Each drop is in the registry's log too, with its step and rows.
+        let mut spans: Vec<_> = reg
+            .events()
+            .take()
+            .into_iter()
+            .map(|e| (e.hookpoint, e.reason, e.first_step, e.last_step, e.records_lost, e.rows_lost))
+            .collect();
+        spans.sort();
+        let hp_name = || "layers.0.resid".to_owned();
+        assert_eq!(
+            spans,
+            vec![(hp_name(), "deadline".into(), 0, 0, 1, 1), (hp_name(), "ring_full".into(), 0, 0, 2, 2)]
+        );
     }
 
     #[test]
@@ -290,5 +303,7 @@ mod tests {
         let err = capture_host(&mut p, &BEST, &hp, &batch, &tensor(1, 4096)).unwrap_err();
         assert!(err.to_string().contains("raise ring.capacity"), "{err}");
         assert_eq!(hp.counters().snapshot().dropped_for(DropReason::TooLarge).records, 1);
+        let events = reg.events().take();
+        assert_eq!((events.len(), events[0].reason.as_str(), events[0].rows_lost), (1, "too_large", 1));
     }
 }

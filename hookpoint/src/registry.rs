@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{RwLock, RwLockReadGuard};
-use ringscope_policy::{AccountingSnapshot, Counters, Keep, StallMeter};
+use ringscope_policy::{AccountingSnapshot, Counters, DropReason, EventLog, Keep, StallMeter};
 
 use crate::error::HookPointError;
 use ringscope_ring::HookPointSpec;
@@ -193,6 +193,8 @@ pub struct HookPoint {
     counters: Arc<Counters>,
     /// The session's full-mode wait tally (shared by every hookpoint of a registry).
     stall: Arc<StallMeter>,
+    /// The session's event log, where every drop counted here is logged with its step.
+    events: Arc<EventLog>,
 }
 
 impl HookPoint {
@@ -220,6 +222,17 @@ impl HookPoint {
     pub fn counters(&self) -> &Arc<Counters> {
         &self.counters
     }
+
+    /// The session's event log (shared by every hookpoint of the registry).
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
+    }
+
+    /// A record of `rows` rows captured at `step` was dropped for `reason`: counts it and logs it.
+    pub fn dropped(&self, reason: DropReason, step: u64, rows: u64) {
+        self.counters.dropped(reason, rows);
+        self.events.dropped(&self.spec.name, reason, step, 1, rows);
+    }
 }
 
 /// All hookpoints of a session. Append-only: ids are never reused, so a record's hookpoint id always resolves.
@@ -230,6 +243,8 @@ pub struct Registry {
     changes: Arc<AtomicU64>,
     /// Full-mode waits of every producer of the session.
     stall: Arc<StallMeter>,
+    /// Where the hookpoints log their drops.
+    events: Arc<EventLog>,
 }
 
 #[derive(Debug, Default)]
@@ -239,9 +254,19 @@ struct Inner {
 }
 
 impl Registry {
-    /// An empty registry.
+    /// An empty registry with an event log of its own.
     pub fn new() -> Self {
         Registry::default()
+    }
+
+    /// An empty registry whose hookpoints log their drops into `events` (the session's log).
+    pub fn with_events(events: Arc<EventLog>) -> Self {
+        Registry { events, ..Registry::default() }
+    }
+
+    /// The event log the hookpoints log their drops into.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
     }
 
     /// Registers a hookpoint and returns it. Fails on an invalid spec or a name already taken.
@@ -254,7 +279,14 @@ impl Registry {
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
         let control = Control::new(self.changes.clone());
-        let hp = Arc::new(HookPoint { id, spec, control, counters: Arc::default(), stall: self.stall.clone() });
+        let hp = Arc::new(HookPoint {
+            id,
+            spec,
+            control,
+            counters: Arc::default(),
+            stall: self.stall.clone(),
+            events: self.events.clone(),
+        });
         inner.by_id.push(hp.clone());
         self.changes.fetch_add(1, Ordering::Release);
         Ok(hp)

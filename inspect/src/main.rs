@@ -5,7 +5,8 @@
 //! ```
 //!
 //! Prints, per format and hookpoint: files, layer, step range, distinct requests, rows, activation bytes, and the
-//! run's accounting (produced / exported / dropped / sampled out) from the run manifest (`_ringscope_run.json`).
+//! run's accounting (produced / exported / dropped / sampled out) from the run manifest (`_ringscope_run.json`);
+//! then the events table (`_ringscope_events/`): drop spans and rows lost per hookpoint and reason, and rung changes.
 //!
 //! What is compared with what: the rows of each format's files on disk against what the manifest says *that sink*
 //! committed (`sinks[].committed`); the accounting's `exported` counts a record only once every sink has it, so with
@@ -25,14 +26,16 @@
 //!
 //! `--verify` also reads every page of every Parquet column and checks its CRC (and zstd's frame checksum), and checks
 //! each Arrow IPC record batch against its CRC-32 in the file's metadata (`ringscope.batch_crc32`), naming the file
-//! and the page or batch (exit status 1).
+//! and the page or batch (exit status 1); and, when the manifest lists the events table, that the events' rows lost
+//! per (hookpoint, reason) are the manifest's dropped rows (exit status 1 if not).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use arrow::array::{Array, RecordBatch, UInt64Array};
+use arrow::array::{Array, AsArray, RecordBatch, UInt64Array};
+use arrow::datatypes::UInt64Type;
 use clap::Parser;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
@@ -40,6 +43,8 @@ use serde_json::Value;
 
 /// File name of the run manifest (`ringscope::manifest::MANIFEST`; inspect does not depend on the library).
 const MANIFEST: &str = "_ringscope_run.json";
+/// The events table's directory (`ringscope_exporter::EVENTS_DIR`).
+const EVENTS_DIR: &str = "_ringscope_events";
 
 const EXIT_PROBLEM: u8 = 1;
 const EXIT_NOT_A_RUN: u8 = 2;
@@ -161,8 +166,17 @@ fn main() -> ExitCode {
         }
     }
 
+    let events = match read_events(&args.run_dir, args.verify) {
+        Ok(events) => events,
+        Err(e) => {
+            problems.push(e);
+            Events::default()
+        }
+    };
+
     println!("run {}: {} files", args.run_dir.display(), files.len());
     let Some(manifest) = manifest else {
+        events.print();
         return interrupted(&parts, &problems);
     };
 
@@ -249,6 +263,24 @@ fn main() -> ExitCode {
         }
     }
 
+    events.print();
+    if let Some(listed) = manifest["events"].as_array() {
+        // The manifest lists the events table (it predates it otherwise): its files are the ones on disk, and, checked
+        // with --verify, they account for every drop the manifest counts.
+        let listed: BTreeSet<PathBuf> =
+            listed.iter().filter_map(|f| Some(args.run_dir.join(f["path"].as_str()?))).collect();
+        let on_disk: BTreeSet<PathBuf> = events.files.iter().cloned().collect();
+        for missing in listed.difference(&on_disk) {
+            problems.push(format!("{}: listed in the manifest's events but not on disk", missing.display()));
+        }
+        for extra in on_disk.difference(&listed) {
+            problems.push(format!("{}: an events file the manifest does not list", extra.display()));
+        }
+        if args.verify {
+            problems.extend(events.check_against(&accounting));
+        }
+    }
+
     // Records lost because a sink failed: not an inconsistency of the dump, but a run that did not do its job.
     let mut failures: Vec<String> = Vec::new();
     for s in sinks.iter().flatten().filter(|s| s["failed"].as_bool() == Some(true)) {
@@ -329,8 +361,8 @@ fn data_files(run: &Path) -> std::io::Result<Vec<PathBuf>> {
         for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
             let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
-            // Skip in-progress files and the manifests; descend into `_arrow_ipc/`.
-            if name.starts_with('.') || (name.starts_with('_') && !path.is_dir()) {
+            // Skip in-progress files, the manifests and the events table; descend into `_arrow_ipc/`.
+            if name.starts_with('.') || (name.starts_with('_') && !path.is_dir()) || name == EVENTS_DIR {
                 continue;
             }
             if path.is_dir() {
@@ -472,6 +504,143 @@ fn verify_checksums(path: &Path) -> Result<(), String> {
             ));
         }
         start = end;
+    }
+    Ok(())
+}
+
+/// Drop spans of one (hookpoint, reason) in the events table.
+#[derive(Default)]
+struct Lost {
+    spans: u64,
+    records: u64,
+    rows: u64,
+    steps: Option<(u64, u64)>,
+}
+
+/// The events table of a run, summed up.
+#[derive(Default)]
+struct Events {
+    files: Vec<PathBuf>,
+    /// Drops, by (hookpoint, reason).
+    lost: BTreeMap<(String, String), Lost>,
+    /// Other events (rung changes, stalls), by (hookpoint, kind): how many, and the last one's rung.
+    other: BTreeMap<(String, String), (u64, String)>,
+}
+
+impl Events {
+    fn print(&self) {
+        if self.files.is_empty() {
+            println!("events: none (no {EVENTS_DIR}/)");
+            return;
+        }
+        let spans: u64 = self.lost.values().map(|l| l.spans).sum();
+        println!("events: {} files, {spans} drop spans", self.files.len());
+        if !self.lost.is_empty() {
+            println!(
+                "{:<22} {:<18} {:>6} {:>10} {:>10} {:>17}",
+                "hookpoint", "reason", "spans", "records", "rows", "steps"
+            );
+        }
+        for ((hookpoint, reason), l) in &self.lost {
+            let steps = l.steps.map_or("-".into(), |(a, b)| {
+                format!("{a}..{}", if b == u64::MAX { "?".into() } else { b.to_string() })
+            });
+            println!("{hookpoint:<22} {reason:<18} {:>6} {:>10} {:>10} {steps:>17}", l.spans, l.records, l.rows);
+        }
+        for ((hookpoint, kind), (n, rung)) in &self.other {
+            let hookpoint = if hookpoint.is_empty() { "(session)" } else { hookpoint };
+            let rung = if rung.is_empty() { String::new() } else { format!(", last rung {rung}") };
+            println!("{hookpoint:<22} {kind:<18} {n:>6} events{rung}");
+        }
+    }
+
+    /// Problems where the events' rows lost per (hookpoint, reason) are not the manifest's dropped rows.
+    fn check_against(&self, accounting: &BTreeMap<String, Value>) -> Vec<String> {
+        let mut problems = Vec::new();
+        for (hookpoint, acc) in accounting {
+            for (reason, tally) in acc["dropped"].as_object().into_iter().flatten() {
+                let counted = rows_of(tally);
+                let logged = self.lost.get(&(hookpoint.clone(), reason.clone())).map_or(0, |l| l.rows);
+                if counted != logged {
+                    problems.push(format!(
+                        "{hookpoint}: the manifest counts {counted} rows dropped for {reason}, the events table {logged}"
+                    ));
+                }
+            }
+        }
+        for ((hookpoint, reason), l) in &self.lost {
+            if accounting.get(hookpoint).is_none_or(|a| a["dropped"].get(reason).is_none()) {
+                problems.push(format!(
+                    "{hookpoint}: the events table has {} rows dropped for {reason}, which the manifest does not count",
+                    l.rows
+                ));
+            }
+        }
+        problems
+    }
+}
+
+/// Reads the events table of `run_dir` (no directory: no events), checking each file's page CRCs with `verify`.
+fn read_events(run_dir: &Path, verify: bool) -> Result<Events, String> {
+    let dir = run_dir.join(EVENTS_DIR);
+    let mut events = Events::default();
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(events),
+        Err(e) => return Err(format!("{}: unreadable: {e}", dir.display())),
+    };
+    for entry in entries {
+        let path = entry.map_err(|e| format!("{}: unreadable: {e}", dir.display()))?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name.starts_with("part-") && name.ends_with(".parquet") {
+            events.files.push(path);
+        }
+    }
+    events.files.sort();
+    for path in events.files.clone() {
+        read_events_file(&path, verify, &mut events).map_err(|e| format!("{}: unreadable: {e}", path.display()))?;
+    }
+    Ok(events)
+}
+
+fn read_events_file(path: &Path, verify: bool, events: &mut Events) -> Result<(), String> {
+    if verify {
+        verify_checksums(path)?;
+    }
+    let file = File::open(path).map_err(|e| e.to_string())?;
+    let reader = ParquetRecordBatchReaderBuilder::try_new(file).and_then(|b| b.build()).map_err(|e| e.to_string())?;
+    for batch in reader {
+        let b = batch.map_err(|e| e.to_string())?;
+        let text = |name: &str| {
+            b.column_by_name(name)
+                .and_then(|c| c.as_string_opt::<i32>())
+                .cloned()
+                .ok_or(format!("column {name} missing or not utf8"))
+        };
+        let number = |name: &str| {
+            b.column_by_name(name)
+                .and_then(|c| c.as_primitive_opt::<UInt64Type>())
+                .cloned()
+                .ok_or(format!("column {name} missing or not uint64"))
+        };
+        let (hookpoint, kind, reason, rung) = (text("hookpoint")?, text("kind")?, text("reason")?, text("rung")?);
+        let (first, last) = (number("first_step")?, number("last_step")?);
+        let (records, rows) = (number("records_lost")?, number("rows_lost")?);
+        for i in 0..b.num_rows() {
+            let hp = hookpoint.value(i).to_owned();
+            if kind.value(i) == "drop" {
+                let l = events.lost.entry((hp, reason.value(i).to_owned())).or_default();
+                l.spans += 1;
+                l.records += records.value(i);
+                l.rows += rows.value(i);
+                let (a, z) = (first.value(i), last.value(i));
+                l.steps = Some(l.steps.map_or((a, z), |(x, y)| (x.min(a), y.max(z))));
+            } else {
+                let o = events.other.entry((hp, kind.value(i).to_owned())).or_default();
+                o.0 += 1;
+                o.1 = rung.value(i).to_owned();
+            }
+        }
     }
     Ok(())
 }

@@ -14,13 +14,16 @@ fn tempdir(name: &str) -> PathBuf {
     d
 }
 
+/// The data files of extension `ext` under `dir`.
 fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
     let mut out = vec![];
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).unwrap() {
             let p = e.unwrap().path();
-            if p.is_dir() {
+            if p.ends_with("_ringscope_events") {
+                continue; // the events table: not data
+            } else if p.is_dir() {
                 stack.push(p);
             } else if p.extension().is_some_and(|x| x == ext) {
                 out.push(p);
@@ -225,5 +228,74 @@ fn verify_names_a_file_with_any_flipped_byte_in_its_data() {
         std::fs::write(&victim, &good).unwrap();
         assert_eq!(verify().0, Some(0));
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_events_table_is_summarised_and_verify_checks_it_against_the_manifest() {
+    let dir = tempdir("inspect-events");
+    let cfg = EngineConfig { layers: 2, hidden: 64, requests: 12, ..EngineConfig::default() };
+    // As above: the Arrow IPC sink fails, so every record is dropped (`sink_error`) and logged.
+    dump_with(&dir, cfg, "best_effort", |run| {
+        std::fs::create_dir_all(run.join("_arrow_ipc")).unwrap();
+        for l in 0..cfg.layers {
+            std::fs::write(run.join(format!("_arrow_ipc/hookpoint=layers.{l}.resid")), b"in the way").unwrap();
+        }
+    });
+    let run_dir = dir.join("r");
+    let events_dir = run_dir.join("_ringscope_events");
+    let run = |verify: bool| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_inspect"));
+        command.arg(&run_dir);
+        if verify {
+            command.arg("--verify");
+        }
+        let out = command.output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    // Consistent (exit 4 only for the failed sink): the events are summarised, the events files are not data.
+    let (code, stdout) = run(true);
+    assert_eq!(code, Some(4), "{stdout}");
+    assert!(!stdout.contains("PROBLEM"), "{stdout}");
+    let line = stdout.lines().find(|l| l.starts_with("layers.0.resid") && l.contains("sink_error"));
+    assert!(line.is_some(), "{stdout}");
+
+    // An events file gone from disk: the manifest still lists it.
+    let mut files: Vec<_> = std::fs::read_dir(&events_dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    let last = files.pop().unwrap();
+    let saved = std::fs::read(&last).unwrap();
+    std::fs::remove_file(&last).unwrap();
+    let (code, stdout) = run(false);
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(stdout.contains("listed in the manifest's events but not on disk"), "{stdout}");
+
+    // Gone from the manifest too: the files agree with it, but --verify finds drops the table does not account for.
+    let manifest_path = run_dir.join("_ringscope_run.json");
+    let mut manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&manifest_path).unwrap()).unwrap();
+    let listed = manifest["events"].as_array_mut().unwrap();
+    let lost_rows = listed.pop().unwrap()["rows_lost"].as_u64().unwrap();
+    assert!(lost_rows > 0);
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    assert_eq!(run(false).0, Some(4), "without --verify the sums are not compared");
+    let (code, stdout) = run(true);
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(stdout.contains("rows dropped for sink_error, the events table"), "{stdout}");
+
+    // A flipped byte in an events file's page: --verify names it.
+    std::fs::write(&last, &saved).unwrap();
+    let listed = manifest["events"].as_array_mut().unwrap();
+    listed.push(
+        serde_json::json!({ "path": format!("_ringscope_events/{}", last.file_name().unwrap().to_string_lossy()) }),
+    );
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    assert_eq!(run(true).0, Some(4), "restored");
+    let mut bad = saved.clone();
+    bad[20] ^= 0x01; // inside the first column's first data page (after the 4-byte magic and its page header)
+    std::fs::write(&last, &bad).unwrap();
+    let (code, stdout) = run(true);
+    assert_eq!(code, Some(1), "{stdout}");
+    let name = last.file_name().unwrap().to_string_lossy();
+    assert!(stdout.lines().any(|l| l.contains("PROBLEM") && l.contains(&*name)), "{stdout}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -7,6 +7,8 @@
 //!   *best-effort* (the producer never waits: a record that finds the ring full is dropped and counted).
 //! * [`Counters`] / [`Accounting`] — per-hookpoint tallies with the invariant
 //!   `produced = exported + dropped + sampled_out`, checked at shutdown by [`AccountingSnapshot::check`].
+//! * [`EventLog`] — what happened when: spans of dropped records (step range, hookpoint, reason, rows lost) and
+//!   rung changes, written into every dataset as its `_ringscope_events` table.
 //!
 //! * [`Planner`] — the policy manager's decisions: which [`Rung`] of the degradation ladder (full → every-N-steps →
 //!   last row per request → fp8 downcast → off) each hookpoint stands on, so that what capture produces fits the
@@ -20,6 +22,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+pub mod events;
+pub use events::{Event, EventKind, EventLog};
 
 pub mod plan;
 pub mod simulate;

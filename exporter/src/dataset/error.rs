@@ -73,6 +73,15 @@ pub enum FileError {
         #[source]
         source: FormatError,
     },
+    /// A committed file could not be read.
+    #[error("reading {}: {source}", .path.display())]
+    Read {
+        /// The file (or directory).
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: FormatError,
+    },
     /// A finished file could not be synced or renamed to its final name.
     #[error("committing {}: {source}", .path.display())]
     Commit {

@@ -5,10 +5,12 @@
 //! ```text
 //! <root>/<run_id>/hookpoint=<name>/rank=<rank>/part-00000.parquet
 //! <root>/<run_id>/_arrow_ipc/hookpoint=<name>/rank=<rank>/part-00000.arrow   (when Arrow IPC is on)
+//! <root>/<run_id>/_ringscope_events/part-00000.parquet                      (once something was lost)
 //! ```
 //!
 //! The Arrow IPC copy lives under `_arrow_ipc/`: dataset readers skip `_`-prefixed paths, so pointing pyarrow at
-//! the run directory reads the Parquet files only.
+//! the run directory reads the Parquet files only. The [`events`] table (what was dropped, when and why; rung
+//! changes) is Parquet for both formats.
 //!
 //! One table row per captured token row. The activation is one fixed-size binary value per row holding the raw
 //! little-endian elements; its dtype and shape are in the `dtype` and `shape` columns and in the field and file
@@ -34,9 +36,11 @@ use crate::routing::catalog::CatalogEntry;
 use crate::routing::record::Record;
 
 mod error;
+pub mod events;
 mod files;
 
 pub use error::{FileError, FormatError, OptionsError};
+pub use events::{read_events, EventRecorder, EventsFile, EventsReport, EventsTable, TableFormat, EVENTS_DIR};
 pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink, FinishedFile};
 
 /// How a file sink writes its files (`export.direct_io` in a session config: `"auto"`, `"on"` or `"off"`).

@@ -2,12 +2,13 @@
 //!
 //! Records name their hookpoint by a 32-bit id. The capture side (the `ringscope-hookpoint` crate) assigns the ids;
 //! the export side must not depend on it, so the session hands the drain a [`Catalog`] that resolves an id to a
-//! [`CatalogEntry`]: the hookpoint's spec (for file schemas and filters) and its loss counters (shared with the
-//! capture side, which counts what it produced; the export side counts what it exported or lost).
+//! [`CatalogEntry`]: the hookpoint's spec (for file schemas and filters), its loss counters (shared with the
+//! capture side, which counts what it produced; the export side counts what it exported or lost) and the session's
+//! event log (where the export side logs each record it lost, with its step).
 
 use std::sync::Arc;
 
-use ringscope_policy::{CounterSnapshot, Counters};
+use ringscope_policy::{CounterSnapshot, Counters, DropReason, EventLog};
 use ringscope_ring::HookPointSpec;
 
 /// One hookpoint as the export side sees it.
@@ -16,13 +17,15 @@ pub struct CatalogEntry {
     id: u32,
     spec: HookPointSpec,
     counters: Arc<Counters>,
+    events: Arc<EventLog>,
 }
 
 impl CatalogEntry {
     /// The entry for hookpoint `id`, described by `spec`, counting into `counters` (the capture side's counters
-    /// of the same hookpoint: accounting adds up only if both sides count into one set).
-    pub fn new(id: u32, spec: HookPointSpec, counters: Arc<Counters>) -> Self {
-        CatalogEntry { id, spec, counters }
+    /// of the same hookpoint: accounting adds up only if both sides count into one set) and logging what it loses
+    /// into `events` (the session's log, so that its events table accounts for every drop).
+    pub fn new(id: u32, spec: HookPointSpec, counters: Arc<Counters>, events: Arc<EventLog>) -> Self {
+        CatalogEntry { id, spec, counters, events }
     }
 
     /// The id records carry.
@@ -47,6 +50,12 @@ impl CatalogEntry {
 
     pub(crate) fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// A record of `rows` rows of step `step` was lost for `reason`: counts it and logs it.
+    pub(crate) fn dropped(&self, reason: DropReason, step: u64, rows: u64) {
+        self.counters.dropped(reason, rows);
+        self.events.dropped(&self.spec.name, reason, step, 1, rows);
     }
 }
 

@@ -738,6 +738,15 @@ mod tests {
         acc.check().unwrap();
         assert_eq!(acc.hookpoints[0].1.dropped_for(DropReason::SinkBackpressure).records, 1000);
         assert_eq!(idle.iter().count(), crate::routing::fanout::PORT_RECORDS);
+        // The drops are logged as they happen: consecutive steps, one span.
+        let spans: Vec<_> = reg
+            .events()
+            .take()
+            .into_iter()
+            .map(|e| (e.hookpoint, e.reason, e.first_step, e.last_step, e.records_lost, e.rows_lost))
+            .collect();
+        let first = crate::routing::fanout::PORT_RECORDS as u64;
+        assert_eq!(spans, vec![("layers.0.resid".into(), "sink_backpressure".into(), first, total - 1, 1000, 1000)]);
     }
 
     fn full(deadline_ms: u64, backlog_bytes: usize) -> DrainOptions {

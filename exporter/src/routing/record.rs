@@ -82,7 +82,8 @@ impl Record {
     }
 
     fn from_data(data: Data) -> Record {
-        let receipt = Receipt::new(data.hookpoint.clone(), data.header.meta.rows as u64);
+        let meta = &data.header.meta;
+        let receipt = Receipt::new(data.hookpoint.clone(), meta.step, meta.rows as u64);
         Record(Arc::new(Inner { data: Arc::new(data), receipt }))
     }
 
@@ -186,14 +187,16 @@ pub struct Receipt(Option<Arc<ReceiptState>>);
 
 struct ReceiptState {
     hookpoint: Arc<CatalogEntry>,
+    /// The record's step, for the event log when it is lost.
+    step: u64,
     rows: u64,
     /// 0 = no failure; otherwise 1 + the index of the first reason reported.
     failure: AtomicU8,
 }
 
 impl Receipt {
-    fn new(hookpoint: Arc<CatalogEntry>, rows: u64) -> Receipt {
-        Receipt(Some(Arc::new(ReceiptState { hookpoint, rows, failure: AtomicU8::new(0) })))
+    fn new(hookpoint: Arc<CatalogEntry>, step: u64, rows: u64) -> Receipt {
+        Receipt(Some(Arc::new(ReceiptState { hookpoint, step, rows, failure: AtomicU8::new(0) })))
     }
 
     /// Marks the record as lost for `reason`. The first reason reported wins; the record is counted as dropped
@@ -208,10 +211,9 @@ impl Receipt {
 
 impl Drop for ReceiptState {
     fn drop(&mut self) {
-        let counters = self.hookpoint.counters();
         match *self.failure.get_mut() {
-            0 => counters.exported(self.rows),
-            code => counters.dropped(DropReason::ALL[code as usize - 1], self.rows),
+            0 => self.hookpoint.counters().exported(self.rows),
+            code => self.hookpoint.dropped(DropReason::ALL[code as usize - 1], self.step, self.rows),
         }
     }
 }

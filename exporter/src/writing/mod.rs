@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use arrow::ipc::writer::FileWriter;
 use bytes::Bytes;
@@ -29,7 +30,8 @@ pub(crate) mod pages;
 
 use crate::dataset::keys;
 use crate::dataset::{
-    Batch, CommittedFiles, DatasetOptions, FileFormat, FileSink, FinishedFile, FormatError, OptionsError,
+    Batch, CommittedFiles, DatasetOptions, EventRecorder, EventsTable, FileFormat, FileSink, FinishedFile, FormatError,
+    OptionsError, TableFormat,
 };
 use crate::routing::record::Record;
 use crate::routing::sink::SinkError;
@@ -350,6 +352,58 @@ impl FileFormat for ArrowIpc {
         writer.finish()?;
         finish(writer.into_inner()?.into_inner())
     }
+}
+
+/// Small tables in one Parquet row group (the events table): every column through Arrow's column writers,
+/// uncompressed, each page with its CRC ([`checksums`]) like the dump's own files.
+#[derive(Debug, Clone, Default)]
+pub struct ParquetTable;
+
+impl TableFormat for ParquetTable {
+    const EXT: &'static str = "parquet";
+
+    fn write(
+        &self,
+        file: std::fs::File,
+        batch: &RecordBatch,
+        metadata: Vec<(String, String)>,
+    ) -> Result<std::fs::File, FormatError> {
+        let blobs = PageBlobs::default();
+        let options = ArrowWriterOptions::new()
+            .with_properties(WriterProperties::builder().set_compression(Compression::UNCOMPRESSED).build())
+            .with_page_store_factory(Arc::new(blobs.clone()));
+        let (mut file, columns) =
+            ArrowWriter::try_new_with_options(std::io::BufWriter::new(file), batch.schema(), options)
+                .and_then(ArrowWriter::into_serialized_writer)?;
+        let mut chunks = Vec::with_capacity(batch.num_columns());
+        for (i, (mut column, field)) in
+            columns.create_column_writers(0)?.into_iter().zip(batch.schema().fields()).enumerate()
+        {
+            for leaf in compute_leaves(field, batch.column(i))? {
+                column.write(&leaf)?;
+            }
+            let close = column.close()?.close().clone(); // its pages are in `blobs`
+            chunks.push(blobs.take_chunk(i, close)?);
+        }
+        let mut row_group = file.next_row_group()?;
+        for (bytes, close) in chunks {
+            row_group.append_column(&bytes, close)?;
+        }
+        row_group.close()?;
+        for (k, v) in metadata {
+            file.append_key_value_metadata(KeyValue::new(k, v));
+        }
+        let out = file.into_inner()?;
+        Ok(out.into_inner().map_err(|e| e.into_error())?)
+    }
+}
+
+/// The thread that writes `log` into the events table of `run_dir` as it happens (see [`EventRecorder`]).
+pub fn event_recorder(
+    run_dir: &Path,
+    log: Arc<ringscope_policy::EventLog>,
+) -> Result<EventRecorder, crate::ExporterError> {
+    EventRecorder::spawn(log, EventsTable::new(ParquetTable, run_dir), EventRecorder::EVERY)
 }
 
 /// A Parquet dataset sink.

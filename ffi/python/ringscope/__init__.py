@@ -17,6 +17,7 @@ be C-contiguous and little-endian (or single-byte), of the hookpoint's dtype, wi
         s.capture(hp, np.ones((2, 4), dtype=np.float32))
         s.end_step()
     dump = ringscope.read_dump("out/demo")            # numpy arrays, one entry per hookpoint
+    lost = ringscope.read_events("out/demo")          # what was dropped, when and why (empty: nothing)
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "library_path", "DTYPE_CODES",
-           "MAX_TIMEOUT_S"]
+__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "read_events", "library_path",
+           "EVENTS_DIR", "EVENT_COLUMNS", "DTYPE_CODES", "MAX_TIMEOUT_S"]
 
 # Status codes (ffi/include/ringscope.h, `rs_status`).
 _STATUS = {
@@ -900,3 +901,40 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         cols["dtype"] = dtype_name
         out[name] = cols
     return out
+
+
+#: The events table's directory in a run directory, and its columns in order (docs/format.md, "The events table").
+EVENTS_DIR = "_ringscope_events"
+EVENT_COLUMNS = ("unix_ns", "hookpoint", "first_step", "last_step", "kind", "rung", "reason", "records_lost",
+                 "rows_lost", "detail")
+
+
+def read_events(path: "str | os.PathLike") -> list:
+    """Reads the events table of a run directory (``<run dir>/_ringscope_events/part-*.parquet``, written for
+    Parquet and Arrow IPC dumps alike): a list of dicts, one per event, with the keys of :data:`EVENT_COLUMNS` —
+    ``kind`` is ``"drop"`` (records of ``hookpoint`` dropped somewhere in steps ``first_step..=last_step`` for
+    ``reason``, e.g. ``"ring_full"`` or ``"sink_error"``: ``records_lost`` records, ``rows_lost`` token rows),
+    ``"rung"`` (the hookpoint moved to rung ``rung``; ``reason`` and ``detail`` say why) or ``"stall"``. Events are in
+    the order they were logged (file by file, in commit order). After a run has shut down, ``rows_lost`` summed per
+    (hookpoint, reason) over the drops equals the manifest's dropped rows. A run that never lost anything has no
+    events directory: that reads as ``[]``. Every Parquet page's CRC is checked (``RS_ERR_IO`` naming a corrupt
+    file). Raises :class:`RingscopeError` when ``path`` is not a directory. Needs pyarrow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = pathlib.Path(os.fsdecode(_path("path", path)))
+    if not root.is_dir():
+        raise RingscopeError("RS_ERR_IO", f"{root} is not a directory: give the run directory (<export.dir>/<run_id>)")
+    # Committed files only: in-progress ones are hidden (.part-*.inprogress).
+    files = sorted((root / EVENTS_DIR).glob("part-*.parquet"))
+    events = []
+    for f in files:
+        try:
+            table = pq.read_table(f, page_checksum_verification=True)
+        except (OSError, pa.ArrowException) as e:
+            raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
+        missing = [c for c in EVENT_COLUMNS if c not in table.column_names]
+        if missing:
+            raise RingscopeError("RS_ERR_IO", f"{f} is not a ringscope events file: no column(s) {', '.join(missing)}")
+        events += table.select(list(EVENT_COLUMNS)).to_pylist()
+    return events

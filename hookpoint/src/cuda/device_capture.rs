@@ -10,7 +10,7 @@ use ringscope_ring::record::HEADER_LEN;
 
 use super::admission::{footprint, step_bound, Admission, Admitted};
 use super::controls::Controls;
-use super::counters::Counters;
+use super::counters::{Counters, StepWindow};
 use super::deferred::{Deferred, FlushContext};
 use super::kernels::{CaptureArgs, CaptureEntry, CaptureTables, GraphBatch, GraphRole, Kernels, THREADS};
 use super::slots::{desc, DescriptorSlots};
@@ -83,6 +83,8 @@ pub struct DeviceCapture {
     graph_batch: Option<GraphBatch>,
     /// The stream of the open step (deferred captures are copied on it when the step ends).
     step_stream: Option<StreamRef>,
+    /// The steps begun since the counters were last folded (the step range of the drops a fold finds).
+    steps: StepWindow,
 }
 
 impl DeviceCapture {
@@ -110,6 +112,7 @@ impl DeviceCapture {
             checked_stream: None,
             graph_batch: None,
             step_stream: None,
+            steps: StepWindow::default(),
         })
     }
 
@@ -271,6 +274,7 @@ impl DeviceCapture {
         self.deferred.begin_step();
         self.step_begun = true;
         self.step_stream = Some(stream);
+        self.steps.begun_in_graph();
         Ok(())
     }
 
@@ -335,6 +339,7 @@ impl DeviceCapture {
         self.deferred.begin_step();
         self.step_begun = true;
         self.step_stream = Some(stream);
+        self.steps.begun(batch.step());
         match deadline_error {
             Some(e) => Err(e),
             None => Ok(()),
@@ -442,10 +447,11 @@ impl DeviceCapture {
     }
 
     /// Reads the device counters (on a private stream: the engine's streams are not synchronised) and adds what
-    /// changed since the last call to the hookpoints' host counters. Exact once the engine's work has completed.
+    /// changed since the last call to the hookpoints' host counters, logging the drops in the registry's event log
+    /// with the steps begun since the last call. Exact once the engine's work has completed.
     pub fn fold_counters(&mut self, registry: &Registry) -> Result<(), CudaError> {
         let n = self.controls.mirrors().len();
-        self.counters.fold(registry, n)
+        self.counters.fold(registry, n, &mut self.steps)
     }
 }
 
