@@ -19,6 +19,7 @@
 //! dwell_ms = 500             # least time between changes of the plan
 //! max_every_n = 8            # the ladder's sampling rungs: every 2, 3, …, 8 steps
 //! on_deadline = "error"      # full mode, a step that found no room by the deadline: "error" or "degrade"
+//! max_step_overhead = 0.01   # full mode with on_deadline = "degrade": a step waits at most 1% of the step time
 //!
 //! [[hookpoints]]
 //! name = "layers.0.resid"
@@ -357,6 +358,11 @@ pub struct PolicyConfig {
     /// Full mode: what a step that found no room by the deadline does.
     #[serde(default)]
     pub on_deadline: OnDeadline,
+    /// The most a step may wait for room, as a fraction of the engine's step time (`0.01`: 1%). Full mode with
+    /// `on_deadline = "degrade"` only: each step's wait is bounded by this share of the recent step time (without
+    /// waits) and by `full_deadline_ms`. Best-effort mode never waits.
+    #[serde(default)]
+    pub max_step_overhead: Option<f64>,
 }
 
 /// `policy.on_deadline`.
@@ -413,6 +419,7 @@ impl Default for PolicyConfig {
             dwell_ms: default_dwell_ms(),
             max_every_n: default_max_every_n(),
             on_deadline: OnDeadline::default(),
+            max_step_overhead: None,
         }
     }
 }
@@ -481,6 +488,23 @@ impl PolicyConfig {
         {
             if v.is_some_and(|v| v.0 == 0) {
                 return bad(key, "0 bytes cannot hold anything; leave the key out for no budget".into());
+            }
+        }
+        if let Some(o) = self.max_step_overhead {
+            if !(o > 0.0 && o < 1.0) {
+                return bad(
+                    "max_step_overhead",
+                    format!("{o} is not a fraction of the step time between 0 and 1 (0.01 = 1%)"),
+                );
+            }
+            if self.mode == Mode::Full && self.on_deadline == OnDeadline::Error {
+                return bad(
+                    "max_step_overhead",
+                    "full mode with on_deadline = \"error\" waits for room up to policy.full_deadline_ms and cannot \
+                     honour a step-time cap: set policy.on_deadline = \"degrade\" (a step that would wait longer goes \
+                     on as in best-effort, its losses counted and logged) or use mode = \"best_effort\""
+                        .into(),
+                );
             }
         }
         if self.drain_rate.is_some_and(|r| r.0 == 0) {

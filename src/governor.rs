@@ -12,8 +12,9 @@ use ringscope_ring::DType;
 
 /// Least time between two decisions.
 pub(crate) const TICK: Duration = Duration::from_millis(10);
-/// Weight of the newest window in the smoothed loads.
-const SMOOTHING: f64 = 0.3;
+/// Time constant of the smoothed loads and step rate: a window of one or two steps is noisy (a step more or less
+/// in 10 ms doubles the rate), so estimates follow the measurements over about this long.
+const SMOOTHING: Duration = Duration::from_millis(100);
 
 /// What the session measured at one moment: cumulative counts and current fills.
 #[derive(Debug, Clone, Default)]
@@ -34,7 +35,8 @@ pub(crate) struct Sample {
 #[derive(Debug, Clone, Copy)]
 struct Smoothed {
     produced_rows: u64,
-    rows_per_step: f64,
+    /// `None` until a whole window was seen.
+    rows_per_step: Option<f64>,
 }
 
 /// The previous sample, and the smoothed loads.
@@ -44,6 +46,8 @@ struct State {
     sample: Sample,
     loads: Vec<Option<Smoothed>>,
     last_row_fraction: f64,
+    /// Smoothed steps per second (`None` before the first window).
+    steps_per_s: Option<f64>,
 }
 
 /// The session's policy manager.
@@ -66,6 +70,7 @@ impl Governor {
                 sample: Sample::default(),
                 loads: Vec::new(),
                 last_row_fraction: 1.0,
+                steps_per_s: None,
             }),
             started: now,
             priorities,
@@ -92,12 +97,18 @@ impl Governor {
             return Vec::new();
         }
         let secs = elapsed.as_secs_f64();
+        // The newest window's weight: its share of the time constant.
+        let alpha = 1.0 - (-secs / SMOOTHING.as_secs_f64()).exp();
+        let smooth = |old: f64, new: f64| old + alpha * (new - old);
         let rows = sample.rows.saturating_sub(st.sample.rows);
         let requests = sample.requests.saturating_sub(st.sample.requests);
         if rows > 0 {
             let f = (requests as f64 / rows as f64).clamp(0.0, 1.0);
             st.last_row_fraction = smooth(st.last_row_fraction, f);
         }
+        let rate = steps as f64 / secs;
+        let steps_per_s = st.steps_per_s.map_or(rate, |old| smooth(old, rate));
+        st.steps_per_s = Some(steps_per_s);
         let ladder = st.planner.settings().ladder.clone();
         let hookpoints = registry.all();
         if st.loads.len() < hookpoints.len() {
@@ -112,14 +123,17 @@ impl Governor {
             let narrowed = keep.last_row && *hp.control().selection() == ringscope_hookpoint::RowSelection::All;
             let lrf = st.last_row_fraction.max(1e-6);
             let slot = &mut st.loads[hp.id() as usize];
-            let delta = produced.saturating_sub(slot.map_or(produced, |s| s.produced_rows));
-            let per_step = delta as f64 / steps as f64 / if narrowed { lrf } else { 1.0 };
-            let rows_per_step = match *slot {
-                Some(s) => smooth(s.rows_per_step, per_step),
-                None => per_step,
+            let Some(seen) = *slot else {
+                // First sight: the window starts now.
+                *slot = Some(Smoothed { produced_rows: produced, rows_per_step: None });
+                continue;
             };
-            *slot = Some(Smoothed { produced_rows: produced, rows_per_step });
-            if slot_is_new(delta, rows_per_step) {
+            let delta = produced.saturating_sub(seen.produced_rows);
+            let per_step = delta as f64 / steps as f64 / if narrowed { lrf } else { 1.0 };
+            let rows_per_step = seen.rows_per_step.map_or(per_step, |old| smooth(old, per_step));
+            *slot = Some(Smoothed { produced_rows: produced, rows_per_step: Some(rows_per_step) });
+            if rows_per_step == 0.0 {
+                // Not captured lately: nothing to plan for.
                 continue;
             }
             let spec = hp.spec();
@@ -149,7 +163,7 @@ impl Governor {
         let delivered = slowest.unwrap_or(sample.drained_bytes.saturating_sub(st.sample.drained_bytes));
         let m = Measurements {
             now: now.duration_since(self.started),
-            steps_per_s: steps as f64 / secs,
+            steps_per_s,
             delivered_bytes_per_s: delivered as f64 / secs,
             occupancy: sample.occupancy.clone(),
             hookpoints: loads,
@@ -167,13 +181,4 @@ impl Governor {
             })
             .collect()
     }
-}
-
-/// A hookpoint not captured in this window has no load to plan for.
-fn slot_is_new(delta: u64, rows_per_step: f64) -> bool {
-    delta == 0 && rows_per_step == 0.0
-}
-
-fn smooth(old: f64, new: f64) -> f64 {
-    old + SMOOTHING * (new - old)
 }

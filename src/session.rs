@@ -104,6 +104,8 @@ pub struct Session {
     on_deadline: config::OnDeadline,
     /// Steps begun, and their batches' rows and requests (the policy manager's production measure).
     steps: StepTally,
+    /// `policy.max_step_overhead`: full-mode waits per step bounded by this share of the step time.
+    max_step_overhead: Option<f64>,
     /// `policy.host_memory`, and `export.backlog` (per destination: the host budget when none is set).
     host_memory: Option<u64>,
     backlog_bytes: u64,
@@ -128,6 +130,20 @@ struct StepTally {
     rows: AtomicU64,
     requests: AtomicU64,
     last: AtomicU64,
+    /// The step-time budget of full-mode waits (`policy.max_step_overhead`).
+    watch: Mutex<StepWatch>,
+}
+
+/// Full mode with `policy.max_step_overhead`: the engine's step time without waits (smoothed), and the waits of the
+/// open step so far, so that each step waits at most its share.
+#[derive(Debug, Default)]
+struct StepWatch {
+    /// When the open step began, and the session's wait total then.
+    begun: Option<(std::time::Instant, Duration)>,
+    /// Mean step time without waits.
+    work: Option<Duration>,
+    /// The open step's wait budget.
+    budget: Duration,
 }
 
 impl StepTally {
@@ -261,6 +277,7 @@ impl SessionBuilder {
             }),
             on_deadline: config.policy.on_deadline,
             steps: StepTally::default(),
+            max_step_overhead: config.policy.max_step_overhead.filter(|_| config.policy.mode == Mode::Full),
             host_memory: config.policy.host_memory.map(|b| b.0),
             backlog_bytes: config.export.backlog.0,
             degraded_step: Mutex::new(None),
@@ -399,11 +416,56 @@ impl Session {
         }
     }
 
-    /// At each step's start: tallies the batch, and lets the policy manager decide (at most every few
-    /// milliseconds); its rung changes reach the controls before this step's captures.
+    /// At each step's start: tallies the batch, sets the step's wait budget, and lets the policy manager decide (at
+    /// most every few milliseconds); its rung changes reach the controls before this step's captures.
     fn step_boundary(&self, batch: &StepBatch) {
-        self.steps.begun(batch);
+        // Decide first, from the steps whose captures are done (counting this one would rate a step that has not
+        // produced yet).
         self.govern();
+        self.steps.begun(batch);
+        if let Some(share) = self.max_step_overhead {
+            let budget = self.next_wait_budget(share);
+            let _ = self.with_capture(|c| {
+                c.backend.set_step_deadline(budget);
+                Ok(())
+            });
+        }
+    }
+
+    /// The wait budget of the step that begins now: `share` of the engine's recent step time without waits (at most
+    /// the full-mode deadline; the whole deadline until a step time is known).
+    fn next_wait_budget(&self, share: f64) -> Duration {
+        let now = std::time::Instant::now();
+        let waited = self.registry.stall().total().1;
+        let mut w = self.steps.watch.lock();
+        if let Some((at, waited_then)) = w.begun {
+            let work = now.duration_since(at).saturating_sub(waited.saturating_sub(waited_then));
+            w.work = Some(match w.work {
+                Some(m) => m.mul_f64(0.8) + work.mul_f64(0.2),
+                None => work,
+            });
+        }
+        w.begun = Some((now, waited));
+        w.budget = w.work.map_or(self.policy.full_deadline, |m| m.mul_f64(share).min(self.policy.full_deadline));
+        w.budget
+    }
+
+    /// The open step's wait budget.
+    fn wait_budget(&self) -> Duration {
+        match self.max_step_overhead {
+            Some(_) => self.steps.watch.lock().budget,
+            None => self.policy.full_deadline,
+        }
+    }
+
+    /// What is left of the open step's wait budget (the full deadline without `policy.max_step_overhead`).
+    fn remaining_wait(&self) -> Duration {
+        if self.max_step_overhead.is_none() {
+            return self.policy.full_deadline;
+        }
+        let w = self.steps.watch.lock();
+        let waited_then = w.begun.map_or(Duration::ZERO, |b| b.1);
+        w.budget.saturating_sub(self.registry.stall().total().1.saturating_sub(waited_then))
     }
 
     /// One decision of the policy manager, if it runs and a tick has passed.
@@ -478,8 +540,9 @@ impl Session {
             records_lost: 0,
             rows_lost: 0,
             detail: format!(
-                "no room by the deadline ({} ms): the step went on as in best-effort (policy.on_deadline = \"degrade\")",
-                self.policy.full_deadline.as_millis()
+                "no room within the step's wait budget ({:.3} ms: policy.full_deadline_ms, or policy.max_step_overhead \
+                 of the step time): the step went on as in best-effort (policy.on_deadline = \"degrade\")",
+                self.wait_budget().as_secs_f64() * 1e3
             ),
         });
     }
@@ -536,12 +599,19 @@ impl Session {
         self.check_sinks()?;
         let step = self.steps.last.load(Ordering::Relaxed);
         if self.policy.mode == Mode::Full && self.on_deadline == config::OnDeadline::Degrade {
-            // A step whose deadline passed goes on as in best-effort: nothing more of it waits.
+            // A step whose deadline passed (or whose wait budget is spent) goes on as in best-effort: nothing more of
+            // it waits.
+            let remaining = self.remaining_wait();
+            if remaining.is_zero() && *self.degraded_step.lock() != Some(step) {
+                *self.degraded_step.lock() = Some(step);
+                self.log_degraded_step(step, &hp.spec().name);
+            }
             if *self.degraded_step.lock() == Some(step) {
                 let best_effort = LossPolicy { mode: Mode::BestEffort, ..self.policy };
                 return self.with_capture(|c| c.backend.capture(&best_effort, hp, data));
             }
-            return match self.with_capture(|c| c.backend.capture(&self.policy, hp, data)) {
+            let policy = LossPolicy { full_deadline: remaining, ..self.policy };
+            return match self.with_capture(|c| c.backend.capture(&policy, hp, data)) {
                 Err(Error::HookPoint(HookPointError::Deadline { .. })) => {
                     *self.degraded_step.lock() = Some(step);
                     self.log_degraded_step(step, &hp.spec().name);

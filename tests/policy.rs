@@ -67,7 +67,8 @@ fn a_drain_cap_is_met_by_sampling_not_by_dropping() {
     // Every rung change is an event (no file sink here: nothing else takes the log).
     let events = session.events().take();
     let rung_events: Vec<_> = events.iter().filter(|e| e.kind == EventKind::Rung).collect();
-    assert!(!rung_events.is_empty() && rung_events.iter().all(|e| e.reason == "drain_rate"), "{events:?}");
+    assert!(rung_events.iter().any(|e| e.reason == "drain_rate"), "{events:?}");
+    assert!(rung_events.iter().all(|e| ["drain_rate", "recovered"].contains(&e.reason.as_str())), "{events:?}");
     assert!(rung_events.iter().any(|e| e.rung.starts_with("every_")), "{rung_events:?}");
     let report = session.shutdown().unwrap();
     let total = report.accounting.total();
@@ -113,4 +114,38 @@ fn full_mode_deadline_degrades_the_step_when_asked_and_never_hangs() {
             _ => assert!(errors == 0 && degraded > 0, "{errors} {degraded}"),
         }
     }
+}
+
+#[test]
+fn a_step_time_cap_bounds_full_mode_waits_and_contradictions_are_refused() {
+    let err = config_error("mode = \"full\"\nmax_step_overhead = 0.01", 2, 64);
+    assert!(err.contains("policy.max_step_overhead") && err.contains("on_deadline"), "{err}");
+    let err = config_error("mode = \"full\"\non_deadline = \"degrade\"\nmax_step_overhead = 2", 2, 64);
+    assert!(err.contains("policy.max_step_overhead"), "{err}");
+
+    // A 5 s deadline, but each step may wait at most 5% of its ~10 ms: a stuck sink costs drops, not seconds.
+    let policy = "mode = \"full\"\nfull_deadline_ms = 5000\non_deadline = \"degrade\"\nmax_step_overhead = 0.05";
+    let config = Config::from_toml(&toml(policy, 2, 8192)).unwrap();
+    let stuck = CallbackSink::new("stuck", |_r: &ringscope_exporter::Record| {
+        std::thread::sleep(Duration::from_millis(400));
+        Ok(())
+    });
+    let session = Session::builder(config).sink(stuck).start().unwrap();
+    let data = vec![0u8; 64 * 8192 * 4];
+    let steps = 12u64;
+    for step in 0..steps {
+        session.begin_step(step, (0..64).map(|i| (i as u64, step as u32))).unwrap();
+        for hp in 0..2 {
+            session.capture(hp, &data).unwrap();
+        }
+        session.end_step().unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stats = session.stats();
+    let report = session.shutdown().unwrap();
+    report.accounting.check().unwrap();
+    let total = report.accounting.total();
+    assert!(total.dropped_total().records > 0, "the stuck sink filled the ring: some records went");
+    // Without the cap the first wait alone would be the 5 s deadline.
+    assert!(stats.stall_time < Duration::from_secs(2), "waited {:?} in all", stats.stall_time);
 }

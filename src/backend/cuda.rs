@@ -72,6 +72,10 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn set_step_deadline(&mut self, deadline: std::time::Duration) {
+        self.capture.set_full_mode_deadline(deadline);
+    }
+
     fn begin_step_graph(&mut self, registry: &Registry, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
         self.check_no_step(crate::GRAPH_STEP)?;
         self.capture.begin_step_graph(registry, batch, stream)?;

@@ -9,6 +9,8 @@
 pub(crate) mod cuda;
 pub(crate) mod host;
 
+use std::time::Duration;
+
 use ringscope_hookpoint::cuda::GraphBatch;
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, Registry, StepBatch};
 use ringscope_policy::LossPolicy;
@@ -44,6 +46,11 @@ pub(crate) trait Backend: Send {
     fn begin_step_on(&mut self, _registry: &Registry, _batch: &StepBatch, _stream: StreamRef) -> Result<(), Error> {
         Err(Error::Backend(CUDA_ONLY))
     }
+
+    /// Full mode: the longest the next step's admission may wait for room (`policy.max_step_overhead` lowers it
+    /// below `policy.full_deadline_ms`). Only the CUDA backend admits whole steps; host captures are given their
+    /// deadline with each call.
+    fn set_step_deadline(&mut self, _deadline: Duration) {}
 
     /// CUDA backend: opens a step recorded inside a graph.
     fn begin_step_graph(&mut self, _registry: &Registry, _batch: &GraphBatch, _stream: StreamRef) -> Result<(), Error> {

@@ -77,6 +77,13 @@ impl Admission {
         Ok(Admission { deadline, pending: VecDeque::new(), marker: Event::new(gpu, false)?, last_wait: Duration::ZERO })
     }
 
+    /// Full mode: changes the deadline of the next admissions.
+    pub(super) fn set_deadline(&mut self, deadline: Duration) {
+        if self.deadline.is_some() {
+            self.deadline = Some(deadline);
+        }
+    }
+
     /// Full mode: waits, up to the deadline, until the ring has room for `bound` more bytes on top of what earlier
     /// steps may still write, and reserves it for the step with begin index `index`. Best-effort admits at once.
     pub(super) fn admit(

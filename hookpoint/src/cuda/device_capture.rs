@@ -88,6 +88,14 @@ pub struct DeviceCapture {
 }
 
 impl DeviceCapture {
+    /// Full mode: how long the next steps' admission may wait for room (a session lowers it per step to honour a
+    /// step-time budget). Nothing to do in best-effort mode.
+    pub fn set_full_mode_deadline(&mut self, deadline: Duration) {
+        if self.options.full_mode_deadline.is_some() {
+            self.admission.set_deadline(deadline);
+        }
+    }
+
     /// Compiles (once per process) and loads the kernels, and allocates the device tables for `ring`.
     pub fn new(ring: &Arc<DeviceRing>, options: DeviceCaptureOptions) -> Result<DeviceCapture, DeviceCaptureError> {
         if options.max_batch_rows == 0 || options.max_hookpoints == 0 {
