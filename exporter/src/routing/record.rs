@@ -82,7 +82,9 @@ impl Record {
     }
 
     fn from_data(data: Data) -> Record {
-        let receipt = Receipt::new(data.hookpoint.clone(), data.header.meta.rows as u64);
+        // A record whose dtype is not its hookpoint's was downcast on capture: counted as such when exported.
+        let downcast = data.header.meta.dtype != data.hookpoint.spec().dtype;
+        let receipt = Receipt::new(data.hookpoint.clone(), data.header.meta.rows as u64, downcast);
         Record(Arc::new(Inner { data: Arc::new(data), receipt }))
     }
 
@@ -187,13 +189,15 @@ pub struct Receipt(Option<Arc<ReceiptState>>);
 struct ReceiptState {
     hookpoint: Arc<CatalogEntry>,
     rows: u64,
+    /// The rows were downcast on capture ([`Counters::downcast`](ringscope_policy::Counters::downcast)).
+    downcast: bool,
     /// 0 = no failure; otherwise 1 + the index of the first reason reported.
     failure: AtomicU8,
 }
 
 impl Receipt {
-    fn new(hookpoint: Arc<CatalogEntry>, rows: u64) -> Receipt {
-        Receipt(Some(Arc::new(ReceiptState { hookpoint, rows, failure: AtomicU8::new(0) })))
+    fn new(hookpoint: Arc<CatalogEntry>, rows: u64, downcast: bool) -> Receipt {
+        Receipt(Some(Arc::new(ReceiptState { hookpoint, rows, downcast, failure: AtomicU8::new(0) })))
     }
 
     /// Marks the record as lost for `reason`. The first reason reported wins; the record is counted as dropped
@@ -210,7 +214,12 @@ impl Drop for ReceiptState {
     fn drop(&mut self) {
         let counters = self.hookpoint.counters();
         match *self.failure.get_mut() {
-            0 => counters.exported(self.rows),
+            0 => {
+                counters.exported(self.rows);
+                if self.downcast {
+                    counters.downcast(self.rows);
+                }
+            }
             code => counters.dropped(DropReason::ALL[code as usize - 1], self.rows),
         }
     }
