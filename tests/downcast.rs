@@ -50,7 +50,12 @@ fn read(path: &Path) -> (String, Vec<RecordBatch>) {
 }
 
 /// Rows of each kind a dump holds: (step, request, position) → whether the row was downcast.
-fn check_file(path: &Path, seed: u64, hidden: u32, downcast_steps: &std::ops::Range<u64>) -> BTreeMap<(u64, u64, u32), bool> {
+fn check_file(
+    path: &Path,
+    seed: u64,
+    hidden: u32,
+    downcast_steps: &std::ops::Range<u64>,
+) -> BTreeMap<(u64, u64, u32), bool> {
     let (dtype, batches) = read(path);
     let in_series = path.parent().unwrap().file_name().unwrap() == "_f8e4m3_rowscaled";
     assert_eq!(dtype == "f8e4m3_rowscaled", in_series, "{}: dtype {dtype}", path.display());
@@ -74,7 +79,13 @@ fn check_file(path: &Path, seed: u64, hidden: u32, downcast_steps: &std::ops::Ra
             activation_row(seed, 0, req.value(i), pos.value(i), &mut want);
             let source: Vec<u8> = want.iter().flat_map(|v| v.to_le_bytes()).collect();
             let downcast = in_series;
-            assert_eq!(downcast, downcast_steps.contains(&step.value(i)), "step {} in {}", step.value(i), path.display());
+            assert_eq!(
+                downcast,
+                downcast_steps.contains(&step.value(i)),
+                "step {} in {}",
+                step.value(i),
+                path.display()
+            );
             if downcast {
                 let mut expect = vec![0u8; hidden as usize + 4];
                 rowscaled::encode_row(DType::BF16, &source, &mut expect);

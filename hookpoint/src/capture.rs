@@ -294,7 +294,8 @@ mod tests {
         let (mut p, mut c, reg) = setup(1 << 16, 4);
         let hp = reg.get(0).unwrap();
         let batch = StepBatch::new(0, [(1, 0), (2, 0)]).unwrap();
-        let data: Vec<u8> = [1.0f32, -2.0, 0.5, 448.0, 3.0, 0.0, -0.25, 7.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let data: Vec<u8> =
+            [1.0f32, -2.0, 0.5, 448.0, 3.0, 0.0, -0.25, 7.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         hp.control().set_selection(RowSelection::Rows(vec![1, 0])).unwrap();
         hp.control().set_downcast(true).unwrap();
         capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();

@@ -713,7 +713,9 @@ fn downcast_rows_on_the_device(defer: bool) {
             }
         }
         for s in &sources {
-            s.buf.copy_from_host_async(s.offset as usize, &downcast_source(step, &s.hp, s.rows), stream.handle()).unwrap();
+            s.buf
+                .copy_from_host_async(s.offset as usize, &downcast_source(step, &s.hp, s.rows), stream.handle())
+                .unwrap();
         }
         let b = batch(step, MAX_ROWS);
         cap.begin_step(&reg, &b, stream.handle()).unwrap();

@@ -133,7 +133,9 @@ impl fmt::Display for DType {
 
 /// Error for a dtype name that ringscope does not know.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown dtype `{0}`; expected one of f32, f16, bf16, f64, i8, u8, i16, i32, i64, f8e4m3, f8e5m2, f8e4m3_rowscaled")]
+#[error(
+    "unknown dtype `{0}`; expected one of f32, f16, bf16, f64, i8, u8, i16, i32, i64, f8e4m3, f8e5m2, f8e4m3_rowscaled"
+)]
 pub struct UnknownDTypeName(pub String);
 
 impl FromStr for DType {

@@ -285,7 +285,8 @@ mod tests {
         encode_row(DType::F32, &tiny.to_le_bytes(), &mut row);
         assert_eq!((scale_of(&row), row[4]), (1.0, 0));
         // bf16 and f16 sources: the largest element is exactly ±448 × scale.
-        let src: Vec<u8> = [1.5f32, -3.0].iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect();
+        let src: Vec<u8> =
+            [1.5f32, -3.0].iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect();
         let mut row = [0u8; 6];
         encode_row(DType::BF16, &src, &mut row);
         assert_eq!((scale_of(&row), row[4], row[5]), (3.0 / 448.0, f32_to_e4m3(1.5 / (3.0 / 448.0)), 0xFE));

@@ -17,8 +17,7 @@ use ringscope_policy::DropReason;
 use ringscope_ring::DType;
 
 use crate::dataset::{
-    dtype_subdir, file_metadata, in_progress_path, part_name, schema_for, Batch, DatasetOptions, FileError,
-    FormatError,
+    dtype_subdir, file_metadata, in_progress_path, part_name, schema_for, Batch, DatasetOptions, FileError, FormatError,
 };
 use crate::routing::catalog::CatalogEntry;
 use crate::routing::record::{Receipt, Record};

@@ -228,8 +228,7 @@ pub fn schema_for(hp: &CatalogEntry, dtype: DType) -> SchemaRef {
         Field::new("rank", DataType::Int32, false),
         Field::new("dtype", DataType::Utf8, false),
         Field::new("shape", DataType::List(Arc::new(Field::new("item", DataType::Int64, false))), false),
-        Field::new("activation", DataType::FixedSizeBinary(row_bytes), false)
-            .with_metadata(activation_meta),
+        Field::new("activation", DataType::FixedSizeBinary(row_bytes), false).with_metadata(activation_meta),
     ]))
 }
 
