@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use ringscope_hookpoint::{HookPoint, Registry};
 use ringscope_policy::{Budget, HookPointLoad, Measurements, Planner, PlannerSettings, RungChange};
-use ringscope_ring::DType;
 
 /// Least time between two decisions.
 pub(crate) const TICK: Duration = Duration::from_millis(10);
@@ -55,7 +54,7 @@ pub(crate) struct Governor {
     state: Mutex<State>,
     started: Instant,
     priorities: Vec<(String, i32)>,
-    /// Whether the capture path can downcast (the downcast rung is offered only then).
+    /// Whether the downcast rung is offered (to hookpoints whose dtype can be downcast).
     downcast: bool,
 }
 
@@ -138,9 +137,10 @@ impl Governor {
             }
             let spec = hp.spec();
             let row_bytes = spec.row_bytes() as f64;
-            let width = spec.row_width as f64;
-            let downcast_ratio = (self.downcast && matches!(spec.dtype, DType::BF16 | DType::F16 | DType::F32))
-                .then(|| (width + 4.0) / row_bytes);
+            let downcast_ratio = (self.downcast)
+                .then(|| spec.dtype.downcast())
+                .flatten()
+                .map(|d| d.row_bytes(spec.row_width as u64) as f64 / row_bytes);
             loads.push(HookPointLoad {
                 id: hp.id(),
                 priority: self.priorities.iter().find(|(n, _)| *n == spec.name).map_or(0, |p| p.1),

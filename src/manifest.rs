@@ -92,6 +92,8 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std
                     "produced": tally(c.produced),
                     "exported": tally(c.exported),
                     "sampled_out": tally(c.sampled_out),
+                    // Of `exported`, the records whose rows were downcast on capture (not an outcome of its own).
+                    "downcast": tally(c.downcast),
                     "dropped": DropReason::ALL.iter().map(|r| (r.name().to_owned(), tally(c.dropped_for(*r)))).collect::<serde_json::Map<_, _>>(),
                 },
             })
@@ -106,6 +108,7 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std
                 "path": rel.to_string_lossy(),
                 "sink": f.sink,
                 "hookpoint": f.hookpoint,
+                "dtype": f.dtype.name(),
                 "rows": f.rows,
                 "bytes": f.bytes,
                 "direct_io": f.direct_io,

@@ -163,13 +163,16 @@ pub fn exposition(stats: &SessionStats) -> String {
     type Unit = fn(Tally) -> u64;
     const UNITS: [(&str, Unit); 2] = [("records", |t| t.records), ("rows", |t| t.rows)];
     type Count = fn(&crate::HookPointStats) -> Tally;
-    let counts: [(&str, &str, Count); 4] = [
+    let counts: [(&str, &str, Count); 5] = [
         ("produced", "captures offered (before sampling and drops)", |h| h.counters.produced),
         ("sampled_out", "captures skipped by sampling or because the hookpoint was disabled", |h| {
             h.counters.sampled_out
         }),
         ("published", "records that entered the ring", |h| h.counters.published),
         ("exported", "records that reached every destination", |h| h.counters.exported),
+        ("downcast", "exported records that were downcast to fp8 on capture (a part of exported)", |h| {
+            h.counters.downcast
+        }),
     ];
     if !stats.hookpoints.is_empty() {
         for (what, help, count) in counts {

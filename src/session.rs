@@ -273,7 +273,7 @@ impl SessionBuilder {
             health,
             governor: config.policy.adaptive().then(|| {
                 let priorities = config.hookpoints.iter().map(|h| (h.name.clone(), h.priority)).collect();
-                Governor::new(config.policy.planner_settings(), priorities, false)
+                Governor::new(config.policy.planner_settings(), priorities, true)
             }),
             on_deadline: config.policy.on_deadline,
             steps: StepTally::default(),

@@ -128,6 +128,9 @@ pub fn rung_label(control: &Control) -> String {
         RowSelection::LastPerRequest => parts.push("last_row".into()),
         RowSelection::Rows(_) => parts.push("rows".into()),
     }
+    if control.effective_downcast() {
+        parts.push("downcast".into());
+    }
     if parts.is_empty() {
         "full".into()
     } else {
@@ -288,6 +291,8 @@ mod tests {
         c.set_selection(RowSelection::All).unwrap();
         c.set_keep(ringscope_policy::Keep { every_n: 2, last_row: true, ..Default::default() });
         assert_eq!(rung_label(c), "every_8+last_row");
+        c.set_keep(ringscope_policy::Keep { every_n: 2, last_row: true, downcast: true, off: false });
+        assert_eq!(rung_label(c), "every_8+last_row+downcast");
     }
 
     #[test]

@@ -113,6 +113,10 @@
 // 8-bit float, 5 exponent bits, 2 mantissa bits (OCP FP8 E5M2).
 #define RS_DTYPE_F8E5M2 11
 
+// A row downcast to OCP FP8 E4M3 with one scale per row: a little-endian `f32` scale, then `row_width` E4M3 bytes
+// (records of a hookpoint whose downcast is on, see `rs_set_downcast`).
+#define RS_DTYPE_F8E4M3_ROWSCALED 12
+
 // Status codes returned by every function.
 enum rs_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -379,6 +383,14 @@ rs_status rs_set_enabled(uint64_t session_handle,
 
 // Captures only steps that are multiples of `n` (`n` ≥ 1).
 rs_status rs_set_every_n_steps(uint64_t session_handle, uint32_t hookpoint, uint32_t n);
+
+// Turns the downcast on capture of a bf16, f16 or f32 hookpoint on or off: its records then hold rows of row-scaled
+// FP8 E4M3 (`RS_DTYPE_F8E4M3_ROWSCALED`: an `f32` scale, then one byte per element), exported to a file series of
+// their own (`hookpoint=<name>/rank=<r>/_f8e4m3_rowscaled/`). Takes effect like `rs_set_enabled`. Another dtype is
+// `RS_ERR_INVALID_ARGUMENT`, naming the hookpoint and its dtype.
+rs_status rs_set_downcast(uint64_t session_handle,
+                          uint32_t hookpoint,
+                          bool downcast);
 
 // Sets which batch rows a hookpoint keeps: `RS_ROWS_ALL`, `RS_ROWS_LAST_PER_REQUEST`, or `RS_ROWS_LIST` with
 // `rows[0..n]`.

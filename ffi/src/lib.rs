@@ -319,6 +319,9 @@ pub const RS_DTYPE_I64: u32 = 9;
 pub const RS_DTYPE_F8E4M3: u32 = 10;
 /// 8-bit float, 5 exponent bits, 2 mantissa bits (OCP FP8 E5M2).
 pub const RS_DTYPE_F8E5M2: u32 = 11;
+/// A row downcast to OCP FP8 E4M3 with one scale per row: a little-endian `f32` scale, then `row_width` E4M3 bytes
+/// (records of a hookpoint whose downcast is on, see `rs_set_downcast`).
+pub const RS_DTYPE_F8E4M3_ROWSCALED: u32 = 12;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Handles and errors.
@@ -666,6 +669,19 @@ pub extern "C" fn rs_set_every_n_steps(session_handle: u64, hookpoint: u32, n: u
         let s = session(session_handle)?;
         let hp = s.hookpoint_by_id(hookpoint)?;
         hp.control().set_every_n_steps(n).map_err(|e| invalid(e.to_string()))
+    })
+}
+
+/// Turns the downcast on capture of a bf16, f16 or f32 hookpoint on or off: its records then hold rows of row-scaled
+/// FP8 E4M3 (`RS_DTYPE_F8E4M3_ROWSCALED`: an `f32` scale, then one byte per element), exported to a file series of
+/// their own (`hookpoint=<name>/rank=<r>/_f8e4m3_rowscaled/`). Takes effect like `rs_set_enabled`. Another dtype is
+/// `RS_ERR_INVALID_ARGUMENT`, naming the hookpoint and its dtype.
+#[no_mangle]
+pub extern "C" fn rs_set_downcast(session_handle: u64, hookpoint: u32, downcast: bool) -> RsStatus {
+    ffi(|| {
+        let s = session(session_handle)?;
+        let hp = s.hookpoint_by_id(hookpoint)?;
+        hp.control().set_downcast(downcast).map_err(|e| invalid(e.to_string()))
     })
 }
 

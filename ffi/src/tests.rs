@@ -293,6 +293,7 @@ fn drop_reason_and_dtype_constants_are_the_library_numbering_and_names() {
         RS_DTYPE_I64 => DType::I64,
         RS_DTYPE_F8E4M3 => DType::F8E4M3,
         RS_DTYPE_F8E5M2 => DType::F8E5M2,
+        RS_DTYPE_F8E4M3_ROWSCALED => DType::F8E4M3RowScaled,
     ];
     assert_eq!(dtypes.len(), DType::ALL.len());
     for (constant, code, dtype) in dtypes {

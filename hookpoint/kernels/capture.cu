@@ -25,7 +25,9 @@ struct Control {
     u32 list_len;
     u64 list_ptr;        // device u32[list_len] for ROW_LIST
     u64 valid_rows_ptr;  // device u32 scalar: rows past it are padding (0 = none)
-    u64 reserved[4];
+    u32 downcast;        // 1: write bf16 / f16 / f32 rows as row-scaled FP8 E4M3 (DTYPE_ROWSCALED)
+    u32 reserved0;
+    u64 reserved[3];
 };
 
 // Per-hookpoint counters: COUNTER_WORDS x u64, a (records, rows) pair per C_*_REC / C_*_ROWS
@@ -56,6 +58,82 @@ __device__ void write_header(u8* at, u64 w1, u64 w2, u64 w3, u64 w4, u64 w5) {
     ulonglong2* dst = (ulonglong2*)at;
 #pragma unroll
     for (int i = 0; i < 4; i++) dst[i] = make_ulonglong2(w[2 * i], w[2 * i + 1]);
+}
+
+// --- Downcast rows (ringscope_ring::rowscaled; docs/format.md, dtype f8e4m3_rowscaled) -----------------------------
+// A row of w elements becomes SCALE_BYTES + w bytes: the f32 scale (amax over finite elements / 448, or 1 when that
+// is not positive), then each element / scale (IEEE division) as OCP E4M3, round to nearest even, saturated to
+// +-448, NaN -> 0x7F. The arithmetic is the host converter's step for step, so the bytes are identical. 448 (E4M3's
+// largest finite value) and 512 (2^9, one over E4M3's smallest subnormal) are properties of E4M3, not ringscope
+// constants.
+
+// Whether a capture of `dtype` with these controls writes downcast rows.
+__device__ __forceinline__ bool rs_downcasts(const Control& c, u32 dtype) {
+    return c.downcast && (dtype == DTYPE_F32 || dtype == DTYPE_F16 || dtype == DTYPE_BF16);
+}
+
+__device__ __forceinline__ u32 rs_elem_bytes(u32 dtype) { return dtype == DTYPE_F32 ? 4u : 2u; }
+
+// Bytes of one row as the record holds it.
+__device__ __forceinline__ u32 rs_out_row_bytes(bool dc, u32 dtype, u32 row_bytes) {
+    return dc ? row_bytes / rs_elem_bytes(dtype) + SCALE_BYTES : row_bytes;
+}
+
+// Element i of a source row, exactly as f32.
+__device__ __forceinline__ float rs_load(const u8* row, u32 dtype, u32 i) {
+    if (dtype == DTYPE_F32) return ((const float*)row)[i];
+    const u32 h = ((const unsigned short*)row)[i];
+    if (dtype == DTYPE_BF16) return __uint_as_float(h << 16);
+    // f16 -> f32, exact (subnormals scaled by 2^-24, which is exact in f32).
+    const u32 sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1Fu) return __uint_as_float(sign | 0x7F800000u | (m << 13));
+    if (e == 0) {
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// f32 -> E4M3, round to nearest even, saturating; NaN -> 0x7F (ringscope_ring::rowscaled::f32_to_e4m3).
+__device__ __forceinline__ u8 rs_e4m3(float x) {
+    const u32 bits = __float_as_uint(x);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7F;
+    const u8 sign = (u8)((bits >> 24) & 0x80u);
+    const float a = fabsf(x);
+    if (a >= 448.0f) return sign | 0x7E;
+    if (a < 0.015625f) return sign | (u8)__float2int_rn(a * 512.0f);
+    const u32 ab = bits & 0x7FFFFFFFu;
+    const u32 mant = ab & 0x7FFFFFu;
+    u32 code = ((((ab >> 23) - 127u) + 7u) << 3) | (mant >> 20);
+    const u32 rest = mant & 0xFFFFFu;
+    if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) code++;
+    return sign | (u8)code;
+}
+
+// One warp downcasts one row of w elements of `dtype` into `out` (SCALE_BYTES + w bytes). Every lane of the warp
+// calls it with the same row (the amax is a warp reduction).
+__device__ void rs_downcast_row(const u8* row, u32 dtype, u32 w, u8* out) {
+    const u32 lane = threadIdx.x & 31u;
+    float amax = 0.0f;
+    for (u32 i = lane; i < w; i += 32) {
+        const float v = fabsf(rs_load(row, dtype, i));
+        if (v <= 3.402823466e38f) amax = fmaxf(amax, v);  // finite only (false for NaN and inf)
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    float scale = amax / 448.0f;
+    if (!(scale > 0.0f && scale <= 3.402823466e38f)) scale = 1.0f;
+    // Rows are row_width + 4 bytes apart, so the scale is not aligned: byte stores, little-endian.
+    if (lane < SCALE_BYTES) out[lane] = (u8)(__float_as_uint(scale) >> (8 * lane));
+    for (u32 i = lane; i < w; i += 32) out[SCALE_BYTES + i] = rs_e4m3(rs_load(row, dtype, i) / scale);
+}
+
+// Writes `rows` downcast rows: row k of the record from source row idx[k] (or k), one warp per row over the grid.
+__device__ void rs_downcast_rows(u8* dst, const u8* src, const u32* idx, u32 rows, u32 dtype, u32 row_bytes) {
+    const u32 w = row_bytes / rs_elem_bytes(dtype);
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 k = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; k < rows; k += warps)
+        rs_downcast_row(src + (u64)(idx ? idx[k] : (u32)k) * row_bytes, dtype, w, dst + k * (w + SCALE_BYTES));
 }
 
 __device__ __forceinline__ void set_error(u8* host, u32 bit) {
@@ -120,8 +198,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
 
     u64* cnt = counters + COUNTER_WORDS * hookpoint;
     const bool sampled = c.enabled && (step % (u64)(c.every_n ? c.every_n : 1)) == 0;
+    // Downcast is read here, at run time, like every other control: graph replays follow its changes.
+    const bool dc = rs_downcasts(c, dtype);
+    const u32 out_rb = rs_out_row_bytes(dc, dtype, row_bytes);
     const u64 meta_bytes = (META_BYTES * rows + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
-    const u64 payload_len = meta_bytes + (u64)rows * row_bytes;
+    const u64 payload_len = meta_bytes + (u64)rows * out_rb;
     const u64 footprint = (HEADER_BYTES + payload_len + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
     const u64 offset = head % capacity;
     const u64 pad = footprint <= capacity - offset ? 0 : capacity - offset;
@@ -152,8 +233,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
     if (lead) {
         if (pad) write_header(ring + offset, 0, 0, 0, DTYPE_PAD << 40, pad - HEADER_BYTES);
         const u64 flags = (c.mode != ROW_ALL || rows != n_rows) ? FLAG_ROW_SELECTION : 0;
+        const u64 out_dtype = dc ? DTYPE_ROWSCALED : dtype;
         write_header(rec, seq, step, (u64)hookpoint | ((u64)rows << 32),
-                     (u64)row_bytes | (KIND_DATA << 32) | ((u64)dtype << 40) | (flags << 48), payload_len);
+                     (u64)out_rb | (KIND_DATA << 32) | (out_dtype << 40) | (flags << 48), payload_len);
     }
     // Zeros between the row metadata and the first row.
     if (blockIdx.x == 0) {
@@ -170,7 +252,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
         meta_dst[i] = i < rows ? metas[idx ? idx[i] : i] : make_uint4(0, 0, 0, 0);
 
     u8* __restrict__ dst = rec + HEADER_BYTES + meta_bytes;
-    if (vec) {
+    if (dc) {
+        rs_downcast_rows(dst, src, idx, rows, dtype, row_bytes);
+    } else if (vec) {
         // Flattened over 16-byte units; (row, column) advance by the grid size without a division per unit.
         const u64 total = (u64)rows * vpr;
         const u32 q = (u32)(gsize / vpr), rem = (u32)(gsize % vpr);
@@ -332,6 +416,8 @@ struct Plan {
     u64 meta0;        // first 16-byte metadata unit
     u32 rows;
     u32 vec;          // 16-byte path
+    u32 dc;           // rows are downcast (rs_downcasts)
+    u32 orb;          // bytes of a row in the record
     int status;       // -1 published, -2 no rows, else the counter index of the drop reason
 };
 
@@ -356,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
     u8* ring, u64 capacity, u8* state, u8* host, const Control* controls, u64* counters, const u8* desc, Many m) {
     __shared__ Plan plan[MAX_MANY];
     __shared__ Control ctl[MAX_MANY];
-    __shared__ u64 s_unit[MAX_MANY + 1], s_meta[MAX_MANY + 1];
+    __shared__ u64 s_unit[MAX_MANY + 1], s_meta[MAX_MANY + 1], s_drow[MAX_MANY + 1];
     __shared__ u32 s_min;
     __shared__ u64 s_head, s_seq;
     const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
@@ -393,6 +479,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         p.rows = c.mode == ROW_ALL ? bound : c.mode == ROW_LAST_PER_REQUEST && m.g.on ? bound / m.g.seq : 0;
         p.pad = bound;  // kept for the list scan
         p.vec = ((e.src | e.row_bytes) & 15) == 0;
+        p.dc = rs_downcasts(c, e.dtype);
+        p.orb = rs_out_row_bytes(p.dc, e.dtype, e.row_bytes);
         p.status = c.enabled && (c.every_n <= 1 || step % (u64)c.every_n == 0) ? -1 : C_SAMPLED_REC;
         plan[i] = p;
         if (scan) s_scan = 1;
@@ -418,21 +506,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         Plan& p = plan[i];
         const u32 rb = m.e[i].row_bytes;
         p.meta_bytes = (META_BYTES * p.rows + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
-        p.payload_len = p.meta_bytes + (u64)p.rows * rb;
+        p.payload_len = p.meta_bytes + (u64)p.rows * p.orb;
         p.footprint = (HEADER_BYTES + p.payload_len + RECORD_ALIGN_MASK) & ~RECORD_ALIGN_MASK;
         if (p.rows == 0) p.status = -2;
         else if (p.status == -1 && HEADER_BYTES + p.payload_len > capacity / 2) p.status = C_TOO_LARGE_REC;
         else if (p.status == -1 && deadline) p.status = C_DEADLINE_REC;
-        p.unit0 = p.vec ? (u64)p.rows * (rb / 16) : (u64)p.rows * rb;  // this entry's units, for the prefix below
+        // This entry's units (none for downcast rows: they have their own pass), for the prefix below.
+        p.unit0 = p.dc ? 0 : p.vec ? (u64)p.rows * (rb / 16) : (u64)p.rows * rb;
     }
     __syncthreads();
     // 3. Placement, in order.
     if (threadIdx.x == 0) {
-        u64 head = head0, seq = seq0, offset = s_off0, units = 0, metas = 0;
+        u64 head = head0, seq = seq0, offset = s_off0, units = 0, metas = 0, drows = 0;
         for (u32 i = 0; i < n; i++) {
             Plan& p = plan[i];
             s_unit[i] = units;
             s_meta[i] = metas;
+            s_drow[i] = drows;
             if (p.status != -1) continue;
             const u64 pad = p.footprint <= capacity - offset ? 0 : capacity - offset;
             if (pad + p.footprint > capacity - (head - tail)) {
@@ -448,9 +538,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
             if (offset == capacity) offset = 0;
             units += p.unit0;
             metas += p.meta_bytes / 16;
+            if (p.dc) drows += p.rows;
         }
         s_unit[n] = units;
         s_meta[n] = metas;
+        s_drow[n] = drows;
         s_head = head;
         s_seq = seq;
     }
@@ -466,8 +558,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         const Entry& e = m.e[i];
         if (p.pad) write_header(ring + p.pad_at, 0, 0, 0, DTYPE_PAD << 40, p.pad - HEADER_BYTES);
         const u64 flags = (ctl[i].mode != ROW_ALL || p.rows != n_rows) ? FLAG_ROW_SELECTION : 0;
+        const u64 out_dtype = p.dc ? DTYPE_ROWSCALED : e.dtype;
         write_header(ring + p.start, p.seq, step, (u64)e.hookpoint | ((u64)p.rows << 32),
-                     (u64)e.row_bytes | (KIND_DATA << 32) | ((u64)e.dtype << 40) | (flags << 48), p.payload_len);
+                     (u64)p.orb | (KIND_DATA << 32) | (out_dtype << 40) | (flags << 48), p.payload_len);
     }
     for (u64 k = gtid; k < s_meta[n]; k += gsize) {
         const u32 i = find_entry(s_meta, n, k);
@@ -515,6 +608,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
             if (wide[k]) *(uint4*)dst[k] = v[k];
             else *dst[k] = (u8)v[k].x;
         }
+    }
+
+    // 4b. Downcast rows of all records, one warp per row (s_drow: the same prefix over downcast rows only).
+    for (u64 k = gtid >> 5; k < s_drow[n]; k += gsize >> 5) {
+        const u32 i = find_entry(s_drow, n, k);
+        const Plan& p = plan[i];
+        const Entry& e = m.e[i];
+        const u32 j = (u32)(k - s_drow[i]);
+        const u64 r = ctl[i].mode == ROW_ALL ? j : many_row(ctl[i], desc, n_rows, m.g, j);
+        rs_downcast_row((const u8*)e.src + r * e.row_bytes, e.dtype, p.orb - SCALE_BYTES,
+                        ring + p.start + HEADER_BYTES + p.meta_bytes + (u64)j * p.orb);
     }
 
     // 5. The last block to finish publishes everything at once and counts.

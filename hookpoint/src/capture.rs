@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::time::Instant;
 
 use ringscope_policy::{DropReason, LossPolicy, OnFull};
-use ringscope_ring::{Producer, RecordMeta, ReserveError, RowMeta};
+use ringscope_ring::{rowscaled, Producer, RecordMeta, ReserveError, RowMeta};
 
 use crate::batch::StepBatch;
 use crate::error::HookPointError;
@@ -80,12 +80,14 @@ pub fn capture_host(
         });
     }
     let rows = metas.len() as u32;
+    // Read once: the record's dtype and its rows' conversion must agree even if the control changes meanwhile.
+    let (dtype, record_row_bytes) = hp.control().record_format(hp.spec());
     let record = RecordMeta {
         step: batch.step(),
         hookpoint: hp.id(),
         rows,
-        row_bytes,
-        dtype: hp.spec().dtype,
+        row_bytes: record_row_bytes,
+        dtype,
         flags: if matches!(metas, Cow::Owned(_)) || rows as usize != batch.len() {
             ringscope_ring::record::flags::ROW_SELECTION
         } else {
@@ -143,7 +145,11 @@ pub fn capture_host(
     };
     reservation.write_rows_with(&metas, |i, dst| {
         let src = if preselected { i * rb } else { metas[i].batch_row as usize * rb };
-        dst.copy_from_slice(&data[src..src + rb]);
+        if dtype == hp.spec().dtype {
+            dst.copy_from_slice(&data[src..src + rb]);
+        } else {
+            rowscaled::encode_row(hp.spec().dtype, &data[src..src + rb], dst);
+        }
     });
     let seq = reservation.publish();
     counters.published(rows as u64);
@@ -305,5 +311,32 @@ mod tests {
         assert_eq!(hp.counters().snapshot().dropped_for(DropReason::TooLarge).records, 1);
         let events = reg.events().take();
         assert_eq!((events.len(), events[0].reason.as_str(), events[0].rows_lost), (1, "too_large", 1));
+    }
+
+    #[test]
+    fn downcast_rows_are_converted_on_capture_and_say_so_in_their_dtype() {
+        let (mut p, mut c, reg) = setup(1 << 16, 4);
+        let hp = reg.get(0).unwrap();
+        let batch = StepBatch::new(0, [(1, 0), (2, 0)]).unwrap();
+        let data: Vec<u8> =
+            [1.0f32, -2.0, 0.5, 448.0, 3.0, 0.0, -0.25, 7.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        hp.control().set_selection(RowSelection::Rows(vec![1, 0])).unwrap();
+        hp.control().set_downcast(true).unwrap();
+        capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();
+        hp.control().set_downcast(false).unwrap();
+        capture_host(&mut p, &FULL, &hp, &batch, &data).unwrap();
+        let read = |c: &mut ringscope_ring::Consumer| {
+            c.pop_with(|v| (v.header.meta.dtype, v.header.meta.row_bytes, v.data().to_vec())).unwrap().unwrap()
+        };
+        let (dtype, row_bytes, rows) = read(&mut c);
+        assert_eq!((dtype, row_bytes), (DType::F8E4M3RowScaled, 8));
+        let mut want = vec![0u8; 16];
+        rowscaled::encode_row(DType::F32, &data[16..32], &mut want[..8]);
+        rowscaled::encode_row(DType::F32, &data[..16], &mut want[8..]);
+        assert_eq!(rows, want, "selected rows, in selection order, each with its own scale");
+        assert_eq!(rowscaled::scale_of(&rows[8..]), 1.0, "row 0's amax is 448");
+        let (dtype, row_bytes, rows) = read(&mut c);
+        assert_eq!((dtype, row_bytes), (DType::F32, 16));
+        assert_eq!(rows, [&data[16..], &data[..16]].concat());
     }
 }

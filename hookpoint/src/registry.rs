@@ -8,7 +8,7 @@ use parking_lot::{RwLock, RwLockReadGuard};
 use ringscope_policy::{AccountingSnapshot, Counters, DropReason, EventLog, Keep, StallMeter};
 
 use crate::error::HookPointError;
-use ringscope_ring::HookPointSpec;
+use ringscope_ring::{DType, HookPointSpec};
 
 /// Which rows of a step's batch a capture keeps.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -32,9 +32,13 @@ pub enum RowSelection {
 pub struct Control {
     enabled: AtomicBool,
     every_n_steps: AtomicU32,
+    downcast: AtomicBool,
     selection: RwLock<RowSelection>,
     /// The policy manager's layer, packed ([`pack_keep`]); 0 = keep everything.
     keep: AtomicU64,
+    /// The hookpoint's name and dtype: `set_downcast` refuses dtypes that are not downcast, naming both.
+    name: String,
+    dtype: DType,
     /// Bumped by every change, so the GPU backend re-uploads controls only when they changed.
     generation: AtomicU64,
     /// The registry's change counter (bumped with `generation`).
@@ -42,12 +46,15 @@ pub struct Control {
 }
 
 impl Control {
-    fn new(registry_changes: Arc<AtomicU64>) -> Self {
+    fn new(spec: &HookPointSpec, registry_changes: Arc<AtomicU64>) -> Self {
         Control {
             enabled: AtomicBool::new(true),
             every_n_steps: AtomicU32::new(1),
+            downcast: AtomicBool::new(false),
             selection: RwLock::default(),
             keep: AtomicU64::new(0),
+            name: spec.name.clone(),
+            dtype: spec.dtype,
             generation: AtomicU64::new(0),
             registry_changes,
         }
@@ -124,6 +131,41 @@ impl Control {
             EffectiveSelection::LastRow
         } else {
             EffectiveSelection::User(user)
+        }
+    }
+
+    /// Whether captured rows are downcast to row-scaled FP8 E4M3 ([`DType::F8E4M3RowScaled`]) on capture: the
+    /// records then carry that dtype and rows of `row_width + 4` bytes (the scale, then one byte per element).
+    pub fn downcast(&self) -> bool {
+        self.downcast.load(Ordering::Relaxed)
+    }
+
+    /// Downcast by the user or by the policy manager's rung (only hookpoints whose dtype can be downcast).
+    pub fn effective_downcast(&self) -> bool {
+        (self.downcast() || self.keep().downcast) && self.dtype.downcast().is_some()
+    }
+
+    /// Turns the downcast on capture on or off (the policy's rung between "last row per request" and "drop"). Only
+    /// hookpoints of dtype bf16, f16 or f32 can be downcast; others are an error naming the hookpoint and dtype.
+    pub fn set_downcast(&self, on: bool) -> Result<(), HookPointError> {
+        if on && self.dtype.downcast().is_none() {
+            return Err(HookPointError::InvalidControl(format!(
+                "hookpoint `{}` has dtype {}: only bf16, f16 and f32 rows can be downcast to {}",
+                self.name,
+                self.dtype,
+                DType::F8E4M3RowScaled
+            )));
+        }
+        self.downcast.store(on, Ordering::Relaxed);
+        self.changed();
+        Ok(())
+    }
+
+    /// The dtype and row size of the records a capture writes now: the hookpoint's own, or the downcast ones.
+    pub fn record_format(&self, spec: &HookPointSpec) -> (DType, u32) {
+        match spec.dtype.downcast() {
+            Some(d) if self.effective_downcast() => (d, d.row_bytes(spec.row_width as u64) as u32),
+            _ => (spec.dtype, spec.row_bytes()),
         }
     }
 
@@ -278,7 +320,7 @@ impl Registry {
         }
         let id = u32::try_from(inner.by_id.len()).map_err(|_| HookPointError::TooMany)?;
         inner.by_name.insert(spec.name.clone(), id);
-        let control = Control::new(self.changes.clone());
+        let control = Control::new(&spec, self.changes.clone());
         let hp = Arc::new(HookPoint {
             id,
             spec,
@@ -350,7 +392,6 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ringscope_ring::DType;
     use ringscope_ring::SiteKind;
 
     fn spec(name: &str) -> HookPointSpec {
@@ -410,5 +451,29 @@ mod tests {
         assert!(c.enabled() && !c.effective_enabled() && !c.samples(0));
         c.set_keep(Keep::default());
         assert!(c.samples(0) && c.keep() == Keep { every_n: 1, ..Keep::default() });
+        // The rung's downcast applies to hookpoints whose dtype can be downcast (this one is f32), not to others.
+        c.set_keep(Keep { every_n: 1, downcast: true, ..Keep::default() });
+        assert!(!c.downcast() && c.effective_downcast());
+        let ids = r.register(HookPointSpec { dtype: DType::I32, ..spec("ids") }).unwrap();
+        ids.control().set_keep(Keep { every_n: 1, downcast: true, ..Keep::default() });
+        assert!(!ids.control().effective_downcast());
+    }
+
+    #[test]
+    fn downcast_is_a_control_of_float_hookpoints() {
+        let r = Registry::new();
+        let h = r.register(HookPointSpec { dtype: DType::BF16, row_width: 8, ..spec("a") }).unwrap();
+        let (gen, changes) = (h.control().generation(), r.changes());
+        assert!(!h.control().downcast());
+        assert_eq!(h.control().record_format(h.spec()), (DType::BF16, 16));
+        h.control().set_downcast(true).unwrap();
+        assert!(h.control().downcast());
+        assert_eq!(h.control().record_format(h.spec()), (DType::F8E4M3RowScaled, 12));
+        assert!(h.control().generation() > gen && r.changes() > changes, "a change the GPU backend uploads");
+        let i = r.register(HookPointSpec { dtype: DType::I32, ..spec("ids") }).unwrap();
+        let err = i.control().set_downcast(true).unwrap_err().to_string();
+        assert!(err.contains("`ids`") && err.contains("i32"), "{err}");
+        assert!(!i.control().downcast());
+        i.control().set_downcast(false).unwrap();
     }
 }

@@ -13,7 +13,7 @@ use ringscope_ring::cuda::{
     errors, CudaError, DeviceBuffer, DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, ForeignStream, Gpu, Graph,
     Stream,
 };
-use ringscope_ring::{DType, RowMeta};
+use ringscope_ring::{rowscaled, DType, RowMeta};
 
 fn gpu() -> Option<Arc<Gpu>> {
     match Gpu::open(0) {
@@ -31,6 +31,7 @@ struct Got {
     seq: u64,
     step: u64,
     hookpoint: u32,
+    dtype: DType,
     metas: Vec<RowMeta>,
     rows: Vec<Vec<u8>>,
 }
@@ -43,6 +44,7 @@ fn drain_all(consumer: &mut DeviceConsumer) -> Vec<Got> {
             seq: v.header.seq,
             step: v.header.meta.step,
             hookpoint: v.header.meta.hookpoint,
+            dtype: v.header.meta.dtype,
             metas: (0..v.header.meta.rows as usize).map(|i| v.row_meta(i)).collect(),
             rows: (0..v.header.meta.rows as usize).map(|i| v.row(i).to_vec()).collect(),
         });
@@ -611,5 +613,163 @@ fn graph_begun_steps(defer: bool) {
     cap.fold_counters(&reg).unwrap();
     let total = reg.accounting().total();
     assert_eq!(total.published.records, got.len() as u64);
+    assert_eq!(total.dropped_total().records, 0);
+}
+
+/// Source rows for the downcast tests: on even steps the pattern's raw bits (NaN, infinities, subnormals, huge and
+/// tiny magnitudes in one row), on odd steps activation-like values (a smooth signal with a few outliers, some
+/// zeros and a negative zero), in the hookpoint's dtype.
+fn downcast_source(step: u64, hp: &HookPoint, rows: u32) -> Vec<u8> {
+    let spec = hp.spec();
+    let bytes = rows as usize * spec.row_bytes() as usize;
+    if step % 2 == 0 {
+        return pattern_bytes(seed(step, hp.id()), bytes);
+    }
+    let n = rows as usize * spec.row_width as usize;
+    let value = |i: usize| -> f32 {
+        match i % 97 {
+            0 => 0.0,
+            1 => -0.0,
+            2 => 300.0 * (1.0 + step as f32),
+            _ => ((i as f32) * 0.37 + step as f32).sin() * (1.0 + (i % 13) as f32) * 0.01,
+        }
+    };
+    (0..n)
+        .flat_map(|i| match spec.dtype {
+            DType::F32 => value(i).to_le_bytes().to_vec(),
+            DType::F16 => half::f16::from_f32(value(i)).to_bits().to_le_bytes().to_vec(),
+            DType::BF16 => half::bf16::from_f32(value(i)).to_bits().to_le_bytes().to_vec(),
+            _ => (i as u32 * 2_654_435_761).to_le_bytes()[..spec.dtype.size()].to_vec(),
+        })
+        .collect()
+}
+
+/// Downcast on the device: a recorded graph of captures replayed while the downcast control is turned on and off
+/// between replays (no re-recording). Every downcast row must be byte for byte what the host converter
+/// (`ringscope_ring::rowscaled::encode_row`) makes of the source row — bf16, f16 and f32 sources, every row
+/// selection — and every other row the source's bytes; the records say which in their dtype.
+#[test]
+fn downcast_rows_match_the_host_converter_and_follow_the_control_between_replays() {
+    downcast_rows_on_the_device(false);
+}
+
+/// The same through the deferred capture kernel (`ringscope_capture_many`), in full mode (admission sizes steps
+/// by the rows the kernels write: downcast rows are `row_width + 4` bytes).
+#[test]
+fn deferred_downcast_rows_match_the_host_converter_in_full_mode() {
+    downcast_rows_on_the_device(true);
+}
+
+fn downcast_rows_on_the_device(defer: bool) {
+    let Some(gpu) = gpu() else { return };
+    const MAX_ROWS: u32 = 8;
+    const STEPS: u64 = 40;
+    let ring = DeviceRing::new(&gpu, 16 << 20).unwrap();
+    let full_mode_deadline = defer.then_some(Duration::from_secs(10));
+    let options = DeviceCaptureOptions { max_batch_rows: 64, defer, full_mode_deadline, ..Default::default() };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 64 << 10, max_in_flight: 4 }).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let specs: [(&str, DType, u32, RowSelection, u64); 5] = [
+        ("resid", DType::BF16, 2048, RowSelection::All, 0),
+        ("attn", DType::F32, 1000, RowSelection::LastPerRequest, 0),
+        ("odd", DType::F16, 7, RowSelection::All, 2),
+        ("list", DType::BF16, 33, RowSelection::Rows(vec![3, 0, 5]), 0),
+        ("ids", DType::I32, 16, RowSelection::All, 0),
+    ];
+    let mut sources = Vec::new();
+    for (name, dtype, width, sel, offset) in specs.iter().cloned() {
+        let hp = register(&reg, name, dtype, width);
+        hp.control().set_selection(sel).unwrap();
+        let bytes = MAX_ROWS as usize * hp.spec().row_bytes() as usize + 16;
+        sources.push(Source { hp, buf: DeviceBuffer::zeroed(&gpu, bytes).unwrap(), offset, rows: MAX_ROWS });
+    }
+    let err = sources[4].hp.control().set_downcast(true).unwrap_err().to_string();
+    assert!(err.contains("`ids`") && err.contains("i32"), "{err}");
+
+    let drain = spawn_drain(consumer, Duration::ZERO);
+    cap.begin_step(&reg, &batch(0, MAX_ROWS), stream.handle()).unwrap();
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        for s in &sources {
+            cap.capture(&s.hp, s.ptr(), s.rows, stream.handle())?;
+        }
+        cap.end_step()
+    })
+    .unwrap();
+
+    // Which hookpoints downcast, by step: none, then all floats, then all but `attn`, then none again.
+    let downcast_at = |step: u64, hp: u32| match step {
+        10..20 => hp < 4,
+        20..30 => hp < 4 && hp != 1,
+        _ => false,
+    };
+    let mut expected = Vec::new();
+    for step in 0..STEPS {
+        if step % 10 == 0 {
+            // Between replays, as a policy manager would: only the control changes, the graph stays as recorded.
+            for s in &sources[..4] {
+                s.hp.control().set_downcast(downcast_at(step, s.hp.id())).unwrap();
+            }
+        }
+        for s in &sources {
+            s.buf
+                .copy_from_host_async(s.offset as usize, &downcast_source(step, &s.hp, s.rows), stream.handle())
+                .unwrap();
+        }
+        let b = batch(step, MAX_ROWS);
+        cap.begin_step(&reg, &b, stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        for s in &sources {
+            let rows = expected_rows(&s.hp.control().selection(), &b, None, s.rows);
+            expected.push((step, s.hp.id(), rows, b.clone()));
+        }
+    }
+    stream.synchronize().unwrap();
+    ring.close_producer();
+    let got = drain.join().unwrap();
+
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    let expected: Vec<_> = expected.into_iter().filter(|(_, _, rows, _)| !rows.is_empty()).collect();
+    assert_eq!(got.len(), expected.len());
+    let mut downcast_records = 0;
+    for (i, (g, (step, hp, rows, b))) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.seq, i as u64, "sequence numbers are contiguous");
+        assert_eq!((g.step, g.hookpoint), (*step, *hp), "record {i}");
+        let metas: Vec<RowMeta> = rows.iter().map(|&r| b.rows()[r as usize]).collect();
+        assert_eq!(g.metas, metas, "row metadata of record {i} (step {step}, hookpoint {hp})");
+        let s = &sources[*hp as usize];
+        let spec = s.hp.spec();
+        let rb = spec.row_bytes() as usize;
+        let src = downcast_source(*step, &s.hp, s.rows);
+        let dc = downcast_at(*step, *hp);
+        assert_eq!(g.dtype, if dc { DType::F8E4M3RowScaled } else { spec.dtype }, "record {i}'s dtype");
+        downcast_records += dc as usize;
+        for (k, &r) in rows.iter().enumerate() {
+            let source = &src[r as usize * rb..(r as usize + 1) * rb];
+            if dc {
+                let mut want = vec![0u8; spec.row_width as usize + rowscaled::SCALE_BYTES];
+                rowscaled::encode_row(spec.dtype, source, &mut want);
+                if g.rows[k] != want {
+                    let at = g.rows[k].iter().zip(&want).position(|(a, b)| a != b);
+                    panic!(
+                        "downcast row {k} of record {i} (step {step}, {} {}) differs from the host converter's at byte \
+                         {at:?}: scale {} vs {}",
+                        spec.name,
+                        spec.dtype,
+                        rowscaled::scale_of(&g.rows[k]),
+                        rowscaled::scale_of(&want)
+                    );
+                }
+            } else {
+                assert!(g.rows[k] == source, "row {k} of record {i} differs");
+            }
+        }
+    }
+    assert!(downcast_records >= 40, "{downcast_records} downcast records");
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.published.records, got.len() as u64);
+    assert_eq!(total.produced, total.published);
     assert_eq!(total.dropped_total().records, 0);
 }

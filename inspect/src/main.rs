@@ -4,9 +4,10 @@
 //! cargo run --release -p ringscope-inspect -- ringscope-out/<run id> [--verify]
 //! ```
 //!
-//! Prints, per format and hookpoint: files, layer, step range, distinct requests, rows, activation bytes, and the
-//! run's accounting (produced / exported / dropped / sampled out) from the run manifest (`_ringscope_run.json`);
-//! then the events table (`_ringscope_events/`): drop spans and rows lost per hookpoint and reason, and rung changes.
+//! Prints, per format and hookpoint: files, layer, step range, distinct requests, rows (and of them, rows downcast to
+//! `f8e4m3_rowscaled`, from the `_f8e4m3_rowscaled/` file series), activation bytes, and the run's accounting
+//! (produced / exported / dropped / sampled out / downcast) from the run manifest (`_ringscope_run.json`); then the
+//! events table (`_ringscope_events/`): drop spans and rows lost per hookpoint and reason, and rung changes.
 //!
 //! What is compared with what: the rows of each format's files on disk against what the manifest says *that sink*
 //! committed (`sinks[].committed`); the accounting's `exported` counts a record only once every sink has it, so with
@@ -34,11 +35,12 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use arrow::array::{Array, AsArray, RecordBatch, UInt64Array};
+use arrow::array::{Array, AsArray, FixedSizeBinaryArray, RecordBatch, UInt64Array};
 use arrow::datatypes::UInt64Type;
 use clap::Parser;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ProjectionMask;
+use ringscope_ring::DType;
 use serde_json::Value;
 
 /// File name of the run manifest (`ringscope::manifest::MANIFEST`; inspect does not depend on the library).
@@ -72,6 +74,8 @@ struct Partition {
     files: usize,
     layer: Option<i64>,
     rows: u64,
+    /// Of `rows`, rows downcast on capture (files of dtype `f8e4m3_rowscaled`).
+    downcast_rows: u64,
     bytes: u64,
     steps: Option<(u64, u64)>,
     requests: HashSet<u64>,
@@ -148,6 +152,9 @@ fn main() -> ExitCode {
                 p.files += 1;
                 p.layer = p.layer.or(summary.layer);
                 p.rows += summary.rows;
+                if summary.dtype == DType::F8E4M3RowScaled {
+                    p.downcast_rows += summary.rows;
+                }
                 p.bytes += summary.bytes;
                 if let Some((a, b)) = summary.steps {
                     p.steps = Some(p.steps.map_or((a, b), |(x, y)| (x.min(a), y.max(b))));
@@ -201,7 +208,7 @@ fn main() -> ExitCode {
     }
 
     println!(
-        "{:<10} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>10} | {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "{:<10} {:<22} {:>5} {:>6} {:>13} {:>9} {:>10} {:>8} {:>10} | {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
         "sink",
         "hookpoint",
         "layer",
@@ -209,12 +216,14 @@ fn main() -> ExitCode {
         "steps",
         "requests",
         "rows",
+        "f8 rows",
         "MiB",
         "committed",
         "produced",
         "exported",
         "dropped",
-        "sampled"
+        "sampled",
+        "downcast"
     );
     for ((sink, hookpoint), p) in &parts {
         let acc = accounting.get(hookpoint).cloned().unwrap_or(Value::Null);
@@ -222,14 +231,16 @@ fn main() -> ExitCode {
         let exported = rows_of(&acc["exported"]);
         let sampled = rows_of(&acc["sampled_out"]);
         let dropped: u64 = acc["dropped"].as_object().map_or(0, |m| m.values().map(rows_of).sum());
+        let downcast = rows_of(&acc["downcast"]);
         let steps = p.steps.map_or("-".into(), |(a, b)| format!("{a}..{b}"));
         let layer = p.layer.map_or("-".into(), |l| l.to_string());
         let sink_committed = committed(sink, hookpoint);
         println!(
-            "{sink:<10} {hookpoint:<22} {layer:>5} {:>6} {steps:>13} {:>9} {:>10} {:>10.1} | {:>10} {produced:>10} {exported:>10} {dropped:>8} {sampled:>8}",
+            "{sink:<10} {hookpoint:<22} {layer:>5} {:>6} {steps:>13} {:>9} {:>10} {:>8} {:>10.1} | {:>10} {produced:>10} {exported:>10} {dropped:>8} {sampled:>8} {downcast:>8}",
             p.files,
             p.requests.len(),
             p.rows,
+            p.downcast_rows,
             p.bytes as f64 / 1048576.0,
             sink_committed.map_or("-".into(), |c| c.to_string()),
         );
@@ -260,6 +271,11 @@ fn main() -> ExitCode {
             problems.push(format!(
                 "{hookpoint}: produced {produced} rows but exported {exported} + dropped {dropped} + sampled out {sampled}"
             ));
+        }
+        // Downcast rows are a part of the exported ones, never more.
+        let downcast = rows_of(&acc["downcast"]);
+        if downcast > exported {
+            problems.push(format!("{hookpoint}: {downcast} rows downcast but only {exported} exported"));
         }
     }
 
@@ -378,6 +394,7 @@ fn data_files(run: &Path) -> std::io::Result<Vec<PathBuf>> {
 
 struct FileSummary {
     hookpoint: String,
+    dtype: DType,
     layer: Option<i64>,
     rows: u64,
     file_rows: u64,
@@ -422,10 +439,10 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
             (kv, batches)
         };
     let get = |k: &str| kv.get(k).cloned().ok_or_else(|| format!("metadata key {k} missing"));
+    let dtype = get("ringscope.dtype")?.parse::<DType>().map_err(|e| e.to_string())?;
     let row_bytes: u64 = {
         let shape: Vec<u64> = serde_json::from_str(&get("ringscope.shape")?).map_err(|e| e.to_string())?;
-        let dtype = get("ringscope.dtype")?.parse::<ringscope_ring::DType>().map_err(|e| e.to_string())?;
-        shape.iter().product::<u64>() * dtype.size() as u64
+        dtype.row_bytes(shape.iter().product::<u64>())
     };
     let mut rows = 0;
     let mut steps: Option<(u64, u64)> = None;
@@ -447,10 +464,25 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
             if act.len() != b.num_rows() || act.null_count() != 0 {
                 return Err("activation column is incomplete".into());
             }
+            if dtype == DType::F8E4M3RowScaled {
+                // Every downcast row must be readable back as floats: a positive, finite scale.
+                let act = act
+                    .as_any()
+                    .downcast_ref::<FixedSizeBinaryArray>()
+                    .filter(|a| a.value_length() as u64 == row_bytes)
+                    .ok_or_else(|| format!("activation is not fixed-size binary of {row_bytes} bytes"))?;
+                for i in 0..act.len() {
+                    let scale = ringscope_ring::rowscaled::scale_of(act.value(i));
+                    if !(scale > 0.0 && scale.is_finite()) {
+                        return Err(format!("downcast row {i} of a batch has scale {scale}: not dequantizable"));
+                    }
+                }
+            }
         }
     }
     Ok(FileSummary {
         hookpoint: get("ringscope.hookpoint")?,
+        dtype,
         layer: kv.get("ringscope.layer").and_then(|l| l.parse().ok()),
         rows,
         file_rows: get("ringscope.file_rows")?.parse().map_err(|e: std::num::ParseIntError| e.to_string())?,

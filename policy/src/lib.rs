@@ -250,6 +250,8 @@ pub enum Count {
     Published,
     /// Records dropped, for this reason.
     Dropped(DropReason),
+    /// Records exported in downcast form (a subset of the exported ones, not an outcome of its own).
+    Downcast,
 }
 
 /// Time producers spent waiting for room in full mode (a session-wide tally: captures on the host path, step
@@ -283,6 +285,7 @@ pub struct Counters {
     sampled_out: AtomicTally,
     published: AtomicTally,
     exported: AtomicTally,
+    downcast: AtomicTally,
     dropped: [AtomicTally; DropReason::ALL.len()],
 }
 
@@ -303,6 +306,11 @@ impl Counters {
     pub fn exported(&self, rows: u64) {
         self.exported.add(rows);
     }
+    /// The record reached the sinks in downcast form (rows converted on capture to a smaller dtype). Counted next
+    /// to [`exported`](Self::exported), never instead of it.
+    pub fn downcast(&self, rows: u64) {
+        self.downcast.add(rows);
+    }
     /// The record was dropped, for `reason`.
     pub fn dropped(&self, reason: DropReason, rows: u64) {
         self.dropped[reason.index()].add(rows);
@@ -315,6 +323,7 @@ impl Counters {
             Count::SampledOut => self.sampled_out.add_tally(tally),
             Count::Published => self.published.add_tally(tally),
             Count::Dropped(reason) => self.dropped[reason.index()].add_tally(tally),
+            Count::Downcast => self.downcast.add_tally(tally),
         }
     }
 
@@ -325,6 +334,7 @@ impl Counters {
             sampled_out: self.sampled_out.load(),
             published: self.published.load(),
             exported: self.exported.load(),
+            downcast: self.downcast.load(),
             dropped: DropReason::ALL.map(|r| self.dropped[r.index()].load()),
         }
     }
@@ -341,6 +351,10 @@ pub struct CounterSnapshot {
     pub published: Tally,
     /// Records that reached the sinks.
     pub exported: Tally,
+    /// Of the exported records, those whose rows were downcast on capture (issue 14's downcast rung). Not an outcome:
+    /// it is outside `produced = exported + dropped + sampled_out`, and at most `exported`.
+    #[serde(default)]
+    pub downcast: Tally,
     /// Records dropped, indexed like [`DropReason::ALL`].
     pub dropped: [Tally; DropReason::ALL.len()],
 }
@@ -405,6 +419,7 @@ impl AccountingSnapshot {
             t.sampled_out = t.sampled_out + c.sampled_out;
             t.published = t.published + c.published;
             t.exported = t.exported + c.exported;
+            t.downcast = t.downcast + c.downcast;
             for (a, b) in t.dropped.iter_mut().zip(c.dropped) {
                 *a = *a + b;
             }
@@ -457,5 +472,20 @@ mod tests {
         c.produced(4);
         c.exported(3);
         assert!(c.snapshot().check().is_err());
+    }
+
+    #[test]
+    fn downcast_is_a_subset_of_exported_and_not_an_outcome() {
+        let c = Counters::default();
+        c.produced(4);
+        c.exported(4);
+        c.downcast(4);
+        c.add(Count::Downcast, Tally { records: 2, rows: 6 });
+        let s = c.snapshot();
+        assert_eq!(s.downcast, Tally { records: 3, rows: 10 });
+        // Counting downcast rows does not count them twice: the invariant still holds.
+        assert!(s.check().is_ok());
+        let total = AccountingSnapshot { hookpoints: vec![("a".into(), s), ("b".into(), s)] }.total();
+        assert_eq!(total.downcast, Tally { records: 6, rows: 20 });
     }
 }

@@ -4,6 +4,7 @@
 //! records from the capture side (HookPoints) to the drain side (the exporter).
 //!
 //! * [`record`] — the 64-byte header, per-row metadata, payload layout; encode/decode with checks that never panic.
+//! * [`rowscaled`] — the row-scaled FP8 E4M3 encoding of downcast rows (one `f32` scale per row).
 //! * [`spec`] — what a record's hookpoint id stands for (name, site, layer, dtype, row width).
 //! * [`host`] — the ring protocol over host memory: reserve → write → publish on the producer,
 //!   peek → advance → release on the consumer.
@@ -23,6 +24,7 @@ pub mod error;
 pub mod host;
 pub mod lease;
 pub mod record;
+pub mod rowscaled;
 pub mod space;
 pub mod spec;
 mod sync;

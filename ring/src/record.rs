@@ -175,13 +175,19 @@ impl RecordMeta {
         if self.row_bytes == 0 {
             return Err(DecodeError::Inconsistent("row_bytes is 0".into()));
         }
-        if self.row_bytes as usize % self.dtype.size() != 0 {
-            return Err(DecodeError::Inconsistent(format!(
-                "row_bytes {} is not a multiple of the {} element size {}",
-                self.row_bytes,
-                self.dtype,
-                self.dtype.size()
-            )));
+        if self.dtype.row_width(self.row_bytes as u64).is_none() {
+            return Err(DecodeError::Inconsistent(match self.dtype.row_overhead() {
+                0 => format!(
+                    "row_bytes {} is not a multiple of the {} element size {}",
+                    self.row_bytes,
+                    self.dtype,
+                    self.dtype.size()
+                ),
+                scale => format!(
+                    "row_bytes {} leaves no element after the {scale}-byte scale of a {} row",
+                    self.row_bytes, self.dtype
+                ),
+            }));
         }
         if self.flags & !flags::KNOWN != 0 {
             return Err(DecodeError::Inconsistent(format!("unknown flag bits {:#06x}", self.flags & !flags::KNOWN)));
@@ -461,7 +467,7 @@ mod tests {
                 step,
                 hookpoint,
                 rows,
-                row_bytes: elems * dtype.size() as u32,
+                row_bytes: dtype.row_bytes(elems as u64) as u32,
                 dtype,
                 flags: if crc { flags::PAYLOAD_CRC } else { 0 },
             })

@@ -63,9 +63,9 @@ pub struct HookPointSpec {
 pub const MAX_ROW_BYTES: u64 = 1 << 30;
 
 impl HookPointSpec {
-    /// Bytes per row: `row_width × dtype size`.
+    /// Bytes per row: `row_width × dtype size` (plus the scale of a row-scaled dtype).
     pub fn row_bytes(&self) -> u32 {
-        self.row_width * self.dtype.size() as u32
+        self.dtype.row_bytes(self.row_width as u64) as u32
     }
 
     /// Checks the spec: a non-empty printable name, a non-zero row width, a row size the format can carry.
@@ -87,7 +87,7 @@ impl HookPointSpec {
         if self.row_width == 0 {
             return Err(bad("row_width is 0; it must be the number of elements per row (e.g. the hidden size)".into()));
         }
-        let row_bytes = self.row_width as u64 * self.dtype.size() as u64;
+        let row_bytes = self.dtype.row_bytes(self.row_width as u64);
         if row_bytes > MAX_ROW_BYTES {
             return Err(bad(format!("a row of {row_bytes} bytes exceeds the {MAX_ROW_BYTES}-byte limit")));
         }

@@ -14,8 +14,10 @@ use arrow::datatypes::SchemaRef;
 use parking_lot::Mutex;
 use ringscope_policy::DropReason;
 
+use ringscope_ring::DType;
+
 use crate::dataset::{
-    file_metadata, in_progress_path, part_name, schema, Batch, DatasetOptions, FileError, FormatError,
+    dtype_subdir, file_metadata, in_progress_path, part_name, schema_for, Batch, DatasetOptions, FileError, FormatError,
 };
 use crate::routing::catalog::CatalogEntry;
 use crate::routing::record::{Receipt, Record};
@@ -58,6 +60,8 @@ pub struct CommittedFile {
     pub path: PathBuf,
     /// Hookpoint of its rows.
     pub hookpoint: String,
+    /// Dtype of its rows: the hookpoint's, or `f8e4m3_rowscaled` for a file of downcast rows.
+    pub dtype: DType,
     /// Token rows in it.
     pub rows: u64,
     /// Size on disk.
@@ -80,8 +84,12 @@ struct OpenFile<W> {
     receipts: Vec<Receipt>,
 }
 
+/// A partition's file series: a hookpoint's records of one dtype (its own, or the dtype it was downcast to).
+type SeriesKey = (u32, DType);
+
 struct Partition<W> {
     hp: Arc<CatalogEntry>,
+    dtype: DType,
     dir: PathBuf,
     schema: SchemaRef,
     next_index: u32,
@@ -95,7 +103,7 @@ struct Partition<W> {
 pub struct FileSink<F: FileFormat> {
     format: F,
     options: DatasetOptions,
-    partitions: HashMap<u32, Partition<F::Writer>>,
+    partitions: HashMap<SeriesKey, Partition<F::Writer>>,
     /// Activation bytes pending over all partitions.
     pending_bytes: usize,
     committed: CommittedFiles,
@@ -128,9 +136,14 @@ impl<F: FileFormat> FileSink<F> {
         SinkError::File { sink: F::NAME.into(), source }
     }
 
-    fn partition(&mut self, hp: &Arc<CatalogEntry>) -> Result<&mut Partition<F::Writer>, SinkError> {
-        if !self.partitions.contains_key(&hp.id()) {
-            let dir = self.options.partition_dir(F::SUBDIR, hp.name());
+    fn partition(&mut self, hp: &Arc<CatalogEntry>, dtype: DType) -> Result<&mut Partition<F::Writer>, SinkError> {
+        let key = (hp.id(), dtype);
+        if !self.partitions.contains_key(&key) {
+            let mut dir = self.options.partition_dir(F::SUBDIR, hp.name());
+            if dtype != hp.spec().dtype {
+                // Downcast rows: a series of their own, so that no file mixes row sizes (see the module docs).
+                dir = dir.join(dtype_subdir(dtype));
+            }
             if let Err(source) = std::fs::create_dir_all(&dir) {
                 return Err(Self::error(FileError::CreateDir { dir, source }));
             }
@@ -138,11 +151,12 @@ impl<F: FileFormat> FileSink<F> {
             let shard = self.options.file_shard;
             let next_index = (0u32..).find(|&i| !dir.join(part_name(i, shard, F::EXT)).exists()).unwrap_or(u32::MAX);
             self.partitions.insert(
-                hp.id(),
+                key,
                 Partition {
                     hp: hp.clone(),
+                    dtype,
                     dir,
-                    schema: schema(hp),
+                    schema: schema_for(hp, dtype),
                     next_index,
                     pending: Vec::new(),
                     pending_bytes: 0,
@@ -150,14 +164,14 @@ impl<F: FileFormat> FileSink<F> {
                 },
             );
         }
-        Ok(self.partitions.get_mut(&hp.id()).expect("inserted above"))
+        Ok(self.partitions.get_mut(&key).expect("inserted above"))
     }
 
     /// Writes the partition's buffered rows into its open file (opening one if needed); commits the file once it
     /// reaches the rotation size, or when `commit` is set.
-    fn flush(&mut self, id: u32, commit: bool) -> Result<(), FileError> {
+    fn flush(&mut self, key: SeriesKey, commit: bool) -> Result<(), FileError> {
         let (format, options, committed) = (&self.format, &self.options, &self.committed);
-        let part = self.partitions.get_mut(&id).expect("partition exists");
+        let part = self.partitions.get_mut(&key).expect("partition exists");
         // Written or failed: either way the partition holds nothing pending afterwards.
         self.pending_bytes -= part.pending_bytes;
         let result = flush_partition(format, options, committed, part, commit);
@@ -219,7 +233,7 @@ fn flush_partition<F: FileFormat>(
     let due = part.open.as_ref().is_some_and(|o| commit || o.activation_bytes >= options.max_file_bytes);
     if due {
         let open = part.open.take().expect("checked above");
-        let metadata = file_metadata(&part.hp, &options.run_id, open.records, open.rows);
+        let metadata = file_metadata(&part.hp, part.dtype, &options.run_id, open.records, open.rows);
         let tmp = open.tmp.clone();
         let finished = match format.finish(open.writer, metadata) {
             Ok(f) => f,
@@ -241,6 +255,7 @@ fn flush_partition<F: FileFormat>(
                     sink: F::NAME.to_owned(),
                     path,
                     hookpoint: part.hp.name().to_owned(),
+                    dtype: part.dtype,
                     rows: open.rows,
                     bytes: len,
                     direct_io: finished.direct_io,
@@ -264,22 +279,22 @@ impl<F: FileFormat> Sink for FileSink<F> {
     }
 
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
-        let id = record.hookpoint().id();
+        let key = (record.hookpoint().id(), record.header().meta.dtype);
         // A batch never outgrows the file size target, so small files still rotate.
         let batch_bytes =
             self.options.batch_bytes.min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
-        let part = self.partition(record.hookpoint())?;
+        let part = self.partition(record.hookpoint(), key.1)?;
         part.pending.push(record.clone());
         part.pending_bytes += record.data().len();
         let full = part.pending_bytes >= batch_bytes;
         self.pending_bytes += record.data().len();
         if full {
-            self.flush(id, false).map_err(Self::error)?;
+            self.flush(key, false).map_err(Self::error)?;
         }
         // Records held for batches hold their ring space: across many hookpoints, write the largest early rather
         // than let them hold the ring.
         while self.pending_bytes > self.options.max_pending_bytes {
-            let largest = self.partitions.iter().max_by_key(|(_, p)| p.pending_bytes).map(|(&id, _)| id);
+            let largest = self.partitions.iter().max_by_key(|(_, p)| p.pending_bytes).map(|(&key, _)| key);
             let Some(largest) = largest else { break };
             self.flush(largest, false).map_err(Self::error)?;
         }
@@ -287,9 +302,9 @@ impl<F: FileFormat> Sink for FileSink<F> {
     }
 
     fn close(&mut self) -> Result<(), SinkError> {
-        let mut ids: Vec<u32> = self.partitions.keys().copied().collect();
-        ids.sort_unstable();
-        let mut errors: Vec<FileError> = ids.into_iter().filter_map(|id| self.flush(id, true).err()).collect();
+        let mut keys: Vec<SeriesKey> = self.partitions.keys().copied().collect();
+        keys.sort_unstable_by_key(|&(id, dtype)| (id, dtype.code()));
+        let mut errors: Vec<FileError> = keys.into_iter().filter_map(|key| self.flush(key, true).err()).collect();
         match errors.len() {
             0 => Ok(()),
             1 => Err(Self::error(errors.remove(0))),

@@ -18,6 +18,20 @@
 //! with no guessing. `hookpoint` (string) and `rank` (int32) are stored in the files *and* named in the
 //! directories, with the types that pyarrow, DuckDB and Polars infer for Hive partitions, so all three read a whole
 //! run as one table.
+//!
+//! **Downcast rows** (records of dtype `f8e4m3_rowscaled`, written when the policy turned a hookpoint's downcast on)
+//! have another row size, and a file holds one fixed-size activation column: they go to a file series of their own,
+//! in a subdirectory of the partition named after the dtype,
+//!
+//! ```text
+//! <root>/<run_id>/hookpoint=<name>/rank=<rank>/_f8e4m3_rowscaled/part-00000.parquet
+//! ```
+//!
+//! with the same columns (the activation is `row_width + 4` bytes: the row's `f32` scale, then the E4M3 bytes;
+//! `dtype` says `f8e4m3_rowscaled`, `ringscope.layout` describes the bytes). The leading `_` keeps the series out of
+//! a plain dataset read of the run (pyarrow, DuckDB and Polars skip `_`-prefixed paths), so such a read still finds
+//! one schema per hookpoint — and only the full-precision rows. `inspect`, `ringscope.read_dump` and
+//! `ringscope.stream.iter_batches` read both series and dequantize the downcast rows.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -29,6 +43,7 @@ use arrow::array::{
 };
 use arrow::buffer::{Buffer, OffsetBuffer};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use ringscope_ring::DType;
 use serde::de::IntoDeserializer;
 use serde::Deserialize;
 
@@ -171,19 +186,40 @@ pub mod keys {
     /// and in flight (not yet exported or dropped, this file's records included) at that moment. The final numbers
     /// are in the run manifest.
     pub const ACCOUNTING: &str = "ringscope.accounting";
+    /// How the bytes of an activation are laid out, for dtypes where the element type does not say it all
+    /// (`f8e4m3_rowscaled`: [`ROWSCALED_LAYOUT`]). Absent for plain element arrays.
+    pub const LAYOUT: &str = "ringscope.layout";
     /// Arrow IPC files only: per record batch, in file order, `[end, crc]` (a JSON list of them): the offset in the
     /// file where the batch's message ends, and the CRC-32 of the file's bytes from the previous batch's end (0 for
     /// the first) to that end. (Parquet pages carry their CRCs in their headers.)
     pub const BATCH_CRC32: &str = "ringscope.batch_crc32";
 }
 
-/// The schema of one hookpoint's files.
+/// The value of [`keys::LAYOUT`] for `f8e4m3_rowscaled` activations.
+pub const ROWSCALED_LAYOUT: &str = "f32le scale, then row_width float8_e4m3fn bytes; value = e4m3 * scale";
+
+/// Subdirectory of a hookpoint's partition holding its rows of `dtype` when that is not the hookpoint's own dtype
+/// (downcast rows: `_f8e4m3_rowscaled`).
+pub fn dtype_subdir(dtype: DType) -> String {
+    format!("_{}", dtype.name())
+}
+
+/// The schema of one hookpoint's files (of its own dtype).
 pub fn schema(hp: &CatalogEntry) -> SchemaRef {
+    schema_for(hp, hp.spec().dtype)
+}
+
+/// The schema of one hookpoint's files of records of `dtype` (its own, or the dtype its rows are downcast to).
+pub fn schema_for(hp: &CatalogEntry, dtype: DType) -> SchemaRef {
     let spec = hp.spec();
-    let activation_meta = HashMap::from([
-        (keys::DTYPE.to_owned(), spec.dtype.name().to_owned()),
+    let mut activation_meta = HashMap::from([
+        (keys::DTYPE.to_owned(), dtype.name().to_owned()),
         (keys::SHAPE.to_owned(), format!("[{}]", spec.row_width)),
     ]);
+    if dtype == DType::F8E4M3RowScaled {
+        activation_meta.insert(keys::LAYOUT.to_owned(), ROWSCALED_LAYOUT.to_owned());
+    }
+    let row_bytes = dtype.row_bytes(spec.row_width as u64) as i32;
     Arc::new(Schema::new(vec![
         Field::new("run_id", DataType::Utf8, false),
         Field::new("hookpoint", DataType::Utf8, false),
@@ -196,8 +232,7 @@ pub fn schema(hp: &CatalogEntry) -> SchemaRef {
         Field::new("rank", DataType::Int32, false),
         Field::new("dtype", DataType::Utf8, false),
         Field::new("shape", DataType::List(Arc::new(Field::new("item", DataType::Int64, false))), false),
-        Field::new("activation", DataType::FixedSizeBinary(spec.row_bytes() as i32), false)
-            .with_metadata(activation_meta),
+        Field::new("activation", DataType::FixedSizeBinary(row_bytes), false).with_metadata(activation_meta),
     ]))
 }
 
@@ -235,10 +270,23 @@ impl Batch<'_> {
         self.records.iter().map(Record::rows).sum()
     }
 
-    /// The size of a row in bytes, after checking that every record's rows have the size the schema says.
+    /// The dtype of the batch's rows: the schema's (`ringscope.dtype` on the activation field), which is the
+    /// hookpoint's own or, for a downcast file series, the dtype its rows were downcast to.
+    pub fn dtype(&self) -> DType {
+        self.schema
+            .field(METADATA_COLUMNS)
+            .metadata()
+            .get(keys::DTYPE)
+            .and_then(|name| name.parse().ok())
+            .unwrap_or(self.hookpoint.spec().dtype)
+    }
+
+    /// The size of a row in bytes, after checking that every record's rows have the size the schema says (and its
+    /// dtype: a file never mixes downcast and full-precision rows).
     pub fn row_bytes(&self) -> Result<usize, FormatError> {
-        let want = self.hookpoint.spec().row_bytes();
-        match self.records.iter().find(|r| r.header().meta.row_bytes != want) {
+        let dtype = self.dtype();
+        let want = dtype.row_bytes(self.hookpoint.spec().row_width as u64) as u32;
+        match self.records.iter().find(|r| r.header().meta.row_bytes != want || r.header().meta.dtype != dtype) {
             Some(r) => Err(FormatError::RowSize {
                 seq: r.header().seq,
                 hookpoint: self.hookpoint.name().to_owned(),
@@ -283,7 +331,7 @@ impl Batch<'_> {
             2 => Constant::Str(spec.site.name()),
             3 => Constant::Int32(spec.layer.map(|l| l as i32)),
             8 => Constant::Int32(Some(self.rank as i32)),
-            9 => Constant::Str(spec.dtype.name()),
+            9 => Constant::Str(self.dtype().name()),
             10 => Constant::Int64List(spec.row_width as i64),
             _ => return None,
         })
@@ -319,14 +367,20 @@ impl Batch<'_> {
             activations.extend_from_slice(record.data());
         }
         let mut columns = self.metadata_columns();
-        let row_bytes = self.hookpoint.spec().row_bytes() as i32;
+        let row_bytes = self.dtype().row_bytes(self.hookpoint.spec().row_width as u64) as i32;
         columns.push(Arc::new(FixedSizeBinaryArray::new(row_bytes, Buffer::from_vec(activations), None)));
         RecordBatch::try_new(self.schema.clone(), columns).expect("columns are built to match the schema")
     }
 }
 
-/// File metadata describing a finished file.
-pub(crate) fn file_metadata(hp: &CatalogEntry, run_id: &str, records: u64, rows: u64) -> Vec<(String, String)> {
+/// File metadata describing a finished file of records of `dtype`.
+pub(crate) fn file_metadata(
+    hp: &CatalogEntry,
+    dtype: DType,
+    run_id: &str,
+    records: u64,
+    rows: u64,
+) -> Vec<(String, String)> {
     let spec = hp.spec();
     let snapshot = hp.accounting();
     // A snapshot taken while the run goes on: records not yet exported or dropped are `in_flight` (this file's among
@@ -353,7 +407,7 @@ pub(crate) fn file_metadata(hp: &CatalogEntry, run_id: &str, records: u64, rows:
         (keys::RUN_ID.to_owned(), run_id.to_owned()),
         (keys::HOOKPOINT.to_owned(), spec.name.clone()),
         (keys::SITE.to_owned(), spec.site.name().to_owned()),
-        (keys::DTYPE.to_owned(), spec.dtype.name().to_owned()),
+        (keys::DTYPE.to_owned(), dtype.name().to_owned()),
         (keys::SHAPE.to_owned(), format!("[{}]", spec.row_width)),
         (keys::FILE_ROWS.to_owned(), rows.to_string()),
         (keys::FILE_RECORDS.to_owned(), records.to_string()),
@@ -361,6 +415,9 @@ pub(crate) fn file_metadata(hp: &CatalogEntry, run_id: &str, records: u64, rows:
     ];
     if let Some(layer) = spec.layer {
         kv.push((keys::LAYER.to_owned(), layer.to_string()));
+    }
+    if dtype == DType::F8E4M3RowScaled {
+        kv.push((keys::LAYOUT.to_owned(), ROWSCALED_LAYOUT.to_owned()));
     }
     kv
 }

@@ -83,7 +83,9 @@ impl Record {
 
     fn from_data(data: Data) -> Record {
         let meta = &data.header.meta;
-        let receipt = Receipt::new(data.hookpoint.clone(), meta.step, meta.rows as u64);
+        // A record whose dtype is not its hookpoint's was downcast on capture: counted as such when exported.
+        let downcast = meta.dtype != data.hookpoint.spec().dtype;
+        let receipt = Receipt::new(data.hookpoint.clone(), meta.step, meta.rows as u64, downcast);
         Record(Arc::new(Inner { data: Arc::new(data), receipt }))
     }
 
@@ -190,13 +192,15 @@ struct ReceiptState {
     /// The record's step, for the event log when it is lost.
     step: u64,
     rows: u64,
+    /// The rows were downcast on capture ([`Counters::downcast`](ringscope_policy::Counters::downcast)).
+    downcast: bool,
     /// 0 = no failure; otherwise 1 + the index of the first reason reported.
     failure: AtomicU8,
 }
 
 impl Receipt {
-    fn new(hookpoint: Arc<CatalogEntry>, step: u64, rows: u64) -> Receipt {
-        Receipt(Some(Arc::new(ReceiptState { hookpoint, step, rows, failure: AtomicU8::new(0) })))
+    fn new(hookpoint: Arc<CatalogEntry>, step: u64, rows: u64, downcast: bool) -> Receipt {
+        Receipt(Some(Arc::new(ReceiptState { hookpoint, step, rows, downcast, failure: AtomicU8::new(0) })))
     }
 
     /// Marks the record as lost for `reason`. The first reason reported wins; the record is counted as dropped
@@ -212,7 +216,13 @@ impl Receipt {
 impl Drop for ReceiptState {
     fn drop(&mut self) {
         match *self.failure.get_mut() {
-            0 => self.hookpoint.counters().exported(self.rows),
+            0 => {
+                let counters = self.hookpoint.counters();
+                counters.exported(self.rows);
+                if self.downcast {
+                    counters.downcast(self.rows);
+                }
+            }
             code => self.hookpoint.dropped(DropReason::ALL[code as usize - 1], self.step, self.rows),
         }
     }

@@ -58,7 +58,8 @@ _STATUS = {
 _CODE = {name: code for code, name in _STATUS.items()}
 _DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_backpressure", "sink_error", "corrupt")
 
-#: dtype codes of the record format (docs/format.md) → (name, numpy dtype of the raw element; bf16 as uint16).
+#: dtype codes of the record format (docs/format.md) → (name, numpy dtype of the raw element; bf16 as uint16;
+#: f8e4m3_rowscaled as its raw bytes: an f32 scale, then one E4M3 byte per element — :func:`dequantize_rowscaled`).
 DTYPE_CODES = {
     1: ("f32", np.dtype("<f4")),
     2: ("f16", np.dtype("<f2")),
@@ -71,7 +72,32 @@ DTYPE_CODES = {
     9: ("i64", np.dtype("<i8")),
     10: ("f8e4m3", np.dtype("u1")),
     11: ("f8e5m2", np.dtype("u1")),
+    12: ("f8e4m3_rowscaled", np.dtype("u1")),
 }
+#: dtype of rows downcast on capture (``Session.set_downcast``).
+ROWSCALED = "f8e4m3_rowscaled"
+
+
+def _e4m3_table() -> np.ndarray:
+    """The float32 value of each of the 256 OCP FP8 E4M3 codes (0x7F and 0xFF are NaN)."""
+    codes = np.arange(256, dtype=np.uint32)
+    e = (codes >> 3) & 0xF
+    m = (codes & 7).astype(np.float64)
+    mag = np.where(e == 0, m * 2.0 ** -9, (1.0 + m / 8.0) * 2.0 ** (e.astype(np.float64) - 7))
+    mag[(e == 15) & ((codes & 7) == 7)] = np.nan
+    return np.where(codes & 0x80, -mag, mag).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+
+
+def dequantize_rowscaled(raw: np.ndarray) -> np.ndarray:
+    """Rows of dtype ``f8e4m3_rowscaled`` (uint8, shape (rows, 4 + row_width): a little-endian f32 scale, then one
+    E4M3 byte per element) → float32 values (rows, row_width): ``e4m3 × scale``."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    scale = raw[:, :4].copy().view("<f4")
+    return _E4M3[raw[:, 4:]] * scale
+
 _NUMPY_FOR_DTYPE = {name: dt for name, dt in DTYPE_CODES.values()}
 _ALIASES = {"float32": "f32", "float16": "f16", "half": "f16", "bfloat16": "bf16", "float64": "f64", "int8": "i8",
             "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
@@ -326,6 +352,7 @@ def _load():
         "rs_register_hookpoint": ([u64, cp, cp, i64, cp, u32, p(u32)], i32),
         "rs_hookpoint_id": ([u64, cp, p(u32)], i32),
         "rs_set_enabled": ([u64, u32, ctypes.c_bool], i32),
+        "rs_set_downcast": ([u64, u32, ctypes.c_bool], i32),
         "rs_set_every_n_steps": ([u64, u32, u32], i32),
         "rs_set_rows": ([u64, u32, i32, p(u32), sz], i32),
         "rs_begin_step": ([u64, u64, p(u64), p(u32), sz], i32),
@@ -487,6 +514,13 @@ class Session:
 
     def set_enabled(self, hookpoint: int, enabled: bool) -> None:
         _check(_load().rs_set_enabled(self._h, _u32("hookpoint", hookpoint), _flag("enabled", enabled)))
+
+    def set_downcast(self, hookpoint: int, downcast: bool) -> None:
+        """Turns the downcast on capture of a bf16 / f16 / f32 hookpoint on or off: its rows are then stored as
+        row-scaled FP8 E4M3 (``f8e4m3_rowscaled``: a scale per row, one byte per element), in a file series of their
+        own that :func:`read_dump` and :func:`ringscope.stream.iter_batches` read back dequantized. Takes effect like
+        :meth:`set_enabled`; another dtype raises ``RS_ERR_INVALID_ARGUMENT``."""
+        _check(_load().rs_set_downcast(self._h, _u32("hookpoint", hookpoint), _flag("downcast", downcast)))
 
     def set_every_n_steps(self, hookpoint: int, n: int) -> None:
         """Captures only steps that are multiples of ``n`` (1..=2**32-1)."""
@@ -810,15 +844,19 @@ _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or whe
                 "after Session.close()")
 
 
-def _read_checked(part: pathlib.Path):
-    """The table of one hookpoint's Parquet files, each page's CRC checked (the writer puts one in every page
-    header); a file whose bytes are not as written is a RingscopeError naming it."""
+def _read_checked(part: "pathlib.Path | list"):
+    """The table of one hookpoint's Parquet files (its partition directory, whose `_`-prefixed downcast series pyarrow
+    skips; or a list of files), each page's CRC checked (the writer puts one in every page header); a file whose bytes
+    are not as written is a RingscopeError naming it."""
     import pyarrow as pa
     import pyarrow.dataset as ds
 
     checked = ds.ParquetFileFormat(
         default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True))
-    dataset = ds.dataset(str(part), format=checked, partitioning="hive")
+    if isinstance(part, list):
+        dataset = ds.dataset([str(p) for p in part], format=checked)
+    else:
+        dataset = ds.dataset(str(part), format=checked, partitioning="hive")
     try:
         return dataset.to_table()
     except (OSError, pa.ArrowException) as e:
@@ -832,11 +870,27 @@ def _read_checked(part: pathlib.Path):
     raise RingscopeError("RS_ERR_IO", f"cannot read {part}: {failure}") from failure
 
 
+def _activation_bytes(t) -> np.ndarray:
+    """The activation column of table ``t`` as uint8 rows (rows, row bytes), without a copy."""
+    flat = t.column("activation").combine_chunks()
+    width = flat.type.byte_width
+    raw = np.frombuffer(flat.buffers()[1], dtype=np.uint8)[flat.offset * width:]
+    return raw[: t.num_rows * width].reshape(t.num_rows, width)
+
+
+def _as_float32(values: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Rows of a float dtype (bf16 as uint16 bit patterns) → float32, exactly."""
+    return as_float32(values) if dtype_name == "bf16" else values.astype(np.float32)
+
+
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
     """Reads a Parquet dump (a run directory) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
     with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every dtype becomes a torch tensor then),
     else as uint16 bit patterns (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
+    ``downcast`` (bool per row) marks rows that were downcast on capture (``Session.set_downcast``): a hookpoint
+    with any has its ``activation`` as float32 for every row (full-precision rows converted exactly, downcast rows
+    dequantized: E4M3 × the row's scale), and ``dtype`` ``"f32"``; ``source_dtype`` is the hookpoint's own dtype.
     Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
     :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
     run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
@@ -865,8 +919,9 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"hookpoint {hookpoint!r} is not in {root}; it holds {', '.join(map(repr, names))}")
     # Committed files only: in-progress ones are hidden (.part-*.inprogress) and pyarrow skips them.
-    committed = {p: sorted(p.glob("rank=*/part-*.parquet")) for p in parts
-                 if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
+    # Downcast rows are a series of their own in each partition (rank=*/_f8e4m3_rowscaled/).
+    committed = {p: sorted(p.glob("rank=*/part-*.parquet")) + sorted(p.glob(f"rank=*/_{ROWSCALED}/part-*.parquet"))
+                 for p in parts if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
     if not any(committed.values()):
         what = f"hookpoint {hookpoint!r} of {root}" if hookpoint is not None else f"the run {root}"
         raise RingscopeError("RS_ERR_IO", f"{what} holds no committed files yet: {_COMMIT_HINT}")
@@ -875,19 +930,46 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     for part in parts:
         # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
         name = part.name[len("hookpoint="):]
-        t = _read_checked(part)
-        if t.num_rows == 0:
+        downcast_files = sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.parquet"))
+        pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
+        if any(part.glob("rank=*/part-*.parquet")):
+            t = _read_checked(part)
+            meta = t.schema.field("activation").metadata or {}
+            pieces.append((t, meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()))
+        if downcast_files:
+            pieces.append((_read_checked(downcast_files), ROWSCALED))
+        pieces = [(t, d) for t, d in pieces if t.num_rows > 0]
+        if not pieces:
             continue
-        t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
-        meta = t.schema.field("activation").metadata or {}
-        dtype_name = meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()
-        np_dtype = _NUMPY_FOR_DTYPE[dtype_name]
-        flat = t.column("activation").combine_chunks()
-        raw = np.frombuffer(flat.buffers()[1], dtype=np.uint8)[flat.offset * flat.type.byte_width:]
-        raw = raw[: t.num_rows * flat.type.byte_width]
-        act = raw.view(np_dtype).reshape(t.num_rows, flat.type.byte_width // np_dtype.itemsize)
-        cols = {c: t.column(c).to_numpy() for c in ("step", "request_id", "position", "layer", "rank")
-                if c in t.column_names}
+        names = ("step", "request_id", "position", "layer", "rank")
+        if len(pieces) == 1 and pieces[0][1] != ROWSCALED:
+            t, dtype_name = pieces[0]
+            t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
+            np_dtype = _NUMPY_FOR_DTYPE[dtype_name]
+            raw = _activation_bytes(t)
+            act = raw.reshape(-1).view(np_dtype).reshape(t.num_rows, raw.shape[1] // np_dtype.itemsize)
+            cols = {c: t.column(c).to_numpy() for c in names if c in t.column_names}
+            cols["downcast"] = np.zeros(t.num_rows, dtype=bool)
+            source = dtype_name
+        else:
+            # Downcast rows: every row as float32, sorted together.
+            source = next((d for _, d in pieces if d != ROWSCALED), None)
+            acts, flags = [], []
+            for t, d in pieces:
+                raw = _activation_bytes(t)
+                if d == ROWSCALED:
+                    acts.append(dequantize_rowscaled(raw))
+                else:
+                    np_dtype = _NUMPY_FOR_DTYPE[d]
+                    acts.append(_as_float32(raw.reshape(-1).view(np_dtype).reshape(t.num_rows, -1), d))
+                flags.append(np.full(t.num_rows, d == ROWSCALED))
+            cols = {c: np.concatenate([t.column(c).to_numpy() for t, _ in pieces]) for c in names
+                    if all(c in t.column_names for t, _ in pieces)}
+            order = np.lexsort((cols["position"], cols["request_id"], cols["step"]))
+            cols = {c: v[order] for c, v in cols.items()}
+            act = np.concatenate(acts)[order]
+            cols["downcast"] = np.concatenate(flags)[order]
+            dtype_name = "f32"
         if as_torch:
             import torch
 
@@ -899,6 +981,8 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         else:
             cols["activation"] = act
         cols["dtype"] = dtype_name
+        # The hookpoint's own dtype (None when every row read was downcast: the downcast files do not say it).
+        cols["source_dtype"] = source
         out[name] = cols
     return out
 

@@ -4,7 +4,9 @@
 (``export.arrow_ipc``), else Parquet — and yields fixed-size batches of one hookpoint's rows, optionally shuffled
 within a buffer, without loading the run into memory. Activations keep their dtype: bf16 rows come out as their
 ``uint16`` bit patterns (numpy has no bfloat16; ``ringscope.torch.ActivationDataset`` turns them into
-``torch.bfloat16`` tensors without a copy of the values). Needs pyarrow.
+``torch.bfloat16`` tensors without a copy of the values). Rows downcast on capture (``Session.set_downcast``) live
+in a file series of their own per partition (``rank=*/_f8e4m3_rowscaled/``): they come in batches of their own,
+dequantized to float32 (E4M3 × the row's scale), with ``downcast`` True. Needs pyarrow.
 """
 import json
 import os
@@ -14,15 +16,17 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import RingscopeError, _NUMPY_FOR_DTYPE, _int, _path, _text
+from . import ROWSCALED, RingscopeError, _NUMPY_FOR_DTYPE, _int, _path, _text, dequantize_rowscaled
 
 META_COLUMNS = ("step", "request_id", "position")
 FORMATS = ("auto", "arrow", "parquet")
 
 
 class Batch(dict):
-    """One batch: ``hookpoint`` (name), ``dtype`` (ringscope dtype name), ``activation`` (rows, row_width) and,
-    with ``with_meta``, ``step``, ``request_id``, ``position`` (numpy arrays, one value per row)."""
+    """One batch: ``hookpoint`` (name), ``dtype`` (ringscope dtype name of the rows as stored), ``activation``
+    (rows, row_width), ``downcast`` (the rows were downcast on capture: ``dtype`` is ``f8e4m3_rowscaled`` and
+    ``activation`` holds their float32 values, dequantized) and, with ``with_meta``, ``step``, ``request_id``,
+    ``position`` (numpy arrays, one value per row)."""
 
 
 def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) -> Tuple[str, List[Tuple[str, pathlib.Path]]]:
@@ -34,6 +38,8 @@ def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) ->
             name = part.name[len("hookpoint="):]
             if hookpoints is None or name in hookpoints:
                 out += [(name, f) for f in sorted(part.glob(f"rank=*/part-*.{ext}"))]
+                # Downcast rows: a series of their own, read as batches of their own.
+                out += [(name, f) for f in sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))]
         return out
 
     def names(base: pathlib.Path):
@@ -159,8 +165,9 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
     rng = np.random.default_rng(seed)
     by_hookpoint = {}
     for name, f in files:
-        by_hookpoint.setdefault(name, []).append(f)
-    for name, paths in by_hookpoint.items():
+        # A hookpoint's downcast rows have another row size: they are batched apart from its full-precision rows.
+        by_hookpoint.setdefault((name, f.parent.name == f"_{ROWSCALED}"), []).append(f)
+    for (name, _), paths in by_hookpoint.items():
         yield from _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta,
                                       verify)
 
@@ -184,7 +191,10 @@ def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rn
     def emit(acts, meta, lo, hi):
         np_dtype = _NUMPY_FOR_DTYPE.get(dtype, np.dtype(np.uint8))
         rows = acts[lo:hi]
-        b = Batch(hookpoint=name, dtype=dtype, activation=rows.view(np_dtype).reshape(hi - lo, -1))
+        if dtype == ROWSCALED:
+            b = Batch(hookpoint=name, dtype=dtype, activation=dequantize_rowscaled(rows), downcast=True)
+        else:
+            b = Batch(hookpoint=name, dtype=dtype, activation=rows.view(np_dtype).reshape(hi - lo, -1), downcast=False)
         for c in META_COLUMNS if with_meta else ():
             b[c] = meta[c][lo:hi]
         return b

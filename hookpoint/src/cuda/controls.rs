@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use ringscope_ring::cuda::{DeviceBuffer, DevicePtr, Gpu, StreamRef};
+use ringscope_ring::DType;
 
 use super::DeviceCaptureError;
 use crate::registry::{HookPoint, Registry, RowSelection};
@@ -38,7 +39,10 @@ pub(super) struct DeviceControl {
     pub list_ptr: u64,
     /// Device `u32` scalar: rows past it are padding (0 = none).
     pub valid_rows_ptr: u64,
-    pub reserved: [u64; 4],
+    /// 1: rows of a bf16 / f16 / f32 hookpoint are written as row-scaled FP8 E4M3 (`DType::F8E4M3RowScaled`).
+    pub downcast: u32,
+    pub reserved0: u32,
+    pub reserved: [u64; 3],
 }
 
 impl DeviceControl {
@@ -53,6 +57,7 @@ impl DeviceControl {
         put(offset_of!(DeviceControl, list_len), &self.list_len.to_le_bytes());
         put(offset_of!(DeviceControl, list_ptr), &self.list_ptr.to_le_bytes());
         put(offset_of!(DeviceControl, valid_rows_ptr), &self.valid_rows_ptr.to_le_bytes());
+        put(offset_of!(DeviceControl, downcast), &self.downcast.to_le_bytes());
         b
     }
 }
@@ -163,6 +168,7 @@ impl Controls {
             mode,
             list_len: list.as_ref().map_or(0, |l| l.len() as u32),
             valid_rows_ptr: self.valid_rows.get(hp.id() as usize).copied().unwrap_or(DevicePtr::NULL).addr(),
+            downcast: hp.control().effective_downcast() as u32,
             ..DeviceControl::default()
         };
         Ok((control, list))
@@ -209,7 +215,12 @@ impl Controls {
             }
             // Entry `i` of the control table (i < max_hookpoints); pageable source, staged by the driver.
             self.table.copy_from_host_async(i * CONTROL_BYTES, &control.to_bytes(), stream.clone())?;
-            self.mirrors[i] = HostMirror { generation, control, row_bytes: hp.spec().row_bytes(), uploaded: true };
+            // The rows the kernels write under the uploaded controls (downcast rows are `row_width + 4` bytes).
+            let row_bytes = match control.downcast {
+                0 => hp.spec().row_bytes(),
+                _ => DType::F8E4M3RowScaled.row_bytes(hp.spec().row_width as u64) as u32,
+            };
+            self.mirrors[i] = HostMirror { generation, control, row_bytes, uploaded: true };
         }
         self.synced_changes = Some(changes);
         Ok(())
@@ -229,14 +240,17 @@ mod tests {
             list_len: 5,
             list_ptr: 0x1000,
             valid_rows_ptr: 0x2000,
-            reserved: [0; 4],
+            downcast: 1,
+            reserved0: 0,
+            reserved: [0; 3],
         };
         let b = c.to_bytes();
         let word = |k: usize| u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().unwrap());
         assert_eq!(word(0), 1 | 3 << 32);
         assert_eq!(word(1), 2 | 5 << 32);
         assert_eq!((word(2), word(3)), (0x1000, 0x2000));
-        assert!(b[32..].iter().all(|&x| x == 0));
+        assert_eq!(word(4), 1);
+        assert!(b[40..].iter().all(|&x| x == 0));
         assert_eq!((RowMode::All as u32, RowMode::List as u32, RowMode::LastPerRequest as u32), (0, 1, 2));
     }
 }

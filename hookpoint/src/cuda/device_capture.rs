@@ -391,10 +391,13 @@ impl DeviceCapture {
         self.gpu.bind()?;
         self.gpu.check_device_range(&what, src, bytes, hp.spec().dtype.size())?;
         self.check_stream(&stream)?;
-        let payload = footprint(src_rows as u64, row_bytes as u64) as usize - HEADER_LEN;
+        // The kernel reads the downcast control at run time (a graph replays either way): check the larger row.
+        let downcast_bytes = hp.spec().dtype.downcast().map_or(0, |d| d.row_bytes(hp.spec().row_width as u64));
+        let record_row_bytes = (row_bytes as u64).max(downcast_bytes);
+        let payload = footprint(src_rows as u64, record_row_bytes) as usize - HEADER_LEN;
         if payload > self.ring.max_payload_len() {
             return Err(DeviceCaptureError::Usage(format!(
-                "{what}: {src_rows} rows × {row_bytes} bytes need a {payload}-byte record, but the ring takes at \
+                "{what}: {src_rows} rows × {record_row_bytes} bytes need a {payload}-byte record, but the ring takes at \
                  most {} per record (half its capacity); raise ring.capacity",
                 self.ring.max_payload_len()
             )));

@@ -21,7 +21,7 @@ use ringscope_ring::cuda::{errors, host, state, CudaError, DevicePtr, Function, 
 use ringscope_ring::record::{
     self, HEADER_CHECK_MUL, HEADER_CHECK_SEED, HEADER_CHECK_SHIFT, HEADER_LEN, RECORD_ALIGN, ROW_META_LEN,
 };
-use ringscope_ring::{DType, RecordKind};
+use ringscope_ring::{rowscaled, DType, RecordKind};
 
 use super::controls::{DeviceControl, RowMode, CONTROL_BYTES};
 use super::counters::{counter, COUNTER_WORDS};
@@ -119,6 +119,12 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         // Pad records carry dtype u8, as the host encoder writes them.
         ("DTYPE_PAD", DType::U8.code() as u64, U64),
         ("FLAG_ROW_SELECTION", record::flags::ROW_SELECTION as u64, U64),
+        // Downcast rows (ringscope_ring::rowscaled): the source dtypes, the record's dtype, the scale's bytes.
+        ("DTYPE_F32", DType::F32.code() as u64, U32),
+        ("DTYPE_F16", DType::F16.code() as u64, U32),
+        ("DTYPE_BF16", DType::BF16.code() as u64, U32),
+        ("DTYPE_ROWSCALED", DType::F8E4M3RowScaled.code() as u64, U32),
+        ("SCALE_BYTES", rowscaled::SCALE_BYTES as u64, U32),
         ("HEADER_CHECK_SEED", HEADER_CHECK_SEED, U64),
         ("HEADER_CHECK_MUL", HEADER_CHECK_MUL, U64),
         ("HEADER_CHECK_SHIFT", HEADER_CHECK_SHIFT as u64, Int),
@@ -214,6 +220,7 @@ pub fn layout_checks() -> String {
     check("Control", Some("list_len"), offset_of!(DeviceControl, list_len));
     check("Control", Some("list_ptr"), offset_of!(DeviceControl, list_ptr));
     check("Control", Some("valid_rows_ptr"), offset_of!(DeviceControl, valid_rows_ptr));
+    check("Control", Some("downcast"), offset_of!(DeviceControl, downcast));
     check("GraphBatch", None, graph_batch::BYTES);
     check("GraphBatch", Some("request_ids"), graph_batch::REQUEST_IDS);
     check("GraphBatch", Some("positions"), graph_batch::POSITIONS);
@@ -583,6 +590,11 @@ mod tests {
         expect("KIND_DATA", RecordKind::Data as u64, "ull");
         expect("DTYPE_PAD", DType::U8.code() as u64, "ull");
         expect("FLAG_ROW_SELECTION", record::flags::ROW_SELECTION as u64, "ull");
+        expect("DTYPE_F32", DType::F32.code() as u64, "u");
+        expect("DTYPE_F16", DType::F16.code() as u64, "u");
+        expect("DTYPE_BF16", DType::BF16.code() as u64, "u");
+        expect("DTYPE_ROWSCALED", DType::F8E4M3RowScaled.code() as u64, "u");
+        expect("SCALE_BYTES", rowscaled::SCALE_BYTES as u64, "u");
         expect("HEADER_CHECK_SEED", HEADER_CHECK_SEED, "ull");
         expect("HEADER_CHECK_MUL", HEADER_CHECK_MUL, "ull");
         expect("HEADER_CHECK_SHIFT", HEADER_CHECK_SHIFT as u64, "");
