@@ -47,6 +47,8 @@ struct State {
     last_row_fraction: f64,
     /// Smoothed steps per second (`None` before the first window).
     steps_per_s: Option<f64>,
+    /// Smoothed delivered bytes per second (a sink writing one large record takes longer than a window).
+    delivered_per_s: Option<f64>,
 }
 
 /// The session's policy manager.
@@ -70,6 +72,7 @@ impl Governor {
                 loads: Vec::new(),
                 last_row_fraction: 1.0,
                 steps_per_s: None,
+                delivered_per_s: None,
             }),
             started: now,
             priorities,
@@ -161,10 +164,13 @@ impl Governor {
             })
             .min();
         let delivered = slowest.unwrap_or(sample.drained_bytes.saturating_sub(st.sample.drained_bytes));
+        let delivered = delivered as f64 / secs;
+        let delivered_per_s = st.delivered_per_s.map_or(delivered, |old| smooth(old, delivered));
+        st.delivered_per_s = Some(delivered_per_s);
         let m = Measurements {
             now: now.duration_since(self.started),
             steps_per_s,
-            delivered_bytes_per_s: delivered as f64 / secs,
+            delivered_bytes_per_s: delivered_per_s,
             occupancy: sample.occupancy.clone(),
             hookpoints: loads,
         };

@@ -413,7 +413,10 @@ impl Planner {
                     (None, None) => true,
                 };
                 if self.rate_limit < cap && calm_enough && waited {
-                    let base = self.rate_limit.max(m.delivered_bytes_per_s);
+                    // From what is delivered now if that is more, and never from nothing (a limit cut to zero, every
+                    // hookpoint off, would otherwise never grow): at least a hundredth of the full production.
+                    let full: f64 = m.hookpoints.iter().map(|h| h.bytes_per_step).sum::<f64>() * m.steps_per_s;
+                    let base = self.rate_limit.max(m.delivered_bytes_per_s).max(full / 100.0);
                     self.rate_limit = (base * RECOVERY_GROWTH).min(cap);
                     self.grew_at = Some(m.now);
                     if self.rate_limit >= cap {
@@ -626,5 +629,23 @@ mod tests {
             t += 10;
         }
         assert!(p.rungs.iter().all(|&(_, r)| r == Rung::Full), "no recovery by {t} ms: {:?}", p.rungs);
+    }
+
+    #[test]
+    fn a_limit_cut_to_nothing_still_recovers() {
+        // A sink that delivered nothing while the budget was full (stuck on one large record): the limit falls to
+        // zero and every hookpoint goes off; once there is room, probing starts from a hundredth of production.
+        let loads: Vec<_> = (0..4).map(|i| load(i, 0, 1e6)).collect();
+        let mut p = Planner::new(PlannerSettings::default());
+        p.plan(&measure(0, 400e6, 0.1, &loads));
+        p.plan(&measure(10, 0.0, 0.9, &loads));
+        assert_eq!(p.rate_limit(), 0.0);
+        assert!((0..4).all(|i| p.rung(i) == Rung::Off));
+        let mut t = 20;
+        while (0..4).any(|i| p.rung(i) != Rung::Full) && t < 600_000 {
+            p.plan(&measure(t, p.projection(&measure(t, 0.0, 0.0, &loads)).bytes_per_s, 0.0, &loads));
+            t += 10;
+        }
+        assert!((0..4).all(|i| p.rung(i) == Rung::Full), "stuck at {:?} after {t} ms", p.rungs);
     }
 }
