@@ -236,7 +236,7 @@ fn run_child(setup: &Setup) -> Res<()> {
             let sref = stream.stream_ref();
             let t = Instant::now();
             for _ in 0..20 {
-                a.copy_from_device_async(&b, SCRATCH, &sref)?;
+                a.copy_from_device_async(&b, SCRATCH, sref)?;
             }
             stream.synchronize()?;
             let per_copy = t.elapsed().as_secs_f64() / 20.0;
@@ -250,7 +250,7 @@ fn run_child(setup: &Setup) -> Res<()> {
             let step_without = || -> Res<f64> {
                 let t = Instant::now();
                 for _ in 0..setup.hookpoints {
-                    layer(&sref)?;
+                    layer(sref)?;
                 }
                 stream.synchronize()?;
                 Ok(t.elapsed().as_secs_f64())
@@ -268,7 +268,7 @@ fn run_child(setup: &Setup) -> Res<()> {
                 let t = Instant::now();
                 session.begin_step_on(step, batch(step), stream.handle())?;
                 for (id, src) in ids.iter().zip(&devs) {
-                    layer(&sref)?;
+                    layer(sref)?;
                     session.capture_device(*id, src.ptr(), rows, stream.handle())?;
                 }
                 session.end_step()?;
