@@ -372,8 +372,10 @@ pub enum OnDeadline {
     /// The step's captures are dropped (counted as `deadline`) and the engine gets an error.
     #[default]
     Error,
-    /// The step goes on as in best-effort mode: what fits is captured, the rest is dropped and counted as
-    /// `deadline`; the engine gets no error (the stall and the loss are in the statistics and the events table).
+    /// The step goes on and the engine gets no error; the stall and the loss are in the statistics and the events
+    /// table. Host backend: the step's remaining captures do not wait (what fits is captured, the rest dropped and
+    /// counted). CUDA backend: admission is per step, so the step's captures are dropped on the device and counted as
+    /// `deadline`.
     Degrade,
 }
 

@@ -479,8 +479,13 @@ impl Session {
 
     /// What the policy manager measures now.
     fn sample(&self) -> governor::Sample {
-        // The CUDA backend counts production on the device: fold it in (one small copy; skipped if busy).
+        // The CUDA backend counts production on the device: fold it in (one small copy; skipped if busy). It also
+        // counts the steps that began there — those begun inside a graph included, which the host never sees.
         self.fold_device_counters();
+        let device_steps = self
+            .capture
+            .try_lock_for(Duration::from_millis(5))
+            .and_then(|c| c.as_ref().and_then(|c| c.backend.steps_begun_on_device()));
         let stats = self.stats();
         let mut occupancy = Vec::new();
         let ring = stats.ring;
@@ -501,7 +506,7 @@ impl Session {
             occupancy.push((Budget::HostBacklog, queued as f64 / host_budget as f64));
         }
         governor::Sample {
-            steps: self.steps.steps.load(Ordering::Relaxed),
+            steps: device_steps.unwrap_or_else(|| self.steps.steps.load(Ordering::Relaxed)),
             rows: self.steps.rows.load(Ordering::Relaxed),
             requests: self.steps.requests.load(Ordering::Relaxed),
             drained_bytes: stats.drain.bytes,
@@ -562,6 +567,9 @@ impl Session {
     /// that graph replays whose steps were begun inside the graph ([`begin_step_graph`](Self::begin_step_graph);
     /// they make no host call) use them from the next replay on. Call it between replays, outside graph recording.
     /// Steps begun with [`begin_step_on`](Self::begin_step_on) pick changes up by themselves.
+    ///
+    /// With the policy manager on, this is also where it decides for graph-begun steps (counting them by the device's
+    /// begin-step counter): call it between replays for its rung changes to reach the graph.
     pub fn apply_controls(&self, stream: StreamRef) -> Result<(), Error> {
         self.govern();
         self.with_capture(|c| c.backend.apply_controls(&self.registry, stream))

@@ -72,6 +72,10 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn steps_begun_on_device(&self) -> Option<u64> {
+        Some(self.ring.progress())
+    }
+
     fn set_step_deadline(&mut self, deadline: std::time::Duration) {
         self.capture.set_full_mode_deadline(deadline);
     }

@@ -47,6 +47,12 @@ pub(crate) trait Backend: Send {
         Err(Error::Backend(CUDA_ONLY))
     }
 
+    /// CUDA backend: steps whose begin kernel has run on the device (host-begun and graph-begun alike; a load of host
+    /// memory). `None` where the host sees every step itself.
+    fn steps_begun_on_device(&self) -> Option<u64> {
+        None
+    }
+
     /// Full mode: the longest the next step's admission may wait for room (`policy.max_step_overhead` lowers it
     /// below `policy.full_deadline_ms`). Only the CUDA backend admits whole steps; host captures are given their
     /// deadline with each call.
