@@ -320,8 +320,18 @@ fn run_child(setup: &Setup) -> Res<()> {
         }
     }
     let stats = session.stats();
-    let mut rungs: Vec<String> = stats.hookpoints.iter().map(|h| h.rung.clone()).collect();
-    rungs.dedup();
+    // The rungs the hookpoints ended on, in layer order, each with how many hookpoints and the rows they exported.
+    let mut rungs: Vec<(String, u32, u64)> = Vec::new();
+    for h in &stats.hookpoints {
+        match rungs.last_mut() {
+            Some((r, n, rows)) if *r == h.rung => {
+                *n += 1;
+                *rows += h.counters.exported.rows;
+            }
+            _ => rungs.push((h.rung.clone(), 1, h.counters.exported.rows)),
+        }
+    }
+    let rungs: Vec<String> = rungs.iter().map(|(r, n, rows)| format!("{r} ×{n} ({rows} rows)")).collect();
     let stall = (stats.stalls, stats.stall_time);
     let report = session.shutdown()?;
     let total = report.accounting.total();
@@ -447,7 +457,8 @@ fn main() -> Res<()> {
     println!(
         "| configuration | step ms without capture (median / p99) | with capture | overhead | full-mode stall \
          | GB/s produced at full rate | rows produced | exported | sampled out | dropped | kept \
-         | drained per second of capture, of the budget | rungs at the end | downcast rows and error |"
+         | drained per second of capture, of the budget | rungs at the end, early → late layers (hookpoints, rows they \
+         exported) | downcast rows and error |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let exe = std::env::current_exe()?;

@@ -49,6 +49,8 @@ struct State {
     steps_per_s: Option<f64>,
     /// Smoothed delivered bytes per second (a sink writing one large record takes longer than a window).
     delivered_per_s: Option<f64>,
+    /// Rows produced by all hookpoints at the last decision.
+    produced_rows: u64,
 }
 
 /// The session's policy manager.
@@ -73,6 +75,7 @@ impl Governor {
                 last_row_fraction: 1.0,
                 steps_per_s: None,
                 delivered_per_s: None,
+                produced_rows: 0,
             }),
             started: now,
             priorities,
@@ -94,9 +97,16 @@ impl Governor {
             return Vec::new();
         }
         let sample = sample();
-        let steps = sample.steps.saturating_sub(st.sample.steps);
+        let mut steps = sample.steps.saturating_sub(st.sample.steps);
         if steps == 0 {
-            return Vec::new();
+            // No step counted, yet captures may have run: steps begun inside a CUDA graph are numbered on the device
+            // only. Then the window is taken as one step (loads per window, the step rate one per window: their
+            // product, the byte rate the planner weighs, is the same). Idle, there is nothing to decide.
+            let produced: u64 = registry.all().iter().map(|h| h.counters().snapshot().produced.rows).sum();
+            if produced == st.produced_rows {
+                return Vec::new();
+            }
+            steps = 1;
         }
         let secs = elapsed.as_secs_f64();
         // The newest window's weight: its share of the time constant.
@@ -176,6 +186,7 @@ impl Governor {
         };
         st.at = now;
         st.sample = sample;
+        st.produced_rows = hookpoints.iter().map(|h| h.counters().snapshot().produced.rows).sum();
         let changes = st.planner.plan(&m);
         drop(st);
         changes

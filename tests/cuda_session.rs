@@ -142,3 +142,64 @@ fn device_calls_on_a_host_session_are_clear_errors() {
     s.end_step().unwrap();
     s.shutdown().unwrap();
 }
+
+#[test]
+fn the_policy_manager_reaches_graph_begun_steps_between_replays() {
+    let Ok(gpu) = Gpu::open(0) else {
+        eprintln!("skipped: no GPU");
+        return;
+    };
+    // 4 hookpoints × 8 rows × 4 KiB = 128 KiB a step, replayed as fast as the GPU goes: far over a 20 MB/s cap.
+    let mut text = String::from(
+        "[ring]\nbackend = \"cuda\"\ncapacity = \"64 MiB\"\nmax_batch_rows = 64\n[policy]\nmode = \"best_effort\"\n\
+         drain_rate = \"20 MB/s\"\ndwell_ms = 50\n",
+    );
+    text += &ringscope::synthetic::residual_hookpoints_toml(4, 2048);
+    let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    let ids = DeviceBuffer::zeroed(&gpu, 8 * 8).unwrap();
+    let positions = DeviceBuffer::zeroed(&gpu, 8 * 8).unwrap();
+    let bytes = |v: Vec<i64>| v.into_iter().flat_map(i64::to_le_bytes).collect::<Vec<u8>>();
+    ids.copy_from_host_async(0, &bytes((0..8).collect()), stream.handle()).unwrap();
+    positions.copy_from_host_async(0, &bytes(vec![0; 8]), stream.handle()).unwrap();
+    let layers: Vec<DeviceBuffer> = (0..4).map(|_| DeviceBuffer::zeroed(&gpu, 8 * 4096).unwrap()).collect();
+    let batch = ringscope::cuda::GraphBatch {
+        batch: 8,
+        seq: 1,
+        request_ids: ids.ptr(),
+        positions: positions.ptr(),
+        positions_batch_stride: 1,
+    };
+    // Controls reach the device before recording (and then between replays).
+    session.apply_controls(stream.handle()).unwrap();
+    stream.synchronize().unwrap();
+    let graph = Graph::capture(&stream, || -> Result<(), Error> {
+        session.begin_step_graph(&batch, stream.handle())?;
+        for (l, buf) in layers.iter().enumerate() {
+            session.capture_device(l as u32, buf.ptr(), 8, stream.handle())?;
+        }
+        session.end_step()
+    })
+    .unwrap();
+    let started = std::time::Instant::now();
+    let mut replays = 0;
+    while started.elapsed() < std::time::Duration::from_millis(1500) {
+        // Between replays: no host call inside the graph; the policy manager decides here.
+        session.apply_controls(stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        replays += 1;
+        if replays % 16 == 0 {
+            stream.synchronize().unwrap();
+        }
+    }
+    stream.synchronize().unwrap();
+    let rungs: Vec<String> = session.stats().hookpoints.iter().map(|h| h.rung.clone()).collect();
+    let events = session.events().take();
+    let report = session.shutdown().unwrap();
+    report.accounting.check().unwrap();
+    let total = report.accounting.total();
+    assert_eq!(total.produced.rows, replays * 4 * 8, "every replay's captures are counted");
+    assert!(total.sampled_out.rows > 0 && rungs.iter().any(|r| r != "full"), "never degraded: {rungs:?}");
+    assert!(events.iter().any(|e| e.kind == ringscope::EventKind::Rung), "{events:?}");
+    eprintln!("{replays} replays; rungs {rungs:?}; {:?}", total);
+}
