@@ -7,11 +7,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 2 added `rs_abi_version`, `rs_session_stats`,
-// `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the ABI before them). Structs whose first
-// field is `struct_size` grow at their end only: the caller sets `struct_size = sizeof(the struct)` it was
-// compiled with, and the library fills that many bytes (never more) and writes back how many it filled.
-#define RS_ABI_VERSION 2
+// The version of this C ABI, as [`rs_abi_version`] returns it: 3 added `stalls` and `stall_ns` at the end of
+// `rs_session_snapshot` and `downcast_records` / `downcast_rows` at the end of `rs_hookpoint_snapshot`; 2 added
+// `rs_abi_version`, `rs_session_stats`, `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the
+// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
+// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
+// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
+#define RS_ABI_VERSION 3
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -251,6 +253,10 @@ typedef struct rs_session_snapshot {
   uint64_t drain_bytes;
   // Activation bytes of them.
   uint64_t drain_data_bytes;
+  // Full mode: times a producer waited for room (ABI 3).
+  uint64_t stalls;
+  // Full mode: nanoseconds those waits took together (ABI 3).
+  uint64_t stall_ns;
 } rs_session_snapshot;
 
 // One hookpoint's numbers (see [`rs_hookpoint_stats`]). Set `struct_size` before the call.
@@ -271,9 +277,13 @@ typedef struct rs_hookpoint_snapshot {
   uint64_t published_bytes;
   // Activation bytes that reached every destination.
   uint64_t exported_bytes;
-  // The capture level its controls select, NUL-terminated: `off`, `full`, `last_row`, `rows`, `every_N`, or a
-  // sampling and a selection joined with `+` (`every_4+last_row`).
+  // The capture level its controls select (the user's and the policy manager's together), NUL-terminated: `off`,
+  // `full`, `last_row`, `rows`, `every_N`, `downcast`, or several joined with `+` (`every_8+last_row+downcast`).
   char rung[RS_RUNG_LEN];
+  // Exported records that were downcast to fp8 on capture (a part of `counts.exported_records`; ABI 3).
+  uint64_t downcast_records;
+  // Rows of those records (ABI 3).
+  uint64_t downcast_rows;
 } rs_hookpoint_snapshot;
 
 // One sink's or subscription's progress and lag (see [`rs_destination_stats`]). Set `struct_size` before the call.

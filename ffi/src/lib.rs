@@ -143,11 +143,13 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 2 added `rs_abi_version`, `rs_session_stats`,
-/// `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the ABI before them). Structs whose first
-/// field is `struct_size` grow at their end only: the caller sets `struct_size = sizeof(the struct)` it was
-/// compiled with, and the library fills that many bytes (never more) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 2;
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 3 added `stalls` and `stall_ns` at the end of
+/// `rs_session_snapshot` and `downcast_records` / `downcast_rows` at the end of `rs_hookpoint_snapshot`; 2 added
+/// `rs_abi_version`, `rs_session_stats`, `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the
+/// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
+/// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
+/// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
+pub const RS_ABI_VERSION: u32 = 3;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -211,6 +213,10 @@ pub struct RsSessionSnapshot {
     pub drain_bytes: u64,
     /// Activation bytes of them.
     pub drain_data_bytes: u64,
+    /// Full mode: times a producer waited for room (ABI 3).
+    pub stalls: u64,
+    /// Full mode: nanoseconds those waits took together (ABI 3).
+    pub stall_ns: u64,
 }
 
 /// One hookpoint's numbers (see [`rs_hookpoint_stats`]). Set `struct_size` before the call.
@@ -233,9 +239,13 @@ pub struct RsHookPointSnapshot {
     pub published_bytes: u64,
     /// Activation bytes that reached every destination.
     pub exported_bytes: u64,
-    /// The capture level its controls select, NUL-terminated: `off`, `full`, `last_row`, `rows`, `every_N`, or a
-    /// sampling and a selection joined with `+` (`every_4+last_row`).
+    /// The capture level its controls select (the user's and the policy manager's together), NUL-terminated: `off`,
+    /// `full`, `last_row`, `rows`, `every_N`, `downcast`, or several joined with `+` (`every_8+last_row+downcast`).
     pub rung: [c_char; RS_RUNG_LEN],
+    /// Exported records that were downcast to fp8 on capture (a part of `counts.exported_records`; ABI 3).
+    pub downcast_records: u64,
+    /// Rows of those records (ABI 3).
+    pub downcast_rows: u64,
 }
 
 /// One sink's or subscription's progress and lag (see [`rs_destination_stats`]). Set `struct_size` before the call.
@@ -1057,13 +1067,13 @@ pub extern "C" fn rs_abi_version() -> u32 {
 }
 
 /// Writes `value` into the caller's struct `out`, whose first field is the `u32` `struct_size` the caller set: that
-/// many bytes, never more, and at least the whole of `T` (every version of these structs so far is `T` itself:
-/// there is no older, shorter one); `struct_size` is set to the bytes filled. A caller compiled against a newer
-/// header (a larger struct) gets the fields this library knows and their size back.
+/// many bytes, never more, and at least `oldest` (the size of the first version of the struct: a caller compiled
+/// against an older header gets the fields it knows); `struct_size` is set to the bytes filled. A caller compiled
+/// against a newer header (a larger struct) gets the fields this library knows and their size back.
 ///
 /// # Safety
 /// `out` is null or valid for reads and writes of the `struct_size` bytes its first `u32` announces.
-unsafe fn write_sized<T: Copy>(out: *mut T, value: T, what: &str, c_name: &str) -> Result<(), Failure> {
+unsafe fn write_sized<T: Copy>(out: *mut T, value: T, oldest: usize, what: &str, c_name: &str) -> Result<(), Failure> {
     out_arg(out, what)?;
     if (out as usize) % std::mem::align_of::<T>() != 0 {
         return Err(invalid(format!("{what} is not aligned for {c_name}")));
@@ -1071,20 +1081,27 @@ unsafe fn write_sized<T: Copy>(out: *mut T, value: T, what: &str, c_name: &str) 
     let ours = std::mem::size_of::<T>();
     // SAFETY: non-null and aligned; its first field is the caller's `struct_size`, readable per the contract.
     let announced = unsafe { out.cast::<u32>().read() } as usize;
-    if announced < ours {
+    if announced < oldest {
         return Err(invalid(format!(
             "{what}->struct_size is {announced}: set it to sizeof({c_name}) ({ours} bytes in the header this library \
-             was built with) before the call"
+             was built with; at least {oldest}) before the call"
         )));
     }
-    // SAFETY: the caller's struct holds at least `announced ≥ ours` bytes, per the contract; `value` is a plain
-    // `repr(C)` struct of `ours` bytes.
+    let filled = announced.min(ours);
+    // SAFETY: the caller's struct holds at least `announced ≥ filled` bytes, per the contract; `value` is a plain
+    // `repr(C)` struct of `ours ≥ filled` bytes, and its first `filled` bytes are whole fields (versions end at field
+    // boundaries).
     unsafe {
-        std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), out.cast::<u8>(), ours);
-        out.cast::<u32>().write(ours as u32);
+        std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), out.cast::<u8>(), filled);
+        out.cast::<u32>().write(filled as u32);
     }
     Ok(())
 }
+
+/// Size of `rs_session_snapshot` in ABI 2 (before `stalls`).
+const SESSION_SNAPSHOT_V2: usize = std::mem::offset_of!(RsSessionSnapshot, stalls);
+/// Size of `rs_hookpoint_snapshot` in ABI 2 (before `downcast_records`).
+const HOOKPOINT_SNAPSHOT_V2: usize = std::mem::offset_of!(RsHookPointSnapshot, downcast_records);
 
 /// Writes the session's numbers now — steps and step time, ring occupancy, what the drain moved, how many hookpoints
 /// and destinations there are — to `out` (set `out->struct_size = sizeof(rs_session_snapshot)` first). Cheap enough
@@ -1123,9 +1140,11 @@ pub unsafe extern "C" fn rs_session_stats(session_handle: u64, out: *mut RsSessi
             drain_rows: st.drain.rows,
             drain_bytes: st.drain.bytes,
             drain_data_bytes: st.drain.data_bytes,
+            stalls: st.stalls,
+            stall_ns: nanos(st.stall_time),
         };
         // SAFETY: per the contract.
-        unsafe { write_sized(out, value, "out", "rs_session_snapshot") }
+        unsafe { write_sized(out, value, SESSION_SNAPSHOT_V2, "out", "rs_session_snapshot") }
     })
 }
 
@@ -1154,7 +1173,8 @@ pub unsafe extern "C" fn rs_hookpoint_stats(
             return Err(invalid(format!("no hookpoint with id {hookpoint}")));
         };
         let mut rung = [0 as c_char; RS_RUNG_LEN];
-        // Rung labels are short ASCII (`every_4294967295+last_row` is the longest): they fit with their NUL.
+        // Rung labels are short ASCII and fit with their NUL, unless sampling reaches ten digits (`every_4294967295+
+        // last_row+downcast`, from a user's every_n_steps times the policy manager's): then the label is cut.
         for (dst, &b) in rung.iter_mut().zip(h.rung.as_bytes().iter().take(RS_RUNG_LEN - 1)) {
             *dst = b as c_char;
         }
@@ -1168,9 +1188,11 @@ pub unsafe extern "C" fn rs_hookpoint_stats(
             published_bytes: h.published_bytes,
             exported_bytes: h.exported_bytes,
             rung,
+            downcast_records: h.counters.downcast.records,
+            downcast_rows: h.counters.downcast.rows,
         };
         // SAFETY: per the contract.
-        unsafe { write_sized(out, value, "out", "rs_hookpoint_snapshot") }?;
+        unsafe { write_sized(out, value, HOOKPOINT_SNAPSHOT_V2, "out", "rs_hookpoint_snapshot") }?;
         // SAFETY: per the contract.
         unsafe { write_c_string(&h.name, name, name_cap, "name") }
     })
@@ -1213,7 +1235,7 @@ pub unsafe extern "C" fn rs_destination_stats(
             name_len: d.name.len() as u32,
         };
         // SAFETY: per the contract.
-        unsafe { write_sized(out, value, "out", "rs_destination_snapshot") }?;
+        unsafe { write_sized(out, value, size_of::<RsDestinationSnapshot>(), "out", "rs_destination_snapshot") }?;
         // SAFETY: per the contract.
         unsafe { write_c_string(&d.name, name, name_cap, "name") }
     })

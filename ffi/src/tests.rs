@@ -523,6 +523,21 @@ fn stats_calls_refuse_bad_input_and_name_it() {
     st.struct_size = 8;
     // SAFETY: as above.
     assert_eq!(unsafe { rs_session_stats(s, &mut st) }, RsStatus::RsErrInvalidArgument);
+    // A caller compiled against the ABI 2 header (the struct without `stalls`): gets the fields it knows, nothing past
+    // them.
+    #[repr(C)]
+    struct V2 {
+        known: [u8; std::mem::offset_of!(RsSessionSnapshot, stalls)],
+        after: u64,
+    }
+    let mut v2 = V2 { known: [0; std::mem::offset_of!(RsSessionSnapshot, stalls)], after: 0x5EED };
+    let v2_size = std::mem::offset_of!(RsSessionSnapshot, stalls) as u32;
+    v2.known[..4].copy_from_slice(&v2_size.to_le_bytes());
+    // SAFETY: `v2` holds the `struct_size` bytes it announces, aligned as the snapshot (it starts with the same
+    // fields; `V2` is 8-aligned through `after`).
+    let status = unsafe { rs_session_stats(s, (&mut v2 as *mut V2).cast::<RsSessionSnapshot>()) };
+    assert_eq!(status, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((u32::from_le_bytes(v2.known[..4].try_into().unwrap()), v2.after), (v2_size, 0x5EED));
     // A caller compiled against a newer, larger struct: gets the fields this library knows, and their size.
     #[repr(C)]
     struct Newer {

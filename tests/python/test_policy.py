@@ -38,7 +38,10 @@ def test_a_drain_cap_moves_hookpoints_down_the_ladder_and_says_so(tmp_path):
             s.capture(hp, rows)
         s.end_step()
         time.sleep(0.005)
-    rungs = {h["name"]: h["rung"] for h in s.stats_all()["hookpoints"]}
+    stats = s.stats_all()
+    rungs = {h["name"]: h["rung"] for h in stats["hookpoints"]}
+    assert stats["stalls"] == 0 and stats["stall_time_s"] == 0.0  # best-effort never waits
+    assert all(h["downcast_rows"] <= h["counters"]["exported_rows"] for h in stats["hookpoints"])
     totals = s.close()
     assert totals["sampled_out_rows"] > 0, rungs
     assert rungs["layers.0.resid"] != "full", rungs  # the lowest priority gives way first

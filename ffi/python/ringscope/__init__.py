@@ -289,7 +289,8 @@ class _SessionSnapshot(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in (
         "struct_size", "mode", "backend", "hookpoints", "destinations", "reserved")] + [(n, ctypes.c_uint64) for n in (
         "unix_ns", "uptime_ns", "steps", "last_step", "step_time_ns", "step_interval_ns", "ring_capacity_bytes",
-        "ring_used_bytes", "ring_held_bytes", "drain_records", "drain_rows", "drain_bytes", "drain_data_bytes")]
+        "ring_used_bytes", "ring_held_bytes", "drain_records", "drain_rows", "drain_bytes", "drain_data_bytes",
+        "stalls", "stall_ns")]
 
 
 _RUNG_LEN = 32
@@ -298,7 +299,8 @@ _RUNG_LEN = 32
 class _HookPointSnapshot(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("id", ctypes.c_uint32), ("row_bytes", ctypes.c_uint64),
                 ("name_len", ctypes.c_uint64), ("counts", _Counts), ("produced_bytes", ctypes.c_uint64), ("published_bytes", ctypes.c_uint64),
-                ("exported_bytes", ctypes.c_uint64), ("rung", ctypes.c_char * _RUNG_LEN)]
+                ("exported_bytes", ctypes.c_uint64), ("rung", ctypes.c_char * _RUNG_LEN),
+                ("downcast_records", ctypes.c_uint64), ("downcast_rows", ctypes.c_uint64)]
 
 
 class _DestinationSnapshot(ctypes.Structure):
@@ -642,7 +644,9 @@ class Session:
         ``data_bytes``), ``destinations`` (a list of dicts: ``name``, ``kind`` "sink" or "consumer",
         ``delivered_records``, ``delivered_bytes``, ``queued_records``, ``queued_bytes``, ``dropped_records``,
         ``failed``) and ``hookpoints`` (a list of dicts: ``id``, ``name``, ``row_bytes``, ``counters`` as
-        :meth:`stats` returns them, ``produced_bytes``, ``published_bytes``, ``exported_bytes``, ``rung``).
+        :meth:`stats` returns them, ``produced_bytes``, ``published_bytes``, ``exported_bytes``, ``rung`` — the user's
+        controls and the policy manager's rung together —, ``downcast_records`` and ``downcast_rows``), and ``stalls``
+        / ``stall_time_s`` (full mode's waits for room).
 
         Counters are cumulative: difference two calls for rates. Cheap enough to call every step; no device call
         (CUDA backend: the device-counted hookpoint counters are those of the last :meth:`stats` or :meth:`flush`).
@@ -659,6 +663,7 @@ class Session:
                 "id": hp.id, "name": name.raw[:hp.name_len].decode("utf-8", "replace"), "row_bytes": hp.row_bytes, "counters": hp.counts.to_dict(),
                 "produced_bytes": hp.produced_bytes, "published_bytes": hp.published_bytes,
                 "exported_bytes": hp.exported_bytes, "rung": hp.rung.decode("ascii", "replace"),
+                "downcast_records": hp.downcast_records, "downcast_rows": hp.downcast_rows,
             })
         destinations = []
         for i in range(st.destinations):
@@ -686,6 +691,7 @@ class Session:
                      "held_bytes": st.ring_held_bytes},
             "drain": {"records": st.drain_records, "rows": st.drain_rows, "bytes": st.drain_bytes,
                       "data_bytes": st.drain_data_bytes},
+            "stalls": st.stalls, "stall_time_s": st.stall_ns / 1e9,
             "destinations": destinations,
             "hookpoints": hookpoints,
         }
