@@ -6,7 +6,8 @@
  *
  * Each step, 3 requests decode one token each (a 3-row batch); 4 layers of 64 bf16 values per row are captured
  * from host memory. Row r of layer l at step s holds bf16(l * 1000 + s * 10 + r) (truncated) in every element, so a
- * reader can check the dump. Exits non-zero, printing ringscope's message, on any failure.
+ * reader can check the dump. Each step it asks whether a sink has failed (rs_sink_status); at the end it prints the
+ * session's statistics (rs_session_stats). Exits non-zero, printing ringscope's message, on any failure.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,6 +70,18 @@ int main(int argc, char **argv) {
             }
         }
         check(rs_end_step(session), "rs_end_step");
+
+        /* A sink that failed (a full disk, say) is known at once: one cheap call per step says so. */
+        rs_sink_health health;
+        check(rs_sink_status(session, &health), "rs_sink_status");
+        if (health.failed_sinks > 0) {
+            rs_sink_failure_info info;
+            char buf[1024];
+            check(rs_sink_failure(session, 0, &info, buf, sizeof buf), "rs_sink_failure");
+            fprintf(stderr, "sink %s failed: %s\n", buf, buf + info.sink_len + 1);
+            rs_session_close(session, NULL); /* the totals and the manifest count what was lost */
+            return 1;
+        }
     }
 
     /* A bad call gets a status and a message, not a crash. */
@@ -79,6 +92,14 @@ int main(int argc, char **argv) {
     rs_counts layer0;
     check(rs_stats(session, ids[0], &layer0), "rs_stats");
     printf("layer 0 so far: %llu rows produced\n", (unsigned long long)layer0.produced_rows);
+
+    /* The session's numbers (C ABI 2+): set struct_size to the struct this program was compiled with. */
+    rs_session_snapshot stats = {.struct_size = sizeof stats};
+    check(rs_session_stats(session, &stats), "rs_session_stats");
+    printf("session: %llu steps, ring %llu of %llu bytes used, %llu bytes drained, %llu full-mode waits\n",
+           (unsigned long long)stats.steps, (unsigned long long)stats.ring_used_bytes,
+           (unsigned long long)stats.ring_capacity_bytes, (unsigned long long)stats.drain_bytes,
+           (unsigned long long)stats.stalls);
 
     /* Close: drain, finish the Parquet files, check the accounting, and get the totals. */
     rs_counts totals;
