@@ -516,22 +516,25 @@ impl PolicyConfig {
     }
 }
 
+impl From<ByteSize> for u64 {
+    fn from(b: ByteSize) -> u64 {
+        b.0
+    }
+}
+
+impl From<ByteRate> for u64 {
+    fn from(r: ByteRate) -> u64 {
+        r.0
+    }
+}
+
 /// A byte rate: a [`ByteSize`] per second, written `"20 GB/s"`, `"512 MiB/s"` or a plain number of bytes per second.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteRate(pub u64);
 
 impl<'de> Deserialize<'de> for ByteRate {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => Ok(ByteRate(n)),
-            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        number_or_text::<D, ByteRate>(d).map(ByteRate)
     }
 }
 
@@ -639,16 +642,25 @@ pub struct ByteSize(pub u64);
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => Ok(ByteSize(n)),
-            Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        number_or_text::<D, ByteSize>(d).map(ByteSize)
+    }
+}
+
+/// A byte count written as a plain number, or as text that `T` parses (`"64 MiB"`, `"20 GB/s"`).
+fn number_or_text<'de, D, T>(d: D) -> Result<u64, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr<Err = String> + Into<u64>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        N(u64),
+        S(String),
+    }
+    match Raw::deserialize(d)? {
+        Raw::N(n) => Ok(n),
+        Raw::S(s) => s.parse::<T>().map(Into::into).map_err(serde::de::Error::custom),
     }
 }
 
