@@ -11,7 +11,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("ringscope-ring", &[]),
     ("ringscope-hookpoint", &["ringscope-ring", "ringscope-policy"]),
     ("ringscope-exporter", &["ringscope-ring", "ringscope-policy"]),
-    ("ringscope", &["ringscope-ring", "ringscope-policy", "ringscope-hookpoint", "ringscope-exporter"]),
+    ("ringscope-probe", &["ringscope-ring"]),
+    (
+        "ringscope",
+        &["ringscope-ring", "ringscope-policy", "ringscope-hookpoint", "ringscope-exporter", "ringscope-probe"],
+    ),
     ("ringscope-ffi", &["ringscope"]),
     ("ringscope-inspect", &["ringscope-ring"]),
 ];
