@@ -74,6 +74,173 @@ pub struct Config {
     /// The Prometheus endpoint.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// Online probes (`[[probes]]`).
+    #[serde(default)]
+    pub probes: Vec<ProbeConfig>,
+    /// What probes share: alerts queue, stop flags, requests tracked (`[alerts]`).
+    #[serde(default)]
+    pub alerts: AlertsConfig,
+}
+
+/// One `[[probes]]` entry: a linear probe on one hookpoint (see [`crate::probe`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeConfig {
+    /// Unique name; a fused probe's scores are the hookpoint `probes.<name>`.
+    pub name: String,
+    /// The hookpoint it reads (or give `layer` and `site`).
+    #[serde(default)]
+    pub hookpoint: Option<String>,
+    /// The layer of the hookpoint it reads (with `site`).
+    #[serde(default)]
+    pub layer: Option<u32>,
+    /// The site of the hookpoint it reads (with `layer`).
+    #[serde(default)]
+    pub site: Option<SiteKind>,
+    /// Weights: a `.safetensors` file (tensor `weight`, or `tensor`; a `bias` tensor is used when present) or a
+    /// `.npy` file, `[K, d]` or `[d]`. A relative path is relative to the config file's directory
+    /// ([`Config::from_file`]) or to the working directory.
+    pub weights: String,
+    /// The weights' tensor name in a safetensors file.
+    #[serde(default)]
+    pub tensor: Option<String>,
+    /// Biases: `[b0, b1, ...]` or a `.npy` file (default: the safetensors `bias` tensor, else zeros).
+    #[serde(default)]
+    pub bias: Option<BiasConfig>,
+    /// `per_token`, `mean` (default), `max`, `ema` (with `ema_alpha`) or `window` (with `window`).
+    #[serde(default = "mean")]
+    pub aggregate: String,
+    /// The newest token's weight for `aggregate = "ema"`, in (0, 1].
+    #[serde(default)]
+    pub ema_alpha: Option<f32>,
+    /// Tokens per window for `aggregate = "window"`.
+    #[serde(default)]
+    pub window: Option<u32>,
+    /// One threshold for every output.
+    #[serde(default)]
+    pub threshold: Option<f32>,
+    /// One threshold per output.
+    #[serde(default)]
+    pub thresholds: Option<Vec<f32>>,
+    /// `alert` (default) or `stop` (also raises the request's stop flag).
+    #[serde(default = "alert")]
+    pub action: String,
+    /// Names of the outputs.
+    #[serde(default)]
+    pub labels: Vec<String>,
+    /// No alert before a request has this many scored tokens (default 1).
+    #[serde(default = "one")]
+    pub min_tokens: u32,
+    /// `consumer` (default: scores the rows the drain delivers, on a thread of the session) or `fused` (scores in
+    /// the capture path — a kernel on the CUDA backend, the engine's thread on the host backend — and puts only the
+    /// K scores per row into the ring, as hookpoint `probes.<name>`, which file sinks write as its own table).
+    #[serde(default)]
+    pub mode: ProbeMode,
+}
+
+fn mean() -> String {
+    "mean".into()
+}
+
+fn alert() -> String {
+    "alert".into()
+}
+
+/// A probe's biases: inline numbers or a `.npy` file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum BiasConfig {
+    /// `[b0, b1, ...]`.
+    Values(Vec<f32>),
+    /// A `.npy` file.
+    File(String),
+}
+
+/// Where a probe scores (`probes[].mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeMode {
+    /// On a consumer thread, from the records the drain delivers.
+    #[default]
+    Consumer,
+    /// In the capture path; only the scores enter the ring.
+    Fused,
+}
+
+/// `[alerts]`: what the session's probes share.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlertsConfig {
+    /// Slots of the stop-flag table (request `R` is flagged when `slot[R % flag_slots] == R + 1`).
+    pub flag_slots: u32,
+    /// Requests each probe tracks at once (the least recently scored are forgotten past it, and counted).
+    pub max_requests: u32,
+    /// Alerts queued for the application; past it, alerts are counted as dropped (the requests' reports still say
+    /// they alerted).
+    pub queue: u32,
+}
+
+impl Default for AlertsConfig {
+    fn default() -> Self {
+        AlertsConfig { flag_slots: 4096, max_requests: 65536, queue: 65536 }
+    }
+}
+
+impl ProbeConfig {
+    /// Reads the weights (and bias file) and checks everything that does not depend on the hookpoint.
+    pub fn definition(&self) -> Result<ringscope_probe::ProbeDef, Error> {
+        use ringscope_probe::{Aggregation, ProbeDef, Target};
+        let name = &self.name;
+        let bad = |m: String| Error::Config(format!("probes `{name}`: {m}"));
+        if name.is_empty() || name.contains(char::is_whitespace) {
+            return Err(Error::Config(format!("probes: name `{name}` must be non-empty, without spaces")));
+        }
+        let target = match (&self.hookpoint, self.layer, &self.site) {
+            (Some(h), None, None) => Target::HookPoint(h.clone()),
+            (None, Some(layer), Some(site)) => Target::Layer { layer, site: site.name().to_owned() },
+            _ => return Err(bad("give either hookpoint, or layer and site".into())),
+        };
+        let aggregation = Aggregation::from_name(&self.aggregate, self.ema_alpha, self.window).map_err(bad)?;
+        let thresholds = match (self.threshold, &self.thresholds) {
+            (Some(t), None) => vec![t],
+            (None, Some(t)) => t.clone(),
+            _ => return Err(bad("give threshold (one for every output) or thresholds (one per output)".into())),
+        };
+        let action = self.action.parse().map_err(bad)?;
+        let (weights, file_bias) =
+            ringscope_probe::load_weights(name, std::path::Path::new(&self.weights), self.tensor.as_deref())
+                .map_err(|e| Error::Config(format!("probes: {e}")))?;
+        let bias = match &self.bias {
+            Some(BiasConfig::Values(v)) => v.clone(),
+            Some(BiasConfig::File(f)) => ringscope_probe::load_bias(name, std::path::Path::new(f))
+                .map_err(|e| Error::Config(format!("probes: {e}")))?,
+            None => file_bias.unwrap_or_default(),
+        };
+        Ok(ProbeDef {
+            name: name.clone(),
+            target,
+            weights,
+            bias,
+            aggregation,
+            thresholds,
+            action,
+            labels: self.labels.clone(),
+            min_tokens: self.min_tokens,
+        })
+    }
+
+    /// Makes relative file paths relative to `dir`.
+    fn resolve_paths(&mut self, dir: &std::path::Path) {
+        let abs = |p: &mut String| {
+            if std::path::Path::new(p.as_str()).is_relative() {
+                *p = dir.join(&*p).display().to_string();
+            }
+        };
+        abs(&mut self.weights);
+        if let Some(BiasConfig::File(f)) = &mut self.bias {
+            abs(f);
+        }
+    }
 }
 
 /// `[metrics]`: the optional Prometheus endpoint (module docs).
@@ -757,10 +924,15 @@ impl Config {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::Config(format!("cannot read config file {}: {e}", path.display())))?;
-        Config::from_toml(&text).map_err(|e| match e {
+        let mut config = Config::from_toml(&text).map_err(|e| match e {
             Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
             other => other,
-        })
+        })?;
+        let dir = path.parent().unwrap_or(std::path::Path::new("."));
+        for p in &mut config.probes {
+            p.resolve_paths(dir);
+        }
+        Ok(config)
     }
 
     /// A configuration with no hookpoints and default ring and policy.
@@ -771,6 +943,8 @@ impl Config {
             export: ExportConfig::default(),
             hookpoints: Vec::new(),
             metrics: MetricsConfig::default(),
+            probes: Vec::new(),
+            alerts: AlertsConfig::default(),
         }
     }
 }

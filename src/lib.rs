@@ -46,6 +46,7 @@ pub mod config;
 mod governor;
 pub mod manifest;
 pub mod metrics;
+mod probes;
 mod session;
 pub mod stats;
 #[cfg(feature = "synthetic")]
@@ -93,6 +94,20 @@ pub use ringscope_exporter::{
     DirectIo, DrainReport, EventsFile, FileSink, Filter, HookPointSummary, Parquet, Receipt, Record, Sink, SinkError,
     SinkFailure, SinkReport, Subscription, Summary, SummarySink,
 };
+
+/// Online probes (`[[probes]]` in the config): what a session's probes report, and the pieces to use them on
+/// their own (loading weights, scoring rows, calibration retention over a dump).
+pub mod probe {
+    pub use crate::probes::{scores_hookpoint, ProbeStats};
+    pub use ringscope_probe::retention;
+    pub use ringscope_probe::{
+        load_bias, load_weights, row_to_f32, Action, Aggregation, Alert, Coverage, Flags, Monitor, Probe, ProbeDef,
+        ProbeError, RequestReport, Scorer, Target, TokenScore, Weights, MAX_OUTPUTS,
+    };
+
+    /// Where [`Session::alerts`](crate::Session::alerts) delivers (a crossbeam channel's receiving end).
+    pub type AlertReceiver = crossbeam::channel::Receiver<Alert>;
+}
 
 /// The CUDA backend's types an engine passes in: streams, device memory, steps recorded inside graphs.
 pub mod cuda {

@@ -121,6 +121,8 @@ pub struct Session {
     /// Writes `events` into the run directory's events table as it happens (with a file sink); `None` once shut
     /// down.
     recorder: Mutex<Option<EventRecorder>>,
+    /// The probes (`[[probes]]`), when any.
+    probes: Option<crate::probes::Probes>,
 }
 
 /// Steps begun and what their batches held.
@@ -201,6 +203,11 @@ impl SessionBuilder {
             hp.control().set_every_n_steps(hc.every_n_steps)?;
             hp.control().set_enabled(hc.enabled);
         }
+        // Probes are loaded and checked against the hookpoints before anything is allocated or started.
+        let mut probes = crate::probes::Probes::load(&config, &registry)?;
+        if let Some(p) = &mut probes {
+            p.register(&registry)?;
+        }
         let options = DrainOptions {
             backlog_bytes: usize::try_from(config.export.backlog.0).unwrap_or(usize::MAX),
             policy,
@@ -244,6 +251,22 @@ impl SessionBuilder {
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
         let drain = Drain::spawn(source, catalog, sinks, options)?;
         let health = drain.health();
+        let mut backend = backend;
+        let probes = match probes {
+            Some(p) => {
+                let flags = match backend.probe_flags(p.flag_slots())? {
+                    Some(flags) => flags,
+                    None => Arc::new(ringscope_probe::Flags::new(p.flag_slots())),
+                };
+                for (index, (probe, source, scores)) in p.probes().enumerate() {
+                    if let Some(scores) = scores {
+                        backend.add_fused_probe(index, probe, source, scores, &flags)?;
+                    }
+                }
+                Some(p.start(flags, |filter| Ok(drain.subscribe("probes", filter)?))?)
+            }
+            None => None,
+        };
         let recorder = run_dir.as_deref().map(|dir| event_recorder(dir, events.clone())).transpose()?;
         let capture = Capture { backend };
         let observer = Arc::new(Observer {
@@ -272,7 +295,15 @@ impl SessionBuilder {
             run_dir,
             health,
             governor: config.policy.adaptive().then(|| {
-                let priorities = config.hookpoints.iter().map(|h| (h.name.clone(), h.priority)).collect();
+                // Fused probes' scores are a few floats per row: the last thing to degrade.
+                let scores =
+                    probes.iter().flat_map(|p| p.fused.values().flatten().map(|f| f.scores.spec().name.clone()));
+                let priorities = config
+                    .hookpoints
+                    .iter()
+                    .map(|h| (h.name.clone(), h.priority))
+                    .chain(scores.map(|n| (n, i32::MAX)))
+                    .collect();
                 Governor::new(config.policy.planner_settings(), priorities, true)
             }),
             on_deadline: config.policy.on_deadline,
@@ -286,6 +317,7 @@ impl SessionBuilder {
             metrics_addr,
             events,
             recorder: Mutex::new(recorder),
+            probes,
         })
     }
 }
@@ -378,6 +410,9 @@ impl Session {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
         self.step_boundary(&batch);
+        if let Some(p) = &self.probes {
+            p.step_begun(&batch);
+        }
         self.with_capture(|c| c.backend.begin_step(&self.registry, batch))?;
         self.observer.steps.begun(Some(step));
         Ok(())
@@ -399,6 +434,9 @@ impl Session {
         self.check_sinks()?;
         let batch = StepBatch::new(step, rows)?;
         self.step_boundary(&batch);
+        if let Some(p) = &self.probes {
+            p.step_begun(&batch);
+        }
         let begun = self.with_capture(|c| c.backend.begin_step_on(&self.registry, &batch, stream));
         // Past full mode's deadline the step is begun all the same (its captures are dropped and counted).
         if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {
@@ -604,6 +642,33 @@ impl Session {
     }
 
     fn capture_hookpoint(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
+        let outcome = self.capture_rows(hp, data)?;
+        if let Some(fused) = self.probes.as_ref().and_then(|p| p.fused.get(&hp.id())) {
+            for f in fused {
+                self.capture_fused(f, hp, data)?;
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Host backend: a fused probe scores the rows on the engine's thread and captures only the scores.
+    fn capture_fused(&self, f: &crate::probes::Fused, hp: &HookPoint, data: &[u8]) -> Result<(), Error> {
+        let row_bytes = hp.spec().row_bytes() as usize;
+        let dtype = hp.spec().dtype;
+        let mut scorer = f.scorer.lock();
+        let k = scorer.outputs();
+        let mut bytes = Vec::with_capacity(data.len() / row_bytes.max(1) * k * 4);
+        let mut scores = vec![0.0f32; k];
+        for row in data.chunks_exact(row_bytes) {
+            scorer.score(dtype, row, &mut scores).map_err(|e| Error::Config(e.to_string()))?;
+            bytes.extend(scores.iter().flat_map(|s| s.to_le_bytes()));
+        }
+        drop(scorer);
+        self.capture_rows(&f.scores, &bytes)?;
+        Ok(())
+    }
+
+    fn capture_rows(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
         self.check_sinks()?;
         let step = self.steps.last.load(Ordering::Relaxed);
         if self.policy.mode == Mode::Full && self.on_deadline == config::OnDeadline::Degrade {
@@ -644,7 +709,15 @@ impl Session {
     pub fn capture_device(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
         self.check_sinks()?;
-        self.with_capture(|c| c.backend.capture_device(&hp, ptr, rows, stream))
+        let fused = self.probes.as_ref().and_then(|p| p.fused.get(&id));
+        self.with_capture(|c| {
+            c.backend.capture_device(&hp, ptr, rows, stream.clone())?;
+            // Fused probes: a score kernel on the same rows, then the capture of the scores (both recordable).
+            for f in fused.into_iter().flatten() {
+                c.backend.capture_fused_device(f.index, &hp, &f.scores, ptr, rows, stream.clone())?;
+            }
+            Ok(())
+        })
     }
 
     /// CUDA backend: rows of hookpoint `id` at or past the `u32` stored at device address `ptr` are padding (read at
@@ -722,6 +795,11 @@ impl Session {
         let drain = self.drain.lock().take().ok_or(Error::Closed)?;
         let mut drain = drain.join()?;
         drain.errors.extend(device_errors);
+        // The drain has ended the probes' stream: their consumer scores what is left and stops.
+        if let Some(p) = &self.probes {
+            p.join();
+            drain.errors.extend(p.errors().into_iter().map(|e| format!("probes: {e}")));
+        }
         // Last: the drain and every sink have let go of their records, so every drop is counted and logged, and the
         // table's rows lost add up to the accounting's.
         let mut events = Vec::new();
@@ -749,6 +827,75 @@ impl Session {
             return Err(Error::Unbalanced { error: e, report: Box::new(report) });
         }
         Ok(report)
+    }
+
+    fn probes(&self) -> Result<&crate::probes::Probes, Error> {
+        self.probes.as_ref().ok_or_else(|| Error::Config("no probes: configure them with [[probes]]".into()))
+    }
+
+    /// The probes' alerts, as they are raised (an alert is raised once per request, probe and output). Every
+    /// receiver takes from the same queue (`alerts.queue` long; alerts that find it full are counted in
+    /// [`alerts_dropped`](Self::alerts_dropped), and the requests' reports still say they alerted). An error when
+    /// the session has no probes.
+    pub fn alerts(&self) -> Result<crate::probe::AlertReceiver, Error> {
+        Ok(self.probes()?.alerts())
+    }
+
+    /// Alerts that found the alerts queue full.
+    pub fn alerts_dropped(&self) -> u64 {
+        self.probes.as_ref().map_or(0, |p| p.alerts_dropped())
+    }
+
+    /// What probe `probe` has seen of `request` so far: aggregated scores, alerts, coverage. `None` when it has not
+    /// seen the request (or forgot it: `alerts.max_requests`).
+    pub fn probe_request(&self, probe: &str, request: u64) -> Result<Option<crate::probe::RequestReport>, Error> {
+        self.probes()?.request(probe, request)
+    }
+
+    /// Every request probe `probe` tracks, by request id.
+    pub fn probe_requests(&self, probe: &str) -> Result<Vec<crate::probe::RequestReport>, Error> {
+        self.probes()?.requests(probe)
+    }
+
+    /// The engine has finished `request`: each probe's final report on it (then forgotten), and its stop flag is
+    /// lowered. Call it once the request's last step has been drained (see [`wait_probes`](Self::wait_probes)) to
+    /// count every row.
+    pub fn finish_request(&self, request: u64) -> Vec<crate::probe::RequestReport> {
+        self.probes.as_ref().map_or_else(Vec::new, |p| p.finish(request))
+    }
+
+    /// Whether a probe with `action = "stop"` has flagged `request`.
+    pub fn is_flagged(&self, request: u64) -> bool {
+        self.probes.as_ref().is_some_and(|p| p.flags().is_raised(request))
+    }
+
+    /// The stop-flag table an engine reads without asking the session (on the CUDA backend, pinned memory mapped
+    /// into the device). `None` without probes.
+    pub fn probe_flags(&self) -> Option<Arc<crate::probe::Flags>> {
+        self.probes.as_ref().map(|p| p.flags().clone())
+    }
+
+    /// Each probe's counts, in configuration order.
+    pub fn probe_stats(&self) -> Vec<crate::probe::ProbeStats> {
+        self.probes.as_ref().map_or_else(Vec::new, |p| p.stats())
+    }
+
+    /// Waits until every record captured so far is drained and the probes have scored every one delivered to them,
+    /// or `timeout` passes. Returns whether that happened in time.
+    pub fn wait_probes(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        if !self.wait_drained(timeout) {
+            return false;
+        }
+        loop {
+            if self.probes.as_ref().is_none_or(|p| p.idle()) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     /// Waits until every record captured so far is exported or dropped (file sinks export a record when its file

@@ -16,7 +16,11 @@ pub struct Flags {
 enum Store {
     Owned(Box<[AtomicU64]>),
     /// Memory owned by `_owner` (pinned host memory mapped into a device).
-    Borrowed { ptr: *const AtomicU64, len: usize, _owner: Arc<dyn Send + Sync> },
+    Borrowed {
+        ptr: *const AtomicU64,
+        len: usize,
+        _owner: Arc<dyn Send + Sync>,
+    },
 }
 
 // SAFETY: the borrowed slots are atomics in memory `_owner` keeps alive (see `from_raw`'s contract); atomics are

@@ -51,7 +51,9 @@ pub enum ProbeError {
         message: String,
     },
     /// Rows of a dtype a probe cannot score.
-    #[error("probe `{probe}`: cannot score rows of dtype {dtype} (probes read f32, f16, bf16 and f8e4m3_rowscaled rows)")]
+    #[error(
+        "probe `{probe}`: cannot score rows of dtype {dtype} (probes read f32, f16, bf16 and f8e4m3_rowscaled rows)"
+    )]
     DType {
         /// The probe's name.
         probe: String,

@@ -47,7 +47,11 @@ fn file_error(probe: &str, path: &Path, message: impl Into<String>) -> ProbeErro
 fn read_file(probe: &str, path: &Path) -> Result<Vec<u8>, ProbeError> {
     let meta = std::fs::metadata(path).map_err(|e| file_error(probe, path, e.to_string()))?;
     if meta.len() > MAX_FILE_BYTES {
-        return Err(file_error(probe, path, format!("{} bytes; probe files are read whole, at most 1 GiB", meta.len())));
+        return Err(file_error(
+            probe,
+            path,
+            format!("{} bytes; probe files are read whole, at most 1 GiB", meta.len()),
+        ));
     }
     std::fs::read(path).map_err(|e| file_error(probe, path, e.to_string()))
 }
@@ -91,7 +95,11 @@ pub fn load_weights(probe: &str, path: &Path, tensor: Option<&str>) -> Result<(W
 /// Reads `K` biases from a `.npy` file (shape `[K]`, or `[]` for one).
 pub fn load_bias(probe: &str, path: &Path) -> Result<Vec<f32>, ProbeError> {
     if extension(path).as_deref() != Some("npy") {
-        return Err(file_error(probe, path, "a bias file must be a .npy file (safetensors weights carry a `bias` tensor)"));
+        return Err(file_error(
+            probe,
+            path,
+            "a bias file must be a .npy file (safetensors weights carry a `bias` tensor)",
+        ));
     }
     let bytes = read_file(probe, path)?;
     let (shape, values) = npy_values(probe, path, &bytes)?;

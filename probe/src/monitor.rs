@@ -132,6 +132,7 @@ pub struct Monitor {
     aggregation: Aggregation,
     thresholds: Vec<f32>,
     outputs: usize,
+    min_tokens: u64,
     action: Action,
     requests: HashMap<u64, RequestState>,
     max_requests: usize,
@@ -151,6 +152,7 @@ impl Monitor {
             aggregation: probe.aggregation(),
             thresholds: probe.thresholds().to_vec(),
             outputs: probe.outputs(),
+            min_tokens: probe.min_tokens() as u64,
             action: probe.action(),
             requests: HashMap::new(),
             max_requests: max_requests.max(1),
@@ -197,7 +199,7 @@ impl Monitor {
     /// One scored row: aggregates its `K` scores into its request and pushes the alerts it raises onto `alerts`.
     pub fn observe(&mut self, step: u64, meta: RowMeta, scores: &[f32], alerts: &mut Vec<Alert>) {
         let aggregation = self.aggregation;
-        let k = self.outputs;
+        let (k, min_tokens) = (self.outputs, self.min_tokens);
         debug_assert_eq!(scores.len(), k);
         self.rows += 1;
         let probe = self.probe.clone();
@@ -260,7 +262,7 @@ impl Monitor {
                 }
             };
             s.value[j] = v;
-            if v >= thresholds[j] && s.alerted & (1 << j) == 0 {
+            if v >= thresholds[j] && n >= min_tokens && s.alerted & (1 << j) == 0 {
                 s.alerted |= 1 << j;
                 raised |= 1 << j;
                 alerts.push(Alert {
@@ -342,6 +344,7 @@ mod tests {
             thresholds: vec![threshold],
             action: Action::Stop,
             labels: vec!["danger".into()],
+            min_tokens: 1,
         };
         Monitor::new(&Probe::new(def, 1).unwrap(), 1000)
     }

@@ -159,7 +159,8 @@ mod tests {
         };
         for i in 0..n {
             for (acc, s) in [(&mut g.a, 1.0f32), (&mut g.b, -1.0)] {
-                let row: Vec<f32> = (0..d).map(|j| (i + j) as f32 * 0.001 + s * scale * direction[j] + noise()).collect();
+                let row: Vec<f32> =
+                    (0..d).map(|j| (i + j) as f32 * 0.001 + s * scale * direction[j] + noise()).collect();
                 acc.add(&row);
             }
         }

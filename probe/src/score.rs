@@ -128,6 +128,7 @@ mod tests {
             thresholds: vec![1.0],
             action: Action::Alert,
             labels: vec![],
+            min_tokens: 1,
         };
         Probe::new(def, d as u32).unwrap()
     }

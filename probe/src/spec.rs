@@ -156,6 +156,9 @@ pub struct ProbeDef {
     pub action: Action,
     /// Optional names of the `K` outputs (for alerts and tables).
     pub labels: Vec<String>,
+    /// No alert before a request has this many scored tokens (≥ 1): a mean over its first token or two is mostly
+    /// noise.
+    pub min_tokens: u32,
 }
 
 /// A checked probe: weights, bias, thresholds and labels agree in `K`, every number is finite, and `d` is the
@@ -170,12 +173,13 @@ pub struct Probe {
     thresholds: Vec<f32>,
     action: Action,
     labels: Vec<String>,
+    min_tokens: u32,
 }
 
 impl Probe {
     /// Checks `def` for rows of `row_width` elements.
     pub fn new(def: ProbeDef, row_width: u32) -> Result<Probe, ProbeError> {
-        let ProbeDef { name, target, weights, mut bias, aggregation, mut thresholds, action, labels } = def;
+        let ProbeDef { name, target, weights, mut bias, aggregation, mut thresholds, action, labels, min_tokens } = def;
         let bad = |m: String| ProbeError::invalid(&name, m);
         if name.is_empty() {
             return Err(ProbeError::invalid("", "a probe needs a name"));
@@ -208,7 +212,9 @@ impl Probe {
             return Err(bad(format!("bias [{i}] is {} (biases must be finite)", bias[i])));
         }
         if thresholds.is_empty() {
-            return Err(bad("no threshold: give threshold (one for every output) or thresholds (one per output)".into()));
+            return Err(bad(
+                "no threshold: give threshold (one for every output) or thresholds (one per output)".into()
+            ));
         }
         if thresholds.len() == 1 && k > 1 {
             thresholds = vec![thresholds[0]; k];
@@ -223,7 +229,10 @@ impl Probe {
             return Err(bad(format!("{} labels for {k} outputs (give one per output, or none)", labels.len())));
         }
         aggregation.validate().map_err(bad)?;
-        Ok(Probe { name, target, weights, bias, aggregation, thresholds, action, labels })
+        if min_tokens == 0 {
+            return Err(bad("min_tokens must be at least 1".into()));
+        }
+        Ok(Probe { name, target, weights, bias, aggregation, thresholds, action, labels, min_tokens })
     }
 
     /// The probe's name.
@@ -261,6 +270,10 @@ impl Probe {
     /// The action.
     pub fn action(&self) -> Action {
         self.action
+    }
+    /// Scored tokens a request needs before it may alert.
+    pub fn min_tokens(&self) -> u32 {
+        self.min_tokens
     }
     /// Output `k`'s label (its index when none was given).
     pub fn label(&self, k: usize) -> String {

@@ -9,11 +9,13 @@
 pub(crate) mod cuda;
 pub(crate) mod host;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ringscope_hookpoint::cuda::GraphBatch;
 use ringscope_hookpoint::{CaptureOutcome, HookPoint, Registry, StepBatch};
 use ringscope_policy::LossPolicy;
+use ringscope_probe::{Flags, Probe};
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
 use ringscope_ring::RecordSource;
 
@@ -100,6 +102,38 @@ pub(crate) trait Backend: Send {
 
     /// Adds counts made outside the registry (on a device) to the hookpoints' counters. Nothing to do elsewhere.
     fn fold_counters(&mut self, _registry: &Registry) {}
+
+    /// The stop-flag table of `slots` slots where the engine can read it (CUDA: pinned memory mapped into the
+    /// device); `None`: host memory will do.
+    fn probe_flags(&mut self, _slots: usize) -> Result<Option<Arc<Flags>>, Error> {
+        Ok(None)
+    }
+
+    /// Prepares fused probe `index` (reading `source`, writing its scores as `scores`). Nothing to prepare on the
+    /// host backend, which scores on the engine's thread.
+    fn add_fused_probe(
+        &mut self,
+        _index: usize,
+        _probe: &Probe,
+        _source: &HookPoint,
+        _scores: &HookPoint,
+        _flags: &Flags,
+    ) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// CUDA: scores `rows` rows of `source` at `ptr` with fused probe `index` and captures the scores as `scores`.
+    fn capture_fused_device(
+        &mut self,
+        _index: usize,
+        _source: &HookPoint,
+        _scores: &HookPoint,
+        _ptr: DevicePtr,
+        _rows: u32,
+        _stream: StreamRef,
+    ) -> Result<(), Error> {
+        Err(Error::Backend(CUDA_ONLY))
+    }
 
     /// No capture will be issued any more: finish what was issued, count it, and tell the drain to stop once the
     /// ring is empty. Returns the problems found (each a sentence for the report). The session drops the backend
