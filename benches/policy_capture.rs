@@ -31,6 +31,9 @@ use ringscope::{Config, Mode, Session};
 use ringscope_exporter::{CallbackSink, Record};
 use ringscope_ring::{rowscaled, DType};
 
+mod common;
+use common::{activations, bf16, percentile};
+
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Parser, Debug, Clone)]
@@ -116,27 +119,6 @@ impl Setup {
 }
 
 /// bf16 values of a standard normal distribution, little-endian.
-fn activations(elems: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
-    let mut out = Vec::with_capacity(elems * 2);
-    for _ in 0..elems {
-        let (u, v) = (next().max(1e-300), next());
-        let z = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
-        out.extend_from_slice(&(((z as f32).to_bits() >> 16) as u16).to_le_bytes());
-    }
-    out
-}
-
-fn bf16(b: [u8; 2]) -> f32 {
-    f32::from_bits((u16::from_le_bytes(b) as u32) << 16)
-}
-
 /// The downcast error seen by a checking sink: max relative error of elements at least 1/64 of their row's largest
 /// magnitude, and the largest row-wise relative RMS error.
 #[derive(Default)]
@@ -190,10 +172,6 @@ fn checking_sink(
         }
         Ok(())
     })
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn run_child(setup: &Setup) -> Res<()> {
