@@ -123,7 +123,7 @@ impl Retention {
     /// `threshold` or not a number.
     pub fn below(&self, threshold: f64) -> bool {
         let v = self.retention.unwrap_or(self.alignment);
-        !(v >= threshold)
+        v.is_nan() || v < threshold
     }
 }
 
