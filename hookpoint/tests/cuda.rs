@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ringscope_hookpoint::cuda::{pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
+use ringscope_hookpoint::cuda::{
+    pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, DeviceFlags, DeviceProbe, GraphBatch,
+};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, RowSelection, SiteKind, StepBatch};
 use ringscope_ring::cuda::{
     errors, CudaError, DeviceBuffer, DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, ForeignStream, Gpu, Graph,
@@ -636,10 +638,31 @@ fn downcast_source(step: u64, hp: &HookPoint, rows: u32) -> Vec<u8> {
     };
     (0..n)
         .flat_map(|i| match spec.dtype {
-            DType::F32 => value(i).to_le_bytes().to_vec(),
-            DType::F16 => half::f16::from_f32(value(i)).to_bits().to_le_bytes().to_vec(),
-            DType::BF16 => half::bf16::from_f32(value(i)).to_bits().to_le_bytes().to_vec(),
+            DType::F32 | DType::F16 | DType::BF16 => encode_float(spec.dtype, value(i)),
             _ => (i as u32 * 2_654_435_761).to_le_bytes()[..spec.dtype.size()].to_vec(),
+        })
+        .collect()
+}
+
+/// `v` as the bytes of one element of the float dtype `dtype` (round to nearest).
+fn encode_float(dtype: DType, v: f32) -> Vec<u8> {
+    match dtype {
+        DType::F32 => v.to_le_bytes().to_vec(),
+        DType::F16 => half::f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+        DType::BF16 => half::bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+        _ => panic!("{dtype} is not a float dtype"),
+    }
+}
+
+/// The elements of a row of the float dtype `dtype`, exactly, as f64.
+fn decode_floats(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|b| match dtype {
+            DType::F32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+            DType::F16 => half::f16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f64(),
+            DType::BF16 => half::bf16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f64(),
+            _ => panic!("{dtype} is not a float dtype"),
         })
         .collect()
 }
@@ -772,4 +795,284 @@ fn downcast_rows_on_the_device(defer: bool) {
     assert_eq!(total.published.records, got.len() as u64);
     assert_eq!(total.produced, total.published);
     assert_eq!(total.dropped_total().records, 0);
+}
+
+// --- Fused linear probes (issue 15) ----------------------------------------------------------------------------------
+
+/// What every probe test starts from: a ring, its capture side and drain end, a registry, a stream.
+struct Rig {
+    ring: Arc<DeviceRing>,
+    cap: DeviceCapture,
+    consumer: DeviceConsumer,
+    reg: Registry,
+    stream: Stream,
+}
+
+fn rig(gpu: &Arc<Gpu>, ring_bytes: usize, options: DeviceCaptureOptions) -> Rig {
+    let ring = DeviceRing::new(gpu, ring_bytes).unwrap();
+    let cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 64 << 10, max_in_flight: 4 }).unwrap();
+    Rig { ring, cap, consumer, reg: Registry::new(), stream: Stream::new(gpu).unwrap() }
+}
+
+/// `n` values in [-1, 1) from the test pattern.
+fn uniform(seed: u64, n: usize) -> Vec<f32> {
+    (0..n as u64).map(|i| pattern_word(seed, i) as f32 / 2_147_483_648.0 - 1.0).collect()
+}
+
+/// The probe's scores of one row, in f64: `W_k · x + b_k`.
+fn probe_reference(weights: &[f32], bias: &[f32], x: &[f64]) -> Vec<f64> {
+    let d = x.len();
+    bias.iter()
+        .enumerate()
+        .map(|(k, &b)| weights[k * d..(k + 1) * d].iter().zip(x).map(|(&w, &v)| w as f64 * v).sum::<f64>() + b as f64)
+        .collect()
+}
+
+/// A device score against the f64 reference: within 1e-3 relative (absolute below 1); NaN and infinities exactly.
+fn score_matches(got: f32, want: f64) -> bool {
+    if want.is_nan() {
+        return got.is_nan();
+    }
+    if want.is_infinite() {
+        return got as f64 == want;
+    }
+    (got as f64 - want).abs() <= 1e-3 * want.abs().max(1.0)
+}
+
+const PROBE_WIDTH: u32 = 2048;
+const PROBE_THRESHOLD: f32 = 3.0;
+const PROBE_STEPS: u64 = 5;
+
+/// The request of row `r` of step `step` (every row its own request; all distinct modulo the flag table's size).
+fn probe_request(step: u64, r: u32) -> u64 {
+    10_000 + step * 100 + r as u64
+}
+
+/// Source rows of one step of a probe test (bytes of `dtype`) and their reference scores. Rows are random with score
+/// spread ~1; every third row is pushed far over the threshold on one output; rows whose reference lands near a
+/// threshold are drawn again, so that rounding never decides a flag. Step 1's first row is such a hot row with a
+/// NaN element (NaN scores, no flag), step 2's has a +inf element (±inf scores).
+fn probe_step_rows(dtype: DType, weights: &[f32], bias: &[f32], step: u64, rows: u32) -> (Vec<u8>, Vec<Vec<f64>>) {
+    let d = PROBE_WIDTH as usize;
+    let k = bias.len();
+    let scale = 3.0 / (d as f32).sqrt();
+    let (mut bytes, mut refs) = (Vec::new(), Vec::new());
+    for r in 0..rows {
+        let hot = (r as u64 + step) % 3 == 0;
+        let target = (r as usize + step as usize) % k;
+        let mut attempt = 0u64;
+        let (row, reference) = loop {
+            let base = uniform(seed(step, r) ^ (attempt << 56), d);
+            let values: Vec<f32> = (0..d)
+                .map(|i| {
+                    let push = if hot { 0.1 * (weights[target * d + i] / scale).signum() } else { 0.0 };
+                    base[i] + push
+                })
+                .collect();
+            let mut row: Vec<u8> = values.iter().flat_map(|&v| encode_float(dtype, v)).collect();
+            let special = match (step, r) {
+                (1, 0) => Some((5, f32::NAN)),
+                (2, 0) => Some((7, f32::INFINITY)),
+                _ => None,
+            };
+            if let Some((i, v)) = special {
+                let size = dtype.size();
+                row[i * size..(i + 1) * size].copy_from_slice(&encode_float(dtype, v));
+            }
+            let reference = probe_reference(weights, bias, &decode_floats(dtype, &row));
+            let near = reference.iter().any(|s| s.is_finite() && (s - PROBE_THRESHOLD as f64).abs() < 0.05);
+            if !near || attempt > 100 {
+                break (row, reference);
+            }
+            attempt += 1;
+        };
+        bytes.extend(row);
+        refs.push(reference);
+    }
+    (bytes, refs)
+}
+
+/// A probe's scores reach the ring as records of its f32 hookpoint and its flags are raised: bf16, f16 and f32
+/// sources, 1 and 16 outputs, batches of 1, 8 and 64 rows of 2048 elements, recorded once into a CUDA graph and
+/// replayed with new values in the same source buffer. Steps begun on the host, one capture kernel per capture.
+#[test]
+fn probe_scores_and_flags_follow_graph_replays_in_host_begun_steps() {
+    probe_scores_and_flags(false);
+}
+
+/// The same with the whole step in the graph (`begin_step_graph`: requests from device tensors) and deferred
+/// captures (the scores are copied when the step ends).
+#[test]
+fn probe_scores_and_flags_follow_graph_replays_in_graph_begun_deferred_steps() {
+    probe_scores_and_flags(true);
+}
+
+fn probe_scores_and_flags(graph_steps: bool) {
+    let Some(gpu) = gpu() else { return };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for k in [1u32, 16] {
+            for rows in [1u32, 8, 64] {
+                probe_case(&gpu, graph_steps, dtype, k, rows);
+            }
+        }
+    }
+}
+
+fn probe_case(gpu: &Arc<Gpu>, graph_steps: bool, dtype: DType, k: u32, rows: u32) {
+    let case = format!("{dtype} source, K = {k}, {rows} rows, graph-begun steps: {graph_steps}");
+    let d = PROBE_WIDTH as usize;
+    let options = DeviceCaptureOptions { max_batch_rows: 64, defer: graph_steps, ..Default::default() };
+    let Rig { ring, mut cap, consumer, reg, stream } = rig(gpu, 8 << 20, options);
+    let scores_hp = register(&reg, "probe.scores", DType::F32, k);
+    let scale = 3.0 / (d as f32).sqrt();
+    let weights: Vec<f32> = uniform(77 + k as u64, k as usize * d).iter().map(|w| w * scale).collect();
+    let bias: Vec<f32> = uniform(78, k as usize).iter().map(|b| b * 0.5).collect();
+    let thresholds = vec![PROBE_THRESHOLD; k as usize];
+    let flags = cap.new_flags(4096).unwrap();
+    let probe = cap.new_probe(&weights, &bias, k, PROBE_WIDTH, Some(&thresholds), 64).unwrap();
+    let probe = probe.with_flags(flags.clone()).unwrap();
+    let src = DeviceBuffer::zeroed(gpu, rows as usize * d * dtype.size()).unwrap();
+    let req = DeviceBuffer::zeroed(gpu, rows as usize * 8).unwrap();
+    let pos = DeviceBuffer::zeroed(gpu, rows as usize * 8).unwrap();
+    let gb =
+        GraphBatch { batch: rows, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let host_batch =
+        |step: u64| StepBatch::new(step, (0..rows).map(|r| (probe_request(step, r), step as u32 * 10 + r))).unwrap();
+
+    // Record the step (graph-begun) or its captures (host-begun) once.
+    if graph_steps {
+        cap.apply_controls(&reg, stream.handle()).unwrap();
+    } else {
+        cap.begin_step(&reg, &host_batch(0), stream.handle()).unwrap();
+    }
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        if graph_steps {
+            cap.begin_step_graph(&reg, &gb, stream.handle())?;
+        }
+        cap.capture_probe(&probe, &scores_hp, src.ptr(), dtype, rows, stream.handle())?;
+        cap.end_step()
+    })
+    .unwrap();
+
+    let drain = spawn_drain(consumer, Duration::ZERO);
+    let mut expected = Vec::new();
+    for step in 0..PROBE_STEPS {
+        let (bytes, refs) = probe_step_rows(dtype, &weights, &bias, step, rows);
+        src.copy_from_host_async(0, &bytes, stream.handle()).unwrap();
+        if graph_steps {
+            let ids: Vec<u8> = (0..rows).flat_map(|r| (probe_request(step, r) as i64).to_le_bytes()).collect();
+            let positions: Vec<u8> = (0..rows).flat_map(|r| (step as i64 * 10 + r as i64).to_le_bytes()).collect();
+            req.copy_from_host_async(0, &ids, stream.handle()).unwrap();
+            pos.copy_from_host_async(0, &positions, stream.handle()).unwrap();
+        } else {
+            cap.begin_step(&reg, &host_batch(step), stream.handle()).unwrap();
+        }
+        graph.launch(stream.handle()).unwrap();
+        expected.push(refs);
+    }
+    stream.synchronize().unwrap();
+    ring.close_producer();
+    let got = drain.join().unwrap();
+
+    assert_eq!(ring.error_bits(), 0, "{case}: {}", errors::describe(ring.error_bits()));
+    assert_eq!(got.len() as u64, PROBE_STEPS, "{case}: one record per step");
+    let mut raised = 0;
+    for (step, (g, refs)) in got.iter().zip(&expected).enumerate() {
+        let step = step as u64;
+        assert_eq!((g.hookpoint, g.dtype, g.metas.len()), (scores_hp.id(), DType::F32, rows as usize), "{case}");
+        for (r, reference) in refs.iter().enumerate() {
+            let request = probe_request(step, r as u32);
+            assert_eq!((g.metas[r].request_id, g.metas[r].batch_row), (request, r as u32), "{case}, step {step}");
+            let scores = decode_floats(DType::F32, &g.rows[r]);
+            for (kk, (&s, &want)) in scores.iter().zip(reference).enumerate() {
+                assert!(
+                    score_matches(s as f32, want),
+                    "{case}: step {step}, row {r}, score {kk}: {s} on the GPU, {want} on the CPU"
+                );
+            }
+            let crosses = reference.iter().any(|&s| s >= PROBE_THRESHOLD as f64);
+            assert_eq!(flags.is_raised(request), crosses, "{case}: flag of request {request} (step {step}, row {r})");
+            raised += crosses as usize;
+            if (step, r) == (1, 0) {
+                assert!(scores.iter().all(|s| s.is_nan()), "{case}: a NaN element gives NaN scores: {scores:?}");
+                assert!(!crosses && !flags.is_raised(request), "{case}: a NaN row raises no flag");
+            }
+            if (step, r) == (2, 0) {
+                assert!(scores.iter().all(|s| s.is_infinite()), "{case}: an inf element gives inf scores");
+            }
+        }
+    }
+    // Hot rows (every third) always cross: flags were raised, and none anywhere else.
+    assert!(raised as u64 >= PROBE_STEPS.div_ceil(3), "{case}: {raised} flags");
+    let nonzero = flags.words().iter().filter(|w| w.load(std::sync::atomic::Ordering::Relaxed) != 0).count();
+    assert_eq!(nonzero, raised, "{case}: flags raised for requests whose rows do not cross");
+    // The host side of the table: clear and raise by request.
+    let some = probe_request(0, 0);
+    assert_eq!(flags.clear(some), expected[0][0].iter().any(|&s| s >= PROBE_THRESHOLD as f64));
+    assert!(!flags.is_raised(some));
+    flags.raise(some);
+    assert!(flags.is_raised(some) && !flags.is_raised(some + 4096), "{case}: a slot holds one request");
+
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.published.records, PROBE_STEPS, "{case}");
+    assert_eq!(total.published.rows, PROBE_STEPS * rows as u64, "{case}");
+    assert_eq!(total.dropped_total().records, 0, "{case}");
+}
+
+/// Bad probes and bad uses of one: each a clear error naming what was wrong, and nothing reaches the ring.
+#[test]
+fn probes_reject_bad_input() {
+    let Some(gpu) = gpu() else { return };
+    let options = DeviceCaptureOptions { max_batch_rows: 16, ..Default::default() };
+    let Rig { ring, mut cap, reg, stream, .. } = rig(&gpu, 1 << 20, options);
+    let msg = |r: Result<(), DeviceCaptureError>| r.unwrap_err().to_string();
+    let (k, d) = (4u32, 256u32);
+    let w = vec![0.5f32; (k * d) as usize];
+    let b = vec![0.0f32; k as usize];
+
+    let too_many = DeviceProbe::new(&gpu, &[0.0; 65 * 8], &[0.0; 65], 65, 8, None, 8).unwrap_err().to_string();
+    assert!(too_many.contains("65 outputs") && too_many.contains("1 to 64"), "{too_many}");
+    let short = cap.new_probe(&w[1..], &b, k, d, None, 8).unwrap_err().to_string();
+    assert!(short.contains("expected outputs × width"), "{short}");
+    let no_thresholds = cap.new_probe(&w, &b, k, d, None, 8).unwrap().with_flags(cap.new_flags(8).unwrap());
+    assert!(no_thresholds.unwrap_err().to_string().contains("create it with thresholds"));
+    assert!(DeviceFlags::new(&gpu, 0).unwrap_err().to_string().contains("at least 1 slot"));
+
+    let probe = cap.new_probe(&w, &b, k, d, None, 8).unwrap();
+    let scores = register(&reg, "scores", DType::F32, k);
+    let narrow = register(&reg, "narrow", DType::F32, k - 1);
+    let src = DeviceBuffer::zeroed(&gpu, 8 * d as usize * 2).unwrap();
+    let early = msg(cap.capture_probe(&probe, &scores, src.ptr(), DType::BF16, 8, stream.handle()));
+    assert!(early.contains("before the first begin_step"), "{early}");
+    cap.begin_step(&reg, &StepBatch::new(0, (0..8).map(|i| (1, i))).unwrap(), stream.handle()).unwrap();
+    let width = msg(cap.capture_probe(&probe, &narrow, src.ptr(), DType::BF16, 8, stream.handle()));
+    assert!(width.contains("row_width 4"), "{width}");
+    let ints = msg(cap.capture_probe(&probe, &scores, src.ptr(), DType::I16, 8, stream.handle()));
+    assert!(ints.contains("f32, f16 or bf16"), "{ints}");
+    let rows = msg(cap.capture_probe(&probe, &scores, src.ptr(), DType::BF16, 9, stream.handle()));
+    assert!(rows.contains("max_rows 8"), "{rows}");
+    // 8 f32 rows need twice the bytes of 8 bf16 rows.
+    let past_end = msg(cap.capture_probe(&probe, &scores, src.ptr(), DType::F32, 8, stream.handle()));
+    assert!(past_end.contains("probe source") && past_end.contains("past the end"), "{past_end}");
+    let null = msg(cap.capture_probe(&probe, &scores, DevicePtr::NULL, DType::BF16, 8, stream.handle()));
+    assert!(null.contains("null device pointer"), "{null}");
+    stream.synchronize().unwrap();
+    assert_eq!(ring.published(), 0, "nothing bad may reach the ring");
+
+    // Deferred: one probe, one use per step (its scores buffer is copied when the step ends).
+    let options = DeviceCaptureOptions { max_batch_rows: 16, defer: true, ..Default::default() };
+    let Rig { mut cap, reg, stream, .. } = rig(&gpu, 1 << 20, options);
+    let scores = register(&reg, "scores", DType::F32, k);
+    let again = register(&reg, "again", DType::F32, k);
+    cap.begin_step(&reg, &StepBatch::new(0, (0..8).map(|i| (1, i))).unwrap(), stream.handle()).unwrap();
+    cap.capture_probe(&probe, &scores, src.ptr(), DType::BF16, 8, stream.handle()).unwrap();
+    let twice = msg(cap.capture_probe(&probe, &again, src.ptr(), DType::BF16, 8, stream.handle()));
+    assert!(twice.contains("used twice in one step"), "{twice}");
+    cap.end_step().unwrap();
+    cap.begin_step(&reg, &StepBatch::new(1, (0..8).map(|i| (1, i))).unwrap(), stream.handle()).unwrap();
+    cap.capture_probe(&probe, &again, src.ptr(), DType::BF16, 8, stream.handle()).unwrap();
+    cap.end_step().unwrap();
+    stream.synchronize().unwrap();
 }

@@ -7,12 +7,14 @@ use std::time::Duration;
 
 use ringscope_ring::cuda::{CudaError, DevicePtr, DeviceRing, Gpu, StreamRef};
 use ringscope_ring::record::HEADER_LEN;
+use ringscope_ring::DType;
 
 use super::admission::{footprint, step_bound, Admission, Admitted};
 use super::controls::Controls;
 use super::counters::{Counters, StepWindow};
 use super::deferred::{Deferred, FlushContext};
-use super::kernels::{CaptureArgs, CaptureEntry, CaptureTables, GraphBatch, GraphRole, Kernels, THREADS};
+use super::kernels::{CaptureArgs, CaptureEntry, CaptureTables, GraphBatch, GraphRole, Kernels, ProbeArgs, THREADS};
+use super::probe::{DeviceFlags, DeviceProbe};
 use super::slots::{desc, DescriptorSlots};
 use crate::batch::StepBatch;
 use crate::registry::{HookPoint, Registry};
@@ -85,6 +87,8 @@ pub struct DeviceCapture {
     step_stream: Option<StreamRef>,
     /// The steps begun since the counters were last folded (the step range of the drops a fold finds).
     steps: StepWindow,
+    /// Scores buffers of the probes used in the open step (deferred captures: each may be used once per step).
+    probes_in_step: Vec<u64>,
 }
 
 impl DeviceCapture {
@@ -121,6 +125,7 @@ impl DeviceCapture {
             graph_batch: None,
             step_stream: None,
             steps: StepWindow::default(),
+            probes_in_step: Vec::new(),
         })
     }
 
@@ -280,6 +285,7 @@ impl DeviceCapture {
         }
         self.graph_batch = Some(*batch);
         self.deferred.begin_step();
+        self.probes_in_step.clear();
         self.step_begun = true;
         self.step_stream = Some(stream);
         self.steps.begun_in_graph();
@@ -345,6 +351,7 @@ impl DeviceCapture {
         }?;
         self.slots.mark_launched();
         self.deferred.begin_step();
+        self.probes_in_step.clear();
         self.step_begun = true;
         self.step_stream = Some(stream);
         self.steps.begun(batch.step());
@@ -367,6 +374,18 @@ impl DeviceCapture {
         src_rows: u32,
         stream: StreamRef,
     ) -> Result<(), DeviceCaptureError> {
+        let checked = self.check_capture(hp, src, src_rows, &stream)?;
+        self.issue_capture(checked, stream)
+    }
+
+    /// Everything [`capture`](Self::capture) checks before it launches (or notes) anything.
+    fn check_capture(
+        &mut self,
+        hp: &HookPoint,
+        src: DevicePtr,
+        src_rows: u32,
+        stream: &StreamRef,
+    ) -> Result<CaptureEntry, DeviceCaptureError> {
         let name = &hp.spec().name;
         if !self.step_begun {
             return Err(DeviceCaptureError::Usage(format!(
@@ -390,7 +409,7 @@ impl DeviceCapture {
         let what = format!("capture of `{name}`");
         self.gpu.bind()?;
         self.gpu.check_device_range(&what, src, bytes, hp.spec().dtype.size())?;
-        self.check_stream(&stream)?;
+        self.check_stream(stream)?;
         // The kernel reads the downcast control at run time (a graph replays either way): check the larger row.
         let downcast_bytes = hp.spec().dtype.downcast().map_or(0, |d| d.row_bytes(hp.spec().row_width as u64));
         let record_row_bytes = (row_bytes as u64).max(downcast_bytes);
@@ -402,28 +421,34 @@ impl DeviceCapture {
                 self.ring.max_payload_len()
             )));
         }
+        if self.options.defer && self.step_stream.as_ref() != Some(stream) {
+            return Err(DeviceCaptureError::Usage(format!(
+                "{what}: deferred captures must be issued on the stream their step began on"
+            )));
+        }
         let dtype = hp.spec().dtype.code() as u32;
+        Ok(CaptureEntry { src: src.addr(), hookpoint: hp.id(), dtype, row_bytes, src_rows })
+    }
+
+    /// Launches (or, deferred, notes) a capture that passed [`check_capture`](Self::check_capture).
+    fn issue_capture(&mut self, entry: CaptureEntry, stream: StreamRef) -> Result<(), DeviceCaptureError> {
         if self.options.defer {
-            if self.step_stream.as_ref() != Some(&stream) {
-                return Err(DeviceCaptureError::Usage(format!(
-                    "{what}: deferred captures must be issued on the stream their step began on"
-                )));
-            }
             if self.deferred.is_full() {
                 self.join()?;
                 self.flush_deferred(&stream)?;
             }
-            self.deferred.note(CaptureEntry { src: src.addr(), hookpoint: hp.id(), dtype, row_bytes, src_rows });
+            self.deferred.note(entry);
             return Ok(());
         }
+        let bytes = entry.src_rows as usize * entry.row_bytes as usize;
         // 16 KiB per block (256 threads × 4 × 16 B) up to two blocks per SM; larger captures loop.
         let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, self.gpu.sms() * 2);
         let args = CaptureArgs {
-            hookpoint: hp.id(),
-            dtype,
-            row_bytes,
-            src: src.addr(),
-            src_rows,
+            hookpoint: entry.hookpoint,
+            dtype: entry.dtype,
+            row_bytes: entry.row_bytes,
+            src: entry.src,
+            src_rows: entry.src_rows,
             full_mode: self.options.full_mode_deadline.is_some(),
         };
         self.join()?;
@@ -432,6 +457,97 @@ impl DeviceCapture {
         // `DevicePtr::from_raw` promise.
         unsafe { self.kernels.capture(&stream, grid, &self.tables(), args) }?;
         Ok(())
+    }
+
+    /// Uploads a linear probe to this session's device ([`DeviceProbe::new`]).
+    pub fn new_probe(
+        &self,
+        weights: &[f32],
+        bias: &[f32],
+        outputs: u32,
+        width: u32,
+        thresholds: Option<&[f32]>,
+        max_rows: u32,
+    ) -> Result<DeviceProbe, DeviceCaptureError> {
+        DeviceProbe::new(&self.gpu, weights, bias, outputs, width, thresholds, max_rows)
+    }
+
+    /// A per-request flag table of `slots` slots mapped into this session's device ([`DeviceFlags::new`]).
+    pub fn new_flags(&self, slots: u32) -> Result<Arc<DeviceFlags>, DeviceCaptureError> {
+        DeviceFlags::new(&self.gpu, slots)
+    }
+
+    /// Fused probe: scores `src_rows` rows of `src_dtype` at `src` (each `probe.width()` elements, contiguous) with
+    /// `probe` on `stream` — `s_k = W_k · x + b_k`, f32 accumulation — and captures the scores as a record of the f32
+    /// hookpoint `scores_hp` (row width `probe.outputs()`), exactly as [`capture`](Self::capture) would capture them
+    /// from device memory: row selection, sampling, counters, deferral and graph replays are the same. Rows past
+    /// the step's batch (or the scores hookpoint's valid-rows scalar) are not scored. With thresholds and flags, the
+    /// kernel raises the flag of each request one of whose rows reaches a threshold (at every step, whatever the
+    /// hookpoint's sampling).
+    ///
+    /// Recordable into a CUDA graph like a capture: no host synchronisation, no allocation; every replay scores the
+    /// rows `src` holds then. With deferred captures a probe may be used once per step (its one scores buffer is
+    /// copied when the step ends).
+    pub fn capture_probe(
+        &mut self,
+        probe: &DeviceProbe,
+        scores_hp: &HookPoint,
+        src: DevicePtr,
+        src_dtype: DType,
+        src_rows: u32,
+        stream: StreamRef,
+    ) -> Result<(), DeviceCaptureError> {
+        let name = &scores_hp.spec().name;
+        if probe.gpu_ordinal() != self.gpu.ordinal() {
+            return Err(DeviceCaptureError::Usage(format!(
+                "probe into `{name}` lives on device {}, the session on device {}",
+                probe.gpu_ordinal(),
+                self.gpu.ordinal()
+            )));
+        }
+        probe.check_use(scores_hp.spec(), src_dtype, src_rows, self.options.max_batch_rows)?;
+        let entry = self.check_capture(scores_hp, probe.scores_ptr(), src_rows, &stream)?;
+        let src_bytes = src_rows as usize * src_dtype.row_bytes(probe.width() as u64) as usize;
+        self.gpu.check_device_range(&format!("probe source of `{name}`"), src, src_bytes, src_dtype.size())?;
+        let scores = probe.scores_ptr().addr();
+        if self.options.defer {
+            if self.probes_in_step.contains(&scores) {
+                return Err(DeviceCaptureError::Usage(format!(
+                    "probe into `{name}` used twice in one step: with deferred captures its scores are copied when the \
+                     step ends, so the second use would overwrite the first; use one probe per capture in a step"
+                )));
+            }
+            self.probes_in_step.push(scores);
+        }
+        let (thresholds, flags, flag_slots) = probe.flag_args();
+        let args = ProbeArgs {
+            src: src.addr(),
+            src_rows,
+            dtype: src_dtype.code() as u32,
+            width: probe.width(),
+            weights: probe.weights_addr(),
+            bias: probe.bias_addr(),
+            outputs: probe.outputs(),
+            scores,
+            controls: self.controls.table_addr(),
+            hookpoint: scores_hp.id(),
+            desc: self.slots.home_addr(),
+            // In a step begun inside a graph the rows' requests come from the engine's tensors (with deferred
+            // captures the descriptor is never built); the probe kernel numbers no step.
+            graph_batch: GraphBatch::param(self.graph_batch.as_ref(), GraphRole::Later),
+            thresholds,
+            flags,
+            flag_slots,
+        };
+        // One block per row, up to eight blocks per SM (a block loops over further rows).
+        let grid = src_rows.clamp(1, self.gpu.sms() * 8);
+        // SAFETY: the probe's tables and scores buffer live as long as `probe` (and a graph recorded with them must
+        // not outlive it: `DeviceProbe`'s contract), its flag table as long as the probe holds it; the control
+        // table and descriptor live as long as `self`; `src` was checked to be device memory holding the rows and
+        // is covered by its `DevicePtr::from_raw` promise; `src_rows` is at most the probe's `max_rows`, so the
+        // scores fit; a graph batch was checked when the step began.
+        unsafe { self.kernels.probe_scores(&stream, grid, args) }?;
+        self.issue_capture(entry, stream)
     }
 
     /// Fills `bytes` (a multiple of 4) at device address `dst` with the pattern of

@@ -13,8 +13,12 @@
 //!   no host call; [`DeviceCapture::apply_controls`] uploads control changes between replays.
 //! * With [`DeviceCaptureOptions::defer`], `capture` only notes the tensor and [`DeviceCapture::end_step`] (or
 //!   earlier, on a side stream, [`DeviceCapture::submit`]) copies all of the step's captures with one kernel.
+//! * [`DeviceCapture::capture_probe`] (a fused linear probe) first scores the rows with a [`DeviceProbe`] — `K` f32
+//!   per row instead of the row — and captures the scores like any tensor; with thresholds it raises per-request
+//!   [`DeviceFlags`] an engine can read without a synchronisation.
 //!
-//! Kernels come from `kernels/capture.cu`, compiled with NVRTC once per process for the device's architecture.
+//! Kernels come from `kernels/capture.cu` and `kernels/probe.cu`, compiled with NVRTC once per process for the
+//! device's architecture.
 //!
 //! # Where each concern lives
 //! | module | owns |
@@ -25,6 +29,7 @@
 //! | `admission` | full-mode step admission: the step's worst-case bound, waiting for ring space, reservations |
 //! | `slots` | the pinned step-descriptor slots and the descriptor layout |
 //! | `deferred` | deferred captures: note, flush, submit on a side stream, join |
+//! | `probe` | fused linear probes: [`DeviceProbe`] (weights, bias, thresholds, scores buffer), [`DeviceFlags`], their checks |
 //! | `device_capture` | [`DeviceCapture`], which checks the engine's calls and composes the above |
 //!
 //! None of them calls the CUDA driver: everything goes through `ringscope_ring::cuda::driver`.
@@ -35,7 +40,9 @@ mod counters;
 mod deferred;
 mod device_capture;
 pub mod kernels;
+mod probe;
 mod slots;
 
 pub use device_capture::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
-pub use kernels::{compile_ptx, pattern_word, GraphBatch, KERNEL_SOURCE};
+pub use kernels::{compile_ptx, pattern_word, GraphBatch, KERNEL_SOURCE, PROBE_SOURCE};
+pub use probe::{DeviceFlags, DeviceProbe, MAX_PROBE_OUTPUTS, MAX_PROBE_WIDTH};

@@ -214,6 +214,13 @@ impl PinnedBuffer {
         self.device_ptr
     }
 
+    /// Device address of a mapped buffer, in the form kernels launched by ringscope take it (`None` when the buffer
+    /// is not mapped). Like [`DeviceBuffer::ptr`]: a CUDA graph recorded with it must not be replayed after the
+    /// buffer is gone.
+    pub fn mapped_ptr(&self) -> Option<DevicePtr> {
+        self.device_ptr.map(DevicePtr)
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -287,6 +294,14 @@ impl PinnedBuffer {
         assert!(offset % 8 == 0 && offset + 8 <= self.len, "u64 slot {offset} out of a {}-byte buffer", self.len);
         // SAFETY: in bounds, 8-aligned (the allocation is page-aligned), and lives as long as `self`.
         unsafe { AtomicU64::from_ptr(self.ptr.add(offset).cast()) }
+    }
+
+    /// The whole buffer as `u64` words (`len / 8` of them), as atomics: for tables that a kernel writes through the
+    /// mapping while host threads read and write them (e.g. per-request flags).
+    pub fn u64_words(&self) -> &[AtomicU64] {
+        // SAFETY: the allocation is page-aligned and holds `len` bytes, so `len / 8` aligned words, alive as long as
+        // `self`; `AtomicU64` has the size and alignment of `u64`, and every host access goes through the atomics.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<AtomicU64>(), self.len / 8) }
     }
 
     /// The `u32` at byte `offset`, as an atomic.

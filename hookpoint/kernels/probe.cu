@@ -1,0 +1,86 @@
+// ringscope fused linear probes. Compiled in the same NVRTC module as capture.cu, after it (it uses its Control,
+// GraphBatch, graph_meta and rs_load); the shared numbers (PROBE_MAX_K, PROBE_CHUNK, THREADS, DESC_*, ...) come from
+// the generated prelude (hookpoint/src/cuda/kernels.rs).
+//
+// A probe turns each captured row x (d elements of bf16 / f16 / f32) into K scores s_k = W_k . x + b_k (f32
+// accumulation) before the capture path sees it: ringscope_probe_scores writes the scores of a step's rows into the
+// probe's own f32 buffer (row r at out + r * K), and an ordinary capture of an f32 hookpoint of width K copies that
+// buffer into the ring. Like the capture kernels, its arguments are fixed addresses, so it can be recorded into a CUDA
+// graph; the number of rows and the request of each row are read from device memory when it runs.
+//
+// Flags: with thresholds and a flag table, a row whose score s_k >= thresholds[k] for some k (NaN never) stores
+// request_id + 1 into flags[request_id % flag_slots] (0 = empty), which an engine can test on the device, or the host
+// in the mapped memory, without a synchronisation.
+
+// The rows of the step this kernel scores: the same bound as the capture of the scores hookpoint (its valid-rows
+// scalar included), so that padding rows raise no flags.
+__device__ __forceinline__ u32 probe_bound(const Control& c, const u8* desc, const GraphBatch& g, u32 src_rows) {
+    const u32 n_rows = g.on ? g.batch * g.seq : *(const u32*)(desc + DESC_N_ROWS);
+    u32 bound = min(src_rows, n_rows);
+    if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
+    return bound;
+}
+
+// The request of batch row r: from the engine's tensors in steps begun inside a graph, from the descriptor otherwise.
+__device__ __forceinline__ u64 probe_request(const u8* desc, const GraphBatch& g, u32 r) {
+    if (g.on) return (u64)g.request_ids[r / g.seq];
+    return *(const u64*)(desc + DESC_HEADER_BYTES + META_BYTES * r);
+}
+
+// One block per row (grid-stride over rows). Each thread accumulates up to PROBE_CHUNK partial scores over its strided
+// elements (coalesced loads of x and of each W row), a warp-shuffle then shared-memory reduction sums them, and the
+// block moves on to the next chunk of outputs while K has more.
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores(
+    const u8* __restrict__ src, u32 src_rows, u32 dtype, u32 d, const float* __restrict__ w,
+    const float* __restrict__ bias, u32 k, float* __restrict__ out, const Control* controls, u32 hookpoint,
+    const u8* desc, GraphBatch g, const float* thresholds, u64* flags, u32 flag_slots) {
+    __shared__ float s_part[THREADS / 32][PROBE_CHUNK];
+    __shared__ u32 s_hit;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 bound = probe_bound(controls[hookpoint], desc, g, src_rows);
+    const u64 row_bytes = (u64)d * (dtype == DTYPE_F32 ? 4u : 2u);
+    const bool flagging = thresholds != 0 && flags != 0 && flag_slots != 0;
+
+    for (u32 r = blockIdx.x; r < bound; r += gridDim.x) {
+        const u8* x = src + (u64)r * row_bytes;
+        if (threadIdx.x == 0) s_hit = 0;
+        for (u32 k0 = 0; k0 < k; k0 += PROBE_CHUNK) {
+            const u32 kc = min(k - k0, (u32)PROBE_CHUNK);
+            float acc[PROBE_CHUNK];
+#pragma unroll
+            for (int j = 0; j < PROBE_CHUNK; j++) acc[j] = 0.0f;
+            for (u32 i = threadIdx.x; i < d; i += blockDim.x) {
+                const float v = rs_load(x, dtype, i);
+                const float* wi = w + (u64)k0 * d + i;
+#pragma unroll
+                for (int j = 0; j < PROBE_CHUNK; j++)
+                    if ((u32)j < kc) acc[j] = fmaf(wi[(u64)j * d], v, acc[j]);
+            }
+            // kc is the same for the whole block, so whole warps skip the unused outputs together.
+#pragma unroll
+            for (int j = 0; j < PROBE_CHUNK; j++) {
+                if ((u32)j < kc) {
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xFFFFFFFFu, acc[j], o);
+                    if (lane == 0) s_part[warp][j] = acc[j];
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < kc) {
+                float s = bias[k0 + threadIdx.x];
+                for (u32 q = 0; q < blockDim.x / 32; q++) s += s_part[q][threadIdx.x];
+                out[(u64)r * k + k0 + threadIdx.x] = s;
+                // `>=` is false for NaN: a NaN score never raises a flag.
+                if (flagging && s >= thresholds[k0 + threadIdx.x]) s_hit = 1;
+            }
+            // s_part is rewritten by the next chunk (or row) only after every thread has read it.
+            __syncthreads();
+        }
+        if (threadIdx.x == 0 && s_hit) {
+            // One plain (volatile) word store: an engine polling the slot sees either the old value or this one. No
+            // fence: nothing else is published with it.
+            const u64 req = probe_request(desc, g, r);
+            *(volatile u64*)(flags + req % flag_slots) = req + 1;
+        }
+    }
+}
