@@ -98,10 +98,9 @@ fn hookpoint(name: &str, layer: usize, enabled: bool) -> String {
 
 fn probe(name: &str, hookpoint: &str, weights: &Path, mode: &str, aggregate: &str, action: &str) -> String {
     format!(
-        "[[probes]]\nname = \"{name}\"\nhookpoint = \"{hookpoint}\"\nweights = \"{}\"\nthresholds = [10.0{}]\n\
+        "[[probes]]\nname = \"{name}\"\nhookpoint = \"{hookpoint}\"\nweights = \"{}\"\nthreshold = 10.0\n\
          aggregate = \"{aggregate}\"\naction = \"{action}\"\nmode = \"{mode}\"\n",
         weights.display(),
-        ", 1000.0".repeat(K - 1)
     )
 }
 

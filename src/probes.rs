@@ -2,7 +2,7 @@
 //! path, for fused probes), aggregated per request, alerting through a channel and the stop flags.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -64,8 +64,8 @@ struct Shared {
     names: Vec<(String, String, &'static str)>,
     flags: Arc<Flags>,
     alerts_dropped: AtomicU64,
-    /// Records received but not yet processed (for `wait`).
-    busy: AtomicBool,
+    /// Records the consumer has finished with (for `idle`).
+    processed: AtomicU64,
     errors: Mutex<Vec<String>>,
 }
 
@@ -215,7 +215,7 @@ impl Prepared {
             names,
             flags,
             alerts_dropped: AtomicU64::new(0),
-            busy: AtomicBool::new(false),
+            processed: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
         });
         let (alert_tx, alerts) = channel::bounded(self.alerts.queue as usize);
@@ -259,18 +259,11 @@ fn consume(
                 }
             }
         }
-        shared.busy.store(true, Ordering::SeqCst);
         let record = match subscription.recv_timeout(Duration::from_millis(5)) {
             Ok(Some(r)) => r,
-            Ok(None) => {
-                shared.busy.store(false, Ordering::SeqCst);
-                continue;
-            }
+            Ok(None) => continue,
             // The stream ended: the drain has delivered everything (shutdown).
-            Err(()) => {
-                shared.busy.store(false, Ordering::SeqCst);
-                return;
-            }
+            Err(()) => return,
         };
         if let Some(routes) = routes.get_mut(&record.header().meta.hookpoint) {
             for route in routes {
@@ -291,7 +284,7 @@ fn consume(
                 shared.alerts_dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
-        shared.busy.store(false, Ordering::SeqCst);
+        shared.processed.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -307,11 +300,12 @@ fn score_record(
     let dtype = view.header.meta.dtype;
     match route {
         Route::Score { index, scorer } => {
-            scores.resize(scorer.outputs(), 0.0);
+            let k = scorer.outputs();
+            scores.resize(view.rows() * k, 0.0);
+            scorer.score_rows(dtype, view.data(), scores).map_err(|e| e.to_string())?;
             let mut monitor = shared.monitors[*index].lock();
-            for i in 0..view.rows() {
-                scorer.score(dtype, view.row(i), scores).map_err(|e| e.to_string())?;
-                monitor.observe(step, view.row_meta(i), scores, raised);
+            for (i, s) in scores.chunks_exact(k).enumerate() {
+                monitor.observe(step, view.row_meta(i), s, raised);
             }
         }
         Route::Scores { index } => {
@@ -421,11 +415,13 @@ impl Probes {
         self.shared.errors.lock().clone()
     }
 
-    /// Whether the consumer has scored everything delivered to it.
+    /// Whether the consumer has scored everything delivered to it (and taken in every step's batch).
     pub fn idle(&self) -> bool {
-        self.batches.is_empty()
-            && self.subscription.as_ref().is_none_or(|s| s.backlog_bytes() == 0)
-            && !self.shared.busy.load(Ordering::SeqCst)
+        let Some(s) = &self.subscription else { return true };
+        // Backlog first: a record taken after this read was counted as received before the backlog went down.
+        s.backlog_bytes() == 0
+            && s.received() == self.shared.processed.load(Ordering::SeqCst)
+            && self.batches.is_empty()
     }
 
     /// Waits for the consumer to score everything the drain delivered; call after the drain has ended (its stream's

@@ -653,17 +653,12 @@ impl Session {
 
     /// Host backend: a fused probe scores the rows on the engine's thread and captures only the scores.
     fn capture_fused(&self, f: &crate::probes::Fused, hp: &HookPoint, data: &[u8]) -> Result<(), Error> {
-        let row_bytes = hp.spec().row_bytes() as usize;
-        let dtype = hp.spec().dtype;
+        let rows = data.len() / (hp.spec().row_bytes() as usize).max(1);
         let mut scorer = f.scorer.lock();
-        let k = scorer.outputs();
-        let mut bytes = Vec::with_capacity(data.len() / row_bytes.max(1) * k * 4);
-        let mut scores = vec![0.0f32; k];
-        for row in data.chunks_exact(row_bytes) {
-            scorer.score(dtype, row, &mut scores).map_err(|e| Error::Config(e.to_string()))?;
-            bytes.extend(scores.iter().flat_map(|s| s.to_le_bytes()));
-        }
+        let mut scores = vec![0.0f32; rows * scorer.outputs()];
+        scorer.score_rows(hp.spec().dtype, data, &mut scores).map_err(|e| Error::Config(e.to_string()))?;
         drop(scorer);
+        let bytes: Vec<u8> = scores.iter().flat_map(|s| s.to_le_bytes()).collect();
         self.capture_rows(&f.scores, &bytes)?;
         Ok(())
     }

@@ -203,3 +203,96 @@ fn the_policy_manager_reaches_graph_begun_steps_between_replays() {
     assert!(events.iter().any(|e| e.kind == ringscope::EventKind::Rung), "{events:?}");
     eprintln!("{replays} replays; rungs {rungs:?}; {:?}", total);
 }
+
+/// Fused probes through a CUDA session, recorded into a CUDA graph and replayed: the scores the kernel wrote equal the
+/// consumer probe's on the raw rows of the same steps (within 1e-3 relative), and a per-token stop probe raises the
+/// planted request's flag in the device-mapped flag table, read on the host with no synchronisation.
+#[test]
+fn fused_probes_in_a_replayed_graph_match_the_consumer_and_raise_the_stop_flag() {
+    let Ok(gpu) = Gpu::open(0) else {
+        eprintln!("skipped (no GPU)");
+        return;
+    };
+    let (d, rows) = (256usize, 8usize);
+    let dir = tempdir("probes");
+    std::fs::create_dir_all(&dir).unwrap();
+    // Weights [2, d]: output 0 reads e_0, output 1 a mixed direction; written as a .npy file.
+    let mut w = vec![0.0f32; 2 * d];
+    w[0] = 1.0;
+    for j in 0..d {
+        w[d + j] = ((j * 31 % 17) as f32 - 8.0) / 64.0;
+    }
+    let npy = dir.join("w.npy");
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': (2, {d}), }}");
+    while (11 + header.len()) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    bytes.extend(w.iter().flat_map(|v| v.to_le_bytes()));
+    std::fs::write(&npy, bytes).unwrap();
+    let probe = |name: &str, mode: &str, aggregate: &str, action: &str| {
+        format!(
+            "[[probes]]\nname = \"{name}\"\nhookpoint = \"h\"\nweights = \"{}\"\nthresholds = [50.0, 1000.0]\n\
+             aggregate = \"{aggregate}\"\naction = \"{action}\"\nmode = \"{mode}\"\n",
+            npy.display()
+        )
+    };
+    let text = format!(
+        "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\n[policy]\nmode = \"best_effort\"\n\
+         [[hookpoints]]\nname = \"h\"\nsite = \"residual\"\nlayer = 0\ndtype = \"bf16\"\nrow_width = {d}\n{}{}{}",
+        probe("fused", "fused", "mean", "alert"),
+        probe("consumer", "consumer", "mean", "alert"),
+        probe("stop", "fused", "per_token", "stop"),
+    );
+    let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    let flags = session.probe_flags().unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    let src = DeviceBuffer::zeroed(&gpu, rows * d * 2).unwrap();
+    let id = session.hookpoint("h").unwrap().id();
+    // Record once (rows of requests 100 + r at position = step), replay with new values.
+    session.begin_step_on(0, (0..rows as u64).map(|r| (100 + r, 0)), stream.handle()).unwrap();
+    let graph =
+        Graph::capture(&stream, || session.capture_device(id, src.ptr(), rows as u32, stream.handle())).unwrap();
+    session.end_step().unwrap();
+    let values = |step: u64| -> Vec<u8> {
+        (0..rows * d)
+            .map(|i| {
+                let (r, j) = (i / d, i % d);
+                // Row 3 of step 5 carries 64 on e_0: its per-token score crosses 50.
+                let v = if step == 5 && r == 3 && j == 0 {
+                    64.0
+                } else {
+                    ((i as u64 * 7 + step * 13) % 23) as f32 / 8.0 - 1.4
+                };
+                (v.to_bits() >> 16) as u16 // bf16 by truncation: the probes read the same bytes
+            })
+            .flat_map(|h| h.to_le_bytes())
+            .collect()
+    };
+    for step in 1..10u64 {
+        src.copy_from_host_async(0, &values(step), stream.handle()).unwrap();
+        session.begin_step_on(step, (0..rows as u64).map(|r| (100 + r, step as u32)), stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        session.end_step().unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(flags.is_raised(103), step >= 5, "step {step}: the device raised request 103's flag, and only then");
+    }
+    for r in 0..rows as u64 {
+        assert_eq!(flags.is_raised(100 + r), r == 3, "request {}", 100 + r);
+    }
+    assert!(session.wait_probes(std::time::Duration::from_secs(30)));
+    for r in 0..rows as u64 {
+        let f = session.probe_request("fused", 100 + r).unwrap().unwrap();
+        let c = session.probe_request("consumer", 100 + r).unwrap().unwrap();
+        assert_eq!(f.coverage.scored, c.coverage.scored);
+        for (a, b) in f.scores.iter().zip(&c.scores) {
+            assert!((a - b).abs() <= 1e-3 * b.abs().max(1.0), "request {}: fused {a} vs consumer {b}", 100 + r);
+        }
+    }
+    let report = session.shutdown().unwrap();
+    let counters = |name: &str| report.accounting.hookpoints.iter().find(|(n, _)| n == name).unwrap().1;
+    assert_eq!(counters("probes.fused").exported.rows, counters("h").exported.rows);
+}

@@ -1,11 +1,15 @@
 //! The CUDA backend: capture kernels on the engine's stream copy device tensors into a ring in device memory; the
 //! drain copies it out through pinned memory.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use ringscope_hookpoint::cuda::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, GraphBatch};
+use ringscope_hookpoint::cuda::{
+    DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, DeviceFlags, DeviceProbe, GraphBatch,
+};
 use ringscope_hookpoint::{HookPoint, Registry, StepBatch};
 use ringscope_policy::{LossPolicy, Mode};
+use ringscope_probe::{Action, Aggregation, Flags, Probe};
 use ringscope_ring::cuda::{DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, Gpu, StreamRef};
 
 use super::{Backend, Started};
@@ -17,6 +21,11 @@ pub(crate) struct CudaBackend {
     capture: DeviceCapture,
     ring: Arc<DeviceRing>,
     open: Option<u64>,
+    /// Fused probes' device tables, by probe index.
+    probes: HashMap<usize, DeviceProbe>,
+    /// The stop-flag table (pinned, mapped into the device), once probes asked for it.
+    flags: Option<Arc<DeviceFlags>>,
+    max_batch_rows: u32,
 }
 
 impl CudaBackend {
@@ -47,7 +56,15 @@ impl CudaBackend {
             defer: config.defer_captures,
         };
         let capture = DeviceCapture::new(&ring, options)?;
-        Ok(Started { backend: Box::new(CudaBackend { capture, ring, open: None }), source: Box::new(consumer) })
+        let backend = CudaBackend {
+            capture,
+            ring,
+            open: None,
+            probes: HashMap::new(),
+            flags: None,
+            max_batch_rows: config.max_batch_rows,
+        };
+        Ok(Started { backend: Box::new(backend), source: Box::new(consumer) })
     }
 }
 
@@ -108,6 +125,63 @@ impl Backend for CudaBackend {
 
     fn set_valid_rows_device(&mut self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
         Ok(self.capture.set_valid_rows_ptr(id, ptr)?)
+    }
+
+    fn probe_flags(&mut self, slots: usize) -> Result<Option<Arc<Flags>>, Error> {
+        let slots =
+            u32::try_from(slots).map_err(|_| Error::Config(format!("alerts.flag_slots {slots} is too large")))?;
+        let table = DeviceFlags::new(self.ring.gpu(), slots)?;
+        let words = table.words();
+        let (ptr, len) = (words.as_ptr().cast_mut().cast::<u64>(), words.len());
+        self.flags = Some(table.clone());
+        // SAFETY: `words` are `len` aligned, zero-initialised atomics in pinned memory that `table` owns and keeps
+        // mapped while it lives; the `Flags` holds `table` as its owner, and only atomics (and the device) touch them.
+        Ok(Some(Arc::new(unsafe { Flags::from_raw(ptr, len, table) })))
+    }
+
+    fn add_fused_probe(
+        &mut self,
+        index: usize,
+        probe: &Probe,
+        _source: &HookPoint,
+        _scores: &HookPoint,
+        _flags: &Flags,
+    ) -> Result<(), Error> {
+        // A per-token probe that stops requests raises their flags in the score kernel itself: the engine can see
+        // the flag right after the step, with no host in between. Other aggregations are decided on the host (the
+        // consumer raises the same table's flags).
+        let on_device = probe.aggregation() == Aggregation::PerToken && probe.action() == Action::Stop;
+        let thresholds = on_device.then(|| probe.thresholds());
+        let weights = probe.weights();
+        let mut table = DeviceProbe::new(
+            self.ring.gpu(),
+            weights.values(),
+            probe.bias(),
+            weights.outputs() as u32,
+            weights.width() as u32,
+            thresholds,
+            self.max_batch_rows,
+        )?;
+        if on_device {
+            let flags = self.flags.clone().ok_or(Error::Backend("the flag table is made before fused probes"))?;
+            table = table.with_flags(flags)?;
+        }
+        self.probes.insert(index, table);
+        Ok(())
+    }
+
+    fn capture_fused_device(
+        &mut self,
+        index: usize,
+        source: &HookPoint,
+        scores: &HookPoint,
+        ptr: DevicePtr,
+        rows: u32,
+        stream: StreamRef,
+    ) -> Result<(), Error> {
+        let probe = self.probes.get(&index).ok_or(Error::Backend("a fused probe without its device tables"))?;
+        self.capture.capture_probe(probe, scores, ptr, source.spec().dtype, rows, stream)?;
+        Ok(())
     }
 
     fn fold_counters(&mut self, registry: &Registry) {

@@ -469,17 +469,27 @@ pub struct Subscription {
     backlog: Arc<Backlog>,
     /// Set by `close`: the drain stops offering records, receivers see the end.
     gone: Arc<AtomicBool>,
+    /// Records taken from the queue by receivers (counted before the queue's bytes go down).
+    received: AtomicU64,
 }
 
 impl Subscription {
     pub(crate) fn new(queue: Arc<Queue>, backlog: Arc<Backlog>, gone: Arc<AtomicBool>) -> Self {
-        Subscription { queue, backlog, gone }
+        Subscription { queue, backlog, gone, received: AtomicU64::new(0) }
+    }
+
+    /// Records receivers have taken from the queue so far. Counted before [`backlog_bytes`](Self::backlog_bytes)
+    /// goes down: a consumer that counts the records it has finished with knows it is idle when the backlog is
+    /// empty and its count equals this one (read the backlog first).
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::SeqCst)
     }
 
     /// Accounts for a record taken from the queue and gives the consumer its own copy, so that what it keeps never
     /// holds ring space; `None` if the subscription was closed meanwhile (so a receiver racing with `close` never
     /// hands out a record after `close` returned).
     fn took(&self, r: Record) -> Option<Record> {
+        self.received.fetch_add(1, Ordering::SeqCst);
         // The copy is made here, on the consumer's thread, not the drain's. Memory refused: the record stays in the
         // ring (correct, only holding ring space while kept).
         let r = r.detach().unwrap_or(r);
