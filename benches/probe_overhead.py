@@ -1,0 +1,143 @@
+"""Fused probes inside a real decode step: a 1B-shaped Llama on one GPU, 16 probes (one per layer, K = 1 and K = 16)
+computed in the capture path, against no capture and raw capture of the same 16 residual streams.
+
+    python benches/probe_overhead.py --out results.json      # needs CUDA, torch, transformers, libringscope + NVRTC
+
+The model, the decode loop (HF StaticCache, each step recorded once as a CUDA graph and replayed) and the timing
+(interleaved rounds, per-step synchronised median and p99, and pipelined) are those of benches/hf_overhead.py. Every
+ringscope variant is `ring.backend = "cuda"`, best-effort, `ring.defer_captures = true`, the step and its captures
+recorded into the graph (a replay makes no host call):
+  (a) no capture;
+  (b) raw capture of the 16 residual streams (16 × batch × 2048 bf16 per step);
+  (c) 16 fused probes, K = 1 (`mode = "fused"`, the residual hookpoints disabled: only the scores enter the ring);
+  (d) 16 fused probes, K = 16.
+Reported per batch size (1, 8, 64): step time and overhead against (a), ring bytes per step (what crosses PCIe),
+and rows scored. Then the agreement of the fused scores with consumer probes scoring the raw rows of the same steps
+(max relative difference of the per-request mean scores).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_overhead import Decoder, build_model, interleaved, replay  # noqa: E402
+
+import ringscope  # noqa: E402
+import ringscope.torch as rt  # noqa: E402
+
+H = 2048
+
+
+def probes_config(layers, weights, mode="fused", prefix="p", aggregate="mean"):
+    return [{"name": f"{prefix}{i}", "hookpoint": f"layers.{i}.resid", "weights": weights, "aggregate": aggregate,
+             "threshold": 1e9, "mode": mode} for i in range(layers)]
+
+
+def session(layers, probes=(), raw=True):
+    cfg = {"ring": {"backend": "cuda", "capacity": "1 GiB", "max_batch_rows": 4096, "defer_captures": True},
+           "policy": {"mode": "best_effort"},
+           "hookpoints": [{"name": f"layers.{i}.resid", "site": "residual", "layer": i, "dtype": "bf16",
+                           "row_width": H, "enabled": raw} for i in range(layers)]}
+    if probes:
+        cfg["probes"] = list(probes)
+    return ringscope.Session(cfg)
+
+
+def run_batch(model, batch, steps, rounds, weights, results):
+    L = model.config.num_hidden_layers
+    max_len = 16 + rounds * (10 + 2 * steps) + 16
+    variants, sessions = {}, {}
+    variants["a_graph"] = replay(Decoder(model, batch, max_len))
+    for key, probes, raw in (("b_raw_16_layers", (), True),
+                             ("c_fused_k1", probes_config(L, weights[1]), False),
+                             ("d_fused_k16", probes_config(L, weights[16]), False)):
+        s = sessions[key] = session(L, probes, raw)
+        att = rt.attach(model, s, sites=["residual"])
+        try:
+            variants[key] = replay(Decoder(model, batch, max_len))
+        finally:
+            att.detach()
+    variants["a_graph_2"] = replay(Decoder(model, batch, max_len))
+    row = interleaved(variants, steps, rounds)
+    base = row["a_graph"]
+    for key, s in sessions.items():
+        s.flush(timeout=60)
+        # Every replay captures layer 0's rows (or counts them sampled out, when disabled): its produced rows / batch
+        # is the number of steps the session saw.
+        steps_seen = s.stats(s.hookpoint_id("layers.0.resid"))["produced_rows"] // batch
+        ring_bytes = s.stats_all()["drain"]["bytes"]
+        totals = s.close()
+        row[key]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+        row[key]["steps"] = steps_seen
+        row[key]["ring_bytes_per_step"] = ring_bytes / max(1, steps_seen)
+    for k, v in row.items():
+        for m in ("median_ms", "p99_ms", "pipelined_ms"):
+            v[m.replace("_ms", "_overhead")] = v[m] / base[m] - 1
+    results[f"batch_{batch}"] = row
+    print(json.dumps({f"batch_{batch}": row}, indent=1), flush=True)
+
+
+def agreement(model, weights, results, replays=20):
+    """Fused probes (K = 16) and consumer probes on the raw rows of the same replays: per-request mean scores."""
+    L = model.config.num_hidden_layers
+    batch = 8
+    s = session(L, probes_config(L, weights[16], "fused", "f") + probes_config(L, weights[16], "consumer", "c"))
+    att = rt.attach(model, s, sites=["residual"])
+    try:
+        d = Decoder(model, batch, 16 + replays + 16)
+    finally:
+        att.detach()
+    for _ in range(replays):
+        d.graph.replay()
+        d.advance()
+    torch.cuda.synchronize()
+    s.flush(timeout=60)
+    worst, compared = 0.0, 0
+    for i in range(L):
+        for f in s.probe_requests(f"f{i}"):
+            c = s.probe_request(f"c{i}", f["request_id"])
+            for a, b in zip(f["scores"], c["scores"]):
+                worst = max(worst, abs(a - b) / max(1.0, abs(b)))
+                compared += 1
+    s.close()
+    results["agreement"] = {"compared_mean_scores": compared, "max_rel_diff": worst}
+    print(json.dumps({"agreement": results["agreement"]}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="probe_overhead.json")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=16)
+    args = ap.parse_args()
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    model = build_model(args.layers)
+    tmp = tempfile.mkdtemp()
+    rng = np.random.default_rng(0)
+    weights = {}
+    for k in (1, 16):
+        weights[k] = os.path.join(tmp, f"w{k}.npy")
+        ringscope.save_probe(weights[k], (rng.standard_normal((k, H)) / np.sqrt(H)).astype(np.float32))
+    parts = [lambda b=b: run_batch(model, b, args.steps, args.rounds, weights, results)
+             for b in map(int, args.batches.split(","))] + [lambda: agreement(model, weights, results)]
+    for part in parts:
+        try:
+            part()
+        except Exception as e:  # keep what was measured; say what failed
+            import traceback
+            traceback.print_exc()
+            results.setdefault("errors", []).append(repr(e))
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if results.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
