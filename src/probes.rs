@@ -11,7 +11,7 @@ use crossbeam::channel::{self, Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
 use ringscope_exporter::{Filter, Record, Subscription};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, SiteKind, StepBatch};
-use ringscope_probe::{Alert, Flags, Monitor, Probe, RequestReport, Scorer, Target};
+use ringscope_probe::{Alert, Flags, Monitor, Probe, ProbeDef, RequestReport, Scorer, Target};
 use ringscope_ring::{DType, RowMeta};
 
 use crate::config::{Config, ProbeMode};
@@ -101,8 +101,13 @@ fn find_target(registry: &Registry, probe: &str, target: &Target) -> Result<Arc<
 impl Probes {
     /// Loads and checks every probe of `config` against the registered hookpoints and registers the fused probes'
     /// scores hookpoints. Nothing runs yet.
-    pub fn load(config: &Config, registry: &Registry) -> Result<Option<Prepared>, Error> {
-        if config.probes.is_empty() {
+    /// `extra`: probes given in code ([`crate::SessionBuilder::probe`]), after the configuration's.
+    pub fn load(
+        config: &Config,
+        extra: Vec<(ProbeDef, ProbeMode)>,
+        registry: &Registry,
+    ) -> Result<Option<Prepared>, Error> {
+        if config.probes.is_empty() && extra.is_empty() {
             return Ok(None);
         }
         let a = &config.alerts;
@@ -114,23 +119,24 @@ impl Probes {
         }
         let mut loaded = Vec::new();
         let mut by_name = HashMap::new();
-        for (i, pc) in config.probes.iter().enumerate() {
-            if by_name.insert(pc.name.clone(), i).is_some() {
-                return Err(Error::Config(format!("probes: two probes are named `{}`", pc.name)));
+        let defs = config.probes.iter().map(|pc| Ok::<_, Error>((pc.definition()?, pc.mode)));
+        for (i, def) in defs.chain(extra.into_iter().map(Ok)).enumerate() {
+            let (def, mode): (ProbeDef, ProbeMode) = def?;
+            let name = def.name.clone();
+            if by_name.insert(name.clone(), i).is_some() {
+                return Err(Error::Config(format!("probes: two probes are named `{name}`")));
             }
-            let def = pc.definition()?;
-            let source = find_target(registry, &pc.name, &def.target)?;
+            let source = find_target(registry, &name, &def.target)?;
             let spec = source.spec();
             if !matches!(spec.dtype, DType::F32 | DType::F16 | DType::BF16) {
                 return Err(Error::Config(format!(
-                    "probes `{}`: hookpoint `{}` holds {} rows; probes read f32, f16 or bf16 hookpoints",
-                    pc.name,
+                    "probes `{name}`: hookpoint `{}` holds {} rows; probes read f32, f16 or bf16 hookpoints",
                     spec.name,
                     spec.dtype.name()
                 )));
             }
             let probe = Probe::new(def, spec.row_width).map_err(|e| Error::Config(format!("probes: {e}")))?;
-            loaded.push((pc.mode, source, probe));
+            loaded.push((mode, source, probe));
         }
         Ok(Some(Prepared { loaded, by_name, alerts: config.alerts.clone(), registered: Vec::new() }))
     }

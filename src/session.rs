@@ -161,6 +161,7 @@ impl StepTally {
 pub struct SessionBuilder {
     config: Config,
     sinks: Vec<(Box<dyn Sink>, Filter)>,
+    probes: Vec<(ringscope_probe::ProbeDef, config::ProbeMode)>,
 }
 
 impl SessionBuilder {
@@ -178,6 +179,13 @@ impl SessionBuilder {
     /// Adds a boxed sink that receives every record.
     pub fn boxed_sink(mut self, sink: Box<dyn Sink>) -> Self {
         self.sinks.push((sink, Filter::all()));
+        self
+    }
+
+    /// Adds a probe given in code (weights in memory), after the configuration's `[[probes]]`; checked at
+    /// [`start`](Self::start) like those.
+    pub fn probe(mut self, def: ringscope_probe::ProbeDef, mode: config::ProbeMode) -> Self {
+        self.probes.push((def, mode));
         self
     }
 
@@ -204,7 +212,7 @@ impl SessionBuilder {
             hp.control().set_enabled(hc.enabled);
         }
         // Probes are loaded and checked against the hookpoints before anything is allocated or started.
-        let mut probes = crate::probes::Probes::load(&config, &registry)?;
+        let mut probes = crate::probes::Probes::load(&config, self.probes, &registry)?;
         if let Some(p) = &mut probes {
             p.register(&registry)?;
         }
@@ -325,7 +333,7 @@ impl SessionBuilder {
 impl Session {
     /// Starts building a session from `config`.
     pub fn builder(config: Config) -> SessionBuilder {
-        SessionBuilder { config, sinks: Vec::new() }
+        SessionBuilder { config, sinks: Vec::new(), probes: Vec::new() }
     }
 
     /// A session with no sinks (records are drained and counted, nothing is written).

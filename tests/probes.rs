@@ -351,3 +351,31 @@ fn bad_probe_definitions_are_refused_at_start() {
     let e = Session::new(Config::new()).unwrap().alerts().err().unwrap().to_string();
     assert!(e.contains("[[probes]]"), "{e}");
 }
+
+/// A probe given in code, with its weights in memory, works like one from the configuration.
+#[test]
+fn a_probe_built_in_code_scores_like_a_configured_one() {
+    use ringscope::config::ProbeMode;
+    use ringscope::probe::{Aggregation, ProbeDef, Target, Weights};
+    let dir = tempdir("builder");
+    let def = ProbeDef {
+        name: "in_code".into(),
+        target: Target::Layer { layer: 3, site: "residual".into() },
+        weights: Weights::new(1, D, planted()).unwrap(),
+        bias: vec![-0.25],
+        aggregation: Aggregation::Mean,
+        thresholds: vec![1.25],
+        action: Action::Alert,
+        labels: vec![],
+        min_tokens: PROMPT,
+    };
+    let session = Session::builder(config(&dir, &weights(&dir), "")).probe(def, ProbeMode::Consumer).start().unwrap();
+    run(&session);
+    for r in 0..REQUESTS {
+        let a = session.probe_request("in_code", r).unwrap().unwrap();
+        let b = session.probe_request("deception", r).unwrap().unwrap();
+        assert_eq!(a.scores[0], b.scores[0], "request {r}: the same weights, the same score");
+        assert_eq!(a.alerted[0], is_planted(r));
+    }
+    session.shutdown().unwrap();
+}
