@@ -32,6 +32,21 @@
 //! enabled = true
 //! priority = 0               # the policy manager degrades lower priorities first
 //!
+//! [[probes]]                 # a linear probe on a configured hookpoint (README, "Probes")
+//! name = "deception"
+//! hookpoint = "layers.0.resid" # or layer = 0 and site = "residual"
+//! weights = "deception.safetensors" # [K, d] (+ bias [K]) or a .npy; relative to the config file
+//! aggregate = "mean"         # per_token | mean | max | ema (ema_alpha) | window (window)
+//! threshold = 1.5            # or thresholds = [one per output]
+//! min_tokens = 8             # no alert before 8 scored tokens of a request
+//! action = "alert"           # alert | stop (raises the request's stop flag)
+//! mode = "consumer"          # consumer (a session thread scores delivered rows) | fused (scores in the capture path)
+//!
+//! [alerts]                   # what the probes share
+//! flag_slots = 4096          # the stop-flag table: request R flagged when slot[R % 4096] == R + 1
+//! max_requests = 65536       # requests each probe tracks at once
+//! queue = 65536              # alerts queued for the application
+//!
 //! [metrics]                  # optional; absent: no HTTP endpoint
 //! listen = "127.0.0.1:9464"  # serve GET /metrics (Prometheus text) here; port 0: any free port
 //! allow_remote = false       # true: allow a non-loopback address (the endpoint has no authentication)
