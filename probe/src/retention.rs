@@ -123,7 +123,8 @@ impl Retention {
     /// `threshold` or not a number.
     pub fn below(&self, threshold: f64) -> bool {
         let v = self.retention.unwrap_or(self.alignment);
-        !(v >= threshold)
+        // Below, or not a number (NaN compares as neither greater nor equal).
+        !matches!(v.partial_cmp(&threshold), Some(std::cmp::Ordering::Greater | std::cmp::Ordering::Equal))
     }
 }
 
