@@ -1,7 +1,7 @@
 //! The crate graph is one-way and matches the design (docs/architecture.md): policy and ring at the bottom,
 //! hookpoint above ring, exporter above ring and policy without hookpoint, the facade wiring them, ffi and inspect on
-//! top. A dependency outside this table — a new edge between member crates — fails here, with `cargo metadata` as
-//! the source of truth.
+//! top (inspect also uses the probe crate, for `inspect retention`). A dependency outside this table — a new edge
+//! between member crates — fails here, with `cargo metadata` as the source of truth.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -17,7 +17,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         &["ringscope-ring", "ringscope-policy", "ringscope-hookpoint", "ringscope-exporter", "ringscope-probe"],
     ),
     ("ringscope-ffi", &["ringscope"]),
-    ("ringscope-inspect", &["ringscope-ring"]),
+    ("ringscope-inspect", &["ringscope-ring", "ringscope-probe"]),
 ];
 
 /// Dependencies that no kind of dependency may add (not even a dev-dependency): producer and consumer meet only

@@ -29,6 +29,10 @@
 //! each Arrow IPC record batch against its CRC-32 in the file's metadata (`ringscope.batch_crc32`), naming the file
 //! and the page or batch (exit status 1); and, when the manifest lists the events table, that the events' rows lost
 //! per (hookpoint, reason) are the manifest's dropped rows (exit status 1 if not).
+//!
+//! `inspect retention RUN_DIR --weights W --hookpoint H --group-a IDS --group-b IDS [--reference REF_RUN_DIR]
+//! [--min T] [--last-token] [--json]` reports a probe's calibration retention (ProbeX) per output over the run's rows,
+//! flagging outputs below `--min` (exit status 3); see `retention.rs` and docs/probes.md.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
@@ -43,6 +47,8 @@ use parquet::arrow::ProjectionMask;
 use ringscope_ring::DType;
 use serde_json::Value;
 
+mod retention;
+
 /// File name of the run manifest (`ringscope::manifest::MANIFEST`; inspect does not depend on the library).
 const MANIFEST: &str = "_ringscope_run.json";
 /// The events table's directory (`ringscope_exporter::EVENTS_DIR`).
@@ -55,18 +61,30 @@ const EXIT_SINK_FAILED: u8 = 4;
 
 #[derive(Parser)]
 #[command(
-    about = "Summarise and check a ringscope dump (a run directory)",
+    about = "Summarise and check a ringscope dump (a run directory); `inspect retention` reports probes' calibration \
+             retention over a dump",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
     after_help = "Exit status: 0 ok; 1 a problem (unreadable file, rows that disagree with the metadata or the \
                   manifest, accounting that does not add up); 2 not a run directory; 3 interrupted run (no \
                   manifest: the committed files are summarised); 4 a sink failed during the run (records lost to \
-                  sink_error; the files are consistent)."
+                  sink_error; the files are consistent). `inspect retention --help` lists its own exit statuses."
 )]
 struct Args {
-    /// The run directory (e.g. ringscope-out/run-20261130T012345Z-4242).
-    run_dir: PathBuf,
+    /// The run directory (e.g. ringscope-out/run-20261130T012345Z-4242). A run directory named like a subcommand
+    /// (`retention`) is given as `./retention`.
+    #[arg(required = true)]
+    run_dir: Option<PathBuf>,
     /// Also decode every value and check every checksum (slower; proves every byte is as written).
     #[arg(long)]
     verify: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    Retention(retention::RetentionArgs),
 }
 
 #[derive(Default)]
@@ -100,11 +118,19 @@ fn rows_of(v: &Value) -> u64 {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if !args.run_dir.is_dir() {
-        eprintln!("inspect: {} is not a directory", args.run_dir.display());
+    if let Some(Command::Retention(r)) = args.command {
+        return retention::run(r);
+    }
+    let run_dir = args.run_dir.expect("clap requires the run directory without a subcommand");
+    summarise(&run_dir, args.verify)
+}
+
+fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
+    if !run_dir.is_dir() {
+        eprintln!("inspect: {} is not a directory", run_dir.display());
         return ExitCode::from(EXIT_NOT_A_RUN);
     }
-    let manifest_path = args.run_dir.join(MANIFEST);
+    let manifest_path = run_dir.join(MANIFEST);
     let manifest: Option<Value> = match std::fs::read(&manifest_path) {
         Ok(bytes) => match serde_json::from_slice(&bytes) {
             Ok(v) => Some(v),
@@ -119,18 +145,18 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_PROBLEM);
         }
     };
-    let files = match data_files(&args.run_dir) {
+    let files = match data_files(run_dir) {
         Ok(f) if f.is_empty() && manifest.is_none() => {
             eprintln!(
                 "inspect: no {MANIFEST} and no part-*.parquet or part-*.arrow files under {}: not a run directory, \
                  or a run that committed nothing",
-                args.run_dir.display()
+                run_dir.display()
             );
             return ExitCode::from(EXIT_NOT_A_RUN);
         }
         Ok(f) => f,
         Err(e) => {
-            eprintln!("inspect: cannot list {}: {e}", args.run_dir.display());
+            eprintln!("inspect: cannot list {}: {e}", run_dir.display());
             return ExitCode::from(EXIT_NOT_A_RUN);
         }
     };
@@ -145,8 +171,8 @@ fn main() -> ExitCode {
     // Keyed by (sink, hookpoint): each file sink writes its own copy of the stream.
     let mut parts: BTreeMap<(String, String), Partition> = BTreeMap::new();
     for path in &files {
-        let sink = sink_of(path, &args.run_dir, &listed);
-        match read_file(path, args.verify) {
+        let sink = sink_of(path, run_dir, &listed);
+        match read_file(path, verify) {
             Ok(summary) => {
                 let p = parts.entry((sink, summary.hookpoint.clone())).or_default();
                 p.files += 1;
@@ -173,7 +199,7 @@ fn main() -> ExitCode {
         }
     }
 
-    let events = match read_events(&args.run_dir, args.verify) {
+    let events = match read_events(run_dir, verify) {
         Ok(events) => events,
         Err(e) => {
             problems.push(e);
@@ -181,7 +207,7 @@ fn main() -> ExitCode {
         }
     };
 
-    println!("run {}: {} files", args.run_dir.display(), files.len());
+    println!("run {}: {} files", run_dir.display(), files.len());
     let Some(manifest) = manifest else {
         events.print();
         return interrupted(&parts, &problems);
@@ -283,8 +309,7 @@ fn main() -> ExitCode {
     if let Some(listed) = manifest["events"].as_array() {
         // The manifest lists the events table (it predates it otherwise): its files are the ones on disk, and, checked
         // with --verify, they account for every drop the manifest counts.
-        let listed: BTreeSet<PathBuf> =
-            listed.iter().filter_map(|f| Some(args.run_dir.join(f["path"].as_str()?))).collect();
+        let listed: BTreeSet<PathBuf> = listed.iter().filter_map(|f| Some(run_dir.join(f["path"].as_str()?))).collect();
         let on_disk: BTreeSet<PathBuf> = events.files.iter().cloned().collect();
         for missing in listed.difference(&on_disk) {
             problems.push(format!("{}: listed in the manifest's events but not on disk", missing.display()));
@@ -292,7 +317,7 @@ fn main() -> ExitCode {
         for extra in on_disk.difference(&listed) {
             problems.push(format!("{}: an events file the manifest does not list", extra.display()));
         }
-        if args.verify {
+        if verify {
             problems.extend(events.check_against(&accounting));
         }
     }
@@ -403,41 +428,46 @@ struct FileSummary {
     requests: HashSet<u64>,
 }
 
+/// A committed data file's footer metadata (`ringscope.*` keys) and its record batches. Of a Parquet file only the
+/// columns `wanted` accepts are decoded; an Arrow IPC file (memory-mapped) is read whole.
+fn open_file(
+    path: &Path,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<(BTreeMap<String, String>, Vec<RecordBatch>), String> {
+    let file = File::open(path).map_err(|e| e.to_string())?;
+    if path.extension().is_some_and(|e| e == "parquet") {
+        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
+        let kv = builder
+            .metadata()
+            .file_metadata()
+            .key_value_metadata()
+            .map(|m| m.iter().map(|kv| (kv.key.clone(), kv.value.clone().unwrap_or_default())).collect())
+            .unwrap_or_default();
+        let schema = builder.parquet_schema();
+        let wanted: Vec<usize> =
+            (0..schema.num_columns()).filter(|&i| wanted(&schema.column(i).path().parts()[0])).collect();
+        let mask = ProjectionMask::leaves(schema, wanted);
+        let reader = builder.with_projection(mask).build().map_err(|e| e.to_string())?;
+        let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+        Ok((kv, batches))
+    } else {
+        // SAFETY: a committed dump file is not modified while it is read; a concurrent writer would only make
+        // the decode below fail, which is reported as unreadable.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
+        let reader =
+            arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None).map_err(|e| e.to_string())?;
+        let kv = reader.custom_metadata().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+        Ok((kv, batches))
+    }
+}
+
 fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
     if verify {
         verify_checksums(path)?;
     }
-    let file = File::open(path).map_err(|e| e.to_string())?;
-    let (kv, batches): (BTreeMap<String, String>, Vec<RecordBatch>) =
-        if path.extension().is_some_and(|e| e == "parquet") {
-            let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
-            let kv = builder
-                .metadata()
-                .file_metadata()
-                .key_value_metadata()
-                .map(|m| m.iter().map(|kv| (kv.key.clone(), kv.value.clone().unwrap_or_default())).collect())
-                .unwrap_or_default();
-            let schema = builder.parquet_schema();
-            let wanted: Vec<usize> = (0..schema.num_columns())
-                .filter(|&i| {
-                    let name = schema.column(i).path().parts()[0].clone();
-                    name == "step" || name == "request_id" || (verify && name == "activation")
-                })
-                .collect();
-            let mask = ProjectionMask::leaves(schema, wanted);
-            let reader = builder.with_projection(mask).build().map_err(|e| e.to_string())?;
-            let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
-            (kv, batches)
-        } else {
-            // SAFETY: a committed dump file is not modified while it is read; a concurrent writer would only make
-            // the decode below fail, which is reported as unreadable.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
-            let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&map[..]), None)
-                .map_err(|e| e.to_string())?;
-            let kv = reader.custom_metadata().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            let batches = reader.collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
-            (kv, batches)
-        };
+    let (kv, batches) =
+        open_file(path, |name| name == "step" || name == "request_id" || (verify && name == "activation"))?;
     let get = |k: &str| kv.get(k).cloned().ok_or_else(|| format!("metadata key {k} missing"));
     let dtype = get("ringscope.dtype")?.parse::<DType>().map_err(|e| e.to_string())?;
     let row_bytes: u64 = {
