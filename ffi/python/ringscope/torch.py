@@ -277,6 +277,38 @@ class Attachment:
         return hook
 
 
+def _hookpoint(session: Session, name: str, site: str, layer, dtype: str, width: int) -> int:
+    """The id of hookpoint ``name``: the session's own when its configuration declares it (as
+    :func:`attach` does for a configuration it is given), else a new registration."""
+    try:
+        return session.hookpoint_id(name)
+    except RingscopeError:
+        return session.register(name, site=site, layer=layer, dtype=dtype, row_width=width)
+
+
+def _declare_hookpoints(config, planned, dtype: str) -> str:
+    """``config`` (TOML text, bytes, a dict or None) as TOML text with a ``[[hookpoints]]`` entry for each planned
+    capture it does not declare yet."""
+    import tomllib
+
+    from . import _config_text
+    text = _config_text(config).decode("utf-8")
+    try:
+        declared = {h.get("name") for h in tomllib.loads(text).get("hookpoints", []) if isinstance(h, dict)}
+    except tomllib.TOMLDecodeError as e:
+        raise RingscopeError("RS_ERR_CONFIG", f"invalid config: {e}") from None
+    extra = []
+    for name, site, layer, width, _module, _pick in planned:
+        if name in declared:
+            continue
+        site_toml = f'"{site}"' if site in ("residual", "attention_output", "mlp_output", "logits") \
+            else f'{{ custom = "{site}" }}'
+        layer_toml = "" if layer is None else f"layer = {layer}\n"
+        extra.append(f'[[hookpoints]]\nname = "{name}"\nsite = {site_toml}\n{layer_toml}dtype = "{dtype}"\n'
+                     f"row_width = {width}\n")
+    return text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(extra)
+
+
 def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual",),
            layers: Optional[Iterable[int]] = None, rows: "str | Sequence[int]" = "all") -> Attachment:
     """Attaches ringscope to a Hugging Face decoder (Llama, Qwen2/3, Mistral, GPT-2 families).
@@ -299,36 +331,39 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         if not 0 <= i < len(decoder_layers):
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"attach: layer {i} does not exist (the model has {len(decoder_layers)})")
-    if not isinstance(session, Session):
-        session = Session(session)
     dtype = next(model.parameters()).dtype
     if dtype not in _TORCH_DTYPES:
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: parameters of dtype {dtype} are not supported")
     dt = _TORCH_DTYPES[dtype]
     hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
-    att = Attachment(session, model)
-
-    def add(name, site, layer, width, module, pick=_first):
-        att.hookpoints[name] = session.register(name, site=site, layer=layer, dtype=dt, row_width=width)
-        if rows != "all":
-            session.set_rows(att.hookpoints[name], rows)
-        att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
-
+    # What will be captured: (name, site, layer, row width, module, pick).
+    planned = []
     for i in chosen:
         layer = decoder_layers[i]
         if "residual" in sites:
-            add(f"layers.{i}.resid", "residual", i, hidden, layer)
+            planned.append((f"layers.{i}.resid", "residual", i, hidden, layer, _first))
         if "attention_output" in sites:
             attn = layer.self_attn if family == "llama" else layer.attn
-            add(f"layers.{i}.attn_out", "attention_output", i, hidden, attn)
+            planned.append((f"layers.{i}.attn_out", "attention_output", i, hidden, attn, _first))
         if "mlp_output" in sites:
-            add(f"layers.{i}.mlp_out", "mlp_output", i, hidden, layer.mlp)
+            planned.append((f"layers.{i}.mlp_out", "mlp_output", i, hidden, layer.mlp, _first))
     if "final_norm" in sites:
-        add("final_norm", "final_norm", None, hidden, final_norm)
+        planned.append(("final_norm", "final_norm", None, hidden, final_norm, _first))
     if "logits" in sites:
         if lm_head is None:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", "attach: the model has no lm_head for the logits site")
-        add("logits", "logits", None, lm_head.out_features, lm_head)
+        planned.append(("logits", "logits", None, lm_head.out_features, lm_head, _first))
+    if not isinstance(session, Session):
+        # A configuration: its hookpoints are declared before the session starts, so that its [[probes]] can read
+        # them (probes bind to configured hookpoints when the session starts).
+        session = Session(_declare_hookpoints(session, planned, dt))
+    att = Attachment(session, model)
+
+    for name, site, layer_index, width, module, pick in planned:
+        att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
+        if rows != "all":
+            session.set_rows(att.hookpoints[name], rows)
+        att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
     # After the last captured module, the step's deferred captures can be copied while the rest of the forward pass
     # runs (a side stream; joined when the step ends). A no-op without deferred captures.
     last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \
