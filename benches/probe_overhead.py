@@ -124,7 +124,7 @@ def main():
     weights = {}
     for k in (1, 16):
         weights[k] = os.path.join(tmp, f"w{k}.npy")
-        ringscope.save_probe(weights[k], (rng.standard_normal((k, H)) / np.sqrt(H)).astype(np.float32))
+        np.save(weights[k], (rng.standard_normal((k, H)) / np.sqrt(H)).astype(np.float32))
     parts = [lambda b=b: run_batch(model, b, args.steps, args.rounds, weights, results)
              for b in map(int, args.batches.split(","))] + [lambda: agreement(model, weights, results)]
     for part in parts:
