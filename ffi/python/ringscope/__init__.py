@@ -833,13 +833,13 @@ def _to_toml(d: Mapping) -> str:
     out = []
     for section, body in d.items():
         where = f"config[{section!r}]"
-        if section == "hookpoints":
+        if section in ("hookpoints", "probes"):
             if not isinstance(body, (list, tuple)):
-                raise _invalid(f"{where} must be a list of tables (one dict per hookpoint), got "
+                raise _invalid(f"{where} must be a list of tables (one dict per {section[:-1]}), got "
                                f"{type(body).__name__} {_show(body)}")
-            for i, hp in enumerate(body):
-                out.append("[[hookpoints]]")
-                out += table(hp, f"{where}[{i}]")
+            for i, entry in enumerate(body):
+                out.append(f"[[{section}]]")
+                out += table(entry, f"{where}[{i}]")
         else:
             out.append(f"[{key(section, 'config')}]")
             out += table(body, where)
