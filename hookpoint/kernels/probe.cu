@@ -27,6 +27,8 @@ __device__ __forceinline__ u64 probe_request(const u8* desc, const GraphBatch& g
     return *(const u64*)(desc + DESC_HEADER_BYTES + META_BYTES * r);
 }
 
+#define PROBE_UNROLL 4
+
 // One block per row (grid-stride over rows). Each thread accumulates up to PROBE_CHUNK partial scores over its strided
 // elements (coalesced loads of x and of each W row), a warp-shuffle then shared-memory reduction sums them, and the
 // block moves on to the next chunk of outputs while K has more.
@@ -49,12 +51,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores(
             float acc[PROBE_CHUNK];
 #pragma unroll
             for (int j = 0; j < PROBE_CHUNK; j++) acc[j] = 0.0f;
-            for (u32 i = threadIdx.x; i < d; i += blockDim.x) {
-                const float v = rs_load(x, dtype, i);
-                const float* wi = w + (u64)k0 * d + i;
+            // PROBE_UNROLL elements per thread per pass, all loaded before any is used: the loads of a pass are in
+            // flight together (a decode step evicts the weights from L2, so each pass waits on DRAM once, not
+            // PROBE_UNROLL times).
+            const float* wk = w + (u64)k0 * d;
+            for (u32 i0 = threadIdx.x; i0 < d; i0 += blockDim.x * PROBE_UNROLL) {
+                float v[PROBE_UNROLL];
 #pragma unroll
-                for (int j = 0; j < PROBE_CHUNK; j++)
-                    if ((u32)j < kc) acc[j] = fmaf(wi[(u64)j * d], v, acc[j]);
+                for (int u = 0; u < PROBE_UNROLL; u++) {
+                    const u32 i = i0 + u * blockDim.x;
+                    v[u] = i < d ? rs_load(x, dtype, i) : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < PROBE_CHUNK; j++) {
+                    if ((u32)j < kc) {
+#pragma unroll
+                        for (int u = 0; u < PROBE_UNROLL; u++) {
+                            const u32 i = i0 + u * blockDim.x;
+                            if (i < d) acc[j] = fmaf(wk[(u64)j * d + i], v[u], acc[j]);
+                        }
+                    }
+                }
             }
             // kc is the same for the whole block, so whole warps skip the unused outputs together.
 #pragma unroll
