@@ -27,15 +27,14 @@ __device__ __forceinline__ u64 probe_request(const u8* desc, const GraphBatch& g
     return *(const u64*)(desc + DESC_HEADER_BYTES + META_BYTES * r);
 }
 
-#define PROBE_UNROLL 4
-
-// One block per row (grid-stride over rows). Each thread accumulates up to PROBE_CHUNK partial scores over its strided
+// Scores rows first_row, first_row + row_stride, ... of one probe with this block (one block per row at a time). Each thread accumulates up to PROBE_CHUNK partial scores over its strided
 // elements (coalesced loads of x and of each W row), a warp-shuffle then shared-memory reduction sums them, and the
 // block moves on to the next chunk of outputs while K has more.
-extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores(
+__device__ void rs_probe_rows(
     const u8* __restrict__ src, u32 src_rows, u32 dtype, u32 d, const float* __restrict__ w,
     const float* __restrict__ bias, u32 k, float* __restrict__ out, const Control* controls, u32 hookpoint,
-    const u8* desc, GraphBatch g, const float* thresholds, u64* flags, u32 flag_slots) {
+    const u8* desc, const GraphBatch& g, const float* thresholds, u64* flags, u32 flag_slots, u32 first_row,
+    u32 row_stride) {
     __shared__ float s_part[THREADS / 32][PROBE_CHUNK];
     __shared__ u32 s_hit;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -43,7 +42,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores(
     const u64 row_bytes = (u64)d * (dtype == DTYPE_F32 ? 4u : 2u);
     const bool flagging = thresholds != 0 && flags != 0 && flag_slots != 0;
 
-    for (u32 r = blockIdx.x; r < bound; r += gridDim.x) {
+    for (u32 r = first_row; r < bound; r += row_stride) {
         const u8* x = src + (u64)r * row_bytes;
         if (threadIdx.x == 0) s_hit = 0;
         for (u32 k0 = 0; k0 < k; k0 += PROBE_CHUNK) {
@@ -100,4 +99,46 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores(
             *(volatile u64*)(flags + req % flag_slots) = req + 1;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores(
+    const u8* __restrict__ src, u32 src_rows, u32 dtype, u32 d, const float* __restrict__ w,
+    const float* __restrict__ bias, u32 k, float* __restrict__ out, const Control* controls, u32 hookpoint,
+    const u8* desc, GraphBatch g, const float* thresholds, u64* flags, u32 flag_slots) {
+    rs_probe_rows(src, src_rows, dtype, d, w, bias, k, out, controls, hookpoint, desc, g, thresholds, flags,
+                  flag_slots, blockIdx.x, gridDim.x);
+}
+
+// Deferred fused probes: every probe of a step scored by one kernel when the step's deferred captures are copied
+// (before the capture that copies their scores, on the same stream). All probes run at once, each on its own blocks:
+// a probe's dependent DRAM round trips (its weights were evicted by the step) overlap with the others' instead of
+// adding up on the engine's stream. Block b scores rows b / n, b / n + gridDim.x / n, ... of probe b % n.
+struct ProbeEntry {
+    const u8* src;
+    const float* w;
+    const float* bias;
+    float* out;
+    const float* thresholds;
+    u64* flags;
+    u32 src_rows;
+    u32 dtype;
+    u32 d;
+    u32 k;
+    u32 hookpoint;
+    u32 flag_slots;
+};
+struct ProbeMany {
+    GraphBatch g;
+    u32 n;
+    u32 reserved;
+    ProbeEntry e[MAX_PROBE_MANY];
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_probe_scores_many(
+    const Control* controls, const u8* desc, ProbeMany m) {
+    const u32 n = m.n;
+    if (n == 0) return;
+    const ProbeEntry& p = m.e[blockIdx.x % n];
+    rs_probe_rows(p.src, p.src_rows, p.dtype, p.d, p.w, p.bias, p.k, p.out, controls, p.hookpoint, desc, m.g,
+                  p.thresholds, p.flags, p.flag_slots, blockIdx.x / n, gridDim.x / n);
 }

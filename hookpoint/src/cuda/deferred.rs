@@ -12,7 +12,10 @@ use std::sync::Arc;
 
 use ringscope_ring::cuda::{Event, Gpu, Stream, StreamRef};
 
-use super::kernels::{CaptureEntry, CaptureTables, GraphBatch, GraphRole, Kernels, ManyParam, MAX_MANY};
+use super::kernels::{
+    CaptureEntry, CaptureTables, GraphBatch, GraphRole, Kernels, ManyParam, ProbeArgs, ProbeManyParam, MAX_MANY,
+    MAX_PROBE_MANY,
+};
 use super::DeviceCaptureError;
 
 /// What a flush needs from the rest of the capture side.
@@ -29,6 +32,8 @@ pub(super) struct FlushContext<'a> {
 /// join it back.
 pub(super) struct Deferred {
     entries: Vec<CaptureEntry>,
+    /// Fused probes noted this step: scored by one kernel right before the captures of their scores are copied.
+    probes: Vec<ProbeArgs>,
     /// Capture kernels the step has launched for its deferred captures (the first numbers a graph-begun step).
     step_flushes: u32,
     side: Stream,
@@ -43,6 +48,7 @@ impl Deferred {
     pub(super) fn new(gpu: &Arc<Gpu>) -> Result<Deferred, DeviceCaptureError> {
         Ok(Deferred {
             entries: Vec::new(),
+            probes: Vec::new(),
             step_flushes: 0,
             side: Stream::new(gpu)?,
             fork_event: Event::new(gpu, false)?,
@@ -58,7 +64,14 @@ impl Deferred {
 
     /// Whether one kernel's worth of captures is noted (flush before noting another).
     pub(super) fn is_full(&self) -> bool {
-        self.entries.len() == MAX_MANY
+        self.entries.len() == MAX_MANY || self.probes.len() == MAX_PROBE_MANY
+    }
+
+    /// Notes a fused probe (its scores' capture is noted next); the caller flushes first when
+    /// [`is_full`](Self::is_full).
+    pub(super) fn note_probe(&mut self, probe: ProbeArgs) {
+        debug_assert!(!self.is_full());
+        self.probes.push(probe);
     }
 
     /// Notes a capture; the caller checked it and flushes first when [`is_full`](Self::is_full).
@@ -70,10 +83,28 @@ impl Deferred {
     /// Forgets captures not flushed (the step ended with an error).
     pub(super) fn clear(&mut self) {
         self.entries.clear();
+        self.probes.clear();
     }
 
     /// Launches one `ringscope_capture_many` on `stream` for the captures noted so far.
     pub(super) fn flush(&mut self, cx: &FlushContext<'_>, stream: &StreamRef) -> Result<(), DeviceCaptureError> {
+        if !self.probes.is_empty() {
+            let probes = std::mem::take(&mut self.probes);
+            // The probes read the step's rows from the descriptor or the graph batch; they number no step.
+            let mut param = ProbeManyParam::new(GraphBatch::param(cx.graph_batch, GraphRole::Later), &probes);
+            let n = probes.len() as u32;
+            let rows = probes.iter().map(|p| p.src_rows).max().unwrap_or(1);
+            // Blocks per probe: one per row, up to eight blocks per SM in all (each loops over further rows).
+            let per_probe = rows.clamp(1, (cx.gpu.sms() * 8 / n).max(1));
+            cx.gpu.bind()?;
+            // SAFETY: every probe's tables and scores buffer were checked when it was noted and live as long as
+            // the probe (whose contract covers graphs recorded with it); sources are covered by their
+            // `DevicePtr::from_raw` promise until the step ends; the control table and descriptor live as long as
+            // the capture side; a graph batch was checked when the step began.
+            unsafe {
+                cx.kernels.probe_scores_many(stream, n * per_probe, cx.tables.controls, cx.tables.desc, &mut param)
+            }?;
+        }
         if self.entries.is_empty() {
             return Ok(());
         }
@@ -95,7 +126,7 @@ impl Deferred {
     /// [`join`](Self::join) makes the step's stream wait for it. Inside a graph recording the fork and the join are
     /// recorded too.
     pub(super) fn submit(&mut self, cx: &FlushContext<'_>, step_stream: &StreamRef) -> Result<(), DeviceCaptureError> {
-        if self.entries.is_empty() {
+        if self.entries.is_empty() && self.probes.is_empty() {
             return Ok(());
         }
         cx.gpu.bind()?;

@@ -539,6 +539,16 @@ impl DeviceCapture {
             flags,
             flag_slots,
         };
+        if self.options.defer {
+            // Scored with the step's other probes by one kernel when the deferred captures are copied (the engine
+            // keeps the rows unchanged until then, as for every deferred capture), right before its scores are.
+            if self.deferred.is_full() {
+                self.join()?;
+                self.flush_deferred(&stream)?;
+            }
+            self.deferred.note_probe(args);
+            return self.issue_capture(entry, stream);
+        }
         // One block per row, up to eight blocks per SM (a block loops over further rows).
         let grid = src_rows.clamp(1, self.gpu.sms() * 8);
         // SAFETY: the probe's tables and scores buffer live as long as `probe` (and a graph recorded with them must

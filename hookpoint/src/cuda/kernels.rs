@@ -25,7 +25,7 @@ use ringscope_ring::{rowscaled, DType, RecordKind};
 
 use super::controls::{DeviceControl, RowMode, CONTROL_BYTES};
 use super::counters::{counter, COUNTER_WORDS};
-use super::probe::{MAX_PROBE_OUTPUTS, PROBE_CHUNK};
+use super::probe::{MAX_PROBE_OUTPUTS, PROBE_CHUNK, PROBE_UNROLL};
 use super::slots::desc;
 
 /// The capture kernels' source as written (without the generated prelude and layout checks: see [`kernel_source`]).
@@ -40,6 +40,36 @@ pub(super) const THREADS: u32 = 256;
 
 /// Deferred captures one `ringscope_capture_many` kernel takes.
 pub(super) const MAX_MANY: usize = 48;
+
+/// Deferred fused probes one `ringscope_probe_scores_many` kernel takes.
+pub(super) const MAX_PROBE_MANY: usize = 32;
+
+/// Layout of one deferred probe (`struct ProbeEntry`).
+mod probe_entry {
+    pub const SRC: usize = 0;
+    pub const WEIGHTS: usize = 8;
+    pub const BIAS: usize = 16;
+    pub const SCORES: usize = 24;
+    pub const THRESHOLDS: usize = 32;
+    pub const FLAGS: usize = 40;
+    pub const SRC_ROWS: usize = 48;
+    pub const DTYPE: usize = 52;
+    pub const WIDTH: usize = 56;
+    pub const OUTPUTS: usize = 60;
+    pub const HOOKPOINT: usize = 64;
+    pub const FLAG_SLOTS: usize = 68;
+    pub const BYTES: usize = 72;
+}
+
+/// Layout of the `ringscope_probe_scores_many` parameter (`struct ProbeMany`): a `GraphBatch`, a `u32` count (and
+/// 4 bytes of padding), `MAX_PROBE_MANY` entries.
+mod probe_many {
+    use super::{graph_batch, probe_entry, MAX_PROBE_MANY};
+    pub const GRAPH_BATCH: usize = 0;
+    pub const N: usize = graph_batch::BYTES;
+    pub const ENTRIES: usize = N + 8;
+    pub const BYTES: usize = ENTRIES + MAX_PROBE_MANY * probe_entry::BYTES;
+}
 
 /// Layout of the kernels' `GraphBatch` parameter (byte offsets; see [`GraphBatch::param`]).
 mod graph_batch {
@@ -169,6 +199,7 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("GRAPH_BATCH_BYTES", n(graph_batch::BYTES), Int),
         ("ENTRY_BYTES", n(entry::BYTES), Int),
         ("MANY_BYTES", n(many::BYTES), Int),
+        ("MAX_PROBE_MANY", n(MAX_PROBE_MANY), Int),
         ("GB_OFF", GraphRole::Off as u64, Int),
         ("GB_FIRST", GraphRole::First as u64, Int),
         ("GB_LATER", GraphRole::Later as u64, Int),
@@ -178,6 +209,7 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         // Fused probes (super::probe): most outputs, outputs accumulated per pass over a row.
         ("PROBE_MAX_K", MAX_PROBE_OUTPUTS as u64, Int),
         ("PROBE_CHUNK", PROBE_CHUNK as u64, Int),
+        ("PROBE_UNROLL", PROBE_UNROLL as u64, Int),
     ]);
     c
 }
@@ -247,6 +279,23 @@ pub fn layout_checks() -> String {
     check("Many", Some("n"), many::N);
     check("Many", Some("full_mode"), many::FULL_MODE);
     check("Many", Some("e"), many::ENTRIES);
+    check("ProbeEntry", None, probe_entry::BYTES);
+    check("ProbeEntry", Some("src"), probe_entry::SRC);
+    check("ProbeEntry", Some("w"), probe_entry::WEIGHTS);
+    check("ProbeEntry", Some("bias"), probe_entry::BIAS);
+    check("ProbeEntry", Some("out"), probe_entry::SCORES);
+    check("ProbeEntry", Some("thresholds"), probe_entry::THRESHOLDS);
+    check("ProbeEntry", Some("flags"), probe_entry::FLAGS);
+    check("ProbeEntry", Some("src_rows"), probe_entry::SRC_ROWS);
+    check("ProbeEntry", Some("dtype"), probe_entry::DTYPE);
+    check("ProbeEntry", Some("d"), probe_entry::WIDTH);
+    check("ProbeEntry", Some("k"), probe_entry::OUTPUTS);
+    check("ProbeEntry", Some("hookpoint"), probe_entry::HOOKPOINT);
+    check("ProbeEntry", Some("flag_slots"), probe_entry::FLAG_SLOTS);
+    check("ProbeMany", None, probe_many::BYTES);
+    check("ProbeMany", Some("g"), probe_many::GRAPH_BATCH);
+    check("ProbeMany", Some("n"), probe_many::N);
+    check("ProbeMany", Some("e"), probe_many::ENTRIES);
     out
 }
 
@@ -347,6 +396,40 @@ impl ManyParam {
     }
 }
 
+/// The `ringscope_probe_scores_many` parameter (`struct ProbeMany`), as its bytes.
+pub(super) struct ProbeManyParam([u8; probe_many::BYTES]);
+
+impl ProbeManyParam {
+    /// The parameter for `probes` (at most [`MAX_PROBE_MANY`], sharing one control table and descriptor).
+    pub(super) fn new(graph_batch: GraphBatchParam, probes: &[ProbeArgs]) -> ProbeManyParam {
+        assert!(
+            probes.len() <= MAX_PROBE_MANY,
+            "{} deferred probes, at most {MAX_PROBE_MANY} per kernel",
+            probes.len()
+        );
+        let mut p = [0u8; probe_many::BYTES];
+        p[probe_many::GRAPH_BATCH..probe_many::GRAPH_BATCH + graph_batch::BYTES].copy_from_slice(&graph_batch);
+        p[probe_many::N..probe_many::N + 4].copy_from_slice(&(probes.len() as u32).to_le_bytes());
+        for (i, a) in probes.iter().enumerate() {
+            let o = probe_many::ENTRIES + i * probe_entry::BYTES;
+            let mut put = |at: usize, bytes: &[u8]| p[o + at..o + at + bytes.len()].copy_from_slice(bytes);
+            put(probe_entry::SRC, &a.src.to_le_bytes());
+            put(probe_entry::WEIGHTS, &a.weights.to_le_bytes());
+            put(probe_entry::BIAS, &a.bias.to_le_bytes());
+            put(probe_entry::SCORES, &a.scores.to_le_bytes());
+            put(probe_entry::THRESHOLDS, &a.thresholds.to_le_bytes());
+            put(probe_entry::FLAGS, &a.flags.to_le_bytes());
+            put(probe_entry::SRC_ROWS, &a.src_rows.to_le_bytes());
+            put(probe_entry::DTYPE, &a.dtype.to_le_bytes());
+            put(probe_entry::WIDTH, &a.width.to_le_bytes());
+            put(probe_entry::OUTPUTS, &a.outputs.to_le_bytes());
+            put(probe_entry::HOOKPOINT, &a.hookpoint.to_le_bytes());
+            put(probe_entry::FLAG_SLOTS, &a.flag_slots.to_le_bytes());
+        }
+        ProbeManyParam(p)
+    }
+}
+
 /// The arguments both capture kernels start with: ring, capacity, state block, host block, control table,
 /// counters, descriptor.
 #[derive(Debug, Clone, Copy)]
@@ -410,6 +493,7 @@ pub(super) struct Kernels {
     begin_graph: Function,
     capture_many: Function,
     probe: Function,
+    probe_many: Function,
     fill: Function,
     #[cfg_attr(not(feature = "bench-internals"), allow(dead_code))]
     discard: Function,
@@ -444,6 +528,7 @@ impl Kernels {
             begin_graph: module.function("ringscope_begin_step_graph")?,
             capture_many: module.function("ringscope_capture_many")?,
             probe: module.function("ringscope_probe_scores")?,
+            probe_many: module.function("ringscope_probe_scores_many")?,
             fill: module.function("ringscope_fill_pattern")?,
             discard: module.function("ringscope_discard_all")?,
         });
@@ -551,6 +636,28 @@ impl Kernels {
         // SAFETY: the parameter list matches `ringscope_probe_scores` in number, order and size (the `GraphBatch`
         // struct as its 32 bytes, checked by `layout_checks`); the addresses are valid per the caller.
         unsafe { self.probe.launch(grid, THREADS, stream, &mut params) }
+    }
+
+    /// Launches `ringscope_probe_scores_many(controls, desc, ProbeMany)` with `grid` blocks (a multiple of the
+    /// number of probes: block `b` scores rows of probe `b % n`).
+    ///
+    /// # Safety
+    /// As for [`probe_scores`](Self::probe_scores), for every probe in `many`; `controls` and `desc` are the capture
+    /// side's control table and descriptor home.
+    pub(super) unsafe fn probe_scores_many(
+        &self,
+        stream: &StreamRef,
+        grid: u32,
+        controls: u64,
+        desc: u64,
+        many: &mut ProbeManyParam,
+    ) -> Result<(), CudaError> {
+        let (mut controls, mut desc) = (controls, desc);
+        let mut params: [*mut c_void; 3] =
+            [(&mut controls as *mut u64).cast(), (&mut desc as *mut u64).cast(), many.0.as_mut_ptr().cast()];
+        // SAFETY: the parameter list matches `ringscope_probe_scores_many` (the `ProbeMany` struct as its bytes,
+        // laid out as in `probe.cu`, checked by `layout_checks`); the addresses are valid per the caller.
+        unsafe { self.probe_many.launch(grid, THREADS, stream, &mut params) }
     }
 
     /// Launches `ringscope_begin_step(state, host, desc, slot, desc_bytes, begin_index)` with `grid` blocks.

@@ -29,6 +29,10 @@ pub const MAX_PROBE_WIDTH: u32 = 65536;
 /// Outputs the kernel accumulates per pass over a row (registers per thread); more take further passes.
 pub(super) const PROBE_CHUNK: u32 = 16;
 
+/// Elements each thread of the probe kernel loads per pass over a row before using any (so that their loads are in
+/// flight together).
+pub(super) const PROBE_UNROLL: u32 = 4;
+
 /// A linear probe's tables on the device: weights (`f32[outputs × width]`, row-major), bias (`f32[outputs]`),
 /// optional thresholds (`f32[outputs]`) with the flag table they raise flags in, and the buffer its kernel writes the
 /// scores into (`f32[max_rows × outputs]`, row `r` at element `r × outputs`).
