@@ -7,13 +7,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 3 added `stalls` and `stall_ns` at the end of
+// The version of this C ABI, as [`rs_abi_version`] returns it: 4 added the probes (`rs_alert_poll`,
+// `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
+// `rs_probe_count`, `rs_probe_stats`, their structs and constants, the status `RS_NOT_SEEN`, and `dtype` / `row_width`
+// at the end of `rs_hookpoint_snapshot`); 3 added `stalls` and `stall_ns` at the end of
 // `rs_session_snapshot` and `downcast_records` / `downcast_rows` at the end of `rs_hookpoint_snapshot`; 2 added
 // `rs_abi_version`, `rs_session_stats`, `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 3
+#define RS_ABI_VERSION 4
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -119,6 +122,31 @@
 // (records of a hookpoint whose downcast is on, see `rs_set_downcast`).
 #define RS_DTYPE_F8E4M3_ROWSCALED 12
 
+// Bytes of `rs_alert.probe` and `rs_alert.label`, their NUL included. A longer name or label is cut to fit (at a
+// UTF-8 character boundary, so what is there is valid text); `probe_len` / `label_len` give its whole length, so a
+// cut shows: `probe_len >= RS_PROBE_NAME_LEN`. [`rs_probe_stats`] gives whole names.
+#define RS_PROBE_NAME_LEN 64
+
+// The most outputs (weight rows, `K`) a probe has: the length of `rs_probe_report.scores` and the bits of its
+// `alerted` mask.
+#define RS_PROBE_MAX_OUTPUTS 64
+
+// `rs_alert.action`: the probe records an alert.
+#define RS_PROBE_ACTION_ALERT 0
+
+// `rs_alert.action`: the probe records an alert and raises the request's stop flag ([`rs_probe_flags`]).
+#define RS_PROBE_ACTION_STOP 1
+
+// `rs_probe_snapshot.mode`: scored on a thread of the session, from the rows the drain delivers.
+#define RS_PROBE_MODE_CONSUMER 0
+
+// `rs_probe_snapshot.mode`: scored in the capture path (a kernel on the CUDA backend, the engine's thread on the host
+// backend); only the `K` scores per row enter the ring, as hookpoint `probes.<name>`.
+#define RS_PROBE_MODE_FUSED 1
+
+// `rs_probe_snapshot.scores_hookpoint` of a probe without a scores hookpoint (a consumer probe).
+#define RS_NO_HOOKPOINT 4294967295
+
 // Status codes returned by every function.
 enum rs_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -158,6 +186,10 @@ enum rs_status
   // its records would be lost. Close the session (the totals count what was lost). `rs_sink_status` and
   // `rs_sink_failure` tell which sink failed and when, in either mode.
   RS_ERR_SINK = 14,
+  // `rs_probe_request`: the probe has no record of the request — no row of it scored and no step batch naming it
+  // yet, or forgotten (finished with `rs_request_finish`, or evicted past `alerts.max_requests`). Not a failure of
+  // the call: the report is written, with zero coverage and NaN scores, and the message says which (ABI 4).
+  RS_NOT_SEEN = 15,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -284,6 +316,10 @@ typedef struct rs_hookpoint_snapshot {
   uint64_t downcast_records;
   // Rows of those records (ABI 3).
   uint64_t downcast_rows;
+  // The dtype of its rows, `RS_DTYPE_*` (as registered; downcast records say theirs in `rs_record_info`; ABI 4).
+  uint32_t dtype;
+  // Elements per row (ABI 4).
+  uint32_t row_width;
 } rs_hookpoint_snapshot;
 
 // One sink's or subscription's progress and lag (see [`rs_destination_stats`]). Set `struct_size` before the call.
@@ -326,6 +362,94 @@ typedef struct rs_record_info {
   // row, little-endian), then `rows × row_bytes` bytes of rows.
   uint64_t needed;
 } rs_record_info;
+
+// One alert (see [`rs_alert_poll`]): a probe's aggregated score for a request reached its threshold. An alert is
+// raised once per request, probe and output — never a storm. Set `struct_size` before the call.
+typedef struct rs_alert {
+  // In: `sizeof(rs_alert)` as the caller knows it. Out: the bytes the library filled.
+  uint32_t struct_size;
+  // `RS_PROBE_ACTION_*`. With `RS_PROBE_ACTION_STOP` the request's stop flag was raised before the alert was
+  // queued: whoever reads the alert finds the flag up.
+  uint32_t action;
+  // The output (row of the probe's weight matrix) that reached its threshold.
+  uint32_t output;
+  // The position in its request of the token whose score made the aggregate reach the threshold.
+  uint32_t position;
+  // The request.
+  uint64_t request_id;
+  // The step of that token.
+  uint64_t step;
+  // The aggregated score (per the probe's `aggregate`) that reached the threshold.
+  float score;
+  // That token's own score.
+  float token_score;
+  // The threshold.
+  float threshold;
+  // Bytes of the probe's whole name (without a NUL); `probe` holds all of it when this is below
+  // `RS_PROBE_NAME_LEN`.
+  uint32_t probe_len;
+  // Bytes of the output's whole label (without a NUL).
+  uint32_t label_len;
+  // Reserved (0).
+  uint32_t reserved;
+  // The probe's name, NUL-terminated; cut to `RS_PROBE_NAME_LEN - 1` bytes at most (see `probe_len`).
+  char probe[RS_PROBE_NAME_LEN];
+  // The output's label (its index as text when the probe names none), NUL-terminated; cut like `probe`.
+  char label[RS_PROBE_NAME_LEN];
+} rs_alert;
+
+// What one probe has seen of one request (see [`rs_probe_request`]): its aggregated scores, which outputs have
+// alerted, and its coverage — the rows it scored and the rows it did not see, so that "not observed" is never
+// read as "safe". Set `struct_size` before the call.
+typedef struct rs_probe_report {
+  // In: `sizeof(rs_probe_report)` as the caller knows it. Out: the bytes the library filled.
+  uint32_t struct_size;
+  // `K`, the probe's outputs: `scores[0..outputs]` are its scores (0 when the request was not seen).
+  uint32_t outputs;
+  // The request.
+  uint64_t request_id;
+  // Bit `k` set: output `k` has alerted for this request.
+  uint64_t alerted;
+  // The last step a row of the request was scored at (when `scored > 0`; 0 otherwise).
+  uint64_t last_step;
+  // Rows of the request the probe scored.
+  uint64_t scored;
+  // Of those, rows whose score was NaN (a NaN activation): reported here, never aggregated nor alerted on.
+  uint64_t nan;
+  // Rows the engine ran for the request, as its step batches said (0 when no batch named it, e.g. steps begun
+  // inside a CUDA graph: then the span of the positions scored stands in for `unobserved`).
+  uint64_t expected;
+  // Rows of the request the probe did not see: sampled out, dropped, cut by a policy rung, not selected.
+  uint64_t unobserved;
+  // Per output, the aggregated score so far (NaN while no row was scored, and past `outputs`).
+  float scores[RS_PROBE_MAX_OUTPUTS];
+} rs_probe_report;
+
+// One probe's totals (see [`rs_probe_stats`]). Set `struct_size` before the call.
+typedef struct rs_probe_snapshot {
+  // In: `sizeof(rs_probe_snapshot)` as the caller knows it. Out: the bytes the library filled.
+  uint32_t struct_size;
+  // `RS_PROBE_MODE_*`.
+  uint32_t mode;
+  // Id of the hookpoint it reads (`rs_hookpoint_stats` names it).
+  uint32_t hookpoint;
+  // A fused probe: id of the hookpoint its scores are captured as (`probes.<name>`, `K` f32 per row, exported
+  // like any hookpoint); `RS_NO_HOOKPOINT` for a consumer probe.
+  uint32_t scores_hookpoint;
+  // Bytes of its name (without the NUL); the name is written to the caller's buffer.
+  uint32_t name_len;
+  // Reserved (0).
+  uint32_t reserved;
+  // Rows scored.
+  uint64_t rows;
+  // Rows with a NaN score.
+  uint64_t nan_rows;
+  // Alerts raised (all of them: those dropped from the full alerts queue too).
+  uint64_t alerts;
+  // Requests forgotten to stay within `alerts.max_requests` (an engine that calls `rs_request_finish` for every
+  // finished request needs none).
+  uint64_t evicted_requests;
+} rs_probe_snapshot;
 
 #ifdef __cplusplus
 extern "C" {
@@ -631,6 +755,107 @@ rs_status rs_poll(uint64_t subscription,
 // another thread waits in [`rs_poll`] on the same subscription: that call wakes and returns `RS_ERR_CLOSED`, and no
 // poll returns a record once this has returned. Closing twice is harmless.
 rs_status rs_subscription_close(uint64_t subscription);
+
+// Waits up to `timeout_ms` for the session's next probe alert and writes it to `out` (set `out->struct_size =
+// sizeof(rs_alert)` first). Alerts come in the order they were raised, from one queue (`alerts.queue` long: alerts
+// that find it full are counted by [`rs_alerts_dropped`], and the requests' reports still say they alerted); every
+// caller takes from the same queue. `RS_ERR_TIMEOUT`: no alert came in time (0 ms: none was waiting).
+// `RS_ERR_CONFIG`: the session has no probes. On a closed session's handle it returns the alerts not yet taken —
+// those raised while the session drained its last records included —, then `RS_ERR_ENDED`; a call waiting when
+// another thread closes the session returns the same way.
+//
+// # Safety
+// `out` is valid for reads and writes of the `struct_size` bytes it announces.
+rs_status rs_alert_poll(uint64_t session_handle,
+                        uint32_t timeout_ms,
+                        struct rs_alert *out);
+
+// Writes to `out` how many alerts found the alerts queue full (`alerts.queue`) and were not queued; their requests'
+// reports still say they alerted, and their stop flags were raised. 0 for a session without probes. Answers on a
+// closed session's handle too (the final count).
+//
+// # Safety
+// `out` is writable.
+rs_status rs_alerts_dropped(uint64_t session_handle,
+                            uint64_t *out);
+
+// What probe `probe_name` has seen of request `request_id` so far — its aggregated score per output, which outputs
+// have alerted, and its coverage (rows scored, NaN rows, rows the engine ran, rows the probe never saw) — written to
+// `out` (set `out->struct_size = sizeof(rs_probe_report)` first). The probes score on their own thread: call
+// [`rs_probes_wait`] first to count every row captured so far. `RS_NOT_SEEN` (not a failure; `out` is written with
+// zero coverage and NaN scores): the probe has no record of the request. `RS_ERR_INVALID_ARGUMENT`: no probe has
+// that name (the message lists them). `RS_ERR_CONFIG`: the session has no probes.
+//
+// # Safety
+// `probe_name` is NUL-terminated; `out` is valid for reads and writes of the `struct_size` bytes it announces.
+rs_status rs_probe_request(uint64_t session_handle,
+                           const char *probe_name,
+                           uint64_t request_id,
+                           struct rs_probe_report *out);
+
+// The engine has finished request `request_id`: every probe forgets it (its last report is gone: read it with
+// [`rs_probe_request`] first, after [`rs_probes_wait`] so that every row counts) and its stop flag is lowered.
+// Call it for every finished request, so that probes never need to evict live ones (`alerts.max_requests`).
+// `RS_OK` too when no probe saw the request, or the session has no probes.
+rs_status rs_request_finish(uint64_t session_handle,
+                            uint64_t request_id);
+
+// Writes to `out` whether a probe with `action = "stop"` has raised request `request_id`'s stop flag (false for a
+// session without probes). The same answer as reading the table of [`rs_probe_flags`] yourself; the flag stays up
+// until [`rs_request_finish`].
+//
+// # Safety
+// `out` is writable.
+rs_status rs_is_flagged(uint64_t session_handle,
+                        uint64_t request_id,
+                        bool *out);
+
+// Writes the host address of the session's stop-flag table to `slots` and its number of slots (`alerts.flag_slots`)
+// to `len`. An engine checks request `R` without calling ringscope: it is flagged when `slots[R % len] == R + 1`
+// (little-endian `uint64_t`s, written with release ordering: read them with an atomic or volatile load). Two
+// flagged requests that share a slot keep only the later one in the table (the alerts still name both): size the
+// table above the engine's live requests, or use batch-slot indices as request ids; request `UINT64_MAX` cannot be
+// flagged. On the CUDA backend the table is pinned host memory mapped into the device, so a kernel of the engine
+// can read it with one load and no host synchronisation; its device address comes with the GPU probes' calls (this
+// call gives the host address). `*slots` stays valid until the session is closed (the table is kept with the closed
+// handle, so a reader that outlives it never reads freed host memory; the flags are no longer raised then).
+// `RS_ERR_CONFIG`: the session has no probes.
+//
+// # Safety
+// `slots` and `len` are writable.
+rs_status rs_probe_flags(uint64_t session_handle,
+                         const uint64_t **slots,
+                         size_t *len);
+
+// Waits until every record captured so far has been drained and the probes have scored every row delivered to
+// them, up to `timeout_ms`; then reports, flags and alerts reflect every step that has ended. `RS_ERR_TIMEOUT` if
+// that did not happen in time. Like [`rs_flush`] it first waits for every captured record to be exported or
+// dropped: with a Parquet or Arrow IPC sink that is when the record's file is committed (at rotation or close).
+// `RS_ERR_CONFIG`: the session has no probes.
+rs_status rs_probes_wait(uint64_t session_handle,
+                         uint32_t timeout_ms);
+
+// Writes the number of the session's probes to `out` (0 without probes; indices `0..count` for
+// [`rs_probe_stats`], in configuration order). Answers on a closed session's handle too.
+//
+// # Safety
+// `out` is writable.
+rs_status rs_probe_count(uint64_t session_handle, uint32_t *out);
+
+// Writes probe `index`'s totals — mode, the hookpoints it reads and writes, rows scored, NaN rows, alerts, evicted
+// requests — to `out` (set `out->struct_size = sizeof(rs_probe_snapshot)` first) and its name, NUL-terminated, to
+// `name` (`index < ` [`rs_probe_count`], in configuration order). `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and
+// `out->name_len + 1` says how large `name` must be. `RS_ERR_INVALID_ARGUMENT`: no probe has that index. Answers on
+// a closed session's handle too (the final totals).
+//
+// # Safety
+// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+// writes (may be null when `name_cap` is 0).
+rs_status rs_probe_stats(uint64_t session_handle,
+                         uint32_t index,
+                         struct rs_probe_snapshot *out,
+                         char *name,
+                         size_t name_cap);
 
 #ifdef __cplusplus
 }  // extern "C"

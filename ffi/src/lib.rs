@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use ringscope_api::cuda::{DevicePtr, GraphBatch, StreamRef};
+use ringscope_api::probe::{Action, AlertReceiver, Flags, ProbeStats, RequestReport};
 use ringscope_api::{
     AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DestinationKind, DropReason, Error, Filter,
     HookPointSpec, Mode, Record, RowSelection, Session, SinkFailure, SiteKind, Subscription,
@@ -70,6 +71,10 @@ pub enum RsStatus {
     /// its records would be lost. Close the session (the totals count what was lost). `rs_sink_status` and
     /// `rs_sink_failure` tell which sink failed and when, in either mode.
     RsErrSink = 14,
+    /// `rs_probe_request`: the probe has no record of the request — no row of it scored and no step batch naming it
+    /// yet, or forgotten (finished with `rs_request_finish`, or evicted past `alerts.max_requests`). Not a failure of
+    /// the call: the report is written, with zero coverage and NaN scores, and the message says which (ABI 4).
+    RsNotSeen = 15,
 }
 
 /// The health of a session's sinks (see [`rs_sink_status`]).
@@ -143,13 +148,16 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 3 added `stalls` and `stall_ns` at the end of
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 4 added the probes (`rs_alert_poll`,
+/// `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
+/// `rs_probe_count`, `rs_probe_stats`, their structs and constants, the status `RS_NOT_SEEN`, and `dtype` / `row_width`
+/// at the end of `rs_hookpoint_snapshot`); 3 added `stalls` and `stall_ns` at the end of
 /// `rs_session_snapshot` and `downcast_records` / `downcast_rows` at the end of `rs_hookpoint_snapshot`; 2 added
 /// `rs_abi_version`, `rs_session_stats`, `rs_hookpoint_stats`, `rs_destination_stats` and `rs_metrics_text` (1: the
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 3;
+pub const RS_ABI_VERSION: u32 = 4;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -246,6 +254,10 @@ pub struct RsHookPointSnapshot {
     pub downcast_records: u64,
     /// Rows of those records (ABI 3).
     pub downcast_rows: u64,
+    /// The dtype of its rows, `RS_DTYPE_*` (as registered; downcast records say theirs in `rs_record_info`; ABI 4).
+    pub dtype: u32,
+    /// Elements per row (ABI 4).
+    pub row_width: u32,
 }
 
 /// One sink's or subscription's progress and lag (see [`rs_destination_stats`]). Set `struct_size` before the call.
@@ -338,8 +350,8 @@ pub const RS_DTYPE_F8E4M3_ROWSCALED: u32 = 12;
 
 enum Entry {
     Session(Arc<Session>),
-    /// Keeps the session's sink failures, which stay answerable after close.
-    ClosedSession(Arc<[SinkFailure]>),
+    /// What a closed session still answers: its sink failures, its probes' last alerts and counts.
+    ClosedSession(Arc<Closed>),
     Subscription(Arc<Subscription>),
     ClosedSubscription,
 }
@@ -551,7 +563,11 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
                 ))
             }
         }
-        let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession(Arc::new([]))) else {
+        let Some(Entry::Session(open)) = map.get(&session_handle) else { unreachable!() };
+        // While it closes, the handle already answers as closed: its probes' alerts stay pollable (the drain's last
+        // records may still raise some), with the counts so far.
+        let closing = Closed { failures: Arc::new([]), probes: ClosedProbes::of(open) };
+        let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession(Arc::new(closing))) else {
             unreachable!()
         };
         drop(map);
@@ -578,8 +594,10 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
             }
             Err(e) => Err(e.into()),
         };
-        // Failures are final once the sinks are closed: keep them for rs_sink_status on the closed handle.
-        handles().map.lock().insert(session_handle, Entry::ClosedSession(s.sink_failures().into()));
+        // Failures are final once the sinks are closed: keep them for rs_sink_status on the closed handle, and the
+        // probes' final counts, the alerts not yet polled and the flag table with them.
+        let closed = Closed { failures: s.sink_failures().into(), probes: ClosedProbes::of(&s) };
+        handles().map.lock().insert(session_handle, Entry::ClosedSession(Arc::new(closed)));
         result
     })
 }
@@ -975,7 +993,7 @@ pub extern "C" fn rs_flush(session_handle: u64, timeout_ms: u32) -> RsStatus {
 /// The sink failures of an open or closed session.
 fn sink_failures(handle: u64) -> Result<Arc<[SinkFailure]>, Failure> {
     match handles().map.lock().get(&handle) {
-        Some(Entry::ClosedSession(f)) => Ok(f.clone()),
+        Some(Entry::ClosedSession(c)) => Ok(c.failures.clone()),
         Some(Entry::Session(s)) => Ok(s.sink_failures().into()),
         Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
             Err(Failure(RsStatus::RsErrInvalidHandle, format!("handle {handle:#x} is a subscription, not a session")))
@@ -1074,6 +1092,26 @@ pub extern "C" fn rs_abi_version() -> u32 {
 /// # Safety
 /// `out` is null or valid for reads and writes of the `struct_size` bytes its first `u32` announces.
 unsafe fn write_sized<T: Copy>(out: *mut T, value: T, oldest: usize, what: &str, c_name: &str) -> Result<(), Failure> {
+    // SAFETY: per the contract.
+    let announced = unsafe { check_sized(out, oldest, what, c_name) }?;
+    let ours = std::mem::size_of::<T>();
+    let filled = announced.min(ours);
+    // SAFETY: the caller's struct holds at least `announced ≥ filled` bytes, per the contract; `value` is a plain
+    // `repr(C)` struct of `ours ≥ filled` bytes, and its first `filled` bytes are whole fields (versions end at field
+    // boundaries).
+    unsafe {
+        std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), out.cast::<u8>(), filled);
+        out.cast::<u32>().write(filled as u32);
+    }
+    Ok(())
+}
+
+/// Checks the caller's struct `out` before anything is written to it (or taken for it, like an alert): non-null,
+/// aligned, and its `struct_size` at least `oldest`. Returns the size it announces.
+///
+/// # Safety
+/// As for [`write_sized`].
+unsafe fn check_sized<T>(out: *mut T, oldest: usize, what: &str, c_name: &str) -> Result<usize, Failure> {
     out_arg(out, what)?;
     if (out as usize) % std::mem::align_of::<T>() != 0 {
         return Err(invalid(format!("{what} is not aligned for {c_name}")));
@@ -1087,15 +1125,7 @@ unsafe fn write_sized<T: Copy>(out: *mut T, value: T, oldest: usize, what: &str,
              was built with; at least {oldest}) before the call"
         )));
     }
-    let filled = announced.min(ours);
-    // SAFETY: the caller's struct holds at least `announced ≥ filled` bytes, per the contract; `value` is a plain
-    // `repr(C)` struct of `ours ≥ filled` bytes, and its first `filled` bytes are whole fields (versions end at field
-    // boundaries).
-    unsafe {
-        std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), out.cast::<u8>(), filled);
-        out.cast::<u32>().write(filled as u32);
-    }
-    Ok(())
+    Ok(announced)
 }
 
 /// Size of `rs_session_snapshot` in ABI 2 (before `stalls`).
@@ -1167,7 +1197,7 @@ pub unsafe extern "C" fn rs_hookpoint_stats(
     ffi(|| {
         out_arg(out, "out")?;
         let s = session(session_handle)?;
-        s.hookpoint_by_id(hookpoint)?;
+        let spec = s.hookpoint_by_id(hookpoint)?.spec().clone();
         let st = s.stats();
         let Some(h) = st.hookpoints.iter().find(|h| h.id == hookpoint) else {
             return Err(invalid(format!("no hookpoint with id {hookpoint}")));
@@ -1190,6 +1220,8 @@ pub unsafe extern "C" fn rs_hookpoint_stats(
             rung,
             downcast_records: h.counters.downcast.records,
             downcast_rows: h.counters.downcast.rows,
+            dtype: u32::from(spec.dtype.code()),
+            row_width: spec.row_width,
         };
         // SAFETY: per the contract.
         unsafe { write_sized(out, value, HOOKPOINT_SNAPSHOT_V2, "out", "rs_hookpoint_snapshot") }?;
@@ -1436,6 +1468,537 @@ pub extern "C" fn rs_subscription_close(subscription: u64) -> RsStatus {
                 format!("{subscription:#x} is not an open ringscope subscription handle"),
             )),
         }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Probes (`[[probes]]` in the configuration; ABI 4).
+
+/// Bytes of `rs_alert.probe` and `rs_alert.label`, their NUL included. A longer name or label is cut to fit (at a
+/// UTF-8 character boundary, so what is there is valid text); `probe_len` / `label_len` give its whole length, so a
+/// cut shows: `probe_len >= RS_PROBE_NAME_LEN`. [`rs_probe_stats`] gives whole names.
+pub const RS_PROBE_NAME_LEN: usize = 64;
+/// The most outputs (weight rows, `K`) a probe has: the length of `rs_probe_report.scores` and the bits of its
+/// `alerted` mask.
+pub const RS_PROBE_MAX_OUTPUTS: usize = 64;
+/// `rs_alert.action`: the probe records an alert.
+pub const RS_PROBE_ACTION_ALERT: u32 = 0;
+/// `rs_alert.action`: the probe records an alert and raises the request's stop flag ([`rs_probe_flags`]).
+pub const RS_PROBE_ACTION_STOP: u32 = 1;
+/// `rs_probe_snapshot.mode`: scored on a thread of the session, from the rows the drain delivers.
+pub const RS_PROBE_MODE_CONSUMER: u32 = 0;
+/// `rs_probe_snapshot.mode`: scored in the capture path (a kernel on the CUDA backend, the engine's thread on the host
+/// backend); only the `K` scores per row enter the ring, as hookpoint `probes.<name>`.
+pub const RS_PROBE_MODE_FUSED: u32 = 1;
+/// `rs_probe_snapshot.scores_hookpoint` of a probe without a scores hookpoint (a consumer probe).
+pub const RS_NO_HOOKPOINT: u32 = 0xFFFF_FFFF;
+
+/// One alert (see [`rs_alert_poll`]): a probe's aggregated score for a request reached its threshold. An alert is
+/// raised once per request, probe and output — never a storm. Set `struct_size` before the call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RsAlert {
+    /// In: `sizeof(rs_alert)` as the caller knows it. Out: the bytes the library filled.
+    pub struct_size: u32,
+    /// `RS_PROBE_ACTION_*`. With `RS_PROBE_ACTION_STOP` the request's stop flag was raised before the alert was
+    /// queued: whoever reads the alert finds the flag up.
+    pub action: u32,
+    /// The output (row of the probe's weight matrix) that reached its threshold.
+    pub output: u32,
+    /// The position in its request of the token whose score made the aggregate reach the threshold.
+    pub position: u32,
+    /// The request.
+    pub request_id: u64,
+    /// The step of that token.
+    pub step: u64,
+    /// The aggregated score (per the probe's `aggregate`) that reached the threshold.
+    pub score: f32,
+    /// That token's own score.
+    pub token_score: f32,
+    /// The threshold.
+    pub threshold: f32,
+    /// Bytes of the probe's whole name (without a NUL); `probe` holds all of it when this is below
+    /// `RS_PROBE_NAME_LEN`.
+    pub probe_len: u32,
+    /// Bytes of the output's whole label (without a NUL).
+    pub label_len: u32,
+    /// Reserved (0).
+    pub reserved: u32,
+    /// The probe's name, NUL-terminated; cut to `RS_PROBE_NAME_LEN - 1` bytes at most (see `probe_len`).
+    pub probe: [c_char; RS_PROBE_NAME_LEN],
+    /// The output's label (its index as text when the probe names none), NUL-terminated; cut like `probe`.
+    pub label: [c_char; RS_PROBE_NAME_LEN],
+}
+
+impl Default for RsAlert {
+    fn default() -> Self {
+        RsAlert {
+            struct_size: 0,
+            action: 0,
+            output: 0,
+            position: 0,
+            request_id: 0,
+            step: 0,
+            score: 0.0,
+            token_score: 0.0,
+            threshold: 0.0,
+            probe_len: 0,
+            label_len: 0,
+            reserved: 0,
+            probe: [0; RS_PROBE_NAME_LEN],
+            label: [0; RS_PROBE_NAME_LEN],
+        }
+    }
+}
+
+/// What one probe has seen of one request (see [`rs_probe_request`]): its aggregated scores, which outputs have
+/// alerted, and its coverage — the rows it scored and the rows it did not see, so that "not observed" is never
+/// read as "safe". Set `struct_size` before the call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RsProbeReport {
+    /// In: `sizeof(rs_probe_report)` as the caller knows it. Out: the bytes the library filled.
+    pub struct_size: u32,
+    /// `K`, the probe's outputs: `scores[0..outputs]` are its scores (0 when the request was not seen).
+    pub outputs: u32,
+    /// The request.
+    pub request_id: u64,
+    /// Bit `k` set: output `k` has alerted for this request.
+    pub alerted: u64,
+    /// The last step a row of the request was scored at (when `scored > 0`; 0 otherwise).
+    pub last_step: u64,
+    /// Rows of the request the probe scored.
+    pub scored: u64,
+    /// Of those, rows whose score was NaN (a NaN activation): reported here, never aggregated nor alerted on.
+    pub nan: u64,
+    /// Rows the engine ran for the request, as its step batches said (0 when no batch named it, e.g. steps begun
+    /// inside a CUDA graph: then the span of the positions scored stands in for `unobserved`).
+    pub expected: u64,
+    /// Rows of the request the probe did not see: sampled out, dropped, cut by a policy rung, not selected.
+    pub unobserved: u64,
+    /// Per output, the aggregated score so far (NaN while no row was scored, and past `outputs`).
+    pub scores: [f32; RS_PROBE_MAX_OUTPUTS],
+}
+
+impl Default for RsProbeReport {
+    fn default() -> Self {
+        RsProbeReport {
+            struct_size: 0,
+            outputs: 0,
+            request_id: 0,
+            alerted: 0,
+            last_step: 0,
+            scored: 0,
+            nan: 0,
+            expected: 0,
+            unobserved: 0,
+            scores: [f32::NAN; RS_PROBE_MAX_OUTPUTS],
+        }
+    }
+}
+
+/// One probe's totals (see [`rs_probe_stats`]). Set `struct_size` before the call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RsProbeSnapshot {
+    /// In: `sizeof(rs_probe_snapshot)` as the caller knows it. Out: the bytes the library filled.
+    pub struct_size: u32,
+    /// `RS_PROBE_MODE_*`.
+    pub mode: u32,
+    /// Id of the hookpoint it reads (`rs_hookpoint_stats` names it).
+    pub hookpoint: u32,
+    /// A fused probe: id of the hookpoint its scores are captured as (`probes.<name>`, `K` f32 per row, exported
+    /// like any hookpoint); `RS_NO_HOOKPOINT` for a consumer probe.
+    pub scores_hookpoint: u32,
+    /// Bytes of its name (without the NUL); the name is written to the caller's buffer.
+    pub name_len: u32,
+    /// Reserved (0).
+    pub reserved: u32,
+    /// Rows scored.
+    pub rows: u64,
+    /// Rows with a NaN score.
+    pub nan_rows: u64,
+    /// Alerts raised (all of them: those dropped from the full alerts queue too).
+    pub alerts: u64,
+    /// Requests forgotten to stay within `alerts.max_requests` (an engine that calls `rs_request_finish` for every
+    /// finished request needs none).
+    pub evicted_requests: u64,
+}
+
+/// What a closed session still answers about its probes: the alerts not yet polled (those raised while the drain
+/// delivered its last records too), its final counts, and its flag table (kept, so that a pointer from
+/// [`rs_probe_flags`] read after close reads the last flags, never freed memory).
+struct ClosedProbes {
+    alerts: AlertReceiver,
+    _flags: Arc<Flags>,
+    stats: Vec<(RsProbeSnapshot, String)>,
+    alerts_dropped: u64,
+}
+
+impl ClosedProbes {
+    fn of(s: &Session) -> Option<ClosedProbes> {
+        Some(ClosedProbes {
+            alerts: s.alerts().ok()?,
+            _flags: s.probe_flags()?,
+            stats: probe_stats(s),
+            alerts_dropped: s.alerts_dropped(),
+        })
+    }
+}
+
+/// What a closed session's handle still answers.
+struct Closed {
+    failures: Arc<[SinkFailure]>,
+    probes: Option<ClosedProbes>,
+}
+
+/// An open session, or what a closed one left.
+enum Probed {
+    Open(Arc<Session>),
+    Closed(Arc<Closed>),
+}
+
+fn session_or_closed(handle: u64) -> Result<Probed, Failure> {
+    let found = match handles().map.lock().get(&handle) {
+        Some(Entry::Session(s)) => Some(Probed::Open(s.clone())),
+        Some(Entry::ClosedSession(c)) => Some(Probed::Closed(c.clone())),
+        _ => None,
+    };
+    match found {
+        Some(p) => Ok(p),
+        // Not a session: `session` says what it is (after the lock above is released).
+        None => session(handle).map(Probed::Open),
+    }
+}
+
+fn no_probes() -> Failure {
+    Failure(
+        RsStatus::RsErrConfig,
+        "the session has no probes: configure them with [[probes]] in its configuration (name, hookpoint, weights, \
+         threshold)"
+            .into(),
+    )
+}
+
+/// Each probe's totals and name, in configuration order.
+fn probe_stats(s: &Session) -> Vec<(RsProbeSnapshot, String)> {
+    let id = |name: &str| s.hookpoint(name).map_or(RS_NO_HOOKPOINT, |h| h.id());
+    s.probe_stats()
+        .into_iter()
+        .map(|p: ProbeStats| {
+            let fused = p.mode == "fused";
+            let stats = RsProbeSnapshot {
+                struct_size: 0,
+                mode: if fused { RS_PROBE_MODE_FUSED } else { RS_PROBE_MODE_CONSUMER },
+                hookpoint: id(&p.hookpoint),
+                scores_hookpoint: if fused {
+                    id(&ringscope_api::probe::scores_hookpoint(&p.name))
+                } else {
+                    RS_NO_HOOKPOINT
+                },
+                name_len: u32::try_from(p.name.len()).unwrap_or(u32::MAX),
+                reserved: 0,
+                rows: p.rows,
+                nan_rows: p.nan_rows,
+                alerts: p.alerts,
+                evicted_requests: p.evicted_requests,
+            };
+            (stats, p.name)
+        })
+        .collect()
+}
+
+/// `text` as a NUL-terminated array of `N` bytes, cut at a UTF-8 character boundary to fit (NULs become spaces),
+/// and its whole length.
+fn fixed_text<const N: usize>(text: &str) -> ([c_char; N], u32) {
+    let mut out = [0 as c_char; N];
+    let mut end = text.len().min(N - 1);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    for (dst, b) in out.iter_mut().zip(text[..end].bytes()) {
+        *dst = (if b == 0 { b' ' } else { b }) as c_char;
+    }
+    (out, u32::try_from(text.len()).unwrap_or(u32::MAX))
+}
+
+/// Waits up to `timeout_ms` for the session's next probe alert and writes it to `out` (set `out->struct_size =
+/// sizeof(rs_alert)` first). Alerts come in the order they were raised, from one queue (`alerts.queue` long: alerts
+/// that find it full are counted by [`rs_alerts_dropped`], and the requests' reports still say they alerted); every
+/// caller takes from the same queue. `RS_ERR_TIMEOUT`: no alert came in time (0 ms: none was waiting).
+/// `RS_ERR_CONFIG`: the session has no probes. On a closed session's handle it returns the alerts not yet taken —
+/// those raised while the session drained its last records included —, then `RS_ERR_ENDED`; a call waiting when
+/// another thread closes the session returns the same way.
+///
+/// # Safety
+/// `out` is valid for reads and writes of the `struct_size` bytes it announces.
+#[no_mangle]
+pub unsafe extern "C" fn rs_alert_poll(session_handle: u64, timeout_ms: u32, out: *mut RsAlert) -> RsStatus {
+    ffi(|| {
+        // Checked before an alert is taken from the queue: a bad `out` must not lose one.
+        // SAFETY: per the contract.
+        unsafe { check_sized(out, size_of::<RsAlert>(), "out", "rs_alert") }?;
+        let alerts = match session_or_closed(session_handle)? {
+            Probed::Open(s) => s.alerts().map_err(|_| no_probes())?,
+            Probed::Closed(c) => match &c.probes {
+                Some(p) => p.alerts.clone(),
+                None => return Err(Failure(RsStatus::RsErrClosed, "the session is closed (it had no probes)".into())),
+            },
+        };
+        let a = match alerts.recv_timeout(Duration::from_millis(timeout_ms as u64)) {
+            Ok(a) => a,
+            Err(e) if e.is_timeout() => {
+                return Err(Failure(RsStatus::RsErrTimeout, format!("no alert came within {timeout_ms} ms")))
+            }
+            // The probes' thread has ended (the session closed) and the queue is empty.
+            Err(_) => {
+                return Err(Failure(RsStatus::RsErrEnded, "the session is closed and every alert was delivered".into()))
+            }
+        };
+        let (probe, probe_len) = fixed_text::<RS_PROBE_NAME_LEN>(&a.probe);
+        let (label, label_len) = fixed_text::<RS_PROBE_NAME_LEN>(&a.label);
+        let value = RsAlert {
+            struct_size: 0,
+            action: match a.action {
+                Action::Alert => RS_PROBE_ACTION_ALERT,
+                Action::Stop => RS_PROBE_ACTION_STOP,
+            },
+            output: a.output,
+            position: a.position,
+            request_id: a.request_id,
+            step: a.step,
+            score: a.score,
+            token_score: a.token_score,
+            threshold: a.threshold,
+            probe_len,
+            label_len,
+            reserved: 0,
+            probe,
+            label,
+        };
+        // SAFETY: per the contract.
+        unsafe { write_sized(out, value, size_of::<RsAlert>(), "out", "rs_alert") }
+    })
+}
+
+/// Writes to `out` how many alerts found the alerts queue full (`alerts.queue`) and were not queued; their requests'
+/// reports still say they alerted, and their stop flags were raised. 0 for a session without probes. Answers on a
+/// closed session's handle too (the final count).
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_alerts_dropped(session_handle: u64, out: *mut u64) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let dropped = match session_or_closed(session_handle)? {
+            Probed::Open(s) => s.alerts_dropped(),
+            Probed::Closed(c) => c.probes.as_ref().map_or(0, |p| p.alerts_dropped),
+        };
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *out = dropped };
+        Ok(())
+    })
+}
+
+fn report_value(r: &RequestReport) -> RsProbeReport {
+    let mut scores = [f32::NAN; RS_PROBE_MAX_OUTPUTS];
+    for (dst, &v) in scores.iter_mut().zip(&r.scores) {
+        *dst = v;
+    }
+    RsProbeReport {
+        struct_size: 0,
+        outputs: r.scores.len() as u32,
+        request_id: r.request_id,
+        alerted: r.alerted.iter().enumerate().filter(|(_, &a)| a).fold(0u64, |m, (k, _)| m | 1 << k),
+        last_step: r.last_step.unwrap_or(0),
+        scored: r.coverage.scored,
+        nan: r.coverage.nan,
+        expected: r.coverage.expected,
+        unobserved: r.coverage.unobserved,
+        scores,
+    }
+}
+
+/// What probe `probe_name` has seen of request `request_id` so far — its aggregated score per output, which outputs
+/// have alerted, and its coverage (rows scored, NaN rows, rows the engine ran, rows the probe never saw) — written to
+/// `out` (set `out->struct_size = sizeof(rs_probe_report)` first). The probes score on their own thread: call
+/// [`rs_probes_wait`] first to count every row captured so far. `RS_NOT_SEEN` (not a failure; `out` is written with
+/// zero coverage and NaN scores): the probe has no record of the request. `RS_ERR_INVALID_ARGUMENT`: no probe has
+/// that name (the message lists them). `RS_ERR_CONFIG`: the session has no probes.
+///
+/// # Safety
+/// `probe_name` is NUL-terminated; `out` is valid for reads and writes of the `struct_size` bytes it announces.
+#[no_mangle]
+pub unsafe extern "C" fn rs_probe_request(
+    session_handle: u64,
+    probe_name: *const c_char,
+    request_id: u64,
+    out: *mut RsProbeReport,
+) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per the contract.
+        unsafe { check_sized(out, size_of::<RsProbeReport>(), "out", "rs_probe_report") }?;
+        let s = session(session_handle)?;
+        // SAFETY: per the contract.
+        let name = unsafe { str_arg(probe_name, "probe_name") }?;
+        if s.probe_flags().is_none() {
+            return Err(no_probes());
+        }
+        let report = match s.probe_request(name, request_id) {
+            Ok(r) => r,
+            Err(Error::Config(m)) => return Err(invalid(format!("probe_name: {m}"))),
+            Err(e) => return Err(e.into()),
+        };
+        let (value, seen) = match &report {
+            Some(r) => (report_value(r), true),
+            None => (RsProbeReport { request_id, ..RsProbeReport::default() }, false),
+        };
+        // SAFETY: per the contract.
+        unsafe { write_sized(out, value, size_of::<RsProbeReport>(), "out", "rs_probe_report") }?;
+        if !seen {
+            return Err(Failure(
+                RsStatus::RsNotSeen,
+                format!(
+                    "probe `{name}` has no record of request {request_id}: no row of it scored and no step batch \
+                     naming it yet, or forgotten (finished, or evicted past alerts.max_requests)"
+                ),
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// The engine has finished request `request_id`: every probe forgets it (its last report is gone: read it with
+/// [`rs_probe_request`] first, after [`rs_probes_wait`] so that every row counts) and its stop flag is lowered.
+/// Call it for every finished request, so that probes never need to evict live ones (`alerts.max_requests`).
+/// `RS_OK` too when no probe saw the request, or the session has no probes.
+#[no_mangle]
+pub extern "C" fn rs_request_finish(session_handle: u64, request_id: u64) -> RsStatus {
+    ffi(|| {
+        session(session_handle)?.finish_request(request_id);
+        Ok(())
+    })
+}
+
+/// Writes to `out` whether a probe with `action = "stop"` has raised request `request_id`'s stop flag (false for a
+/// session without probes). The same answer as reading the table of [`rs_probe_flags`] yourself; the flag stays up
+/// until [`rs_request_finish`].
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_is_flagged(session_handle: u64, request_id: u64, out: *mut bool) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let flagged = session(session_handle)?.is_flagged(request_id);
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *out = flagged };
+        Ok(())
+    })
+}
+
+/// Writes the host address of the session's stop-flag table to `slots` and its number of slots (`alerts.flag_slots`)
+/// to `len`. An engine checks request `R` without calling ringscope: it is flagged when `slots[R % len] == R + 1`
+/// (little-endian `uint64_t`s, written with release ordering: read them with an atomic or volatile load). Two
+/// flagged requests that share a slot keep only the later one in the table (the alerts still name both): size the
+/// table above the engine's live requests, or use batch-slot indices as request ids; request `UINT64_MAX` cannot be
+/// flagged. On the CUDA backend the table is pinned host memory mapped into the device, so a kernel of the engine
+/// can read it with one load and no host synchronisation; its device address comes with the GPU probes' calls (this
+/// call gives the host address). `*slots` stays valid until the session is closed (the table is kept with the closed
+/// handle, so a reader that outlives it never reads freed host memory; the flags are no longer raised then).
+/// `RS_ERR_CONFIG`: the session has no probes.
+///
+/// # Safety
+/// `slots` and `len` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_probe_flags(session_handle: u64, slots: *mut *const u64, len: *mut usize) -> RsStatus {
+    ffi(|| {
+        out_arg(slots, "slots")?;
+        out_arg(len, "len")?;
+        let flags = session(session_handle)?.probe_flags().ok_or_else(no_probes)?;
+        // SAFETY: both checked non-null; writable per the contract.
+        unsafe {
+            *slots = flags.as_ptr();
+            *len = flags.len();
+        }
+        Ok(())
+    })
+}
+
+/// Waits until every record captured so far has been drained and the probes have scored every row delivered to
+/// them, up to `timeout_ms`; then reports, flags and alerts reflect every step that has ended. `RS_ERR_TIMEOUT` if
+/// that did not happen in time. Like [`rs_flush`] it first waits for every captured record to be exported or
+/// dropped: with a Parquet or Arrow IPC sink that is when the record's file is committed (at rotation or close).
+/// `RS_ERR_CONFIG`: the session has no probes.
+#[no_mangle]
+pub extern "C" fn rs_probes_wait(session_handle: u64, timeout_ms: u32) -> RsStatus {
+    ffi(|| {
+        let s = session(session_handle)?;
+        if s.probe_flags().is_none() {
+            return Err(no_probes());
+        }
+        if s.wait_probes(Duration::from_millis(timeout_ms as u64)) {
+            Ok(())
+        } else {
+            Err(Failure(
+                RsStatus::RsErrTimeout,
+                format!("the probes had not scored every record captured so far after {timeout_ms} ms"),
+            ))
+        }
+    })
+}
+
+/// Writes the number of the session's probes to `out` (0 without probes; indices `0..count` for
+/// [`rs_probe_stats`], in configuration order). Answers on a closed session's handle too.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_probe_count(session_handle: u64, out: *mut u32) -> RsStatus {
+    ffi(|| {
+        out_arg(out, "out")?;
+        let n = match session_or_closed(session_handle)? {
+            Probed::Open(s) => s.probe_stats().len(),
+            Probed::Closed(c) => c.probes.as_ref().map_or(0, |p| p.stats.len()),
+        };
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *out = n as u32 };
+        Ok(())
+    })
+}
+
+/// Writes probe `index`'s totals — mode, the hookpoints it reads and writes, rows scored, NaN rows, alerts, evicted
+/// requests — to `out` (set `out->struct_size = sizeof(rs_probe_snapshot)` first) and its name, NUL-terminated, to
+/// `name` (`index < ` [`rs_probe_count`], in configuration order). `RS_ERR_BUFFER_TOO_SMALL`: `out` is written, and
+/// `out->name_len + 1` says how large `name` must be. `RS_ERR_INVALID_ARGUMENT`: no probe has that index. Answers on
+/// a closed session's handle too (the final totals).
+///
+/// # Safety
+/// `out` is valid for reads and writes of the `struct_size` bytes it announces; `name` is valid for `name_cap`
+/// writes (may be null when `name_cap` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn rs_probe_stats(
+    session_handle: u64,
+    index: u32,
+    out: *mut RsProbeSnapshot,
+    name: *mut c_char,
+    name_cap: usize,
+) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per the contract.
+        unsafe { check_sized(out, size_of::<RsProbeSnapshot>(), "out", "rs_probe_snapshot") }?;
+        let all = match session_or_closed(session_handle)? {
+            Probed::Open(s) => probe_stats(&s),
+            Probed::Closed(c) => c.probes.as_ref().map_or_else(Vec::new, |p| p.stats.clone()),
+        };
+        let Some((value, probe)) = all.get(index as usize) else {
+            return Err(invalid(format!("no probe {index}: the session has {}", all.len())));
+        };
+        // SAFETY: per the contract.
+        unsafe { write_sized(out, *value, size_of::<RsProbeSnapshot>(), "out", "rs_probe_snapshot") }?;
+        // SAFETY: per the contract.
+        unsafe { write_c_string(probe, name, name_cap, "name") }
     })
 }
 

@@ -460,6 +460,7 @@ fn session_hookpoint_and_destination_stats_and_the_metrics_text_through_the_c_ab
         last_error()
     );
     assert_eq!((hp.id, hp.row_bytes, hp.counts.produced_rows, hp.produced_bytes), (id, 8, 4, 32));
+    assert_eq!((hp.dtype, hp.row_width), (RS_DTYPE_BF16, 4), "ABI 4: the hookpoint's dtype and width");
     // SAFETY: NUL-terminated by the call.
     assert_eq!(unsafe { CStr::from_ptr(name.as_ptr()) }.to_str().unwrap(), "layers.0.resid");
     // SAFETY: the rung is NUL-terminated.
@@ -576,4 +577,424 @@ fn stats_calls_refuse_bad_input_and_name_it() {
     assert_eq!(unsafe { rs_metrics_text(12345, std::ptr::null_mut(), 0, &mut needed) }, RsStatus::RsErrInvalidHandle);
     // SAFETY: writable.
     assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Probes (ABI 4).
+
+const D: usize = 4;
+
+/// A `.npy` file of f32 with `shape` (C order), written as numpy's format 1.0 says.
+fn write_npy(path: &std::path::Path, shape: &[usize], values: &[f32]) {
+    let dims: Vec<String> = shape.iter().map(|n| n.to_string()).collect();
+    let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn probe_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ringscope-ffi-probes-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Weights `[1, D]` reading element 0 of the row.
+fn first_element_weights(dir: &std::path::Path) -> String {
+    let path = dir.join("w.npy");
+    let mut w = vec![0.0f32; D];
+    w[0] = 1.0;
+    write_npy(&path, &[1, D], &w);
+    path.display().to_string()
+}
+
+/// An f32 hookpoint `h` of width `D`, a consumer probe `p` (mean of element 0 ≥ 0.5 stops the request) and a fused
+/// probe `f` on the same rows (alerts only).
+fn probe_config(weights: &str) -> String {
+    format!(
+        "[[hookpoints]]\nname = \"h\"\nsite = \"residual\"\nlayer = 0\ndtype = \"f32\"\nrow_width = {D}\n\
+         [[probes]]\nname = \"p\"\nhookpoint = \"h\"\nweights = {weights:?}\nthreshold = 0.5\naction = \"stop\"\n\
+         labels = [\"bad\"]\n\
+         [[probes]]\nname = \"f\"\nhookpoint = \"h\"\nweights = {weights:?}\nthreshold = 0.5\nmode = \"fused\"\n\
+         [alerts]\nflag_slots = 16\n"
+    )
+}
+
+/// One step of `rows` `(request, position)`; a request's rows hold `hot[request]` in element 0, zeros elsewhere.
+fn probe_step(s: u64, id: u32, step: u64, rows: &[(u64, u32)], hot: impl Fn(u64) -> f32) {
+    let ids: Vec<u64> = rows.iter().map(|r| r.0).collect();
+    let pos: Vec<u32> = rows.iter().map(|r| r.1).collect();
+    // SAFETY: arrays of `rows.len()`.
+    let st = unsafe { rs_begin_step(s, step, ids.as_ptr(), pos.as_ptr(), rows.len()) };
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    let data: Vec<u8> = rows
+        .iter()
+        .flat_map(|&(r, _)| {
+            let v = hot(r);
+            (0..D).map(move |j| if j == 0 { v } else { 0.0 })
+        })
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    // SAFETY: `data` holds `rows × D` f32.
+    let st = unsafe { rs_capture_host(s, id, data.as_ptr().cast(), data.len(), std::ptr::null_mut()) };
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(rs_end_step(s), RsStatus::RsOk);
+}
+
+fn hookpoint_id(s: u64, name: &str) -> u32 {
+    let mut id = u32::MAX;
+    let n = c(name);
+    // SAFETY: valid string and out-pointer.
+    assert_eq!(unsafe { rs_hookpoint_id(s, n.as_ptr(), &mut id) }, RsStatus::RsOk, "{}", last_error());
+    id
+}
+
+fn poll_alert(s: u64, timeout_ms: u32) -> (RsStatus, RsAlert) {
+    let mut a: RsAlert = sized(|v: &mut RsAlert| &mut v.struct_size);
+    // SAFETY: a whole struct with its size set.
+    let st = unsafe { rs_alert_poll(s, timeout_ms, &mut a) };
+    (st, a)
+}
+
+fn text(chars: &[c_char]) -> String {
+    // SAFETY: NUL-terminated by the library (every test array has a NUL).
+    unsafe { CStr::from_ptr(chars.as_ptr()) }.to_str().unwrap().to_owned()
+}
+
+fn report(s: u64, probe: &str, request: u64) -> (RsStatus, RsProbeReport) {
+    let mut r: RsProbeReport = sized(|v: &mut RsProbeReport| &mut v.struct_size);
+    let name = c(probe);
+    // SAFETY: valid string; a whole struct with its size set.
+    let st = unsafe { rs_probe_request(s, name.as_ptr(), request, &mut r) };
+    (st, r)
+}
+
+fn flagged(s: u64, request: u64) -> bool {
+    let mut f = false;
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_is_flagged(s, request, &mut f) }, RsStatus::RsOk, "{}", last_error());
+    f
+}
+
+fn probe_snapshot(s: u64, index: u32) -> (RsStatus, RsProbeSnapshot, String) {
+    let mut p: RsProbeSnapshot = sized(|v: &mut RsProbeSnapshot| &mut v.struct_size);
+    let mut name = [0 as c_char; 32];
+    // SAFETY: a whole struct; `name` holds 32 bytes.
+    let st = unsafe { rs_probe_stats(s, index, &mut p, name.as_mut_ptr(), name.len()) };
+    (st, p, text(&name))
+}
+
+#[test]
+fn probes_through_the_c_abi_alert_report_flag_and_finish() {
+    let dir = probe_dir("abi");
+    let s = open(&probe_config(&first_element_weights(&dir)));
+    let id = hookpoint_id(s, "h");
+    // Requests 1 (cold, 0.0) and 2 (hot, 1.0): three steps of one row each.
+    for step in 0..3u64 {
+        probe_step(s, id, step, &[(1, step as u32), (2, step as u32)], |r| if r == 2 { 1.0 } else { 0.0 });
+    }
+    assert_eq!(rs_probes_wait(s, 30_000), RsStatus::RsOk, "{}", last_error());
+
+    // One alert per probe, for request 2 at its first token; then none.
+    let mut alerts = Vec::new();
+    for _ in 0..2 {
+        let (st, a) = poll_alert(s, 5_000);
+        assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+        assert_eq!(a.struct_size as usize, size_of::<RsAlert>());
+        alerts.push(a);
+    }
+    alerts.sort_by_key(|a| text(&a.probe));
+    let (f, p) = (&alerts[0], &alerts[1]);
+    assert_eq!((text(&p.probe), p.probe_len, text(&p.label), p.label_len), ("p".into(), 1, "bad".into(), 3));
+    assert_eq!((p.action, p.output, p.request_id, p.step, p.position), (RS_PROBE_ACTION_STOP, 0, 2, 0, 0));
+    assert_eq!((p.score, p.token_score, p.threshold), (1.0, 1.0, 0.5));
+    assert_eq!(
+        (text(&f.probe), text(&f.label), f.action, f.request_id),
+        ("f".into(), "0".into(), RS_PROBE_ACTION_ALERT, 2)
+    );
+    let (st, _) = poll_alert(s, 0);
+    assert_eq!(st, RsStatus::RsErrTimeout, "{}", last_error());
+    assert!(last_error().contains("no alert"), "{}", last_error());
+
+    // Flags: raised for request 2 only (the stop probe), through the call and the table alike.
+    assert!(flagged(s, 2) && !flagged(s, 1) && !flagged(s, 18), "request 18 shares request 2's slot");
+    let (mut slots, mut len) = (std::ptr::null::<u64>(), 0usize);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_probe_flags(s, &mut slots, &mut len) }, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(len, 16);
+    // SAFETY: the table holds `len` slots while the session lives (and after: it is kept with the closed handle).
+    let table = || unsafe { std::slice::from_raw_parts(slots, len) }.to_vec();
+    assert_eq!(table()[2], 3, "request R reads slots[R % len] == R + 1");
+    assert_eq!(table().iter().filter(|&&v| v != 0).count(), 1);
+
+    // Reports: mean score, alert mask, coverage.
+    let (st, r) = report(s, "p", 2);
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((r.outputs, r.request_id, r.alerted, r.last_step), (1, 2, 1, 2));
+    assert_eq!((r.scored, r.nan, r.expected, r.unobserved), (3, 0, 3, 0));
+    assert_eq!(r.scores[0], 1.0);
+    assert!(r.scores[1..].iter().all(|v| v.is_nan()), "scores past K are NaN");
+    let (st, r) = report(s, "f", 1);
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((r.outputs, r.alerted, r.scored, r.scores[0]), (1, 0, 3, 0.0));
+    // Not seen: a status of its own, the report written with zero coverage.
+    let (st, r) = report(s, "p", 99);
+    assert_eq!(st, RsStatus::RsNotSeen, "{}", last_error());
+    assert!(last_error().contains("no record of request 99"), "{}", last_error());
+    assert_eq!((r.request_id, r.outputs, r.scored, r.expected, r.alerted), (99, 0, 0, 0, 0));
+    assert!(r.scores[0].is_nan());
+
+    // Totals per probe, in configuration order, with the hookpoints they read and write.
+    let mut n = 0u32;
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_probe_count(s, &mut n) }, RsStatus::RsOk);
+    assert_eq!(n, 2);
+    let (st, p0, name) = probe_snapshot(s, 0);
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(
+        (name.as_str(), p0.mode, p0.hookpoint, p0.scores_hookpoint),
+        ("p", RS_PROBE_MODE_CONSUMER, id, RS_NO_HOOKPOINT)
+    );
+    assert_eq!((p0.rows, p0.nan_rows, p0.alerts, p0.evicted_requests, p0.name_len), (6, 0, 1, 0, 1));
+    let (_, p1, name) = probe_snapshot(s, 1);
+    assert_eq!((name.as_str(), p1.mode, p1.hookpoint), ("f", RS_PROBE_MODE_FUSED, id));
+    assert_eq!(p1.scores_hookpoint, hookpoint_id(s, "probes.f"));
+    assert_eq!((p1.rows, p1.alerts), (6, 1));
+    let mut dropped = 9u64;
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_alerts_dropped(s, &mut dropped) }, RsStatus::RsOk);
+    assert_eq!(dropped, 0);
+
+    // Finishing request 2 forgets it and lowers its flag.
+    assert_eq!(rs_request_finish(s, 2), RsStatus::RsOk, "{}", last_error());
+    assert!(!flagged(s, 2));
+    assert_eq!(table()[2], 0);
+    assert_eq!(report(s, "p", 2).0, RsStatus::RsNotSeen);
+    assert_eq!(rs_request_finish(s, 12345), RsStatus::RsOk, "finishing an unknown request is harmless");
+
+    // An alert raised while the session closes (request 7 is hot; nothing polled before the close) is still
+    // delivered on the closed handle, then the queue has ended.
+    probe_step(s, id, 3, &[(7, 0)], |_| 2.0);
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
+    let mut after = Vec::new();
+    loop {
+        let (st, a) = poll_alert(s, 1_000);
+        if st != RsStatus::RsOk {
+            assert_eq!(st, RsStatus::RsErrEnded, "{}", last_error());
+            assert!(last_error().contains("closed"), "{}", last_error());
+            break;
+        }
+        after.push((text(&a.probe), a.request_id, a.step));
+    }
+    after.sort();
+    assert_eq!(after, vec![("f".into(), 7, 3), ("p".into(), 7, 3)]);
+    // The closed handle answers with the final totals; the flag table is still readable (no longer updated).
+    let (st, p0, _) = probe_snapshot(s, 0);
+    assert_eq!((st, p0.rows, p0.alerts), (RsStatus::RsOk, 7, 2));
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_probe_count(s, &mut n) }, RsStatus::RsOk);
+    assert_eq!(n, 2);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_alerts_dropped(s, &mut dropped) }, RsStatus::RsOk);
+    assert_eq!(table()[7], 8, "request 7 was flagged as the session closed");
+    // Everything about live requests is refused on a closed session.
+    assert_eq!(report(s, "p", 1).0, RsStatus::RsErrClosed);
+    let mut f = false;
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_is_flagged(s, 1, &mut f) }, RsStatus::RsErrClosed);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_probe_flags(s, &mut slots, &mut len) }, RsStatus::RsErrClosed);
+    assert_eq!(rs_probes_wait(s, 0), RsStatus::RsErrClosed);
+    assert_eq!(rs_request_finish(s, 1), RsStatus::RsErrClosed);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn probe_calls_refuse_bad_input_and_name_it() {
+    // A session without probes: the probe calls say so; the counters are zero.
+    let s = open("");
+    let (st, _) = poll_alert(s, 0);
+    assert_eq!(st, RsStatus::RsErrConfig);
+    assert!(last_error().contains("no probes") && last_error().contains("[[probes]]"), "{}", last_error());
+    assert_eq!(report(s, "p", 1).0, RsStatus::RsErrConfig);
+    assert!(last_error().contains("no probes"), "{}", last_error());
+    let (mut slots, mut len) = (std::ptr::null::<u64>(), 0usize);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_probe_flags(s, &mut slots, &mut len) }, RsStatus::RsErrConfig);
+    assert_eq!(rs_probes_wait(s, 0), RsStatus::RsErrConfig);
+    assert!(!flagged(s, 1));
+    assert_eq!(rs_request_finish(s, 1), RsStatus::RsOk);
+    let (mut n, mut dropped) = (9u32, 9u64);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_probe_count(s, &mut n) }, RsStatus::RsOk);
+    // SAFETY: writable.
+    assert_eq!(unsafe { rs_alerts_dropped(s, &mut dropped) }, RsStatus::RsOk);
+    assert_eq!((n, dropped), (0, 0));
+    let (st, _, _) = probe_snapshot(s, 0);
+    assert_eq!(st, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("no probe 0: the session has 0"), "{}", last_error());
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+    assert_eq!(poll_alert(s, 0).0, RsStatus::RsErrClosed);
+    assert!(last_error().contains("closed"), "{}", last_error());
+
+    // A session with probes: null pointers, sizes, names and indices.
+    let dir = probe_dir("bad");
+    let s = open(&probe_config(&first_element_weights(&dir)));
+    let id = hookpoint_id(s, "h");
+    probe_step(s, id, 0, &[(2, 0)], |_| 1.0);
+    assert_eq!(rs_probes_wait(s, 30_000), RsStatus::RsOk, "{}", last_error());
+    // SAFETY: null, which the ABI checks.
+    assert_eq!(unsafe { rs_alert_poll(s, 0, std::ptr::null_mut()) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("out (output) is a null pointer"), "{}", last_error());
+    let mut zero_size = RsAlert::default();
+    // SAFETY: a whole struct announcing 0 bytes.
+    assert_eq!(unsafe { rs_alert_poll(s, 0, &mut zero_size) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("struct_size") && last_error().contains("rs_alert"), "{}", last_error());
+    // Neither bad call took an alert from the queue: both are still there.
+    assert_eq!(poll_alert(s, 5_000).0, RsStatus::RsOk, "{}", last_error());
+    assert_eq!(poll_alert(s, 5_000).0, RsStatus::RsOk, "{}", last_error());
+    let mut r: RsProbeReport = sized(|v: &mut RsProbeReport| &mut v.struct_size);
+    // SAFETY: null name, which the ABI checks.
+    assert_eq!(unsafe { rs_probe_request(s, std::ptr::null(), 2, &mut r) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("probe_name is a null pointer"), "{}", last_error());
+    let p = c("p");
+    // SAFETY: null out, which the ABI checks.
+    assert_eq!(unsafe { rs_probe_request(s, p.as_ptr(), 2, std::ptr::null_mut()) }, RsStatus::RsErrInvalidArgument);
+    let (st, _) = report(s, "nope", 2);
+    assert_eq!(st, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("probe_name: no probe `nope` (this session has f, p)"), "{}", last_error());
+    let bad_utf8 = [0xFFu8 as c_char, 0];
+    // SAFETY: a NUL-terminated string.
+    assert_eq!(unsafe { rs_probe_request(s, bad_utf8.as_ptr(), 2, &mut r) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("UTF-8"), "{}", last_error());
+    // SAFETY: null outputs, which the ABI checks.
+    unsafe {
+        assert_eq!(rs_is_flagged(s, 2, std::ptr::null_mut()), RsStatus::RsErrInvalidArgument);
+        assert_eq!(rs_probe_flags(s, std::ptr::null_mut(), &mut len), RsStatus::RsErrInvalidArgument);
+        assert!(last_error().contains("slots"), "{}", last_error());
+        assert_eq!(rs_probe_flags(s, &mut slots, std::ptr::null_mut()), RsStatus::RsErrInvalidArgument);
+        assert!(last_error().contains("len"), "{}", last_error());
+        assert_eq!(rs_probe_count(s, std::ptr::null_mut()), RsStatus::RsErrInvalidArgument);
+        assert_eq!(rs_alerts_dropped(s, std::ptr::null_mut()), RsStatus::RsErrInvalidArgument);
+        let mut name = [0 as c_char; 8];
+        assert_eq!(rs_probe_stats(s, 0, std::ptr::null_mut(), name.as_mut_ptr(), 8), RsStatus::RsErrInvalidArgument);
+    }
+    let (st, _, _) = probe_snapshot(s, 2);
+    assert_eq!(st, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("no probe 2: the session has 2"), "{}", last_error());
+    let mut ps: RsProbeSnapshot = sized(|v: &mut RsProbeSnapshot| &mut v.struct_size);
+    // SAFETY: a whole struct, no name buffer: the numbers and the name's length come back.
+    let st = unsafe { rs_probe_stats(s, 0, &mut ps, std::ptr::null_mut(), 0) };
+    assert_eq!((st, ps.name_len, ps.rows), (RsStatus::RsErrBufferTooSmall, 1, 1));
+    // Bad handles: zero, made up, a subscription.
+    assert_eq!(poll_alert(0, 0).0, RsStatus::RsErrInvalidHandle);
+    assert_eq!(report(0xDEAD_BEEF, "p", 1).0, RsStatus::RsErrInvalidHandle);
+    let sub = subscribe_all(s, "x");
+    assert_eq!(poll_alert(sub, 0).0, RsStatus::RsErrInvalidHandle);
+    assert!(last_error().contains("subscription"), "{}", last_error());
+    assert_eq!(rs_probes_wait(sub, 0), RsStatus::RsErrInvalidHandle);
+    assert_eq!(rs_request_finish(0, 1), RsStatus::RsErrInvalidHandle);
+    assert_eq!(rs_subscription_close(sub), RsStatus::RsOk);
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
+
+    // Probes that cannot work are refused at open, naming the probe and the cause; nothing starts.
+    let w = first_element_weights(&dir);
+    let narrow = dir.join("narrow.npy");
+    write_npy(&narrow, &[1, D - 1], &[1.0; D - 1]);
+    let nan = dir.join("nan.npy");
+    write_npy(&nan, &[D], &[0.0, f32::NAN, 0.0, 0.0]);
+    let hp = format!("[[hookpoints]]\nname = \"h\"\nsite = \"residual\"\ndtype = \"f32\"\nrow_width = {D}\n");
+    let cases = [
+        (format!("hookpoint = \"nope\"\nweights = {w:?}\nthreshold = 1.0"), "no hookpoint `nope`"),
+        (
+            format!("hookpoint = \"h\"\nweights = {:?}\nthreshold = 1.0", narrow.display().to_string()),
+            "must equal the hookpoint's row_width",
+        ),
+        (format!("hookpoint = \"h\"\nweights = {:?}\nthreshold = 1.0", nan.display().to_string()), "is NaN"),
+        (format!("hookpoint = \"h\"\nweights = {w:?}\nthreshold = 1.0\naggregate = \"median\""), "unknown aggregate"),
+    ];
+    for (body, want) in cases {
+        let cfg = c(&format!("{hp}[[probes]]\nname = \"q\"\n{body}\n"));
+        let mut h = 0u64;
+        // SAFETY: valid string and out-pointer.
+        assert_eq!(unsafe { rs_session_open(cfg.as_ptr(), &mut h) }, RsStatus::RsErrConfig, "{body}");
+        assert!(last_error().contains(want) && last_error().contains("`q`"), "{body}: {}", last_error());
+        assert_eq!(h, 0, "no session was opened");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn probe_structs_have_no_padding_and_names_are_cut_at_a_character_boundary() {
+    assert_eq!(RS_PROBE_MAX_OUTPUTS, ringscope_api::probe::MAX_OUTPUTS);
+    // Every byte of the structs is a field (the library copies them whole; padding would be uninitialised bytes).
+    assert_eq!(size_of::<RsAlert>(), 4 * 4 + 2 * 8 + 6 * 4 + 2 * RS_PROBE_NAME_LEN);
+    assert_eq!(size_of::<RsProbeReport>(), 2 * 4 + 7 * 8 + 4 * RS_PROBE_MAX_OUTPUTS);
+    assert_eq!(size_of::<RsProbeSnapshot>(), 6 * 4 + 4 * 8);
+    let (short, len) = fixed_text::<8>("abc");
+    assert_eq!((text(&short), len), ("abc".into(), 3));
+    // 7 bytes fit with the NUL; "é" is 2 bytes, so 3 of them (6 bytes) are kept, never half of one.
+    let (cut, len) = fixed_text::<8>("éééé");
+    assert_eq!((text(&cut), len), ("ééé".into(), 8));
+    let (nul, _) = fixed_text::<8>("a\0b");
+    assert_eq!(text(&nul), "a b");
+
+    // A caller built against the ABI 3 header (`rs_hookpoint_snapshot` without `dtype` and `row_width`) gets the
+    // fields it knows and nothing past them.
+    let s = open("");
+    let id = register(s, "h", 4);
+    #[repr(C)]
+    struct V3 {
+        known: [u8; std::mem::offset_of!(RsHookPointSnapshot, dtype)],
+        after: u64,
+    }
+    let v3_size = std::mem::offset_of!(RsHookPointSnapshot, dtype) as u32;
+    let mut v3 = V3 { known: [0; std::mem::offset_of!(RsHookPointSnapshot, dtype)], after: 0x5EED };
+    v3.known[..4].copy_from_slice(&v3_size.to_le_bytes());
+    let mut name = [0 as c_char; 8];
+    // SAFETY: `v3` holds the `struct_size` bytes it announces, 8-aligned like the snapshot; `name` holds 8 bytes.
+    let st = unsafe {
+        rs_hookpoint_stats(s, id, (&mut v3 as *mut V3).cast::<RsHookPointSnapshot>(), name.as_mut_ptr(), name.len())
+    };
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((u32::from_le_bytes(v3.known[..4].try_into().unwrap()), v3.after), (v3_size, 0x5EED));
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+}
+
+/// `rs_probes_wait` returns as soon as the probes have scored what was captured (before, the consumer looked busy
+/// while it waited for records, and a wait took up to seconds), and what it promises holds when it returns: every
+/// row captured is counted.
+#[test]
+fn rs_probes_wait_returns_once_every_row_is_scored() {
+    let dir = probe_dir("wait");
+    let s = open(&probe_config(&first_element_weights(&dir)));
+    let id = hookpoint_id(s, "h");
+    let started = std::time::Instant::now();
+    for step in 0..20u64 {
+        probe_step(s, id, step, &[(1, step as u32), (2, step as u32)], |_| 0.0);
+        assert_eq!(rs_probes_wait(s, 30_000), RsStatus::RsOk, "{}", last_error());
+        for index in 0..2 {
+            let (_, p, name) = probe_snapshot(s, index);
+            assert_eq!(p.rows, 2 * (step + 1), "probe {name} after step {step}");
+        }
+        let (_, r) = report(s, "p", 1);
+        assert_eq!((r.scored, r.expected), (step + 1, step + 1));
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "20 steps and waits took {took:?}");
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
