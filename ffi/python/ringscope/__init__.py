@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import numbers
 import operator
 import os
 import pathlib
 import sys
 from collections.abc import Mapping
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RingscopeError", "Session", "Subscription", "Record", "read_dump", "read_events", "library_path",
-           "EVENTS_DIR", "EVENT_COLUMNS", "DTYPE_CODES", "MAX_TIMEOUT_S"]
+__all__ = ["RingscopeError", "Session", "Subscription", "Record", "Alert", "read_dump", "read_events", "save_probe",
+           "library_path", "EVENTS_DIR", "EVENT_COLUMNS", "DTYPE_CODES", "MAX_TIMEOUT_S", "PROBE_MAX_OUTPUTS"]
 
 # Status codes (ffi/include/ringscope.h, `rs_status`).
 _STATUS = {
@@ -54,6 +55,7 @@ _STATUS = {
     12: "RS_ERR_ENDED",
     13: "RS_ERR_PANIC",
     14: "RS_ERR_SINK",
+    15: "RS_NOT_SEEN",
 }
 _CODE = {name: code for code, name in _STATUS.items()}
 _DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_backpressure", "sink_error", "corrupt")
@@ -300,13 +302,67 @@ class _HookPointSnapshot(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("id", ctypes.c_uint32), ("row_bytes", ctypes.c_uint64),
                 ("name_len", ctypes.c_uint64), ("counts", _Counts), ("produced_bytes", ctypes.c_uint64), ("published_bytes", ctypes.c_uint64),
                 ("exported_bytes", ctypes.c_uint64), ("rung", ctypes.c_char * _RUNG_LEN),
-                ("downcast_records", ctypes.c_uint64), ("downcast_rows", ctypes.c_uint64)]
+                ("downcast_records", ctypes.c_uint64), ("downcast_rows", ctypes.c_uint64),
+                ("dtype", ctypes.c_uint32), ("row_width", ctypes.c_uint32)]
 
 
 class _DestinationSnapshot(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
         "delivered_records", "delivered_bytes", "queued_records", "queued_bytes", "dropped_records")] + [
         ("failed", ctypes.c_uint32), ("name_len", ctypes.c_uint32)]
+
+
+# Probes (C ABI 4): `rs_alert`, `rs_probe_report`, `rs_probe_snapshot`.
+_PROBE_NAME_LEN = 64
+#: The most outputs (weight rows) a probe may have.
+PROBE_MAX_OUTPUTS = 64
+_PROBE_ACTIONS = {0: "alert", 1: "stop"}
+_PROBE_MODES = {0: "consumer", 1: "fused"}
+_NO_HOOKPOINT = 2**32 - 1
+
+
+class _Alert(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint32) for n in ("struct_size", "action", "output", "position")] + [
+        ("request_id", ctypes.c_uint64), ("step", ctypes.c_uint64)] + [
+        (n, ctypes.c_float) for n in ("score", "token_score", "threshold")] + [
+        (n, ctypes.c_uint32) for n in ("probe_len", "label_len", "reserved")] + [
+        ("probe", ctypes.c_char * _PROBE_NAME_LEN), ("label", ctypes.c_char * _PROBE_NAME_LEN)]
+
+
+class _ProbeReport(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("outputs", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
+        "request_id", "alerted", "last_step", "scored", "nan", "expected", "unobserved")] + [
+        ("scores", ctypes.c_float * PROBE_MAX_OUTPUTS)]
+
+
+class _ProbeSnapshot(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint32) for n in (
+        "struct_size", "mode", "hookpoint", "scores_hookpoint", "name_len", "reserved")] + [
+        (n, ctypes.c_uint64) for n in ("rows", "nan_rows", "alerts", "evicted_requests")]
+
+
+class Alert(NamedTuple):
+    """A probe's aggregated score for a request reached its threshold (:meth:`Session.alerts`). Raised once per
+    request, probe and output. ``action`` is ``"alert"`` or ``"stop"`` (then the request's stop flag was raised
+    before the alert was queued: :meth:`Session.is_flagged` is already true). ``step`` and ``position`` are those of
+    the token whose score made the aggregate (``score``) reach ``threshold``; ``token_score`` is that token's own
+    score. ``label`` is the output's label (its index as text when the probe names none); a label of 64 bytes or
+    more is cut (at a character boundary) and ``label_cut`` is then true."""
+
+    probe: str
+    output: int
+    label: str
+    request_id: int
+    step: int
+    position: int
+    score: float
+    token_score: float
+    threshold: float
+    action: str
+    label_cut: bool = False
+
+    def to_dict(self) -> dict:
+        return dict(self._asdict())
 
 
 def _sized(struct_type):
@@ -382,11 +438,23 @@ def _load():
         "rs_destination_stats": ([u64, u32, p(_DestinationSnapshot), ctypes.c_char_p, sz], i32),
         "rs_metrics_text": ([u64, ctypes.c_char_p, sz, p(sz)], i32),
     }
+    # ABI 4 (probes): likewise.
+    probe_sigs = {
+        "rs_alert_poll": ([u64, u32, p(_Alert)], i32),
+        "rs_alerts_dropped": ([u64, p(u64)], i32),
+        "rs_probe_request": ([u64, cp, u64, p(_ProbeReport)], i32),
+        "rs_request_finish": ([u64, u64], i32),
+        "rs_is_flagged": ([u64, u64, p(ctypes.c_bool)], i32),
+        "rs_probe_flags": ([u64, p(p(u64)), p(sz)], i32),
+        "rs_probes_wait": ([u64, u32], i32),
+        "rs_probe_count": ([u64, p(u32)], i32),
+        "rs_probe_stats": ([u64, u32, p(_ProbeSnapshot), ctypes.c_char_p, sz], i32),
+    }
     for name, (args, res) in sigs.items():
         f = getattr(lib, name)
         f.argtypes = args
         f.restype = res
-    for name, (args, res) in stats_sigs.items():
+    for name, (args, res) in {**stats_sigs, **probe_sigs}.items():
         f = getattr(lib, name, None)
         if f is not None:
             f.argtypes = args
@@ -401,6 +469,15 @@ def _stats_lib():
     if not hasattr(lib, "rs_session_stats"):
         raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the statistics calls (C ABI 2): rebuild it "
                                               "with `cargo build --release -p ringscope-ffi`")
+    return lib
+
+
+def _probes_lib():
+    """The library, checked to have the probe calls (C ABI 4)."""
+    lib = _load()
+    if not hasattr(lib, "rs_alert_poll"):
+        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the probe calls (C ABI 4): rebuild it with "
+                                              "`cargo build --release -p ringscope-ffi`")
     return lib
 
 
@@ -474,6 +551,17 @@ class Subscription:
 
     def close(self) -> None:
         _check(_load().rs_subscription_close(self._h))
+
+
+def _hookpoint_spec(hp: "_HookPointSnapshot") -> dict:
+    """``dtype`` (name) and ``row_width`` of a hookpoint snapshot; None from a library before C ABI 4."""
+    if hp.struct_size < ctypes.sizeof(_HookPointSnapshot) or hp.dtype not in DTYPE_CODES:
+        return {"dtype": None, "row_width": None}
+    return {"dtype": DTYPE_CODES[hp.dtype][0], "row_width": hp.row_width}
+
+
+def _text_of(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
 class Session:
@@ -664,6 +752,7 @@ class Session:
                 "produced_bytes": hp.produced_bytes, "published_bytes": hp.published_bytes,
                 "exported_bytes": hp.exported_bytes, "rung": hp.rung.decode("ascii", "replace"),
                 "downcast_records": hp.downcast_records, "downcast_rows": hp.downcast_rows,
+                **_hookpoint_spec(hp),
             })
         destinations = []
         for i in range(st.destinations):
@@ -741,6 +830,166 @@ class Session:
         """Waits until everything captured so far is exported or dropped (file sinks export at file commit), up to
         ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`); ``RS_ERR_TIMEOUT`` if that did not happen."""
         _check(_load().rs_flush(self._h, _timeout_ms("timeout", timeout)))
+
+    # -- probes --------------------------------------------------------------------------------------------------
+    def _alert(self, a: "_Alert") -> Alert:
+        probe = _text_of(a.probe)
+        if a.probe_len >= _PROBE_NAME_LEN:  # cut to fit the C struct: the whole name is in the probes' list
+            whole = [p["name"] for p in self.probe_stats()
+                     if len(p["name"].encode()) == a.probe_len and p["name"].startswith(probe)]
+            probe = whole[0] if len(whole) == 1 else probe
+        return Alert(probe=probe, output=a.output, label=_text_of(a.label), request_id=a.request_id, step=a.step,
+                     position=a.position, score=a.score, token_score=a.token_score, threshold=a.threshold,
+                     action=_PROBE_ACTIONS.get(a.action, str(a.action)), label_cut=a.label_len >= _PROBE_NAME_LEN)
+
+    def poll_alert(self, timeout: float = 0.0) -> Optional[Alert]:
+        """The next probe alert (:class:`Alert`), waiting up to ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`);
+        ``None`` when none came in time. Alerts come in the order they were raised, from one queue
+        (``alerts.queue`` long; alerts that find it full are counted by :meth:`alerts_dropped`). After
+        :meth:`close` it returns the alerts not yet taken (those raised while the session drained its last records
+        included), then raises ``RS_ERR_ENDED``. ``RS_ERR_CONFIG`` when the session has no probes."""
+        ms = _timeout_ms("timeout", timeout)
+        lib = _probes_lib()
+        a = _sized(_Alert)
+        st = lib.rs_alert_poll(self._h, ms, ctypes.byref(a))
+        if st == _CODE["RS_ERR_TIMEOUT"]:
+            return None
+        _check(st)
+        return self._alert(a)
+
+    def alerts(self, timeout: Optional[float] = 0.0):
+        """Iterates over the probes' alerts (:class:`Alert`) as they come, and stops when none came for
+        ``timeout`` seconds (default 0: the alerts queued now; ``None``: never — until the session is closed and
+        every alert was delivered, e.g. from a monitoring thread). Checked before the first alert is taken."""
+        if timeout is not None:
+            _timeout_ms("timeout", timeout)
+        _probes_lib()
+
+        def gen():
+            while True:
+                try:
+                    a = self.poll_alert(1.0 if timeout is None else timeout)
+                except RingscopeError as e:
+                    if e.status == "RS_ERR_ENDED":
+                        return
+                    raise
+                if a is not None:
+                    yield a
+                elif timeout is not None:
+                    return
+
+        return gen()
+
+    def alerts_dropped(self) -> int:
+        """Alerts that found the alerts queue (``alerts.queue``) full and were not queued (their requests' reports
+        still say they alerted, their stop flags were raised). 0 without probes; answers after :meth:`close` too."""
+        out = ctypes.c_uint64()
+        _check(_probes_lib().rs_alerts_dropped(self._h, ctypes.byref(out)))
+        return out.value
+
+    def probe_request(self, probe: str, request_id: int) -> Optional[dict]:
+        """What probe ``probe`` has seen of request ``request_id`` so far, or ``None`` when it has no record of it
+        (never seen, finished, or evicted past ``alerts.max_requests``): a dict with ``probe``, ``request_id``,
+        ``scores`` (the aggregated score per output; NaN while no row was scored), ``alerted`` (per output),
+        ``coverage`` (``scored``: rows scored; ``nan``: of those, rows with a NaN score; ``expected``: rows the engine
+        ran for it, per its step batches; ``unobserved``: rows the probe never saw — sampled out, dropped, not
+        selected: never read them as safe) and ``last_step`` (None when no row was scored). Probes score on their
+        own thread: call :meth:`wait_probes` first to count every row captured so far. ``RS_ERR_INVALID_ARGUMENT``
+        names an unknown probe; ``RS_ERR_CONFIG``: the session has no probes."""
+        name = _text("probe", probe)
+        rid = _u64("request_id", request_id)
+        r = _sized(_ProbeReport)
+        st = _probes_lib().rs_probe_request(self._h, name, rid, ctypes.byref(r))
+        if st == _CODE["RS_NOT_SEEN"]:
+            return None
+        _check(st)
+        k = r.outputs
+        return {
+            "probe": probe, "request_id": r.request_id, "scores": [float(v) for v in r.scores[:k]],
+            "alerted": [bool(r.alerted >> j & 1) for j in range(k)],
+            "coverage": {"scored": r.scored, "nan": r.nan, "expected": r.expected, "unobserved": r.unobserved},
+            "last_step": r.last_step if r.scored else None,
+        }
+
+    def finish_request(self, request_id: int) -> dict:
+        """The engine has finished request ``request_id``: returns each probe's last report on it (``{probe name:
+        report}`` as :meth:`probe_request` gives them; probes that never saw it are left out), then every probe
+        forgets it and its stop flag is lowered. Call :meth:`wait_probes` first so that every row counts. Without
+        probes: ``{}``."""
+        rid = _u64("request_id", request_id)
+        lib = _probes_lib()
+        reports = {}
+        for p in self.probe_stats():
+            r = self.probe_request(p["name"], rid)
+            if r is not None:
+                reports[p["name"]] = r
+        _check(lib.rs_request_finish(self._h, rid))
+        return reports
+
+    def is_flagged(self, request_id: int) -> bool:
+        """Whether a probe with ``action = "stop"`` has raised request ``request_id``'s stop flag (until
+        :meth:`finish_request`). False for a session without probes."""
+        out = ctypes.c_bool(False)
+        _check(_probes_lib().rs_is_flagged(self._h, _u64("request_id", request_id), ctypes.byref(out)))
+        return out.value
+
+    def probe_flags(self) -> np.ndarray:
+        """The stop-flag table itself, as a read-only numpy ``uint64`` view (``alerts.flag_slots`` long, no copy):
+        request ``R`` is flagged when ``flags[R % len(flags)] == R + 1`` — vectorised, ``flags[ids % n] == ids + 1``
+        checks a whole batch at once. It changes as probes raise flags. After :meth:`close` it holds the last flags
+        (the library keeps the table with the closed session). ``RS_ERR_CONFIG`` without probes."""
+        slots = ctypes.POINTER(ctypes.c_uint64)()
+        n = ctypes.c_size_t(0)
+        _check(_probes_lib().rs_probe_flags(self._h, ctypes.byref(slots), ctypes.byref(n)))
+        view = np.ctypeslib.as_array(slots, shape=(n.value,)).view(np.dtype("<u8"))
+        view.flags.writeable = False
+        return view
+
+    def _hookpoint_info(self, hookpoint: int) -> dict:
+        """``name``, ``dtype`` and ``row_width`` of hookpoint ``hookpoint`` (dtype and width None from a library
+        before C ABI 4)."""
+        hp = _sized(_HookPointSnapshot)
+        name = ctypes.create_string_buffer(257)  # hookpoint names are at most 256 bytes
+        _check(_stats_lib().rs_hookpoint_stats(self._h, _u32("hookpoint", hookpoint), ctypes.byref(hp), name,
+                                               len(name)))
+        return {"name": name.raw[:hp.name_len].decode("utf-8", "replace"), **_hookpoint_spec(hp)}
+
+    def _hookpoint_name(self, hookpoint: int) -> Optional[str]:
+        return None if hookpoint == _NO_HOOKPOINT else self._hookpoint_info(hookpoint)["name"]
+
+    def probe_stats(self) -> list:
+        """Each probe's totals, in configuration order: a list of dicts with ``name``, ``mode`` (``"consumer"`` or
+        ``"fused"``), ``hookpoint`` (the hookpoint it reads), ``scores_hookpoint`` (a fused probe's scores,
+        ``probes.<name>``, exported like any hookpoint; None for a consumer probe), ``rows`` (rows scored),
+        ``nan_rows``, ``alerts`` (raised, dropped ones included) and ``evicted_requests``. Empty without probes;
+        after :meth:`close` the final totals (hookpoint names are then None)."""
+        lib = _probes_lib()
+        n = ctypes.c_uint32()
+        _check(lib.rs_probe_count(self._h, ctypes.byref(n)))
+        out = []
+        for i in range(n.value):
+            ps = _sized(_ProbeSnapshot)
+            name = ctypes.create_string_buffer(256)
+            st = lib.rs_probe_stats(self._h, i, ctypes.byref(ps), name, len(name))
+            if st == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
+                name = ctypes.create_string_buffer(ps.name_len + 1)
+                st = lib.rs_probe_stats(self._h, i, ctypes.byref(ps), name, len(name))
+            _check(st)
+            names = {"hookpoint": None, "scores_hookpoint": None}
+            if self.totals is None:  # hookpoints are named by an open session only
+                names = {"hookpoint": self._hookpoint_name(ps.hookpoint),
+                         "scores_hookpoint": self._hookpoint_name(ps.scores_hookpoint)}
+            out.append({"name": name.raw[:ps.name_len].decode("utf-8", "replace"),
+                        "mode": _PROBE_MODES.get(ps.mode, str(ps.mode)), **names, "rows": ps.rows,
+                        "nan_rows": ps.nan_rows, "alerts": ps.alerts, "evicted_requests": ps.evicted_requests})
+        return out
+
+    def wait_probes(self, timeout: float = 10.0) -> None:
+        """Waits until every record captured so far is drained and the probes have scored every row delivered to
+        them, up to ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`): then reports, flags and alerts reflect every
+        step that has ended. ``RS_ERR_TIMEOUT`` if that did not happen in time; ``RS_ERR_CONFIG`` without probes.
+        Like :meth:`flush`, it waits for file sinks to export (commit) what they hold."""
+        _check(_probes_lib().rs_probes_wait(self._h, _timeout_ms("timeout", timeout)))
 
     def subscribe(self, name: str, layers: Optional[Iterable[int]] = None) -> Subscription:
         """An online consumer of the records of ``layers`` (all when None) captured from now on."""
@@ -844,6 +1093,74 @@ def _to_toml(d: Mapping) -> str:
             out.append(f"[{key(section, 'config')}]")
             out += table(body, where)
     return "\n".join(out) + "\n"
+
+
+def _probe_matrix(name: str, values, shape_hint: str) -> np.ndarray:
+    """A numpy array, torch tensor or nested list of finite numbers → float32 (C order)."""
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor: no grad, on the host, as float32
+        values = values.detach().cpu().float().numpy()
+    try:
+        a = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise _invalid(f"{name} must be an array of numbers {shape_hint}, got {type(values).__name__}: {e}") from None
+    if a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16":
+        raise _invalid(f"{name} must hold numbers {shape_hint}, got an array of {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bad = np.argwhere(~np.isfinite(a))
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        raise _invalid(f"{name}{list(at)} is {a[at]} ({name} must be finite; {len(bad)} value(s) are not)")
+    return a
+
+
+def save_probe(path: "str | os.PathLike", weights, bias=None) -> dict:
+    """Writes a linear probe trained elsewhere (numpy, torch) as a file a ``[[probes]]`` entry reads: ``weights``
+    of shape ``[K, d]`` (``K`` outputs, 1..=:data:`PROBE_MAX_OUTPUTS`, over rows of ``d`` elements — the
+    hookpoint's row width) or ``[d]`` (one output), and optionally ``bias`` (``K`` numbers). Scores are
+    ``weights @ x + bias``, in float32 (what the file holds). ``path`` ending in ``.safetensors``: tensors ``weight``
+    and, given a bias, ``bias`` in one file; ending in ``.npy``: the weights (the bias then goes inline in the
+    configuration). Every value must be finite. Returns the entry's keys to use: ``{"weights": <absolute path>}``,
+    plus ``"bias": [...]`` for a ``.npy`` with a bias — e.g. ``Session({"probes": [{"name": "p", "hookpoint": "h",
+    "threshold": 0.5, **ringscope.save_probe("p.npy", w, b)}], ...})``."""
+    raw = _path("path", path)
+    target = pathlib.Path(os.fsdecode(raw)).absolute()
+    suffix = target.suffix.lower()
+    if suffix not in (".npy", ".safetensors"):
+        raise _invalid(f"path must end in .npy or .safetensors (the formats probes read), got {str(target)!r}")
+    w = _probe_matrix("weights", weights, "of shape [K, d] or [d]")
+    if w.ndim not in (1, 2) or w.size == 0:
+        raise _invalid(f"weights must have shape [K, d] or [d] with K, d >= 1, got shape {w.shape}")
+    k = 1 if w.ndim == 1 else w.shape[0]
+    if k > PROBE_MAX_OUTPUTS:
+        raise _invalid(f"weights have {k} outputs (rows); a probe has 1..={PROBE_MAX_OUTPUTS}")
+    b = None
+    if bias is not None:
+        b = _probe_matrix("bias", bias, f"of shape [{k}]").reshape(-1) if np.ndim(bias) <= 1 else None
+        if b is None or b.shape != (k,):
+            raise _invalid(f"bias must have one number per output: shape [{k}], got shape {np.shape(bias)}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".npy":
+            with open(target, "wb") as f:
+                np.save(f, w.astype("<f4"), allow_pickle=False)
+        else:
+            tensors = [("weight", w)] + ([("bias", b)] if b is not None else [])
+            header, offset = {}, 0
+            for name, t in tensors:
+                header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+                offset += t.nbytes
+            text = json.dumps(header, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+            with open(target, "wb") as f:
+                f.write(len(text).to_bytes(8, "little") + text)
+                for _, t in tensors:
+                    f.write(t.astype("<f4").tobytes())
+    except OSError as e:
+        raise RingscopeError("RS_ERR_IO", f"cannot write the probe to {target}: {e}") from e
+    entry = {"weights": str(target)}
+    if b is not None and suffix == ".npy":
+        entry["bias"] = [float(v) for v in b]
+    return entry
 
 
 _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or when the session is closed, so read "

@@ -13,6 +13,9 @@ graph (best-effort sessions), the step itself is recorded too: the positions are
 set_request_ids`) at every replay, so replays need no Python call. With ``ring.defer_captures = true`` a step's
 captures are copied by one kernel when the forward pass ends (one graph node per step, not one per hookpoint); the
 attachment keeps each captured tensor alive until then.
+
+:class:`ProbeStoppingCriteria` (built on first use; needs transformers) ends the rows of ``generate`` whose requests a
+probe of the session (``[[probes]]`` with ``action = "stop"``, on hookpoints ``attach`` captures) has flagged.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import _U32_MAX, RingscopeError, Session, _check, _int, _int_array, _load, _u32, _u64
+from . import _U32_MAX, RingscopeError, Session, _check, _int, _int_array, _load, _timeout_ms, _u32, _u64
 
-__all__ = ["capture", "submit", "attach", "Attachment", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["capture", "submit", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
 
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64",
                  torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
@@ -277,13 +280,24 @@ class Attachment:
         return hook
 
 
-def _hookpoint(session: Session, name: str, site: str, layer, dtype: str, width: int) -> int:
-    """The id of hookpoint ``name``: the session's own when its configuration declares it (as
-    :func:`attach` does for a configuration it is given), else a new registration."""
+def _hookpoint(session: Session, name: str, site: str, layer: Optional[int], dtype: str, width: int) -> int:
+    """Registers hookpoint ``name``, or takes the one the session's configuration declared under that name (for
+    ``[[probes]]``, which the session resolves against ``[[hookpoints]]`` when it starts) once its rows are checked
+    to be the model's."""
     try:
-        return session.hookpoint_id(name)
-    except RingscopeError:
+        existing = session.hookpoint_id(name)
+    except RingscopeError as e:
+        if e.status != "RS_ERR_CAPTURE":  # RS_ERR_CAPTURE: no hookpoint of that name
+            raise
         return session.register(name, site=site, layer=layer, dtype=dtype, row_width=width)
+    info = session._hookpoint_info(existing)
+    if info["dtype"] is not None and (info["dtype"], info["row_width"]) != (dtype, width):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"attach: hookpoint {name!r} is configured with {info['dtype']} rows of "
+                             f"{info['row_width']} elements, but the model's are {dtype} rows of {width}: configure "
+                             f"it with dtype = \"{dtype}\" and row_width = {width} (or leave it out: attach adds it)")
+    session._row_bytes[existing] = (dtype, width)
+    return existing
 
 
 def _declare_hookpoints(config, planned, dtype: str) -> str:
@@ -377,6 +391,85 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
     att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
     return att
+
+
+_ON_TIMEOUT = ("raise", "stop", "continue")
+
+
+def _probe_stopping_criteria_class():
+    """Builds :class:`ProbeStoppingCriteria` on first use, so that ``import ringscope.torch`` does not import
+    transformers."""
+    from transformers import StoppingCriteria
+
+    class ProbeStoppingCriteria(StoppingCriteria):
+        """A Hugging Face ``StoppingCriteria`` that ends the rows of ``generate`` whose requests a probe with
+        ``action = "stop"`` has flagged. After every step it waits (up to ``timeout`` seconds) for the probes to
+        score the step's rows (:meth:`Session.wait_probes`), then reads the stop flag of each row's request — row
+        ``b`` is request ``attachment.request_ids[b]``, or ``b`` when they are not set, exactly as :func:`attach`
+        names the rows it captures. A flagged row is finished (``generate`` pads it from then on) while the others
+        go on. ``on_timeout`` says what a step whose rows were not all scored in time does: ``"raise"`` (default:
+        ``RS_ERR_TIMEOUT``), ``"stop"`` (fail closed: end every row) or ``"continue"`` (act on the flags raised so
+        far). ``stopped`` maps each request it ended to the ringscope step after which it did (the step numbers of the
+        alerts: the attachment's steps, 0 being the first prefill).
+
+        One row per request: with ``num_beams`` or ``num_return_sequences`` above 1 give every row its own request
+        id (``attachment.request_ids``). The probes' wait, like :meth:`Session.flush`, also waits for file sinks to
+        commit what they hold: with Parquet or Arrow IPC export the wait lasts until a file is committed."""
+
+        def __init__(self, attachment: Attachment, timeout: float = 10.0, on_timeout: str = "raise"):
+            if not isinstance(attachment, Attachment):
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"ProbeStoppingCriteria needs the Attachment that attach() returned, got "
+                                     f"{type(attachment).__name__}")
+            _timeout_ms("timeout", timeout)
+            if on_timeout not in _ON_TIMEOUT:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"on_timeout must be one of {list(_ON_TIMEOUT)}, got {on_timeout!r}")
+            if not attachment.session.probe_stats():
+                raise RingscopeError("RS_ERR_CONFIG",
+                                     "ProbeStoppingCriteria: the session has no probes: configure [[probes]] with "
+                                     "action = \"stop\" on the hookpoints attach() captures")
+            self.attachment = attachment
+            self.timeout = timeout
+            self.on_timeout = on_timeout
+            self.stopped: Dict[int, int] = {}
+
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            att, session = self.attachment, self.attachment.session
+            batch = input_ids.shape[0]
+            ids = att.request_ids if att.request_ids is not None else list(range(batch))
+            if len(ids) != batch:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"ProbeStoppingCriteria: {len(ids)} request ids for a batch of {batch} rows "
+                                     "(beam search or several sequences per prompt: one request id per row)")
+            step = att.step - 1  # the forward pass that just ended was this ringscope step
+            try:
+                session.wait_probes(self.timeout)
+            except RingscopeError as e:
+                if e.status != "RS_ERR_TIMEOUT" or self.on_timeout == "raise":
+                    raise
+                if self.on_timeout == "stop":
+                    for r in ids:
+                        self.stopped.setdefault(int(r), step)
+                    return torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+            done = [session.is_flagged(r) for r in ids]
+            for r, d in zip(ids, done):
+                if d:
+                    self.stopped.setdefault(int(r), step)
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return ProbeStoppingCriteria
+
+
+_LAZY = {}
+
+
+def __getattr__(name):
+    if name == "ProbeStoppingCriteria":
+        if name not in _LAZY:
+            _LAZY[name] = _probe_stopping_criteria_class()
+        return _LAZY[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ActivationDataset(torch.utils.data.IterableDataset):
