@@ -883,15 +883,17 @@ impl Session {
         self.probes.as_ref().map_or_else(Vec::new, |p| p.stats())
     }
 
-    /// Waits until every record captured so far is drained and the probes have scored every one delivered to them,
-    /// or `timeout` passes. Returns whether that happened in time.
+    /// Waits until every record captured so far has left the ring (offered to every destination) and the probes
+    /// have scored every one delivered to them, or `timeout` passes. Returns whether that happened in time. (File
+    /// sinks may still hold records for their batches: this does not wait for files to be committed.)
     pub fn wait_probes(&self, timeout: Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
-        if !self.wait_drained(timeout) {
-            return false;
-        }
         loop {
-            if self.probes.as_ref().is_none_or(|p| p.idle()) {
+            // Published records (device counters folded first on the CUDA backend) against what the drain has
+            // offered; then the probes' own queue and work.
+            let published: u64 = self.accounting().hookpoints.iter().map(|(_, c)| c.published.records).sum();
+            let offered = self.observer.monitor.drain().records;
+            if offered >= published && self.probes.as_ref().is_none_or(|p| p.idle()) {
                 return true;
             }
             if std::time::Instant::now() >= deadline {

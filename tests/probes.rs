@@ -379,3 +379,17 @@ fn a_probe_built_in_code_scores_like_a_configured_one() {
     }
     session.shutdown().unwrap();
 }
+
+/// With a Parquet dump on (whose files commit only when they are full or closed), waiting for the probes waits for
+/// the probes, not for the files: every row is scored when it returns.
+#[test]
+fn waiting_for_the_probes_does_not_wait_for_file_commits() {
+    let dir = tempdir("parquet");
+    let extra = format!("[export]\nparquet = true\ndir = \"{}\"\nrun_id = \"r\"\n", dir.join("out").display());
+    let session = Session::new(config(&dir, &weights(&dir), &extra)).unwrap();
+    run(&session);
+    let rows: u64 = session.probe_stats().iter().map(|p| p.rows).sum();
+    assert_eq!(rows, REQUESTS * (PROMPT as u64 + DECODE), "every row scored before the files were committed");
+    let report = session.shutdown().unwrap();
+    assert!(!report.files.is_empty(), "the dump was written");
+}

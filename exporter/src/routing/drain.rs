@@ -287,17 +287,18 @@ fn run_drain(
             report.rows += record.rows() as u64;
             report.bytes += record.header().footprint() as u64;
             report.data_bytes += record.data().len() as u64;
+            for p in ports.iter_mut() {
+                if p.offer(&record, &options.policy) == Offer::Dropped(DropReason::SinkBackpressure) {
+                    report.backpressure_drops += 1;
+                }
+            }
+            // After the offers: a reader that sees this count knows every destination was offered these records.
             monitor.set_drained(DrainStats {
                 records: report.records,
                 rows: report.rows,
                 bytes: report.bytes,
                 data_bytes: report.data_bytes,
             });
-            for p in ports.iter_mut() {
-                if p.offer(&record, &options.policy) == Offer::Dropped(DropReason::SinkBackpressure) {
-                    report.backpressure_drops += 1;
-                }
-            }
             let footprint = record.header().footprint() as u64;
             drop(record);
             pressure.check(&mut *consumer, &mut ports, &mut report);
