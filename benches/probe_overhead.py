@@ -99,8 +99,11 @@ def agreement(model, weights, results, replays=20):
     s.flush(timeout=60)
     worst, compared = 0.0, 0
     for i in range(L):
-        for f in s.probe_requests(f"f{i}"):
-            c = s.probe_request(f"c{i}", f["request_id"])
+        # attach numbers the rows' requests 0..batch-1 unless told otherwise.
+        for r in range(batch):
+            f, c = s.probe_request(f"f{i}", r), s.probe_request(f"c{i}", r)
+            if f is None or c is None:
+                raise RuntimeError(f"layer {i}, request {r}: a probe saw nothing (fused {f}, consumer {c})")
             for a, b in zip(f["scores"], c["scores"]):
                 worst = max(worst, abs(a - b) / max(1.0, abs(b)))
                 compared += 1
