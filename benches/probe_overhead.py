@@ -97,6 +97,7 @@ def agreement(model, weights, results, replays=20):
         d.advance()
     torch.cuda.synchronize()
     s.flush(timeout=60)
+    s.wait_probes(60)  # flush waits for the drain; the consumer probes may still be scoring
     worst, worst_abs, scale, compared = 0.0, 0.0, 0.0, 0
     for i in range(L):
         # attach numbers the rows' requests 0..batch-1 unless told otherwise.
@@ -105,6 +106,8 @@ def agreement(model, weights, results, replays=20):
             f, c = s.probe_request(f"f{i}", r), s.probe_request(f"c{i}", r)
             if f is None or c is None:
                 raise RuntimeError(f"layer {i}, request {r}: a probe saw nothing (fused {f}, consumer {c})")
+            if f["coverage"]["scored"] != c["coverage"]["scored"]:
+                raise RuntimeError(f"layer {i}, request {r}: fused scored {f['coverage']}, consumer {c['coverage']}")
             pairs += list(zip(f["scores"], c["scores"]))
         # Relative to the layer's score scale (the RMS of its mean scores): means of residual-stream scores can sit
         # near zero, where a plain relative difference measures f32 summation order, not agreement.
