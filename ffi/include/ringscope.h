@@ -827,11 +827,10 @@ rs_status rs_probe_flags(uint64_t session_handle,
                          const uint64_t **slots,
                          size_t *len);
 
-// Waits until every record captured so far has been drained and the probes have scored every row delivered to
-// them, up to `timeout_ms`; then reports, flags and alerts reflect every step that has ended. `RS_ERR_TIMEOUT` if
-// that did not happen in time. Like [`rs_flush`] it first waits for every captured record to be exported or
-// dropped: with a Parquet or Arrow IPC sink that is when the record's file is committed (at rotation or close).
-// `RS_ERR_CONFIG`: the session has no probes.
+// Waits until every record captured so far has left the ring (offered to every sink and consumer) and the probes
+// have scored every row delivered to them, up to `timeout_ms`; then reports, flags and alerts reflect every step
+// that has ended. `RS_ERR_TIMEOUT` if that did not happen in time. Unlike [`rs_flush`] it does not wait for file
+// sinks to commit what they hold. `RS_ERR_CONFIG`: the session has no probes.
 rs_status rs_probes_wait(uint64_t session_handle,
                          uint32_t timeout_ms);
 

@@ -985,10 +985,11 @@ class Session:
         return out
 
     def wait_probes(self, timeout: float = 10.0) -> None:
-        """Waits until every record captured so far is drained and the probes have scored every row delivered to
-        them, up to ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`): then reports, flags and alerts reflect every
-        step that has ended. ``RS_ERR_TIMEOUT`` if that did not happen in time; ``RS_ERR_CONFIG`` without probes.
-        Like :meth:`flush`, it waits for file sinks to export (commit) what they hold."""
+        """Waits until every record captured so far has left the ring (offered to every sink and consumer) and the
+        probes have scored every row delivered to them, up to ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`): then
+        reports, flags and alerts reflect every step that has ended. ``RS_ERR_TIMEOUT`` if that did not happen in
+        time; ``RS_ERR_CONFIG`` without probes. Unlike :meth:`flush`, it does not wait for file sinks to commit
+        what they hold."""
         _check(_probes_lib().rs_probes_wait(self._h, _timeout_ms("timeout", timeout)))
 
     def subscribe(self, name: str, layers: Optional[Iterable[int]] = None) -> Subscription:

@@ -413,8 +413,7 @@ def _probe_stopping_criteria_class():
         alerts: the attachment's steps, 0 being the first prefill).
 
         One row per request: with ``num_beams`` or ``num_return_sequences`` above 1 give every row its own request
-        id (``attachment.request_ids``). The probes' wait, like :meth:`Session.flush`, also waits for file sinks to
-        commit what they hold: with Parquet or Arrow IPC export the wait lasts until a file is committed."""
+        id (``attachment.request_ids``). The probes' wait does not wait for file sinks to commit what they hold."""
 
         def __init__(self, attachment: Attachment, timeout: float = 10.0, on_timeout: str = "raise"):
             if not isinstance(attachment, Attachment):
