@@ -29,7 +29,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::{activations, bf16, percentile, write_npy};
+use common::{activations, bf16, percentile};
+use ringscope::probe::save_npy;
 use ringscope::{Config, Session};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -57,7 +58,7 @@ fn weights(dir: &Path, k: usize) -> Res<(PathBuf, Vec<f32>)> {
     let u = direction();
     w[..D].copy_from_slice(&u);
     let path = dir.join(format!("probe-k{k}.npy"));
-    write_npy(&path, &[k, D], &w)?;
+    save_npy(&path, &[k, D], &w)?;
     Ok((path, w))
 }
 

@@ -101,8 +101,8 @@ pub mod probe {
     pub use crate::probes::{scores_hookpoint, ProbeStats};
     pub use ringscope_probe::retention;
     pub use ringscope_probe::{
-        load_bias, load_weights, row_to_f32, Action, Aggregation, Alert, Coverage, Flags, Monitor, Probe, ProbeDef,
-        ProbeError, RequestReport, Scorer, Target, TokenScore, Weights, MAX_OUTPUTS,
+        load_bias, load_weights, row_to_f32, save_npy, Action, Aggregation, Alert, Coverage, Flags, Monitor, Probe,
+        ProbeDef, ProbeError, RequestReport, Scorer, Target, TokenScore, Weights, MAX_OUTPUTS,
     };
 
     /// Where [`Session::alerts`](crate::Session::alerts) delivers (a crossbeam channel's receiving end).

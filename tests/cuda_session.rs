@@ -216,23 +216,14 @@ fn fused_probes_in_a_replayed_graph_match_the_consumer_and_raise_the_stop_flag()
     let (d, rows) = (256usize, 8usize);
     let dir = tempdir("probes");
     std::fs::create_dir_all(&dir).unwrap();
-    // Weights [2, d]: output 0 reads e_0, output 1 a mixed direction; written as a .npy file.
+    // Weights [2, d]: output 0 reads e_0, output 1 a mixed direction.
     let mut w = vec![0.0f32; 2 * d];
     w[0] = 1.0;
     for j in 0..d {
         w[d + j] = ((j * 31 % 17) as f32 - 8.0) / 64.0;
     }
     let npy = dir.join("w.npy");
-    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': (2, {d}), }}");
-    while (11 + header.len()) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    bytes.extend(w.iter().flat_map(|v| v.to_le_bytes()));
-    std::fs::write(&npy, bytes).unwrap();
+    ringscope::probe::save_npy(&npy, &[2, d], &w).unwrap();
     let probe = |name: &str, mode: &str, aggregate: &str, action: &str| {
         format!(
             "[[probes]]\nname = \"{name}\"\nhookpoint = \"h\"\nweights = \"{}\"\nthresholds = [50.0, 1000.0]\n\

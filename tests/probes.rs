@@ -18,20 +18,9 @@ fn tempdir(name: &str) -> PathBuf {
     d
 }
 
-/// A `.npy` file of f32 with `shape` (C order), written as numpy's format 1.0 says.
+/// A `.npy` file of f32 with `shape` (C order).
 fn write_npy(path: &Path, shape: &[usize], values: &[f32]) {
-    let dims: Vec<String> = shape.iter().map(|n| n.to_string()).collect();
-    let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
-    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-    std::fs::write(path, bytes).unwrap();
+    ringscope::probe::save_npy(path, shape, values).unwrap();
 }
 
 /// A safetensors file with f32 tensors `(name, shape, values)`.
@@ -347,6 +336,10 @@ fn bad_probe_definitions_are_refused_at_start() {
     );
     let e = Session::new(Config::from_toml(&twice).unwrap()).err().unwrap().to_string();
     assert!(e.contains("two probes are named `p`"), "{e}");
+    // Shared settings of the probes: a zero is refused, naming the keys.
+    let zero = format!("{}[alerts]\nflag_slots = 0\n", base("hookpoint = \"h\"", "f32"));
+    let e = Session::new(Config::from_toml(&zero).unwrap()).err().unwrap().to_string();
+    assert!(e.contains("alerts: flag_slots (0)"), "{e}");
     // Without probes, asking for alerts is an error that says how to get them.
     let e = Session::new(Config::new()).unwrap().alerts().err().unwrap().to_string();
     assert!(e.contains("[[probes]]"), "{e}");

@@ -28,19 +28,3 @@ pub fn bf16(b: [u8; 2]) -> f32 {
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
-
-/// A `.npy` file of f32 with `shape` (C order), in numpy's format 1.0.
-pub fn write_npy(path: &std::path::Path, shape: &[usize], values: &[f32]) -> std::io::Result<()> {
-    let dims: Vec<String> = shape.iter().map(|n| n.to_string()).collect();
-    let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
-    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-    std::fs::write(path, bytes)
-}

@@ -584,20 +584,9 @@ fn stats_calls_refuse_bad_input_and_name_it() {
 
 const D: usize = 4;
 
-/// A `.npy` file of f32 with `shape` (C order), written as numpy's format 1.0 says.
+/// A `.npy` file of f32 with `shape` (C order).
 fn write_npy(path: &std::path::Path, shape: &[usize], values: &[f32]) {
-    let dims: Vec<String> = shape.iter().map(|n| n.to_string()).collect();
-    let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
-    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-    std::fs::write(path, bytes).unwrap();
+    ringscope_api::probe::save_npy(path, shape, values).unwrap();
 }
 
 fn probe_dir(name: &str) -> std::path::PathBuf {

@@ -24,7 +24,7 @@ mod score;
 mod spec;
 
 pub use flags::Flags;
-pub use load::{load_bias, load_weights, Weights};
+pub use load::{load_bias, load_weights, save_npy, Weights};
 pub use monitor::{Alert, Coverage, Monitor, RequestReport, TokenScore};
 pub use score::{row_to_f32, Scorer};
 pub use spec::{Action, Aggregation, Probe, ProbeDef, Target, MAX_OUTPUTS};

@@ -92,6 +92,22 @@ pub fn load_weights(probe: &str, path: &Path, tensor: Option<&str>) -> Result<(W
     }
 }
 
+/// Writes `values` (f32, C order, `shape`) as a `.npy` file — e.g. the weights of a probe trained in Rust, `[K, d]`.
+pub fn save_npy(path: &Path, shape: &[usize], values: &[f32]) -> std::io::Result<()> {
+    use npyz::WriterBuilder;
+    if shape.iter().product::<usize>() != values.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} values do not fill shape {shape:?}", values.len()),
+        ));
+    }
+    let dims: Vec<u64> = shape.iter().map(|&n| n as u64).collect();
+    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut writer = npyz::WriteOptions::<f32>::new().default_dtype().shape(&dims).writer(file).begin_nd()?;
+    writer.extend(values.iter().copied())?;
+    writer.finish()
+}
+
 /// Reads `K` biases from a `.npy` file (shape `[K]`, or `[]` for one).
 pub fn load_bias(probe: &str, path: &Path) -> Result<Vec<f32>, ProbeError> {
     if extension(path).as_deref() != Some("npy") {
@@ -173,4 +189,23 @@ fn npy_values(probe: &str, path: &Path, bytes: &[u8]) -> Result<(Vec<usize>, Vec
         _ => return Err(file_error(probe, path, format!("elements of type {ts}; use float32, float16 or float64"))),
     };
     Ok((shape, values))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_weights_load_back_and_a_short_array_is_refused() {
+        let dir = std::env::temp_dir().join(format!("ringscope-probe-npy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.npy");
+        let values: Vec<f32> = (0..6).map(|i| i as f32 * 0.5 - 1.0).collect();
+        save_npy(&path, &[2, 3], &values).unwrap();
+        let (w, bias) = load_weights("p", &path, None).unwrap();
+        assert_eq!((w.outputs(), w.width(), w.values()), (2, 3, &values[..]));
+        assert!(bias.is_none());
+        assert!(save_npy(&path, &[2, 4], &values).is_err(), "6 values do not fill [2, 4]");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
