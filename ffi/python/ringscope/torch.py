@@ -21,6 +21,7 @@ probe of the session (``[[probes]]`` with ``action = "stop"``, on hookpoints ``a
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 from . import _U32_MAX, RingscopeError, Session, _check, _int, _int_array, _load, _timeout_ms, _u32, _u64
 
-__all__ = ["capture", "submit", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["capture", "submit", "begin_step", "end_step", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
 
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64",
                  torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
@@ -77,6 +78,46 @@ def _(sink, session):
     return None
 
 
+# Attachments by key, for the step ops below (custom ops take ints and tensors, not Python objects).
+_ATTACHMENTS: "weakref.WeakValueDictionary[int, Attachment]" = weakref.WeakValueDictionary()
+
+
+def _attachment(key: int) -> "Attachment":
+    att = _ATTACHMENTS.get(key)
+    if att is None:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"ringscope: attachment {key} no longer exists (detached or garbage-collected) but a "
+                             "compiled graph still calls it: detach() before dropping the model, or recompile")
+    return att
+
+
+@torch.library.custom_op("ringscope::begin_step", mutates_args=("sink",))
+def begin_step(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, attachment: int) -> None:
+    """Starts a step of attachment ``attachment`` from tensors the compiled graph holds: ``request_ids`` int64
+    ``[batch]`` (one request per batch row), ``positions`` int64 ``[batch, seq]``, ``[1, seq]`` or ``[seq]`` (shared
+    by every row). Inside a CUDA graph being recorded the step is recorded too (replays read both tensors on the
+    device and make no host call); otherwise it begins eagerly. What :func:`attach`'s hooks call when the model is
+    compiled, so that ringscope adds no graph break."""
+    _attachment(attachment)._begin_tensors(request_ids, positions)
+
+
+@begin_step.register_fake
+def _(sink, request_ids, positions, attachment):
+    return None
+
+
+@torch.library.custom_op("ringscope::end_step", mutates_args=("sink",))
+def end_step(sink: torch.Tensor, keep: List[torch.Tensor], attachment: int) -> None:
+    """Ends the step :func:`begin_step` started. ``keep``: the tensors captured in the step, inputs here so that a
+    compiled graph does not reuse their memory before the step's deferred captures have copied them."""
+    _attachment(attachment)._end_tensors()
+
+
+@end_step.register_fake
+def _(sink, keep, attachment):
+    return None
+
+
 def _decoder(model):
     """(layers, final_norm, lm_head, family) of a Hugging Face decoder, found by attribute, not by forking code."""
     mt = getattr(getattr(model, "config", None), "model_type", None)
@@ -102,6 +143,21 @@ def _device_ids(ids: List[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+_TOO_FEW_IDS = ("attach: compiling or recording a graph of a batch larger than the request-id tensor, which must exist "
+                "before: run one eager forward pass of that batch size first (the usual warm-up) or call "
+                "set_request_ids(...) [RS_ERR_INVALID_ARGUMENT]")
+_NO_POSITIONS = ("attach: a compiled forward pass needs the decoder layers called with position_ids or cache_position "
+                 "(the step's token positions are read from them) [RS_ERR_INVALID_ARGUMENT]")
+
+
+def _refuse_while_tracing(which: str) -> None:
+    """Fails the compilation with one of the messages above: dynamo cannot trace the construction of ringscope's
+    exception class, and ``torch._check`` takes only a message function without free variables."""
+    if which == "ids":
+        torch._check(False, lambda: _TOO_FEW_IDS)
+    torch._check(False, lambda: _NO_POSITIONS)
+
+
 def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -115,8 +171,9 @@ class Attachment:
         self.session = session
         self.model = model
         self.hookpoints: Dict[str, int] = {}
-        # Request id per batch row as a device tensor, for steps begun inside a CUDA graph (see set_request_ids).
-        self._req_dev: Dict[torch.device, torch.Tensor] = {}
+        # Request id per batch row as an int64 tensor per device, read by steps begun inside a CUDA graph or by a
+        # compiled graph (see set_request_ids): updated in place, so recorded graphs never name stale requests.
+        self._req_ids: Dict[torch.device, torch.Tensor] = {}
         self._request_ids: Optional[List[int]] = None
         self.step = 0
         self._handles: List = []
@@ -125,8 +182,16 @@ class Attachment:
         # Captured tensors of the open step: kept alive until the step ends, so that with `ring.defer_captures`
         # their memory is not reused before the step's capture kernel has read it.
         self._keep: List[torch.Tensor] = []
+        self._key = id(self)
+        _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
+        """The one-byte tensor the capture ops declare they write (so that no compiler drops them as dead code).
+        On the model's device it is a (non-persistent) buffer of the model — ``_ringscope_sink`` — so that compiled
+        graphs see a static input, which CUDA graphs may mutate."""
+        buf = getattr(self.model, "_ringscope_sink", None)
+        if buf is not None and buf.device == device:
+            return buf
         s = self._sink.get(device)
         if s is None:
             s = self._sink[device] = torch.zeros(1, dtype=torch.uint8, device=device)
@@ -135,54 +200,56 @@ class Attachment:
     @property
     def request_ids(self) -> Optional[List[int]]:
         """The request id of each batch row (``None``: row ``b`` is request ``b``). Setting it also updates, in
-        place, the device tensors that recorded CUDA graphs read at every replay, so graph steps never name stale
-        requests; set it outside graph recording."""
+        place, the tensors that recorded CUDA graphs and compiled graphs read at every call, so they never name
+        stale requests; set it outside graph recording."""
         return self._request_ids
 
     @request_ids.setter
     def request_ids(self, ids: Optional[Sequence[int]]) -> None:
         self._request_ids = None if ids is None else _int_array("request_ids", ids, np.uint64).tolist()
-        if ids is None or not self._req_dev:
-            return
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  "attach: request ids were set while a CUDA graph is being recorded; set them before "
                                  "recording or between replays")
-        new = _device_ids(self._request_ids)
-        for t in self._req_dev.values():
-            if new.numel() <= t.numel():  # a larger batch gets a new tensor at its first (eager) forward pass
+        new = _device_ids(self._request_ids) if ids is not None else None
+        for t in self._req_ids.values():
+            if new is None:
+                t.copy_(torch.arange(t.numel(), dtype=torch.int64))
+            elif new.numel() <= t.numel():  # a larger batch gets a new tensor at its first eager forward pass
                 t[:new.numel()].copy_(new)
 
     def set_request_ids(self, request_ids: Sequence[int], device=None) -> None:
         """Names the requests of the batch rows (one id per row), like setting ``request_ids``, and makes sure the
-        device tensor that CUDA graphs recorded later read exists (call it outside graph recording)."""
+        tensor that CUDA graphs and compiled graphs read exists and is large enough (call it outside graph
+        recording)."""
         self.request_ids = request_ids
         dev = torch.device(device) if device is not None else next(self.model.parameters()).device
-        if dev.type == "cuda":
-            self._device_request_ids(dev, len(self._request_ids))
+        self._request_id_tensor(dev, len(self._request_ids))
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """Makes control changes (``session.set_enabled`` etc.) reach recorded CUDA graphs whose steps begin inside
         the graph (their replays make no host call). Call between replays."""
         self.session.apply_controls(stream)
 
-    def _device_request_ids(self, device, batch: int) -> torch.Tensor:
-        t = self._req_dev.get(device)
+    def _request_id_tensor(self, device, batch: int) -> torch.Tensor:
+        t = self._req_ids.get(device)
         if t is None or t.numel() < batch:
-            if torch.cuda.is_current_stream_capturing():
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"attach: recording a CUDA graph of a batch of {batch} rows, but the request ids "
-                                     "live in a device tensor that must exist before recording: run one eager "
-                                     "forward pass first (the usual warm-up) or call set_request_ids(...)")
-            t = self._req_dev[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
+            if torch.compiler.is_compiling():
+                _refuse_while_tracing("ids")
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_TOO_FEW_IDS[:-26]} (a batch of {batch} rows)")
+            t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
             if self.request_ids is not None and len(self.request_ids) <= t.numel():
                 t[:len(self.request_ids)].copy_(_device_ids(self.request_ids))
         return t[:batch]
 
     def detach(self) -> None:
+        """Removes the hooks and the sink buffer :func:`attach` added to the model."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if getattr(self.model, "_ringscope_sink", None) is not None:
+            delattr(self.model, "_ringscope_sink")
 
     # -- the batch descriptor ------------------------------------------------------------------------------------
     def begin_step(self, request_ids: Sequence[int], positions, stream: Optional[int] = None) -> None:
@@ -203,69 +270,122 @@ class Attachment:
         self._keep.clear()
         self.step += 1
 
-    def _begin(self, module, args, kwargs):
+    @staticmethod
+    def _inputs(args, kwargs):
+        """(batch, seq, device) of a forward call, from ``input_ids`` or ``inputs_embeds``."""
         ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        shape = tuple(ids.shape) if ids is not None else tuple(embeds.shape[:2])
-        batch, seq = shape[0], shape[1]
-        device = ids.device if ids is not None else embeds.device
+        x = ids if ids is not None else kwargs.get("inputs_embeds")
+        if x is None:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 "attach: the forward call has neither input_ids nor inputs_embeds, so the step's "
+                                 "batch is unknown")
+        return x.shape[0], x.shape[1], x.device
+
+    def _begin(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return  # compiled: the first decoder layer's pre-hook begins the step inside the graph (_begin_compiled)
+        batch, seq, device = self._inputs(args, kwargs)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = kwargs.get("cache_position")
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             if self._open:
                 return  # recording a graph inside a step begun by hand (begin_step before each replay)
-            # Recording a graph: record a step that builds its batch descriptor from the model's own position tensor
-            # at every replay (replays run no Python hooks).
-            pos = kwargs.get("position_ids")
-            if pos is None:
-                pos = kwargs.get("cache_position")
             if pos is None or not pos.is_cuda:
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                      "attach: recording a CUDA graph needs position_ids or cache_position as CUDA "
                                      "tensors in the forward call (the step's token positions are read from them at "
                                      "every replay), or begin_step by hand before recording and before each replay")
-            if pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:
-                pos = pos[0]  # one row of positions broadcast over the batch
-            self.session.begin_step_graph(self._device_request_ids(device, batch), pos,
-                                          stream=torch.cuda.current_stream(device).cuda_stream)
-            self._open = True
+            self._begin_tensors(self._request_id_tensor(device, batch), pos)
             return
-        pos = kwargs.get("position_ids")
         if pos is None:
-            cache_pos = kwargs.get("cache_position")
-            if cache_pos is not None:
-                pos = cache_pos.reshape(1, -1).expand(batch, seq)
-            else:
-                past = kwargs.get("past_key_values")
-                start = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
-                pos = torch.arange(start, start + seq).reshape(1, -1).expand(batch, seq)
-        # Range-checked by begin_step (a negative position is refused, not wrapped to 2**32 - 1).
-        positions = pos.detach().to("cpu", torch.int64).reshape(batch, seq).numpy()
+            past = kwargs.get("past_key_values")
+            start = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
+            pos = torch.arange(start, start + seq)
         req = np.asarray(self.request_ids if self.request_ids is not None else range(batch), dtype=np.uint64)
         if req.shape != (batch,):
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"attach: {req.size} request ids set for a batch of {batch} rows")
+        if device.type == "cuda":
+            self._request_id_tensor(device, batch)  # ready for a graph recorded after this eager pass
+        self._begin_eager(req, pos, batch, device)
+
+    def _begin_tensors(self, request_ids: torch.Tensor, pos: torch.Tensor) -> None:
+        """Begins a step from a request-id tensor ``[batch]`` and a positions tensor (``[batch, seq]``, ``[1, seq]``
+        or ``[seq]``): recorded into the CUDA graph being captured, else eagerly."""
+        batch = request_ids.shape[0]
+        if pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:
+            pos = pos[0]  # one row of positions broadcast over the batch
+        if pos.dim() not in (1, 2) or (pos.dim() == 2 and pos.shape[0] != batch):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"attach: positions of shape {tuple(pos.shape)} for a batch of {batch} rows (want "
+                                 "[batch, seq], [1, seq] or [seq])")
+        if pos.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self._open:
+                return  # a step begun by hand before recording
+            self.session.begin_step_graph(request_ids, pos.to(torch.int64),
+                                          stream=torch.cuda.current_stream(pos.device).cuda_stream)
+            self._open = True
+            return
+        req = request_ids.detach().to("cpu", torch.int64).numpy()
+        if (req < 0).any():
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: negative request ids {req[req < 0][:4]}")
+        self._begin_eager(req.astype(np.uint64), pos, batch, pos.device)
+
+    def _begin_eager(self, req: np.ndarray, pos: torch.Tensor, batch: int, device) -> None:
+        seq = pos.shape[-1]
+        # Range-checked by begin_step (a negative position is refused, not wrapped to 2**32 - 1).
+        positions = np.broadcast_to(pos.detach().to("cpu", torch.int64).numpy().reshape(-1, seq), (batch, seq))
         if self._open:
             self.session.end_step()
             self._keep.clear()
-        stream = None
-        if device.type == "cuda":
-            self._device_request_ids(device, batch)  # ready for a graph recorded after this eager pass
-            stream = torch.cuda.current_stream(device).cuda_stream
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         self.session.begin_step(self.step, np.repeat(req, seq), positions.reshape(-1), stream=stream)
         self._open = True
 
     def _end(self, module, args, kwargs, output):
+        if torch.compiler.is_compiling():
+            return  # compiled: the step ends inside the graph, after the last capture (_end_compiled)
+        self._end_tensors()
+        self._keep.clear()
+
+    def _begin_compiled(self, module, args, kwargs):
+        """Pre-hook of the first decoder layer: while torch.compile traces, begins the step with a custom op from the
+        layer's own tensors, inside the graph that holds the captures (the model's own hooks run as separate frames
+        when only its forward is compiled, as ``generate`` does). No Python state is read or written here: the op's
+        body does that when it runs. Eager calls begin the step in the model's pre-hook instead."""
+        if not torch.compiler.is_compiling():
+            return
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = kwargs.get("cache_position")
+        if hidden is None or pos is None:
+            _refuse_while_tracing("positions")
+        ids = self._request_id_tensor(hidden.device, hidden.shape[0])
+        begin_step(self.sink(hidden.device), ids, pos, self._key)
+        # With deferred captures the step's copy kernel reads both tensors again when the step ends: end_step takes
+        # them as inputs too, so that the graph keeps their memory until then.
+        self._keep.extend((ids, pos))
+
+    def _end_compiled(self, device) -> None:
+        """After the last captured module, while torch.compile traces: ends the step inside the graph; the captured
+        tensors and the step's request-id and position tensors are the op's inputs, so the graph keeps them alive
+        until the deferred copy has read them."""
+        end_step(self.sink(device), list(self._keep), self._key)
+        self._keep.clear()
+
+    def _end_tensors(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # Recording: end the step inside the graph, so that every replay runs what ending it launches (the
             # deferred captures' kernel). A step begun by hand is then ended already when end_step() is called.
             if self._open:
                 self.session.end_step()
                 self._open = False
-            self._keep.clear()
             return
         if self._open:
             self.session.end_step()
             self._open = False
-        self._keep.clear()
         self.step += 1
 
     def _hook(self, name: str, width: int, pick=_first):
@@ -335,6 +455,9 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
     """
     decoder_layers, final_norm, lm_head, family = _decoder(model)
+    if hasattr(model, "_ringscope_sink"):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             "attach: the model is attached already (detach() the first attachment first)")
     sites = list(sites)
     bad = [s for s in sites if s not in _SITES]
     if bad:
@@ -372,6 +495,10 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         # them (probes bind to configured hookpoints when the session starts).
         session = Session(_declare_hookpoints(session, planned, dt))
     att = Attachment(session, model)
+    param_device = next(model.parameters()).device
+    model.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device),
+                          persistent=False)
+    att._request_id_tensor(param_device, 1)
 
     for name, site, layer_index, width, module, pick in planned:
         att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
@@ -383,11 +510,16 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \
         if chosen else None
     if last is not None:
+        # Compiled, the step ends inside the graph right after the last capture, on the engine's stream: no side
+        # stream is forked (inductor may split the graph into several CUDA graphs around the custom ops, and a fork
+        # left open at the end of one would be unjoined work in its recording).
         def submit_hook(module, args, output):
-            if att._open:
-                device = _first(output).device
-                submit(att.sink(device), session._h)
+            if torch.compiler.is_compiling():
+                att._end_compiled(_first(output).device)
+            elif att._open:
+                submit(att.sink(_first(output).device), session._h)
         att._handles.append(last.register_forward_hook(submit_hook))
+        att._handles.append(decoder_layers[0].register_forward_pre_hook(att._begin_compiled, with_kwargs=True))
     att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
     att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
     return att

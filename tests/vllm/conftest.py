@@ -1,0 +1,186 @@
+"""Shared pieces of the vLLM plugin tests: engines run in subprocesses (tests/vllm/engine.py, one engine per process,
+each started once per test session and shared by the modules that read it) and the independent reference — a Hugging
+Face ``LlamaForCausalLM`` loaded from the checkpoint the engine served, whose own forward hooks give the layer outputs the plugin's rows
+must equal."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+SITES = {"resid": "residual", "attn_out": "attention_output", "mlp_out": "mlp_output"}
+CONFIG = """
+[policy]
+mode = "full"
+[export]
+parquet = true
+dir = "{dir}"
+run_id = "run"
+[vllm]
+sites = ["residual", "attention_output", "mlp_output"]
+layers = "all"
+requests = "{requests}"
+"""
+
+_cache = {}
+
+
+def run_engine(tmp_root: pathlib.Path, name: str, mode: str, scenario: str, config: "str | None",
+               env: "dict | None" = None, timeout: int = 600) -> dict:
+    """Runs tests/vllm/engine.py in a subprocess (at most once per name and test session); returns its result."""
+    if name in _cache:
+        return _cache[name]
+    out = tmp_root / name
+    out.mkdir(parents=True, exist_ok=True)
+    e = {k: v for k, v in os.environ.items() if not k.startswith("RINGSCOPE_VLLM_")}
+    e["VLLM_DISABLE_COMPILE_CACHE"] = "1"  # a cold compile each run: what the plugin installs is what runs
+    if config is not None:
+        cfg = out / "ringscope.toml"
+        cfg.write_text(config.format(dir=out / "dump", requests="opt_in" if scenario == "opt_in" else "all"))
+        e["RINGSCOPE_VLLM_CONFIG"] = str(cfg)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, str(HERE / "engine.py"), str(out), mode, scenario], env=e,
+                       capture_output=True, text=True, timeout=timeout)
+    (out / "engine.log").write_text(p.stdout + p.stderr)
+    res_file = out / "result.json"
+    if not res_file.exists():
+        pytest.fail(f"engine {name} wrote no result (exit {p.returncode}); log tail:\n{(p.stdout + p.stderr)[-4000:]}")
+    res = json.loads(res_file.read_text())
+    res["out"] = str(out)
+    res["returncode"] = p.returncode
+    res["log"] = p.stdout + p.stderr
+    _cache[name] = res
+    return res
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    return lambda name, mode, scenario, config=CONFIG, env=None: run_engine(root, name, mode, scenario, config, env)
+
+
+@pytest.fixture(scope="session")
+def eager_all(engines):
+    """The eager engine with the plugin capturing every request (shared by test_eager and test_off)."""
+    return engines("eager_all", "eager", "all")
+
+
+# -- the independent reference -------------------------------------------------------------------------------------
+
+def hf_model(model_dir):
+    """The checkpoint the engine served, loaded by Hugging Face transformers (its own Llama code)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype="float32").eval()
+
+
+def reference(model_dir, sequences):
+    """{(sequence index, hookpoint name): array [len, hidden]}: every layer's residual stream, attention and MLP
+    outputs at every position of each token sequence, from the Hugging Face model's own forward hooks."""
+    import torch
+
+    m = hf_model(model_dir)
+    got = {}
+    cur = {}
+    for i, layer in enumerate(m.model.layers):
+        def hook(name):
+            def f(mod, args, out):
+                cur[name] = (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy()
+            return f
+        layer.register_forward_hook(hook(f"layers.{i}.resid"))
+        layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out"))
+        layer.mlp.register_forward_hook(hook(f"layers.{i}.mlp_out"))
+    with torch.no_grad():
+        for k, seq in enumerate(sequences):
+            cur.clear()
+            m(torch.tensor([seq]))
+            for name, v in cur.items():
+                got[(k, name)] = v
+    return got
+
+
+def check_capture(res: dict, captured_requests: "list[int]"):
+    """Every exported row equals the reference's row of its (request, position); the rows are exactly those of the
+    captured requests (every position each one was fed through the model: its prompt and every generated token but
+    the last); request ids and positions right; the session's accounting balances. Returns the dump."""
+    import ringscope
+
+    assert res.get("error") is None, res.get("traceback")
+    assert res["plugin_installed"]
+    dump = ringscope.read_dump(res["run_dir"])
+    reqs = res["requests"]
+    rid = request_ids(res)
+    assert all(rid[k] is not None for k in captured_requests)
+    assert not any(rid[k] is not None for k in range(len(reqs)) if k not in captured_requests)
+    seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
+    ref = reference(pathlib.Path(res["out"]) / "model", seqs)
+    assert sorted(dump) == sorted(res["hookpoints"])
+    assert len(dump) == 2 * 3
+    for name, cols in dump.items():
+        act, req, pos = cols["activation"], cols["request_id"], cols["position"]
+        assert cols["dtype"] == "f32" and act.shape[1] == 128
+        want = sorted((rid[k], p) for k in captured_requests for p in range(len(seqs[k])))
+        assert sorted(zip(req.tolist(), pos.tolist())) == want, name
+        for k in captured_requests:
+            rows = req == rid[k]
+            order = np.argsort(pos[rows])
+            a = act[rows][order]
+            b = ref[(k, name)]
+            assert a.shape == b.shape
+            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+            assert err.max() < 1e-4, (name, k, err.max())
+            # The check can tell rows apart: a neighbouring position's row is far off.
+            if len(b) > 1:
+                off = np.linalg.norm(a[1:] - b[:-1], axis=1) / np.linalg.norm(b[:-1], axis=1)
+                assert off.min() > 1e-2, (name, k, off.min())
+    # Accounting: every row produced was exported or counted as dropped.
+    (closed,) = res["closed"]
+    s = closed["session"]
+    total_rows = sum(len(c["request_id"]) for c in dump.values())
+    assert s["exported_rows"] == total_rows == closed["plugin"]["rows_exported_requested"]
+    assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
+    assert s["dropped_rows"] == sum(s["dropped_by_reason"].values())
+    assert closed["plugin"]["lost_rows"] == 0 and closed["plugin"]["disabled"] is None
+    return dump
+
+
+def request_ids(res: dict) -> list:
+    """The ringscope id of each request (None: not captured), from the run's request map, checked against the
+    documented mapping (the explicit id, else the hash of the engine's request id)."""
+    from ringscope.vllm import request_id_of
+
+    lines = [json.loads(x) for x in
+             (pathlib.Path(res["run_dir"]) / "_ringscope_vllm" / "requests.jsonl").read_text().splitlines()]
+    by_ext = {}
+    for x in lines:
+        assert x["external_request_id"] not in by_ext
+        by_ext[x["external_request_id"]] = x
+        assert x["request_id"] == (x["request_id"] if x["explicit"] else request_id_of(x["vllm_request_id"]))
+    out = []
+    for r in res["requests"]:
+        x = by_ext.get(r["vllm_request_id"])  # RequestOutput.request_id: the submitted id
+        e = (r["extra_args"] or {}).get("ringscope")
+        if x is not None and isinstance(e, dict) and "request_id" in e:
+            assert x["explicit"] and x["request_id"] == e["request_id"]
+        out.append(None if x is None else x["request_id"])
+    return out
+
+
+def mixed_step(dump: dict, prompt_lens: "dict[int, int]") -> bool:
+    """Whether some step holds a decode row of one request and a prefill row of another (continuous batching)."""
+    cols = dump["layers.0.resid"]
+    for step in np.unique(cols["step"]):
+        m = cols["step"] == step
+        kinds = set()
+        for r, p in zip(cols["request_id"][m].tolist(), cols["position"][m].tolist()):
+            kinds.add((r, "decode" if p >= prompt_lens[r] else "prefill"))
+        reqs_decode = {r for r, k in kinds if k == "decode"}
+        reqs_prefill = {r for r, k in kinds if k == "prefill"}
+        if reqs_decode and reqs_prefill and reqs_decode != reqs_prefill:
+            return True
+    return False

@@ -1,0 +1,110 @@
+"""Runs one in-process vLLM engine (CPU, a tiny random Llama checkpoint) and writes what the tests check to
+``<out>/result.json``: the requests' prompts and generated tokens, and — when the ringscope plugin is active in this
+process — its counters, the session's totals. Run by the tests in a subprocess per engine (a vLLM engine per process), so that each test module starts
+one engine. Usage: python engine.py OUT_DIR MODE SCENARIO (MODE: eager | compiled; SCENARIO: see REQUESTS)."""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# "multiprocess": the engine core (and the plugin's worker) in a process of its own, as `vllm serve` runs it; the
+# dump must then be complete once this process has exited. Else in-process, where the tests can look inside.
+MULTIPROCESS = len(sys.argv) > 3 and sys.argv[3] == "multiprocess"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if MULTIPROCESS else "0"
+
+# (prompt length, max_tokens, extra_args or None): 5 requests, at most 3 at once, 24 tokens a step — the long prompts
+# are prefilled in chunks while the others decode, and requests join as others finish (continuous batching).
+REQUESTS = {
+    "all": [(3, 6, None), (7, 4, {"ringscope": {"request_id": 7}}), (12, 5, None), (20, 3, None), (40, 4, None)],
+    "opt_in": [(3, 6, {"ringscope": True}), (7, 4, {"ringscope": {"request_id": 7}}), (12, 5, {"ringscope": "yes"}),
+               (20, 3, {"ringscope": {"capture": False}}), (40, 4, {"ringscope": {"capture": True}})],
+}
+
+
+def make_model(path: str) -> None:
+    """A tiny random Llama checkpoint (seeded: every engine of the tests loads the same weights), saved as
+    safetensors: the engine loads it, and the tests' reference loads the same file into Hugging Face's model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      architectures=["LlamaForCausalLM"])
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def main(out: str, mode: str, scenario: str) -> None:
+    result = {"mode": mode, "scenario": scenario}
+    t0 = time.time()
+    try:
+        run(out, mode, scenario, result)
+    except Exception as e:  # the tests check the error
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    result["seconds"] = time.time() - t0
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def run(out, mode, scenario, result):
+    from vllm import LLM, SamplingParams
+
+    model_dir = os.path.join(out, "model")
+    make_model(model_dir)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+              max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True, enforce_eager=(mode == "eager"),
+              distributed_executor_backend=None if MULTIPROCESS else "uni", seed=0)
+    if MULTIPROCESS:
+        outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        result["requests"] = [{"vllm_request_id": o.request_id, "prompt": list(o.prompt_token_ids),
+                               "tokens": list(o.outputs[0].token_ids), "extra_args": None} for o in outs]
+        return
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    model = runner.get_model()
+    result["compiled"] = bool(getattr(model.model, "compiled", False))
+    result["compilation_mode"] = str(runner.vllm_config.compilation_config.mode)
+    result["plugin_installed"] = getattr(runner, "_ringscope", None) is not None
+    result["sink_buffer"] = hasattr(model.model, "_ringscope_sink")
+    result["additional_config"] = dict(runner.vllm_config.additional_config) \
+        if isinstance(runner.vllm_config.additional_config, dict) else None
+
+    reqs = REQUESTS["opt_in" if scenario == "opt_in" else "all"]
+    prompts = [{"prompt_token_ids": [(7 * k + 3 * i) % 500 + 1 for i in range(n)]} for k, (n, _, _) in enumerate(reqs)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, extra_args=x) for _, m, x in reqs]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result["requests"] = [{"vllm_request_id": o.request_id, "prompt": list(o.prompt_token_ids),
+                           "tokens": list(o.outputs[0].token_ids), "extra_args": x}
+                          for o, (_, _, x) in zip(outs, reqs)]
+
+    if result["plugin_installed"]:
+        import ringscope.vllm as rv
+
+        cap = runner._ringscope
+        result["run_dir"] = str(cap.run_dir)
+        result["hookpoints"] = cap.hookpoints
+        if scenario == "fault":
+            # A plugin error while serving: the capture op fails from now on; the engine must go on.
+            def broken(*args):
+                raise RuntimeError("injected fault")
+            before = dict(cap.counters())
+            cap._capture = broken
+            outs2 = llm.generate(prompts[:2], params[:2], use_tqdm=False)
+            again = llm.generate(prompts[:2], params[:2], use_tqdm=False)
+            result["fault"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs2],
+                               "tokens_after": [list(o.outputs[0].token_ids) for o in again],
+                               "before": before, "after": cap.counters()}
+        result["closed"] = rv.close_all()
+    else:
+        mod = sys.modules.get("ringscope")
+        result["ringscope_imported"] = mod is not None
+        result["ringscope_library_loaded"] = mod is not None and mod._lib is not None
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

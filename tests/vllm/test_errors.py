@@ -1,0 +1,68 @@
+"""Bad input fails clearly and early; an error while serving never takes the engine down."""
+
+import pytest
+
+from conftest import CONFIG
+
+
+def test_layer_that_does_not_exist_fails_at_load(engines):
+    res = engines("bad_layer", "eager", "all", config=CONFIG.replace('layers = "all"', "layers = [0, 5]"))
+    assert "vllm.layers names layer(s) [5]" in res["error"] and "2 decoder layers" in res["error"]
+    assert "requests" not in res  # failed at load, before serving
+
+
+def test_bad_vllm_table_fails_at_start(engines):
+    res = engines("bad_key", "eager", "all", config=CONFIG.replace('layers = "all"', 'layer = "all"'))
+    assert "unknown key(s) ['layer'] in [vllm]" in res["error"]
+    res = engines("bad_site", "eager", "all", config=CONFIG.replace('"mlp_output"]', '"mlp"]'))
+    assert "vllm.sites" in res["error"] and "attention_output" in res["error"]
+
+
+def test_unsupported_vllm_version(monkeypatch, tmp_path):
+    import vllm
+
+    import ringscope.vllm as rv
+    from ringscope import RingscopeError
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    monkeypatch.setenv(rv.ENV_CONFIG, str(cfg))
+    monkeypatch.delenv(rv.ENV_DISABLE, raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(rv, "_registered", False)
+    with pytest.raises(RingscopeError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.99\.0"):
+        rv.register()
+
+
+def test_unsupported_model(tmp_path):
+    import torch
+
+    import ringscope.vllm as rv
+    from ringscope import RingscopeError
+
+    class GPT2LMHeadModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+    class Runner:
+        def get_model(self):
+            return GPT2LMHeadModel()
+
+    with pytest.raises(RingscopeError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+        rv.VllmCapture.install(Runner(), rv.parse_config({}))
+
+
+def test_error_while_serving_disables_capture(engines, eager_all):
+    res = engines("fault", "eager", "fault")
+    assert res.get("error") is None, res.get("traceback")
+    f = res["fault"]
+    # The engine went on, computing the same tokens.
+    assert f["tokens"] == [r["tokens"] for r in eager_all["requests"][:2]] == f["tokens_after"]
+    assert f["before"]["disabled"] is None
+    assert "injected fault" in f["after"]["disabled"]
+    assert f["after"]["lost_steps"] > 0 and f["after"]["lost_rows"] > 0
+    assert "capture is off for the rest of the run" in res["log"]
+    closed = res["closed"][0]
+    s = closed["session"]
+    assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
