@@ -1,20 +1,18 @@
-"""Overhead of `attach()` on the path most users take: Hugging Face decoding compiled by torch.compile with CUDA graphs.
+"""Overhead of `attach()` on the path most users take: Hugging Face `generate` with a static cache, whose decode step
+transformers compiles with torch.compile (mode "reduce-overhead": inductor + CUDA graph trees).
 
     python benches/hf_compiled_overhead.py --out results.json   # needs CUDA, torch, transformers, libringscope + NVRTC
 
 Model: the 1B-shaped Llama of hf_overhead.py (16 layers, hidden 2048, random bf16 weights, no download), twice with
 the same weights: one plain, one with ringscope attached (`ring.backend = "cuda"`, best-effort,
 `ring.defer_captures = true`, `attach(sites=["residual"])`, all 16 layers). Measured in this one process:
-  * decode step: `torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)` over a StaticCache
-    (inductor + CUDA graph trees), one decode step per call; per-step time synchronised every step (median, p99)
-    and pipelined, both models interleaved over several rounds; batch 1, 8, 64;
-  * `generate(..., cache_implementation="static")` as a user calls it (transformers compiles the decode step itself):
-    wall time of 64 new tokens, median of several calls, per batch size;
+  * decode step: every call of transformers' compiled step inside `generate(..., max_new_tokens=64,
+    cache_implementation="static")`, synchronised before and after (median and min over all calls of all rounds),
+    both models interleaved over several rounds; batch 1, 8, 64. Also: whether any step's ringscope calls ran in
+    Python (they must all be replayed from the graph), inductor's cudagraph_skips, ringscope's accounting;
   * correctness: a compiled `generate` of two requests on the attached model, every captured row against an eager
     `output_hidden_states` pass over the same tokens on the plain model (bf16: the compiled kernels round
-    differently, so the error is reported, not required to be zero), request ids and positions checked exactly;
-  * that CUDA graphs were used (inductor's cudagraph_skips counter) and ringscope's own accounting (rows produced,
-    published, dropped) for the timed steps.
+    differently, so the error is reported, not required to be zero), request ids and positions checked exactly.
 """
 import argparse
 import json
@@ -26,47 +24,39 @@ import time
 import numpy as np
 import torch
 from torch._dynamo.utils import counters
-from transformers import StaticCache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import DEV, PROMPT, build_model, cuda_session, interleaved  # noqa: E402
+from hf_overhead import DEV, PROMPT, build_model, cuda_session  # noqa: E402
 
 import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
 
 
-def compiled_step(model, batch, max_len):
-    """One decode step of `model` through torch.compile (reduce-overhead: CUDA graph trees) over a StaticCache that
-    an eager prefill filled."""
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
-    ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(PROMPT, device=DEV), use_cache=True)
-    cc = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    tok = torch.randint(0, 1000, (batch, 1), device=DEV)
-    pid = torch.full((batch, 1), PROMPT, device=DEV)
-    cp = torch.tensor([PROMPT], device=DEV)
-
-    def step():
-        with torch.no_grad():
-            cc(input_ids=tok, position_ids=pid, cache_position=cp, past_key_values=cache, use_cache=True)
-    return step
-
-
-def generate_time(model, batch, new=64, calls=3):
+def decode_step_times(model, batch, new=64):
+    """Per decode step of `generate(..., cache_implementation="static")` as a user calls it: transformers compiles
+    the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
+    compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here)."""
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
               cache_implementation="static", pad_token_id=0)
     with torch.no_grad():
-        model.generate(ids, **kw)  # compiles
+        model.generate(ids, **kw)  # compiles and records
+        inner = model._compiled_call
         times = []
-        for _ in range(calls):
+
+        def timed(*args, **kwargs):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            model.generate(ids, **kw)
+            out = inner(*args, **kwargs)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+            return out
+        model._compiled_call = timed
+        try:
+            model.generate(ids, **kw)
+        finally:
+            model._compiled_call = inner
+    return times[2:]  # the first calls of a new generate may re-record
 
 
 def correctness(plain, attached_model, results, new=8):
@@ -114,70 +104,53 @@ def correctness(plain, attached_model, results, new=8):
     print(json.dumps({"correctness": results["correctness"]}), flush=True)
 
 
-def run_batch(plain, attached_model, batch, steps, rounds, results):
-    max_len = PROMPT + 64
+def run_generate(plain, attached_model, batches, rounds, results):
     session = cuda_session(capacity="1 GiB", defer_captures=True)
     att = rt.attach(attached_model, session, sites=["residual"])
     skips = counters["inductor"]["cudagraph_skips"]
     try:
-        variants = {"a_compiled": compiled_step(plain, batch, max_len),
-                    "b_compiled_ringscope": compiled_step(attached_model, batch, max_len)}
-        out = interleaved(variants, steps, rounds)
+        for batch in batches:
+            t = {"plain": [], "ringscope": []}
+            for r in range(rounds):  # interleaved, the order alternating, so that drift falls on both alike
+                order = (("plain", plain), ("ringscope", attached_model))
+                for name, model in (order if r % 2 == 0 else order[::-1]):
+                    t[name].extend(decode_step_times(model, batch))
+            a, b = statistics.median(t["plain"]), statistics.median(t["ringscope"])
+            a_min, b_min = min(t["plain"]), min(t["ringscope"])
+            res = {"plain_median_ms": a, "ringscope_median_ms": b, "overhead_median_pct": 100 * (b / a - 1),
+                   "plain_min_ms": a_min, "ringscope_min_ms": b_min, "overhead_min_pct": 100 * (b_min / a_min - 1),
+                   "steps_timed": len(t["plain"]),
+                   "steps_begun_in_python": att.step}
+            results.setdefault("generate_decode_step", {})[str(batch)] = res
+            print(json.dumps({"batch": batch, **res}), flush=True)
     finally:
         att.detach()
     stats = session.close()
-    a, b = out["a_compiled"], out["b_compiled_ringscope"]
-    res = {"variants": out,
-           "overhead_median_pct": 100 * (b["median_ms"] / a["median_ms"] - 1),
-           "overhead_pipelined_pct": 100 * (b["pipelined_ms"] / a["pipelined_ms"] - 1),
-           "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips,
-           "ringscope": {k: stats.get(k) for k in ("produced_rows", "published_rows", "exported_rows", "dropped_rows")}}
-    results.setdefault("decode_step", {})[str(batch)] = res
-    print(json.dumps({"batch": batch, **{k: v for k, v in res.items() if k != "variants"},
-                      "a_ms": a["median_ms"], "b_ms": b["median_ms"]}), flush=True)
-
-
-def run_generate(plain, attached_model, batch, results):
-    session = cuda_session(capacity="1 GiB", defer_captures=True)
-    att = rt.attach(attached_model, session, sites=["residual"])
-    try:
-        # Interleaved twice so that drift falls on both alike.
-        t = {"a": [], "b": []}
-        for _ in range(2):
-            t["a"].append(generate_time(plain, batch))
-            t["b"].append(generate_time(attached_model, batch))
-    finally:
-        att.detach()
-    stats = session.close()
-    a, b = min(t["a"]), min(t["b"])
-    res = {"plain_ms": a, "ringscope_ms": b, "overhead_pct": 100 * (b / a - 1), "new_tokens": 64,
-           "ringscope": {k: stats.get(k) for k in ("produced_rows", "published_rows", "exported_rows", "dropped_rows")}}
-    results.setdefault("generate", {})[str(batch)] = res
-    print(json.dumps({"generate_batch": batch, **res}), flush=True)
+    results["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+    results["ringscope_accounting"] = {k: stats.get(k) for k in ("produced_rows", "exported_rows", "dropped_rows")}
+    print(json.dumps({"cudagraph_skips": results["cudagraph_skips"],
+                      "ringscope_accounting": results["ringscope_accounting"]}), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="hf_compiled_overhead.json")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--parts", default="correctness,steps,generate", help="which parts to run, in this order")
+    ap.add_argument("--parts", default="correctness,generate", help="which parts to run, in this order")
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "compile": "torch.compile(model, mode='reduce-overhead', fullgraph=True, dynamic=False)"}
+               "compile": "transformers' own: generate(cache_implementation='static') -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
     batches = [int(b) for b in args.batches.split(",")]
     parts = []
     for p in args.parts.split(","):
         if p == "correctness":
             parts.append(lambda: correctness(plain, attached_model, results))
-        elif p == "steps":
-            parts += [(lambda b=b: run_batch(plain, attached_model, b, args.steps, args.rounds, results)) for b in batches]
         elif p == "generate":
-            parts += [(lambda b=b: run_generate(plain, attached_model, b, results)) for b in batches]
+            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results))
         else:
             ap.error(f"unknown part {p!r}")
     for part in parts:

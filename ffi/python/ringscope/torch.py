@@ -21,6 +21,7 @@ probe of the session (``[[probes]]`` with ``action = "stop"``, on hookpoints ``a
 from __future__ import annotations
 
 import ctypes
+import itertools
 import weakref
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -29,7 +30,7 @@ import torch
 
 from . import _U32_MAX, RingscopeError, Session, _check, _int, _int_array, _load, _timeout_ms, _u32, _u64
 
-__all__ = ["capture", "submit", "begin_step", "end_step", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["capture", "submit", "step", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
 
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64",
                  torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
@@ -40,6 +41,10 @@ def capture(x: torch.Tensor, sink: torch.Tensor, session: int, hookpoint: int, r
     """Captures ``x`` (any shape whose last dimension is the row width; rows in row-major order) into hookpoint
     ``hookpoint`` of the session whose C handle is ``session``. CUDA tensors: a kernel on the current stream (graph
     capturable); CPU tensors: a host copy."""
+    _capture_now(x, session, hookpoint, row_width)
+
+
+def _capture_now(x: torch.Tensor, session: int, hookpoint: int, row_width: int) -> None:
     session, hookpoint = _u64("session", session), _u32("hookpoint", hookpoint)
     row_width = _u32("row_width", row_width, lo=1)
     if not x.is_contiguous():
@@ -80,6 +85,9 @@ def _(sink, session):
 
 # Attachments by key, for the step ops below (custom ops take ints and tensors, not Python objects).
 _ATTACHMENTS: "weakref.WeakValueDictionary[int, Attachment]" = weakref.WeakValueDictionary()
+# Keys are never reused (id() would be, once an attachment is garbage-collected): a compiled graph guards on its
+# attachment's key, so a new attachment never passes the guards of an old one's graphs.
+_NEXT_KEY = itertools.count(1)
 
 
 def _attachment(key: int) -> "Attachment":
@@ -91,30 +99,23 @@ def _attachment(key: int) -> "Attachment":
     return att
 
 
-@torch.library.custom_op("ringscope::begin_step", mutates_args=("sink",))
-def begin_step(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, attachment: int) -> None:
-    """Starts a step of attachment ``attachment`` from tensors the compiled graph holds: ``request_ids`` int64
-    ``[batch]`` (one request per batch row), ``positions`` int64 ``[batch, seq]``, ``[1, seq]`` or ``[seq]`` (shared
-    by every row). Inside a CUDA graph being recorded the step is recorded too (replays read both tensors on the
-    device and make no host call); otherwise it begins eagerly. What :func:`attach`'s hooks call when the model is
-    compiled, so that ringscope adds no graph break."""
-    _attachment(attachment)._begin_tensors(request_ids, positions)
+@torch.library.custom_op("ringscope::step", mutates_args=("sink",))
+def step(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, captures: List[torch.Tensor],
+         hookpoints: List[int], attachment: int) -> None:
+    """One whole step of attachment ``attachment``, from tensors the compiled graph holds when the forward pass
+    ends: begins it (``request_ids`` int64 ``[batch]``, one request per batch row; ``positions`` int64
+    ``[batch, seq]``, ``[1, seq]`` or ``[seq]`` shared by every row), captures ``captures[i]`` into hookpoint
+    ``hookpoints[i]``, and ends it. Inside a CUDA graph being recorded all of it is recorded (replays read the
+    tensors on the device and make no host call); otherwise it runs eagerly.
+
+    What :func:`attach`'s hooks call when the model is compiled. One op at the end, not one per capture, because
+    a compiler may recompute a tensor instead of keeping it alive: every address ringscope reads (deferred captures
+    read theirs when the step ends) is an input of this one call, valid while it runs."""
+    _attachment(attachment)._step_tensors(request_ids, positions, captures, hookpoints)
 
 
-@begin_step.register_fake
-def _(sink, request_ids, positions, attachment):
-    return None
-
-
-@torch.library.custom_op("ringscope::end_step", mutates_args=("sink",))
-def end_step(sink: torch.Tensor, keep: List[torch.Tensor], attachment: int) -> None:
-    """Ends the step :func:`begin_step` started. ``keep``: the tensors captured in the step, inputs here so that a
-    compiled graph does not reuse their memory before the step's deferred captures have copied them."""
-    _attachment(attachment)._end_tensors()
-
-
-@end_step.register_fake
-def _(sink, keep, attachment):
+@step.register_fake
+def _(sink, request_ids, positions, captures, hookpoints, attachment):
     return None
 
 
@@ -182,7 +183,10 @@ class Attachment:
         # Captured tensors of the open step: kept alive until the step ends, so that with `ring.defer_captures`
         # their memory is not reused before the step's capture kernel has read it.
         self._keep: List[torch.Tensor] = []
-        self._key = id(self)
+        self._keep_hp: List[int] = []  # while torch.compile traces: the hookpoint of each captured tensor in _keep
+        self._widths: Dict[int, int] = {}
+        self._key = next(_NEXT_KEY)
+        self._recorded_graph = False  # a CUDA graph recorded one of this attachment's steps (see detach)
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -250,6 +254,11 @@ class Attachment:
         self._handles.clear()
         if getattr(self.model, "_ringscope_sink", None) is not None:
             delattr(self.model, "_ringscope_sink")
+        if self._recorded_graph:
+            # torch.compile recorded CUDA graphs that write into this session's device memory at every replay and run
+            # no Python: drop every compiled graph, so that none can replay after the session is closed.
+            torch._dynamo.reset()
+            self._recorded_graph = False
 
     # -- the batch descriptor ------------------------------------------------------------------------------------
     def begin_step(self, request_ids: Sequence[int], positions, stream: Optional[int] = None) -> None:
@@ -350,10 +359,10 @@ class Attachment:
         self._keep.clear()
 
     def _begin_compiled(self, module, args, kwargs):
-        """Pre-hook of the first decoder layer: while torch.compile traces, begins the step with a custom op from the
-        layer's own tensors, inside the graph that holds the captures (the model's own hooks run as separate frames
-        when only its forward is compiled, as ``generate`` does). No Python state is read or written here: the op's
-        body does that when it runs. Eager calls begin the step in the model's pre-hook instead."""
+        """Pre-hook of the first decoder layer: while torch.compile traces, notes the step's request-id and
+        position tensors (from the layer's own arguments) for the step op at the end of the forward pass (the model's
+        own hooks run as separate frames when only its forward is compiled, as ``generate`` does). Eager calls begin
+        the step in the model's pre-hook instead."""
         if not torch.compiler.is_compiling():
             return
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -362,18 +371,17 @@ class Attachment:
             pos = kwargs.get("cache_position")
         if hidden is None or pos is None:
             _refuse_while_tracing("positions")
-        ids = self._request_id_tensor(hidden.device, hidden.shape[0])
-        begin_step(self.sink(hidden.device), ids, pos, self._key)
-        # With deferred captures the step's copy kernel reads both tensors again when the step ends: end_step takes
-        # them as inputs too, so that the graph keeps their memory until then.
-        self._keep.extend((ids, pos))
+        self._keep.clear()
+        self._keep_hp.clear()
+        self._keep.extend((self._request_id_tensor(hidden.device, hidden.shape[0]), pos))
 
     def _end_compiled(self, device) -> None:
-        """After the last captured module, while torch.compile traces: ends the step inside the graph; the captured
-        tensors and the step's request-id and position tensors are the op's inputs, so the graph keeps them alive
-        until the deferred copy has read them."""
-        end_step(self.sink(device), list(self._keep), self._key)
+        """After the last captured module, while torch.compile traces: the whole step as one op (see :func:`step`)."""
+        if len(self._keep) < 2:
+            return  # the first decoder layer did not run in this graph: nothing to attribute rows to
+        step(self.sink(device), self._keep[0], self._keep[1], self._keep[2:], list(self._keep_hp), self._key)
         self._keep.clear()
+        self._keep_hp.clear()
 
     def _end_tensors(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -388,6 +396,16 @@ class Attachment:
             self._open = False
         self.step += 1
 
+    def _step_tensors(self, request_ids, positions, captures, hookpoints) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._recorded_graph = True  # torch.compile's CUDA graphs (mode="reduce-overhead") record this step
+        self._begin_tensors(request_ids, positions)
+        try:
+            for x, hp in zip(captures, hookpoints):
+                _capture_now(x, self.session._h, hp, self._widths[hp])
+        finally:
+            self._end_tensors()
+
     def _hook(self, name: str, width: int, pick=_first):
         hp = self.hookpoints[name]
         handle = self.session._h
@@ -395,7 +413,10 @@ class Attachment:
         def hook(module, args, output):
             x = pick(output).contiguous()
             self._keep.append(x)
-            capture(x, self.sink(x.device), handle, hp, width)
+            if torch.compiler.is_compiling():
+                self._keep_hp.append(hp)  # captured by the step op at the end of the forward pass
+            else:
+                capture(x, self.sink(x.device), handle, hp, width)
 
         return hook
 
@@ -502,6 +523,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
 
     for name, site, layer_index, width, module, pick in planned:
         att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
+        att._widths[att.hookpoints[name]] = width
         if rows != "all":
             session.set_rows(att.hookpoints[name], rows)
         att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
