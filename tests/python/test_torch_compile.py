@@ -127,7 +127,7 @@ def test_compiled_bad_input_is_a_clear_error():
     model = tiny(layers=2)
     session = ringscope.Session("")
     rt.attach(model, session, sites=("residual",))
-    with pytest.raises(ringscope.RingscopeError, match="attached already"):
+    with pytest.raises(ringscope.RingscopeError, match="attached already to an open session"):
         rt.attach(model, session)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     # No positions in the call: the layers get none either under fullgraph tracing of this model's forward (HF

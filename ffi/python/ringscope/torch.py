@@ -476,9 +476,13 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
     """
     decoder_layers, final_norm, lm_head, family = _decoder(model)
-    if hasattr(model, "_ringscope_sink"):
-        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                             "attach: the model is attached already (detach() the first attachment first)")
+    for prev in list(_ATTACHMENTS.values()):
+        if prev.model is model and prev._handles:
+            if prev.session.totals is None:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     "attach: the model is attached already to an open session (detach() that "
+                                     "attachment first)")
+            prev.detach()  # its session is closed: its hooks could only fail
     sites = list(sites)
     bad = [s for s in sites if s not in _SITES]
     if bad:
