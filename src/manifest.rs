@@ -27,8 +27,19 @@ use serde_json::{json, Value};
 
 use crate::Report;
 
-/// File name of the manifest inside a run directory.
+/// File name of the manifest inside a run directory (rank 0's; see [`file_name`]).
 pub const MANIFEST: &str = "_ringscope_run.json";
+
+/// The manifest's file name for `export.rank = rank`: [`MANIFEST`] for rank 0, `_ringscope_run.rank=<rank>.json`
+/// for the others, so that the ranks of one run (tensor-parallel workers, each with its own session) writing the same
+/// run directory do not overwrite each other's manifests. Readers merge every `_ringscope_run*.json` of a run.
+pub fn file_name(rank: u32) -> String {
+    if rank == 0 {
+        MANIFEST.to_owned()
+    } else {
+        format!("_ringscope_run.rank={rank}.json")
+    }
+}
 
 fn tally(t: ringscope_policy::Tally) -> Value {
     json!({ "records": t.records, "rows": t.rows })
@@ -76,7 +87,7 @@ fn sinks(report: &Report) -> Vec<Value> {
 
 /// Writes the manifest of `report` into `run_dir` atomically: a temporary file, synced, renamed into place. On
 /// failure the temporary file is removed, so a run whose manifest could not be written leaves no hidden debris.
-pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std::io::Result<()> {
+pub(crate) fn write(run_dir: &Path, rank: u32, registry: &Registry, report: &Report) -> std::io::Result<()> {
     let hookpoints: Vec<Value> = registry
         .all()
         .iter()
@@ -126,6 +137,7 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std
     let manifest = json!({
         "format_version": ringscope_ring::record::FORMAT_VERSION,
         "run_id": run_dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "rank": rank,
         "hookpoints": hookpoints,
         "files": files,
         "events": events,
@@ -138,11 +150,12 @@ pub(crate) fn write(run_dir: &Path, registry: &Registry, report: &Report) -> std
         },
         "errors": report.drain.errors,
     });
-    let tmp = run_dir.join(format!(".{MANIFEST}.inprogress"));
+    let name = file_name(rank);
+    let tmp = run_dir.join(format!(".{name}.inprogress"));
     let text = serde_json::to_string_pretty(&manifest).expect("plain JSON values");
     let written = std::fs::File::create(&tmp)
         .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, run_dir.join(MANIFEST)));
+        .and_then(|()| std::fs::rename(&tmp, run_dir.join(&name)));
     if written.is_err() {
         // A truncated hidden file would only mislead (and hold space on a full disk).
         let _ = std::fs::remove_file(&tmp);

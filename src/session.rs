@@ -96,6 +96,8 @@ pub struct Session {
     drain: Mutex<Option<Drain>>,
     files: Vec<CommittedFiles>,
     run_dir: Option<std::path::PathBuf>,
+    /// `export.rank`: names this session's manifest and events files in a run directory several ranks share.
+    rank: u32,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
     health: SinkHealth,
     /// The policy manager (best-effort mode with budgets), deciding at step boundaries.
@@ -275,7 +277,8 @@ impl SessionBuilder {
             }
             None => None,
         };
-        let recorder = run_dir.as_deref().map(|dir| event_recorder(dir, events.clone())).transpose()?;
+        let rank = config.export.rank;
+        let recorder = run_dir.as_deref().map(|dir| event_recorder(dir, rank, events.clone())).transpose()?;
         let capture = Capture { backend };
         let observer = Arc::new(Observer {
             registry: registry.clone(),
@@ -301,6 +304,7 @@ impl SessionBuilder {
             drain: Mutex::new(Some(drain)),
             files,
             run_dir,
+            rank,
             health,
             governor: config.policy.adaptive().then(|| {
                 // Fused probes' scores are a few floats per row: the last thing to degrade.
@@ -821,8 +825,8 @@ impl Session {
             events,
         };
         if let Some(dir) = &report.run_dir {
-            if let Err(source) = crate::manifest::write(dir, &self.registry, &report) {
-                let path = dir.join(crate::manifest::MANIFEST);
+            if let Err(source) = crate::manifest::write(dir, self.rank, &self.registry, &report) {
+                let path = dir.join(crate::manifest::file_name(self.rank));
                 return Err(Error::Manifest { path, source, report: Box::new(report) });
             }
         }

@@ -125,23 +125,109 @@ fn main() -> ExitCode {
     summarise(&run_dir, args.verify)
 }
 
+/// Whether `name` is a manifest of a run: rank 0's [`MANIFEST`], or another rank's `_ringscope_run.rank=<r>.json`
+/// (the ranks of one run — tensor-parallel workers, each with its own session — share the run directory).
+fn is_manifest(name: &str) -> bool {
+    name == MANIFEST
+        || name
+            .strip_prefix("_ringscope_run.rank=")
+            .and_then(|r| r.strip_suffix(".json"))
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Every manifest of the run, merged into one (`None`: the run has none — it did not shut down). One rank's manifest
+/// is returned as it is; several are merged: their files, events and errors listed together, each hookpoint's
+/// accounting and each sink's committed rows summed over the ranks (a hookpoint's rows of every rank are in its
+/// `hookpoint=<name>` directory, one `rank=<r>` partition each), a sink failed if it failed on any rank.
+fn read_manifests(run_dir: &Path) -> Result<Option<Value>, String> {
+    let entries = std::fs::read_dir(run_dir).map_err(|e| format!("{}: unreadable: {e}", run_dir.display()))?;
+    let mut paths: Vec<PathBuf> = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| format!("{}: unreadable: {e}", run_dir.display()))?.path();
+        if path.file_name().and_then(|n| n.to_str()).is_some_and(is_manifest) {
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    let mut manifests = Vec::with_capacity(paths.len());
+    for path in &paths {
+        let bytes = std::fs::read(path).map_err(|e| format!("{} unreadable: {e}", path.display()))?;
+        manifests.push(
+            serde_json::from_slice::<Value>(&bytes)
+                .map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?,
+        );
+    }
+    let mut merged = manifests.pop();
+    if let Some(out) = merged.as_mut() {
+        for m in manifests {
+            merge_manifest(out, m);
+        }
+    }
+    Ok(merged)
+}
+
+fn merge_manifest(out: &mut Value, m: Value) {
+    for list in ["files", "events", "errors"] {
+        if let (Some(a), Some(b)) = (out[list].as_array_mut(), m[list].as_array()) {
+            a.extend(b.iter().cloned());
+        }
+    }
+    for (list, key) in [("hookpoints", "accounting"), ("sinks", "committed")] {
+        let Some(theirs) = m[list].as_array() else { continue };
+        let Some(ours) = out[list].as_array_mut() else {
+            out[list] = Value::Array(theirs.clone());
+            continue;
+        };
+        for t in theirs {
+            match ours.iter_mut().find(|o| o["name"] == t["name"]) {
+                Some(o) => {
+                    add_numbers(&mut o[key], &t[key]);
+                    if list == "sinks" {
+                        o["failed"] =
+                            Value::Bool(o["failed"].as_bool() == Some(true) || t["failed"].as_bool() == Some(true));
+                        if let (Some(a), Some(b)) = (o["errors"].as_array_mut(), t["errors"].as_array()) {
+                            a.extend(b.iter().cloned());
+                        }
+                    }
+                }
+                None => ours.push(t.clone()),
+            }
+        }
+    }
+}
+
+/// Adds the numbers of `b` into `a`, key by key (objects) — counts of records, rows and bytes.
+fn add_numbers(a: &mut Value, b: &Value) {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            for (k, v) in y {
+                match x.get_mut(k) {
+                    Some(ax) => add_numbers(ax, v),
+                    None => {
+                        x.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (a @ Value::Number(_), Value::Number(n)) => {
+            if let (Some(x), Some(y)) = (a.as_u64(), n.as_u64()) {
+                *a = Value::from(x.saturating_add(y));
+            }
+        }
+        (a @ Value::Null, b) => *a = b.clone(),
+        _ => {}
+    }
+}
+
 fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
     if !run_dir.is_dir() {
         eprintln!("inspect: {} is not a directory", run_dir.display());
         return ExitCode::from(EXIT_NOT_A_RUN);
     }
-    let manifest_path = run_dir.join(MANIFEST);
-    let manifest: Option<Value> = match std::fs::read(&manifest_path) {
-        Ok(bytes) => match serde_json::from_slice(&bytes) {
-            Ok(v) => Some(v),
-            Err(e) => {
-                println!("PROBLEM: {} is not valid JSON: {e}", manifest_path.display());
-                return ExitCode::from(EXIT_PROBLEM);
-            }
-        },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => {
-            println!("PROBLEM: {} unreadable: {e}", manifest_path.display());
+    let manifest: Option<Value> = match read_manifests(run_dir) {
+        Ok(m) => m,
+        Err(problem) => {
+            println!("PROBLEM: {problem}");
             return ExitCode::from(EXIT_PROBLEM);
         }
     };

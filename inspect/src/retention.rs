@@ -18,7 +18,7 @@ use ringscope_probe::{load_weights, row_to_f32, Weights};
 use ringscope_ring::DType;
 use serde_json::{json, Value};
 
-use super::{data_files, open_file, MANIFEST};
+use super::{data_files, open_file, read_manifests};
 
 /// Exit status when at least one output is below `--min`.
 const EXIT_FLAGGED: u8 = 3;
@@ -609,8 +609,8 @@ fn read_side(args: &RetentionArgs, dir: &Path, which: &str, weights: &Weights) -
             )));
         }
     }
-    let manifest: Option<Value> =
-        std::fs::read(dir.join(MANIFEST)).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    // Every rank's manifest, merged (an unreadable one: no accounting to report).
+    let manifest: Option<Value> = read_manifests(dir).ok().flatten();
     let accounting = manifest.as_ref().and_then(|m| {
         let h = m["hookpoints"].as_array()?.iter().find(|h| h["name"] == args.hookpoint.as_str())?;
         let acc = &h["accounting"];

@@ -1,7 +1,8 @@
 //! The events table: what was lost and why, written into the run directory as it happens.
 //!
 //! ```text
-//! <root>/<run_id>/_ringscope_events/part-00000.parquet
+//! <root>/<run_id>/_ringscope_events/part-00000.parquet            (export.rank = 0)
+//! <root>/<run_id>/_ringscope_events/part-00000-rank1.parquet      (rank 1: the ranks of one run share the table)
 //! ```
 //!
 //! One row per [`Event`] of the session's [`EventLog`]: spans of dropped records (step range, hookpoint, reason,
@@ -27,11 +28,20 @@ use crossbeam::channel::{RecvTimeoutError, Sender};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use ringscope_policy::{Event, EventKind, EventLog};
 
-use crate::dataset::{in_progress_path, keys, part_name, FileError, FormatError};
+use crate::dataset::{keys, FileError, FormatError};
 use crate::ExporterError;
 
 /// The events table's directory in a run directory.
 pub const EVENTS_DIR: &str = "_ringscope_events";
+
+/// The name of events file `index` of rank `rank` (rank 0's names are those of runs with one rank).
+fn events_file_name(index: u32, rank: u32, ext: &str) -> String {
+    if rank == 0 {
+        format!("part-{index:05}.{ext}")
+    } else {
+        format!("part-{index:05}-rank{rank}.{ext}")
+    }
+}
 
 /// The events table's columns, in this order.
 pub fn events_schema() -> SchemaRef {
@@ -168,6 +178,8 @@ pub struct EventsTable<F: TableFormat> {
     format: F,
     run_id: String,
     dir: PathBuf,
+    /// `export.rank`: part of the file names, so that ranks writing the same run directory never collide.
+    rank: u32,
     /// The next file's number; found on the first write (a reused run directory keeps its files).
     next_index: Option<u32>,
 }
@@ -175,8 +187,13 @@ pub struct EventsTable<F: TableFormat> {
 impl<F: TableFormat> EventsTable<F> {
     /// The table of `run_dir`. Nothing is created until the first [`write`](Self::write).
     pub fn new(format: F, run_dir: &Path) -> Self {
+        Self::with_rank(format, run_dir, 0)
+    }
+
+    /// The table of `run_dir` as rank `rank` writes it (its own file names).
+    pub fn with_rank(format: F, run_dir: &Path, rank: u32) -> Self {
         let run_id = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        EventsTable { format, run_id, dir: run_dir.join(EVENTS_DIR), next_index: None }
+        EventsTable { format, run_id, dir: run_dir.join(EVENTS_DIR), rank, next_index: None }
     }
 
     /// The table's directory.
@@ -189,11 +206,14 @@ impl<F: TableFormat> EventsTable<F> {
     pub fn write(&mut self, events: &[Event]) -> Result<EventsFile, FileError> {
         let dir = &self.dir;
         std::fs::create_dir_all(dir).map_err(|source| FileError::CreateDir { dir: dir.clone(), source })?;
+        let rank = self.rank;
         let index = *self.next_index.get_or_insert_with(|| {
-            (0u32..).find(|&i| !dir.join(part_name(i, None, F::EXT)).exists()).unwrap_or(u32::MAX)
+            (0u32..).find(|&i| !dir.join(events_file_name(i, rank, F::EXT)).exists()).unwrap_or(u32::MAX)
         });
-        let tmp = in_progress_path(dir, index, None, F::EXT);
-        let path = dir.join(part_name(index, None, F::EXT));
+        let name = events_file_name(index, rank, F::EXT);
+        // Hidden while in progress (leading `.`), like the data files: globs on `part-*.parquet` miss it.
+        let tmp = dir.join(format!(".{name}.inprogress"));
+        let path = dir.join(name);
         let committed = self.write_file(&tmp, &path, events);
         if committed.is_err() {
             let _ = std::fs::remove_file(&tmp);
@@ -376,6 +396,25 @@ mod tests {
         assert_eq!(names(table.dir()), ["part-00000.parquet", "part-00001.parquet"], "committed, nothing in progress");
         let read = read_events(&run).unwrap();
         assert_eq!(read, [first, second].concat());
+        std::fs::remove_dir_all(&run).unwrap();
+    }
+
+    #[test]
+    fn ranks_sharing_a_run_directory_write_their_own_files() {
+        let run = tempdir("ranks");
+        let log = EventLog::new();
+        log.dropped("layers.0.resid", DropReason::RingFull, 3, 1, 8);
+        let rank0 = log.take();
+        log.dropped("layers.0.resid", DropReason::SinkError, 4, 2, 16);
+        let rank1 = log.take();
+        let mut t0 = EventsTable::new(ParquetTable, &run);
+        let mut t1 = EventsTable::with_rank(ParquetTable, &run, 1);
+        t1.write(&rank1).unwrap();
+        t0.write(&rank0).unwrap();
+        assert_eq!(names(t0.dir()), ["part-00000-rank1.parquet", "part-00000.parquet"]);
+        let read = read_events(&run).unwrap();
+        assert_eq!(read.len(), 2);
+        assert_eq!(read.iter().map(|e| e.rows_lost).sum::<u64>(), 24, "both ranks' events read back");
         std::fs::remove_dir_all(&run).unwrap();
     }
 

@@ -122,9 +122,15 @@ impl<F: FileFormat> FileSink<F> {
     fn setup(options: &DatasetOptions) -> Result<(), FileError> {
         options.validate()?;
         let run = options.run_dir().join(F::SUBDIR);
-        // A run directory belongs to one run: never mix two runs' files (or overwrite one) by reusing it.
+        // A run directory belongs to one run: never mix two runs' files (or overwrite one) by reusing it. The ranks
+        // of one run share it (each writes its own `rank=<r>` partitions): what must not exist yet is this rank's.
+        let rank_dir = format!("rank={}", options.rank);
         let holds_data = std::fs::read_dir(&run).is_ok_and(|mut entries| {
-            entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("hookpoint=")))
+            entries.any(|e| {
+                e.is_ok_and(|e| {
+                    e.file_name().to_string_lossy().starts_with("hookpoint=") && e.path().join(&rank_dir).exists()
+                })
+            })
         });
         if holds_data {
             return Err(FileError::RunDirInUse(run));

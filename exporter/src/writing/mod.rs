@@ -398,12 +398,14 @@ impl TableFormat for ParquetTable {
     }
 }
 
-/// The thread that writes `log` into the events table of `run_dir` as it happens (see [`EventRecorder`]).
+/// The thread that writes `log` into the events table of `run_dir` as it happens (see [`EventRecorder`]), as rank
+/// `rank`'s files.
 pub fn event_recorder(
     run_dir: &Path,
+    rank: u32,
     log: Arc<ringscope_policy::EventLog>,
 ) -> Result<EventRecorder, crate::ExporterError> {
-    EventRecorder::spawn(log, EventsTable::new(ParquetTable, run_dir), EventRecorder::EVERY)
+    EventRecorder::spawn(log, EventsTable::with_rank(ParquetTable, run_dir, rank), EventRecorder::EVERY)
 }
 
 /// A Parquet dataset sink.
