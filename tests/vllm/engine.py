@@ -1,7 +1,8 @@
 """Runs one in-process vLLM engine (CPU, a tiny random Llama checkpoint) and writes what the tests check to
 ``<out>/result.json``: the requests' prompts and generated tokens, and — when the ringscope plugin is active in this
 process — its counters, the session's totals. Run by the tests in a subprocess per engine (a vLLM engine per process), so that each test module starts
-one engine. Usage: python engine.py OUT_DIR MODE SCENARIO (MODE: eager | compiled; SCENARIO: see REQUESTS)."""
+one engine. Usage: python engine.py OUT_DIR MODE SCENARIO (MODE: eager | compiled; SCENARIO: see REQUESTS, or
+"multiprocess", or "tp": two tensor-parallel ranks, each in a worker process of its own)."""
 
 import json
 import os
@@ -15,6 +16,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # dump must then be complete once this process has exited. Else in-process, where the tests can look inside.
 MULTIPROCESS = len(sys.argv) > 3 and sys.argv[3] == "multiprocess"
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if MULTIPROCESS else "0"
+# "tp": tensor_parallel_size=2 with the multiprocessing executor (the engine core stays in this process, each rank is a
+# worker process, and the ranks all-reduce over gloo / shared memory). vLLM binds each worker's OpenMP threads to the
+# CPUs of a NUMA node of its own unless told which CPUs each rank gets: one CPU each ("0|1") fits a 2-CPU machine.
+TP = len(sys.argv) > 3 and sys.argv[3] == "tp"
+if TP:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
 # (prompt length, max_tokens, extra_args or None): 5 requests, at most 3 at once, 24 tokens a step — the long prompts
 # are prefilled in chunks while the others decode, and requests join as others finish (continuous batching).
@@ -56,6 +63,8 @@ def run(out, mode, scenario, result):
 
     model_dir = os.path.join(out, "model")
     make_model(model_dir)
+    if TP:
+        return run_tp(model_dir, mode, result)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
               max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True, enforce_eager=(mode == "eager"),
               distributed_executor_backend=None if MULTIPROCESS else "uni", seed=0)
@@ -104,6 +113,28 @@ def run(out, mode, scenario, result):
         mod = sys.modules.get("ringscope")
         result["ringscope_imported"] = mod is not None
         result["ringscope_library_loaded"] = mod is not None and mod._lib is not None
+
+
+def run_tp(model_dir, mode, result):
+    """Two tensor-parallel ranks serving the "all" requests. The plugin runs in the worker processes, so this process
+    sees only the outputs; the dump is complete once the engine has shut down (each worker closes its session as it
+    exits)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
+              max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True, enforce_eager=(mode == "eager"),
+              tensor_parallel_size=2, distributed_executor_backend="mp", seed=0)
+    result["tensor_parallel_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    reqs = REQUESTS["all"]
+    prompts = [{"prompt_token_ids": [(7 * k + 3 * i) % 500 + 1 for i in range(n)]} for k, (n, _, _) in enumerate(reqs)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, extra_args=x) for _, m, x in reqs]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result["requests"] = [{"vllm_request_id": o.request_id, "prompt": list(o.prompt_token_ids),
+                           "tokens": list(o.outputs[0].token_ids), "extra_args": x}
+                          for o, (_, _, x) in zip(outs, reqs)]
+    t = time.time()
+    llm.llm_engine.engine_core.shutdown()  # the workers exit (and close their sessions) before this returns
+    result["shutdown_seconds"] = time.time() - t
 
 
 if __name__ == "__main__":

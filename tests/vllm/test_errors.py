@@ -66,3 +66,13 @@ def test_error_while_serving_disables_capture(engines, eager_all):
     closed = res["closed"][0]
     s = closed["session"]
     assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
+
+
+def test_the_default_run_id_is_the_same_in_every_worker_of_an_engine():
+    from ringscope import vllm as plugin
+
+    # vLLM's instance id: the engine config's creation time in ns, pickled to every worker.
+    assert plugin._default_run_id("1764610000123456789") == "vllm-20251201T172640Z-123456789"
+    assert plugin._default_run_id("1764610000123456789") == plugin._default_run_id("1764610000123456789")
+    assert plugin._default_run_id("ab12c") == "vllm-ab12c"
+    assert plugin._default_run_id("").startswith("vllm-")

@@ -47,6 +47,8 @@ random characters to the id a request was submitted with, so the same submitted 
 Every captured request is written once to ``<run dir>/_ringscope_vllm/requests.jsonl`` (``{"request_id",
 "vllm_request_id", "external_request_id", "explicit", "first_step"}``: ``external_request_id`` is the submitted id,
 what ``RequestOutput.request_id`` says), and a summary with the plugin's counters to ``<run dir>/_ringscope_vllm/summary.json`` at close.
+With ``ranks`` other than ``[0]`` every capturing rank writes its own: tensor-parallel rank 0 the files above, rank
+``R > 0`` ``requests.rank=R.jsonl`` and ``summary.rank=R.json`` (as the library names the ranks' manifests).
 
 Errors while serving never take the engine down: the plugin logs the error, disables capture for the rest of the
 run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows`` in
@@ -318,6 +320,18 @@ def _tp_rank() -> int:
         return 0
 
 
+def _default_run_id(instance_id: str) -> str:
+    """The run id when ``export.run_id`` is not set: from vLLM's instance id (the engine's creation time in
+    nanoseconds, or a random string), the same in every worker of the engine — its tensor-parallel ranks write their
+    partitions of one run."""
+    if instance_id.isdigit():
+        ns = int(instance_id)
+        return time.strftime("vllm-%Y%m%dT%H%M%SZ", time.gmtime(ns // 10**9)) + f"-{ns % 10**9:09d}"
+    if instance_id:
+        return f"vllm-{instance_id}"
+    return time.strftime("vllm-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+
+
 def _check_device(device) -> None:
     if device.type != "cpu":
         raise RingscopeError("RS_ERR_CONFIG",
@@ -406,7 +420,10 @@ class VllmCapture:
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
-            export.setdefault("run_id", time.strftime("vllm-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}")
+            # One run for all of an engine's workers (tensor-parallel ranks write their partitions of it): the
+            # engine's instance id, which vLLM creates once and hands to every worker.
+            export.setdefault("run_id", _default_run_id(getattr(getattr(runner, "vllm_config", None), "instance_id",
+                                                                 "")))
             self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]
         else:
             self.run_dir = None
@@ -426,9 +443,12 @@ class VllmCapture:
         _CAPTURES[self.key] = self
         _LIVE.append(self)
         self._requests_file = None
+        # Ranks sharing the run directory each write their own side files (rank 0: the names of a single rank).
+        self._rank_suffix = "" if rank == 0 else f".rank={rank}"
         if self.run_dir is not None:
             (self.run_dir / "_ringscope_vllm").mkdir(parents=True, exist_ok=True)
-            self._requests_file = open(self.run_dir / "_ringscope_vllm" / "requests.jsonl", "a", encoding="utf-8")
+            self._requests_file = open(self.run_dir / "_ringscope_vllm" / f"requests{self._rank_suffix}.jsonl", "a",
+                                       encoding="utf-8")
 
         device = next(model.parameters()).device
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
@@ -642,7 +662,7 @@ class VllmCapture:
         self._closed_stats = {"session": totals, "plugin": self.counters()}
         if self._requests_file is not None:
             self._requests_file.close()
-            (self.run_dir / "_ringscope_vllm" / "summary.json").write_text(
+            (self.run_dir / "_ringscope_vllm" / f"summary{self._rank_suffix}.json").write_text(
                 json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank}, indent=1))
         _CAPTURES.pop(self.key, None)
         return self._closed_stats
