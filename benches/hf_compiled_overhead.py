@@ -26,7 +26,7 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import DEV, PROMPT, build_model, cuda_session  # noqa: E402
+from hf_overhead import DEV, PROMPT, build_model, cuda_session, run_parts  # noqa: E402
 
 import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
@@ -153,16 +153,7 @@ def main():
             parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results))
         else:
             ap.error(f"unknown part {p!r}")
-    for part in parts:
-        try:
-            part()
-        except Exception as e:  # keep what was measured; say what failed
-            import traceback
-            traceback.print_exc()
-            results.setdefault("errors", []).append(repr(e))
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    return 1 if results.get("errors") else 0
+    return run_parts(parts, results, args.out)
 
 
 if __name__ == "__main__":

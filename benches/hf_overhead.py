@@ -359,16 +359,23 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
     model = build_model(args.layers)
-    for part in (lambda: bit_exact(model, results), lambda: bit_exact_graph(model, results),
-                 *[(lambda b=b: run_batch(model, b, args.steps, args.rounds, results)) for b in map(int, args.batches.split(","))],
-                 lambda: prefill(model, results)):
+    return run_parts([lambda: bit_exact(model, results), lambda: bit_exact_graph(model, results),
+                      *[(lambda b=b: run_batch(model, b, args.steps, args.rounds, results))
+                        for b in map(int, args.batches.split(","))],
+                      lambda: prefill(model, results)], results, args.out)
+
+
+def run_parts(parts, results, out):
+    """Runs each part in turn, keeping what was measured when one fails (its error goes into ``results["errors"]``),
+    and writes ``results`` to ``out`` after each; the exit status: 1 if any part failed."""
+    for part in parts:
         try:
             part()
         except Exception as e:  # keep what was measured; say what failed
             import traceback
             traceback.print_exc()
             results.setdefault("errors", []).append(repr(e))
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(results, f, indent=1)
     return 1 if results.get("errors") else 0
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import Decoder, build_model, interleaved, replay  # noqa: E402
+from hf_overhead import Decoder, build_model, interleaved, replay, run_parts  # noqa: E402
 
 import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
@@ -141,16 +141,7 @@ def main():
         np.save(weights[k], (rng.standard_normal((k, H)) / np.sqrt(H)).astype(np.float32))
     parts = [lambda b=b: run_batch(model, b, args.steps, args.rounds, weights, results)
              for b in map(int, args.batches.split(","))] + [lambda: agreement(model, weights, results)]
-    for part in parts:
-        try:
-            part()
-        except Exception as e:  # keep what was measured; say what failed
-            import traceback
-            traceback.print_exc()
-            results.setdefault("errors", []).append(repr(e))
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    return 1 if results.get("errors") else 0
+    return run_parts(parts, results, args.out)
 
 
 if __name__ == "__main__":
