@@ -135,3 +135,22 @@ def test_compiled_bad_input_is_a_clear_error():
     with pytest.raises(Exception, match="larger than the request-id tensor.*RS_ERR_INVALID_ARGUMENT"):
         compiled(input_ids=torch.ones(300, 2, dtype=torch.int64))
     session.close()
+
+
+def test_the_step_op_and_the_traced_hooks_refuse_bad_input():
+    model = tiny(layers=2)
+    session = ringscope.Session("")
+    att = rt.attach(model, session, sites=("residual",))
+    sink, ids = att.sink(torch.device("cpu")), torch.tensor([1, 2])
+    # Positions whose batch does not match the request ids: named, nothing begun.
+    with pytest.raises(ringscope.RingscopeError, match=r"positions of shape \(3, 4\) for a batch of 2 rows"):
+        rt.step(sink, ids, torch.zeros(3, 4, dtype=torch.int64), [], [], att._key)
+    # A compiled graph calling an attachment that no longer exists.
+    with pytest.raises(ringscope.RingscopeError, match="attachment 999999 no longer exists"):
+        rt.step(sink, ids, torch.zeros(2, 1, dtype=torch.int64), [], [], 999999)
+    # A decoder layer traced without positions: the compilation fails, saying what is missing.
+    traced = torch.compile(lambda h: att._begin_compiled(None, (h,), {}), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="needs the decoder layers called with position_ids or cache_position"):
+        traced(torch.ones(2, 3, 64))
+    att.detach()
+    assert session.close()["exported_rows"] == 0

@@ -76,3 +76,14 @@ def test_the_default_run_id_is_the_same_in_every_worker_of_an_engine():
     assert plugin._default_run_id("1764610000123456789") == plugin._default_run_id("1764610000123456789")
     assert plugin._default_run_id("ab12c") == "vllm-ab12c"
     assert plugin._default_run_id("").startswith("vllm-")
+
+
+def test_a_gpu_model_is_refused_with_a_clear_error():
+    import torch
+
+    from ringscope import RingscopeError
+    from ringscope import vllm as plugin
+
+    plugin._check_device(torch.device("cpu"))
+    with pytest.raises(RingscopeError, match="supports vLLM on CPU only"):
+        plugin._check_device(torch.device("cuda", 0))

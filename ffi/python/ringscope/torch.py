@@ -146,17 +146,20 @@ def _device_ids(ids: List[int]) -> torch.Tensor:
 
 _TOO_FEW_IDS = ("attach: compiling or recording a graph of a batch larger than the request-id tensor, which must exist "
                 "before: run one eager forward pass of that batch size first (the usual warm-up) or call "
-                "set_request_ids(...) [RS_ERR_INVALID_ARGUMENT]")
+                "set_request_ids(...)")
 _NO_POSITIONS = ("attach: a compiled forward pass needs the decoder layers called with position_ids or cache_position "
-                 "(the step's token positions are read from them) [RS_ERR_INVALID_ARGUMENT]")
+                 "(the step's token positions are read from them)")
+# While tracing, the status travels in the message (the compilation fails with it, not with a RingscopeError).
+_TOO_FEW_IDS_TRACED = _TOO_FEW_IDS + " [RS_ERR_INVALID_ARGUMENT]"
+_NO_POSITIONS_TRACED = _NO_POSITIONS + " [RS_ERR_INVALID_ARGUMENT]"
 
 
 def _refuse_while_tracing(which: str) -> None:
     """Fails the compilation with one of the messages above: dynamo cannot trace the construction of ringscope's
     exception class, and ``torch._check`` takes only a message function without free variables."""
     if which == "ids":
-        torch._check(False, lambda: _TOO_FEW_IDS)
-    torch._check(False, lambda: _NO_POSITIONS)
+        torch._check(False, lambda: _TOO_FEW_IDS_TRACED)
+    torch._check(False, lambda: _NO_POSITIONS_TRACED)
 
 
 def _first(output):
@@ -241,14 +244,16 @@ class Attachment:
             if torch.compiler.is_compiling():
                 _refuse_while_tracing("ids")
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_TOO_FEW_IDS[:-26]} (a batch of {batch} rows)")
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_TOO_FEW_IDS} (a batch of {batch} rows)")
             t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
             if self.request_ids is not None and len(self.request_ids) <= t.numel():
                 t[:len(self.request_ids)].copy_(_device_ids(self.request_ids))
         return t[:batch]
 
     def detach(self) -> None:
-        """Removes the hooks and the sink buffer :func:`attach` added to the model."""
+        """Removes the hooks and the sink buffer :func:`attach` added to the model. When torch.compile recorded CUDA
+        graphs of this attachment's steps, also resets torch.compile (``torch._dynamo.reset()``): every compiled
+        graph of the process is dropped and recompiled on its next call."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -256,7 +261,8 @@ class Attachment:
             delattr(self.model, "_ringscope_sink")
         if self._recorded_graph:
             # torch.compile recorded CUDA graphs that write into this session's device memory at every replay and run
-            # no Python: drop every compiled graph, so that none can replay after the session is closed.
+            # no Python: drop every compiled graph of the process (dynamo cannot drop one model's alone), so that
+            # none can replay after the session is closed.
             torch._dynamo.reset()
             self._recorded_graph = False
 
