@@ -32,10 +32,12 @@ import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
 
 
-def decode_step_times(model, batch, new=64):
+def decode_step_times(model, batch, new=64, gpu_times=None, last_call=None):
     """Per decode step of `generate(..., cache_implementation="static")` as a user calls it: transformers compiles
     the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
-    compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here)."""
+    compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here).
+    `gpu_times` (a list): also the GPU's time between CUDA events recorded before and after each call.
+    `last_call` (a dict): receives the compiled step and the arguments of its last call."""
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
               cache_implementation="static", pad_token_id=0)
@@ -47,16 +49,85 @@ def decode_step_times(model, batch, new=64):
         def timed(*args, **kwargs):
             torch.cuda.synchronize()
             t = time.perf_counter()
+            if gpu_times is not None:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             out = inner(*args, **kwargs)
+            if gpu_times is not None:
+                end.record()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
+            if gpu_times is not None:
+                gpu_times.append(start.elapsed_time(end))
+            if last_call is not None:
+                last_call.update(step=inner, args=args, kwargs=kwargs)
             return out
         model._compiled_call = timed
         try:
             model.generate(ids, **kw)
         finally:
             model._compiled_call = inner
+    if gpu_times is not None:
+        del gpu_times[:2]
     return times[2:]  # the first calls of a new generate may re-record
+
+
+def profile_steps(plain, attached_model, batches, results, top=14, n=50):
+    """Where a compiled decode step's time goes: plain, attached at every layer, attached at layer 0 only. For each,
+    per call of the compiled step: wall time and GPU time (CUDA events around the call), medians; and the kernels of
+    the last decode step called again `n` times under torch.profiler (replays of its graph), as device microseconds
+    per step by kernel name (the largest `top`, and every kernel whose time per step differs from the plain model's by
+    more than 2 us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(prof, steps):
+        per = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+            if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.key[:90]] = (per.get(e.key[:90], (0.0, 0))[0] + t / steps, e.count / steps)
+        return per
+
+    for batch in batches:
+        out = {}
+        for variant, layers in (("plain", None), ("all layers", "all"), ("layer 0 only", [0])):
+            model, session, att = plain if layers is None else attached_model, None, None
+            if layers is not None:
+                session = cuda_session(capacity="1 GiB", defer_captures=True)
+                att = rt.attach(model, session, sites=["residual"], layers=None if layers == "all" else layers)
+            try:
+                gpu, wall = [], []
+                for _ in range(2):
+                    wall.extend(decode_step_times(model, batch, gpu_times=gpu))
+                call = {}
+                decode_step_times(model, batch, last_call=call)
+                with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(n):
+                        torch.compiler.cudagraph_mark_step_begin()
+                        call["step"](*call["args"], **call["kwargs"])
+                    torch.cuda.synchronize()
+                per = kernels(prof, n)
+            finally:
+                if att is not None:
+                    att.detach()
+                    session.close()
+            out[variant] = {"wall_median_ms": statistics.median(wall), "gpu_median_ms": statistics.median(gpu),
+                            "kernel_us_per_step": sum(v[0] for v in per.values()),
+                            "kernels_per_step": sum(v[1] for v in per.values()),
+                            "top": {k: [round(v[0], 2), round(v[1], 2)]
+                                    for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]},
+                            "_all": per}
+            print(json.dumps({"batch": batch, "variant": variant,
+                              **{k: v for k, v in out[variant].items() if k != "_all"}}), flush=True)
+        base = out["plain"].pop("_all")
+        for variant in ("all layers", "layer 0 only"):
+            per = out[variant].pop("_all")
+            diff = {k: round(per.get(k, (0, 0))[0] - base.get(k, (0, 0))[0], 2) for k in set(per) | set(base)}
+            out[variant]["differs_from_plain_us"] = {k: v for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))
+                                                     if abs(v) > 2}
+            print(json.dumps({"batch": batch, "variant": variant,
+                              "differs_from_plain_us": out[variant]["differs_from_plain_us"]}), flush=True)
+        results.setdefault("profile", {})[str(batch)] = out
 
 
 def correctness(plain, attached_model, results, new=8):
@@ -138,7 +209,9 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--parts", default="correctness,generate", help="which parts to run, in this order")
+    ap.add_argument("--parts", default="correctness,generate",
+                    help="which parts to run, in this order: correctness, generate, profile")
+    ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile part")
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -151,6 +224,9 @@ def main():
             parts.append(lambda: correctness(plain, attached_model, results))
         elif p == "generate":
             parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results))
+        elif p == "profile":
+            parts.append(lambda: profile_steps(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
+                                               results))
         else:
             ap.error(f"unknown part {p!r}")
     return run_parts(parts, results, args.out)

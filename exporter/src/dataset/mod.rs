@@ -359,16 +359,23 @@ impl Batch<'_> {
         ]
     }
 
-    /// The whole batch as Arrow columns; the activations are copied once, back to back.
+    /// The whole batch as Arrow columns. The activations of a batch of one record share the record's memory (no
+    /// copy); those of several records are copied once, back to back.
     pub fn record_batch(&self) -> RecordBatch {
-        let bytes: usize = self.records.iter().map(|r| r.data().len()).sum();
-        let mut activations = Vec::with_capacity(bytes);
-        for record in self.records {
-            activations.extend_from_slice(record.data());
-        }
+        let activations = match self.records {
+            [one] => Buffer::from(one.data_bytes()),
+            records => {
+                let bytes: usize = records.iter().map(|r| r.data().len()).sum();
+                let mut activations = Vec::with_capacity(bytes);
+                for record in records {
+                    activations.extend_from_slice(record.data());
+                }
+                Buffer::from_vec(activations)
+            }
+        };
         let mut columns = self.metadata_columns();
         let row_bytes = self.dtype().row_bytes(self.hookpoint.spec().row_width as u64) as i32;
-        columns.push(Arc::new(FixedSizeBinaryArray::new(row_bytes, Buffer::from_vec(activations), None)));
+        columns.push(Arc::new(FixedSizeBinaryArray::new(row_bytes, activations, None)));
         RecordBatch::try_new(self.schema.clone(), columns).expect("columns are built to match the schema")
     }
 }

@@ -16,6 +16,7 @@ use std::collections::TryReserveError;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use ringscope_policy::DropReason;
 use ringscope_ring::{Lease, RecordHeader, RecordView, RowMeta};
 
@@ -160,6 +161,12 @@ impl Record {
         &self.payload()[start..start + self.rows() * meta.row_bytes as usize]
     }
 
+    /// [`data`](Self::data) as [`Bytes`] that share the record's memory (no copy): they keep the record — and so
+    /// its ring space, when it is leased — alive while any clone of them lives.
+    pub fn data_bytes(&self) -> Bytes {
+        Bytes::from_owner(RecordData(self.clone()))
+    }
+
     /// Bytes this record occupies in memory (what sink backlogs are budgeted in): its header and payload.
     pub fn size_bytes(&self) -> usize {
         ringscope_ring::record::HEADER_LEN + self.payload().len()
@@ -169,6 +176,15 @@ impl Record {
     /// is lost.
     pub fn receipt(&self) -> Receipt {
         self.0.receipt.clone()
+    }
+}
+
+/// A record's rows as the owner of a [`Bytes`].
+struct RecordData(Record);
+
+impl AsRef<[u8]> for RecordData {
+    fn as_ref(&self) -> &[u8] {
+        self.0.data()
     }
 }
 

@@ -294,7 +294,7 @@ fn write_activations(
     let per_call = (page_bytes / row_bytes.max(1)).max(1);
     let mut values = Vec::with_capacity(per_call);
     for record in batch.records {
-        let data = Bytes::from_owner(RecordData(record.clone()));
+        let data = record.data_bytes();
         for i in 0..record.rows() {
             values.push(FixedLenByteArray::from(ByteArray::from(data.slice(i * row_bytes..(i + 1) * row_bytes))));
             if values.len() == per_call {
@@ -309,18 +309,13 @@ fn write_activations(
     Ok(())
 }
 
-/// A record's rows as the owner of a [`Bytes`].
-struct RecordData(Record);
-
-impl AsRef<[u8]> for RecordData {
-    fn as_ref(&self) -> &[u8] {
-        self.0.data()
-    }
-}
-
 fn activation_path() -> ColumnPath {
     ColumnPath::new(vec!["activation".to_owned()])
 }
+
+/// Records of at least this many bytes of rows are written to Arrow IPC files as batches of their own, without a
+/// copy (copying them into a fresh batch faulted in new pages for every large record: the IPC sink's main cost).
+const OWN_IPC_BATCH_BYTES: usize = 1 << 20;
 
 /// Arrow IPC files (the random-access "file" format), uncompressed so readers can memory-map them.
 #[derive(Debug, Clone, Default)]
@@ -336,10 +331,16 @@ impl FileFormat for ArrowIpc {
         Ok(FileWriter::try_new(BatchCrcs::new(open(path, options)?), schema)?)
     }
 
+    /// A record of at least [`OWN_IPC_BATCH_BYTES`] is an IPC batch of its own, written from the record's memory
+    /// (arrow's writer streams uncompressed buffers without copying them); runs of smaller records share one
+    /// batch, their rows copied once, back to back.
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError> {
         batch.row_bytes()?;
-        writer.write(&batch.record_batch())?;
-        writer.get_mut().end_batch();
+        let small = |r: &Record| r.data().len() < OWN_IPC_BATCH_BYTES;
+        for records in batch.records.chunk_by(|a, b| small(a) && small(b)) {
+            writer.write(&Batch { records, ..*batch }.record_batch())?;
+            writer.get_mut().end_batch();
+        }
         Ok(())
     }
 
