@@ -40,6 +40,9 @@ struct Args {
     /// Memory-backed directory for the in-memory file configurations.
     #[arg(long, default_value = "/dev/shm")]
     shm: String,
+    /// Ring capacity of the CUDA configurations, GiB (the pinned staging is as large).
+    #[arg(long, default_value_t = 4)]
+    cuda_ring_gib: u64,
     /// Stream length as a multiple of the ring's capacity.
     #[arg(long, default_value_t = 4)]
     laps: usize,
@@ -270,12 +273,67 @@ fn memcpy_ceiling(record: usize, ring: usize, total: usize) -> f64 {
     best
 }
 
+/// zstd(1) alone on this machine with `threads` threads at once, each compressing its own activations in 1 MiB
+/// pieces (the Parquet sink's page size) with a reused context into a reused buffer, `per_thread` bytes each: what
+/// the Parquet sink's compression could reach with that many threads here. Returns GB/s of input, all together.
+fn zstd_ceiling(threads: usize, per_thread: usize) -> Res<f64> {
+    const DATA: usize = 64 << 20;
+    const PIECE: usize = 1 << 20;
+    let data: Vec<Vec<u8>> = (0..threads).map(|t| activations(DATA, 10 + t as u64)).collect();
+    let t = Instant::now();
+    let results: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = data
+            .iter()
+            .map(|d| {
+                scope.spawn(move || {
+                    let mut zstd = zstd::bulk::Compressor::new(1)?;
+                    let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(PIECE));
+                    for piece in d.chunks(PIECE).cycle().take(per_thread / PIECE) {
+                        out.clear();
+                        zstd.compress_to_buffer(piece, &mut out)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().expect("zstd thread")).collect()
+    });
+    let elapsed = t.elapsed().as_secs_f64();
+    for r in results {
+        r?;
+    }
+    Ok((threads * (per_thread / PIECE) * PIECE) as f64 / elapsed / 1e9)
+}
+
 /// Sequential write rate of `dir`: `total` bytes in 8 MiB writes (`O_DIRECT` if the file system takes it, else the
-/// page cache), then `fsync`. Returns GB/s and how it was written.
-fn disk_write_rate(dir: &str, total: usize) -> Res<(f64, &'static str)> {
-    use std::os::unix::fs::OpenOptionsExt;
+/// page cache), then `fsync`, by `writers` threads at once, each writing `total / writers` bytes to a file of its
+/// own. Returns the GB/s of all of them together (from the first write to the last `fsync`) and how they wrote.
+fn disk_write_rate(dir: &str, total: usize, writers: usize) -> Res<(f64, &'static str)> {
     std::fs::create_dir_all(dir)?;
-    let path = std::path::Path::new(dir).join(format!(".write-rate-{}", std::process::id()));
+    let t = Instant::now();
+    let results: Vec<Result<(usize, &'static str), String>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..writers)
+            .map(|w| scope.spawn(move || write_one(dir, w, total / writers).map_err(|e| e.to_string())))
+            .collect();
+        threads.into_iter().map(|t| t.join().expect("writer thread")).collect()
+    });
+    let elapsed = t.elapsed().as_secs_f64();
+    let mut written = 0;
+    let mut how = "O_DIRECT";
+    for r in results {
+        let (n, h) = r?;
+        written += n;
+        if h != "O_DIRECT" {
+            how = h;
+        }
+    }
+    Ok((written as f64 / elapsed / 1e9, how))
+}
+
+/// One writer of [`disk_write_rate`]: bytes written and how.
+fn write_one(dir: &str, writer: usize, total: usize) -> Res<(usize, &'static str)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = std::path::Path::new(dir).join(format!(".write-rate-{}-{writer}", std::process::id()));
     const CHUNK: usize = 8 << 20;
     // 4 KiB-aligned buffer for O_DIRECT.
     let mut raw = vec![0u8; CHUNK + 4096];
@@ -294,7 +352,6 @@ fn disk_write_rate(dir: &str, total: usize) -> Res<(f64, &'static str)> {
         Ok(f) => (f, "O_DIRECT"),
         Err(_) => (open(false)?, "page cache + fsync"),
     };
-    let t = Instant::now();
     let mut written = 0;
     while written < total {
         match file.write_all(buf) {
@@ -306,10 +363,9 @@ fn disk_write_rate(dir: &str, total: usize) -> Res<(f64, &'static str)> {
         }
     }
     file.sync_all()?;
-    let rate = written as f64 / t.elapsed().as_secs_f64() / 1e9;
     drop(file);
     std::fs::remove_file(&path)?;
-    Ok((rate, how))
+    Ok((written, how))
 }
 
 fn setups(args: &Args) -> Vec<Setup> {
@@ -348,11 +404,12 @@ fn setups(args: &Args) -> Vec<Setup> {
         }
     }
     if want("cuda") {
-        // A 1B-shape Llama's prefill: 16 layers × 16,384 tokens × 2,048 bf16 = 1 GiB a step; a 4 GiB ring.
+        // A 1B-shape Llama's prefill: 16 layers × 16,384 tokens × 2,048 bf16 = 1 GiB a step; a 4 GiB ring (unless
+        // `--cuda-ring-gib` says otherwise).
         let cuda = Setup {
             name: "cuda: no sink".into(),
             backend: Backend::Cuda,
-            ring: 4 << 30,
+            ring: args.cuda_ring_gib << 30,
             hookpoints: 16,
             rows: 16384,
             row_width: 2048,
@@ -366,6 +423,15 @@ fn setups(args: &Args) -> Vec<Setup> {
             out.push(Setup {
                 name: format!("cuda: Arrow IPC ({name}), 8 threads"),
                 files: Some((false, true, dir.clone())),
+                ..cuda.clone()
+            });
+        }
+        // More sink threads than the default eight: a file per thread at once, in memory.
+        for threads in [12, 16] {
+            out.push(Setup {
+                name: format!("cuda: Arrow IPC (memory), {threads} threads"),
+                files: Some((false, true, args.shm.clone())),
+                threads,
                 ..cuda.clone()
             });
         }
@@ -418,7 +484,7 @@ fn main() -> Res<()> {
         }
         let out = Command::new(&exe)
             .args(["--child", &s.name, "--backend", &args.backend, "--dir", &args.dir, "--shm", &args.shm])
-            .args(["--laps", &args.laps.to_string()])
+            .args(["--laps", &args.laps.to_string(), "--cuda-ring-gib", &args.cuda_ring_gib.to_string()])
             .output()?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         match stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")) {
@@ -447,16 +513,31 @@ fn main() -> Res<()> {
         let chunk = Config::new().ring.drain_chunk.0 as usize;
         println!("- pinned D2H, {} MiB chunks back to back: {:.1} GB/s", chunk >> 20, pinned_ceiling(chunk, 4 << 30)?);
     }
+    if all.iter().any(|s| s.files.as_ref().is_some_and(|f| f.0) && s.compression == Compression::Zstd) {
+        let one = zstd_ceiling(1, 1 << 30)?;
+        for threads in [1, 2, 4, 8] {
+            let rate = if threads == 1 { one } else { zstd_ceiling(threads, 1 << 30)? };
+            println!(
+                "- zstd(1) alone, {threads} thread(s) at once, 1 MiB pieces: {rate:.2} GB/s ({:.2} × {threads} × one thread)",
+                rate / one / threads as f64
+            );
+        }
+    }
     let mut dirs = vec![("memory", args.shm.as_str())];
     if all.iter().any(|s| s.files.as_ref().is_some_and(|f| f.2 == args.dir)) {
         dirs.push(("disk", args.dir.as_str()));
     }
+    // One writer (what one sink thread's file could reach) and eight at once, each to a file of its own (what the
+    // eight sink threads of the CUDA configurations could reach together).
     for (name, dir) in dirs {
-        match disk_write_rate(dir, 4 << 30) {
-            Ok((rate, how)) => {
-                println!("- sequential write, {name} ({dir}), 4 GiB in 8 MiB writes, {how}: {rate:.2} GB/s")
+        for writers in [1, 8] {
+            match disk_write_rate(dir, 4 << 30, writers) {
+                Ok((rate, how)) => println!(
+                    "- sequential write, {name} ({dir}), 4 GiB in 8 MiB writes, {how}, {writers} writer(s) at once: \
+                     {rate:.2} GB/s"
+                ),
+                Err(e) => println!("- sequential write, {name} ({dir}), {writers} writer(s): failed: {e}"),
             }
-            Err(e) => println!("- sequential write, {name} ({dir}): failed: {e}"),
         }
     }
     Ok(())

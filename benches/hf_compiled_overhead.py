@@ -32,12 +32,14 @@ import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
 
 
-def decode_step_times(model, batch, new=64, gpu_times=None, last_call=None):
+def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_times=None):
     """Per decode step of `generate(..., cache_implementation="static")` as a user calls it: transformers compiles
     the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
     compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here).
     `gpu_times` (a list): also the GPU's time between CUDA events recorded before and after each call.
-    `last_call` (a dict): receives the compiled step and the arguments of its last call."""
+    `profiler`: a torch.profiler started before the first timed call and stopped when `generate` returns.
+    `host_times` (a list): the GPU is kept busy (a sleep kernel) while the host calls the step, so that the CUDA events
+    time the GPU's work alone (into `gpu_times`) and the host's time to return from the call goes into `host_times`."""
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
               cache_implementation="static", pad_token_id=0)
@@ -48,36 +50,46 @@ def decode_step_times(model, batch, new=64, gpu_times=None, last_call=None):
 
         def timed(*args, **kwargs):
             torch.cuda.synchronize()
+            if profiler is not None and len(times) == 2:
+                profiler.start()
             t = time.perf_counter()
             if gpu_times is not None:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if host_times is not None:
+                    torch.cuda._sleep(5_000_000)  # a few ms: longer than the host takes to launch the step
                 start.record()
+            h = time.perf_counter()
             out = inner(*args, **kwargs)
+            if host_times is not None:
+                host_times.append((time.perf_counter() - h) * 1e3)
             if gpu_times is not None:
                 end.record()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
             if gpu_times is not None:
                 gpu_times.append(start.elapsed_time(end))
-            if last_call is not None:
-                last_call.update(step=inner, args=args, kwargs=kwargs)
             return out
         model._compiled_call = timed
         try:
             model.generate(ids, **kw)
         finally:
             model._compiled_call = inner
-    if gpu_times is not None:
-        del gpu_times[:2]
+            if profiler is not None:
+                torch.cuda.synchronize()
+                profiler.stop()
+    for kept in (gpu_times, host_times):
+        if kept is not None:
+            del kept[:2]
     return times[2:]  # the first calls of a new generate may re-record
 
 
-def profile_steps(plain, attached_model, batches, results, top=14, n=50):
+def profile_steps(plain, attached_model, batches, results, top=14):
     """Where a compiled decode step's time goes: plain, attached at every layer, attached at layer 0 only. For each,
-    per call of the compiled step: wall time and GPU time (CUDA events around the call), medians; and the kernels of
-    the last decode step called again `n` times under torch.profiler (replays of its graph), as device microseconds
-    per step by kernel name (the largest `top`, and every kernel whose time per step differs from the plain model's by
-    more than 2 us)."""
+    per call of the compiled step: wall time and GPU time (CUDA events around the call; then again with the GPU kept
+    busy while the host launches the step: the GPU's work alone, and the host's time to return), medians; the kernels of
+    a `generate` under torch.profiler from its third compiled step on (the eager work `generate` does between steps
+    included: the same for all three), as device microseconds per step by kernel name (the largest `top`, and every
+    kernel whose time per step differs from the plain model's by more than 2 us)."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(prof, steps):
@@ -96,22 +108,19 @@ def profile_steps(plain, attached_model, batches, results, top=14, n=50):
                 session = cuda_session(capacity="1 GiB", defer_captures=True)
                 att = rt.attach(model, session, sites=["residual"], layers=None if layers == "all" else layers)
             try:
-                gpu, wall = [], []
+                gpu, wall, gpu_alone, host = [], [], [], []
                 for _ in range(2):
                     wall.extend(decode_step_times(model, batch, gpu_times=gpu))
-                call = {}
-                decode_step_times(model, batch, last_call=call)
-                with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(n):
-                        torch.compiler.cudagraph_mark_step_begin()
-                        call["step"](*call["args"], **call["kwargs"])
-                    torch.cuda.synchronize()
-                per = kernels(prof, n)
+                    decode_step_times(model, batch, gpu_times=gpu_alone, host_times=host)
+                prof = profile(activities=[ProfilerActivity.CUDA])
+                per = kernels(prof, len(decode_step_times(model, batch, profiler=prof)))
             finally:
                 if att is not None:
                     att.detach()
                     session.close()
             out[variant] = {"wall_median_ms": statistics.median(wall), "gpu_median_ms": statistics.median(gpu),
+                            "gpu_alone_median_ms": statistics.median(gpu_alone),
+                            "host_call_median_ms": statistics.median(host),
                             "kernel_us_per_step": sum(v[0] for v in per.values()),
                             "kernels_per_step": sum(v[1] for v in per.values()),
                             "top": {k: [round(v[0], 2), round(v[1], 2)]

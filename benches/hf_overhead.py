@@ -39,7 +39,8 @@ def build_model(layers):
     cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                       rope_theta=500000.0)
-    model = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).eval()
+    with torch.device(DEV):  # random init on the GPU: seconds, where the CPU took most of a minute
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     return model
 
 

@@ -25,7 +25,7 @@ def variants(args):
     ring = {"backend": "cuda", "capacity": "16 GiB", "max_batch_rows": BATCH * TOKENS}
     policy = {"mode": "full", "full_deadline_ms": 120000}
 
-    def files(**export):
+    def files(ring=ring, **export):
         return {"ring": ring, "policy": policy,
                 "export": {"dir": export.pop("dir", args.dir), "max_file_size": "1 GiB", **export}}
     return {
@@ -35,6 +35,9 @@ def variants(args):
                                              "policy": policy},
         "Arrow IPC (disk), 8 threads": files(arrow_ipc=True, threads=8),
         "Arrow IPC (memory), 8 threads": files(arrow_ipc=True, threads=8, dir=args.shm),
+        "Arrow IPC (memory), 12 threads": files(arrow_ipc=True, threads=12, dir=args.shm),
+        "Arrow IPC (memory), 8 threads, 4 GiB ring": files({**ring, "capacity": "4 GiB"}, arrow_ipc=True, threads=8,
+                                                           dir=args.shm),
         "Parquet zstd(1) (memory), 1 thread": files(parquet=True, threads=1, dir=args.shm),
         "Parquet zstd(1) (memory), 8 threads": files(parquet=True, threads=8, dir=args.shm),
         "Parquet lz4 (memory), 8 threads": files(parquet=True, threads=8, compression="lz4", dir=args.shm),
@@ -91,7 +94,7 @@ def main():
     p.add_argument("--out", default="prefill_capture.json")
     p.add_argument("--dir", default="/tmp/ringscope-prefill")
     p.add_argument("--shm", default="/dev/shm/ringscope-prefill")
-    p.add_argument("--only", default=None)
+    p.add_argument("--only", default=None, help="variants to run: names or parts of names, separated by ';'")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     vs = variants(args)
@@ -100,7 +103,7 @@ def main():
         return
     results = []
     for name in vs:
-        if args.only and (args.only not in name or (args.only in vs and args.only != name)):
+        if args.only and not any(o == name or (o not in vs and o in name) for o in args.only.split(";")):
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--dir", args.dir, "--shm", args.shm]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))

@@ -407,6 +407,21 @@ impl Drop for Output {
 
 impl Write for Output {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        if let Writer::Sync(file) = &mut self.writer {
+            if data.len() >= self.buffer_bytes {
+                // Through the page cache, a large write goes to the file from the caller's memory (after what is
+                // buffered): copying it into our buffer first would only add a copy. Its last partial block stays
+                // buffered, so that what is shipped stays whole blocks (what `adopt` counts on).
+                let keep = (self.current.len() + data.len()) % ALIGN;
+                let (now, later) = data.split_at(data.len() - keep);
+                let written = file.write_all(self.current.bytes()).and_then(|()| file.write_all(now));
+                written.map_err(|e| self.note(e))?;
+                self.shipped += (self.current.len() + now.len()) as u64;
+                self.current.clear();
+                self.current.extend(later)?;
+                return Ok(data.len());
+            }
+        }
         let room = self.buffer_bytes.max(self.current.capacity()) - self.current.len();
         if room >= ALIGN || room >= data.len() {
             let n = data.len().min(room);
