@@ -44,3 +44,60 @@ def test_a_flipped_byte_in_a_page_is_an_error_naming_the_file(run_dir, column, w
         after = ringscope.read_dump(run_dir)["layers.0.resid"]["activation"]
         pytest.fail(f"read_dump returned {'changed' if (after != before).any() else 'the same'} values")
     assert e.value.status == "RS_ERR_IO" and victim.name in e.value.message and "corrupt" in e.value.message
+
+
+@pytest.fixture()
+def ipc_only_run(tmp_path):
+    """The same captures dumped to Parquet and Arrow IPC by one session; then a copy of the run without its Parquet
+    partitions (a run dumped to Arrow IPC only). Returns (both, ipc only)."""
+    import shutil
+
+    config = {"ring": {"capacity": "4 MiB"}, "policy": {"mode": "full"},
+              "export": {"parquet": True, "arrow_ipc": True, "dir": str(tmp_path), "run_id": "both",
+                         "max_file_size": "64 KiB"}}
+    rng = np.random.default_rng(1)
+    with ringscope.Session(config) as s:
+        hps = [s.register(f"layers.{i}.resid", site="residual", layer=i, dtype="bf16", row_width=256) for i in (0, 1)]
+        for step in range(60):
+            s.begin_step(step, [3, 5, 8], [step] * 3)
+            for hp in hps:
+                s.capture(hp, rng.integers(0, 1 << 16, (3, 256), dtype=np.uint16))
+            s.end_step()
+        s.close()
+    both, ipc = tmp_path / "both", tmp_path / "ipc"
+    shutil.copytree(both, ipc)
+    for part in ipc.glob("hookpoint=*"):
+        shutil.rmtree(part)
+    return both, ipc
+
+
+def test_a_run_dumped_to_arrow_ipc_only_reads_the_same_rows(ipc_only_run):
+    both, ipc = ipc_only_run
+    assert len(list((ipc / "_arrow_ipc").glob("hookpoint=*/rank=*/part-*.arrow"))) > 2, "expected rotation"
+    want, got = ringscope.read_dump(both), ringscope.read_dump(ipc)
+    assert sorted(got) == sorted(want) == ["layers.0.resid", "layers.1.resid"]
+    for name in want:
+        assert got[name]["activation"].shape == (180, 256)
+        for column in ("step", "request_id", "position", "layer", "rank", "activation", "downcast"):
+            np.testing.assert_array_equal(got[name][column], want[name][column], err_msg=f"{name} {column}")
+        assert got[name]["dtype"] == want[name]["dtype"] == "bf16"
+    one = ringscope.read_dump(ipc, hookpoint="layers.1.resid")
+    assert list(one) == ["layers.1.resid"]
+    with pytest.raises(ringscope.RingscopeError, match="'nope' is not in"):
+        ringscope.read_dump(ipc, hookpoint="nope")
+
+
+def test_a_flipped_byte_in_an_arrow_ipc_batch_is_an_error_naming_the_file(ipc_only_run):
+    import json
+
+    import pyarrow as pa
+
+    _, ipc = ipc_only_run
+    victim = sorted((ipc / "_arrow_ipc").glob("hookpoint=*/rank=*/part-*.arrow"))[0]
+    ends = [end for end, _ in json.loads(pa.ipc.open_file(str(victim)).metadata[b"ringscope.batch_crc32"])]
+    data = bytearray(victim.read_bytes())
+    data[ends[0] - 64] ^= 0x10  # inside the first batch's body (its activations come last)
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ringscope.RingscopeError) as e:
+        ringscope.read_dump(ipc)
+    assert e.value.status == "RS_ERR_IO" and victim.name in e.value.message and "corrupt" in e.value.message

@@ -1194,6 +1194,22 @@ def _read_checked(part: "pathlib.Path | list"):
     raise RingscopeError("RS_ERR_IO", f"cannot read {part}: {failure}") from failure
 
 
+def _read_ipc_checked(files: list):
+    """The table of Arrow IPC files (memory-mapped), every record batch checked against its CRC-32 in the file's
+    footer; a file whose bytes are not as written is a RingscopeError naming it."""
+    import pyarrow as pa
+
+    from .stream import _record_batches
+
+    batches = []
+    for f in files:
+        try:
+            batches += list(_record_batches("arrow", f, None, verify=True))
+        except (OSError, pa.ArrowException) as e:
+            raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
+    return pa.Table.from_batches(batches)
+
+
 def _activation_bytes(t) -> np.ndarray:
     """The activation column of table ``t`` as uint8 rows (rows, row bytes), without a copy."""
     flat = t.column("activation").combine_chunks()
@@ -1208,7 +1224,7 @@ def _as_float32(values: np.ndarray, dtype_name: str) -> np.ndarray:
 
 
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
-    """Reads a Parquet dump (a run directory) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
+    """Reads a dump (a run directory: its Parquet files, or its Arrow IPC files when it has no Parquet) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
     with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every dtype becomes a torch tensor then),
     else as uint16 bit patterns (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
@@ -1218,9 +1234,8 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
     :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
     run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
-    file's bytes are not as written: every Parquet page's CRC is checked as it is read. Needs pyarrow."""
-    import pyarrow.dataset as ds
-
+    file's bytes are not as written: every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
+    is read. Needs pyarrow."""
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     if hookpoint is not None:
         _text("hookpoint", hookpoint)
@@ -1229,14 +1244,18 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     if not root.is_dir():
         raise RingscopeError("RS_ERR_IO", f"{root} is not a directory: give the run directory "
                                           "(<export.dir>/<run_id>), not one of its files")
-    parts = sorted(p for p in root.glob("hookpoint=*") if p.is_dir())
+    base, ext = root, "parquet"
+    ipc = root / "_arrow_ipc"
+    if not any(p.is_dir() for p in root.glob("hookpoint=*")) and any(p.is_dir() for p in ipc.glob("hookpoint=*")):
+        base, ext = ipc, "arrow"  # a run dumped to Arrow IPC only
+    parts = sorted(p for p in base.glob("hookpoint=*") if p.is_dir())
     if not parts:
         runs = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("hookpoint=*")))
         if runs:
             raise RingscopeError("RS_ERR_IO", f"{root} is not a run directory but holds runs ({', '.join(runs)}): "
                                               f"give one, e.g. read_dump({str(root / runs[0])!r})")
         raise RingscopeError("RS_ERR_IO", f"{root} holds no committed files yet (no hookpoint=... partitions): "
-                                          f"{_COMMIT_HINT}; or it is not a ringscope Parquet run directory "
+                                          f"{_COMMIT_HINT}; or it is not a ringscope run directory "
                                           "(<export.dir>/<run_id>)")
     names = [p.name[len("hookpoint="):] for p in parts]
     if hookpoint is not None and hookpoint not in names:
@@ -1244,7 +1263,7 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
                              f"hookpoint {hookpoint!r} is not in {root}; it holds {', '.join(map(repr, names))}")
     # Committed files only: in-progress ones are hidden (.part-*.inprogress) and pyarrow skips them.
     # Downcast rows are a series of their own in each partition (rank=*/_f8e4m3_rowscaled/).
-    committed = {p: sorted(p.glob("rank=*/part-*.parquet")) + sorted(p.glob(f"rank=*/_{ROWSCALED}/part-*.parquet"))
+    committed = {p: sorted(p.glob(f"rank=*/part-*.{ext}")) + sorted(p.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))
                  for p in parts if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
     if not any(committed.values()):
         what = f"hookpoint {hookpoint!r} of {root}" if hookpoint is not None else f"the run {root}"
@@ -1254,14 +1273,16 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     for part in parts:
         # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
         name = part.name[len("hookpoint="):]
-        downcast_files = sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.parquet"))
+        downcast_files = sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))
+        full_files = sorted(part.glob(f"rank=*/part-*.{ext}"))
         pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
-        if any(part.glob("rank=*/part-*.parquet")):
-            t = _read_checked(part)
+        if full_files:
+            t = _read_checked(part) if ext == "parquet" else _read_ipc_checked(full_files)
             meta = t.schema.field("activation").metadata or {}
             pieces.append((t, meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()))
         if downcast_files:
-            pieces.append((_read_checked(downcast_files), ROWSCALED))
+            t = _read_checked(downcast_files) if ext == "parquet" else _read_ipc_checked(downcast_files)
+            pieces.append((t, ROWSCALED))
         pieces = [(t, d) for t, d in pieces if t.num_rows > 0]
         if not pieces:
             continue
@@ -1300,7 +1321,7 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
             act_t = torch.from_numpy(act.copy())
             if dtype_name == "bf16":
                 act_t = act_t.view(torch.bfloat16)
-            cols = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cols.items()}
+            cols = {k: torch.from_numpy(np.array(v)) for k, v in cols.items()}  # own, writable copies
             cols["activation"] = act_t
         else:
             cols["activation"] = act

@@ -95,7 +95,8 @@ def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bo
                 if zlib.crc32(whole[start:end]) != crc:
                     raise _corrupt(path, f"record batch {i} (bytes {start}..{end}) does not match its CRC-32")
                 start = end
-            yield reader.get_batch(i).select(columns)
+            batch = reader.get_batch(i)
+            yield batch if columns is None else batch.select(columns)
     else:
         import pyarrow.parquet as pq
 
