@@ -138,3 +138,25 @@ def test_a_changed_byte_in_a_dump_file_is_an_error_naming_it_not_changed_values(
             # Without the checks the reader goes on and returns the changed value. (Parquet's zstd pages carry a
             # frame checksum every decoder checks, so there the change is found even then.)
             assert sum(len(b["activation"]) for b in stream.iter_batches(run, HP, 256, format=fmt, verify=False)) > 0
+
+
+@pytest.mark.parametrize("listed", [b"not json at all", b'[[1, 2, 3]]', b'[["x", 1]]', b'[[999999999999, 1]]'])
+def test_batch_checksums_that_make_no_sense_are_an_error_naming_the_file(tmp_path, listed):
+    import shutil
+
+    import pyarrow as pa
+
+    run = tmp_path / "run"
+    shutil.copytree(RUN_DIR, run)
+    victim = sorted((run / "_arrow_ipc" / f"hookpoint={HP}").glob("rank=*/part-*.arrow"))[0]
+    reader = pa.ipc.open_file(str(victim))
+    batch = reader.get_batch(0)
+    footer = {**reader.metadata, b"ringscope.batch_crc32": listed}  # the file's own metadata, the CRCs replaced
+    with pa.OSFile(str(victim), "wb") as sink, pa.ipc.new_file(sink, batch.schema, metadata=footer) as w:
+        w.write_batch(batch)
+    with pytest.raises(RingscopeError) as e:
+        for _ in stream.iter_batches(run, HP, 256, format="arrow"):
+            pass
+    assert victim.name in str(e.value) and "corrupt" in str(e.value)
+    want = "out of order" if listed.startswith(b"[[9") else "not a list of [end, crc]"
+    assert want in str(e.value)

@@ -67,6 +67,21 @@ def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) ->
     return "parquet", files
 
 
+_POOL = (None, None)  # (pid, executor): the CRC threads of this process (a forked DataLoader worker makes its own)
+
+
+def _crc_pool():
+    """Threads that check batch CRCs while batches are read (zlib.crc32 releases the GIL on large buffers)."""
+    global _POOL
+    from concurrent.futures import ThreadPoolExecutor
+
+    pid, pool = _POOL
+    if pid != os.getpid():
+        pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="ringscope-crc")
+        _POOL = (os.getpid(), pool)
+    return pool
+
+
 def _corrupt(path, what):
     return RingscopeError("RS_ERR_IO", f"{path} is corrupt: {what} (the file changed after it was written)")
 
@@ -84,17 +99,23 @@ def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bo
             listed = (reader.metadata or {}).get(b"ringscope.batch_crc32")
             if listed is None:
                 raise _corrupt(path, "no record batch checksums (ringscope.batch_crc32)")
-            crcs = json.loads(listed)
+            try:
+                crcs = [(int(end), int(crc)) for end, crc in json.loads(listed)]
+            except (ValueError, TypeError) as e:
+                raise _corrupt(path, f"ringscope.batch_crc32 is not a list of [end, crc]: {e}") from None
             if len(crcs) != reader.num_record_batches:
                 raise _corrupt(path, f"{len(crcs)} batch checksums for {reader.num_record_batches} batches")
             whole = memoryview(source.read_buffer(source.size()))
-        start = 0
+            bounds = [(start, end) for start, (end, _) in zip([0] + [e for e, _ in crcs[:-1]], crcs)]
+            if any(not 0 <= a <= b <= len(whole) for a, b in bounds):
+                raise _corrupt(path, "batch checksums cover bytes past the file or out of order")
+            # Computed on several threads ahead of the batches they check (each batch is still checked before it
+            # is returned).
+            sums = [_crc_pool().submit(zlib.crc32, whole[a:b]) for a, b in bounds]
         for i in range(reader.num_record_batches):
-            if crcs is not None:
-                end, crc = crcs[i]
-                if zlib.crc32(whole[start:end]) != crc:
-                    raise _corrupt(path, f"record batch {i} (bytes {start}..{end}) does not match its CRC-32")
-                start = end
+            if crcs is not None and sums[i].result() != crcs[i][1]:
+                a, b = bounds[i]
+                raise _corrupt(path, f"record batch {i} (bytes {a}..{b}) does not match its CRC-32")
             batch = reader.get_batch(i)
             yield batch if columns is None else batch.select(columns)
     else:
