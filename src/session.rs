@@ -667,10 +667,24 @@ impl Session {
     fn capture_fused(&self, f: &crate::probes::Fused, hp: &HookPoint, data: &[u8]) -> Result<(), Error> {
         let rows = data.len() / (hp.spec().row_bytes() as usize).max(1);
         let mut scorer = f.scorer.lock();
-        let mut scores = vec![0.0f32; rows * scorer.outputs()];
+        // Sized by the capture: memory the machine refuses is an error naming it, never an abort.
+        let n = rows.saturating_mul(scorer.outputs());
+        let refused = || {
+            Error::Config(format!(
+                "{}: the allocation of {} bytes for the scores of {rows} rows was refused; capture fewer rows at a \
+                 time or free memory",
+                f.scores.spec().name,
+                n.saturating_mul(8)
+            ))
+        };
+        let mut scores: Vec<f32> = Vec::new();
+        scores.try_reserve_exact(n).map_err(|_| refused())?;
+        scores.resize(n, 0.0);
         scorer.score_rows(hp.spec().dtype, data, &mut scores).map_err(|e| Error::Config(e.to_string()))?;
         drop(scorer);
-        let bytes: Vec<u8> = scores.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let mut bytes: Vec<u8> = Vec::new();
+        bytes.try_reserve_exact(n.saturating_mul(4)).map_err(|_| refused())?;
+        bytes.extend(scores.iter().flat_map(|s| s.to_le_bytes()));
         self.capture_rows(&f.scores, &bytes)?;
         Ok(())
     }

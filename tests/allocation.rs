@@ -95,6 +95,39 @@ fn child() {
             assert_eq!((total.produced.records, total.exported.records), (1, 1));
             assert!(report.drain.errors.is_empty(), "{:?}", report.drain.errors);
         }
+        "fused" => {
+            // A fused probe of 64 outputs on rows of one bf16 element: its scores take 128× the bytes of the rows
+            // (1 GiB for 4 Mi rows), over what is left; the capture is an error naming the scores, not an abort.
+            use ringscope::config::ProbeMode;
+            use ringscope::probe::{Action, Aggregation, ProbeDef, Target, Weights};
+            let text = "[ring]\ncapacity = \"256 MiB\"\n[policy]\nmode = \"best_effort\"\n[[hookpoints]]\n\
+                        name = \"narrow\"\nsite = \"residual\"\nlayer = 0\ndtype = \"bf16\"\nrow_width = 1\n";
+            let def = ProbeDef {
+                name: "wide".into(),
+                target: Target::HookPoint("narrow".into()),
+                weights: Weights::new(64, 1, vec![1.0; 64]).unwrap(),
+                bias: vec![0.0; 64],
+                aggregation: Aggregation::Mean,
+                thresholds: vec![1e9; 64],
+                action: Action::Alert,
+                labels: vec![],
+                min_tokens: 1,
+            };
+            let session =
+                Session::builder(Config::from_toml(text).unwrap()).probe(def, ProbeMode::Fused).start().unwrap();
+            let rows = 4u64 << 20;
+            let data = vec![0u8; rows as usize * 2];
+            session.begin_step(0, (0..rows).map(|i| (1, i as u32))).unwrap(); // one request: a small id set
+            limit_address_space(GIB / 2);
+            let err = session.capture(0, &data).unwrap_err().to_string();
+            assert!(err.contains("probes.wide") && err.contains("refused"), "{err}");
+            session.end_step().unwrap();
+            // The session goes on.
+            session.begin_step(1, [(1, 0)]).unwrap();
+            session.capture(0, &[0, 0]).unwrap();
+            session.end_step().unwrap();
+            session.shutdown().unwrap();
+        }
         other => panic!("unknown case {other}"),
     }
     println!("case {case} passed");
@@ -113,4 +146,9 @@ fn a_step_of_2_to_the_28_rows_over_the_address_space_limit_is_an_error() {
 #[test]
 fn the_drain_copies_nothing_so_a_record_larger_than_the_memory_left_is_exported() {
     run_case("copy");
+}
+
+#[test]
+fn fused_probe_scores_over_the_address_space_limit_are_an_error() {
+    run_case("fused");
 }
