@@ -376,7 +376,7 @@ fn setups(args: &Args) -> Vec<Setup> {
         let host = Setup {
             name: "host: no sink".into(),
             backend: Backend::Host,
-            ring: 256 << 20,
+            ring: std::env::var("HOST_RING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(256) << 20,
             hookpoints: 4,
             rows: 1024,
             row_width: 2048,

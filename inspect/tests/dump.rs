@@ -299,3 +299,67 @@ fn the_events_table_is_summarised_and_verify_checks_it_against_the_manifest() {
     assert!(stdout.lines().any(|l| l.contains("PROBLEM") && l.contains(&*name)), "{stdout}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The child of [`a_run_killed_with_sigkill_is_reported_interrupted_and_its_committed_files_verify`]: dumps an endless
+/// synthetic run (small files, so they commit as it goes) into the directory given in the environment until killed.
+#[test]
+fn killed_child() {
+    let Ok(dir) = std::env::var("RINGSCOPE_KILLED_CHILD_DIR") else { return };
+    let cfg = EngineConfig { layers: 2, hidden: 64, requests: 1 << 20, ..EngineConfig::default() };
+    let mut text = format!(
+        "[ring]\ncapacity = \"4 MiB\"\n[policy]\nmode = \"full\"\n[export]\nparquet = true\narrow_ipc = true\n\
+         max_file_size = \"16 KiB\"\ndir = {dir:?}\nrun_id = \"r\"\n"
+    );
+    text += &ringscope::synthetic::residual_hookpoints_toml(cfg.layers, cfg.hidden);
+    let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    let mut buf = Vec::new();
+    for step in SyntheticEngine::new(cfg) {
+        session.begin_step(step.step, step.rows.iter().copied()).unwrap();
+        for layer in 0..cfg.layers {
+            fill_layer(cfg.seed, layer, cfg.hidden, &step.rows, &mut buf);
+            session.capture(layer, &buf).unwrap();
+        }
+        session.end_step().unwrap();
+    }
+    unreachable!("killed long before a million requests are done");
+}
+
+#[test]
+fn a_run_killed_with_sigkill_is_reported_interrupted_and_its_committed_files_verify() {
+    let dir = tempdir("inspect-sigkill");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "killed_child", "--nocapture", "--test-threads=1"])
+        .env("RINGSCOPE_KILLED_CHILD_DIR", &dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let run_dir = dir.join("r");
+    let started = std::time::Instant::now();
+    // Killed mid-run, once both sinks committed a few files (and are writing more).
+    while files_with_ext_if_any(&run_dir, "parquet") < 4 || files_with_ext_if_any(&run_dir, "arrow") < 4 {
+        assert!(started.elapsed().as_secs() < 60, "the child committed no files");
+        assert!(child.try_wait().unwrap().is_none(), "the child ended before it was killed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(!run_dir.join("_ringscope_run.json").exists());
+    let (code, stdout) = inspect(&run_dir);
+    assert_eq!(code, Some(3), "{stdout}");
+    assert!(stdout.contains("interrupted: no manifest") && !stdout.contains("PROBLEM"), "{stdout}");
+    // Every committed file is whole: its checksums hold (in-progress files are hidden and not read).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_inspect")).arg(&run_dir).arg("--verify").output().unwrap();
+    let verify = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{verify}");
+    assert!(!verify.contains("corrupt") && !verify.contains("PROBLEM"), "{verify}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// How many committed files of extension `ext` are under `dir` (none while it does not exist yet).
+fn files_with_ext_if_any(dir: &Path, ext: &str) -> usize {
+    if dir.exists() {
+        files_with_ext(dir, ext).len()
+    } else {
+        0
+    }
+}
