@@ -319,15 +319,7 @@ fn parquet_pages_and_ipc_batches_keep_every_row_in_order_whatever_the_record_siz
         let meta = reader.metadata().clone();
         let mut seen = 0u64;
         for batch in reader.build().unwrap() {
-            let batch = batch.unwrap();
-            let req = batch.column_by_name("request_id").unwrap().as_any().downcast_ref::<UInt64Array>().unwrap();
-            let act =
-                batch.column_by_name("activation").unwrap().as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
-            for i in 0..batch.num_rows() {
-                assert_eq!(req.value(i), seen, "{name}: rows out of order");
-                assert_eq!(act.value(i), &row(seen)[..], "{name}: row {seen}");
-                seen += 1;
-            }
+            expect_rows_in_order(&batch.unwrap(), &mut seen, &row, name);
         }
         assert_eq!(seen, next_id, "{name}");
         assert!(meta.num_row_groups() >= 2, "{name}: {} row groups", meta.num_row_groups());
@@ -371,15 +363,7 @@ fn parquet_pages_and_ipc_batches_keep_every_row_in_order_whatever_the_record_siz
         }
         let mut seen = 0u64;
         for batch in reader {
-            let batch = batch.unwrap();
-            let req = batch.column_by_name("request_id").unwrap().as_any().downcast_ref::<UInt64Array>().unwrap();
-            let act =
-                batch.column_by_name("activation").unwrap().as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
-            for i in 0..batch.num_rows() {
-                assert_eq!(req.value(i), seen, "{io_name}: rows out of order");
-                assert_eq!(act.value(i), &row(seen)[..], "{io_name}: row {seen}");
-                seen += 1;
-            }
+            expect_rows_in_order(&batch.unwrap(), &mut seen, &row, io_name);
         }
         assert_eq!(seen, next_id, "{io_name}");
     }
@@ -411,6 +395,18 @@ fn parquet_pages_and_ipc_batches_keep_every_row_in_order_whatever_the_record_siz
         assert_eq!(hp.accounting().dropped_for(DropReason::SinkError).rows, before + 1, "{name}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Checks that `batch` holds the rows numbered `*seen`, `*seen + 1`, … (request id = row number) with the bytes
+/// `row` makes of each, and advances `*seen` past them.
+fn expect_rows_in_order(batch: &RecordBatch, seen: &mut u64, row: &dyn Fn(u64) -> Vec<u8>, name: &str) {
+    let req = batch.column_by_name("request_id").unwrap().as_any().downcast_ref::<UInt64Array>().unwrap();
+    let act = batch.column_by_name("activation").unwrap().as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
+    for i in 0..batch.num_rows() {
+        assert_eq!(req.value(i), *seen, "{name}: rows out of order");
+        assert_eq!(act.value(i), &row(*seen)[..], "{name}: row {seen}");
+        *seen += 1;
+    }
 }
 
 /// The metadata columns that are constant in a partition (run id, hookpoint, site, layer, rank, dtype, shape) are

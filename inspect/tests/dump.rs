@@ -48,6 +48,12 @@ fn dump_with(dir: &Path, cfg: EngineConfig, mode: &str, started: impl FnOnce(&Pa
     text += &ringscope::synthetic::residual_hookpoints_toml(cfg.layers, cfg.hidden);
     let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
     started(&dir.join("r"));
+    drive(&session, cfg);
+    session.shutdown().unwrap()
+}
+
+/// Runs the synthetic engine through `session`, every layer captured at every step.
+fn drive(session: &Session, cfg: EngineConfig) {
     let mut buf = Vec::new();
     for step in SyntheticEngine::new(cfg) {
         session.begin_step(step.step, step.rows.iter().copied()).unwrap();
@@ -57,7 +63,6 @@ fn dump_with(dir: &Path, cfg: EngineConfig, mode: &str, started: impl FnOnce(&Pa
         }
         session.end_step().unwrap();
     }
-    session.shutdown().unwrap()
 }
 
 fn inspect(path: &Path) -> (Option<i32>, String) {
@@ -312,15 +317,7 @@ fn killed_child() {
     );
     text += &ringscope::synthetic::residual_hookpoints_toml(cfg.layers, cfg.hidden);
     let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
-    let mut buf = Vec::new();
-    for step in SyntheticEngine::new(cfg) {
-        session.begin_step(step.step, step.rows.iter().copied()).unwrap();
-        for layer in 0..cfg.layers {
-            fill_layer(cfg.seed, layer, cfg.hidden, &step.rows, &mut buf);
-            session.capture(layer, &buf).unwrap();
-        }
-        session.end_step().unwrap();
-    }
+    drive(&session, cfg);
     unreachable!("killed long before a million requests are done");
 }
 
