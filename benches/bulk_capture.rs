@@ -40,6 +40,9 @@ struct Args {
     /// Memory-backed directory for the in-memory file configurations.
     #[arg(long, default_value = "/dev/shm")]
     shm: String,
+    /// Ring capacity of the host configurations, MiB.
+    #[arg(long, default_value_t = 256)]
+    host_ring_mib: u64,
     /// Ring capacity of the CUDA configurations, GiB (the pinned staging is as large).
     #[arg(long, default_value_t = 4)]
     cuda_ring_gib: u64,
@@ -372,11 +375,12 @@ fn setups(args: &Args) -> Vec<Setup> {
     let mut out = Vec::new();
     let want = |b: &str| args.backend == "all" || args.backend == b;
     if want("host") {
-        // 4 hookpoints × 1,024 rows × 2,048 bf16 = 16 MiB a step; a 256 MiB ring.
+        // 4 hookpoints × 1,024 rows × 2,048 bf16 = 16 MiB a step; a 256 MiB ring (unless `--host-ring-mib` says
+        // otherwise).
         let host = Setup {
             name: "host: no sink".into(),
             backend: Backend::Host,
-            ring: std::env::var("HOST_RING_MIB").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(256) << 20,
+            ring: args.host_ring_mib << 20,
             hookpoints: 4,
             rows: 1024,
             row_width: 2048,
@@ -485,6 +489,7 @@ fn main() -> Res<()> {
         let out = Command::new(&exe)
             .args(["--child", &s.name, "--backend", &args.backend, "--dir", &args.dir, "--shm", &args.shm])
             .args(["--laps", &args.laps.to_string(), "--cuda-ring-gib", &args.cuda_ring_gib.to_string()])
+            .args(["--host-ring-mib", &args.host_ring_mib.to_string()])
             .output()?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         match stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")) {
