@@ -119,22 +119,19 @@ def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bo
             batch = reader.get_batch(i)
             yield batch if columns is None else batch.select(columns)
     else:
-        import pyarrow.parquet as pq
+        import pyarrow.dataset as ds
 
-        # Row groups read several at a time, decompressed in parallel (reading them one batch at a time left all
-        # but one core idle: 0.65 of pyarrow's whole-file read). Page CRCs are checked by pyarrow when `verify`.
+        # A scanner over the one file: row groups are read ahead and decompressed on pyarrow's threads, in file order
+        # (`read_row_groups` decompressed one column's row groups on one thread: 0.3 of pyarrow's whole-file read on a
+        # 16-core host). Page CRCs are checked by pyarrow when `verify`.
+        checked = ds.ParquetFileFormat(
+            default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=verify))
         try:
-            f = pq.ParquetFile(str(path), page_checksum_verification=verify)
-        except OSError as e:
+            scanner = ds.dataset(str(path), format=checked).scanner(
+                columns=columns, use_threads=True, batch_readahead=max(16, os.cpu_count() or 1))
+            yield from scanner.to_batches()
+        except (OSError, pa.ArrowException) as e:
             raise _corrupt(path, str(e)) from None
-        step = max(1, os.cpu_count() or 1)
-        for first in range(0, f.num_row_groups, step):
-            groups = list(range(first, min(first + step, f.num_row_groups)))
-            try:
-                table = f.read_row_groups(groups, columns=columns, use_threads=True)
-            except OSError as e:
-                raise _corrupt(path, str(e)) from None
-            yield from table.to_batches()
 
 
 def _rows(rb, with_meta: bool):
