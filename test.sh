@@ -43,10 +43,11 @@ export RINGSCOPE_REQUIRE_NVRTC=1
 export RINGSCOPE_REQUIRE_TORCH=1
 
 # --- Rust -----------------------------------------------------------------------------------------------------------
+target="${CARGO_TARGET_DIR:-target}"  # where cargo puts what it builds
 cargo test --workspace
 
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
-  cargo test -p ringscope-ring --release --test loom --target-dir target/loom
+  cargo test -p ringscope-ring --release --test loom --target-dir "$target/loom"
 
 # Miri on the host ring's and the leases' unsafe code (undefined behaviour and data races), on a nightly toolchain with
 # the miri component, installed through rustup the first time. Without rustup this step is skipped with a message,
@@ -56,7 +57,7 @@ if command -v rustup >/dev/null; then
     echo "== installing a nightly toolchain with Miri (first run only)"
     rustup toolchain install nightly --profile minimal --component miri,rust-src
   fi
-  MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p ringscope-ring --lib --target-dir target/miri \
+  MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p ringscope-ring --lib --target-dir "$target/miri" \
     -- host:: lease:: space::
 elif [ "${RINGSCOPE_REQUIRE_MIRI:-0}" = 1 ]; then
   echo "test.sh: Miri needs rustup (to install a nightly toolchain with the miri component)" >&2
@@ -72,7 +73,6 @@ cargo run --release -p ringscope-inspect -- ringscope-out/ci
 # --- The C ABI: build libringscope (.so and .a), compile the C example against the committed header with the system C
 # compiler, run it both ways, and check its dump.
 cargo build --release -p ringscope-ffi
-target="${CARGO_TARGET_DIR:-target}"  # where cargo put the library
 cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c -L "$target/release" -lringscope \
   -o "$target/c_engine"
 cc -std=c11 -Wall -Wextra -Werror -I ffi/include examples/c/engine.c "$target/release/libringscope.a" \

@@ -43,6 +43,7 @@ def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
               cache_implementation="static", pad_token_id=0)
+    kept_before = {id(k): len(k) for k in (gpu_times, host_times) if k is not None}
     with torch.no_grad():
         model.generate(ids, **kw)  # compiles and records
         inner = model._compiled_call
@@ -74,12 +75,12 @@ def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_
             model.generate(ids, **kw)
         finally:
             model._compiled_call = inner
-            if profiler is not None:
+            if profiler is not None and len(times) > 2:  # started at the third call
                 torch.cuda.synchronize()
                 profiler.stop()
     for kept in (gpu_times, host_times):
-        if kept is not None:
-            del kept[:2]
+        if kept is not None:  # this call's first two, as for `times`
+            del kept[kept_before[id(kept)]:kept_before[id(kept)] + 2]
     return times[2:]  # the first calls of a new generate may re-record
 
 
@@ -97,7 +98,8 @@ def profile_steps(plain, attached_model, batches, results, top=14):
         for e in prof.key_averages():
             t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
             if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.key[:90]] = (per.get(e.key[:90], (0.0, 0))[0] + t / steps, e.count / steps)
+                was = per.get(e.key[:90], (0.0, 0.0))
+                per[e.key[:90]] = (was[0] + t / steps, was[1] + e.count / steps)
         return per
 
     for batch in batches:

@@ -323,23 +323,33 @@ fn killed_child() {
 
 #[test]
 fn a_run_killed_with_sigkill_is_reported_interrupted_and_its_committed_files_verify() {
+    /// Kills the child when dropped: a failed assertion must not leave it writing files forever.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
     let dir = tempdir("inspect-sigkill");
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "killed_child", "--nocapture", "--test-threads=1"])
-        .env("RINGSCOPE_KILLED_CHILD_DIR", &dir)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "killed_child", "--nocapture", "--test-threads=1"])
+            .env("RINGSCOPE_KILLED_CHILD_DIR", &dir)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let run_dir = dir.join("r");
     let started = std::time::Instant::now();
     // Killed mid-run, once both sinks committed a few files (and are writing more).
     while files_with_ext_if_any(&run_dir, "parquet") < 4 || files_with_ext_if_any(&run_dir, "arrow") < 4 {
         assert!(started.elapsed().as_secs() < 60, "the child committed no files");
-        assert!(child.try_wait().unwrap().is_none(), "the child ended before it was killed");
+        assert!(child.0.try_wait().unwrap().is_none(), "the child ended before it was killed");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    child.0.kill().unwrap(); // SIGKILL
+    child.0.wait().unwrap();
     assert!(!run_dir.join("_ringscope_run.json").exists());
     let (code, stdout) = inspect(&run_dir);
     assert_eq!(code, Some(3), "{stdout}");

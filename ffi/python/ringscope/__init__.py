@@ -1205,7 +1205,7 @@ def _read_ipc_checked(files: list):
     for f in files:
         try:
             batches += list(_record_batches("arrow", f, None, verify=True))
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, pa.ArrowInvalid) as e:
             raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
     return pa.Table.from_batches(batches)
 
@@ -1250,7 +1250,8 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         base, ext = ipc, "arrow"  # a run dumped to Arrow IPC only
     parts = sorted(p for p in base.glob("hookpoint=*") if p.is_dir())
     if not parts:
-        runs = sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("hookpoint=*")))
+        runs = sorted(p.name for p in root.iterdir()
+                      if p.is_dir() and (any(p.glob("hookpoint=*")) or any(p.glob("_arrow_ipc/hookpoint=*"))))
         if runs:
             raise RingscopeError("RS_ERR_IO", f"{root} is not a run directory but holds runs ({', '.join(runs)}): "
                                               f"give one, e.g. read_dump({str(root / runs[0])!r})")

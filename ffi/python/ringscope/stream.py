@@ -68,6 +68,7 @@ def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) ->
 
 
 _POOL = (None, None)  # (pid, executor): the CRC threads of this process (a forked DataLoader worker makes its own)
+_CRC_THREADS = min(8, os.cpu_count() or 1)
 
 
 def _crc_pool():
@@ -77,7 +78,7 @@ def _crc_pool():
 
     pid, pool = _POOL
     if pid != os.getpid():
-        pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="ringscope-crc")
+        pool = ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="ringscope-crc")
         _POOL = (os.getpid(), pool)
     return pool
 
@@ -109,15 +110,25 @@ def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bo
             bounds = [(start, end) for start, (end, _) in zip([0] + [e for e, _ in crcs[:-1]], crcs)]
             if any(not 0 <= a <= b <= len(whole) for a, b in bounds):
                 raise _corrupt(path, "batch checksums cover bytes past the file or out of order")
-            # Computed on several threads ahead of the batches they check (each batch is still checked before it
-            # is returned).
-            sums = [_crc_pool().submit(zlib.crc32, whole[a:b]) for a, b in bounds]
-        for i in range(reader.num_record_batches):
-            if crcs is not None and sums[i].result() != crcs[i][1]:
-                a, b = bounds[i]
-                raise _corrupt(path, f"record batch {i} (bytes {a}..{b}) does not match its CRC-32")
-            batch = reader.get_batch(i)
-            yield batch if columns is None else batch.select(columns)
+        # The CRCs are computed on a few threads, a window of batches ahead of the one returned (each batch is still
+        # checked before it is returned); what a closed or failed reader left in the window is cancelled.
+        pool = _crc_pool() if crcs is not None else None
+        ahead = 2 * _CRC_THREADS
+        sums = {}
+        try:
+            for i in range(reader.num_record_batches):
+                if pool is not None:
+                    for j in range(i, min(i + ahead, len(bounds))):
+                        if j not in sums:
+                            sums[j] = pool.submit(zlib.crc32, whole[bounds[j][0]:bounds[j][1]])
+                    if sums.pop(i).result() != crcs[i][1]:
+                        a, b = bounds[i]
+                        raise _corrupt(path, f"record batch {i} (bytes {a}..{b}) does not match its CRC-32")
+                batch = reader.get_batch(i)
+                yield batch if columns is None else batch.select(columns)
+        finally:
+            for f in sums.values():
+                f.cancel()
     else:
         import pyarrow.dataset as ds
 
@@ -130,7 +141,7 @@ def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bo
             scanner = ds.dataset(str(path), format=checked).scanner(
                 columns=columns, use_threads=True, batch_readahead=max(16, os.cpu_count() or 1))
             yield from scanner.to_batches()
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, pa.ArrowInvalid) as e:  # what a changed file reads as (memory errors are not corruption)
             raise _corrupt(path, str(e)) from None
 
 
