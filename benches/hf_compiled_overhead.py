@@ -9,12 +9,15 @@ the same weights: one plain, one with ringscope attached (`ring.backend = "cuda"
   * decode step: every call of transformers' compiled step inside `generate(..., max_new_tokens=64,
     cache_implementation="static")`, synchronised before and after (median and min over all calls of all rounds),
     both models interleaved over several rounds; batch 1, 8, 64. Also: whether any step's ringscope calls ran in
-    Python (they must all be replayed from the graph), inductor's cudagraph_skips, ringscope's accounting;
+    Python (they must all be replayed from the graph), inductor's cudagraph_skips, ringscope's accounting, and per
+    timed `generate` what CUDA graph trees did (graphs recorded, invariant checks per call, why recorded graphs did
+    not match: the host-side cost of a compiled step grows with the recorded graphs it checks);
   * correctness: a compiled `generate` of two requests on the attached model, every captured row against an eager
     `output_hidden_states` pass over the same tokens on the plain model (bf16: the compiled kernels round
     differently, so the error is reported, not required to be zero), request ids and positions checked exactly.
 """
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -32,14 +35,63 @@ import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
 
 
-def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_times=None):
+class GraphTreeCounters:
+    """What CUDA graph trees did, counted by wrapping two of their methods (torch 2.11's names; without them the
+    counts stay empty): graphs recorded, invariant checks of recorded graphs by outcome (each call of a compiled step
+    checks the recorded graphs of its function until one matches: more stale recordings, more host time per call),
+    and the reasons of mismatches (which input's address changed), most common first."""
+
+    def __init__(self):
+        self.recorded = 0
+        self.checks = collections.Counter()
+        self.reasons = collections.Counter()
+        try:
+            from torch._inductor import cudagraph_trees as ct
+            node, manager = ct.CUDAGraphNode, ct.CUDAGraphTreeManager
+            check, record = node.check_invariants, manager.record_function
+        except (ImportError, AttributeError):
+            return
+        counters_ = self
+
+        def check_invariants(node_self, inputs):
+            status, logger = check(node_self, inputs)
+            counters_.checks[str(status).rsplit(".", 1)[-1]] += 1
+            if "Mismatch" in str(status):
+                try:
+                    counters_.reasons[" ".join(str(logger()).split())[:300]] += 1
+                except Exception as e:  # a diagnostic: never fail the benchmark over it
+                    counters_.reasons[f"(reason not available: {type(e).__name__})"] += 1
+            return status, logger
+
+        def record_function(manager_self, *args, **kwargs):
+            counters_.recorded += 1
+            return record(manager_self, *args, **kwargs)
+
+        node.check_invariants, manager.record_function = check_invariants, record_function
+
+    def snapshot(self):
+        return self.recorded, self.checks.copy()
+
+    def since(self, snap, calls):
+        """Counts since `snap`, and invariant checks per call of the compiled step over `calls` calls."""
+        recorded, checks = snap
+        diff = self.checks - checks
+        return {"graphs_recorded": self.recorded - recorded, "invariant_checks": dict(diff),
+                "invariant_checks_per_call": round(sum(diff.values()) / calls, 2) if calls else None}
+
+
+GRAPH_TREES = None  # a GraphTreeCounters once main() has installed it
+
+
+def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_times=None, graph_stats=None):
     """Per decode step of `generate(..., cache_implementation="static")` as a user calls it: transformers compiles
     the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
     compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here).
     `gpu_times` (a list): also the GPU's time between CUDA events recorded before and after each call.
     `profiler`: a torch.profiler started before the first timed call and stopped when `generate` returns.
     `host_times` (a list): the GPU is kept busy (a sleep kernel) while the host calls the step, so that the CUDA events
-    time the GPU's work alone (into `gpu_times`) and the host's time to return from the call goes into `host_times`."""
+    time the GPU's work alone (into `gpu_times`) and the host's time to return from the call goes into `host_times`.
+    `graph_stats` (a list): gets what CUDA graph trees did during the timed `generate` (GraphTreeCounters.since)."""
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
               cache_implementation="static", pad_token_id=0)
@@ -71,10 +123,13 @@ def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_
                 gpu_times.append(start.elapsed_time(end))
             return out
         model._compiled_call = timed
+        snap = GRAPH_TREES.snapshot() if GRAPH_TREES is not None else None
         try:
             model.generate(ids, **kw)
         finally:
             model._compiled_call = inner
+            if graph_stats is not None and snap is not None:
+                graph_stats.append(GRAPH_TREES.since(snap, len(times)))
             if profiler is not None and len(times) > 2:  # started at the third call
                 torch.cuda.synchronize()
                 profiler.stop()
@@ -110,10 +165,10 @@ def profile_steps(plain, attached_model, batches, results, top=14):
                 session = cuda_session(capacity="1 GiB", defer_captures=True)
                 att = rt.attach(model, session, sites=["residual"], layers=None if layers == "all" else layers)
             try:
-                gpu, wall, gpu_alone, host = [], [], [], []
+                gpu, wall, gpu_alone, host, graphs = [], [], [], [], []
                 for _ in range(2):
-                    wall.extend(decode_step_times(model, batch, gpu_times=gpu))
-                    decode_step_times(model, batch, gpu_times=gpu_alone, host_times=host)
+                    wall.extend(decode_step_times(model, batch, gpu_times=gpu, graph_stats=graphs))
+                    decode_step_times(model, batch, gpu_times=gpu_alone, host_times=host, graph_stats=graphs)
                 prof = profile(activities=[ProfilerActivity.CUDA])
                 per = kernels(prof, len(decode_step_times(model, batch, profiler=prof)))
             finally:
@@ -123,6 +178,7 @@ def profile_steps(plain, attached_model, batches, results, top=14):
             out[variant] = {"wall_median_ms": statistics.median(wall), "gpu_median_ms": statistics.median(gpu),
                             "gpu_alone_median_ms": statistics.median(gpu_alone),
                             "host_call_median_ms": statistics.median(host),
+                            "graph_trees_per_generate": graphs,
                             "kernel_us_per_step": sum(v[0] for v in per.values()),
                             "kernels_per_step": sum(v[1] for v in per.values()),
                             "top": {k: [round(v[0], 2), round(v[1], 2)]
@@ -193,16 +249,19 @@ def run_generate(plain, attached_model, batches, rounds, results):
     try:
         for batch in batches:
             t = {"plain": [], "ringscope": []}
+            graphs = {"plain": [], "ringscope": []}
             for r in range(rounds):  # interleaved, the order alternating, so that drift falls on both alike
                 order = (("plain", plain), ("ringscope", attached_model))
                 for name, model in (order if r % 2 == 0 else order[::-1]):
-                    t[name].extend(decode_step_times(model, batch))
+                    t[name].extend(decode_step_times(model, batch, graph_stats=graphs[name]))
             a, b = statistics.median(t["plain"]), statistics.median(t["ringscope"])
             a_min, b_min = min(t["plain"]), min(t["ringscope"])
             res = {"plain_median_ms": a, "ringscope_median_ms": b, "overhead_median_pct": 100 * (b / a - 1),
                    "plain_min_ms": a_min, "ringscope_min_ms": b_min, "overhead_min_pct": 100 * (b_min / a_min - 1),
                    "steps_timed": len(t["plain"]),
-                   "steps_begun_in_python": att.step}
+                   "steps_begun_in_python": att.step,
+                   # per timed generate: graphs recorded, invariant checks per call of the compiled step
+                   "graph_trees": {k: v for k, v in graphs.items() if v}}
             results.setdefault("generate_decode_step", {})[str(batch)] = res
             print(json.dumps({"batch": batch, **res}), flush=True)
     finally:
@@ -225,6 +284,8 @@ def main():
     ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile part")
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 64
+    global GRAPH_TREES
+    GRAPH_TREES = GraphTreeCounters()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "compile": "transformers' own: generate(cache_implementation='static') -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
@@ -240,7 +301,13 @@ def main():
                                                results))
         else:
             ap.error(f"unknown part {p!r}")
-    return run_parts(parts, results, args.out)
+    status = run_parts(parts, results, args.out)
+    if GRAPH_TREES.reasons:  # why recorded graphs did not match a call (written after the parts' own results)
+        results["graph_tree_mismatch_reasons"] = dict(GRAPH_TREES.reasons.most_common(12))
+        print(json.dumps({"graph_tree_mismatch_reasons": results["graph_tree_mismatch_reasons"]}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return status
 
 
 if __name__ == "__main__":
