@@ -48,7 +48,23 @@ pub(crate) struct Fused {
     /// The hookpoint of its scores (f32 × K).
     pub scores: Arc<HookPoint>,
     /// Host backend: scores on the engine's thread.
-    pub scorer: Mutex<Scorer>,
+    pub host: Mutex<HostScoring>,
+}
+
+/// A fused probe's scoring on the host backend: the scorer and the buffers each capture's scores go through, kept
+/// from capture to capture so that a steady stream of captures allocates nothing.
+pub(crate) struct HostScoring {
+    pub scorer: Scorer,
+    /// The last capture's scores.
+    pub scores: Vec<f32>,
+    /// The last capture's scores as little-endian bytes (the scores hookpoint's rows).
+    pub bytes: Vec<u8>,
+}
+
+impl HostScoring {
+    /// Buffers larger than this are not kept after the capture that needed them (a one-off huge capture does not
+    /// hold its memory for the session's life).
+    pub const KEEP_BYTES: usize = 16 << 20;
 }
 
 /// How the consumer thread treats one hookpoint's records.
@@ -207,7 +223,8 @@ impl Prepared {
                 (ProbeMode::Fused, Some(scores)) => {
                     routes.entry(scores.id()).or_default().push(Route::Scores { index });
                     hookpoints.push(scores.spec().name.clone());
-                    let f = Fused { index, scores, scorer: Mutex::new(Scorer::new(&probe)) };
+                    let host = HostScoring { scorer: Scorer::new(&probe), scores: Vec::new(), bytes: Vec::new() };
+                    let f = Fused { index, scores, host: Mutex::new(host) };
                     fused.entry(source.id()).or_default().push(Arc::new(f));
                 }
                 _ => {

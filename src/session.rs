@@ -663,10 +663,13 @@ impl Session {
         Ok(outcome)
     }
 
-    /// Host backend: a fused probe scores the rows on the engine's thread and captures only the scores.
+    /// Host backend: a fused probe scores the rows on the engine's thread and captures only the scores (through
+    /// buffers reused from capture to capture).
     fn capture_fused(&self, f: &crate::probes::Fused, hp: &HookPoint, data: &[u8]) -> Result<(), Error> {
+        use crate::probes::HostScoring;
         let rows = data.len() / (hp.spec().row_bytes() as usize).max(1);
-        let mut scorer = f.scorer.lock();
+        let mut host = f.host.lock();
+        let HostScoring { scorer, scores, bytes } = &mut *host;
         // Sized by the capture: memory the machine refuses is an error naming it, never an abort.
         let n = rows.saturating_mul(scorer.outputs());
         let refused = || {
@@ -674,19 +677,27 @@ impl Session {
                 "{}: the allocation of {} bytes for the scores of {rows} rows was refused; capture fewer rows at a \
                  time or free memory",
                 f.scores.spec().name,
-                n.saturating_mul(8)
+                n.saturating_mul(4)
             ))
         };
-        let mut scores: Vec<f32> = Vec::new();
+        scores.clear();
         scores.try_reserve_exact(n).map_err(|_| refused())?;
         scores.resize(n, 0.0);
-        scorer.score_rows(hp.spec().dtype, data, &mut scores).map_err(|e| Error::Config(e.to_string()))?;
-        drop(scorer);
-        let mut bytes: Vec<u8> = Vec::new();
+        scorer.score_rows(hp.spec().dtype, data, scores).map_err(|e| Error::Config(e.to_string()))?;
+        bytes.clear();
         bytes.try_reserve_exact(n.saturating_mul(4)).map_err(|_| refused())?;
         bytes.extend(scores.iter().flat_map(|s| s.to_le_bytes()));
-        self.capture_rows(&f.scores, &bytes)?;
-        Ok(())
+        if scores.capacity() * 4 > HostScoring::KEEP_BYTES {
+            *scores = Vec::new();
+        }
+        // Captured without the lock held (a full-mode capture may wait for ring space), then kept for the next one.
+        let out = std::mem::take(bytes);
+        drop(host);
+        let captured = self.capture_rows(&f.scores, &out);
+        if out.capacity() <= HostScoring::KEEP_BYTES {
+            f.host.lock().bytes = out;
+        }
+        captured.map(|_| ())
     }
 
     fn capture_rows(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
