@@ -15,6 +15,8 @@
 //!
 //! * `pinned D2H`: back-to-back device → pinned copies of the drain's chunk size (CUDA);
 //! * `memcpy`: one thread copying the same records into a reused buffer (host);
+//! * per configuration, the CPU seconds each thread (by name) spent per GB of activations: a thread that runs alone
+//!   (the drain) caps the rate at 1 / its s/GB, and the sinks' s/GB against zstd alone shows what they add;
 //! * `disk write`: the same bytes written sequentially to a file in `--dir` (8 MiB writes, `O_DIRECT` where the file
 //!   system takes it, else through the page cache, then `fsync`) — what a file sink could reach there.
 
@@ -150,6 +152,76 @@ fn peak_rss_mib() -> f64 {
     kib / 1024.0
 }
 
+/// CPU time of this process's threads by name, sampled from `/proc/self/task` while a configuration runs (Linux;
+/// elsewhere empty): which threads the bytes cost CPU in. A thread's last sample before it exits counts (at most one
+/// sampling period of its time is missed). Linux shortens thread names to 15 bytes (every sink thread is
+/// `ringscope-sink-`); the engine's thread is this process's main thread.
+struct ThreadCpu {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sampler: std::thread::JoinHandle<std::collections::HashMap<u64, (String, f64)>>,
+}
+
+impl ThreadCpu {
+    const SAMPLER: &'static str = "cpu-sampler";
+
+    fn start() -> Res<ThreadCpu> {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let sampler = std::thread::Builder::new().name(Self::SAMPLER.into()).spawn(move || {
+            let mut seen = std::collections::HashMap::new();
+            loop {
+                let last = flag.load(std::sync::atomic::Ordering::Relaxed);
+                Self::sample(&mut seen);
+                if last {
+                    return seen;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })?;
+        Ok(ThreadCpu { stop, sampler })
+    }
+
+    /// Records each live thread's name and CPU seconds (user + system) so far.
+    fn sample(seen: &mut std::collections::HashMap<u64, (String, f64)>) {
+        // SAFETY: sysconf has no preconditions.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let main = std::process::id() as u64;
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+            // `tid (name) state ppid ...`: the name may hold spaces and parentheses; fields after the last ')'.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            let (Some(user), Some(system)) = (fields.get(11), fields.get(12)) else { continue };
+            let secs = (user.parse::<f64>().unwrap_or(0.0) + system.parse::<f64>().unwrap_or(0.0)) / ticks;
+            let name = if tid == main { "engine (main)".to_string() } else { stat[open + 1..close].to_string() };
+            seen.insert(tid, (name, secs));
+        }
+    }
+
+    /// CPU seconds per GB of `bytes`, by thread name, largest first: `name s/GB (threads)`.
+    fn finish(self, bytes: u64) -> String {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let Ok(seen) = self.sampler.join() else { return "sampler failed".into() };
+        let mut by_name: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
+        for (name, secs) in seen.into_values().filter(|(n, _)| n != Self::SAMPLER) {
+            let e = by_name.entry(name).or_default();
+            e.0 += secs;
+            e.1 += 1;
+        }
+        let mut rows: Vec<_> = by_name.into_iter().filter(|(_, (s, _))| *s > 0.0).collect();
+        rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+        let gb = bytes as f64 / 1e9;
+        let parts: Vec<String> = rows.iter().map(|(n, (s, k))| format!("{n} {:.2} ({k})", s / gb)).collect();
+        if parts.is_empty() {
+            "—".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
 /// Without file sinks: waits until every record is exported and returns when. With them, records count as exported
 /// only when their file is committed at shutdown, so there is nothing to wait for: `None`.
 fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
@@ -165,6 +237,7 @@ fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
 /// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
 fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let steps = ((setup.ring as usize * laps) as u64).div_ceil(setup.step_bytes()).max(2);
+    let cpu = ThreadCpu::start()?;
     let session = Session::new(setup.config())?;
     let ids: Vec<u32> = session.hookpoints().iter().map(|h| h.id()).collect();
     let per_hp = setup.rows as usize * setup.row_width as usize * 2;
@@ -214,8 +287,9 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let bytes = steps * setup.step_bytes();
     let secs = (closed - started).as_secs_f64();
     let file_bytes: u64 = report.files.iter().map(|f| f.bytes).sum();
+    let cpu = cpu.finish(bytes);
     println!(
-        "RESULT\t{}\t{:.2}\t{}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}",
+        "RESULT\t{}\t{:.2}\t{}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}\t{}",
         setup.name,
         bytes as f64 / secs / 1e9,
         flushed.map_or("—".into(), |f| format!("{:.1}", bytes as f64 / (f - started).as_secs_f64() / 1e9)),
@@ -227,6 +301,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
         report.drain.evacuated_records,
         if file_bytes > 0 { file_bytes as f64 / bytes as f64 } else { f64::NAN },
         report.drain.errors.len(),
+        cpu,
     );
     for e in report.drain.errors.iter().take(3) {
         eprintln!("{}: {e}", setup.name);
@@ -277,7 +352,7 @@ fn memcpy_ceiling(record: usize, ring: usize, total: usize) -> f64 {
 }
 
 /// zstd(1) alone on this machine with `threads` threads at once, each compressing its own activations in 1 MiB
-/// pieces (the Parquet sink's page size) with a reused context into a reused buffer, `per_thread` bytes each: what
+/// pieces (the Parquet sink's page size, frame checksums on as there) with a reused context into a reused buffer, `per_thread` bytes each: what
 /// the Parquet sink's compression could reach with that many threads here. Returns GB/s of input, all together.
 fn zstd_ceiling(threads: usize, per_thread: usize) -> Res<f64> {
     const DATA: usize = 64 << 20;
@@ -290,6 +365,8 @@ fn zstd_ceiling(threads: usize, per_thread: usize) -> Res<f64> {
             .map(|d| {
                 scope.spawn(move || {
                     let mut zstd = zstd::bulk::Compressor::new(1)?;
+                    // As the sink's pages: each frame ends with a checksum of its content.
+                    zstd.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true))?;
                     let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(PIECE));
                     for piece in d.chunks(PIECE).cycle().take(per_thread / PIECE) {
                         out.clear();
@@ -477,9 +554,10 @@ fn main() -> Res<()> {
     println!(
         "| configuration | GB/s (first capture → shutdown returned) | drain GB/s (first capture → flushed) | tokens/s \
          | close after flush (ms) | peak RSS (MiB) \
-         | rows exported | rows not exported | moved out of the ring | file bytes ÷ activation bytes | errors |"
+         | rows exported | rows not exported | moved out of the ring | file bytes ÷ activation bytes | errors \
+         | CPU s per GB by thread (threads) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let exe = std::env::current_exe()?;
     for s in &all {
         let run_dir = s.files.as_ref().map(|(_, _, dir)| std::path::Path::new(dir).join(s.run_id()));
