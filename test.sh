@@ -17,7 +17,7 @@ cd "$(dirname "$0")"
 
 # --- Python environment -------------------------------------------------------------------------------------------
 venv=${RINGSCOPE_VENV:-.venv}
-# A first run needs about 25 GB of disk in the checkout (Rust builds ~12 GB, .venv ~5.5 GB, .venv-vllm ~6.5 GB); say so
+# A first run needs about 25 GB of disk in the checkout (Rust builds ~13 GB, .venv ~5.5 GB, .venv-vllm ~6.5 GB); say so
 # up front instead of failing half-way with "No space left on device".
 free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
 if [ ! -x "$venv/bin/python" ] && [ "${free_gb:-0}" -lt 25 ]; then
