@@ -352,9 +352,10 @@ fn memcpy_ceiling(record: usize, ring: usize, total: usize) -> f64 {
 }
 
 /// zstd(1) alone on this machine with `threads` threads at once, each compressing its own activations in 1 MiB
-/// pieces (the Parquet sink's page size, frame checksums on as there) with a reused context into a reused buffer, `per_thread` bytes each: what
+/// pieces (the Parquet sink's page size; frame checksums on as there, unless `checksums` is false) with a reused
+/// context into a reused buffer, `per_thread` bytes each: what
 /// the Parquet sink's compression could reach with that many threads here. Returns GB/s of input, all together.
-fn zstd_ceiling(threads: usize, per_thread: usize) -> Res<f64> {
+fn zstd_ceiling(threads: usize, per_thread: usize, checksums: bool) -> Res<f64> {
     const DATA: usize = 64 << 20;
     const PIECE: usize = 1 << 20;
     let data: Vec<Vec<u8>> = (0..threads).map(|t| activations(DATA, 10 + t as u64)).collect();
@@ -366,7 +367,7 @@ fn zstd_ceiling(threads: usize, per_thread: usize) -> Res<f64> {
                 scope.spawn(move || {
                     let mut zstd = zstd::bulk::Compressor::new(1)?;
                     // As the sink's pages: each frame ends with a checksum of its content.
-                    zstd.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true))?;
+                    zstd.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(checksums))?;
                     let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(PIECE));
                     for piece in d.chunks(PIECE).cycle().take(per_thread / PIECE) {
                         out.clear();
@@ -597,9 +598,13 @@ fn main() -> Res<()> {
         println!("- pinned D2H, {} MiB chunks back to back: {:.1} GB/s", chunk >> 20, pinned_ceiling(chunk, 4 << 30)?);
     }
     if all.iter().any(|s| s.files.as_ref().is_some_and(|f| f.0) && s.compression == Compression::Zstd) {
-        let one = zstd_ceiling(1, 1 << 30)?;
+        let one = zstd_ceiling(1, 1 << 30, true)?;
+        println!(
+            "- zstd(1) alone, 1 thread, 1 MiB pieces, without frame checksums: {:.2} GB/s",
+            zstd_ceiling(1, 1 << 30, false)?
+        );
         for threads in [1, 2, 4, 8] {
-            let rate = if threads == 1 { one } else { zstd_ceiling(threads, 1 << 30)? };
+            let rate = if threads == 1 { one } else { zstd_ceiling(threads, 1 << 30, true)? };
             println!(
                 "- zstd(1) alone, {threads} thread(s) at once, 1 MiB pieces: {rate:.2} GB/s ({:.2} × {threads} × one thread)",
                 rate / one / threads as f64
