@@ -154,3 +154,48 @@ def test_the_step_op_and_the_traced_hooks_refuse_bad_input():
         traced(torch.ones(2, 3, 64))
     att.detach()
     assert session.close()["exported_rows"] == 0
+
+
+def graph_inputs_of_compiled_decode_step(model):
+    """The inputs (name, shape, static or not) of the graph torch.compile builds of `generate`'s decode step with a
+    static cache, captured by a backend that only looks at the graph (and runs it as it is)."""
+    graphs = []
+
+    def inspecting_backend(gm, example_inputs, **_):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append([(n.name, tuple(x.shape), getattr(x, "_dynamo_static_input_type", None) is not None)
+                       for n, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    gc = transformers.GenerationConfig(
+        max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static",
+        compile_config=transformers.CompileConfig(fullgraph=True, backend=inspecting_backend))
+    gc.compile_config._compile_all_devices = True
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+    assert len(graphs) == 1, f"{len(graphs)} graphs"
+    return graphs[0]
+
+
+def test_the_compiled_step_gains_only_static_inputs():
+    """CUDA graph trees copy every non-static input of a compiled step into the graph's own memory at each replay,
+    and check the addresses of static ones: what ringscope adds to the decode step's graph must be static tensors that
+    keep their address (the request-id tensor the attachment updates in place, and the sink byte), never a
+    per-call input."""
+    plain = graph_inputs_of_compiled_decode_step(tiny(layers=2))
+    model = tiny(layers=2)
+    session = ringscope.Session({"policy": {"mode": "best_effort"}})
+    att = rt.attach(model, session, sites=("residual",))
+    try:
+        attached = graph_inputs_of_compiled_decode_step(model)
+    finally:
+        att.detach()
+        session.close()
+    names = {name for name, _, _ in plain}
+    added = [i for i in attached if i[0] not in names]
+    assert len(attached) == len(plain) + 2, (plain, attached)
+    assert sorted(shape for _, shape, _ in added) == [(1,), (256,)], added  # the sink byte, the request ids
+    assert all(static for _, _, static in added), added
+    assert [i for i in plain if not i[2]] == [i for i in attached if not i[2]], "the same per-call inputs"
