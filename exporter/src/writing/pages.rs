@@ -31,6 +31,8 @@ pub(crate) struct ActivationPages {
     compressor: zstd::bulk::Compressor<'static>,
     page_bytes: usize,
     page: Vec<u8>,
+    /// The last page's compressed size: the next page's header slot is sized for it (see [`compress_page`]).
+    last_compressed: usize,
 }
 
 /// The column chunk being assembled: its pages and the bookkeeping for its metadata.
@@ -41,6 +43,10 @@ struct Assembly {
     rows: u64,
     uncompressed: u64,
     offsets: OffsetIndexBuilder,
+    /// The compressed size the next page's header slot is sized for (0: zstd's worst case).
+    expect_compressed: usize,
+    /// Pages whose header came out shorter or longer than its slot, so that the page was moved to close the gap.
+    moved: u64,
 }
 
 impl ActivationPages {
@@ -51,7 +57,7 @@ impl ActivationPages {
         // Each page's frame ends with a checksum of its uncompressed bytes (4 bytes of XXH64), which every zstd
         // decoder checks: a page whose CRC a reader does not check still cannot decode to wrong values silently.
         compressor.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true)).map_err(zstd_error)?;
-        Ok(ActivationPages { level, compressor, page_bytes: page_bytes.max(1), page: Vec::new() })
+        Ok(ActivationPages { level, compressor, page_bytes: page_bytes.max(1), page: Vec::new(), last_compressed: 0 })
     }
 
     /// Encodes the rows of `records` (rows of `row_bytes` each, checked by the caller) as the column chunk of
@@ -74,7 +80,15 @@ impl ActivationPages {
         }
         chunk.clear();
         chunk.extend(&[0; crate::writing::output::ALIGN][..lead])?;
-        let mut asm = Assembly { lead, row_bytes, rows: 0, uncompressed: 0, offsets: Default::default() };
+        let mut asm = Assembly {
+            lead,
+            row_bytes,
+            rows: 0,
+            uncompressed: 0,
+            offsets: Default::default(),
+            expect_compressed: self.last_compressed,
+            moved: 0,
+        };
         // Records at least this big become pages of their own, compressed in place (no copy); smaller ones are
         // gathered into page-sized pages. zstd compresses 64 KiB pages as well as 1 MiB ones: it works in blocks of
         // at most 128 KiB either way.
@@ -100,6 +114,7 @@ impl ActivationPages {
             }
         }
         self.flush_page(chunk, &mut asm)?;
+        self.last_compressed = asm.expect_compressed;
         let len = (chunk.len() - lead) as u64;
         let metadata = ColumnChunkMetaData::builder(column)
             .set_compression(Compression::ZSTD(self.level))
@@ -131,29 +146,39 @@ impl ActivationPages {
 }
 
 /// Compresses `rows` (whole rows, back to back) straight into `chunk`, after a slot for its page header that is then
-/// filled in: the header's size depends on the compressed size only through the length of a varint, so a slot sized
-/// for zstd's worst case fits exactly in the common case, and the page moves back a byte or two otherwise.
+/// filled in. The header's size depends on the compressed size and the CRC only through the lengths of their varints,
+/// so the slot is sized for the previous page's compressed size (pages of one hookpoint compress alike) and the
+/// widest CRC: the header fills it exactly unless the varint of the compressed size came out a byte longer or
+/// shorter, or the CRC is small (1 page in 16), and only then is the page moved by those few bytes. (A slot sized
+/// for zstd's worst case instead moved every 1 MiB page: its bound takes a 4-byte varint, 0.8 MiB a 3-byte one.)
 fn compress_page(
     compressor: &mut zstd::bulk::Compressor<'static>,
     chunk: &mut Buffer,
     rows: &[u8],
     asm: &mut Assembly,
 ) -> Result<()> {
+    /// More than any page header (at most 29 bytes).
+    const HEADER_MAX: usize = 64;
     let n = rows.len() / asm.row_bytes;
     let bound = zstd::zstd_safe::compress_bound(rows.len());
-    let slot = data_page_header(rows.len(), bound, n, WIDEST_CRC)?.len();
+    let expect = if asm.expect_compressed == 0 { bound } else { asm.expect_compressed.min(bound) };
+    let slot = data_page_header(rows.len(), expect, n, WIDEST_CRC)?.len();
     let start = chunk.len();
-    chunk.reserve(slot + bound)?;
-    chunk.extend(&[0; 64][..slot])?; // the header slot (a header is at most 29 bytes)
+    chunk.reserve(HEADER_MAX + bound)?;
+    chunk.extend(&[0; HEADER_MAX][..slot])?;
     let compressed =
         compressor.compress_to_buffer(rows, chunk.spare()).map_err(|e| ParquetError::General(format!("zstd: {e}")))?;
     chunk.advance(compressed);
+    asm.expect_compressed = compressed;
     let crc = crc32fast::hash(&chunk.bytes()[start + slot..start + slot + compressed]);
     let header = data_page_header(rows.len(), compressed, n, crc)?;
+    if header.len() > slot {
+        chunk.advance(header.len() - slot); // within the HEADER_MAX + bound reserved above
+    }
     let bytes = chunk.bytes_mut();
-    if header.len() < slot {
-        // (A smaller number never needs a longer varint, so the header is never longer than its slot.)
-        bytes.copy_within(start + slot.., start + header.len());
+    if header.len() != slot {
+        bytes.copy_within(start + slot..start + slot + compressed, start + header.len());
+        asm.moved += 1;
     }
     bytes[start..start + header.len()].copy_from_slice(&header);
     chunk.truncate(start + header.len() + compressed);
@@ -488,6 +513,80 @@ mod tests {
     }
 
     #[test]
+    fn pages_are_compressed_in_place_behind_a_header_slot_that_fits_and_read_back_whole() {
+        use crate::dataset::DirectIo;
+        let path = scratch("slot");
+        let mut out = Output::create(&path, DirectIo::Off, 1 << 20).unwrap();
+        let mut chunk = out.take_buffer().unwrap();
+        let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 20).unwrap();
+        let mut asm = Assembly {
+            lead: 0,
+            row_bytes: 4096,
+            rows: 0,
+            uncompressed: 0,
+            offsets: Default::default(),
+            expect_compressed: 0,
+            moved: 0,
+        };
+        // bf16-like rows: a random low byte, a high byte from a few values (1 MiB pages compress to ~0.6 MiB, whose
+        // size takes a shorter varint than zstd's bound for 1 MiB).
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut page = || -> Vec<u8> {
+            (0..1 << 20)
+                .map(|i| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if i % 2 == 0 {
+                        x as u8
+                    } else {
+                        0x3c + (x >> 40) as u8 % 4
+                    }
+                })
+                .collect()
+        };
+        let want: Vec<Vec<u8>> = (0..48).map(|_| page()).collect();
+        for rows in &want {
+            compress_page(&mut pages.compressor, &mut chunk, rows, &mut asm).unwrap();
+        }
+        // Only the first page (sized for the bound) and pages whose CRC has a short varint (1 in 16) are moved.
+        assert!(asm.moved <= 1 + 48 / 4, "{} of 48 pages moved", asm.moved);
+        // Every page: its header, then exactly its compressed bytes, decoding to its rows.
+        let bytes = chunk.bytes();
+        let mut at = 0;
+        for rows in &want {
+            let mut fields = Vec::new();
+            for _ in 0..4 {
+                assert_eq!(bytes[at], 0x15);
+                at += 1;
+                let (mut z, mut shift) = (0u64, 0);
+                loop {
+                    let b = bytes[at];
+                    at += 1;
+                    z |= u64::from(b & 0x7f) << shift;
+                    shift += 7;
+                    if b < 0x80 {
+                        break;
+                    }
+                }
+                fields.push(((z >> 1) as i64) ^ -((z & 1) as i64));
+            }
+            // The data page header (its field byte, then 256 values: a 2-byte varint, 3 one-byte fields), the
+            // stop bytes of it and of the page header.
+            at += 10;
+            assert_eq!(&bytes[at..at + 2], &[0, 0], "end of the page header");
+            at += 2;
+            let compressed = fields[2] as usize;
+            let body = &bytes[at..at + compressed];
+            assert_eq!(fields[3] as i32 as u32, crc32fast::hash(body));
+            assert_eq!(&zstd::bulk::decompress(body, rows.len()).unwrap(), rows);
+            at += compressed;
+        }
+        assert_eq!(at, bytes.len());
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
     fn activation_pages_carry_their_crc_and_a_zstd_frame_checksum() {
         use crate::dataset::DirectIo;
         let path = scratch("crc");
@@ -495,7 +594,15 @@ mod tests {
         let mut chunk = out.take_buffer().unwrap();
         let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 16).unwrap();
         let rows: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 253) as u8).collect();
-        let mut asm = Assembly { lead: 0, row_bytes: 100, rows: 0, uncompressed: 0, offsets: Default::default() };
+        let mut asm = Assembly {
+            lead: 0,
+            row_bytes: 100,
+            rows: 0,
+            uncompressed: 0,
+            offsets: Default::default(),
+            expect_compressed: 0,
+            moved: 0,
+        };
         compress_page(&mut pages.compressor, &mut chunk, &rows, &mut asm).unwrap();
         let bytes = chunk.bytes();
         // Header fields 1-3 (three zigzag varints after their 0x15 field bytes), then field 4, the CRC.
