@@ -19,8 +19,8 @@ cd "$(dirname "$0")"
 venv=${RINGSCOPE_VENV:-.venv}
 # A first run needs about 25 GB of disk in the checkout (Rust builds ~13 GB, .venv ~5.5 GB, .venv-vllm ~6.5 GB); say so
 # up front instead of failing half-way with "No space left on device".
-free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
-if [ ! -x "$venv/bin/python" ] && [ "${free_gb:-0}" -lt 25 ]; then
+free_gb=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }') || free_gb=""
+if [ ! -x "$venv/bin/python" ] && [ -n "$free_gb" ] && [ "$free_gb" -lt 25 ]; then
   echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 25 GB (builds and two Python environments)" >&2
 fi
 if [ ! -x "$venv/bin/python" ]; then
