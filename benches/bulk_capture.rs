@@ -154,8 +154,9 @@ fn peak_rss_mib() -> f64 {
 
 /// CPU time of this process's threads by name, sampled from `/proc/self/task` while a configuration runs (Linux;
 /// elsewhere empty): which threads the bytes cost CPU in. A thread's last sample before it exits counts (at most one
-/// sampling period of its time is missed). Linux shortens thread names to 15 bytes (every sink thread is
-/// `ringscope-sink-`); the engine's thread is this process's main thread.
+/// sampling period of its time is missed). Threads numbered alike (the sink threads `rs-parquet-0`, `rs-parquet-1`,
+/// ...) are one group, `rs-parquet-*`, given with the least and most of one thread; the engine's thread is this
+/// process's main thread.
 struct ThreadCpu {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     sampler: std::thread::JoinHandle<std::collections::HashMap<u64, (String, f64)>>,
@@ -204,16 +205,27 @@ impl ThreadCpu {
     fn finish(self, bytes: u64) -> String {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let Ok(seen) = self.sampler.join() else { return "sampler failed".into() };
-        let mut by_name: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
+        // name → (seconds, threads, least of one thread, most of one thread)
+        let mut by_name: std::collections::BTreeMap<String, (f64, usize, f64, f64)> = Default::default();
         for (name, secs) in seen.into_values().filter(|(n, _)| n != Self::SAMPLER) {
-            let e = by_name.entry(name).or_default();
-            e.0 += secs;
-            e.1 += 1;
+            let numbered = name.trim_end_matches(|c: char| c.is_ascii_digit());
+            let group = match numbered.strip_suffix('-') {
+                Some(stem) if numbered.len() < name.len() => format!("{stem}-*"),
+                _ => name,
+            };
+            let e = by_name.entry(group).or_insert((0.0, 0, f64::INFINITY, 0.0));
+            *e = (e.0 + secs, e.1 + 1, e.2.min(secs), e.3.max(secs));
         }
-        let mut rows: Vec<_> = by_name.into_iter().filter(|(_, (s, _))| *s > 0.0).collect();
+        let mut rows: Vec<_> = by_name.into_iter().filter(|(_, e)| e.0 > 0.0).collect();
         rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         let gb = bytes as f64 / 1e9;
-        let parts: Vec<String> = rows.iter().map(|(n, (s, k))| format!("{n} {:.2} ({k})", s / gb)).collect();
+        let parts: Vec<String> = rows
+            .iter()
+            .map(|&(ref n, (s, k, least, most))| match k {
+                1 => format!("{n} {:.2}", s / gb),
+                _ => format!("{n} {:.2} ({k} threads, {:.2}–{:.2} each)", s / gb, least / gb, most / gb),
+            })
+            .collect();
         if parts.is_empty() {
             "—".into()
         } else {

@@ -166,13 +166,14 @@ impl Drain {
         let mut workers = Vec::new();
         let health = SinkHealth::default();
         let monitor = DrainMonitor::new(consumer.gauge());
-        for (sink, filter) in sinks {
+        for (index, (sink, filter)) in sinks.into_iter().enumerate() {
             let (p, queue, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes, false);
             monitor.add_destination(sink.name(), DestinationKind::Sink, backlog.clone());
             ports.push(p);
             let health = health.clone();
             let thread = std::thread::Builder::new()
-                .name(format!("ringscope-sink-{}", sink.name()))
+                // `rs-parquet-3`: Linux keeps 15 bytes of a thread's name, enough to tell the sink threads apart.
+                .name(format!("rs-{}-{index}", sink.name()))
                 .spawn(move || run_sink(sink, queue, backlog, health))
                 .map_err(ExporterError::Spawn)?;
             workers.push(thread);
