@@ -49,6 +49,14 @@ struct Assembly {
     moved: u64,
 }
 
+impl Assembly {
+    /// A chunk with no pages yet, after `lead` bytes; its first header slot sized for `expect_compressed` (0: zstd's
+    /// worst case).
+    fn new(lead: usize, row_bytes: usize, expect_compressed: usize) -> Self {
+        Assembly { lead, row_bytes, rows: 0, uncompressed: 0, offsets: Default::default(), expect_compressed, moved: 0 }
+    }
+}
+
 impl ActivationPages {
     /// Pages of about `page_bytes` raw bytes (whole rows), zstd at `level`.
     pub(crate) fn new(level: ZstdLevel, page_bytes: usize) -> Result<Self> {
@@ -80,15 +88,7 @@ impl ActivationPages {
         }
         chunk.clear();
         chunk.extend(&[0; crate::writing::output::ALIGN][..lead])?;
-        let mut asm = Assembly {
-            lead,
-            row_bytes,
-            rows: 0,
-            uncompressed: 0,
-            offsets: Default::default(),
-            expect_compressed: self.last_compressed,
-            moved: 0,
-        };
+        let mut asm = Assembly::new(lead, row_bytes, self.last_compressed);
         // Records at least this big become pages of their own, compressed in place (no copy); smaller ones are
         // gathered into page-sized pages. zstd compresses 64 KiB pages as well as 1 MiB ones: it works in blocks of
         // at most 128 KiB either way.
@@ -519,15 +519,7 @@ mod tests {
         let mut out = Output::create(&path, DirectIo::Off, 1 << 20).unwrap();
         let mut chunk = out.take_buffer().unwrap();
         let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 20).unwrap();
-        let mut asm = Assembly {
-            lead: 0,
-            row_bytes: 4096,
-            rows: 0,
-            uncompressed: 0,
-            offsets: Default::default(),
-            expect_compressed: 0,
-            moved: 0,
-        };
+        let mut asm = Assembly::new(0, 4096, 0);
         // bf16-like rows: a random low byte, a high byte from a few values (1 MiB pages compress to ~0.6 MiB, whose
         // size takes a shorter varint than zstd's bound for 1 MiB).
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -594,15 +586,7 @@ mod tests {
         let mut chunk = out.take_buffer().unwrap();
         let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 16).unwrap();
         let rows: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 253) as u8).collect();
-        let mut asm = Assembly {
-            lead: 0,
-            row_bytes: 100,
-            rows: 0,
-            uncompressed: 0,
-            offsets: Default::default(),
-            expect_compressed: 0,
-            moved: 0,
-        };
+        let mut asm = Assembly::new(0, 100, 0);
         compress_page(&mut pages.compressor, &mut chunk, &rows, &mut asm).unwrap();
         let bytes = chunk.bytes();
         // Header fields 1-3 (three zigzag varints after their 0x15 field bytes), then field 4, the CRC.
