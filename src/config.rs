@@ -414,8 +414,9 @@ pub struct ExportConfig {
     /// Parquet zstd level (with `compression = "zstd"`).
     #[serde(default = "one_i32")]
     pub zstd_level: i32,
-    /// Threads per file format: records are dealt out round-robin to this many sink threads, each writing files of
-    /// its own (`part-NNNNN-sK`), so one large hookpoint can use them all.
+    /// Threads per file format: this many sink threads take the format's records from one queue, each record going
+    /// to whichever is free first, each writing files of its own (`part-NNNNN-sK`), so one large hookpoint can use
+    /// them all and a thread slowed down (a busy core) takes fewer records instead of holding the others back.
     #[serde(default = "one_u32")]
     pub threads: u32,
     /// `"auto"` (default): write files with `O_DIRECT`, past the page cache, where the file system supports it;

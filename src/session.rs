@@ -108,9 +108,8 @@ pub struct Session {
     steps: StepTally,
     /// `policy.max_step_overhead`: full-mode waits per step bounded by this share of the step time.
     max_step_overhead: Option<f64>,
-    /// `policy.host_memory`, and `export.backlog` (per destination: the host budget when none is set).
+    /// `policy.host_memory` (without it, the live destinations' backlogs together are the host budget).
     host_memory: Option<u64>,
-    backlog_bytes: u64,
     /// The step whose deadline passed with `on_deadline = "degrade"`: its remaining captures do not wait.
     degraded_step: Mutex<Option<u64>>,
     /// What `stats` reads (shared with the metrics endpoint's thread); outlives the drain.
@@ -224,7 +223,7 @@ impl SessionBuilder {
             max_bytes_per_s: config.policy.drain_rate.map(|r| r.0 as f64),
             ..DrainOptions::default()
         };
-        let mut sinks = self.sinks;
+        let mut pools: Vec<_> = self.sinks.into_iter().map(|(sink, filter)| (vec![sink], filter)).collect();
         let mut files = Vec::new();
         let mut dataset = config.export.dataset_options();
         // Records a file sink holds for its batches hold ring space (they are lent, not copied): all file sinks
@@ -237,29 +236,33 @@ impl SessionBuilder {
         if threads == 0 || threads > 256 {
             return Err(Error::Config(format!("export.threads = {threads}: use 1 to 256")));
         }
+        // `export.threads` sinks per format, one pool each: a record goes to whichever sink of its format is free
+        // first; each writes files of its own (`file_shard`), so every file has one writer.
+        let mut parquet: Vec<Box<dyn Sink>> = Vec::new();
+        let mut arrow: Vec<Box<dyn Sink>> = Vec::new();
         for shard in 0..threads {
-            let filter = if threads == 1 { Filter::all() } else { Filter::shard(threads, shard) };
             let mut dataset = dataset.clone();
             dataset.file_shard = (threads > 1).then_some(shard);
             if config.export.parquet {
                 let (sink, committed) = parquet_sink(dataset.clone(), config.export.codec())
                     .map_err(|e| Error::Setting { key: "export.parquet", source: e.into() })?;
-                sinks.push((Box::new(sink), filter.clone()));
+                parquet.push(Box::new(sink));
                 files.push(committed);
             }
             if config.export.arrow_ipc {
                 let (sink, committed) = arrow_ipc_sink(dataset.clone())
                     .map_err(|e| Error::Setting { key: "export.arrow_ipc", source: e.into() })?;
-                sinks.push((Box::new(sink), filter));
+                arrow.push(Box::new(sink));
                 files.push(committed);
             }
         }
+        pools.extend([parquet, arrow].into_iter().filter(|p| !p.is_empty()).map(|p| (p, Filter::all())));
         let Started { backend, source } = match config.ring.backend {
             config::Backend::Host => HostBackend::start(capacity)?,
             config::Backend::Cuda => CudaBackend::start(&config.ring, capacity, &policy)?,
         };
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
-        let drain = Drain::spawn(source, catalog, sinks, options)?;
+        let drain = Drain::spawn_pools(source, catalog, pools, options)?;
         let health = drain.health();
         let mut backend = backend;
         let probes = match probes {
@@ -322,7 +325,6 @@ impl SessionBuilder {
             steps: StepTally::default(),
             max_step_overhead: config.policy.max_step_overhead.filter(|_| config.policy.mode == Mode::Full),
             host_memory: config.policy.host_memory.map(|b| b.0),
-            backlog_bytes: config.export.backlog.0,
             degraded_step: Mutex::new(None),
             observer,
             metrics: Mutex::new(metrics),
@@ -550,7 +552,7 @@ impl Session {
         let queued: u64 = live.iter().map(|d| d.queued_bytes).sum();
         let host_budget = match self.host_memory {
             Some(b) => b,
-            None => self.backlog_bytes.saturating_mul(live.len() as u64),
+            None => live.iter().fold(0u64, |sum, d| sum.saturating_add(d.backlog_bytes)),
         };
         if host_budget > 0 {
             occupancy.push((Budget::HostBacklog, queued as f64 / host_budget as f64));

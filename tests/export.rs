@@ -563,9 +563,10 @@ fn full_mode_configured_to_continue_past_a_failed_sink_captures_on_and_counts_th
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `export.threads = 3` with one hookpoint: records are dealt out to the three sink threads record by record, so a
-/// single hookpoint keeps them all busy; each writes its own files (`part-NNNNN-sK`), and together they hold every
-/// row exactly once, bit for bit.
+/// `export.threads = 3` with one hookpoint: the three sink threads take its records from one queue, each record going
+/// to whichever thread is free (so a single hookpoint can keep them all busy; how many each takes depends on timing,
+/// see the drain's pool tests); each writes its own files (`part-NNNNN-sK`), and together they hold every row exactly
+/// once, bit for bit.
 #[test]
 fn several_sink_threads_share_one_hookpoint_record_by_record() {
     let dir = tempdir("shards");
@@ -605,7 +606,6 @@ fn several_sink_threads_share_one_hookpoint_record_by_record() {
             }
         }
         assert_eq!(per_shard.iter().sum::<u64>(), rows, "{ext}");
-        assert!(per_shard.iter().all(|&n| n > rows / 6), "{ext}: every thread took a share: {per_shard:?}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -49,4 +49,7 @@ pub enum ExporterError {
     /// The drain has stopped: nothing more can be subscribed.
     #[error("the drain has stopped (the session is shut down)")]
     Stopped,
+    /// A pool of sinks was given no sink ([`Drain::spawn_pools`]).
+    #[error("a sink pool needs at least one sink")]
+    EmptyPool,
 }

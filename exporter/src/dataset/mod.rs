@@ -99,8 +99,8 @@ pub struct DatasetOptions {
     /// most is written at once (a smaller row group). Held records keep their ring space, so this must stay well
     /// below the ring's capacity (the session sets it to at most a quarter of it).
     pub max_pending_bytes: usize,
-    /// This sink is shard `k` of several sinks writing the same partitions (`export.threads` > 1, records dealt out
-    /// round-robin): its files are named `part-NNNNN-sK.<ext>` so that they never collide with another shard's. A
+    /// This sink is shard `k` of several sinks writing the same partitions (`export.threads` > 1, each record going to
+    /// whichever sink is free): its files are named `part-NNNNN-sK.<ext>` so that they never collide with another shard's. A
     /// hookpoint's rows are then spread over the shards' files (each in stream order; sort by `step` across files).
     pub file_shard: Option<u32>,
     /// Whether files are written with `O_DIRECT` (past the page cache): `Auto` where the file system supports it.

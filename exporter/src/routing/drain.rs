@@ -14,7 +14,7 @@
 //! destinations.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
@@ -162,21 +162,46 @@ impl Drain {
         sinks: Vec<(Box<dyn Sink>, Filter)>,
         options: DrainOptions,
     ) -> Result<Drain, ExporterError> {
+        let pools = sinks.into_iter().map(|(sink, filter)| (vec![sink], filter)).collect();
+        Drain::spawn_pools(consumer, catalog, pools, options)
+    }
+
+    /// Like [`spawn`](Self::spawn), with pools of sinks: the sinks of one pool (the same format, each writing files
+    /// of its own) share one queue and one backlog of `backlog_bytes` × their number, and each record goes to
+    /// whichever of them takes it first — a sink thread slowed by a busy core takes fewer records instead of holding
+    /// the others back. A pool is one destination (one name in the monitor, one drop count). When a pool's sink
+    /// fails it stops taking records while another of the pool still writes; the last one to fail takes and fails
+    /// the rest (`sink_error`). An empty pool is an error.
+    pub fn spawn_pools(
+        consumer: impl RecordSource + 'static,
+        catalog: Arc<dyn Catalog>,
+        pools: Vec<(Vec<Box<dyn Sink>>, Filter)>,
+        options: DrainOptions,
+    ) -> Result<Drain, ExporterError> {
         let mut ports = Vec::new();
         let mut workers = Vec::new();
         let health = SinkHealth::default();
         let monitor = DrainMonitor::new(consumer.gauge());
-        for (index, (sink, filter)) in sinks.into_iter().enumerate() {
-            let (p, queue, backlog, _gone) = port(sink.name().to_owned(), filter, options.backlog_bytes, false);
-            monitor.add_destination(sink.name(), DestinationKind::Sink, backlog.clone());
+        for (pool, filter) in pools {
+            let Some(name) = pool.first().map(|s| s.name().to_owned()) else {
+                return Err(ExporterError::EmptyPool);
+            };
+            let backlog_bytes = options.backlog_bytes.saturating_mul(pool.len());
+            let (p, queue, backlog, _gone) = port(name.clone(), filter, backlog_bytes, false);
+            monitor.add_destination(&name, DestinationKind::Sink, backlog.clone());
             ports.push(p);
-            let health = health.clone();
-            let thread = std::thread::Builder::new()
-                // `rs-parquet-3`: Linux keeps 15 bytes of a thread's name, enough to tell the sink threads apart.
-                .name(format!("rs-{}-{index}", sink.name()))
-                .spawn(move || run_sink(sink, queue, backlog, health))
-                .map_err(ExporterError::Spawn)?;
-            workers.push(thread);
+            let writing = Arc::new(AtomicUsize::new(pool.len()));
+            let size = pool.len();
+            for (worker, sink) in pool.into_iter().enumerate() {
+                let seat = Seat { queue: queue.clone(), worker, workers: size };
+                let (backlog, health, writing) = (backlog.clone(), health.clone(), writing.clone());
+                let thread = std::thread::Builder::new()
+                    // `rs-parquet-3`: Linux keeps 15 bytes of a thread's name, enough to tell the sink threads apart.
+                    .name(format!("rs-{}-{}", sink.name(), workers.len()))
+                    .spawn(move || run_sink(sink, seat, backlog, health, writing))
+                    .map_err(ExporterError::Spawn)?;
+                workers.push(thread);
+            }
         }
         let (subscribe, new_ports) = crossbeam::channel::unbounded();
         let drain_monitor = monitor.clone();
@@ -428,12 +453,31 @@ impl Pressure {
     }
 }
 
-fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>, health: SinkHealth) -> SinkReport {
+/// A sink's place in its pool: the queue it shares, its index and the pool's size (see [`Queue::take`]).
+struct Seat {
+    queue: Arc<Queue>,
+    worker: usize,
+    workers: usize,
+}
+
+/// How long a sink of a pool waits for a record of its own hookpoints before it takes any (see [`Queue::take`]).
+const STEAL_AFTER: Duration = Duration::from_millis(2);
+
+/// A sink's worker: writes what it takes from its pool's queue until the queue ends. `writing` counts the pool's
+/// sinks that have not failed: one that fails leaves the queue to those still writing, and the last to fail fails
+/// what is left.
+fn run_sink(
+    sink: Box<dyn Sink>,
+    seat: Seat,
+    backlog: Arc<Backlog>,
+    health: SinkHealth,
+    writing: Arc<AtomicUsize>,
+) -> SinkReport {
     let mut report = SinkReport { name: sink.name().to_owned(), ..SinkReport::default() };
     // `None` once it failed: it is closed and dropped at once, so that records it held (lent by the ring) go back
     // instead of holding the ring until shutdown.
     let mut live = Some(sink);
-    while let Received::Record(record) = queue.pop(None) {
+    while let Received::Record(record) = seat.queue.take(seat.worker, seat.workers, STEAL_AFTER) {
         let size = record.size_bytes();
         match live.as_mut() {
             None => record.receipt().fail(DropReason::SinkError),
@@ -447,7 +491,11 @@ fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>, healt
                         backlog.delivered(size);
                     }
                     Err(e) => {
-                        backlog.set_failed();
+                        // The destination fails with the last sink of its pool that still wrote.
+                        let others_write = writing.fetch_sub(1, Ordering::AcqRel) > 1;
+                        if !others_write {
+                            backlog.set_failed();
+                        }
                         // Reported the moment it happens (and before the record is counted as dropped, so that a
                         // caller who sees the drop sees the failure), so that the engine learns while it runs: full
                         // mode refuses captures from now on.
@@ -455,6 +503,12 @@ fn run_sink(sink: Box<dyn Sink>, queue: Arc<Queue>, backlog: Arc<Backlog>, healt
                         record.receipt().fail(DropReason::SinkError);
                         report.errors.push(e.to_string());
                         close_sink(live.take().expect("live"), &mut report);
+                        drop(record);
+                        backlog.taken(size);
+                        if others_write {
+                            break; // the queue is theirs now
+                        }
+                        continue;
                     }
                 }
             }
@@ -490,7 +544,7 @@ fn close_sink(mut sink: Box<dyn Sink>, report: &mut SinkReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::routing::sink::{CallbackSink, SummarySink};
+    use crate::routing::sink::{BoxError, CallbackSink, SummarySink};
     use crate::testing::TestCatalog;
     use ringscope_policy::Mode;
     use ringscope_ring::channel;
@@ -628,6 +682,125 @@ mod tests {
         drop(p);
         drain.join().unwrap();
         assert_eq!(health.failures(), failures, "one failure per sink, kept after join");
+    }
+
+    /// Records of the sinks of one pool, by sink: the sequence numbers each wrote.
+    type Written = Arc<Mutex<Vec<Vec<u64>>>>;
+
+    fn pool_sink(
+        name: &str,
+        index: usize,
+        written: &Written,
+        mut before_write: impl FnMut(u64) -> Result<(), BoxError> + Send + 'static,
+    ) -> Box<dyn Sink> {
+        let written = written.clone();
+        Box::new(CallbackSink::new(name, move |r: &Record| {
+            before_write(r.header().seq)?;
+            written.lock()[index].push(r.header().seq);
+            Ok(())
+        }))
+    }
+
+    #[test]
+    fn a_pool_gives_each_record_to_whichever_sink_is_free_so_a_stuck_one_holds_back_only_itself() {
+        let (mut p, c, reg) = setup();
+        let written: Written = Arc::new(Mutex::new(vec![Vec::new(); 2]));
+        let (release, gate) = crossbeam::channel::bounded::<()>(1);
+        let stuck = pool_sink("files", 0, &written, move |_| {
+            let _ = gate.recv(); // the first write waits until the test releases it (later ones find it closed)
+            Ok(())
+        });
+        let free = pool_sink("files", 1, &written, |_| Ok(()));
+        let pools = vec![(vec![stuck, free], Filter::all())];
+        let drain = Drain::spawn_pools(c, reg.catalog(), pools, DrainOptions::default()).unwrap();
+        let monitor = drain.monitor();
+        for step in 0..200u64 {
+            reg.capture(&mut p, (step % 2) as u32, step, &[(1, 0)], &[step as u8; 16]);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while written.lock()[1].len() < 199 {
+            assert!(Instant::now() < deadline, "the free sink wrote only {}", written.lock()[1].len());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // One record waits in the stuck sink; the other 199 went to the free one, none is left queued.
+        let d = monitor.destinations();
+        assert_eq!(d.len(), 1, "a pool is one destination");
+        assert_eq!(d[0].backlog_bytes, 2 * DrainOptions::default().backlog_bytes as u64, "a backlog per sink");
+        drop(release);
+        drop(p);
+        let report = drain.join().unwrap();
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        let w = written.lock();
+        assert_eq!((w[0].len(), w[1].len()), (1, 199));
+        let mut all: Vec<u64> = w.iter().flatten().copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..200).collect::<Vec<u64>>(), "every record written once");
+        assert_eq!(report.sinks.iter().map(|s| s.records).sum::<u64>(), 200);
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        assert_eq!(acc.total().exported.records, 200);
+    }
+
+    #[test]
+    fn a_failed_sink_of_a_pool_leaves_the_records_to_the_others_and_the_last_to_fail_fails_the_rest() {
+        // One of two fails at its first write: the other writes everything else.
+        let (mut p, c, reg) = setup();
+        let written: Written = Arc::new(Mutex::new(vec![Vec::new(); 2]));
+        let (failed, failure) = crossbeam::channel::bounded::<()>(1);
+        let flaky = pool_sink("files", 0, &written, move |_| {
+            let _ = failed.send(());
+            Err("disk full".into())
+        });
+        let mut first = true;
+        let good = pool_sink("files", 1, &written, move |_| {
+            if std::mem::take(&mut first) {
+                let _ = failure.recv(); // so that the flaky sink surely takes (and fails) a record
+            }
+            Ok(())
+        });
+        let drain =
+            Drain::spawn_pools(c, reg.catalog(), vec![(vec![flaky, good], Filter::all())], DrainOptions::default())
+                .unwrap();
+        let (health, monitor) = (drain.health(), drain.monitor());
+        for step in 0..50u64 {
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        assert!(!monitor.destinations()[0].failed, "the pool still wrote");
+        assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+        let failures = health.failures();
+        assert!(failures.len() == 1 && failures[0].message.contains("disk full"), "{failures:?}");
+        assert_eq!(written.lock()[1].len(), 49);
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        let c = acc.hookpoints[0].1;
+        assert_eq!((c.exported.records, c.dropped_for(DropReason::SinkError).records), (49, 1));
+
+        // Both fail: every record is failed and counted, and the drain ends.
+        let (mut p, c, reg) = setup();
+        let written: Written = Arc::new(Mutex::new(vec![Vec::new(); 2]));
+        let pool = (0..2).map(|i| pool_sink("files", i, &written, |_| Err("read-only file system".into()))).collect();
+        let drain = Drain::spawn_pools(c, reg.catalog(), vec![(pool, Filter::all())], DrainOptions::default()).unwrap();
+        let monitor = drain.monitor();
+        for step in 0..50u64 {
+            reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+        }
+        drop(p);
+        let report = drain.join().unwrap();
+        assert!(monitor.destinations()[0].failed);
+        assert!(!report.errors.is_empty() && report.errors.len() <= 2, "{:?}", report.errors);
+        let acc = reg.accounting();
+        acc.check().unwrap();
+        let c = acc.hookpoints[0].1;
+        assert_eq!((c.exported.records, c.dropped_for(DropReason::SinkError).records), (0, 50));
+    }
+
+    #[test]
+    fn an_empty_pool_is_refused() {
+        let (_p, c, reg) = setup();
+        let err = Drain::spawn_pools(c, reg.catalog(), vec![(vec![], Filter::all())], DrainOptions::default());
+        assert!(matches!(err, Err(ExporterError::EmptyPool)));
     }
 
     #[test]

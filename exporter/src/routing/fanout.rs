@@ -19,9 +19,8 @@ pub struct Filter {
     pub hookpoints: HashSet<String>,
     /// Layers to receive (empty: every layer, and hookpoints without a layer).
     pub layers: HashSet<u32>,
-    /// `(count, index)`: only records whose sequence number is `index` modulo `count` — splits one sink's work over
-    /// several sink threads record by record, so that one large hookpoint keeps them all busy. Each thread writes
-    /// files of its own (see `DatasetOptions::file_shard`), so each file still has one writer.
+    /// `(count, index)`: only records whose sequence number is `index` modulo `count` — a fixed split of the stream
+    /// over several destinations (a session's `export.threads` share one queue instead: `Drain::spawn_pools`).
     pub shard: Option<(u32, u32)>,
 }
 
@@ -123,6 +122,7 @@ impl Backlog {
             delivered_bytes: self.delivered_bytes.load(Ordering::Relaxed),
             queued_records: self.records.load(Ordering::Relaxed),
             queued_bytes: self.queued() as u64,
+            backlog_bytes: self.max as u64,
             dropped_records: self.dropped.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
         }
@@ -159,6 +159,7 @@ pub(crate) struct BacklogReading {
     pub(crate) delivered_bytes: u64,
     pub(crate) queued_records: u64,
     pub(crate) queued_bytes: u64,
+    pub(crate) backlog_bytes: u64,
     pub(crate) dropped_records: u64,
     pub(crate) failed: bool,
 }
@@ -177,6 +178,9 @@ pub(crate) struct Queue {
 
 struct Items {
     records: VecDeque<Record>,
+    /// When each queued record arrived (same order as `records`): a pool's sinks take any hookpoint's record once
+    /// the oldest has waited long enough ([`Queue::take`]).
+    arrived: VecDeque<Instant>,
     /// The drain is gone: once empty, nothing more will come.
     ended: bool,
     /// The destination closed it (a subscription's `close`): receivers see the end at once.
@@ -195,7 +199,12 @@ pub(crate) enum Received {
 impl Queue {
     fn new() -> Arc<Queue> {
         Arc::new(Queue {
-            items: Mutex::new(Items { records: VecDeque::new(), ended: false, closed: false }),
+            items: Mutex::new(Items {
+                records: VecDeque::new(),
+                arrived: VecDeque::new(),
+                ended: false,
+                closed: false,
+            }),
             ready: Condvar::new(),
         })
     }
@@ -205,8 +214,50 @@ impl Queue {
     }
 
     fn push(&self, record: Record) {
-        self.items.lock().records.push_back(record);
-        self.ready.notify_one();
+        let mut items = self.items.lock();
+        items.records.push_back(record);
+        items.arrived.push_back(Instant::now());
+        drop(items);
+        // Every receiver: a pool's sinks each wait for records of their own hookpoints (see `take`).
+        self.ready.notify_all();
+    }
+
+    /// The next record for sink `worker` of a pool of `workers` sharing this queue. Each sink has hookpoints of its
+    /// own (id modulo `workers`), so that a hookpoint's records stay in one sink's files while the sinks keep up: it
+    /// takes the first of its own among the oldest few queued, else the oldest record of any hookpoint once the
+    /// others are behind — as many records queued as sinks, or the oldest waiting for `steal_after` — or the stream
+    /// has ended. Records of one hookpoint are taken in stream order, whoever takes them.
+    pub(crate) fn take(&self, worker: usize, workers: usize, steal_after: Duration) -> Received {
+        if workers <= 1 {
+            return self.pop(None);
+        }
+        let window = workers.saturating_mul(4);
+        let mut items = self.items.lock();
+        loop {
+            if items.closed {
+                return Received::End;
+            }
+            let own = items.records.iter().take(window).position(|r| r.hookpoint().id() as usize % workers == worker);
+            let oldest = items.arrived.front().copied();
+            let take = match (own, oldest) {
+                (Some(i), _) => Some(i),
+                (None, Some(at)) if items.ended || items.records.len() >= workers || at.elapsed() >= steal_after => {
+                    Some(0)
+                }
+                _ => None,
+            };
+            if let Some(i) = take {
+                items.arrived.remove(i);
+                return Received::Record(items.records.remove(i).expect("a queued record"));
+            }
+            match oldest {
+                None if items.ended => return Received::End,
+                None => self.ready.wait(&mut items),
+                Some(at) => {
+                    self.ready.wait_until(&mut items, at + steal_after);
+                }
+            }
+        }
     }
 
     /// The next record: waits up to `timeout` (`None`: until one comes or the stream ends).
@@ -218,6 +269,7 @@ impl Queue {
                 return Received::End;
             }
             if let Some(r) = items.records.pop_front() {
+                items.arrived.pop_front();
                 return Received::Record(r);
             }
             if items.ended {
@@ -236,7 +288,9 @@ impl Queue {
 
     /// Takes every queued record out (a departed or closed destination's leftovers).
     fn take_all(&self) -> Vec<Record> {
-        self.items.lock().records.drain(..).collect()
+        let mut items = self.items.lock();
+        items.arrived.clear();
+        items.records.drain(..).collect()
     }
 
     /// The drain is gone: receivers get what is queued, then the end.
@@ -560,5 +614,66 @@ impl Subscription {
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::TestCatalog;
+    use ringscope_ring::channel;
+
+    /// Records of hookpoints `hps`, in this order, copied out of a host ring.
+    fn records(hps: &[u32]) -> Vec<Record> {
+        let reg = TestCatalog::layers(4, 8);
+        let (mut p, mut c) = channel(1 << 16).unwrap();
+        let mut out = Vec::new();
+        for (step, &hp) in hps.iter().enumerate() {
+            reg.capture(&mut p, hp, step as u64, &[(1, 0)], &[0; 16]);
+            let view = c.peek().unwrap().unwrap();
+            out.push(Record::copy_from(&view, reg.catalog().entry(hp).unwrap()).unwrap());
+            c.advance();
+        }
+        out
+    }
+
+    fn take_hp(q: &Queue, worker: usize, workers: usize, steal_after: Duration) -> Option<(u32, u64)> {
+        match q.take(worker, workers, steal_after) {
+            Received::Record(r) => Some((r.hookpoint().id(), r.header().seq)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_pools_sink_takes_its_own_hookpoints_first_and_others_only_when_they_are_behind() {
+        let long = Duration::from_secs(600); // never reached: every take below is decided without waiting
+        let q = Queue::new();
+        for r in records(&[0, 1, 2, 3]) {
+            q.push(r);
+        }
+        // Two sinks: hookpoints 0 and 2 are sink 0's, 1 and 3 sink 1's; each takes its own, in stream order, even
+        // when another's is older.
+        assert_eq!(take_hp(&q, 1, 2, long), Some((1, 1)));
+        assert_eq!(take_hp(&q, 1, 2, long), Some((3, 3)));
+        // Sink 1 has none left and two records are queued (as many as sinks): the others are behind, it takes the
+        // oldest.
+        assert_eq!(take_hp(&q, 1, 2, long), Some((0, 0)));
+        assert_eq!(take_hp(&q, 0, 2, long), Some((2, 2)));
+        assert_eq!(q.len(), 0);
+
+        // One record of sink 0's queued, fewer than sinks: sink 1 waits for it to age `steal_after`, then takes it.
+        q.push(records(&[2]).pop().unwrap());
+        let started = Instant::now();
+        assert_eq!(take_hp(&q, 1, 2, Duration::from_millis(30)), Some((2, 0)));
+        assert!(started.elapsed() >= Duration::from_millis(30));
+
+        // Once the stream has ended, any sink takes whatever is left, then sees the end.
+        for r in records(&[0, 2]) {
+            q.push(r);
+        }
+        q.end();
+        assert_eq!(take_hp(&q, 1, 2, long), Some((0, 0)));
+        assert_eq!(take_hp(&q, 1, 2, long), Some((2, 1)));
+        assert_eq!(take_hp(&q, 1, 2, long), None);
     }
 }

@@ -46,8 +46,11 @@ pub struct DestinationStats {
     pub delivered_bytes: u64,
     /// Records queued for it and not yet done with: its lag (a sink's record counts until it is written).
     pub queued_records: u64,
-    /// Bytes of those records (bounded by `export.backlog`).
+    /// Bytes of those records (bounded by `backlog_bytes`).
     pub queued_bytes: u64,
+    /// Most bytes that may be queued for it: `export.backlog`, times its sink threads for a pool of sinks
+    /// (`export.threads`).
+    pub backlog_bytes: u64,
     /// Records dropped for it because its backlog was full (counted as `sink_backpressure`).
     pub dropped_records: u64,
     /// A sink that failed (its error is in the session's sink failures); never set for a consumer.
@@ -168,6 +171,7 @@ impl DrainMonitor {
                     delivered_bytes: r.delivered_bytes,
                     queued_records: r.queued_records,
                     queued_bytes: r.queued_bytes,
+                    backlog_bytes: r.backlog_bytes,
                     dropped_records: r.dropped_records,
                     failed: r.failed,
                 }
