@@ -152,9 +152,10 @@ fn peak_rss_mib() -> f64 {
     kib / 1024.0
 }
 
-/// CPU time of this process's threads by name, sampled from `/proc/self/task` while a configuration runs (Linux;
-/// elsewhere empty): which threads the bytes cost CPU in. A thread's last sample before it exits counts (at most one
-/// sampling period of its time is missed). Threads numbered alike (the sink threads `rs-parquet-0`, `rs-parquet-1`,
+/// CPU time of this process's threads by name, sampled from `/proc/self/task` from the first capture on (Linux;
+/// elsewhere empty): which threads the bytes cost CPU in. What threads spent before [`ThreadCpu::start`] (the
+/// session's start, the engine preparing its activations) does not count. A thread's last sample before it exits
+/// counts (at most one sampling period of its time is missed). Threads numbered alike (the sink threads `rs-parquet-0`, `rs-parquet-1`,
 /// ...) are one group, `rs-parquet-*`, given with the least and most of one thread; the engine's thread is this
 /// process's main thread.
 struct ThreadCpu {
@@ -168,12 +169,17 @@ impl ThreadCpu {
     fn start() -> Res<ThreadCpu> {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
+        let mut before = std::collections::HashMap::new();
+        Self::sample(&mut before);
         let sampler = std::thread::Builder::new().name(Self::SAMPLER.into()).spawn(move || {
             let mut seen = std::collections::HashMap::new();
             loop {
                 let last = flag.load(std::sync::atomic::Ordering::Relaxed);
                 Self::sample(&mut seen);
                 if last {
+                    for (tid, (_, secs)) in seen.iter_mut() {
+                        *secs -= before.get(tid).map_or(0.0, |b: &(String, f64)| b.1);
+                    }
                     return seen;
                 }
                 std::thread::sleep(Duration::from_millis(20));
@@ -249,13 +255,12 @@ fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
 /// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
 fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let steps = ((setup.ring as usize * laps) as u64).div_ceil(setup.step_bytes()).max(2);
-    let cpu = ThreadCpu::start()?;
     let session = Session::new(setup.config())?;
     let ids: Vec<u32> = session.hookpoints().iter().map(|h| h.id()).collect();
     let per_hp = setup.rows as usize * setup.row_width as usize * 2;
     let rows = setup.rows;
     let batch = |step: u64| (0..rows).map(move |i| (step * 8 + (i / 2048) as u64, i % 2048));
-    let (started, flushed);
+    let (cpu, started, flushed);
     match setup.backend {
         Backend::Cuda => {
             let gpu = Gpu::open(0)?;
@@ -269,6 +274,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
                 })
                 .collect::<Res<_>>()?;
             stream.synchronize()?;
+            cpu = ThreadCpu::start()?;
             started = Instant::now();
             for step in 0..steps {
                 session.begin_step_on(step, batch(step), stream.handle())?;
@@ -282,6 +288,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
         }
         Backend::Host => {
             let sources: Vec<Vec<u8>> = ids.iter().map(|&id| activations(per_hp, id as u64 + 1)).collect();
+            cpu = ThreadCpu::start()?;
             started = Instant::now();
             for step in 0..steps {
                 session.begin_step(step, batch(step))?;
@@ -319,6 +326,31 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
         eprintln!("{}: {e}", setup.name);
     }
     Ok(())
+}
+
+/// The machine's CPUs: logical CPUs this process may use, and physical cores (distinct `physical id`/`core id` pairs
+/// of `/proc/cpuinfo`, Linux): threads sharing a core (SMT) share its compression throughput.
+fn cpu_summary() -> String {
+    let logical = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let mut cores = std::collections::HashSet::new();
+    let mut package = "";
+    for line in info.lines() {
+        let Some((key, value)) = line.split_once(':') else { continue };
+        match key.trim() {
+            "physical id" => package = value.trim(),
+            "core id" => {
+                cores.insert((package.to_owned(), value.trim().to_owned()));
+            }
+            _ => {}
+        }
+    }
+    let model = info.lines().find_map(|l| l.strip_prefix("model name")).and_then(|l| l.split_once(':'));
+    let model = model.map_or("unknown CPU", |(_, m)| m.trim());
+    match cores.len() {
+        0 => format!("CPUs: {logical} logical ({model})"),
+        n => format!("CPUs: {logical} logical, {n} physical cores ({model})"),
+    }
 }
 
 /// Device → pinned copies of `chunk` bytes back to back, `total` bytes in all, GB/s (best of three).
@@ -599,6 +631,7 @@ fn main() -> Res<()> {
         std::io::stdout().flush()?;
     }
     println!("\n### Ceilings, same run\n");
+    println!("- {}", cpu_summary());
     if all.iter().any(|s| s.backend == Backend::Host) {
         println!(
             "- memcpy, one thread, 4 MiB records into a reused 256 MiB buffer: {:.2} GB/s",

@@ -6,9 +6,12 @@ transformers compiles with torch.compile (mode "reduce-overhead": inductor + CUD
 Model: the 1B-shaped Llama of hf_overhead.py (16 layers, hidden 2048, random bf16 weights, no download), twice with
 the same weights: one plain, one with ringscope attached (`ring.backend = "cuda"`, best-effort,
 `ring.defer_captures = true`, `attach(sites=["residual"])`, all 16 layers). Measured in this one process:
-  * decode step: every call of transformers' compiled step inside `generate(..., max_new_tokens=64,
-    cache_implementation="static")`, synchronised before and after (median and min over all calls of all rounds),
-    both models interleaved over several rounds; batch 1, 8, 64. Also: whether any step's ringscope calls ran in
+  * decode step: every call of transformers' compiled step inside `generate(..., max_new_tokens=64)` with a static
+    cache, synchronised before and after (median and min over all calls of all rounds), both models interleaved over
+    several rounds; batch 1, 8, 64. By default each model keeps one StaticCache per batch size and resets it before
+    each `generate`, as a server does (`--cache fresh`: a new one per call, `cache_implementation="static"` -- then
+    CUDA graph trees record the step again in every `generate`, with or without ringscope, and the host's time per
+    step grows with the number of `generate` calls made so far, which makes A/B comparisons depend on call order). Also: whether any step's ringscope calls ran in
     Python (they must all be replayed from the graph), inductor's cudagraph_skips, ringscope's accounting, and per
     timed `generate` what CUDA graph trees did (graphs recorded, invariant checks per call, why recorded graphs did
     not match: the host-side cost of a compiled step grows with the recorded graphs it checks);
@@ -82,9 +85,33 @@ class GraphTreeCounters:
 
 GRAPH_TREES = None  # a GraphTreeCounters once main() has installed it
 
+# "reuse": each model decodes every batch size into one StaticCache of its own, reset before each `generate` (its
+# tensors keep their addresses, so CUDA graph trees replay the graphs recorded once). "fresh": `generate` builds a new
+# StaticCache per call (`cache_implementation="static"`), whose new addresses make CUDA graph trees record the step
+# again in every `generate` -- for any model -- and every later call of the step checks all the stale recordings
+# first, so the host's time per step grows with the number of `generate` calls made so far in the process.
+CACHE_MODE = "reuse"
+_CACHES = {}
+
+
+def _cache_kwargs(model, batch, new):
+    """`generate` keyword arguments for the cache of `model` at `batch` rows (see CACHE_MODE)."""
+    if CACHE_MODE == "fresh":
+        return {"cache_implementation": "static"}
+    from transformers import StaticCache
+    from transformers.generation import utils as gen_utils
+    key = (id(model), batch, PROMPT + new)
+    cache = _CACHES.get(key)
+    if cache is None:
+        cache = _CACHES[key] = StaticCache(config=model.config, max_cache_len=PROMPT + new)
+    cache.reset()
+    # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name is deprecated)
+    name = "cache" if "cache" in getattr(gen_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+    return {name: cache}
+
 
 def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_times=None, graph_stats=None):
-    """Per decode step of `generate(..., cache_implementation="static")` as a user calls it: transformers compiles
+    """Per decode step of `generate` with a static cache (see CACHE_MODE) as a user calls it: transformers compiles
     the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
     compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here).
     `gpu_times` (a list): also the GPU's time between CUDA events recorded before and after each call.
@@ -94,10 +121,10 @@ def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_
     `graph_stats` (a list): gets what CUDA graph trees did during the timed `generate` (GraphTreeCounters.since)."""
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-              cache_implementation="static", pad_token_id=0)
+              pad_token_id=0)
     kept_before = {id(k): len(k) for k in (gpu_times, host_times) if k is not None}
     with torch.no_grad():
-        model.generate(ids, **kw)  # compiles and records
+        model.generate(ids, **kw, **_cache_kwargs(model, batch, new))  # compiles and records
         inner = model._compiled_call
         times = []
 
@@ -125,7 +152,7 @@ def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_
         model._compiled_call = timed
         snap = GRAPH_TREES.snapshot() if GRAPH_TREES is not None else None
         try:
-            model.generate(ids, **kw)
+            model.generate(ids, **kw, **_cache_kwargs(model, batch, new))
         finally:
             model._compiled_call = inner
             if graph_stats is not None and snap is not None:
@@ -282,12 +309,20 @@ def main():
     ap.add_argument("--parts", default="correctness,generate",
                     help="which parts to run, in this order: correctness, generate, profile")
     ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile part")
+    ap.add_argument("--cache", choices=("reuse", "fresh"), default="reuse",
+                    help="reuse: one StaticCache per model and batch size, reset before each generate (what a server "
+                         "does; steady state); fresh: generate(cache_implementation='static') builds a new one per "
+                         "call (CUDA graph trees re-record the step in every generate, for any model)")
     args = ap.parse_args()
+    global CACHE_MODE
+    CACHE_MODE = args.cache
     torch._dynamo.config.cache_size_limit = 64
     global GRAPH_TREES
     GRAPH_TREES = GraphTreeCounters()
+    import transformers
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "compile": "transformers' own: generate(cache_implementation='static') -> get_compiled_call"}
+               "transformers": transformers.__version__, "cache": args.cache,
+               "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
     batches = [int(b) for b in args.batches.split(",")]
     parts = []
