@@ -517,7 +517,7 @@ fn setups(args: &Args) -> Vec<Setup> {
             files: Some((false, true, args.shm.clone())),
             ..host.clone()
         });
-        // One large hookpoint (4,096 rows a step): with several sink threads, its records are dealt out to them.
+        // One large hookpoint (4,096 rows a step): with several sink threads, they share its records (a pool).
         for threads in [1, 2] {
             out.push(Setup {
                 name: format!("host: Parquet zstd(1) (memory), 1 hookpoint, {threads} threads"),
