@@ -51,6 +51,11 @@ struct Args {
     /// Stream length as a multiple of the ring's capacity.
     #[arg(long, default_value_t = 4)]
     laps: usize,
+    /// Rounds over all configurations (and the zstd ceiling), interleaved; with more than one, the medians follow
+    /// the table, with the thread-scaling ratios of the Parquet zstd rows (a shared machine's one-thread rates
+    /// move by ±30% between runs: a ratio of two single runs carries that).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
     /// Run only configurations whose name contains this.
     #[arg(long)]
     only: Option<String>,
@@ -326,6 +331,43 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
         eprintln!("{}: {e}", setup.name);
     }
     Ok(())
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn list(values: &[f64]) -> String {
+    values.iter().map(|v| format!("{v:.2}")).collect::<Vec<_>>().join(" / ")
+}
+
+/// After `repeat` rounds: each configuration's median GB/s, and for configurations that differ only in their
+/// thread count, each one's median against the one-thread configuration's (the `0.8 × N` of issue 13).
+fn print_medians(all: &[Setup], rates: &std::collections::BTreeMap<&str, Vec<f64>>, repeat: usize) {
+    println!("\n### Medians over {repeat} interleaved rounds\n");
+    for s in all {
+        let Some(r) = rates.get(s.name.as_str()) else { continue };
+        let one = all
+            .iter()
+            .find(|o| o.threads == 1 && o.name == s.name.replace(&format!("{} threads", s.threads), "1 threads"))
+            .and_then(|o| rates.get(o.name.as_str()))
+            .map(|o| median(o));
+        let scaling = match one {
+            Some(one) if s.threads > 1 => format!(
+                "; {:.2} × the 1-thread median = {:.2} × N",
+                median(r) / one,
+                median(r) / one / s.threads as f64
+            ),
+            _ => String::new(),
+        };
+        println!("- {}: {:.2} GB/s (runs: {}){scaling}", s.name, median(r), list(r));
+    }
 }
 
 /// The machine's CPUs: logical CPUs this process may use, and physical cores (distinct `physical id`/`core id` pairs
@@ -604,7 +646,9 @@ fn main() -> Res<()> {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let exe = std::env::current_exe()?;
-    for s in &all {
+    let repeat = args.repeat.max(1);
+    let mut rates: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    for s in (0..repeat).flat_map(|_| all.iter()) {
         let run_dir = s.files.as_ref().map(|(_, _, dir)| std::path::Path::new(dir).join(s.run_id()));
         if let Some(d) = &run_dir {
             let _ = std::fs::remove_dir_all(d);
@@ -616,7 +660,13 @@ fn main() -> Res<()> {
             .output()?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         match stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")) {
-            Some(line) => println!("| {} |", line.split('\t').collect::<Vec<_>>().join(" | ")),
+            Some(line) => {
+                let fields: Vec<&str> = line.split('\t').collect();
+                if let Some(rate) = fields.get(1).and_then(|r| r.parse::<f64>().ok()) {
+                    rates.entry(s.name.as_str()).or_default().push(rate);
+                }
+                println!("| {} |", fields.join(" | "))
+            }
             None => {
                 println!("| {} | failed: {} |", s.name, String::from_utf8_lossy(&out.stderr).trim().replace('\n', " "))
             }
@@ -629,6 +679,9 @@ fn main() -> Res<()> {
             eprintln!("  {line}");
         }
         std::io::stdout().flush()?;
+    }
+    if repeat > 1 {
+        print_medians(&all, &rates, repeat);
     }
     println!("\n### Ceilings, same run\n");
     println!("- {}", cpu_summary());
@@ -643,16 +696,29 @@ fn main() -> Res<()> {
         println!("- pinned D2H, {} MiB chunks back to back: {:.1} GB/s", chunk >> 20, pinned_ceiling(chunk, 4 << 30)?);
     }
     if all.iter().any(|s| s.files.as_ref().is_some_and(|f| f.0) && s.compression == Compression::Zstd) {
-        let one = zstd_ceiling(1, 1 << 30, true)?;
         println!(
             "- zstd(1) alone, 1 thread, 1 MiB pieces, without frame checksums: {:.2} GB/s",
             zstd_ceiling(1, 1 << 30, false)?
         );
-        for threads in [1, 2, 4, 8] {
-            let rate = if threads == 1 { one } else { zstd_ceiling(threads, 1 << 30, true)? };
+        // Rounds interleaved over the thread counts, so that drift of the machine falls on all alike; medians.
+        let counts = [1, 2, 4, 8];
+        let mut runs = vec![Vec::new(); counts.len()];
+        for _ in 0..repeat {
+            for (i, &threads) in counts.iter().enumerate() {
+                runs[i].push(zstd_ceiling(threads, 1 << 30, true)?);
+            }
+        }
+        let one = median(&runs[0]);
+        for (i, threads) in counts.iter().enumerate() {
+            let rate = median(&runs[i]);
+            let spread = match repeat {
+                1 => String::new(),
+                _ => format!(", median of {repeat}: {}", list(&runs[i])),
+            };
             println!(
-                "- zstd(1) alone, {threads} thread(s) at once, 1 MiB pieces: {rate:.2} GB/s ({:.2} × {threads} × one thread)",
-                rate / one / threads as f64
+                "- zstd(1) alone, {threads} thread(s) at once, 1 MiB pieces: {rate:.2} GB/s ({:.2} × {threads} × one \
+                 thread{spread})",
+                rate / one / *threads as f64
             );
         }
     }
