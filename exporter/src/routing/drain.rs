@@ -3,7 +3,8 @@
 //! The drain thread takes each published record from the ring *without copying it* — the ring lends the payload
 //! ([`ringscope_ring::Lease`]) and gets the space back when the last holder drops the record — and offers it to every
 //! destination whose filter matches. Each sink runs on its own worker thread behind a queue whose backlog is bounded
-//! in bytes; consumers read their queue from their own threads (and get their own copy when they receive). When a
+//! in bytes (the sinks of a pool — a file format's `export.threads` — share one queue, see [`Drain::spawn_pools`]);
+//! consumers read their queue from their own threads (and get their own copy when they receive). When a
 //! backlog is full the policy decides: full mode waits (up to the deadline — the ring then fills and back-pressure
 //! reaches the producer), best-effort drops the record for that destination and counts it.
 //!
