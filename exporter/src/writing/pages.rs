@@ -457,6 +457,25 @@ mod tests {
         std::env::temp_dir().join(format!("ringscope-{name}-{}", std::process::id()))
     }
 
+    /// A page writer (zstd(1), pages of `page_bytes`) and an output buffer of a scratch file at `path`.
+    fn page_writer(path: &std::path::Path, page_bytes: usize) -> (ActivationPages, Buffer) {
+        let mut out = Output::create(path, crate::dataset::DirectIo::Off, page_bytes).unwrap();
+        let chunk = out.take_buffer().unwrap();
+        (ActivationPages::new(ZstdLevel::try_new(1).unwrap(), page_bytes).unwrap(), chunk)
+    }
+
+    /// `n` bytes of xorshift noise from `state`, each through `shape` (its index and a fresh random word).
+    fn noise(state: &mut u64, n: usize, shape: impl Fn(usize, u64) -> u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| {
+                *state ^= *state << 13;
+                *state ^= *state >> 7;
+                *state ^= *state << 17;
+                shape(i, *state)
+            })
+            .collect()
+    }
+
     #[test]
     fn a_splice_replaces_exactly_its_byte_range_whatever_the_write_sizes() {
         use crate::dataset::DirectIo;
@@ -528,30 +547,14 @@ mod tests {
 
     #[test]
     fn pages_are_compressed_in_place_behind_a_header_slot_that_fits_and_read_back_whole() {
-        use crate::dataset::DirectIo;
         let path = scratch("slot");
-        let mut out = Output::create(&path, DirectIo::Off, 1 << 20).unwrap();
-        let mut chunk = out.take_buffer().unwrap();
-        let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 20).unwrap();
+        let (mut pages, mut chunk) = page_writer(&path, 1 << 20);
         let mut asm = Assembly::new(0, 4096, 0);
         // bf16-like rows: a random low byte, a high byte from a few values (1 MiB pages compress to ~0.6 MiB, whose
         // size takes a shorter varint than zstd's bound for 1 MiB).
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut page = || -> Vec<u8> {
-            (0..1 << 20)
-                .map(|i| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    if i % 2 == 0 {
-                        x as u8
-                    } else {
-                        0x3c + (x >> 40) as u8 % 4
-                    }
-                })
-                .collect()
-        };
-        let want: Vec<Vec<u8>> = (0..48).map(|_| page()).collect();
+        let bf16 = |i: usize, r: u64| if i % 2 == 0 { r as u8 } else { 0x3c + (r >> 40) as u8 % 4 };
+        let want: Vec<Vec<u8>> = (0..48).map(|_| noise(&mut x, 1 << 20, bf16)).collect();
         for rows in &want {
             compress_page(&mut pages.compressor, &mut chunk, rows, &mut asm).unwrap();
         }
@@ -594,26 +597,14 @@ mod tests {
 
     #[test]
     fn a_chunks_room_reserved_up_front_holds_every_page_even_of_incompressible_rows() {
-        use crate::dataset::DirectIo;
         let path = scratch("bound");
-        let mut out = Output::create(&path, DirectIo::Off, 1 << 16).unwrap();
-        let mut chunk = out.take_buffer().unwrap();
-        let mut pages = ActivationPages::new(ZstdLevel::try_new(1).unwrap(), 1 << 16).unwrap();
+        let (mut pages, mut chunk) = page_writer(&path, 1 << 16);
         let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut noise = |n: usize| -> Vec<u8> {
-            (0..n)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect()
-        };
         let page_cap = 1 << 17;
         let lead = 1000;
         // Records cut into pages of `page_cap` (the last one short), a small record as one page, rows of 1 byte.
-        let records: Vec<Vec<u8>> = [3 * page_cap + 17, 5000, page_cap, 1].iter().map(|&n| noise(n)).collect();
+        let records: Vec<Vec<u8>> =
+            [3 * page_cap + 17, 5000, page_cap, 1].iter().map(|&n| noise(&mut x, n, |_, r| r as u8)).collect();
         let bound = chunk_bound(records.iter().map(Vec::len), page_cap, lead);
         chunk.reserve(bound).unwrap();
         let reserved = chunk.spare().len();
