@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use ringscope::config::{Backend, Compression, HookPointConfig, RowsConfig};
 use ringscope::cuda::{DeviceBuffer, Gpu, Stream};
-use ringscope::{Config, Mode, Session};
+use ringscope::{Config, DirectIo, Mode, Session};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -82,6 +82,8 @@ struct Setup {
     threads: u32,
     zstd_level: i32,
     compression: Compression,
+    /// `export.direct_io`.
+    direct_io: DirectIo,
 }
 
 impl Setup {
@@ -108,6 +110,7 @@ impl Setup {
             c.export.run_id = Some(self.run_id());
             c.export.threads = self.threads;
             c.export.zstd_level = self.zstd_level;
+            c.export.direct_io = self.direct_io;
             c.export.compression = self.compression;
             c.export.max_file_size = ringscope::config::ByteSize(1 << 30);
         }
@@ -552,11 +555,20 @@ fn setups(args: &Args) -> Vec<Setup> {
             threads: 1,
             zstd_level: 1,
             compression: Compression::Zstd,
+            direct_io: DirectIo::Auto,
         };
         out.push(host.clone());
         out.push(Setup {
             name: "host: Arrow IPC (memory)".into(),
             files: Some((false, true, args.shm.clone())),
+            ..host.clone()
+        });
+        // With O_DIRECT, tmpfs still copies, from our buffers: every record copied into them first (what `auto` did
+        // on tmpfs before it chose the page cache there).
+        out.push(Setup {
+            name: "host: Arrow IPC (memory), direct_io on".into(),
+            files: Some((false, true, args.shm.clone())),
+            direct_io: DirectIo::On,
             ..host.clone()
         });
         // One large hookpoint (4,096 rows a step): with several sink threads, they share its records (a pool).
@@ -585,6 +597,7 @@ fn setups(args: &Args) -> Vec<Setup> {
             threads: 8,
             zstd_level: 1,
             compression: Compression::Zstd,
+            direct_io: DirectIo::Auto,
         };
         out.push(cuda.clone());
         for (name, dir) in [("disk", &args.dir), ("memory", &args.shm)] {
@@ -594,6 +607,12 @@ fn setups(args: &Args) -> Vec<Setup> {
                 ..cuda.clone()
             });
         }
+        out.push(Setup {
+            name: "cuda: Arrow IPC (memory), 8 threads, direct_io on".into(),
+            files: Some((false, true, args.shm.clone())),
+            direct_io: DirectIo::On,
+            ..cuda.clone()
+        });
         // More sink threads than the default eight: a file per thread at once, in memory.
         for threads in [12, 16] {
             out.push(Setup {

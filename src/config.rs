@@ -419,8 +419,9 @@ pub struct ExportConfig {
     /// them all and a thread slowed down (a busy core) takes fewer records instead of holding the others back.
     #[serde(default = "one_u32")]
     pub threads: u32,
-    /// `"auto"` (default): write files with `O_DIRECT`, past the page cache, where the file system supports it;
-    /// `"on"`: always (an error where unsupported); `"off"`: through the page cache.
+    /// `"auto"` (default): write files with `O_DIRECT`, past the page cache, where the file system supports it and
+    /// is not memory-backed (on tmpfs through the page cache, where Arrow IPC files take large records from the
+    /// ring's memory without a copy); `"on"`: always (an error where unsupported); `"off"`: through the page cache.
     #[serde(default)]
     pub direct_io: ringscope_exporter::DirectIo,
 }

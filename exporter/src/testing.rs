@@ -35,6 +35,11 @@ impl TestCatalog {
         TestCatalog(entries, events)
     }
 
+    /// Hookpoint `hp`'s catalog entry.
+    pub(crate) fn entry(&self, hp: u32) -> Arc<CatalogEntry> {
+        self.0[hp as usize].clone()
+    }
+
     /// The event log every hookpoint logs its drops into.
     pub(crate) fn events(&self) -> &Arc<EventLog> {
         &self.1

@@ -62,7 +62,10 @@ pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink, FinishedFil
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DirectIo {
-    /// `O_DIRECT` where the file system accepts it (Linux), else through the page cache.
+    /// `O_DIRECT` where the file system accepts it (Linux) and keeps files on a device; through the page cache on
+    /// a file system that keeps them in memory (tmpfs, where a direct write is a copy into the file's pages too,
+    /// and the page cache lets an Arrow IPC file take records from the ring as they lie) and where `O_DIRECT` is
+    /// refused.
     #[default]
     Auto,
     /// Always `O_DIRECT`; a file system (or platform) without it is an error when the file is created.
@@ -103,8 +106,9 @@ pub struct DatasetOptions {
     /// whichever sink is free): its files are named `part-NNNNN-sK.<ext>` so that they never collide with another shard's. A
     /// hookpoint's rows are then spread over the shards' files (each in stream order; sort by `step` across files).
     pub file_shard: Option<u32>,
-    /// Whether files are written with `O_DIRECT` (past the page cache): `Auto` where the file system supports it.
-    /// Each open file then has a writer thread and up to three buffers of about `batch_bytes`.
+    /// Whether files are written with `O_DIRECT` (past the page cache): `Auto` where the file system supports it
+    /// and is not memory-backed. Each open file has a writer thread and up to three buffers of about `batch_bytes`
+    /// (or, through the page cache, records lent to it: Arrow IPC batches written from the ring's memory).
     pub direct_io: DirectIo,
 }
 

@@ -269,6 +269,15 @@ impl<W: Write> BatchCrcs<W> {
     pub(crate) fn into_inner(self) -> W {
         self.inner
     }
+
+    #[cfg(test)]
+    pub(crate) fn inner(&self) -> &W {
+        &self.inner
+    }
+
+    pub(crate) fn inner_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
 }
 
 impl<W: Write> Write for BatchCrcs<W> {

@@ -10,6 +10,12 @@
 //!
 //! The Parquet sink compresses its activation column straight into one of these buffers
 //! ([`Output::take_buffer`]), which then becomes part of the stream ([`Output::adopt`]) without being copied.
+//!
+//! Through the page cache, the kernel copies every byte into its own pages anyway, so a file written that way can
+//! take large pieces of memory it is lent ([`Output::lend`]: an Arrow IPC batch's activation column, which is a
+//! record's memory in the ring) from where they lie: the I/O thread writes them, holding the lent bytes until it
+//! has, and the sink thread copies nothing. On a memory-backed file system (tmpfs) `direct_io = "auto"` chooses
+//! the page cache for that reason: there, `O_DIRECT` still copies (into the file's pages), only from our buffer.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -18,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use bytes::Bytes;
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 
@@ -27,9 +34,13 @@ use crate::dataset::DirectIo;
 /// blocks.
 pub const ALIGN: usize = 4096;
 
-/// Buffers a direct-I/O file uses at most: the one being filled, one being written, and one for the Parquet sink
-/// to compress its next column chunk into meanwhile.
+/// Buffers a file uses at most: the one being filled, one being written, and one for the Parquet sink to compress
+/// its next column chunk into meanwhile. Also the most writes queued for a file's I/O thread.
 const DIRECT_BUFFERS: usize = 3;
+
+/// Writes of lent memory ([`Output::lend`]) at least this long go to the file from where they lie; shorter ones are
+/// copied into the buffer like any other.
+const LENT_WRITE_MIN: usize = 16 * ALIGN;
 
 /// Empty buffers of files already finished, for the next ones: a dump rotates files, and fresh buffers of a few MiB
 /// each cost page faults (a few percent of the Parquet sink's time when every file got new ones).
@@ -162,11 +173,18 @@ fn refused(capacity: usize, cause: Option<io::Error>) -> io::Error {
     )
 }
 
-/// Where the buffers go: written on the caller's thread, or handed to the file's I/O thread.
+/// What the I/O thread writes next.
+enum Job {
+    /// The first `n` bytes of a buffer, which then goes back to the output.
+    Buffer(Buffer, usize),
+    /// Lent bytes (page-cache files only), released once written.
+    Lent(Bytes),
+}
+
+/// Where the bytes go: the file's I/O thread, or nowhere after a failure.
 enum Writer {
-    Sync(File),
     Thread {
-        jobs: Sender<(Buffer, usize)>,
+        jobs: Sender<Job>,
         done: Receiver<Buffer>,
         thread: JoinHandle<io::Result<File>>,
     },
@@ -193,6 +211,10 @@ pub struct Output {
     made: usize,
     /// Buffers handed to the I/O thread and not back yet.
     in_flight: usize,
+    /// Memory whose bytes may be written from where they lie ([`lend`](Self::lend)).
+    lent: Option<Bytes>,
+    /// Bytes written from lent memory so far.
+    lent_written: u64,
     writer: Writer,
 }
 
@@ -209,6 +231,7 @@ impl Output {
         let (file, direct) = match direct_io {
             DirectIo::Off => (plain()?, false),
             DirectIo::On => (open_direct(path)?, true),
+            DirectIo::Auto if memory_backed(path) => (plain()?, false),
             DirectIo::Auto => match open_direct(path) {
                 Ok(file) => (file, true),
                 Err(e) if e.kind() == io::ErrorKind::InvalidInput || e.kind() == io::ErrorKind::Unsupported => {
@@ -219,17 +242,16 @@ impl Output {
         };
         let buffer_bytes = buffer_bytes.max(ALIGN).next_multiple_of(ALIGN);
         let direct_writes = Arc::new(AtomicBool::new(direct));
-        let writer = if direct {
-            let (jobs, job_rx) = bounded::<(Buffer, usize)>(DIRECT_BUFFERS);
-            let (done_tx, done) = unbounded(); // never blocks the I/O thread: buffers are few anyway
+        // Writes wait for the device (direct I/O) or copy into the page cache: either way on a thread of the file's
+        // own, while the sink fills the next buffer.
+        let (jobs, job_rx) = bounded::<Job>(DIRECT_BUFFERS);
+        let (done_tx, done) = unbounded(); // never blocks the I/O thread: buffers are few anyway
+        let fallback = (direct && direct_io == DirectIo::Auto).then(|| direct_writes.clone());
+        let thread = {
             let path = path.to_owned();
-            let fallback = (direct_io == DirectIo::Auto).then(|| direct_writes.clone());
-            let thread = std::thread::Builder::new()
+            std::thread::Builder::new()
                 .name("ringscope-io".into())
-                .spawn(move || write_jobs(file, &path, fallback, &job_rx, &done_tx))?;
-            Writer::Thread { jobs, done, thread }
-        } else {
-            Writer::Sync(file)
+                .spawn(move || write_jobs(file, &path, direct, fallback, &job_rx, &done_tx))?
         };
         Ok(Output {
             path: path.to_owned(),
@@ -241,7 +263,9 @@ impl Output {
             pool: Vec::new(),
             made: 1,
             in_flight: 0,
-            writer,
+            lent: None,
+            lent_written: 0,
+            writer: Writer::Thread { jobs, done, thread },
         })
     }
 
@@ -259,6 +283,12 @@ impl Output {
     /// Bytes of the stream so far.
     pub fn position(&self) -> u64 {
         self.shipped + self.current.len() as u64
+    }
+
+    /// Bytes of the stream written from lent memory ([`lend`](Self::lend)), not copied.
+    #[cfg(test)]
+    pub(crate) fn lent_written(&self) -> u64 {
+        self.lent_written
     }
 
     /// An empty buffer (of at least the buffer size) to fill and [`adopt`](Self::adopt), or give back with
@@ -312,6 +342,13 @@ impl Output {
         self.send(full, whole)
     }
 
+    /// Lets the next writes of `bytes`' memory (any part of it, [`LENT_WRITE_MIN`] bytes or more) go to the file from
+    /// where they lie, until the next call (`None`: none). Only a file written through the page cache takes them so
+    /// (a direct write needs aligned memory); the I/O thread holds a clone of `bytes` until it has written them.
+    pub(crate) fn lend(&mut self, bytes: Option<Bytes>) {
+        self.lent = bytes.filter(|_| !self.direct);
+    }
+
     /// Writes everything and returns the file, truncated to the stream's length (a direct write pads its last
     /// block). The caller syncs it.
     pub fn finish(mut self) -> io::Result<File> {
@@ -322,7 +359,6 @@ impl Output {
         let last = std::mem::replace(&mut self.current, Buffer::NONE);
         self.send(last, total)?;
         let file = match std::mem::replace(&mut self.writer, Writer::Failed("finished".into())) {
-            Writer::Sync(file) => file,
             Writer::Thread { jobs, thread, done } => {
                 drop(jobs); // the thread ends after the last job
                 let file = join(thread, &self.path)?;
@@ -337,29 +373,51 @@ impl Output {
         Ok(file)
     }
 
-    /// Sends the first `n` bytes of `buffer` (a multiple of [`ALIGN`] for direct I/O unless it is the last) to the
-    /// file; `shipped` advances by `n`.
+    /// Sends the first `n` bytes of `buffer` (a multiple of [`ALIGN`] unless it is the last) to the file; `shipped`
+    /// advances by `n`.
     fn send(&mut self, buffer: Buffer, n: usize) -> io::Result<()> {
-        self.shipped += n as u64;
-        match &mut self.writer {
-            Writer::Sync(file) => {
-                let written = file.write_all(&buffer.bytes()[..n]);
-                self.recycle(buffer);
-                written.map_err(|e| self.note(e))
-            }
-            Writer::Thread { jobs, .. } => {
-                if n == 0 {
-                    self.recycle(buffer);
-                    return Ok(());
-                }
-                if jobs.send((buffer, n)).is_err() {
-                    return Err(self.fail());
-                }
-                self.in_flight += 1;
-                Ok(())
-            }
-            Writer::Failed(message) => Err(io::Error::other(message.clone())),
+        if n == 0 {
+            self.recycle(buffer);
+            return Ok(());
         }
+        self.queue(Job::Buffer(buffer, n))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Hands `job` to the I/O thread (waiting while it has [`DIRECT_BUFFERS`] queued); `shipped` advances by its
+    /// length.
+    fn queue(&mut self, job: Job) -> io::Result<()> {
+        let n = match &job {
+            Job::Buffer(_, n) => *n,
+            Job::Lent(bytes) => bytes.len(),
+        };
+        let sent = match &self.writer {
+            Writer::Thread { jobs, .. } => jobs.send(job).is_ok(),
+            Writer::Failed(message) => return Err(io::Error::other(message.clone())),
+        };
+        if !sent {
+            return Err(self.fail());
+        }
+        self.shipped += n as u64;
+        Ok(())
+    }
+
+    /// Writes `data`, which lies in `lent`, from where it lies: its first bytes are copied into the buffer up to a
+    /// block boundary of the stream, whole blocks go to the I/O thread as they are, and the last partial block is
+    /// copied into the next buffer (so that what is shipped stays whole blocks, which [`adopt`](Self::adopt) counts
+    /// on).
+    fn write_lent(&mut self, data: &[u8], lent: &Bytes) -> io::Result<()> {
+        let head = (ALIGN - (self.position() % ALIGN as u64) as usize) % ALIGN;
+        self.write_all(&data[..head])?;
+        let whole = (data.len() - head) / ALIGN * ALIGN;
+        let next = self.take_buffer()?;
+        let full = std::mem::replace(&mut self.current, next);
+        let n = full.len();
+        self.send(full, n)?;
+        self.queue(Job::Lent(lent.slice_ref(&data[head..head + whole])))?;
+        self.lent_written += whole as u64;
+        self.current.extend(&data[head + whole..])
     }
 
     /// Buffers the I/O thread is done with, back to the pool.
@@ -384,17 +442,9 @@ impl Output {
                 }
             }
             Writer::Failed(message) => message,
-            Writer::Sync(_) => format!("{}: a write failed", self.path.display()),
         };
         self.writer = Writer::Failed(message.clone());
         io::Error::other(message)
-    }
-
-    /// Remembers a write error of the caller's thread.
-    fn note(&mut self, e: io::Error) -> io::Error {
-        let e = io::Error::new(e.kind(), format!("writing {}: {e}", self.path.display()));
-        self.writer = Writer::Failed(e.to_string());
-        e
     }
 }
 
@@ -407,19 +457,15 @@ impl Drop for Output {
 
 impl Write for Output {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        if let Writer::Sync(file) = &mut self.writer {
-            if data.len() >= self.buffer_bytes {
-                // Through the page cache, a large write goes to the file from the caller's memory (after what is
-                // buffered): copying it into our buffer first would only add a copy. Its last partial block stays
-                // buffered, so that what is shipped stays whole blocks (what `adopt` counts on).
-                let keep = (self.current.len() + data.len()) % ALIGN;
-                let (now, later) = data.split_at(data.len() - keep);
-                let written = file.write_all(self.current.bytes()).and_then(|()| file.write_all(now));
-                written.map_err(|e| self.note(e))?;
-                self.shipped += (self.current.len() + now.len()) as u64;
-                self.current.clear();
-                self.current.extend(later)?;
-                return Ok(data.len());
+        if data.len() >= LENT_WRITE_MIN {
+            if let Some(lent) = self.lent.take() {
+                let within = lent.as_ptr_range();
+                let inside = within.start <= data.as_ptr() && data.as_ptr_range().end <= within.end;
+                let written = if inside { Some(self.write_lent(data, &lent)) } else { None };
+                self.lent = Some(lent);
+                if let Some(written) = written {
+                    return written.map(|()| data.len());
+                }
             }
         }
         let room = self.buffer_bytes.max(self.current.capacity()) - self.current.len();
@@ -460,20 +506,24 @@ fn open_direct(path: &Path) -> io::Result<File> {
     ))
 }
 
-/// The I/O thread: writes each job's bytes in order and hands the buffer back; stops at the first error. With
-/// `fallback` (`DirectIo::Auto`: the file's [`Output::is_direct`] flag), a file system that opened the file with
-/// `O_DIRECT` but rejects a direct write as invalid gets the file reopened without it (the flag cleared), and the
-/// write is retried from where it stopped.
+/// The I/O thread: writes each job's bytes in order (to `file`, opened with `O_DIRECT` if `direct`) and hands
+/// buffers back; stops at the first error. With `fallback` (`DirectIo::Auto` on a file opened with `O_DIRECT`: the file's [`Output::is_direct`] flag), a file
+/// system that opened the file with `O_DIRECT` but rejects a direct write as invalid gets the file reopened without
+/// it (the flag cleared), and the write is retried from where it stopped.
 fn write_jobs(
     mut file: File,
     path: &Path,
+    mut direct: bool,
     mut fallback: Option<Arc<AtomicBool>>,
-    jobs: &Receiver<(Buffer, usize)>,
+    jobs: &Receiver<Job>,
     done: &Sender<Buffer>,
 ) -> io::Result<File> {
     let mut offset = 0u64;
-    for (buffer, n) in jobs {
-        let mut bytes = &buffer.bytes()[..n];
+    for job in jobs {
+        let mut bytes = match &job {
+            Job::Buffer(buffer, n) => &buffer.bytes()[..*n],
+            Job::Lent(bytes) => &bytes[..],
+        };
         while !bytes.is_empty() {
             match file.write(bytes) {
                 Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, format!("writing {}", path.display()))),
@@ -484,17 +534,41 @@ fn write_jobs(
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::InvalidInput && fallback.is_some() => {
                     fallback.take().into_iter().for_each(|direct| direct.store(false, Ordering::Relaxed));
+                    direct = false;
                     file = OpenOptions::new().write(true).open(path)?;
                     io::Seek::seek(&mut file, io::SeekFrom::Start(offset))?;
                 }
                 Err(e) => {
-                    return Err(io::Error::new(e.kind(), format!("writing {} (O_DIRECT): {e}", path.display())));
+                    let how = if direct { " (O_DIRECT)" } else { "" };
+                    return Err(io::Error::new(e.kind(), format!("writing {}{how}: {e}", path.display())));
                 }
             }
         }
-        let _ = done.send(buffer); // the file may be finishing and no longer take buffers back
+        if let Job::Buffer(buffer, _) = job {
+            let _ = done.send(buffer); // the file may be finishing and no longer take buffers back
+        }
     }
     Ok(file)
+}
+
+/// Whether the file system that would hold `path` keeps files in memory (tmpfs, ramfs): there the kernel copies a
+/// direct write into the file's pages like any other, so `O_DIRECT` saves nothing and costs the lent writes.
+#[cfg(target_os = "linux")]
+fn memory_backed(path: &Path) -> bool {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    /// ramfs's `f_type` (`RAMFS_MAGIC` in linux/magic.h; not in the libc crate).
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    // `f_type`'s integer type differs between architectures (a signed long, or u32); all convert to i64.
+    #[allow(clippy::useless_conversion)] // i64 already on x86_64 and aarch64
+    rustix::fs::statfs(dir).is_ok_and(|fs| {
+        let kind = i64::from(fs.f_type);
+        kind == i64::from(libc::TMPFS_MAGIC) || kind == RAMFS_MAGIC
+    })
+}
+
+#[cfg(not(target_os = "linux"))]
+fn memory_backed(_: &Path) -> bool {
+    false
 }
 
 fn join(thread: JoinHandle<io::Result<File>>, path: &Path) -> io::Result<File> {
@@ -562,6 +636,68 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
+    #[test]
+    fn lent_memory_goes_to_a_page_cache_file_as_it_lies_and_is_released_once_written() {
+        let path = scratch("lent");
+        let data: Vec<u8> = (0..300_007u32).map(|i| (i * 13 % 251) as u8).collect();
+        let lent = Bytes::from(data[1000..250_000].to_vec());
+        let outside = data[250_000..].to_vec(); // long enough, but not lent memory: copied
+        for head in [0, 1000] {
+            for direct_io in [DirectIo::Off, DirectIo::Auto] {
+                let mut out = Output::create(&path, direct_io, 3 * ALIGN).unwrap();
+                out.write_all(&data[..1000 - head]).unwrap();
+                out.lend(Some(lent.clone()));
+                // A write of a part of the lent memory, then the rest of it, each at an unaligned stream offset.
+                out.write_all(&data[1000 - head..1000]).unwrap();
+                out.write_all(&lent[..100_001]).unwrap();
+                out.write_all(&lent[100_001..]).unwrap();
+                out.write_all(&outside).unwrap();
+                out.lend(None);
+                assert_eq!(out.position(), data.len() as u64);
+                let direct = out.is_direct();
+                let lent_written = out.lent_written();
+                out.finish().unwrap();
+                assert_eq!(std::fs::read(&path).unwrap(), data, "{direct_io:?}, head {head}");
+                if direct {
+                    assert_eq!(lent_written, 0, "a direct write needs aligned memory: lent memory is copied");
+                } else {
+                    // All of the lent memory but the partial blocks at each write's two ends went as it lies.
+                    assert!(
+                        lent_written > 249_000 - 4 * ALIGN as u64 && lent_written % ALIGN as u64 == 0,
+                        "{lent_written}"
+                    );
+                }
+                assert!(lent.is_unique(), "the I/O thread let go of the lent memory once written");
+            }
+        }
+        // A write the file system refuses: the error names the file, however the bytes came.
+        #[cfg(target_os = "linux")]
+        {
+            let mut out = Output::create(Path::new("/dev/full"), DirectIo::Off, ALIGN).unwrap();
+            out.lend(Some(lent.clone()));
+            let e = (0..8).find_map(|_| out.write_all(&lent).err()).or_else(|| out.finish().err()).unwrap();
+            assert!(e.to_string().contains("/dev/full"), "{e}");
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn auto_writes_through_the_page_cache_on_tmpfs() {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+        let shm_is_tmpfs = mounts.lines().any(|l| l.split(' ').skip(1).take(2).eq(["/dev/shm", "tmpfs"]));
+        if !shm_is_tmpfs {
+            return; // nothing memory-backed known here
+        }
+        let path = Path::new("/dev/shm").join(format!("ringscope-output-auto-{}", std::process::id()));
+        assert!(memory_backed(&path));
+        let out = Output::create(&path, DirectIo::Auto, ALIGN).unwrap();
+        assert!(!out.is_direct(), "tmpfs: auto chose the page cache");
+        drop(out);
+        let _ = std::fs::remove_file(&path);
+        assert!(!memory_backed(Path::new("/proc/self/status")), "procfs is not tmpfs");
+    }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn a_direct_write_the_file_system_rejects_falls_back_to_the_page_cache_in_auto_mode() {
@@ -580,10 +716,10 @@ mod tests {
             aligned.extend(&[7; ALIGN]).unwrap();
             let mut odd = Buffer::with_capacity(ALIGN).unwrap();
             odd.extend(&[9; 100]).unwrap();
-            jobs.send((aligned, ALIGN)).unwrap();
-            jobs.send((odd, 100)).unwrap();
+            jobs.send(Job::Buffer(aligned, ALIGN)).unwrap();
+            jobs.send(Job::Buffer(odd, 100)).unwrap();
             drop(jobs);
-            match write_jobs(file, &path, fallback.then(|| direct.clone()), &job_rx, &done_tx) {
+            match write_jobs(file, &path, true, fallback.then(|| direct.clone()), &job_rx, &done_tx) {
                 Ok(_) => {
                     assert!(fallback, "the unaligned direct write was accepted only through the fallback");
                     assert!(!direct.load(Ordering::Relaxed), "the file says it fell back");
@@ -612,8 +748,8 @@ mod tests {
         let missing = scratch("missing").join("f");
         let e = Output::create(&missing, DirectIo::On, ALIGN).unwrap_err().to_string();
         assert!(e.contains(&missing.display().to_string()) && e.contains("O_DIRECT") && e.contains("direct_io"), "{e}");
-        // A device that is always full: the error names it, and every later call fails too (on the caller's thread
-        // through the page cache, on the I/O thread with O_DIRECT where the device takes it).
+        // A device that is always full: the error names it, and every later call fails too (the I/O thread's error,
+        // through the page cache or with O_DIRECT where the device takes it).
         #[cfg(target_os = "linux")]
         for direct_io in [DirectIo::Off, DirectIo::On] {
             let Ok(mut out) = Output::create(Path::new("/dev/full"), direct_io, ALIGN) else { continue };
