@@ -582,6 +582,14 @@ fn setups(args: &Args) -> Vec<Setup> {
                 ..host.clone()
             });
         }
+        out.push(Setup {
+            name: "host: Parquet zstd(1) (memory), 1 hookpoint, 1 threads, direct_io on".into(),
+            hookpoints: 1,
+            rows: 4096,
+            files: Some((true, false, args.shm.clone())),
+            direct_io: DirectIo::On,
+            ..host.clone()
+        });
     }
     if want("cuda") {
         // A 1B-shape Llama's prefill: 16 layers × 16,384 tokens × 2,048 bf16 = 1 GiB a step; a 4 GiB ring (unless

@@ -411,10 +411,12 @@ impl Output {
         let head = (ALIGN - (self.position() % ALIGN as u64) as usize) % ALIGN;
         self.write_all(&data[..head])?;
         let whole = (data.len() - head) / ALIGN * ALIGN;
-        let next = self.take_buffer()?;
-        let full = std::mem::replace(&mut self.current, next);
-        let n = full.len();
-        self.send(full, n)?;
+        if self.current.len() > 0 {
+            let next = self.take_buffer()?;
+            let full = std::mem::replace(&mut self.current, next);
+            let n = full.len();
+            self.send(full, n)?;
+        }
         self.queue(Job::Lent(lent.slice_ref(&data[head..head + whole])))?;
         self.lent_written += whole as u64;
         self.current.extend(&data[head + whole..])
