@@ -331,20 +331,19 @@ impl FileFormat for ArrowIpc {
         Ok(FileWriter::try_new(BatchCrcs::new(open(path, options)?), schema)?)
     }
 
-    /// A record of at least [`OWN_IPC_BATCH_BYTES`] is an IPC batch of its own, written from the record's memory
-    /// (arrow's writer streams uncompressed buffers without copying them, and a file written through the page cache
-    /// takes them as they lie: [`Output::lend`]); runs of smaller records share one batch, their rows copied once,
-    /// back to back.
+    /// A record of at least [`OWN_IPC_BATCH_BYTES`] is an IPC batch of its own, its activation column the record's
+    /// memory; runs of smaller records share one batch, their rows copied once, back to back. arrow's writer streams
+    /// uncompressed buffers without copying them, and a file written through the page cache takes the activation
+    /// column as it lies ([`Output::lend`]): the record's rows reach the file without a copy of ours.
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError> {
         batch.row_bytes()?;
         let small = |r: &Record| r.data().len() < OWN_IPC_BATCH_BYTES;
         for records in batch.records.chunk_by(|a, b| small(a) && small(b)) {
-            let own = match records {
-                [one] if !small(one) => Some(one.data_bytes()),
-                _ => None,
-            };
-            writer.get_mut().inner_mut().lend(own);
-            let written = writer.write(&Batch { records, ..*batch }.record_batch());
+            let record_batch = Batch { records, ..*batch }.record_batch();
+            let activations =
+                record_batch.column_by_name("activation").and_then(|c| c.to_data().buffers().first().cloned());
+            writer.get_mut().inner_mut().lend(activations.map(Bytes::from_owner));
+            let written = writer.write(&record_batch);
             writer.get_mut().inner_mut().lend(None);
             written?;
             writer.get_mut().end_batch();
@@ -443,17 +442,23 @@ mod tests {
     use ringscope_ring::record::{encode_record, RecordMeta, RecordView, RowMeta};
 
     #[test]
-    fn an_ipc_batch_of_a_large_record_reaches_a_page_cache_file_from_the_records_memory() {
+    fn ipc_batches_reach_a_page_cache_file_from_the_records_memory() {
         let catalog = TestCatalog::layers(1, 1024);
         let entry = catalog.entry(0);
         let row_bytes = entry.spec().row_bytes();
-        let rows = 1024u32; // 2 MiB of rows: a batch of its own
-        let meta = RecordMeta { step: 3, hookpoint: 0, rows, row_bytes, dtype: entry.spec().dtype, flags: 0 };
-        let metas: Vec<RowMeta> =
-            (0..rows).map(|i| RowMeta { request_id: u64::from(i), position: i, batch_row: i }).collect();
-        let data: Vec<u8> = (0..rows * row_bytes).map(|i| (i % 251) as u8).collect();
-        let bytes = encode_record(0, &meta, &metas, &data);
-        let record = Record::copy_from(&RecordView::decode(&bytes).unwrap().0, entry.clone()).unwrap();
+        let record = |rows: u32, first: u32| {
+            let meta = RecordMeta { step: 3, hookpoint: 0, rows, row_bytes, dtype: entry.spec().dtype, flags: 0 };
+            let metas: Vec<RowMeta> = (first..first + rows)
+                .map(|i| RowMeta { request_id: u64::from(i), position: i, batch_row: i - first })
+                .collect();
+            let data: Vec<u8> = (0..rows * row_bytes).map(|i| ((i + first * row_bytes) % 251) as u8).collect();
+            let bytes = encode_record(0, &meta, &metas, &data);
+            Record::copy_from(&RecordView::decode(&bytes).unwrap().0, entry.clone()).unwrap()
+        };
+        // A record of 2 MiB of rows (a batch of its own: its memory), then four of 128 KiB (one batch, gathered).
+        let records = vec![record(1024, 0), record(64, 1024), record(64, 1088), record(64, 1152), record(64, 1216)];
+        let all_rows: Vec<&[u8]> = records.iter().flat_map(|r| (0..r.rows()).map(|i| r.row(i))).collect();
+        let bytes: usize = records.iter().map(|r| r.data().len()).sum();
         let dir = std::env::temp_dir().join(format!("ringscope-ipc-lent-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let schema = schema(&entry);
@@ -462,31 +467,29 @@ mod tests {
             let mut options = DatasetOptions::new(&dir);
             options.direct_io = direct_io;
             let mut writer = ArrowIpc.create(&path, &options, &schema).unwrap();
-            let records = [record.clone()];
             let batch = Batch { schema: &schema, hookpoint: &entry, run_id: "r", rank: 0, records: &records };
             ArrowIpc.write(&mut writer, &batch).unwrap();
             let out = writer.get_ref().inner();
             if out.is_direct() {
                 assert_eq!(out.lent_written(), 0, "{direct_io:?}: direct writes copy");
             } else {
+                // All but the partial blocks at the two ends of each batch's activations.
                 let lent = out.lent_written() as usize;
-                assert!(
-                    lent + 2 * ALIGN >= data.len(),
-                    "{direct_io:?}: {lent} of {} bytes written as they lie",
-                    data.len()
-                );
+                assert!(lent + 4 * ALIGN >= bytes, "{direct_io:?}: {lent} of {bytes} bytes written as they lie");
             }
             ArrowIpc.finish(writer, Vec::new()).unwrap();
-            drop(records);
             let reader = arrow::ipc::reader::FileReader::try_new(std::fs::File::open(&path).unwrap(), None).unwrap();
             let batches: Vec<_> = reader.map(Result::unwrap).collect();
-            assert_eq!(batches.len(), 1);
-            let act = batches[0].column_by_name("activation").unwrap();
-            let act = act.as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
-            assert_eq!(act.len(), rows as usize);
-            for i in 0..rows as usize {
-                assert_eq!(act.value(i), record.row(i), "{direct_io:?}: row {i}");
-            }
+            assert_eq!(batches.len(), 2, "{direct_io:?}: the large record, then the small ones together");
+            let read: Vec<&[u8]> = batches
+                .iter()
+                .flat_map(|b| {
+                    let act = b.column_by_name("activation").unwrap();
+                    let act = act.as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
+                    (0..act.len()).map(|i| act.value(i)).collect::<Vec<_>>()
+                })
+                .collect();
+            assert!(read == all_rows, "{direct_io:?}: every row, in order, as captured");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -292,7 +292,7 @@ impl Output {
     }
 
     /// An empty buffer (of at least the buffer size) to fill and [`adopt`](Self::adopt), or give back with
-    /// [`recycle`](Self::recycle). With direct I/O this may wait for the I/O thread to finish a write.
+    /// [`recycle`](Self::recycle). This may wait for the I/O thread to finish a write.
     pub(crate) fn take_buffer(&mut self) -> io::Result<Buffer> {
         self.collect_done();
         if let Some(b) = self.pool.pop() {
