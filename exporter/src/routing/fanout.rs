@@ -19,9 +19,6 @@ pub struct Filter {
     pub hookpoints: HashSet<String>,
     /// Layers to receive (empty: every layer, and hookpoints without a layer).
     pub layers: HashSet<u32>,
-    /// `(count, index)`: only records whose sequence number is `index` modulo `count` — a fixed split of the stream
-    /// over several destinations (a session's `export.threads` share one queue instead: `Drain::spawn_pools`).
-    pub shard: Option<(u32, u32)>,
 }
 
 impl Filter {
@@ -40,17 +37,7 @@ impl Filter {
         Filter { layers: layers.into_iter().collect(), ..Filter::default() }
     }
 
-    /// Shard `index` of `count` (see the `shard` field).
-    pub fn shard(count: u32, index: u32) -> Self {
-        Filter { shard: Some((count.max(1), index)), ..Filter::default() }
-    }
-
-    /// Whether `record` passes: its hookpoint ([`matches`](Self::matches)) and its shard.
-    pub fn accepts(&self, record: &Record) -> bool {
-        self.shard.is_none_or(|(n, i)| record.header().seq % n as u64 == i as u64) && self.matches(record.hookpoint())
-    }
-
-    /// Whether records of `hp` pass the hookpoint and layer sets (the shard is per record: [`accepts`](Self::accepts)).
+    /// Whether records of `hp` pass the hookpoint and layer sets.
     pub fn matches(&self, hp: &CatalogEntry) -> bool {
         (self.hookpoints.is_empty() || self.hookpoints.contains(hp.name()))
             && (self.layers.is_empty() || hp.spec().layer.is_some_and(|l| self.layers.contains(&l)))
@@ -177,10 +164,9 @@ pub(crate) struct Queue {
 }
 
 struct Items {
-    records: VecDeque<Record>,
-    /// When each queued record arrived (same order as `records`): a pool's sinks take any hookpoint's record once
-    /// the oldest has waited long enough ([`Queue::take`]).
-    arrived: VecDeque<Instant>,
+    /// Each queued record with when it arrived: a pool's sinks take any hookpoint's record once the oldest has
+    /// waited long enough ([`Queue::take`]).
+    records: VecDeque<(Record, Instant)>,
     /// The drain is gone: once empty, nothing more will come.
     ended: bool,
     /// The destination closed it (a subscription's `close`): receivers see the end at once.
@@ -199,12 +185,7 @@ pub(crate) enum Received {
 impl Queue {
     fn new() -> Arc<Queue> {
         Arc::new(Queue {
-            items: Mutex::new(Items {
-                records: VecDeque::new(),
-                arrived: VecDeque::new(),
-                ended: false,
-                closed: false,
-            }),
+            items: Mutex::new(Items { records: VecDeque::new(), ended: false, closed: false }),
             ready: Condvar::new(),
         })
     }
@@ -214,10 +195,7 @@ impl Queue {
     }
 
     fn push(&self, record: Record) {
-        let mut items = self.items.lock();
-        items.records.push_back(record);
-        items.arrived.push_back(Instant::now());
-        drop(items);
+        self.items.lock().records.push_back((record, Instant::now()));
         // Every receiver: a pool's sinks each wait for records of their own hookpoints (see `take`).
         self.ready.notify_all();
     }
@@ -237,8 +215,9 @@ impl Queue {
             if items.closed {
                 return Received::End;
             }
-            let own = items.records.iter().take(window).position(|r| r.hookpoint().id() as usize % workers == worker);
-            let oldest = items.arrived.front().copied();
+            let own =
+                items.records.iter().take(window).position(|(r, _)| r.hookpoint().id() as usize % workers == worker);
+            let oldest = items.records.front().map(|&(_, at)| at);
             let take = match (own, oldest) {
                 (Some(i), _) => Some(i),
                 (None, Some(at)) if items.ended || items.records.len() >= workers || at.elapsed() >= steal_after => {
@@ -247,8 +226,7 @@ impl Queue {
                 _ => None,
             };
             if let Some(i) = take {
-                items.arrived.remove(i);
-                return Received::Record(items.records.remove(i).expect("a queued record"));
+                return Received::Record(items.records.remove(i).expect("a queued record").0);
             }
             match oldest {
                 None if items.ended => return Received::End,
@@ -268,8 +246,7 @@ impl Queue {
             if items.closed {
                 return Received::End;
             }
-            if let Some(r) = items.records.pop_front() {
-                items.arrived.pop_front();
+            if let Some((r, _)) = items.records.pop_front() {
                 return Received::Record(r);
             }
             if items.ended {
@@ -288,9 +265,7 @@ impl Queue {
 
     /// Takes every queued record out (a departed or closed destination's leftovers).
     fn take_all(&self) -> Vec<Record> {
-        let mut items = self.items.lock();
-        items.arrived.clear();
-        items.records.drain(..).collect()
+        self.items.lock().records.drain(..).map(|(r, _)| r).collect()
     }
 
     /// The drain is gone: receivers get what is queued, then the end.
@@ -309,7 +284,7 @@ impl Queue {
     /// byte counts unchanged). Returns how many were moved and how many could not be (memory refused: they stay).
     fn evacuate(&self) -> (u64, u64) {
         let (mut moved, mut refused) = (0, 0);
-        for r in self.items.lock().records.iter_mut().filter(|r| r.is_leased()) {
+        for (r, _) in self.items.lock().records.iter_mut().filter(|(r, _)| r.is_leased()) {
             match r.detach() {
                 Ok(copy) => {
                     *r = copy;
@@ -396,7 +371,7 @@ impl Port {
             self.close_departed();
             return Offer::Closed;
         }
-        if !self.filter.accepts(record) {
+        if !self.filter.matches(record.hookpoint()) {
             return Offer::Filtered;
         }
         let size = record.size_bytes();
