@@ -445,9 +445,37 @@ fn memcpy_ceiling(record: usize, ring: usize, total: usize) -> f64 {
 /// context into a reused buffer, `per_thread` bytes each: what
 /// the Parquet sink's compression could reach with that many threads here. Returns GB/s of input, all together.
 fn zstd_ceiling(threads: usize, per_thread: usize, checksums: bool) -> Res<f64> {
-    const DATA: usize = 64 << 20;
+    let data: Vec<Vec<u8>> = (0..threads).map(|t| activations(ZSTD_DATA, 10 + t as u64)).collect();
+    zstd_over(&data.iter().map(Vec::as_slice).collect::<Vec<_>>(), per_thread, checksums)
+}
+
+/// Activations each thread of [`zstd_ceiling`] cycles through.
+const ZSTD_DATA: usize = 64 << 20;
+
+/// As [`zstd_ceiling`] with checksums, each thread's activations in pinned host memory allocated as the CUDA ring's
+/// staging is (`cuMemHostAlloc`, not write-combined): whether the memory the Parquet sink reads records from
+/// compresses slower than heap memory.
+fn zstd_pinned_ceiling(threads: usize, per_thread: usize) -> Res<f64> {
+    use ringscope_ring::cuda::PinnedBuffer;
+    let gpu = Gpu::open(0)?;
+    let pinned = PinnedBuffer::zeroed(&gpu, threads * ZSTD_DATA, false)?;
+    let data: Vec<&[u8]> = (0..threads)
+        .map(|t| {
+            // SAFETY: one writer for each thread's range, no device copy into the buffer; the mutable slices end
+            // before the shared ones below are made.
+            unsafe { pinned.slice_mut(t * ZSTD_DATA, ZSTD_DATA) }
+                .copy_from_slice(&activations(ZSTD_DATA, 10 + t as u64));
+            // SAFETY: in bounds; nothing writes the buffer from here on.
+            unsafe { pinned.slice(t * ZSTD_DATA, ZSTD_DATA) }
+        })
+        .collect();
+    zstd_over(&data, per_thread, true)
+}
+
+/// One thread per slice of `data`, each compressing `per_thread` bytes of it, cycled, in 1 MiB pieces: GB/s of input.
+fn zstd_over(data: &[&[u8]], per_thread: usize, checksums: bool) -> Res<f64> {
     const PIECE: usize = 1 << 20;
-    let data: Vec<Vec<u8>> = (0..threads).map(|t| activations(DATA, 10 + t as u64)).collect();
+    let threads = data.len();
     let t = Instant::now();
     let results: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
         let workers: Vec<_> = data
@@ -748,15 +776,23 @@ fn main() -> Res<()> {
                 rate / one / *threads as f64
             );
         }
+        if all.iter().any(|s| s.backend == Backend::Cuda) {
+            let (heap, pinned) = (zstd_ceiling(8, 1 << 30, true)?, zstd_pinned_ceiling(8, 1 << 30)?);
+            println!(
+                "- zstd(1) alone, 8 threads at once, reading pinned host memory (as the staging): {pinned:.2} GB/s \
+                 ({:.2} × the same from heap memory, {heap:.2} GB/s, measured just before)",
+                pinned / heap
+            );
+        }
     }
     let mut dirs = vec![("memory", args.shm.as_str())];
     if all.iter().any(|s| s.files.as_ref().is_some_and(|f| f.2 == args.dir)) {
         dirs.push(("disk", args.dir.as_str()));
     }
-    // One writer (what one sink thread's file could reach) and eight at once, each to a file of its own (what the
-    // eight sink threads of the CUDA configurations could reach together).
+    // One writer (what one sink thread's file could reach), eight and sixteen at once, each to a file of its own (what
+    // the default eight sink threads of the CUDA configurations, or their most, sixteen, could reach together).
     for (name, dir) in dirs {
-        for writers in [1, 8] {
+        for writers in [1, 8, 16] {
             match disk_write_rate(dir, 4 << 30, writers) {
                 Ok((rate, how)) => println!(
                     "- sequential write, {name} ({dir}), 4 GiB in 8 MiB writes, {how}, {writers} writer(s) at once: \

@@ -72,12 +72,26 @@ struct Ticket {
     footprint: u64,
     returned: AtomicBool,
     /// Keeps the lent memory allocated while any lease on it lives (even after the drain end is gone).
-    _memory: Arc<dyn Any + Send + Sync>,
+    _memory: Arc<Memory>,
+}
+
+/// The memory a book lends from, freed on a thread of its own once the book and every lease are gone. Whoever drops
+/// the last reference would otherwise free it on their own path: when a session closes, the last record a sink or
+/// a file's I/O thread lets go of — and unpinning the CUDA backend's staging takes 0.1–0.2 s per GiB, which the
+/// close then waits for (1.8 s for a 16 GiB ring, measured on an H200 host).
+struct Memory(Option<Arc<dyn Any + Send + Sync>>);
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        let Some(memory) = self.0.take() else { return };
+        // If no thread can be started, it is freed here.
+        let _ = std::thread::Builder::new().name("ringscope-free".into()).spawn(move || drop(memory));
+    }
 }
 
 /// The drain end's record of what it lent: one ticket per lease, in ring order.
 pub struct LeaseBook {
-    memory: Arc<dyn Any + Send + Sync>,
+    memory: Arc<Memory>,
     outstanding: VecDeque<Arc<Ticket>>,
     /// Footprints of the outstanding tickets, summed.
     lent: u64,
@@ -86,9 +100,16 @@ pub struct LeaseBook {
 }
 
 impl LeaseBook {
-    /// A book for leases on memory kept alive by `memory`.
+    /// A book for leases on memory kept alive by `memory`. Once the book and all its leases are gone, `memory` is
+    /// dropped on a thread of its own, not on the thread that let go of it last (unpinning a large staging buffer
+    /// takes seconds).
     pub fn new(memory: Arc<dyn Any + Send + Sync>) -> LeaseBook {
-        LeaseBook { memory, outstanding: VecDeque::new(), lent: 0, lent_shared: Arc::default() }
+        LeaseBook {
+            memory: Arc::new(Memory(Some(memory))),
+            outstanding: VecDeque::new(),
+            lent: 0,
+            lent_shared: Arc::default(),
+        }
     }
 
     /// Lends `len` bytes at `ptr`: the payload of the record at ring position `start` whose footprint is `footprint`.
@@ -190,5 +211,43 @@ mod tests {
         drop((b, bytes));
         let reader = std::thread::spawn(move || lease.iter().map(|&x| x as u32).sum::<u32>());
         assert_eq!(reader.join().unwrap(), 7 * 32);
+    }
+
+    /// Memory that reports the thread it is dropped on.
+    struct Reporter(std::sync::mpsc::Sender<(std::thread::ThreadId, Option<String>)>);
+
+    impl Drop for Reporter {
+        fn drop(&mut self) {
+            let me = std::thread::current();
+            let _ = self.0.send((me.id(), me.name().map(str::to_owned)));
+        }
+    }
+
+    #[test]
+    fn the_memory_is_freed_on_a_thread_of_its_own_not_by_the_last_holder() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let memory = Arc::new(Reporter(tx));
+        let bytes = [0u8; 64];
+        let mut b = LeaseBook::new(memory);
+        // SAFETY: in bounds of `bytes`, which nobody writes and which outlives the lease.
+        let lease = unsafe { b.lend(NonNull::from(&bytes[0]), 64, 0, 64) };
+        drop(b);
+        assert!(rx.try_recv().is_err(), "a lease still out keeps the memory");
+        // The last holder lets go (as a sink does with the last record when a session closes).
+        let holder = std::thread::spawn(move || {
+            drop(lease);
+            std::thread::current().id()
+        });
+        let holder = holder.join().unwrap();
+        let (freer, name) = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the memory is freed");
+        assert_ne!(freer, holder, "not on the last holder's thread");
+        assert_ne!(freer, std::thread::current().id());
+        assert_eq!(name.as_deref(), Some("ringscope-free"));
+        // With no lease out, dropping the book frees it the same way.
+        let (tx, rx) = std::sync::mpsc::channel();
+        drop(LeaseBook::new(Arc::new(Reporter(tx))));
+        let (freer, name) = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the memory is freed");
+        assert_ne!(freer, std::thread::current().id());
+        assert_eq!(name.as_deref(), Some("ringscope-free"));
     }
 }
