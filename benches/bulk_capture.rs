@@ -261,6 +261,15 @@ fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
 }
 
 /// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
+/// Each hookpoint's activations (`bytes` of them), generated on a thread each: 1 GiB of normal-distributed bf16 took
+/// one thread ~15 s on the GPU host, most of a short configuration's run.
+fn sources(ids: &[u32], bytes: usize) -> Vec<Vec<u8>> {
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = ids.iter().map(|&id| scope.spawn(move || activations(bytes, id as u64 + 1))).collect();
+        threads.into_iter().map(|t| t.join().expect("activations thread")).collect()
+    })
+}
+
 fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let steps = ((setup.ring as usize * laps) as u64).div_ceil(setup.step_bytes()).max(2);
     let session = Session::new(setup.config())?;
@@ -273,11 +282,11 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
         Backend::Cuda => {
             let gpu = Gpu::open(0)?;
             let stream = Stream::new(&gpu)?;
-            let sources: Vec<DeviceBuffer> = ids
+            let sources: Vec<DeviceBuffer> = sources(&ids, per_hp)
                 .iter()
-                .map(|&id| -> Res<DeviceBuffer> {
+                .map(|host| -> Res<DeviceBuffer> {
                     let b = DeviceBuffer::zeroed(&gpu, per_hp)?;
-                    b.copy_from_host_async(0, &activations(per_hp, id as u64 + 1), stream.handle())?;
+                    b.copy_from_host_async(0, host, stream.handle())?;
                     Ok(b)
                 })
                 .collect::<Res<_>>()?;
@@ -295,7 +304,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
             flushed = flush(&session, setup)?;
         }
         Backend::Host => {
-            let sources: Vec<Vec<u8>> = ids.iter().map(|&id| activations(per_hp, id as u64 + 1)).collect();
+            let sources = sources(&ids, per_hp);
             cpu = ThreadCpu::start()?;
             started = Instant::now();
             for step in 0..steps {
