@@ -6,12 +6,16 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The example's binary, (re)built here: test runners build examples only sometimes (nextest never), and a stale
-/// binary would test old code. A no-op when it is current.
+/// binary would test old code. A no-op when it is current. Built with the whole workspace's features, as
+/// `cargo test --workspace` builds it: the root package alone unifies its dependencies' features differently, and
+/// that build compiled a second copy of the dependency tree (~400 s of every CI run).
 fn example() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap().to_path_buf();
     let mut cargo = Command::new(env!("CARGO"));
-    cargo.args(["build", "--quiet", "--example", "dump_parquet"]).current_dir(env!("CARGO_MANIFEST_DIR"));
+    cargo
+        .args(["build", "--quiet", "--workspace", "--example", "dump_parquet"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
     if profile_dir.file_name().is_some_and(|n| n == "release") {
         cargo.arg("--release");
     }
