@@ -6,19 +6,17 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The example's binary, (re)built here: test runners build examples only sometimes (nextest never), and a stale
-/// binary would test old code. A no-op when it is current. Built with the whole workspace's features, as
-/// `cargo test --workspace` builds it: the root package alone unifies its dependencies' features differently, and
-/// that build compiled a second copy of the dependency tree (~400 s of every CI run).
+/// binary would test old code. Built as `cargo test --workspace` builds its targets (the `test` profile, or `bench`
+/// under `--release`; every workspace test target, so that dependencies resolve to the same features): after that
+/// command this is a no-op, where building the example alone compiled a second copy of the dependency tree (~400 s
+/// of every CI run).
 fn example() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap().to_path_buf();
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let mut cargo = Command::new(env!("CARGO"));
-    cargo
-        .args(["build", "--quiet", "--workspace", "--example", "dump_parquet"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if profile_dir.file_name().is_some_and(|n| n == "release") {
-        cargo.arg("--release");
-    }
+    cargo.args(["build", "--quiet", "--workspace", "--tests", "--examples", "--profile"]);
+    cargo.arg(if release { "bench" } else { "test" }).current_dir(env!("CARGO_MANIFEST_DIR"));
     assert!(cargo.status().unwrap().success(), "building the dump_parquet example failed");
     profile_dir.join("examples").join("dump_parquet")
 }
