@@ -11,14 +11,18 @@
 //! distribution, so that compression sees realistic activations) — on the CUDA backend from device buffers with
 //! `capture_device` on one stream, as an engine's prefill would; on the host backend from host memory with
 //! `capture`. The stream is several times longer than the ring, in full mode, so back-pressure is part of the
-//! measurement. Printed: a Markdown table, one row per configuration, and the ceilings:
+//! measurement. The first configuration runs once before the table, not counted (memory a freshly started machine
+//! uses for the first time makes the first run slower; `--no-warmup` skips it). Printed: a Markdown table, one row
+//! per configuration, and the ceilings:
 //!
 //! * `pinned D2H`: back-to-back device → pinned copies of the drain's chunk size (CUDA);
 //! * `memcpy`: one thread copying the same records into a reused buffer (host);
 //! * per configuration, the CPU seconds each thread (by name) spent per GB of activations: a thread that runs alone
 //!   (the drain) caps the rate at 1 / its s/GB, and the sinks' s/GB against zstd alone shows what they add;
 //! * `disk write`: the same bytes written sequentially to a file in `--dir` (8 MiB writes, `O_DIRECT` where the file
-//!   system takes it, else through the page cache, then `fsync`) — what a file sink could reach there.
+//!   system takes it, else through the page cache, then `fsync`) — what a file sink could reach there;
+//! * `zstd(1) alone` on 1, 2, 4 and 8 threads (and on 8 reading pinned memory, CUDA): what the Parquet sink's
+//!   compression could reach.
 
 use std::io::Write;
 use std::process::Command;
@@ -56,6 +60,9 @@ struct Args {
     /// move by ±30% between runs: a ratio of two single runs carries that).
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Skip the warm-up run (the first configuration once, not counted, before the table).
+    #[arg(long)]
+    no_warmup: bool,
     /// Run only configurations whose name contains this.
     #[arg(long)]
     only: Option<String>,
@@ -690,6 +697,27 @@ fn setups(args: &Args) -> Vec<Setup> {
     out
 }
 
+/// Runs configuration `s` in a child process (its files removed before and after): the fields of its result line, if
+/// it printed one, and its standard error.
+fn run_one(exe: &std::path::Path, args: &Args, s: &Setup) -> Res<(Option<Vec<String>>, String)> {
+    let run_dir = s.files.as_ref().map(|(_, _, dir)| std::path::Path::new(dir).join(s.run_id()));
+    if let Some(d) = &run_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let out = Command::new(exe)
+        .args(["--child", &s.name, "--backend", &args.backend, "--dir", &args.dir, "--shm", &args.shm])
+        .args(["--laps", &args.laps.to_string(), "--cuda-ring-gib", &args.cuda_ring_gib.to_string()])
+        .args(["--host-ring-mib", &args.host_ring_mib.to_string()])
+        .output()?;
+    if let Some(d) = &run_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let fields =
+        stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")).map(|l| l.split('\t').map(str::to_owned).collect());
+    Ok((fields, String::from_utf8_lossy(&out.stderr).into_owned()))
+}
+
 fn main() -> Res<()> {
     let args = Args::parse();
     let all = setups(&args);
@@ -701,6 +729,16 @@ fn main() -> Res<()> {
         println!("skipped: no CUDA device");
         return Ok(());
     }
+    let exe = std::env::current_exe()?;
+    // The first run on a freshly started machine pays for the first use of its memory (the kernel's copies into tmpfs
+    // cost 2–3× the CPU: docs/gpu-benchmarks.md, session 16); a run of the first configuration, not counted, first.
+    if !args.no_warmup {
+        if let Some(first) = all.first() {
+            let (result, _) = run_one(&exe, &args, first)?;
+            let rate = result.as_ref().and_then(|f| f.get(1).cloned()).unwrap_or_else(|| "failed".into());
+            println!("Warm-up run, not counted: {} at {rate} GB/s.\n", first.name);
+        }
+    }
     println!("## Bulk capture through a Session (full mode, {} ring capacities per configuration)\n", args.laps);
     println!(
         "| configuration | GB/s (first capture → shutdown returned) | drain GB/s (first capture → flushed) | tokens/s \
@@ -709,37 +747,20 @@ fn main() -> Res<()> {
          | CPU s per GB by thread (threads) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let exe = std::env::current_exe()?;
     let repeat = args.repeat.max(1);
     let mut rates: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
     for s in (0..repeat).flat_map(|_| all.iter()) {
-        let run_dir = s.files.as_ref().map(|(_, _, dir)| std::path::Path::new(dir).join(s.run_id()));
-        if let Some(d) = &run_dir {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        let out = Command::new(&exe)
-            .args(["--child", &s.name, "--backend", &args.backend, "--dir", &args.dir, "--shm", &args.shm])
-            .args(["--laps", &args.laps.to_string(), "--cuda-ring-gib", &args.cuda_ring_gib.to_string()])
-            .args(["--host-ring-mib", &args.host_ring_mib.to_string()])
-            .output()?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        match stdout.lines().find_map(|l| l.strip_prefix("RESULT\t")) {
-            Some(line) => {
-                let fields: Vec<&str> = line.split('\t').collect();
+        let (result, stderr) = run_one(&exe, &args, s)?;
+        match result {
+            Some(fields) => {
                 if let Some(rate) = fields.get(1).and_then(|r| r.parse::<f64>().ok()) {
                     rates.entry(s.name.as_str()).or_default().push(rate);
                 }
                 println!("| {} |", fields.join(" | "))
             }
-            None => {
-                println!("| {} | failed: {} |", s.name, String::from_utf8_lossy(&out.stderr).trim().replace('\n', " "))
-            }
+            None => println!("| {} | failed: {} |", s.name, stderr.trim().replace('\n', " ")),
         }
-        if let Some(d) = &run_dir {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        let errors = String::from_utf8_lossy(&out.stderr);
-        for line in errors.lines().filter(|l| !l.trim().is_empty()).take(3) {
+        for line in stderr.lines().filter(|l| !l.trim().is_empty()).take(3) {
             eprintln!("  {line}");
         }
         std::io::stdout().flush()?;
