@@ -95,27 +95,38 @@ def main():
     p.add_argument("--dir", default="/tmp/ringscope-prefill")
     p.add_argument("--shm", default="/dev/shm/ringscope-prefill")
     p.add_argument("--only", default=None, help="variants to run: names or parts of names, separated by ';'")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up run (the in-memory Arrow IPC variant once, not counted, before the others)")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     vs = variants(args)
     if args.variant is not None:
         run_variant(args.variant, vs[args.variant])
         return
+
+    def run(name):
+        cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--dir", args.dir, "--shm", args.shm]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        for d in (args.dir, args.shm):
+            subprocess.run(["rm", "-rf", d])
+        if line is None:
+            return {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
+        return json.loads(line[len("RESULT "):])
+
+    # Memory a freshly started machine uses for the first time makes the first run that needs it slower (the kernel's
+    # copies into tmpfs cost 2-3x the CPU: docs/gpu-benchmarks.md, session 16): the variant that touches the most
+    # memory (its pinned staging and its files) runs once first, not counted.
+    if not args.no_warmup:
+        warm = "Arrow IPC (memory), 8 threads"
+        print(json.dumps({"warm_up_not_counted": run(warm)}), flush=True)
     results = []
     for name in vs:
         if args.only and not any(o == name or (o not in vs and o in name) for o in args.only.split(";")):
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--dir", args.dir, "--shm", args.shm]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            r = {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
-        else:
-            r = json.loads(line[len("RESULT "):])
+        r = run(name)
         results.append(r)
         print(json.dumps(r), flush=True)
-        for d in (args.dir, args.shm):
-            subprocess.run(["rm", "-rf", d])
     print("\n| export | GB/s, first capture -> flushed and closed | tokens/s | close (ms) | peak RSS (MiB) | rows |")
     print("|---|---|---|---|---|---|")
     for r in results:
