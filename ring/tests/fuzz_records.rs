@@ -22,7 +22,8 @@ fn arb_meta() -> impl Strategy<Value = RecordMeta> {
             step,
             hookpoint,
             rows,
-            row_bytes: elems * dtype.size() as u32,
+            // A row-scaled dtype's row leads with its scale: valid rows have at least one element after it.
+            row_bytes: dtype.row_overhead() as u32 + elems * dtype.size() as u32,
             dtype,
             flags: flag_bits & flags::KNOWN,
         },
