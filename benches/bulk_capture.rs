@@ -267,7 +267,6 @@ fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
     Ok(Some(Instant::now()))
 }
 
-/// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
 /// Each hookpoint's activations (`bytes` of them), generated on a thread each: 1 GiB of normal-distributed bf16 took
 /// one thread ~15 s on the GPU host, most of a short configuration's run.
 fn sources(ids: &[u32], bytes: usize) -> Vec<Vec<u8>> {
@@ -277,6 +276,7 @@ fn sources(ids: &[u32], bytes: usize) -> Vec<Vec<u8>> {
     })
 }
 
+/// Runs `setup` for `laps` ring capacities of activations and prints one `RESULT` line.
 fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let steps = ((setup.ring as usize * laps) as u64).div_ceil(setup.step_bytes()).max(2);
     let session = Session::new(setup.config())?;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The example's binary, (re)built here: test runners build examples only sometimes (nextest never), and a stale
-/// binary would test old code. Built as `cargo test --workspace` builds its targets (the `test` profile, or `bench`
+/// binary would test old code. Built as `cargo test --workspace` builds its targets (the `test` profile, or `release`
 /// under `--release`; every workspace test target, so that dependencies resolve to the same features): after that
 /// command this is a no-op, where building the example alone compiled a second copy of the dependency tree (~400 s
 /// of every CI run).
@@ -16,7 +16,7 @@ fn example() -> PathBuf {
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let mut cargo = Command::new(env!("CARGO"));
     cargo.args(["build", "--quiet", "--workspace", "--tests", "--examples", "--profile"]);
-    cargo.arg(if release { "bench" } else { "test" }).current_dir(env!("CARGO_MANIFEST_DIR"));
+    cargo.arg(if release { "release" } else { "test" }).current_dir(env!("CARGO_MANIFEST_DIR"));
     assert!(cargo.status().unwrap().success(), "building the dump_parquet example failed");
     profile_dir.join("examples").join("dump_parquet")
 }
