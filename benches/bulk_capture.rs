@@ -63,6 +63,9 @@ struct Args {
     /// Skip the warm-up run (the first configuration once, not counted, before the table).
     #[arg(long)]
     no_warmup: bool,
+    /// `export.backlog` of every configuration, MiB (default: the library's default).
+    #[arg(long)]
+    backlog_mib: Option<u64>,
     /// Run only configurations whose name contains this.
     #[arg(long)]
     only: Option<String>,
@@ -91,6 +94,8 @@ struct Setup {
     compression: Compression,
     /// `export.direct_io`.
     direct_io: DirectIo,
+    /// `export.backlog`, bytes (`None`: the default).
+    backlog: Option<u64>,
 }
 
 impl Setup {
@@ -120,6 +125,9 @@ impl Setup {
             c.export.direct_io = self.direct_io;
             c.export.compression = self.compression;
             c.export.max_file_size = ringscope::config::ByteSize(1 << 30);
+        }
+        if let Some(b) = self.backlog {
+            c.export.backlog = ringscope::config::ByteSize(b);
         }
         c.hookpoints = (0..self.hookpoints)
             .map(|l| HookPointConfig {
@@ -175,7 +183,7 @@ fn peak_rss_mib() -> f64 {
 /// process's main thread.
 struct ThreadCpu {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    sampler: std::thread::JoinHandle<std::collections::HashMap<u64, (String, f64)>>,
+    sampler: std::thread::JoinHandle<std::collections::HashMap<u64, (String, f64, f64)>>,
 }
 
 impl ThreadCpu {
@@ -192,8 +200,10 @@ impl ThreadCpu {
                 let last = flag.load(std::sync::atomic::Ordering::Relaxed);
                 Self::sample(&mut seen);
                 if last {
-                    for (tid, (_, secs)) in seen.iter_mut() {
-                        *secs -= before.get(tid).map_or(0.0, |b: &(String, f64)| b.1);
+                    for (tid, (_, secs, system)) in seen.iter_mut() {
+                        let b = before.get(tid).map_or((0.0, 0.0), |b: &(String, f64, f64)| (b.1, b.2));
+                        *secs -= b.0;
+                        *system -= b.1;
                     }
                     return seen;
                 }
@@ -203,8 +213,8 @@ impl ThreadCpu {
         Ok(ThreadCpu { stop, sampler })
     }
 
-    /// Records each live thread's name and CPU seconds (user + system) so far.
-    fn sample(seen: &mut std::collections::HashMap<u64, (String, f64)>) {
+    /// Records each live thread's name, CPU seconds (user + system) and system seconds so far.
+    fn sample(seen: &mut std::collections::HashMap<u64, (String, f64, f64)>) {
         // SAFETY: sysconf has no preconditions.
         let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
         let main = std::process::id() as u64;
@@ -216,9 +226,10 @@ impl ThreadCpu {
             let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
             let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
             let (Some(user), Some(system)) = (fields.get(11), fields.get(12)) else { continue };
-            let secs = (user.parse::<f64>().unwrap_or(0.0) + system.parse::<f64>().unwrap_or(0.0)) / ticks;
+            let system = system.parse::<f64>().unwrap_or(0.0) / ticks;
+            let secs = user.parse::<f64>().unwrap_or(0.0) / ticks + system;
             let name = if tid == main { "engine (main)".to_string() } else { stat[open + 1..close].to_string() };
-            seen.insert(tid, (name, secs));
+            seen.insert(tid, (name, secs, system));
         }
     }
 
@@ -226,25 +237,34 @@ impl ThreadCpu {
     fn finish(self, bytes: u64) -> String {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let Ok(seen) = self.sampler.join() else { return "sampler failed".into() };
-        // name → (seconds, threads, least of one thread, most of one thread)
-        let mut by_name: std::collections::BTreeMap<String, (f64, usize, f64, f64)> = Default::default();
-        for (name, secs) in seen.into_values().filter(|(n, _)| n != Self::SAMPLER) {
+        // name → (seconds, threads, least of one thread, most of one thread, system seconds)
+        let mut by_name: std::collections::BTreeMap<String, (f64, usize, f64, f64, f64)> = Default::default();
+        for (name, secs, system) in seen.into_values().filter(|(n, _, _)| n != Self::SAMPLER) {
             let numbered = name.trim_end_matches(|c: char| c.is_ascii_digit());
             let group = match numbered.strip_suffix('-') {
                 Some(stem) if numbered.len() < name.len() => format!("{stem}-*"),
                 _ => name,
             };
-            let e = by_name.entry(group).or_insert((0.0, 0, f64::INFINITY, 0.0));
-            *e = (e.0 + secs, e.1 + 1, e.2.min(secs), e.3.max(secs));
+            let e = by_name.entry(group).or_insert((0.0, 0, f64::INFINITY, 0.0, 0.0));
+            *e = (e.0 + secs, e.1 + 1, e.2.min(secs), e.3.max(secs), e.4 + system);
         }
         let mut rows: Vec<_> = by_name.into_iter().filter(|(_, e)| e.0 > 0.0).collect();
         rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
         let gb = bytes as f64 / 1e9;
         let parts: Vec<String> = rows
             .iter()
-            .map(|&(ref n, (s, k, least, most))| match k {
-                1 => format!("{n} {:.2}", s / gb),
-                _ => format!("{n} {:.2} ({k} threads, {:.2}–{:.2} each)", s / gb, least / gb, most / gb),
+            .map(|&(ref n, (s, k, least, most, system))| {
+                // The kernel's share where it is noticeable (page faults, copies into the page cache, locks).
+                let sys = if system >= 0.1 * s && s / gb >= 0.01 {
+                    format!(", {:.0}% system", 100.0 * system / s)
+                } else {
+                    String::new()
+                };
+                match k {
+                    1 if sys.is_empty() => format!("{n} {:.2}", s / gb),
+                    1 => format!("{n} {:.2} ({})", s / gb, &sys[2..]),
+                    _ => format!("{n} {:.2} ({k} threads, {:.2}–{:.2} each{sys})", s / gb, least / gb, most / gb),
+                }
             })
             .collect();
         if parts.is_empty() {
@@ -600,6 +620,7 @@ fn setups(args: &Args) -> Vec<Setup> {
             zstd_level: 1,
             compression: Compression::Zstd,
             direct_io: DirectIo::Auto,
+            backlog: args.backlog_mib.map(|m| m << 20),
         };
         out.push(host.clone());
         out.push(Setup {
@@ -650,6 +671,7 @@ fn setups(args: &Args) -> Vec<Setup> {
             zstd_level: 1,
             compression: Compression::Zstd,
             direct_io: DirectIo::Auto,
+            backlog: args.backlog_mib.map(|m| m << 20),
         };
         out.push(cuda.clone());
         for (name, dir) in [("disk", &args.dir), ("memory", &args.shm)] {
@@ -708,6 +730,7 @@ fn run_one(exe: &std::path::Path, args: &Args, s: &Setup) -> Res<(Option<Vec<Str
         .args(["--child", &s.name, "--backend", &args.backend, "--dir", &args.dir, "--shm", &args.shm])
         .args(["--laps", &args.laps.to_string(), "--cuda-ring-gib", &args.cuda_ring_gib.to_string()])
         .args(["--host-ring-mib", &args.host_ring_mib.to_string()])
+        .args(args.backlog_mib.iter().flat_map(|m| ["--backlog-mib".to_string(), m.to_string()]))
         .output()?;
     if let Some(d) = &run_dir {
         let _ = std::fs::remove_dir_all(d);

@@ -17,6 +17,13 @@ use ringscope::{Config, Error, Session};
 use ringscope_exporter::{CallbackSink, Record};
 use ringscope_ring::cuda::{DeviceBuffer, Gpu, Graph, Stream};
 
+/// Held by each test for its whole life: the tests record CUDA graphs in global capture mode (as PyTorch does), which
+/// another thread's CUDA call during the capture invalidates, and the harness runs tests on several threads at once.
+fn alone() -> parking_lot::MutexGuard<'static, ()> {
+    static ALONE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    ALONE.lock()
+}
+
 fn config(dir: &std::path::Path, layers: u32, hidden: u32, mode: &str) -> Config {
     let text = format!(
         "[ring]\nbackend = \"cuda\"\ncapacity = \"64 MiB\"\n[policy]\nmode = \"{mode}\"\nfull_deadline_ms = 20000\n\
@@ -35,6 +42,7 @@ fn tempdir(name: &str) -> PathBuf {
 
 #[test]
 fn cuda_session_replays_a_graph_into_parquet_bit_exact() {
+    let _alone = alone();
     let gpu = match Gpu::open(0) {
         Ok(g) => g,
         Err(e) => {
@@ -130,6 +138,7 @@ fn cuda_session_replays_a_graph_into_parquet_bit_exact() {
 
 #[test]
 fn device_calls_on_a_host_session_are_clear_errors() {
+    let _alone = alone();
     let s = Session::new(Config::from_toml(&ringscope::synthetic::residual_hookpoints_toml(1, 8)).unwrap()).unwrap();
     let stream = ringscope::cuda::StreamRef::legacy_default();
     let e = s.begin_step_on(0, [(1, 0)], stream.clone()).unwrap_err().to_string();
@@ -145,6 +154,7 @@ fn device_calls_on_a_host_session_are_clear_errors() {
 
 #[test]
 fn the_policy_manager_reaches_graph_begun_steps_between_replays() {
+    let _alone = alone();
     let Ok(gpu) = Gpu::open(0) else {
         eprintln!("skipped: no GPU");
         return;
@@ -209,6 +219,7 @@ fn the_policy_manager_reaches_graph_begun_steps_between_replays() {
 /// planted request's flag in the device-mapped flag table, read on the host with no synchronisation.
 #[test]
 fn fused_probes_in_a_replayed_graph_match_the_consumer_and_raise_the_stop_flag() {
+    let _alone = alone();
     let Ok(gpu) = Gpu::open(0) else {
         eprintln!("skipped (no GPU)");
         return;

@@ -2,7 +2,8 @@
 //! through pinned memory, and check every byte, every sequence number and every counter.
 //!
 //! They need an NVIDIA GPU, its driver and NVRTC; elsewhere each test prints why it skipped and passes. On a GPU
-//! machine: `LD_LIBRARY_PATH=<dir of libnvrtc.so.13> cargo test --release -p ringscope-hookpoint --test cuda`.
+//! machine: `LD_LIBRARY_PATH=<dir of libnvrtc.so.13> cargo test --release -p ringscope-hookpoint --test cuda`. They
+//! take the GPU one at a time ([`gpu`]), whatever `--test-threads` says.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,9 +18,28 @@ use ringscope_ring::cuda::{
 };
 use ringscope_ring::{rowscaled, DType, RowMeta};
 
-fn gpu() -> Option<Arc<Gpu>> {
+/// The GPU, held by one test at a time for as long as the test keeps this.
+///
+/// The tests record CUDA graphs in global capture mode (as PyTorch does), in which another thread's CUDA call during
+/// the capture invalidates it; the harness runs tests on several threads of one process, so each holds the GPU alone.
+struct TestGpu {
+    gpu: Arc<Gpu>,
+    _alone: parking_lot::MutexGuard<'static, ()>,
+}
+
+impl std::ops::Deref for TestGpu {
+    type Target = Arc<Gpu>;
+
+    fn deref(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+}
+
+fn gpu() -> Option<TestGpu> {
+    static ALONE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+    let alone = ALONE.lock();
     match Gpu::open(0) {
-        Ok(g) => Some(g),
+        Ok(gpu) => Some(TestGpu { gpu, _alone: alone }),
         Err(e) => {
             eprintln!("skipped: {e}");
             None
