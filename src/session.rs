@@ -100,6 +100,8 @@ pub struct Session {
     rank: u32,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
     health: SinkHealth,
+    /// Asks the sinks to commit what they hold ([`Session::wait_drained`]).
+    commits: ringscope_exporter::Commits,
     /// The policy manager (best-effort mode with budgets), deciding at step boundaries.
     governor: Option<Governor>,
     /// Full mode: what a step that found no room by the deadline does.
@@ -264,6 +266,7 @@ impl SessionBuilder {
         let catalog: Arc<dyn Catalog> = Arc::new(RegistryCatalog(registry.clone()));
         let drain = Drain::spawn_pools(source, catalog, pools, options)?;
         let health = drain.health();
+        let commits = drain.commits();
         let mut backend = backend;
         let probes = match probes {
             Some(p) => {
@@ -309,6 +312,7 @@ impl SessionBuilder {
             run_dir,
             rank,
             health,
+            commits,
             governor: config.policy.adaptive().then(|| {
                 // Fused probes' scores are a few floats per row: the last thing to degrade.
                 let scores =
@@ -934,17 +938,35 @@ impl Session {
         }
     }
 
-    /// Waits until every record captured so far is exported or dropped (file sinks export a record when its file
-    /// is committed), or `timeout` passes. Returns whether that happened in time.
+    /// Waits until every record captured so far is exported or dropped, or `timeout` passes. Returns whether that
+    /// happened in time. File sinks export a record when its file is committed: once every record captured so far has
+    /// left the ring, they are asked to commit their open files (after writing every record queued for them), so
+    /// that everything captured so far is in committed, readable files; the next records go to new files. Meant for
+    /// a pause in capture (between batches of work, before reading a dump): while captures go on, new records are
+    /// always in flight and this waits until `timeout`.
     pub fn wait_drained(&self, timeout: Duration) -> bool {
+        // Under continuous capture every commit would start new files: at most one commit per this interval.
+        const COMMIT_EVERY: Duration = Duration::from_millis(50);
         let deadline = std::time::Instant::now() + timeout;
+        let mut next_commit = std::time::Instant::now();
         loop {
             let acc = self.accounting();
             if acc.hookpoints.iter().all(|(_, c)| c.in_flight() == 0) {
                 return true;
             }
-            if std::time::Instant::now() >= deadline {
+            let now = std::time::Instant::now();
+            if now >= deadline {
                 return false;
+            }
+            // Every record published so far offered to the destinations (device counters folded first on the CUDA
+            // backend): the sinks can commit everything captured before this call.
+            let published: u64 = acc.hookpoints.iter().map(|(_, c)| c.published.records).sum();
+            if now >= next_commit && self.observer.monitor.drain().records >= published {
+                if !self.commits.commit(deadline) {
+                    return false;
+                }
+                next_commit = std::time::Instant::now() + COMMIT_EVERY;
+                continue;
             }
             std::thread::sleep(Duration::from_micros(200));
         }

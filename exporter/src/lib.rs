@@ -28,7 +28,7 @@ pub use dataset::{
     EventsTable, FileError, FileFormat, FileSink, FormatError, OptionsError, TableFormat, EVENTS_DIR,
 };
 pub use routing::{
-    BoxError, CallbackSink, Catalog, CatalogEntry, DestinationKind, DestinationStats, Drain, DrainMonitor,
+    BoxError, CallbackSink, Catalog, CatalogEntry, Commits, DestinationKind, DestinationStats, Drain, DrainMonitor,
     DrainOptions, DrainReport, DrainStats, Filter, HookPointSummary, Receipt, Record, Sink, SinkError, SinkFailure,
     SinkHealth, SinkReport, Subscription, Summary, SummarySink,
 };

@@ -642,8 +642,11 @@ rs_status rs_set_valid_rows_device(uint64_t session_handle,
 rs_status rs_stats(uint64_t session_handle, uint32_t hookpoint, struct rs_counts *out);
 
 // Waits until every record captured so far is exported or dropped, up to `timeout_ms`; `RS_ERR_TIMEOUT` if that
-// did not happen. A file sink exports a record when its file is committed (at rotation or close), so with
-// Parquet or Arrow IPC export this waits for that; sinks without files and subscriptions export on delivery.
+// did not happen. A file sink exports a record when its file is committed: once everything captured so far has left
+// the ring, the file sinks write what they hold and commit their open files (later records go to new files), so
+// that with Parquet or Arrow IPC export everything captured so far is in committed, readable files when this
+// returns; sinks without files and subscriptions export on delivery. Meant for a pause in capture: while captures go
+// on, new records are always in flight and this waits until the timeout.
 rs_status rs_flush(uint64_t session_handle,
                    uint32_t timeout_ms);
 

@@ -976,8 +976,11 @@ pub unsafe extern "C" fn rs_stats(session_handle: u64, hookpoint: u32, out: *mut
 }
 
 /// Waits until every record captured so far is exported or dropped, up to `timeout_ms`; `RS_ERR_TIMEOUT` if that
-/// did not happen. A file sink exports a record when its file is committed (at rotation or close), so with
-/// Parquet or Arrow IPC export this waits for that; sinks without files and subscriptions export on delivery.
+/// did not happen. A file sink exports a record when its file is committed: once everything captured so far has left
+/// the ring, the file sinks write what they hold and commit their open files (later records go to new files), so
+/// that with Parquet or Arrow IPC export everything captured so far is in committed, readable files when this
+/// returns; sinks without files and subscriptions export on delivery. Meant for a pause in capture: while captures go
+/// on, new records are always in flight and this waits until the timeout.
 #[no_mangle]
 pub extern "C" fn rs_flush(session_handle: u64, timeout_ms: u32) -> RsStatus {
     ffi(|| {

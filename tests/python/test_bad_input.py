@@ -306,7 +306,7 @@ def test_valid_edge_values(tmp_path):
         assert s.capture(one, np.array([[1.0], [2.0]], dtype=np.float32)) == "published"   # rows of width 1
         assert s.capture(big_layer, np.zeros((1, 2, 2), dtype="<f4")) == "published"     # leading dims are rows
         s.end_step()
-        with pytest.raises(RingscopeError) as e:  # timeout 0 reaches C: Parquet rows are exported at file commit
+        with pytest.raises(RingscopeError) as e:  # timeout 0 reaches C: no time to commit the Parquet files
             s.flush(timeout=0)
         assert e.value.status == "RS_ERR_TIMEOUT"
         rec = sub.poll(timeout=5)

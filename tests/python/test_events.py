@@ -23,7 +23,7 @@ def run(tmp_path, in_the_way, steps=6):
         assert s.capture(hp, np.zeros((2, 8), dtype=np.uint16)) == "published"
         s.end_step()
         if in_the_way:
-            s.flush(10.0)  # the record reached the sink, which failed on it (a working sink exports at close)
+            s.flush(10.0)  # the record reached the sink, which failed on it
     return s.close(), tmp_path / "r"
 
 

@@ -96,3 +96,25 @@ def test_bad_input_raises_clear_errors(tmp_path):
     with pytest.raises(ringscope.RingscopeError) as e:
         s.register("late", dtype="f32", row_width=4)
     assert e.value.status == "RS_ERR_CLOSED"
+
+
+def test_flush_makes_everything_captured_so_far_readable_before_close(tmp_path):
+    config = {"ring": {"capacity": "4 MiB"}, "policy": {"mode": "full"},
+              "export": {"parquet": True, "threads": 2, "dir": str(tmp_path), "run_id": "fl"}}
+    rng = np.random.default_rng(1)
+    with ringscope.Session(config) as s:
+        hp = s.register("layers.0.resid", site="residual", layer=0, dtype="bf16", row_width=16)
+        sent = []
+        for half in range(2):
+            for step in range(half * 5, half * 5 + 5):
+                s.begin_step(step, [7, 8], [step, step])
+                x = bf16_bits(rng.standard_normal((2, 16)))
+                assert s.capture(hp, x) == "published"
+                sent.append(x)
+                s.end_step()
+            s.flush(10.0)  # the open files are committed: the dump so far reads back, the session still open
+            d = ringscope.read_dump(tmp_path / "fl")["layers.0.resid"]
+            assert list(d["step"]) == [k for k in range(half * 5 + 5) for _ in range(2)]
+            assert (d["activation"] == np.concatenate(sent)).all()
+        totals = s.close()
+    assert totals["exported_rows"] == totals["produced_rows"] == 20

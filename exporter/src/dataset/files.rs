@@ -307,7 +307,7 @@ impl<F: FileFormat> Sink for FileSink<F> {
         Ok(())
     }
 
-    fn close(&mut self) -> Result<(), SinkError> {
+    fn commit(&mut self) -> Result<(), SinkError> {
         let mut keys: Vec<SeriesKey> = self.partitions.keys().copied().collect();
         keys.sort_unstable_by_key(|&(id, dtype)| (id, dtype.code()));
         let mut errors: Vec<FileError> = keys.into_iter().filter_map(|key| self.flush(key, true).err()).collect();
@@ -316,5 +316,9 @@ impl<F: FileFormat> Sink for FileSink<F> {
             1 => Err(Self::error(errors.remove(0))),
             _ => Err(SinkError::Files { sink: F::NAME.into(), errors }),
         }
+    }
+
+    fn close(&mut self) -> Result<(), SinkError> {
+        self.commit()
     }
 }

@@ -15,7 +15,7 @@
 //! destinations.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
@@ -152,6 +152,7 @@ pub struct Drain {
     backlog_bytes: usize,
     health: SinkHealth,
     monitor: DrainMonitor,
+    commits: Commits,
 }
 
 impl Drain {
@@ -183,6 +184,7 @@ impl Drain {
         let mut workers = Vec::new();
         let health = SinkHealth::default();
         let monitor = DrainMonitor::new(consumer.gauge());
+        let mut commits = Commits::default();
         for (pool, filter) in pools {
             let Some(name) = pool.first().map(|s| s.name().to_owned()) else {
                 return Err(ExporterError::EmptyPool);
@@ -193,8 +195,10 @@ impl Drain {
             ports.push(p);
             let writing = Arc::new(AtomicUsize::new(pool.len()));
             let size = pool.len();
-            for (worker, sink) in pool.into_iter().enumerate() {
-                let seat = Seat { queue: queue.clone(), worker, workers: size };
+            let committed: Vec<Arc<AtomicU64>> = (0..size).map(|_| Arc::new(AtomicU64::new(0))).collect();
+            commits.pools.push((queue.clone(), committed.clone()));
+            for ((worker, sink), committed) in pool.into_iter().enumerate().zip(committed) {
+                let seat = Seat { queue: queue.clone(), worker, workers: size, committed };
                 let (backlog, health, writing) = (backlog.clone(), health.clone(), writing.clone());
                 let thread = std::thread::Builder::new()
                     // `rs-parquet-3`: Linux keeps 15 bytes of a thread's name, enough to tell the sink threads apart.
@@ -210,7 +214,12 @@ impl Drain {
             .name("ringscope-drain".into())
             .spawn(move || run_drain(Box::new(consumer), &*catalog, ports, new_ports, options, &drain_monitor))
             .map_err(ExporterError::Spawn)?;
-        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes, health, monitor })
+        Ok(Drain { thread, workers, subscribe, backlog_bytes: options.backlog_bytes, health, monitor, commits })
+    }
+
+    /// A handle that asks the sinks to commit what they hold (see [`Commits::commit`]), for any thread.
+    pub fn commits(&self) -> Commits {
+        self.commits.clone()
     }
 
     /// The drain's numbers — records and bytes moved, ring occupancy, each destination's progress and lag — for
@@ -454,11 +463,44 @@ impl Pressure {
     }
 }
 
-/// A sink's place in its pool: the queue it shares, its index and the pool's size (see [`Queue::take`]).
+/// A sink's place in its pool: the queue it shares, its index and the pool's size (see [`Queue::take`]), and where
+/// it says which commit it carried out last.
 struct Seat {
     queue: Arc<Queue>,
     worker: usize,
     workers: usize,
+    committed: Arc<AtomicU64>,
+}
+
+/// The sink pools' queues and what each sink committed last: asks them to commit what they hold and waits for them
+/// ([`Commits::commit`]). A handle of the drain's, usable from any thread while the drain runs.
+#[derive(Clone, Default)]
+pub struct Commits {
+    pools: Vec<(Arc<Queue>, Vec<Arc<AtomicU64>>)>,
+}
+
+impl Commits {
+    /// Asks every sink to commit what it holds (file sinks: their open files, see [`Sink::commit`]) once it has taken
+    /// every record queued for its pool now, and waits until each has, or until `deadline`. Returns whether all did.
+    /// A sink that stopped (failed, or the stream ended) counts as done. Records the drain has not queued yet are
+    /// not covered: wait until the drain has offered what you need first.
+    pub fn commit(&self, deadline: Instant) -> bool {
+        let asked: Vec<u64> = self.pools.iter().map(|(queue, _)| queue.request_commit()).collect();
+        loop {
+            let done = self
+                .pools
+                .iter()
+                .zip(&asked)
+                .all(|((_, sinks), &n)| sinks.iter().all(|c| c.load(Ordering::Acquire) >= n));
+            if done {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
 }
 
 /// How long a sink of a pool waits for a record of its own hookpoints before it takes any (see [`Queue::take`]).
@@ -478,7 +520,40 @@ fn run_sink(
     // `None` once it failed: it is closed and dropped at once, so that records it held (lent by the ring) go back
     // instead of holding the ring until shutdown.
     let mut live = Some(sink);
-    while let Received::Record(record) = seat.queue.take(seat.worker, seat.workers, STEAL_AFTER) {
+    let mut committed = 0;
+    loop {
+        let record = match seat.queue.take(seat.worker, seat.workers, STEAL_AFTER, committed) {
+            Received::Record(record) => record,
+            Received::Commit(n) => {
+                committed = n;
+                if let Some(sink) = live.as_mut() {
+                    let result = catch_unwind(AssertUnwindSafe(|| sink.commit())).unwrap_or_else(|p| {
+                        Err(SinkError::Panicked {
+                            sink: report.name.clone(),
+                            message: panic_message(&*p),
+                            on_close: false,
+                        })
+                    });
+                    if let Err(e) = result {
+                        // As a failed write (below), with no record of its own to fail: the files it could not
+                        // commit failed their records' receipts.
+                        let others_write = writing.fetch_sub(1, Ordering::AcqRel) > 1;
+                        if !others_write {
+                            backlog.set_failed();
+                        }
+                        health.report(&report.name, e.to_string());
+                        report.errors.push(e.to_string());
+                        close_sink(live.take().expect("live"), &mut report);
+                        if others_write {
+                            break;
+                        }
+                    }
+                }
+                seat.committed.store(n, Ordering::Release);
+                continue;
+            }
+            Received::Timeout | Received::End => break,
+        };
         let size = record.size_bytes();
         match live.as_mut() {
             None => record.receipt().fail(DropReason::SinkError),
@@ -517,6 +592,8 @@ fn run_sink(
         drop(record);
         backlog.taken(size);
     }
+    // Gone: a commit asked for from now on does not wait for this sink.
+    seat.committed.store(u64::MAX, Ordering::Release);
     if let Some(sink) = live {
         close_sink(sink, &mut report);
         // A sink that wrote everything but failed to commit it at close failed too (its last files' records are

@@ -171,6 +171,8 @@ struct Items {
     ended: bool,
     /// The destination closed it (a subscription's `close`): receivers see the end at once.
     closed: bool,
+    /// The latest commit asked of a pool's sinks ([`Queue::request_commit`]); 0: none yet.
+    commit: u64,
 }
 
 /// What a receiver got from a [`Queue`].
@@ -180,12 +182,14 @@ pub(crate) enum Received {
     Timeout,
     /// The stream ended (drain gone, queue empty) or the queue was closed.
     End,
+    /// A pool's sink is asked to commit what it holds ([`Queue::request_commit`]): commit number `n`.
+    Commit(u64),
 }
 
 impl Queue {
     fn new() -> Arc<Queue> {
         Arc::new(Queue {
-            items: Mutex::new(Items { records: VecDeque::new(), ended: false, closed: false }),
+            items: Mutex::new(Items { records: VecDeque::new(), ended: false, closed: false, commit: 0 }),
             ready: Condvar::new(),
         })
     }
@@ -205,15 +209,20 @@ impl Queue {
     /// takes the first of its own among the oldest few queued, else the oldest record of any hookpoint once the
     /// others are behind — as many records queued as sinks, or the oldest waiting for `steal_after` — or the stream
     /// has ended. Records of one hookpoint are taken in stream order, whoever takes them.
-    pub(crate) fn take(&self, worker: usize, workers: usize, steal_after: Duration) -> Received {
-        if workers <= 1 {
-            return self.pop(None);
-        }
+    ///
+    /// A sink that has carried out commit number `committed` gets [`Received::Commit`] once a later one is asked
+    /// for and no record is queued: every record queued before the request has been taken by then (by this sink or
+    /// another of the pool, each of which commits in turn once it comes back for more).
+    pub(crate) fn take(&self, worker: usize, workers: usize, steal_after: Duration, committed: u64) -> Received {
+        let workers = workers.max(1);
         let window = workers.saturating_mul(4);
         let mut items = self.items.lock();
         loop {
             if items.closed {
                 return Received::End;
+            }
+            if items.commit > committed && items.records.is_empty() {
+                return Received::Commit(items.commit);
             }
             let own =
                 items.records.iter().take(window).position(|(r, _)| r.hookpoint().id() as usize % workers == worker);
@@ -236,6 +245,17 @@ impl Queue {
                 }
             }
         }
+    }
+
+    /// Asks the pool's sinks to commit what they hold once the records queued now are taken (see [`take`]); returns
+    /// the commit's number.
+    ///
+    /// [`take`]: Queue::take
+    pub(crate) fn request_commit(&self) -> u64 {
+        let mut items = self.items.lock();
+        items.commit += 1;
+        self.ready.notify_all();
+        items.commit
     }
 
     /// The next record: waits up to `timeout` (`None`: until one comes or the stream ends).
@@ -535,7 +555,7 @@ impl Subscription {
     pub fn recv(&self) -> Option<Record> {
         match self.queue.pop(None) {
             Received::Record(r) => self.took(r),
-            Received::Timeout | Received::End => None,
+            Received::Timeout | Received::End | Received::Commit(_) => None, // a subscription is never asked to commit
         }
     }
 
@@ -545,7 +565,7 @@ impl Subscription {
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Record>, ()> {
         match self.queue.pop(Some(timeout)) {
             Received::Record(r) => self.took(r).map(Some).ok_or(()),
-            Received::Timeout => Ok(None),
+            Received::Timeout | Received::Commit(_) => Ok(None),
             Received::End => Err(()),
         }
     }
@@ -554,7 +574,7 @@ impl Subscription {
     pub fn try_recv(&self) -> Option<Record> {
         match self.queue.pop(Some(Duration::ZERO)) {
             Received::Record(r) => self.took(r),
-            Received::Timeout | Received::End => None,
+            Received::Timeout | Received::End | Received::Commit(_) => None,
         }
     }
 
@@ -613,7 +633,7 @@ mod tests {
     }
 
     fn take_hp(q: &Queue, worker: usize, workers: usize, steal_after: Duration) -> Option<(u32, u64)> {
-        match q.take(worker, workers, steal_after) {
+        match q.take(worker, workers, steal_after, 0) {
             Received::Record(r) => Some((r.hookpoint().id(), r.header().seq)),
             _ => None,
         }
@@ -650,5 +670,32 @@ mod tests {
         assert_eq!(take_hp(&q, 1, 2, long), Some((0, 0)));
         assert_eq!(take_hp(&q, 1, 2, long), Some((2, 1)));
         assert_eq!(take_hp(&q, 1, 2, long), None);
+    }
+
+    #[test]
+    fn a_commit_comes_after_the_records_queued_before_it_once_for_each_sink() {
+        let long = Duration::from_secs(600);
+        let q = Queue::new();
+        for r in records(&[0, 1]) {
+            q.push(r);
+        }
+        assert_eq!(q.request_commit(), 1);
+        // The pool's sinks take the queued records first, then each gets the commit once.
+        assert_eq!(take_hp(&q, 0, 2, long), Some((0, 0)));
+        assert_eq!(take_hp(&q, 1, 2, long), Some((1, 1)));
+        assert!(matches!(q.take(0, 2, long, 0), Received::Commit(1)));
+        assert!(matches!(q.take(1, 2, long, 0), Received::Commit(1)));
+        // Carried out: a sink that has done commit 1 waits for records again; a record queued later is taken.
+        q.push(records(&[1]).pop().unwrap());
+        assert_eq!(take_hp(&q, 1, 2, long), Some((1, 0)));
+        q.end();
+        assert!(matches!(q.take(0, 2, long, 1), Received::End));
+        // A one-sink pool the same.
+        let q = Queue::new();
+        q.push(records(&[3]).pop().unwrap());
+        assert_eq!(q.request_commit(), 1);
+        assert_eq!(q.request_commit(), 2);
+        assert_eq!(take_hp(&q, 0, 1, long), Some((3, 0)));
+        assert!(matches!(q.take(0, 1, long, 0), Received::Commit(2)));
     }
 }

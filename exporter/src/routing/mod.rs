@@ -16,7 +16,7 @@ pub mod record;
 pub mod sink;
 
 pub use catalog::{Catalog, CatalogEntry};
-pub use drain::{Drain, DrainOptions, DrainReport, SinkFailure, SinkHealth, SinkReport};
+pub use drain::{Commits, Drain, DrainOptions, DrainReport, SinkFailure, SinkHealth, SinkReport};
 pub use fanout::{Filter, Subscription};
 pub use monitor::{DestinationKind, DestinationStats, DrainMonitor, DrainStats};
 pub use record::{Receipt, Record};

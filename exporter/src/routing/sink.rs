@@ -78,6 +78,13 @@ pub trait Sink: Send {
     fn name(&self) -> &str;
     /// Takes one record.
     fn write(&mut self, record: &Record) -> Result<(), SinkError>;
+    /// Makes what it was given so far durable and readable, and goes on taking records: a file sink commits its open
+    /// files (the next record opens new ones). Called when a session is flushed, after the sink took every record
+    /// captured before the flush. An error fails the sink as a failed `write` does. Default: nothing to do.
+    fn commit(&mut self) -> Result<(), SinkError> {
+        Ok(())
+    }
+
     /// Called once at shutdown, after the last record: flush and close files.
     fn close(&mut self) -> Result<(), SinkError> {
         Ok(())

@@ -827,8 +827,11 @@ class Session:
         return out
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Waits until everything captured so far is exported or dropped (file sinks export at file commit), up to
-        ``timeout`` seconds (0..=:data:`MAX_TIMEOUT_S`); ``RS_ERR_TIMEOUT`` if that did not happen."""
+        """Waits until everything captured so far is exported or dropped, up to ``timeout`` seconds
+        (0..=:data:`MAX_TIMEOUT_S`); ``RS_ERR_TIMEOUT`` if that did not happen. With Parquet or Arrow IPC export the
+        sinks then commit their open files: everything captured so far can be read (:func:`read_dump`) before the
+        session closes, and later captures go to new files. Meant for a pause in capture (while captures go on, new
+        records are always in flight and this waits until the timeout)."""
         _check(_load().rs_flush(self._h, _timeout_ms("timeout", timeout)))
 
     # -- probes --------------------------------------------------------------------------------------------------
