@@ -275,16 +275,12 @@ impl ThreadCpu {
     }
 }
 
-/// Without file sinks: waits until every record is exported and returns when. With them, records count as exported
-/// only when their file is committed at shutdown, so there is nothing to wait for: `None`.
-fn flush(session: &Session, setup: &Setup) -> Res<Option<Instant>> {
-    if setup.files.is_some() {
-        return Ok(None);
-    }
+/// Waits until every record is exported (file sinks: written and their files committed) and returns when.
+fn flush(session: &Session) -> Res<Instant> {
     if !session.wait_drained(Duration::from_secs(600)) {
         return Err("not drained within 10 minutes".into());
     }
-    Ok(Some(Instant::now()))
+    Ok(Instant::now())
 }
 
 /// Each hookpoint's activations (`bytes` of them), generated on a thread each: 1 GiB of normal-distributed bf16 took
@@ -328,7 +324,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
                 session.end_step()?;
             }
             stream.synchronize()?;
-            flushed = flush(&session, setup)?;
+            flushed = flush(&session)?;
         }
         Backend::Host => {
             let sources = sources(&ids, per_hp);
@@ -341,7 +337,7 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
                 }
                 session.end_step()?;
             }
-            flushed = flush(&session, setup)?;
+            flushed = flush(&session)?;
         }
     }
     let report = session.shutdown()?;
@@ -355,9 +351,9 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
         "RESULT\t{}\t{:.2}\t{}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}\t{}",
         setup.name,
         bytes as f64 / secs / 1e9,
-        flushed.map_or("—".into(), |f| format!("{:.1}", bytes as f64 / (f - started).as_secs_f64() / 1e9)),
+        format!("{:.1}", bytes as f64 / (flushed - started).as_secs_f64() / 1e9),
         (steps * rows as u64) as f64 / secs,
-        flushed.map_or("— (files commit at shutdown)".into(), |f| format!("{:.1}", (closed - f).as_secs_f64() * 1e3)),
+        format!("{:.1}", (closed - flushed).as_secs_f64() * 1e3),
         peak_rss_mib(),
         total.exported.rows,
         total.produced.rows - total.exported.rows,

@@ -6,7 +6,7 @@
 A 1B-shaped Llama (16 layers, hidden 2048, bf16, random weights: no download, see hf_overhead.py), prefill of
 8 x 2048 tokens, `ringscope.torch.attach(model, session, sites=["residual"])`, `ring.backend = "cuda"`,
 `ring.capacity = "16 GiB"`, full mode, 8 prefills (8.6 GB of activations), timed from the first capture until
-`flush()` returned (no file sink) and `close()` finished. Each variant runs in its own process (so its peak RSS is
+`flush()` returned (with file sinks: everything written and the files committed) and `close()` finished. Each variant runs in its own process (so its peak RSS is
 its own); the model alone, as GB/s of residuals produced, is measured the same way.
 """
 import argparse
@@ -67,9 +67,8 @@ def run_variant(name, config):
     torch.cuda.synchronize()
     out["prefills_s"] = time.perf_counter() - t0
     if session is not None:
-        if "export" not in config:
-            session.flush(timeout=600)
-            out["flushed_s"] = time.perf_counter() - t0
+        session.flush(timeout=600)
+        out["flushed_s"] = time.perf_counter() - t0
         att.detach()
         t_close = time.perf_counter()
         totals = session.close()
