@@ -348,12 +348,12 @@ fn run_child(setup: &Setup, laps: usize) -> Res<()> {
     let file_bytes: u64 = report.files.iter().map(|f| f.bytes).sum();
     let cpu = cpu.finish(bytes);
     println!(
-        "RESULT\t{}\t{:.2}\t{}\t{:.0}\t{}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}\t{}",
+        "RESULT\t{}\t{:.2}\t{:.1}\t{:.0}\t{:.1}\t{:.0}\t{}\t{}\t{}\t{:.3}\t{}\t{}",
         setup.name,
         bytes as f64 / secs / 1e9,
-        format!("{:.1}", bytes as f64 / (flushed - started).as_secs_f64() / 1e9),
+        bytes as f64 / (flushed - started).as_secs_f64() / 1e9,
         (steps * rows as u64) as f64 / secs,
-        format!("{:.1}", (closed - flushed).as_secs_f64() * 1e3),
+        (closed - flushed).as_secs_f64() * 1e3,
         peak_rss_mib(),
         total.exported.rows,
         total.produced.rows - total.exported.rows,

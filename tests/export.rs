@@ -583,20 +583,7 @@ fn several_sink_threads_share_one_hookpoint_record_by_record() {
         for f in &files {
             let name = f.file_name().unwrap().to_string_lossy().into_owned();
             let shard: usize = name.rsplit_once("-s").unwrap().1.split('.').next().unwrap().parse().unwrap();
-            let batches: Vec<RecordBatch> = if ext == "parquet" {
-                ParquetRecordBatchReaderBuilder::try_new(File::open(f).unwrap())
-                    .unwrap()
-                    .build()
-                    .unwrap()
-                    .map(|b| b.unwrap())
-                    .collect()
-            } else {
-                arrow::ipc::reader::FileReader::try_new(File::open(f).unwrap(), None)
-                    .unwrap()
-                    .map(|b| b.unwrap())
-                    .collect()
-            };
-            for b in batches {
+            for b in read_batches(f) {
                 per_shard[shard] += verify(&b, &cfg, 0);
                 let req = b.column_by_name("request_id").unwrap().as_any().downcast_ref::<UInt64Array>().unwrap();
                 let pos = b.column_by_name("position").unwrap().as_any().downcast_ref::<UInt32Array>().unwrap();
@@ -610,23 +597,23 @@ fn several_sink_threads_share_one_hookpoint_record_by_record() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The record batches of a Parquet or an Arrow IPC file (by its extension).
+fn read_batches(f: &Path) -> Vec<RecordBatch> {
+    if f.extension().is_some_and(|x| x == "parquet") {
+        ParquetRecordBatchReaderBuilder::try_new(File::open(f).unwrap())
+            .unwrap()
+            .build()
+            .unwrap()
+            .map(|b| b.unwrap())
+            .collect()
+    } else {
+        arrow::ipc::reader::FileReader::try_new(File::open(f).unwrap(), None).unwrap().map(|b| b.unwrap()).collect()
+    }
+}
+
 /// Every row of `files` (Parquet or Arrow IPC), checked against the generator.
 fn rows_in(files: &[PathBuf], cfg: &EngineConfig) -> u64 {
-    let mut rows = 0;
-    for f in files {
-        let batches: Vec<RecordBatch> = if f.extension().is_some_and(|x| x == "parquet") {
-            ParquetRecordBatchReaderBuilder::try_new(File::open(f).unwrap())
-                .unwrap()
-                .build()
-                .unwrap()
-                .map(|b| b.unwrap())
-                .collect()
-        } else {
-            arrow::ipc::reader::FileReader::try_new(File::open(f).unwrap(), None).unwrap().map(|b| b.unwrap()).collect()
-        };
-        rows += batches.iter().map(|b| verify(b, cfg, layer_of(f))).sum::<u64>();
-    }
-    rows
+    files.iter().map(|f| read_batches(f).iter().map(|b| verify(b, cfg, layer_of(f))).sum::<u64>()).sum()
 }
 
 /// A flush with file sinks (two formats, two sink threads each) returns once everything captured so far is in
