@@ -420,8 +420,12 @@ mod tempdir {
     pub struct Scratch(pub std::path::PathBuf);
 
     impl Scratch {
+        /// A directory of its own for each call: the tests run on several threads at once, and one removing a
+        /// directory another is creating or using made either fail ("File exists", files gone mid-run).
         pub fn new(label: &str) -> Scratch {
-            let dir = std::env::temp_dir().join(format!("ringscope-{label}-{}", std::process::id()));
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let dir = std::env::temp_dir().join(format!("ringscope-{label}-{}-{n}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("create a scratch directory");
             Scratch(dir)
         }
