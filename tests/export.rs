@@ -625,21 +625,7 @@ fn flush_commits_the_files_sinks_hold_and_capture_goes_on_into_new_files() {
     let cfg = EngineConfig { layers: 2, hidden: 64, requests: 12, ..EngineConfig::default() };
     let session = Session::new(config(&dir, cfg.layers, cfg.hidden, "threads = 2\narrow_ipc = true")).unwrap();
     let run_dir = dir.join("r");
-    let in_progress = || {
-        let mut stack = vec![run_dir.clone()];
-        let mut found = Vec::new();
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).unwrap() {
-                let p = e.unwrap().path();
-                if p.is_dir() {
-                    stack.push(p);
-                } else if p.to_string_lossy().ends_with(".inprogress") {
-                    found.push(p);
-                }
-            }
-        }
-        found
-    };
+    let in_progress = || files_with_ext(&run_dir, "inprogress"); // `.part-00000.parquet.inprogress`
     let mut before: Vec<PathBuf> = Vec::new();
     let mut total_rows = 0;
     for half in 0..2u64 {

@@ -527,22 +527,10 @@ fn run_sink(
             Received::Commit(n) => {
                 committed = n;
                 if let Some(sink) = live.as_mut() {
-                    let result = catch_unwind(AssertUnwindSafe(|| sink.commit())).unwrap_or_else(|p| {
-                        Err(SinkError::Panicked {
-                            sink: report.name.clone(),
-                            message: panic_message(&*p),
-                            on_close: false,
-                        })
-                    });
-                    if let Err(e) = result {
+                    if let Err(e) = guarded(&report.name, || sink.commit()) {
                         // As a failed write (below), with no record of its own to fail: the files it could not
                         // commit failed their records' receipts.
-                        let others_write = writing.fetch_sub(1, Ordering::AcqRel) > 1;
-                        if !others_write {
-                            backlog.set_failed();
-                        }
-                        health.report(&report.name, e.to_string());
-                        report.errors.push(e.to_string());
+                        let others_write = failed(&e, &mut report, &writing, &backlog, &health);
                         close_sink(live.take().expect("live"), &mut report);
                         if others_write {
                             break;
@@ -558,26 +546,16 @@ fn run_sink(
         match live.as_mut() {
             None => record.receipt().fail(DropReason::SinkError),
             Some(sink) => {
-                let result = catch_unwind(AssertUnwindSafe(|| sink.write(&record))).unwrap_or_else(|p| {
-                    Err(SinkError::Panicked { sink: report.name.clone(), message: panic_message(&*p), on_close: false })
-                });
-                match result {
+                match guarded(&report.name, || sink.write(&record)) {
                     Ok(()) => {
                         report.records += 1;
                         backlog.delivered(size);
                     }
                     Err(e) => {
-                        // The destination fails with the last sink of its pool that still wrote.
-                        let others_write = writing.fetch_sub(1, Ordering::AcqRel) > 1;
-                        if !others_write {
-                            backlog.set_failed();
-                        }
-                        // Reported the moment it happens (and before the record is counted as dropped, so that a
-                        // caller who sees the drop sees the failure), so that the engine learns while it runs: full
-                        // mode refuses captures from now on.
-                        health.report(&report.name, e.to_string());
+                        // Reported before the record is counted as dropped, so that a caller who sees the drop sees
+                        // the failure.
+                        let others_write = failed(&e, &mut report, &writing, &backlog, &health);
                         record.receipt().fail(DropReason::SinkError);
-                        report.errors.push(e.to_string());
                         close_sink(live.take().expect("live"), &mut report);
                         drop(record);
                         backlog.taken(size);
@@ -604,6 +582,32 @@ fn run_sink(
         }
     }
     report
+}
+
+/// Runs `call` (a sink's `write` or `commit`), turning a panic into an error of the sink `name`.
+fn guarded(name: &str, call: impl FnOnce() -> Result<(), SinkError>) -> Result<(), SinkError> {
+    catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|p| {
+        Err(SinkError::Panicked { sink: name.to_owned(), message: panic_message(&*p), on_close: false })
+    })
+}
+
+/// The sink failed with `e` (in `write` or `commit`): reported the moment it happens, so that the engine learns while
+/// it runs (full mode refuses captures from now on); the destination fails with the last sink of its pool that still
+/// wrote. Returns whether others of its pool still write (the queue is theirs then).
+fn failed(
+    e: &SinkError,
+    report: &mut SinkReport,
+    writing: &AtomicUsize,
+    backlog: &Backlog,
+    health: &SinkHealth,
+) -> bool {
+    let others_write = writing.fetch_sub(1, Ordering::AcqRel) > 1;
+    if !others_write {
+        backlog.set_failed();
+    }
+    health.report(&report.name, e.to_string());
+    report.errors.push(e.to_string());
+    others_write
 }
 
 /// Closes `sink` and drops it, turning a panic in either into an error of the report.
@@ -904,6 +908,73 @@ mod tests {
         let failures = health.failures();
         assert_eq!(failures.len(), 1, "{failures:?}");
         assert!(failures[0].sink == "closer" && failures[0].message.contains("no space left"), "{failures:?}");
+    }
+
+    #[test]
+    fn a_sink_that_fails_to_commit_fails_like_a_failed_write_and_the_commit_does_not_wait_for_it() {
+        /// Holds every record until a commit, which fails for sink `fails` (a pool of two: the other commits).
+        struct Holder {
+            held: Vec<Record>,
+            fails: bool,
+            committed: Arc<AtomicUsize>,
+        }
+        impl Sink for Holder {
+            fn name(&self) -> &str {
+                "files"
+            }
+            fn write(&mut self, r: &Record) -> Result<(), SinkError> {
+                self.held.push(r.clone());
+                Ok(())
+            }
+            fn commit(&mut self) -> Result<(), SinkError> {
+                if self.fails {
+                    for r in self.held.drain(..) {
+                        r.receipt().fail(DropReason::SinkError); // the file it could not commit
+                    }
+                    return Err(SinkError::Callback { sink: "files".into(), source: "rename: no space left".into() });
+                }
+                self.committed.fetch_add(self.held.len(), Ordering::Relaxed);
+                self.held.clear();
+                Ok(())
+            }
+        }
+        for (pool, failing) in [(1usize, 1usize), (2, 1)] {
+            let (mut p, c, reg) = setup();
+            let committed = Arc::new(AtomicUsize::new(0));
+            let sinks = (0..pool)
+                .map(|i| {
+                    Box::new(Holder { held: Vec::new(), fails: i < failing, committed: committed.clone() })
+                        as Box<dyn Sink>
+                })
+                .collect();
+            let drain =
+                Drain::spawn_pools(c, reg.catalog(), vec![(sinks, Filter::all())], DrainOptions::default()).unwrap();
+            let (health, monitor, commits) = (drain.health(), drain.monitor(), drain.commits());
+            for step in 0..8u64 {
+                reg.capture(&mut p, 0, step, &[(1, 0)], &[0; 16]);
+            }
+            while monitor.drain().records < 8 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(commits.commit(Instant::now() + Duration::from_secs(10)), "pool of {pool}");
+            let failures = health.failures();
+            assert!(failures.len() == 1 && failures[0].message.contains("no space left"), "{failures:?}");
+            // A second commit does not wait for the failed sink either.
+            assert!(commits.commit(Instant::now() + Duration::from_secs(10)), "pool of {pool}");
+            reg.capture(&mut p, 0, 8, &[(1, 0)], &[0; 16]);
+            drop(p);
+            let report = drain.join().unwrap();
+            assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+            assert_eq!(monitor.destinations()[0].failed, pool == failing, "pool of {pool}");
+            let acc = reg.accounting();
+            acc.check().unwrap();
+            let c = acc.hookpoints[0].1;
+            // Every record counted: the failed sink's as `sink_error` (with one sink, the later record too); the
+            // other's exported — those it committed, and the later record, which it took and held until the end.
+            assert_eq!(c.exported.records + c.dropped_for(DropReason::SinkError).records, 9, "pool of {pool}");
+            let exported = committed.load(Ordering::Relaxed) + (pool - failing);
+            assert_eq!(c.exported.records as usize, exported, "pool of {pool}");
+        }
     }
 
     #[test]
