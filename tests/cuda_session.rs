@@ -298,3 +298,199 @@ fn fused_probes_in_a_replayed_graph_match_the_consumer_and_raise_the_stop_flag()
     let counters = |name: &str| report.accounting.hookpoints.iter().find(|(n, _)| n == name).unwrap().1;
     assert_eq!(counters("probes.fused").exported.rows, counters("h").exported.rows);
 }
+
+/// Issue 28: many fused probes (one or two per layer, K from 1 to 64, weights and biases of their own) recorded into
+/// a CUDA graph with every layer's capture, over several sessions in a row, on two model shapes (28 × 1536 and
+/// 16 × 2048), with and without deferred captures — every score of every replay checked against `W · x + b`
+/// computed here in f64 from the rows the test wrote (not through ringscope's scorer). Each session opens while the
+/// legacy default stream is busy, as an engine's default stream is when a server starts a session: the probes'
+/// tables used to be zeroed by a `cuMemsetD8` ordered on that stream *after* their upload on a non-blocking stream,
+/// and those probes scored the bias only, on every replay.
+#[test]
+fn many_fused_probes_in_graphs_agree_with_an_f64_reference_over_sessions() {
+    let _alone = alone();
+    let Ok(gpu) = Gpu::open(0) else {
+        eprintln!("skipped (no GPU)");
+        return;
+    };
+    const BATCH: usize = 8;
+    const REPLAYS: u32 = 4;
+    let ks = [1usize, 3, 8, 16, 17, 33, 64];
+    // Work for the legacy default stream while each session opens: device-to-device copies of 1 GiB (~0.5 ms each).
+    let busy = (DeviceBuffer::zeroed(&gpu, 1 << 30).unwrap(), DeviceBuffer::zeroed(&gpu, 1 << 30).unwrap());
+    let legacy = ringscope::cuda::StreamRef::legacy_default();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0 // uniform in [-1, 1)
+    };
+    let mut summary = Vec::new();
+    let mut session_no = 0u64;
+    for (layers, d) in [(28usize, 1536usize), (16, 2048)] {
+        for defer in [false, true] {
+            for round in 0..3usize {
+                session_no += 1;
+                let dir = tempdir(&format!("many-probes-{session_no}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                // One probe per layer, plus a second on every other layer (28 layers: 42 probes) or on every layer
+                // (16 layers: 32 probes).
+                struct P {
+                    name: String,
+                    layer: usize,
+                    k: usize,
+                    w: Vec<f32>,
+                    b: Vec<f32>,
+                }
+                let mut probes = Vec::new();
+                for l in 0..layers {
+                    for extra in 0..(1 + usize::from(l % 2 == 0 || layers < 28)) {
+                        let k = ks[(l + extra * 3 + round) % ks.len()];
+                        let w: Vec<f32> = (0..k * d).map(|_| (next() / (d as f64).sqrt()) as f32).collect();
+                        let b: Vec<f32> = (0..k).map(|_| next() as f32).collect();
+                        probes.push(P { name: format!("p{l}_{extra}"), layer: l, k, w, b });
+                    }
+                }
+                let mut text = format!(
+                    "[ring]\nbackend = \"cuda\"\ncapacity = \"64 MiB\"\nmax_batch_rows = 64\ndefer_captures = {defer}\n\
+                     [policy]\nmode = \"best_effort\"\n"
+                );
+                for l in 0..layers {
+                    // The raw rows go to the ring in some sessions only: the probes must not depend on it.
+                    text += &format!(
+                        "[[hookpoints]]\nname = \"layers.{l}\"\nsite = \"residual\"\nlayer = {l}\ndtype = \"bf16\"\n\
+                         row_width = {d}\nenabled = {}\n",
+                        round != 1
+                    );
+                }
+                for p in &probes {
+                    let npy = dir.join(format!("{}.npy", p.name));
+                    ringscope::probe::save_npy(&npy, &[p.k, d], &p.w).unwrap();
+                    let bias: Vec<String> = p.b.iter().map(|v| format!("{v:?}")).collect();
+                    text += &format!(
+                        "[[probes]]\nname = \"{}\"\nhookpoint = \"layers.{}\"\nweights = \"{}\"\nbias = [{}]\n\
+                         threshold = 1e30\naggregate = \"mean\"\nmode = \"fused\"\n",
+                        p.name,
+                        p.layer,
+                        npy.display(),
+                        bias.join(", ")
+                    );
+                }
+                // Every score row the session exports: (probe, request, position) → scores.
+                type Scores = std::collections::HashMap<(String, u64, u32), Vec<f32>>;
+                let got: Arc<parking_lot::Mutex<Scores>> = Arc::default();
+                let g2 = got.clone();
+                let collect = CallbackSink::new("collect", move |record: &Record| {
+                    let name = record.hookpoint().spec().name.clone();
+                    let Some(probe) = name.strip_prefix("probes.") else { return Ok(()) };
+                    let view = record.view();
+                    for (i, m) in view.row_metas().enumerate() {
+                        let s: Vec<f32> =
+                            view.row(i).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+                        if g2.lock().insert((probe.to_owned(), m.request_id, m.position), s).is_some() {
+                            return Err(
+                                format!("{probe}: request {} position {} twice", m.request_id, m.position).into()
+                            );
+                        }
+                    }
+                    Ok(())
+                });
+                for _ in 0..64 {
+                    busy.1.copy_from_device_async(&busy.0, 1 << 30, &legacy).unwrap();
+                }
+                let session = Session::builder(Config::from_toml(&text).unwrap()).sink(collect).start().unwrap();
+                let stream = Stream::new(&gpu).unwrap();
+                let sources: Vec<DeviceBuffer> =
+                    (0..layers).map(|_| DeviceBuffer::zeroed(&gpu, BATCH * d * 2).unwrap()).collect();
+                let ids = DeviceBuffer::zeroed(&gpu, BATCH * 8).unwrap();
+                let positions = DeviceBuffer::zeroed(&gpu, BATCH * 8).unwrap();
+                let request = |b: usize| 1000 * session_no + b as u64;
+                let id_bytes: Vec<u8> = (0..BATCH).flat_map(|b| (request(b) as i64).to_le_bytes()).collect();
+                ids.copy_from_host_async(0, &id_bytes, stream.handle()).unwrap();
+                let batch = ringscope::cuda::GraphBatch {
+                    batch: BATCH as u32,
+                    seq: 1,
+                    request_ids: ids.ptr(),
+                    positions: positions.ptr(),
+                    positions_batch_stride: 1,
+                };
+                session.apply_controls(stream.handle()).unwrap();
+                stream.synchronize().unwrap();
+                let graph = Graph::capture(&stream, || -> Result<(), Error> {
+                    session.begin_step_graph(&batch, stream.handle())?;
+                    for (l, buf) in sources.iter().enumerate() {
+                        session.capture_device(l as u32, buf.ptr(), BATCH as u32, stream.handle())?;
+                    }
+                    session.end_step()
+                })
+                .unwrap();
+                // Replay r: every row at position r; the rows (bf16) kept here for the reference.
+                let mut rows: Vec<Vec<Vec<f32>>> = Vec::new(); // [replay][layer] → BATCH × d values
+                for r in 0..REPLAYS {
+                    let mut per_layer = Vec::new();
+                    for buf in &sources {
+                        let values: Vec<u16> =
+                            (0..BATCH * d).map(|_| ((next() as f32 * 3.0).to_bits() >> 16) as u16).collect();
+                        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        buf.copy_from_host_async(0, &bytes, stream.handle()).unwrap();
+                        per_layer.push(values.iter().map(|&h| f32::from_bits((h as u32) << 16)).collect());
+                    }
+                    let pos: Vec<u8> = (0..BATCH).flat_map(|_| (r as i64).to_le_bytes()).collect();
+                    positions.copy_from_host_async(0, &pos, stream.handle()).unwrap();
+                    graph.launch(stream.handle()).unwrap();
+                    stream.synchronize().unwrap();
+                    rows.push(per_layer);
+                }
+                let report = session.shutdown().unwrap();
+                drop(graph);
+                assert!(report.drain.errors.is_empty(), "{:?}", report.drain.errors);
+                report.accounting.check().unwrap();
+                let got = got.lock();
+                let (mut wrong, mut worst) = (Vec::new(), 0f64);
+                for p in &probes {
+                    let mut bad = 0;
+                    for (r, per_layer) in rows.iter().enumerate() {
+                        for b in 0..BATCH {
+                            let x = &per_layer[p.layer][b * d..(b + 1) * d];
+                            let key = (p.name.clone(), request(b), r as u32);
+                            let s = got.get(&key).unwrap_or_else(|| {
+                                panic!("session {session_no}: no scores for {key:?} ({} rows exported)", got.len())
+                            });
+                            assert_eq!(s.len(), p.k);
+                            for ((&got, w), &bias) in s.iter().zip(p.w.chunks_exact(d)).zip(&p.b) {
+                                let dot: f64 = w.iter().zip(x).map(|(&w, &x)| w as f64 * x as f64).sum();
+                                let want = dot + bias as f64;
+                                // f32 accumulation of d products (and the bias): error within (d + 1)·2⁻²⁴ of
+                                // the sum of their magnitudes.
+                                let mag: f64 = w.iter().zip(x).map(|(&w, &x)| (w as f64 * x as f64).abs()).sum();
+                                let err = (got as f64 - want).abs() / (mag + (bias as f64).abs());
+                                worst = worst.max(err);
+                                if err > (d + 1) as f64 * f64::powi(2.0, -24) {
+                                    bad += 1;
+                                }
+                            }
+                        }
+                    }
+                    if bad > 0 {
+                        wrong.push(format!("{} (K = {}, {bad} scores)", p.name, p.k));
+                    }
+                }
+                assert!(
+                    wrong.is_empty(),
+                    "session {session_no} ({layers} × {d}, defer {defer}): {} of {} probes wrong: {}",
+                    wrong.len(),
+                    probes.len(),
+                    wrong.join(", ")
+                );
+                summary.push(format!(
+                    "{layers}x{d} defer={defer}: {} probes, {} scores, worst error / magnitude {worst:.1e}",
+                    probes.len(),
+                    probes.iter().map(|p| p.k).sum::<usize>() * BATCH * REPLAYS as usize
+                ));
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+    eprintln!("{} sessions, every score within (d + 1)·2⁻²⁴ of its magnitude:\n{}", summary.len(), summary.join("\n"));
+}

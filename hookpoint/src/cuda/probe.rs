@@ -15,7 +15,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ringscope_ring::cuda::{DeviceBuffer, DevicePtr, Gpu, PinnedBuffer, Stream};
+use ringscope_ring::cuda::{DeviceBuffer, DevicePtr, Gpu, PinnedBuffer};
 use ringscope_ring::{DType, HookPointSpec};
 
 use super::DeviceCaptureError;
@@ -66,8 +66,8 @@ impl std::fmt::Debug for DeviceProbe {
 impl DeviceProbe {
     /// Uploads a probe of `outputs` (1 to [`MAX_PROBE_OUTPUTS`]) scores over rows of `width` (1 to
     /// [`MAX_PROBE_WIDTH`]) elements: `weights` holds `outputs × width` values (row `k` is `W_k`), `bias` `outputs`,
-    /// `thresholds` (if any) `outputs`; its scores buffer takes up to `max_rows` rows per step. Blocks until the
-    /// tables are on the device (on a private stream): create probes before recording graphs.
+    /// `thresholds` (if any) `outputs`; its scores buffer takes up to `max_rows` rows per step. Returns once the
+    /// tables are on the device (on a private stream, waited for): create probes before recording graphs.
     pub fn new(
         gpu: &Arc<Gpu>,
         weights: &[f32],
@@ -79,25 +79,22 @@ impl DeviceProbe {
     ) -> Result<DeviceProbe, DeviceCaptureError> {
         check_shape(weights.len(), bias.len(), outputs, width, thresholds.map(<[f32]>::len), max_rows)
             .map_err(DeviceCaptureError::Usage)?;
-        let upload = |values: &[f32], stream: &Stream| -> Result<DeviceBuffer, DeviceCaptureError> {
+        // Each table is on the device when `from_host` returns, whatever stream the engine later scores on.
+        let upload = |values: &[f32]| -> Result<DeviceBuffer, DeviceCaptureError> {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let buf = DeviceBuffer::zeroed(gpu, bytes.len())?;
-            buf.copy_from_host_async(0, &bytes, stream.handle())?;
-            Ok(buf)
+            Ok(DeviceBuffer::from_host(gpu, &bytes)?)
         };
-        let stream = Stream::new(gpu)?;
         let probe = DeviceProbe {
             gpu: gpu.clone(),
             outputs,
             width,
             max_rows,
-            weights: upload(weights, &stream)?,
-            bias: upload(bias, &stream)?,
-            thresholds: thresholds.map(|t| upload(t, &stream)).transpose()?,
+            weights: upload(weights)?,
+            bias: upload(bias)?,
+            thresholds: thresholds.map(upload).transpose()?,
             flags: None,
             scores: DeviceBuffer::zeroed(gpu, max_rows as usize * outputs as usize * 4)?,
         };
-        stream.handle().synchronize()?;
         Ok(probe)
     }
 

@@ -56,14 +56,41 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    /// Allocates `len` bytes (at least 1) of zeroed device memory.
+    /// Allocates `len` bytes (at least 1) of device memory, zeroed by the time this returns.
+    ///
+    /// The zeroing runs on a private stream that this call waits for. Not `cuMemsetD8`: on device memory it is
+    /// asynchronous to the host and ordered on the legacy default stream, which non-blocking streams (ringscope's,
+    /// PyTorch's side streams, a graph's recording stream) do not wait for — a copy into the buffer issued on one of
+    /// them right after could run first and then be zeroed (issue 28: fused probes' weights uploaded that way were
+    /// zeroed under a busy engine, and their scores were wrong on every replay).
     pub fn zeroed(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer, CudaError> {
         gpu.bind()?;
         // SAFETY: plain allocation; freed in Drop.
         let ptr = unsafe { result::malloc_sync(len.max(1)) }.call("cuMemAlloc")?;
         let buf = DeviceBuffer { gpu: gpu.clone(), ptr, len };
-        // SAFETY: `ptr` is a fresh allocation of `len` bytes.
-        unsafe { result::memset_d8_sync(ptr, 0, len.max(1)) }.call("cuMemsetD8")?;
+        let stream = super::Stream::new(gpu)?;
+        // SAFETY: `ptr` is a fresh allocation of at least `len.max(1)` bytes that nothing else knows of yet; the
+        // stream is ours and live.
+        unsafe { result::memset_d8_async(ptr, 0, len.max(1), stream.stream_ref().raw()) }.call("cuMemsetD8Async")?;
+        stream.synchronize()?;
+        Ok(buf)
+    }
+
+    /// Allocates a buffer holding `bytes` (a copy), on the device by the time this returns (a private stream, waited
+    /// for): work issued afterwards on any stream reads these bytes.
+    pub fn from_host(gpu: &Arc<Gpu>, bytes: &[u8]) -> Result<DeviceBuffer, CudaError> {
+        gpu.bind()?;
+        // SAFETY: plain allocation; freed in Drop.
+        let ptr = unsafe { result::malloc_sync(bytes.len().max(1)) }.call("cuMemAlloc")?;
+        let buf = DeviceBuffer { gpu: gpu.clone(), ptr, len: bytes.len() };
+        if bytes.is_empty() {
+            return Ok(buf);
+        }
+        let stream = super::Stream::new(gpu)?;
+        buf.copy_from_host_async(0, bytes, stream.handle())?;
+        // The copy reads pageable memory (staged by the driver); waiting for the stream is what makes the bytes
+        // visible to work on other streams.
+        stream.synchronize()?;
         Ok(buf)
     }
 
@@ -150,7 +177,7 @@ impl DeviceBuffer {
     /// operations; callers fall back to [`copy_from_pinned_async`](Self::copy_from_pinned_async).
     pub fn write_u64_async(&self, offset: usize, value: u64, stream: &StreamRef) -> Result<(), CudaError> {
         self.check_range("stream write of a u64", offset, 8)?;
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(CudaError::Invalid(format!("stream write of a u64 at unaligned offset {offset}")));
         }
         // SAFETY: an aligned word of our allocation (checked above); the operation is stream-ordered.
@@ -291,7 +318,11 @@ impl PinnedBuffer {
 
     /// The `u64` at byte `offset`, as an atomic (the device writes it; the host loads it).
     pub fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset % 8 == 0 && offset + 8 <= self.len, "u64 slot {offset} out of a {}-byte buffer", self.len);
+        assert!(
+            offset.is_multiple_of(8) && offset + 8 <= self.len,
+            "u64 slot {offset} out of a {}-byte buffer",
+            self.len
+        );
         // SAFETY: in bounds, 8-aligned (the allocation is page-aligned), and lives as long as `self`.
         unsafe { AtomicU64::from_ptr(self.ptr.add(offset).cast()) }
     }
@@ -306,7 +337,11 @@ impl PinnedBuffer {
 
     /// The `u32` at byte `offset`, as an atomic.
     pub fn u32_at(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset % 4 == 0 && offset + 4 <= self.len, "u32 slot {offset} out of a {}-byte buffer", self.len);
+        assert!(
+            offset.is_multiple_of(4) && offset + 4 <= self.len,
+            "u32 slot {offset} out of a {}-byte buffer",
+            self.len
+        );
         // SAFETY: in bounds, 4-aligned, and lives as long as `self`.
         unsafe { AtomicU32::from_ptr(self.ptr.add(offset).cast()) }
     }
