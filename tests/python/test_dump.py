@@ -117,3 +117,30 @@ def test_readme_snippets_run(engine):
             x = ns["x"]
             assert x.dtype == np.float32 and x.shape[1] == engine["hidden"]
             assert np.isfinite(x).all() and (np.abs(x) < 2).all()
+
+
+def test_read_dump_as_torch_gives_int64_ids_and_refuses_ids_past_int64(tmp_path):
+    """torch has no use for uint64 (bincount, indexing refuse it): step, request_id and position come as int64
+    tensors; a request id above 2**63-1 is an error naming the column, never wrapped to a negative one."""
+    torch = pytest.importorskip("torch")
+    import ringscope
+
+    for name, ids in [("small", [3, 3, 5]), ("edge", [2**63 - 1]), ("big", [7, 2**63 + 5])]:
+        config = {"policy": {"mode": "full"}, "export": {"parquet": True, "dir": str(tmp_path), "run_id": name}}
+        with ringscope.Session(config) as s:
+            hp = s.register("x", site="residual", layer=0, dtype="f32", row_width=4)
+            s.begin_step(2, ids, list(range(len(ids))))
+            s.capture(hp, np.ones((len(ids), 4), dtype=np.float32))
+            s.end_step()
+            s.close()
+        numpy_cols = ringscope.read_dump(tmp_path / name)["x"]
+        assert numpy_cols["request_id"].dtype == np.uint64 and numpy_cols["request_id"].tolist() == ids
+        if name == "big":
+            with pytest.raises(ringscope.RingscopeError, match=r"request_id: 9223372036854775813 does not fit"):
+                ringscope.read_dump(tmp_path / name, as_torch=True)
+            continue
+        cols = ringscope.read_dump(tmp_path / name, as_torch=True)["x"]
+        assert all(cols[c].dtype == torch.int64 for c in ("step", "request_id", "position"))
+        assert cols["request_id"].tolist() == ids and cols["step"].tolist() == [2] * len(ids)
+        if name == "small":
+            assert torch.bincount(cols["request_id"]).tolist() == [0, 0, 0, 2, 0, 1]

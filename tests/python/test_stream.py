@@ -160,3 +160,254 @@ def test_batch_checksums_that_make_no_sense_are_an_error_naming_the_file(tmp_pat
     assert victim.name in str(e.value) and "corrupt" in str(e.value)
     want = "out of order" if listed.startswith(b"[[9") else "not a list of [end, crc]"
     assert want in str(e.value)
+
+
+# -- on runs written here (no CI dump needed) ------------------------------------------------------------------------
+
+WIDTH = 1024  # bf16 values per row of hookpoint "a": 512 rows are 1 MiB, a record batch of their own in Arrow IPC
+ROWS = 512
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def own_run(tmp_path_factory):
+    """A run written here, to Parquet and Arrow IPC: hookpoint "a" (bf16, WIDTH) in one file per format — in Arrow
+    IPC one record batch per step, STEPS of them —, "b" (f32, 32 wide: another row width and dtype), "c" (bf16, as
+    wide as "a", one step). Row k of "a" has request id k (every row its own). Returns (run dir, rows of "a" sent)."""
+    root = tmp_path_factory.mktemp("own")
+    config = {"ring": {"capacity": "64 MiB"}, "policy": {"mode": "full"},
+              "export": {"parquet": True, "arrow_ipc": True, "dir": str(root), "run_id": "own"}}
+    rng = np.random.default_rng(3)
+    sent = rng.integers(0, 1 << 16, (STEPS * ROWS, WIDTH), dtype=np.uint16)
+    with ringscope.Session(config) as s:
+        a = s.register("a", site="residual", layer=0, dtype="bf16", row_width=WIDTH)
+        b = s.register("b", site="residual", layer=1, dtype="f32", row_width=32)
+        c = s.register("c", site="residual", layer=2, dtype="bf16", row_width=WIDTH)
+        for step in range(STEPS):
+            s.begin_step(step, list(range(step * ROWS, (step + 1) * ROWS)), list(range(ROWS)))
+            assert s.capture(a, sent[step * ROWS:(step + 1) * ROWS]) == "published"
+            s.capture(b, rng.standard_normal((ROWS, 32)).astype(np.float32))
+            if step == 0:
+                s.capture(c, sent[:ROWS])
+            s.end_step()
+        totals = s.close()
+    assert totals["exported_rows"] == totals["produced_rows"]
+    run = root / "own"
+    ipc = list((run / "_arrow_ipc" / "hookpoint=a").glob("rank=0/part-*.arrow"))
+    assert len(ipc) == 1 and __import__("pyarrow").ipc.open_file(str(ipc[0])).num_record_batches == STEPS
+    return run, sent
+
+
+def one_format(run, dest, fmt):
+    """A copy of `run` with only its `fmt` files (an Arrow IPC-only run reads as one with read_dump too)."""
+    import shutil
+
+    dest.mkdir()
+    if fmt == "arrow":
+        shutil.copytree(run / "_arrow_ipc", dest / "_arrow_ipc")
+    else:
+        for part in run.glob("hookpoint=*"):
+            shutil.copytree(part, dest / part.name)
+    return dest
+
+
+def only_file(run, fmt, hookpoint="a"):
+    base = run / "_arrow_ipc" if fmt == "arrow" else run
+    (f,) = (base / f"hookpoint={hookpoint}").glob(f"rank=0/part-*.{'arrow' if fmt == 'arrow' else 'parquet'}")
+    return f
+
+
+def check_every_row_once(sent, batches):
+    """Every row of "a" exactly once, bit for bit (request id k is row k)."""
+    req = np.concatenate([np.asarray(b["request_id"]) for b in batches]).astype(np.int64)
+    act = np.concatenate([np.asarray(b["activation"]) for b in batches])
+    order = np.argsort(req, kind="stable")
+    np.testing.assert_array_equal(req[order], np.arange(len(sent)))
+    np.testing.assert_array_equal(act[order], sent)
+
+
+@pytest.mark.parametrize("fmt, verify", [("arrow", True), ("arrow", False), ("parquet", True)])
+@pytest.mark.parametrize("shuffle", [0, 1000, 1 << 20])  # none; a buffer smaller than the data; larger
+def test_every_row_exactly_once_with_and_without_a_shuffle_buffer(own_run, fmt, verify, shuffle):
+    run, sent = own_run
+    bs = list(stream.iter_batches(run, "a", batch_size=300, shuffle_buffer=shuffle, format=fmt, with_meta=True,
+                                  verify=verify))
+    assert [len(b["activation"]) for b in bs] == [300] * (len(sent) // 300) + [len(sent) % 300]
+    check_every_row_once(sent, bs)
+    req = np.concatenate([b["request_id"] for b in bs])
+    assert (np.diff(req.astype(np.int64)) > 0).all() == (shuffle == 0), "stream order only without a buffer"
+    if shuffle:
+        # Mixed across the whole run, not only within a buffer's reach of where a row was read.
+        first = bs[0]["request_id"]
+        assert first.max() - first.min() > (1000 if shuffle > len(sent) else 300)
+
+
+def test_a_shuffled_batch_costs_o_batch_not_o_buffer(own_run, monkeypatch):
+    """The shuffle draws about one random number per row (each batch is drawn from random places of the buffer),
+    not a permutation of the whole buffer per batch: 65,536-row buffers made shuffled reading 11x slower than
+    stream order, and buffers for sparse autoencoders hold ~1M rows."""
+    run, sent = own_run
+    drawn = []
+
+    class Counting:
+        def __init__(self, rng):
+            self.rng = rng
+
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                out = getattr(self.rng, name)(*args, **kwargs)
+                drawn.append(np.size(out))
+                return out
+            return call
+
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", lambda seed: Counting(real(seed)))
+    bs = list(stream.iter_batches(run, "a", batch_size=256, shuffle_buffer=4096, with_meta=True))
+    check_every_row_once(sent, bs)
+    assert sum(drawn) <= 2 * len(sent), f"{sum(drawn)} random draws for {len(sent)} rows"
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+@pytest.mark.parametrize("count", [2, 3])
+def test_shards_split_every_file_and_together_yield_every_row_once(own_run, fmt, count):
+    # "a" is one file: a shard per file left all but one data-loader worker idle.
+    run, sent = own_run
+    shards = [list(stream.iter_batches(run, "a", batch_size=500, format=fmt, with_meta=True, shard=(i, count)))
+              for i in range(count)]
+    rows = [sum(len(b["activation"]) for b in bs) for bs in shards]
+    assert min(rows) > 0 and max(rows) - min(rows) <= max(rows) // 2, f"unbalanced shards: {rows}"
+    check_every_row_once(sent, [b for bs in shards for b in bs])
+
+
+def tagged_dataset(*args, **kwargs):
+    """An ActivationDataset whose items say which data-loader worker yielded them."""
+    import torch
+    from ringscope.torch import ActivationDataset
+
+    class Tagged(ActivationDataset):
+        def __iter__(self):
+            worker = torch.utils.data.get_worker_info().id
+            for item in super().__iter__():
+                yield {**item, "worker": worker}
+
+    return Tagged(*args, **kwargs)
+
+
+def test_two_data_loader_workers_share_one_file_and_yield_every_row_exactly_once(own_run):
+    torch = pytest.importorskip("torch")
+
+    run, sent = own_run
+    ds = tagged_dataset(run, hookpoints="a", batch_size=700, shuffle_buffer=2000, with_meta=True)
+    items = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    assert all(i["request_id"].dtype == torch.int64 and i["activation"].dtype == torch.bfloat16 for i in items)
+    rows = [sum(len(i["activation"]) for i in items if i["worker"] == w) for w in (0, 1)]
+    assert min(rows) >= len(sent) // 3, f"rows per worker: {rows} (\"a\" is one file: both must read it)"
+    check_every_row_once(sent, [{"request_id": i["request_id"].numpy(),
+                                 "activation": i["activation"].view(torch.int16).numpy().view(np.uint16)}
+                                for i in items])
+
+
+TRUNCATE_WHILE_READING = """
+import os, sys
+from ringscope import RingscopeError, stream
+run, victim, verify = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+batches = stream.iter_batches(run, "a", batch_size=512, format="arrow", verify=verify)
+next(batches)
+os.truncate(victim, os.path.getsize(victim) // 2)  # someone else cuts the file while it is read
+try:
+    for b in batches:
+        b["activation"].sum()
+except RingscopeError as e:
+    print("RingscopeError:", e)
+else:
+    print("read to the end")
+"""
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_file_truncated_while_it_is_read_is_an_error_naming_it_not_sigbus(own_run, tmp_path, verify):
+    # In a process of its own: a memory-mapped file cut while it was read killed the reader with SIGBUS.
+    import subprocess
+    import sys
+
+    run = one_format(own_run[0], tmp_path / "run", "arrow")
+    victim = only_file(run, "arrow")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(ringscope.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", TRUNCATE_WHILE_READING, str(run), str(victim), str(int(verify))],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, f"the reader died (status {done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.startswith("RingscopeError:"), done.stdout
+    assert str(victim) in done.stdout and "truncated" in done.stdout
+
+
+def cut(f, how):
+    """Truncates or damages file `f` as `how` says."""
+    size = f.stat().st_size
+    data = bytearray(f.read_bytes())
+    if how == "footer length":
+        data[-10:-6] = (0x7FFFFFF0).to_bytes(4, "little")
+    elif how == "footer zeroed":
+        length = int.from_bytes(data[-10:-6], "little")
+        data[-10 - length:-10] = bytes(length)
+    else:
+        data = data[:{"half": size // 2, "last bytes": size - 3, "first bytes": 5, "empty": 0}[how]]
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["half", "last bytes", "first bytes", "empty", "footer length", "footer zeroed"])
+@pytest.mark.parametrize("reader", ["iter_batches", "read_dump"])
+def test_a_truncated_or_damaged_arrow_ipc_file_is_an_error_naming_it(own_run, tmp_path, how, reader):
+    run = one_format(own_run[0], tmp_path / "run", "arrow")
+    victim = only_file(run, "arrow")
+    cut(victim, how)
+    with pytest.raises(RingscopeError) as e:
+        if reader == "read_dump":
+            ringscope.read_dump(run, hookpoint="a")
+        else:
+            for verify in (True, False):
+                list(stream.iter_batches(run, "a", format="arrow", verify=verify))
+    assert e.value.status == "RS_ERR_IO" and str(victim) in e.value.message
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+@pytest.mark.parametrize("foreign", ["b", "c"])  # another row width and dtype; as wide as "a"
+@pytest.mark.parametrize("reader", ["iter_batches", "read_dump"])
+def test_another_hookpoints_file_in_a_partition_is_an_error_naming_it(own_run, tmp_path, fmt, foreign, reader):
+    import shutil
+
+    run = one_format(own_run[0], tmp_path / "run", fmt)
+    own = only_file(run, fmt)
+    intruder = own.with_name("part-99999" + own.suffix)
+    shutil.copy(only_file(run, fmt, foreign), intruder)
+    with pytest.raises(RingscopeError) as e:
+        if reader == "read_dump":
+            ringscope.read_dump(run, hookpoint="a")
+        else:
+            list(stream.iter_batches(run, "a", batch_size=1000, format=fmt))
+    msg = e.value.message
+    assert str(intruder) in msg and "hookpoint 'a'" in msg and f"names hookpoint {foreign!r}" in msg
+    if foreign == "b":
+        assert f"{4 * 32} bytes of f32 where the hookpoint's are {2 * WIDTH} bytes of bf16" in msg
+
+
+def test_meta_columns_are_int64_tensors_and_ids_past_int64_are_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    from ringscope.torch import ActivationDataset
+
+    for ids, name in [([7, 8, 2**63 - 1], "fits"), ([7, 2**63 + 5], "big")]:
+        config = {"policy": {"mode": "full"}, "export": {"arrow_ipc": True, "dir": str(tmp_path), "run_id": name}}
+        with ringscope.Session(config) as s:
+            hp = s.register("x", site="residual", layer=0, dtype="f32", row_width=4)
+            s.begin_step(3, ids, [0] * len(ids))
+            s.capture(hp, np.ones((len(ids), 4), dtype=np.float32))
+            s.end_step()
+            s.close()
+        ds = ActivationDataset(tmp_path / name, batch_size=2, with_meta=True)
+        if name == "fits":
+            items = list(ds)
+            assert all(i[c].dtype == torch.int64 for i in items for c in stream.META_COLUMNS)
+            assert torch.cat([i["request_id"] for i in items]).tolist() == ids
+        else:
+            with pytest.raises(RingscopeError, match=r"request_id: 9223372036854775813 does not fit"):
+                list(ds)

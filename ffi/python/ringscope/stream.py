@@ -1,16 +1,21 @@
 """Streaming batches of activations out of a dump: what training a sparse autoencoder or a probe on a dump wants.
 
-:func:`iter_batches` reads a run directory file by file — memory-mapped Arrow IPC files where the run has them
+:func:`iter_batches` reads a run directory file by file — Arrow IPC files where the run has them
 (``export.arrow_ipc``), else Parquet — and yields fixed-size batches of one hookpoint's rows, optionally shuffled
 within a buffer, without loading the run into memory. Activations keep their dtype: bf16 rows come out as their
 ``uint16`` bit patterns (numpy has no bfloat16; ``ringscope.torch.ActivationDataset`` turns them into
 ``torch.bfloat16`` tensors without a copy of the values). Rows downcast on capture (``Session.set_downcast``) live
 in a file series of their own per partition (``rank=*/_f8e4m3_rowscaled/``): they come in batches of their own,
 dequantized to float32 (E4M3 × the row's scale), with ``downcast`` True. Needs pyarrow.
+
+Arrow IPC files are read with plain reads, a record batch at a time, never memory-mapped: a mapped file that
+another process truncates kills the reading process with SIGBUS, while a read past a file's new end is a
+:class:`RingscopeError` naming the file.
 """
 import json
 import os
 import pathlib
+import struct
 import zlib
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -20,6 +25,7 @@ from . import ROWSCALED, RingscopeError, _NUMPY_FOR_DTYPE, _int, _path, _text, d
 
 META_COLUMNS = ("step", "request_id", "position")
 FORMATS = ("auto", "arrow", "parquet")
+_I64_MAX = 2**63 - 1
 
 
 class Batch(dict):
@@ -67,18 +73,19 @@ def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) ->
     return "parquet", files
 
 
-_POOL = (None, None)  # (pid, executor): the CRC threads of this process (a forked DataLoader worker makes its own)
-_CRC_THREADS = min(8, os.cpu_count() or 1)
+_POOL = (None, None)  # (pid, executor): the reader threads of this process (a forked DataLoader worker makes its own)
+_READ_THREADS = min(8, os.cpu_count() or 1)
 
 
-def _crc_pool():
-    """Threads that check batch CRCs while batches are read (zlib.crc32 releases the GIL on large buffers)."""
+def _read_pool():
+    """Threads that read Arrow IPC record batches and check their CRCs ahead of the one returned (file reads and
+    zlib.crc32 on large buffers release the GIL)."""
     global _POOL
     from concurrent.futures import ThreadPoolExecutor
 
     pid, pool = _POOL
     if pid != os.getpid():
-        pool = ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="ringscope-crc")
+        pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="ringscope-read")
         _POOL = (os.getpid(), pool)
     return pool
 
@@ -87,13 +94,77 @@ def _corrupt(path, what):
     return RingscopeError("RS_ERR_IO", f"{path} is corrupt: {what} (the file changed after it was written)")
 
 
-def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bool):
-    import pyarrow as pa
+class _Shard:
+    """Which record batches (Arrow IPC) or row groups (Parquet) one shard reads: counted across every file read, in
+    order, the shard ``index`` of ``count`` takes those whose number is ``index`` modulo ``count`` — a share of every
+    file, so that the shards of a run of a few large files still split the work evenly."""
 
-    if fmt == "arrow":
-        # Memory-mapped: the activations are read straight from the page cache, not copied into Arrow buffers.
-        source = pa.memory_map(str(path), "r")
+    def __init__(self, index: int, count: int):
+        self.index, self.count, self.seen = index, count, 0
+
+    def pick(self, n: int) -> range:
+        """Of the next file's ``n`` units, the ones this shard reads."""
+        first = (self.index - self.seen) % self.count
+        self.seen += n
+        return range(first, n, self.count)
+
+
+def _all(n: int) -> range:
+    return range(n)
+
+
+def _ipc_blocks(source, path, size: int) -> List[Tuple[int, int, int]]:
+    """(offset, metadata length, body length) of each record batch of an Arrow IPC file, from its footer (a
+    flatbuffer ``Footer`` whose field 3, ``recordBatches``, is a vector of 24-byte ``Block`` structs; pyarrow does not
+    expose them). Each batch is then read, checked and decoded from one read of its own bytes."""
+    tail = source.read_at(10, size - 10) if size >= 10 else b""
+    if len(tail) != 10 or tail[4:] != b"ARROW1":
+        raise _corrupt(path, f"it does not end with an Arrow IPC footer: it was cut short ({size} bytes), or it is "
+                             "not an Arrow IPC file")
+    length = int.from_bytes(tail[:4], "little", signed=True)
+    if not 0 < length <= size - 18:
+        raise _corrupt(path, f"its footer length ({length}) does not fit the file ({size} bytes)")
+    footer = source.read_at(length, size - 10 - length)
+
+    def read(fmt, offset):
+        if offset < 0:
+            raise struct.error(f"an offset points before the footer ({offset})")
+        return struct.unpack_from(fmt, footer, offset)
+
+    try:
+        root = read("<I", 0)[0]
+        vtable = root - read("<i", root)[0]
+        slot = 4 + 2 * 3  # the vtable's entry for field 3 (absent when the vtable is shorter: no batches)
+        field = read("<H", vtable + slot)[0] if read("<H", vtable)[0] > slot else 0
+        blocks = []
+        if field:
+            vector = root + field + read("<I", root + field)[0]
+            count = read("<I", vector)[0]
+            blocks = [read("<qi4xq", vector + 4 + 24 * i) for i in range(count)]
+    except struct.error as e:
+        raise _corrupt(path, f"its footer is not an Arrow IPC footer ({e})") from None
+    if any(not (0 <= off and 8 <= meta and 0 <= body and off + meta + body <= size) for off, meta, body in blocks):
+        raise _corrupt(path, "its footer lists record batches that are not in the file")
+    return blocks
+
+
+def _ipc_batches(path: pathlib.Path, columns, verify: bool, units, check):
+    import pyarrow as pa
+    from concurrent.futures import wait
+
+    source = pa.OSFile(str(path), "r")
+    futures = {}
+    try:
+        size = source.size()
+        blocks = _ipc_blocks(source, path, size)
         reader = pa.ipc.open_file(source)
+        if check is not None:
+            check(reader.metadata or {}, reader.schema)
+        n = reader.num_record_batches
+        if len(blocks) != n:
+            raise _corrupt(path, f"its footer lists {len(blocks)} record batches, pyarrow reads {n}")
+        # What each batch is read as: its own bytes; with `verify`, the bytes its CRC-32 covers, which end with it.
+        regions = [(off, off + meta + body) for off, meta, body in blocks]
         crcs = None
         if verify:
             # Each batch's bytes against its CRC-32 in the footer (docs/format.md, "Checksums in dump files").
@@ -104,71 +175,175 @@ def _record_batches(fmt: str, path: pathlib.Path, columns: List[str], verify: bo
                 crcs = [(int(end), int(crc)) for end, crc in json.loads(listed)]
             except (ValueError, TypeError) as e:
                 raise _corrupt(path, f"ringscope.batch_crc32 is not a list of [end, crc]: {e}") from None
-            if len(crcs) != reader.num_record_batches:
-                raise _corrupt(path, f"{len(crcs)} batch checksums for {reader.num_record_batches} batches")
-            whole = memoryview(source.read_buffer(source.size()))
+            if len(crcs) != n:
+                raise _corrupt(path, f"{len(crcs)} batch checksums for {n} batches")
             bounds = [(start, end) for start, (end, _) in zip([0] + [e for e, _ in crcs[:-1]], crcs)]
-            if any(not 0 <= a <= b <= len(whole) for a, b in bounds):
+            if any(not 0 <= a <= b <= size for a, b in bounds):
                 raise _corrupt(path, "batch checksums cover bytes past the file or out of order")
-        # The CRCs are computed on a few threads, a window of batches ahead of the one returned (each batch is still
-        # checked before it is returned); what a closed or failed reader left in the window is cancelled.
-        pool = _crc_pool() if crcs is not None else None
-        ahead = 2 * _CRC_THREADS
-        sums = {}
-        try:
-            for i in range(reader.num_record_batches):
-                if pool is not None:
-                    for j in range(i, min(i + ahead, len(bounds))):
-                        if j not in sums:
-                            sums[j] = pool.submit(zlib.crc32, whole[bounds[j][0]:bounds[j][1]])
-                    if sums.pop(i).result() != crcs[i][1]:
-                        a, b = bounds[i]
-                        raise _corrupt(path, f"record batch {i} (bytes {a}..{b}) does not match its CRC-32")
-                batch = reader.get_batch(i)
-                yield batch if columns is None else batch.select(columns)
-        finally:
-            for f in sums.values():
-                f.cancel()
-    else:
-        import pyarrow.dataset as ds
+            if any(not (a <= lo and hi <= b) for (a, b), (lo, hi) in zip(bounds, regions)):
+                raise _corrupt(path, "batch checksums do not cover the record batches the footer lists")
+            regions = bounds
 
-        # A scanner over the one file: row groups are read ahead and decompressed on pyarrow's threads, in file order
-        # (`read_row_groups` decompressed one column's row groups on one thread: 0.3 of pyarrow's whole-file read on a
-        # 16-core host). Page CRCs are checked by pyarrow when `verify`.
-        checked = ds.ParquetFileFormat(
-            default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=verify))
-        try:
-            scanner = ds.dataset(str(path), format=checked).scanner(
-                columns=columns, use_threads=True, batch_readahead=max(16, os.cpu_count() or 1))
-            yield from scanner.to_batches()
-        except (OSError, pa.ArrowInvalid) as e:  # what a changed file reads as (memory errors are not corruption)
-            raise _corrupt(path, str(e)) from None
+        def read(i):
+            lo, hi = regions[i]
+            data = source.read_at(hi - lo, lo)
+            return data, (zlib.crc32(data) if crcs is not None and len(data) == hi - lo else None)
+
+        # Batches are read (and their CRCs computed) on a few threads, a window ahead of the one returned: at most
+        # that many batches are held in memory besides the ones returned.
+        pool = _read_pool()
+        ahead = _READ_THREADS + 2
+        wanted = list(units(n))
+        for k, i in enumerate(wanted):
+            for j in wanted[k:k + ahead]:
+                if j not in futures:
+                    futures[j] = pool.submit(read, j)
+            data, crc = futures.pop(i).result()
+            lo, hi = regions[i]
+            if len(data) != hi - lo:
+                raise _corrupt(path, f"record batch {i} (bytes {lo}..{hi}) is cut short (truncated): the file now ends "
+                                     f"at byte {lo + len(data)}")
+            if crcs is not None and crc != crcs[i][1]:
+                raise _corrupt(path, f"record batch {i} (bytes {lo}..{hi}) does not match its CRC-32")
+            # Decoded from the bytes just checked (not read again): the batch's arrays are views of them.
+            off, meta, body = blocks[i]
+            message = pa.ipc.read_message(pa.py_buffer(data).slice(off - lo, meta + body))
+            if message.type != "record batch":
+                raise _corrupt(path, f"record batch {i} (bytes {off}..{off + meta + body}) is a {message.type} message")
+            batch = pa.ipc.read_record_batch(message, reader.schema)
+            yield batch if columns is None else batch.select(columns)
+    finally:
+        for f in futures.values():
+            f.cancel()
+        wait(list(futures.values()))  # no read may outlive the file it reads
+        source.close()
+
+
+def _parquet_batches(path: pathlib.Path, columns, verify: bool, units, check):
+    import pyarrow.dataset as ds
+
+    # A scanner over the one file: row groups are read ahead and decompressed on pyarrow's threads, in file order
+    # (`read_row_groups` decompressed one column's row groups on one thread: 0.3 of pyarrow's whole-file read on a
+    # 16-core host). Page CRCs are checked by pyarrow when `verify`. Plain reads: pyarrow maps no file.
+    options = ds.ParquetFragmentScanOptions(page_checksum_verification=verify)
+    checked = ds.ParquetFileFormat(default_fragment_scan_options=options)
+    fragment = next(iter(ds.dataset(str(path), format=checked).get_fragments()))
+    if check is not None:
+        check(fragment.metadata.metadata or {}, fragment.physical_schema)
+    n = fragment.num_row_groups
+    wanted = list(units(n))
+    if not wanted:
+        return
+    if len(wanted) < n:
+        fragment = fragment.subset(row_group_ids=wanted)
+    yield from fragment.to_batches(columns=columns, use_threads=True, fragment_scan_options=options,
+                                   batch_readahead=max(16, os.cpu_count() or 1))
+
+
+def _record_batches(fmt: str, path: pathlib.Path, columns: Optional[List[str]], verify: bool, units=_all,
+                    check=None):
+    """The record batches of one file: of its ``n`` units (Arrow IPC record batches, Parquet row groups), those
+    ``units(n)`` lists, in file order. ``check(footer metadata, schema)`` runs before any is read. A file that cannot
+    be read as written (cut short, changed, not a file of its format) is a :class:`RingscopeError` naming it."""
+    import pyarrow as pa
+
+    read = _ipc_batches if fmt == "arrow" else _parquet_batches
+    try:
+        yield from read(path, columns, verify, units, check)
+    except FileNotFoundError as e:
+        raise RingscopeError("RS_ERR_IO", f"{path} is gone: it was deleted or moved while the run was read ({e})") \
+            from None
+    except (OSError, EOFError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        # What a changed or cut file reads as (memory errors are not corruption).
+        raise _corrupt(path, f"{type(e).__name__}: {e}") from None
+
+
+class _Series:
+    """One hookpoint's file series (its full-precision files, or its downcast ones) and the check that each file
+    belongs to it: the file's footer names that hookpoint (when it names one) and its rows have the series' dtype and
+    width — those of the first file read. A file that does not (another hookpoint's file copied into the partition)
+    is a :class:`RingscopeError` naming it and what differs."""
+
+    def __init__(self, name: str, downcast: bool):
+        self.name, self.downcast = name, downcast
+        self.first = None  # (path, dtype name, row bytes) of the first file checked
+        self.dtype = None
+
+    def check(self, path, meta: dict, schema) -> None:
+        import pyarrow as pa
+
+        i = schema.get_field_index("activation")
+        if i < 0 or not pa.types.is_fixed_size_binary(schema.field(i).type):
+            raise RingscopeError("RS_ERR_IO", f"{path} has no fixed-size activation column: it is not a ringscope "
+                                              f"dump file, yet it lies in hookpoint {self.name!r}'s partition")
+        field = schema.field(i)
+        dtype = ((field.metadata or {}).get(b"ringscope.dtype") or b"").decode(errors="replace")
+        width = field.type.byte_width
+        wrong = []
+        owner = meta.get(b"ringscope.hookpoint")
+        if owner is not None and owner.decode(errors="replace") != self.name:
+            wrong.append(f"its footer names hookpoint {owner.decode(errors='replace')!r}")
+        if self.downcast != (dtype == ROWSCALED):
+            wrong.append(f"its rows are {dtype or 'of no ringscope.dtype'}, in the "
+                         f"{'downcast' if self.downcast else 'full-precision'} series")
+        np_dtype = _NUMPY_FOR_DTYPE.get(dtype)
+        if np_dtype is not None and width % np_dtype.itemsize:
+            wrong.append(f"its rows are {width} bytes, not a whole number of {dtype} values")
+        if self.first is not None and (dtype, width) != self.first[1:]:
+            first, dtype0, width0 = self.first
+            wrong.append(f"its rows are {width} bytes of {dtype or '?'} where the hookpoint's are {width0} bytes of "
+                         f"{dtype0 or '?'} (row width or dtype differ from {first})")
+        if wrong:
+            raise RingscopeError("RS_ERR_IO", f"{path} does not belong in the partition of hookpoint {self.name!r}: "
+                                              f"{'; '.join(wrong)} — a file of another hookpoint or run put there?")
+        if self.first is None:
+            self.first, self.dtype = (path, dtype, width), dtype
+
+    def check_files(self, fmt: str, paths) -> None:
+        """Checks every file (their footers only: no rows are read)."""
+        for path in paths:
+            for _ in _record_batches(fmt, path, None, False, lambda n: range(0), lambda m, s: self.check(path, m, s)):
+                pass
+
+
+def _int64(column: str, values: np.ndarray) -> np.ndarray:
+    """``values`` (a metadata column) as int64, what torch indexes and counts with: unsigned ids above 2**63-1 are
+    refused rather than wrapped to negative numbers."""
+    if values.dtype.kind == "u" and values.dtype.itemsize == 8 and len(values) and values.max() > _I64_MAX:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"{column}: {int(values.max())} does not fit a torch.int64 tensor (ids above 2**63-1 "
+                             "cannot be torch tensors): read it as numpy uint64 (ringscope.read_dump with "
+                             "as_torch=False, or ringscope.stream.iter_batches)")
+    return values.astype(np.int64, copy=False)
 
 
 def _rows(rb, with_meta: bool):
-    """(activation as uint8 (rows, row_bytes), dtype name, meta columns) of one Arrow record batch, without copies."""
+    """(activation as uint8 (rows, row_bytes), meta columns) of one Arrow record batch, without copies."""
     col = rb.column(rb.schema.get_field_index("activation"))
-    field = rb.schema.field("activation")
-    dtype = ((field.metadata or {}).get(b"ringscope.dtype", b"") or b"").decode()
     width = col.type.byte_width
     raw = np.frombuffer(col.buffers()[1], dtype=np.uint8)[col.offset * width:(col.offset + len(col)) * width]
     meta = {c: rb.column(rb.schema.get_field_index(c)).to_numpy() for c in META_COLUMNS} if with_meta else {}
-    return raw.reshape(len(col), width), dtype, meta
+    return raw.reshape(len(col), width), meta
 
 
 def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] = None, batch_size: int = 4096,
                  shuffle_buffer: int = 0, seed: int = 0, format: str = "auto", drop_last: bool = False,
                  with_meta: bool = False, shard: Tuple[int, int] = (0, 1), verify: bool = True) -> Iterator[Batch]:
     """Yields :class:`Batch` es of ``batch_size`` rows of one hookpoint at a time, reading the run at ``path`` file
-    by file.
+    by file. Every row of the files read is yielded exactly once (``drop_last`` aside).
 
-    ``hookpoints``: names to read (default: all). ``shuffle_buffer``: rows held and shuffled before batches are
-    drawn from them (0: stream order; a buffer of N rows costs N × row bytes of memory). ``format``: ``"arrow"``
-    (memory-mapped Arrow IPC files), ``"parquet"``, or ``"auto"`` (Arrow IPC when the run has it). ``shard``:
-    ``(index, count)`` — read only every count-th file, from index (one shard per data-loader worker).
+    ``hookpoints``: names to read (default: all). ``shuffle_buffer``: rows held to shuffle (0: stream order). Rows
+    fill the buffer; once it is full, each batch is ``batch_size`` rows taken from random places in it, their places
+    refilled by the rows that come next (the cost of a batch does not grow with the buffer); at the end what the
+    buffer holds comes out in random order. A buffer of N rows costs N × row bytes of memory. ``seed``: of the
+    shuffle. ``format``: ``"arrow"`` (Arrow IPC), ``"parquet"``, or ``"auto"`` (Arrow IPC when the run has it).
+    ``shard``: ``(index, count)`` — read only every count-th record batch (Arrow IPC) or row group (Parquet), counted
+    across all files read, from index: one shard per data-loader worker, each with a share of every file.
     ``drop_last``: leave out each hookpoint's last, shorter batch. ``verify``: check every Parquet page's CRC and
     every Arrow IPC batch's CRC-32 (a file changed after it was written raises :class:`RingscopeError` naming it,
-    never yields changed values); ``False`` skips the checks for speed. Only committed files are read."""
+    never yields changed values); ``False`` skips the checks for speed. Only committed files are read. A file cut
+    short, even while it is read, or another hookpoint's file put into a partition is a :class:`RingscopeError`
+    naming the file."""
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     batch_size = _int("batch_size", batch_size, 1, 1 << 31)
     shuffle_buffer = _int("shuffle_buffer", shuffle_buffer, 0, 1 << 40)
@@ -190,69 +365,113 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
     count = _int("shard count", shard[1], 1, 1 << 20)
     index = _int("shard index", shard[0], 0, count - 1)
     fmt, files = _files(root, format, hookpoints)
-    files = files[index::count]
     columns = ["activation", *META_COLUMNS] if with_meta else ["activation"]
     rng = np.random.default_rng(seed)
-    by_hookpoint = {}
+    shards = _Shard(index, count)
+    by_series = {}
     for name, f in files:
         # A hookpoint's downcast rows have another row size: they are batched apart from its full-precision rows.
-        by_hookpoint.setdefault((name, f.parent.name == f"_{ROWSCALED}"), []).append(f)
-    for (name, _), paths in by_hookpoint.items():
-        yield from _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta,
-                                      verify)
-
-
-def _hookpoint_batches(name, fmt, paths, columns, batch_size, shuffle_buffer, rng, drop_last, with_meta, verify):
-    pending = []  # (activation uint8 rows, meta) chunks not yet emitted, in order
-    held = 0
-    dtype = None
-    keep = max(shuffle_buffer, batch_size)
-
-    def take_all():
-        """Everything pending as one array (and its metadata), shuffled when a shuffle buffer is asked for."""
-        acts = np.concatenate([a for a, _ in pending]) if len(pending) > 1 else pending[0][0]
-        meta = {c: np.concatenate([m[c] for _, m in pending]) for c in META_COLUMNS} if with_meta else {}
+        by_series.setdefault((name, f.parent.name == f"_{ROWSCALED}"), []).append(f)
+    for (name, downcast), paths in by_series.items():
+        series = _Series(name, downcast)
+        chunks = _chunks(series, fmt, paths, columns, verify, with_meta, shards)
         if shuffle_buffer:
-            order = rng.permutation(len(acts))
-            acts = acts[order]
-            meta = {c: v[order] for c, v in meta.items()}
-        return acts, meta
+            chunks = _shuffled(chunks, shuffle_buffer, batch_size, rng)
+        yield from _batched(series, chunks, batch_size, drop_last, with_meta)
 
-    def emit(acts, meta, lo, hi):
-        np_dtype = _NUMPY_FOR_DTYPE.get(dtype, np.dtype(np.uint8))
-        rows = acts[lo:hi]
-        if dtype == ROWSCALED:
-            b = Batch(hookpoint=name, dtype=dtype, activation=dequantize_rowscaled(rows), downcast=True)
+
+def _chunks(series: _Series, fmt, paths, columns, verify, with_meta, shards: _Shard):
+    """(activation uint8 rows, meta) of each non-empty record batch of the series this shard reads, in file order."""
+    for path in paths:
+        for rb in _record_batches(fmt, path, columns, verify, shards.pick, lambda m, s: series.check(path, m, s)):
+            if rb.num_rows:
+                yield _rows(rb, with_meta)
+
+
+def _shuffled(chunks, capacity: int, batch_size: int, rng):
+    """The rows of ``chunks`` in random order, through a buffer of ``capacity`` rows: rows fill it; once it is full,
+    each ``batch_size`` rows that come in take the places of as many rows drawn from random places of it, which go
+    out (a batch costs O(batch_size), whatever the buffer's size); at the end the rows it holds go out in random
+    order. Every row goes out exactly once."""
+    acts, meta, fill = None, None, 0
+
+    def grow(rows, row_meta, need):
+        # The buffer is allocated as it fills (doubling up to `capacity`): a large buffer over a small run stays small.
+        size = min(capacity, max(need, 2 * (0 if acts is None else len(acts)), 1 << 12))
+        new_acts = np.empty((size, rows.shape[1]), dtype=rows.dtype)
+        new_meta = {c: np.empty(size, dtype=v.dtype) for c, v in row_meta.items()}
+        if acts is not None:
+            new_acts[:fill] = acts[:fill]
+            for c in new_meta:
+                new_meta[c][:fill] = meta[c][:fill]
+        return new_acts, new_meta
+
+    for rows, row_meta in chunks:
+        at, n = 0, len(rows)
+        while at < n:
+            if fill < capacity:
+                if acts is None or fill == len(acts):
+                    acts, meta = grow(rows, row_meta, fill + n - at)
+                k = min(len(acts) - fill, n - at)
+                acts[fill:fill + k] = rows[at:at + k]
+                for c in meta:
+                    meta[c][fill:fill + k] = row_meta[c][at:at + k]
+                fill += k
+                at += k
+                continue
+            k = min(batch_size, capacity, n - at)
+            slots = rng.choice(capacity, k, replace=False)
+            out = acts[slots], {c: v[slots] for c, v in meta.items()}  # copies: the slots are refilled next
+            acts[slots] = rows[at:at + k]
+            for c in meta:
+                meta[c][slots] = row_meta[c][at:at + k]
+            at += k
+            yield out
+    if fill:
+        order = rng.permutation(fill)
+        for lo in range(0, fill, batch_size):
+            take = order[lo:lo + batch_size]
+            yield acts[take], {c: v[take] for c, v in meta.items()}
+
+
+def _batched(series: _Series, chunks, batch_size: int, drop_last: bool, with_meta: bool):
+    """Batches of ``batch_size`` rows cut from ``chunks`` in order (a batch inside one chunk is a view of it)."""
+    pending, held = [], 0  # (activation uint8 rows, meta) chunks not yet emitted, in order
+
+    def take(k):
+        nonlocal held
+        parts, got = [], 0
+        while got < k:
+            rows, meta = pending[0]
+            if len(rows) <= k - got:
+                parts.append(pending.pop(0))
+                got += len(rows)
+            else:
+                cut = k - got
+                parts.append((rows[:cut], {c: v[:cut] for c, v in meta.items()}))
+                pending[0] = (rows[cut:], {c: v[cut:] for c, v in meta.items()})
+                got = k
+        held -= k
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([a for a, _ in parts]), {c: np.concatenate([m[c] for _, m in parts]) for c in parts[0][1]}
+
+    def emit(rows, meta):
+        n = len(rows)
+        if series.dtype == ROWSCALED:
+            b = Batch(hookpoint=series.name, dtype=series.dtype, activation=dequantize_rowscaled(rows), downcast=True)
         else:
-            b = Batch(hookpoint=name, dtype=dtype, activation=rows.view(np_dtype).reshape(hi - lo, -1), downcast=False)
+            np_dtype = _NUMPY_FOR_DTYPE.get(series.dtype, np.dtype(np.uint8))
+            b = Batch(hookpoint=series.name, dtype=series.dtype, activation=rows.view(np_dtype).reshape(n, -1),
+                      downcast=False)
         for c in META_COLUMNS if with_meta else ():
-            b[c] = meta[c][lo:hi]
+            b[c] = meta[c]
         return b
 
-    for path in paths:
-        for rb in _record_batches(fmt, path, columns, verify):
-            if rb.num_rows == 0:
-                continue
-            acts, dt, meta = _rows(rb, with_meta)
-            dtype = dtype or dt
-            pending.append((acts, meta))
-            held += rb.num_rows
-            if held < keep + batch_size:
-                continue
-            acts, meta = take_all()
-            # Emit whole batches while at least `shuffle_buffer` rows stay behind to mix with what comes next.
-            n = (len(acts) - shuffle_buffer) // batch_size if shuffle_buffer else len(acts) // batch_size
-            for i in range(n):
-                yield emit(acts, meta, i * batch_size, (i + 1) * batch_size)
-            rest = n * batch_size
-            # Copy what stays: the views above may point into memory-mapped files that move on.
-            pending = [(acts[rest:].copy(), {c: v[rest:].copy() for c, v in meta.items()})]
-            held = len(acts) - rest
-    if held == 0:
-        return
-    acts, meta = take_all()
-    n = len(acts) // batch_size
-    for i in range(n):
-        yield emit(acts, meta, i * batch_size, (i + 1) * batch_size)
-    if len(acts) > n * batch_size and not drop_last:
-        yield emit(acts, meta, n * batch_size, len(acts))
+    for rows, meta in chunks:
+        pending.append((rows, meta))
+        held += len(rows)
+        while held >= batch_size:
+            yield emit(*take(batch_size))
+    if held and not drop_last:
+        yield emit(*take(held))
