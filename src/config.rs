@@ -127,16 +127,17 @@ pub struct ProbeConfig {
     pub aggregate: String,
     /// The newest token's weight for `aggregate = "ema"`, in (0, 1].
     #[serde(default)]
-    pub ema_alpha: Option<f32>,
+    pub ema_alpha: Option<f64>,
     /// Tokens per window for `aggregate = "window"`.
     #[serde(default)]
     pub window: Option<u32>,
-    /// One threshold for every output.
+    /// One threshold for every output (a float32 number: read as f64 and refused outside float32's finite range,
+    /// never rounded to infinity).
     #[serde(default)]
-    pub threshold: Option<f32>,
+    pub threshold: Option<f64>,
     /// One threshold per output.
     #[serde(default)]
-    pub thresholds: Option<Vec<f32>>,
+    pub thresholds: Option<Vec<f64>>,
     /// `alert` (default) or `stop` (also raises the request's stop flag).
     #[serde(default = "alert")]
     pub action: String,
@@ -165,8 +166,8 @@ fn alert() -> String {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(untagged)]
 pub enum BiasConfig {
-    /// `[b0, b1, ...]`.
-    Values(Vec<f32>),
+    /// `[b0, b1, ...]` (float32 numbers, checked as thresholds are).
+    Values(Vec<f64>),
     /// A `.npy` file.
     File(String),
 }
@@ -215,18 +216,40 @@ impl ProbeConfig {
             (None, Some(layer), Some(site)) => Target::Layer { layer, site: site.name().to_owned() },
             _ => return Err(bad("give either hookpoint, or layer and site".into())),
         };
-        let aggregation = Aggregation::from_name(&self.aggregate, self.ema_alpha, self.window).map_err(bad)?;
+        // Scores, thresholds and biases are float32: a number TOML holds as f64 outside float32's finite range would
+        // become ±infinity (a threshold no score reaches), or NaN — refused, naming the key.
+        let f32_of = |key: &str, v: f64| -> Result<f32, Error> {
+            if v.is_finite() && v.abs() <= f32::MAX as f64 {
+                Ok(v as f32)
+            } else {
+                Err(bad(format!(
+                    "{key} = {v:e} is not a finite float32 number (|x| ≤ 3.4028235e38): probe scores are float32"
+                )))
+            }
+        };
+        let ema_alpha = self.ema_alpha.map(|a| f32_of("ema_alpha", a)).transpose()?;
+        let aggregation = Aggregation::from_name(&self.aggregate, ema_alpha, self.window).map_err(bad)?;
         let thresholds = match (self.threshold, &self.thresholds) {
-            (Some(t), None) => vec![t],
-            (None, Some(t)) => t.clone(),
+            (Some(t), None) => vec![f32_of("threshold", t)?],
+            (None, Some(t)) => {
+                t.iter().enumerate().map(|(i, &v)| f32_of(&format!("thresholds[{i}]"), v)).collect::<Result<_, _>>()?
+            }
             _ => return Err(bad("give threshold (one for every output) or thresholds (one per output)".into())),
         };
         let action = self.action.parse().map_err(bad)?;
+        if self.weights.trim().is_empty() {
+            return Err(bad("weights = \"\" names no file: give the path of a .safetensors or .npy file".into()));
+        }
         let (weights, file_bias) =
             ringscope_probe::load_weights(name, std::path::Path::new(&self.weights), self.tensor.as_deref())
-                .map_err(|e| Error::Config(format!("probes: {e}")))?;
+                .map_err(|e| Error::Config(format!("probes: {e} (probes `{name}`: weights = {:?})", self.weights)))?;
         let bias = match &self.bias {
-            Some(BiasConfig::Values(v)) => v.clone(),
+            Some(BiasConfig::Values(v)) => {
+                v.iter().enumerate().map(|(i, &b)| f32_of(&format!("bias[{i}]"), b)).collect::<Result<_, _>>()?
+            }
+            Some(BiasConfig::File(f)) if f.trim().is_empty() => {
+                return Err(bad("bias = \"\" names no file: give a .npy file or the numbers, bias = [..]".into()))
+            }
             Some(BiasConfig::File(f)) => ringscope_probe::load_bias(name, std::path::Path::new(f))
                 .map_err(|e| Error::Config(format!("probes: {e}")))?,
             None => file_bias.unwrap_or_default(),
@@ -247,7 +270,8 @@ impl ProbeConfig {
     /// Makes relative file paths relative to `dir`.
     fn resolve_paths(&mut self, dir: &std::path::Path) {
         let abs = |p: &mut String| {
-            if std::path::Path::new(p.as_str()).is_relative() {
+            // An empty path stays empty (and is refused by name), rather than becoming the config file's directory.
+            if !p.is_empty() && std::path::Path::new(p.as_str()).is_relative() {
                 *p = dir.join(&*p).display().to_string();
             }
         };
@@ -343,7 +367,7 @@ impl RingConfig {
         if self.max_batch_rows == 0 {
             return Err(Error::Config("ring.max_batch_rows must be at least 1".into()));
         }
-        if self.drain_chunk.0 < 64 || self.drain_chunk.0 % 64 != 0 {
+        if self.drain_chunk.0 < 64 || !self.drain_chunk.0.is_multiple_of(64) {
             return Err(Error::Config(format!(
                 "ring.drain_chunk = {} bytes: use a positive multiple of 64 bytes (e.g. \"4 MiB\")",
                 self.drain_chunk.0
@@ -378,6 +402,9 @@ fn default_drain_chunk() -> ByteSize {
 fn default_drain_in_flight() -> u32 {
     8
 }
+
+/// The lowest `policy.drain_rate` (1 MB/s): below it, closing a session could take hours.
+pub const MIN_DRAIN_RATE: u64 = 1_000_000;
 
 fn default_capacity() -> ByteSize {
     ByteSize(64 << 20)
@@ -683,6 +710,16 @@ impl PolicyConfig {
                     format!("{o} is not a fraction of the step time between 0 and 1 (0.01 = 1%)"),
                 );
             }
+            // One rule: a step-time cap on waits needs a mode that waits and a way to stop waiting — full mode with
+            // on_deadline = "degrade". Anywhere else the key would do nothing, so it is refused.
+            if self.mode == Mode::BestEffort {
+                return bad(
+                    "max_step_overhead",
+                    "best-effort mode never waits, so there is no wait to cap: remove policy.max_step_overhead, or \
+                     use mode = \"full\" with on_deadline = \"degrade\""
+                        .into(),
+                );
+            }
             if self.mode == Mode::Full && self.on_deadline == OnDeadline::Error {
                 return bad(
                     "max_step_overhead",
@@ -693,8 +730,15 @@ impl PolicyConfig {
                 );
             }
         }
-        if self.drain_rate.is_some_and(|r| r.0 == 0) {
-            return bad("drain_rate", "0 B/s would never drain; leave the key out for no cap".into());
+        if let Some(r) = self.drain_rate.filter(|r| r.0 < MIN_DRAIN_RATE) {
+            return bad(
+                "drain_rate",
+                format!(
+                    "{} B/s is below the minimum of 1 MB/s: everything captured leaves at this rate, shutdown \
+                     included (a 64 MiB ring at 1 B/s would take two years to close); leave the key out for no cap",
+                    r.0
+                ),
+            );
         }
         Ok(())
     }

@@ -6,13 +6,16 @@
 //! those of [`SessionStats`] (its docs say what each means, per backend).
 //!
 //! The endpoint is one thread with a non-blocking `std::net` listener: it polls for a connection every few
-//! milliseconds, so it stops within that time when the session shuts down, and serves one short request at a time
-//! (a client that sends nothing is cut off after half a second). No HTTP crate is needed for `GET /metrics`.
+//! milliseconds, so it stops within that time when the session shuts down (shutdown never waits for a client). Each
+//! connection is served on a short-lived thread of its own, at most [`MAX_CONNECTIONS`] at once (past that a new
+//! connection gets `503` at once), each cut off [`CONNECTION_DEADLINE`] after it was accepted however slowly it sends
+//! or reads: idle or slow clients cost their own connection, never another scrape's or the session's time. No HTTP
+//! crate is needed for `GET /metrics`.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -224,8 +227,10 @@ pub(crate) struct MetricsServer {
 
 /// How often the listener looks for a connection: the longest a shutdown waits for the thread to notice.
 const POLL: Duration = Duration::from_millis(10);
-/// How long a connection may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long one connection may take, from accept to the last byte of the answer (reading the request included).
+pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections served at once; more get `503 Service Unavailable` without waiting.
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// Binds `addr` (at session start, so that a port in use is an error then), non-blocking.
 pub(crate) fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
@@ -258,7 +263,8 @@ impl MetricsServer {
         self.addr
     }
 
-    /// Stops the thread and waits for it (at most one poll interval, or one request being served).
+    /// Stops the listener and waits for it (at most one poll interval; connections being served finish on their own
+    /// threads within their deadline).
     pub(crate) fn stop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
@@ -273,12 +279,26 @@ impl Drop for MetricsServer {
     }
 }
 
-fn serve(listener: TcpListener, observer: &Observer, stop: &AtomicBool) {
+fn serve(listener: TcpListener, observer: &Arc<Observer>, stop: &AtomicBool) {
+    let active = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
-            // A client that misbehaves (or goes away) costs its own connection, nothing more.
             Ok((stream, _)) => {
-                let _ = respond(stream, observer);
+                let deadline = Instant::now() + CONNECTION_DEADLINE;
+                if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    let _ = refuse(stream, deadline);
+                    continue;
+                }
+                active.fetch_add(1, Ordering::AcqRel);
+                let (observer, done) = (observer.clone(), Active(active.clone()));
+                // Detached: bounded by its deadline, it never holds up the listener or the session's shutdown.
+                let spawned = std::thread::Builder::new().name("ringscope-metrics-conn".into()).spawn(move || {
+                    let _done = done;
+                    let _ = respond(stream, &observer, deadline);
+                });
+                // No thread to be had (a resource limit): that connection is dropped, and `Active` was dropped with
+                // the closure.
+                let _ = spawned;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(POLL),
             // Out of file descriptors and the like: try again later rather than spin.
@@ -287,12 +307,49 @@ fn serve(listener: TcpListener, observer: &Observer, stop: &AtomicBool) {
     }
 }
 
+/// One connection being served (decrements the count when it ends, however it ends).
+struct Active(Arc<AtomicUsize>);
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Answers `503` to a connection over [`MAX_CONNECTIONS`], without reading its request.
+fn refuse(mut stream: TcpStream, deadline: Instant) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    let body = "too many connections to the metrics endpoint; retry\n";
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\n\
+         Retry-After: 1\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    write_until(&mut stream, response.as_bytes(), deadline.min(Instant::now() + Duration::from_millis(100)))
+}
+
+/// Writes `bytes`, giving up at `deadline` (a client that reads slowly is cut off, not waited for).
+fn write_until(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "metrics client too slow"));
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Reads one request and answers it: `GET /metrics` → 200 with the exposition, another path → 404, another method →
 /// 405. The connection is closed after the answer.
-fn respond(mut stream: TcpStream, observer: &Observer) -> std::io::Result<()> {
+fn respond(mut stream: TcpStream, observer: &Observer, deadline: Instant) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
-    stream.set_write_timeout(Some(REQUEST_TIMEOUT))?;
-    let deadline = Instant::now() + REQUEST_TIMEOUT;
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 512];
     // The request line is all we need; read until the end of the head (or 8 KiB, or the deadline).
@@ -322,7 +379,6 @@ fn respond(mut stream: TcpStream, observer: &Observer) -> std::io::Result<()> {
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n",
         body.len()
     );
-    stream.write_all(response.as_bytes())?;
-    stream.write_all(body.as_bytes())?;
-    stream.flush()
+    write_until(&mut stream, response.as_bytes(), deadline)?;
+    write_until(&mut stream, body.as_bytes(), deadline)
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam::channel::{self, Receiver, Sender, TrySendError};
+use crossbeam::channel::{self, Receiver, Sender};
 use parking_lot::Mutex;
 use ringscope_exporter::{Filter, Record, Subscription};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, SiteKind, StepBatch};
@@ -35,6 +35,9 @@ pub struct ProbeStats {
     /// Requests forgotten to stay within `alerts.max_requests`.
     pub evicted_requests: u64,
 }
+
+/// The largest `[alerts]` `flag_slots`, `max_requests` and `queue` (16 Mi: a flag table of 128 MiB).
+pub const MAX_ALERTS_SETTING: u32 = 1 << 24;
 
 /// The hookpoint a fused probe's scores are captured as.
 pub fn scores_hookpoint(probe: &str) -> String {
@@ -127,11 +130,13 @@ impl Probes {
             return Ok(None);
         }
         let a = &config.alerts;
-        if a.flag_slots == 0 || a.max_requests == 0 || a.queue == 0 {
-            return Err(Error::Config(format!(
-                "alerts: flag_slots ({}), max_requests ({}) and queue ({}) must be at least 1",
-                a.flag_slots, a.max_requests, a.queue
-            )));
+        for (key, value) in [("flag_slots", a.flag_slots), ("max_requests", a.max_requests), ("queue", a.queue)] {
+            if value == 0 || value > MAX_ALERTS_SETTING {
+                return Err(Error::Config(format!(
+                    "alerts.{key} = {value}: use 1 to {MAX_ALERTS_SETTING} (flag_slots: 8 bytes each, allocated when \
+                     the session opens; max_requests and queue: entries of up to ~100 bytes each, held while in use)"
+                )));
+            }
         }
         let mut loaded = Vec::new();
         let mut by_name = HashMap::new();
@@ -241,14 +246,18 @@ impl Prepared {
             processed: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
         });
-        let (alert_tx, alerts) = channel::bounded(self.alerts.queue as usize);
+        // Unbounded, with `alerts.queue` enforced by the one sender (`consume`): a bounded channel would allocate
+        // every slot up front (~80 bytes each) and keep them as long as any receiver lives — a closed session's
+        // included.
+        let (alert_tx, alerts) = channel::unbounded();
+        let queue = self.alerts.queue as usize;
         let (batches, batch_rx) = channel::unbounded();
         let subscription = Arc::new(subscribe(Filter::hookpoints(hookpoints))?);
         let thread = {
             let (shared, subscription) = (shared.clone(), subscription.clone());
             std::thread::Builder::new()
                 .name("ringscope-probes".into())
-                .spawn(move || consume(&shared, &subscription, routes, &batch_rx, &alert_tx))
+                .spawn(move || consume(&shared, &subscription, routes, &batch_rx, &alert_tx, queue))
                 .map_err(|e| Error::Setting { key: "probes", source: e.into() })?
         };
         Ok(Probes {
@@ -270,6 +279,7 @@ fn consume(
     mut routes: HashMap<u32, Vec<Route>>,
     batches: &Receiver<Vec<(u64, u64)>>,
     alerts: &Sender<Alert>,
+    queue: usize,
 ) {
     let mut raised = Vec::new();
     let mut scores = Vec::new();
@@ -303,7 +313,8 @@ fn consume(
                 // Raised before the alert is sent: whoever reads the alert finds the flag up.
                 shared.flags.raise(alert.request_id);
             }
-            if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = alerts.try_send(alert) {
+            // This thread is the only sender: the queue cannot grow between the check and the send.
+            if alerts.len() >= queue || alerts.try_send(alert).is_err() {
                 shared.alerts_dropped.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -96,6 +96,9 @@ pub struct Session {
     drain: Mutex<Option<Drain>>,
     files: Vec<CommittedFiles>,
     run_dir: Option<std::path::PathBuf>,
+    /// This session's hold on its rank of the run directory (with a file sink), released once shutdown has written
+    /// the manifest (which then keeps later sessions of the run and rank from writing over it).
+    run_lock: Mutex<Option<ringscope_exporter::RunLock>>,
     /// `export.rank`: names this session's manifest and events files in a run directory several ranks share.
     rank: u32,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
@@ -258,6 +261,19 @@ impl SessionBuilder {
                 files.push(committed);
             }
         }
+        // One writer per run and rank, until shutdown: a second session of the same run and rank is refused here,
+        // before anything could write a file over the first's (the sinks above only checked their options and made
+        // the run's directory).
+        let run_lock = match &run_dir {
+            Some(dir) => {
+                let manifest = crate::manifest::file_name(config.export.rank);
+                Some(
+                    ringscope_exporter::RunLock::acquire(dir, config.export.rank, &manifest)
+                        .map_err(|e| Error::Setting { key: "export.run_id", source: e.into() })?,
+                )
+            }
+            None => None,
+        };
         pools.extend([parquet, arrow].into_iter().filter(|p| !p.is_empty()).map(|p| (p, Filter::all())));
         let Started { backend, source } = match config.ring.backend {
             config::Backend::Host => HostBackend::start(capacity)?,
@@ -310,6 +326,7 @@ impl SessionBuilder {
             drain: Mutex::new(Some(drain)),
             files,
             run_dir,
+            run_lock: Mutex::new(run_lock),
             rank,
             health,
             commits,
@@ -856,7 +873,10 @@ impl Session {
             events,
         };
         if let Some(dir) = &report.run_dir {
-            if let Err(source) = crate::manifest::write(dir, self.rank, &self.registry, &report) {
+            let written = crate::manifest::write(dir, self.rank, &self.registry, &report);
+            // The run's files are final: another session may now look (and will find this rank written).
+            self.run_lock.lock().take();
+            if let Err(source) = written {
                 let path = dir.join(crate::manifest::file_name(self.rank));
                 return Err(Error::Manifest { path, source, report: Box::new(report) });
             }

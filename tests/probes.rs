@@ -308,6 +308,14 @@ fn bad_probe_definitions_are_refused_at_start() {
         (format!("weights = \"{}\"\nthreshold = 1.0", dir.join("missing.npy").display()), "missing.npy"),
         (format!("weights = \"{}\"\nthreshold = 1.0\nbias = [1.0, 2.0]", one.display()), "2 biases for 1 outputs"),
         (format!("weights = \"{g}\"\nthreshold = 1.0\ntensor = \"w\""), "no tensor `w`"),
+        // Issue 28: outside float32's range a threshold became +inf (a probe that never alerts), silently.
+        (format!("weights = \"{g}\"\nthreshold = 1e39"), "threshold = 1e39 is not a finite float32"),
+        (format!("weights = \"{g}\"\nthresholds = [1.0, -1e39]"), "thresholds[1] = "),
+        (format!("weights = \"{g}\"\nthreshold = 1.0\nbias = [1e39, 0.0]"), "bias[0] = "),
+        (format!("weights = \"{g}\"\nthreshold = inf"), "threshold = inf is not a finite float32"),
+        // An empty weights path named neither the key nor the path.
+        ("weights = \"\"\nthreshold = 1.0".to_owned(), "weights = \"\" names no file"),
+        (format!("weights = \"{g}\"\nthreshold = 1.0\nbias = \"\""), "bias = \"\" names no file"),
     ];
     for (body, want) in cases {
         let text = format!(
@@ -339,7 +347,13 @@ fn bad_probe_definitions_are_refused_at_start() {
     // Shared settings of the probes: a zero is refused, naming the keys.
     let zero = format!("{}[alerts]\nflag_slots = 0\n", base("hookpoint = \"h\"", "f32"));
     let e = Session::new(Config::from_toml(&zero).unwrap()).err().unwrap().to_string();
-    assert!(e.contains("alerts: flag_slots (0)"), "{e}");
+    assert!(e.contains("alerts.flag_slots = 0"), "{e}");
+    // Issue 28: 4294967295 slots or queue entries aborted the process (34 GB and 343 GB allocations).
+    for key in ["flag_slots", "queue", "max_requests"] {
+        let huge = format!("{}[alerts]\n{key} = 4294967295\n", base("hookpoint = \"h\"", "f32"));
+        let e = Session::new(Config::from_toml(&huge).unwrap()).err().unwrap().to_string();
+        assert!(e.contains(&format!("alerts.{key} = 4294967295")) && e.contains("1 to 16777216"), "{e}");
+    }
     // Without probes, asking for alerts is an error that says how to get them.
     let e = Session::new(Config::new()).unwrap().alerts().err().unwrap().to_string();
     assert!(e.contains("[[probes]]"), "{e}");

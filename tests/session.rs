@@ -314,6 +314,59 @@ fn invalid_configs_are_refused() {
     let _ = std::fs::remove_dir_all(&bad.export.dir);
     c.hookpoints.push(c.hookpoints[0].clone());
     assert!(Session::new(c).err().unwrap().to_string().contains("already registered"));
+    // Issue 28: accepted silently before.
+    let e = Session::new(Config::from_toml("[policy]\nmode = \"best_effort\"\ndrain_rate = \"1 B/s\"\n").unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("drain_rate") && e.contains("1 MB/s"), "{e}");
+    assert!(Session::new(Config::from_toml("[policy]\ndrain_rate = \"1 MB/s\"\n").unwrap()).is_ok());
+    let e = Session::new(Config::from_toml("[policy]\nmode = \"best_effort\"\nmax_step_overhead = 0.01\n").unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("max_step_overhead") && e.contains("best-effort mode never waits"), "{e}");
+    let e =
+        Session::new(Config::from_toml("[export]\nparquet = true\ndir = \"\"\n").unwrap()).err().unwrap().to_string();
+    assert!(e.contains("export.dir is empty"), "{e}");
+    let e = Session::new(Config::from_toml("[export]\nparquet = true\nrun_id = \"a\\nb\"\n").unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("run id \"a\\nb\"") && e.contains("control characters"), "{e}");
+}
+
+/// Issue 28: two sessions of one run and rank, both open before either commits, wrote the same file names — the
+/// second's `part-00000.parquet` and manifest replaced the first's. The second is refused while the first holds the
+/// run; once a rank of a run is written, a new session of it is refused too; another rank of the run may write.
+#[test]
+fn a_second_writer_of_a_run_and_rank_is_refused() {
+    let dir = std::env::temp_dir().join(format!("ringscope-second-writer-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = |rank: u32| {
+        format!(
+            "[export]\nparquet = true\ndir = \"{}\"\nrun_id = \"shared\"\nrank = {rank}\n[[hookpoints]]\nname = \"h\"\n\
+             site = \"residual\"\nlayer = 0\ndtype = \"bf16\"\nrow_width = 8\n",
+            dir.display()
+        )
+    };
+    let first = Session::new(Config::from_toml(&text(0)).unwrap()).unwrap();
+    let e = Session::new(Config::from_toml(&text(0)).unwrap()).err().expect("a second writer").to_string();
+    assert!(e.contains("export.run_id") && e.contains("another session"), "{e}");
+    let other_rank = Session::new(Config::from_toml(&text(1)).unwrap()).unwrap();
+    first.begin_step(0, [(1, 0)]).unwrap();
+    first.capture(0, &[7u8; 16]).unwrap();
+    first.end_step().unwrap();
+    let report = first.shutdown().unwrap();
+    assert_eq!(report.accounting.total().exported.rows, 1);
+    drop(first);
+    // Written: a later session of the same run and rank would overwrite it.
+    let e = Session::new(Config::from_toml(&text(0)).unwrap()).err().expect("the rank is written").to_string();
+    assert!(e.contains("already holds a dump"), "{e}");
+    other_rank.shutdown().unwrap();
+    let part = dir.join("shared/hookpoint=h/rank=0/part-00000.parquet");
+    assert!(part.exists(), "the first writer's file is intact");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

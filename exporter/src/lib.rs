@@ -25,7 +25,7 @@ pub mod writing;
 
 pub use dataset::{
     read_events, CommittedFile, CommittedFiles, DatasetOptions, DirectIo, EventRecorder, EventsFile, EventsReport,
-    EventsTable, FileError, FileFormat, FileSink, FormatError, OptionsError, TableFormat, EVENTS_DIR,
+    EventsTable, FileError, FileFormat, FileSink, FormatError, OptionsError, RunLock, TableFormat, EVENTS_DIR,
 };
 pub use routing::{
     BoxError, CallbackSink, Catalog, CatalogEntry, Commits, DestinationKind, DestinationStats, Drain, DrainMonitor,

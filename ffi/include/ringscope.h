@@ -481,8 +481,11 @@ rs_status rs_session_open_file(const char *path, uint64_t *out);
 // `RS_ERR_UNBALANCED` (totals still written) if a record went uncounted, `RS_ERR_IO` (totals still written; no
 // partial manifest left behind) if the manifest could not be written. A sink that failed does not fail the close:
 // its losses are in the totals (`sink_error`), and `rs_sink_status` / `rs_sink_failure` still answer on the closed
-// handle. Closing a closed session is harmless (`RS_OK`, `totals` untouched); the handle stays invalid for
-// everything else.
+// handle. Every close of a handle returns what the first returned — the same status, message and totals: a close
+// called while another thread is closing the session waits for it to finish; a later close returns at once. The
+// handle stays invalid for everything else. Closing frees the session's memory (its ring, its probes' state and
+// alerts queue), keeping only what the closed handle answers: the alerts not yet polled, the final counts, the sink
+// failures, and the stop-flag table if [`rs_probe_flags`] handed out its address.
 //
 // # Safety
 // `totals` is null or writable.
@@ -728,6 +731,14 @@ rs_status rs_metrics_text(uint64_t session_handle,
                           size_t buf_len,
                           size_t *needed);
 
+// Writes the TCP port the session's metrics endpoint (`[metrics] listen`) listens on to `port` — the port the
+// system chose when the configuration asked for port 0 — or 0 when the session serves no endpoint.
+//
+// # Safety
+// `port` is writable.
+rs_status rs_metrics_port(uint64_t session_handle,
+                          uint16_t *port);
+
 // Subscribes a consumer to every record captured from now on whose hookpoint's layer is in `layers[0..n]` (all
 // records when `n` is 0). Read them with [`rs_poll`]; a consumer that falls behind is handled by the policy.
 //
@@ -820,8 +831,9 @@ rs_status rs_is_flagged(uint64_t session_handle,
 // table above the engine's live requests, or use batch-slot indices as request ids; request `UINT64_MAX` cannot be
 // flagged. On the CUDA backend the table is pinned host memory mapped into the device, so a kernel of the engine
 // can read it with one load and no host synchronisation; its device address comes with the GPU probes' calls (this
-// call gives the host address). `*slots` stays valid until the session is closed (the table is kept with the closed
-// handle, so a reader that outlives it never reads freed host memory; the flags are no longer raised then).
+// call gives the host address). `*slots` stays valid after the session is closed too: once this call handed it out,
+// the table is kept with the closed handle (`alerts.flag_slots` × 8 bytes), so a reader that outlives the session
+// never reads freed host memory (the flags are no longer raised then).
 // `RS_ERR_CONFIG`: the session has no probes.
 //
 // # Safety

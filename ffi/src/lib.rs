@@ -30,8 +30,8 @@ use parking_lot::Mutex;
 use ringscope_api::cuda::{DevicePtr, GraphBatch, StreamRef};
 use ringscope_api::probe::{Action, AlertReceiver, Flags, ProbeStats, RequestReport};
 use ringscope_api::{
-    AccountingSnapshot, CaptureOutcome, Config, CounterSnapshot, DestinationKind, DropReason, Error, Filter,
-    HookPointSpec, Mode, Record, RowSelection, Session, SinkFailure, SiteKind, Subscription,
+    CaptureOutcome, Config, CounterSnapshot, DestinationKind, DropReason, Error, Filter, HookPointSpec, Mode, Record,
+    RowSelection, Session, SinkFailure, SiteKind, Subscription,
 };
 
 /// Status codes returned by every function.
@@ -358,6 +358,8 @@ enum Entry {
 
 struct Handles {
     map: Mutex<HashMap<u64, Entry>>,
+    /// Sessions whose stop-flag table's address `rs_probe_flags` handed out: their table outlives the close.
+    flags_handed_out: Mutex<std::collections::HashSet<u64>>,
     next: AtomicU64,
     salt: u64,
 }
@@ -369,7 +371,12 @@ fn handles() -> &'static Handles {
         let salt =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
                 ^ (std::process::id() as u64) << 32;
-        Handles { map: Mutex::new(HashMap::new()), next: AtomicU64::new(1), salt: salt & 0xFFFF_0000_0000_0000 }
+        Handles {
+            map: Mutex::new(HashMap::new()),
+            flags_handed_out: Mutex::new(Default::default()),
+            next: AtomicU64::new(1),
+            salt: salt & 0xFFFF_0000_0000_0000,
+        }
     })
 }
 
@@ -465,7 +472,7 @@ unsafe fn slice_arg<'a, T>(p: *const T, len: usize, what: &str) -> Result<&'a [T
     if p.is_null() {
         return Err(invalid(format!("{what} is a null pointer but {len} elements were announced")));
     }
-    if (p as usize) % std::mem::align_of::<T>() != 0 {
+    if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(invalid(format!("{what} is not aligned for its element type")));
     }
     // SAFETY: non-null, aligned, and valid for `len` reads, per the caller's promise.
@@ -538,8 +545,11 @@ pub unsafe extern "C" fn rs_session_open_file(path: *const c_char, out: *mut u64
 /// `RS_ERR_UNBALANCED` (totals still written) if a record went uncounted, `RS_ERR_IO` (totals still written; no
 /// partial manifest left behind) if the manifest could not be written. A sink that failed does not fail the close:
 /// its losses are in the totals (`sink_error`), and `rs_sink_status` / `rs_sink_failure` still answer on the closed
-/// handle. Closing a closed session is harmless (`RS_OK`, `totals` untouched); the handle stays invalid for
-/// everything else.
+/// handle. Every close of a handle returns what the first returned — the same status, message and totals: a close
+/// called while another thread is closing the session waits for it to finish; a later close returns at once. The
+/// handle stays invalid for everything else. Closing frees the session's memory (its ring, its probes' state and
+/// alerts queue), keeping only what the closed handle answers: the alerts not yet polled, the final counts, the sink
+/// failures, and the stop-flag table if [`rs_probe_flags`] handed out its address.
 ///
 /// # Safety
 /// `totals` is null or writable.
@@ -547,9 +557,9 @@ pub unsafe extern "C" fn rs_session_open_file(path: *const c_char, out: *mut u64
 pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCounts) -> RsStatus {
     ffi(|| {
         let mut map = handles().map.lock();
-        match map.get(&session_handle) {
-            Some(Entry::ClosedSession(_)) => return Ok(()),
-            Some(Entry::Session(_)) => {}
+        let outcome = match map.get(&session_handle) {
+            Some(Entry::ClosedSession(c)) => Some(c.outcome.clone()),
+            Some(Entry::Session(_)) => None,
             Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
                 return Err(Failure(
                     RsStatus::RsErrInvalidHandle,
@@ -562,44 +572,85 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
                     format!("{session_handle:#x} is not a ringscope session handle"),
                 ))
             }
+        };
+        let write = |counts: &Option<RsCounts>| {
+            if let (Some(c), false) = (counts, totals.is_null()) {
+                // SAFETY: non-null and writable per the contract.
+                unsafe { *totals = *c };
+            }
+        };
+        if let Some(outcome) = outcome {
+            // Closed, or being closed by another thread: its outcome, once there.
+            drop(map);
+            let (counts, status, message) = outcome.wait();
+            write(&counts);
+            return if status == RsStatus::RsOk { Ok(()) } else { Err(Failure(status, message)) };
         }
         let Some(Entry::Session(open)) = map.get(&session_handle) else { unreachable!() };
         // While it closes, the handle already answers as closed: its probes' alerts stay pollable (the drain's last
-        // records may still raise some), with the counts so far.
-        let closing = Closed { failures: Arc::new([]), probes: ClosedProbes::of(open) };
+        // records may still raise some), with the counts so far; other closes wait for this one's outcome.
+        let outcome = Arc::new(CloseOutcome::default());
+        let closing = Closed { failures: Arc::new([]), probes: ClosedProbes::closing(open), outcome: outcome.clone() };
         let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession(Arc::new(closing))) else {
             unreachable!()
         };
+        let keep_flags = handles().flags_handed_out.lock().remove(&session_handle);
         drop(map);
-        let write = |acc: &AccountingSnapshot| {
-            if !totals.is_null() {
-                // SAFETY: non-null and writable per the contract.
-                unsafe { *totals = counts(&acc.total()) };
-            }
-        };
-        let result = match s.shutdown() {
-            Ok(report) => {
-                write(&report.accounting);
-                Ok(())
-            }
+        let (counts, result) = match s.shutdown() {
+            Ok(report) => (Some(counts(&report.accounting.total())), Ok(())),
             Err(Error::Unbalanced { error, report }) => {
-                write(&report.accounting);
-                Err(Failure(RsStatus::RsErrUnbalanced, error.to_string()))
+                (Some(counts(&report.accounting.total())), Err(Failure(RsStatus::RsErrUnbalanced, error.to_string())))
             }
             Err(e @ Error::Manifest { .. }) => {
-                if let Error::Manifest { report, .. } = &e {
-                    write(&report.accounting);
-                }
-                Err(e.into())
+                let c = match &e {
+                    Error::Manifest { report, .. } => Some(counts(&report.accounting.total())),
+                    _ => None,
+                };
+                (c, Err(e.into()))
             }
-            Err(e) => Err(e.into()),
+            Err(e) => (None, Err(e.into())),
         };
+        write(&counts);
         // Failures are final once the sinks are closed: keep them for rs_sink_status on the closed handle, and the
-        // probes' final counts, the alerts not yet polled and the flag table with them.
-        let closed = Closed { failures: s.sink_failures().into(), probes: ClosedProbes::of(&s) };
+        // probes' final counts and the alerts not yet polled with them (and the flag table, if its address is out).
+        let closed = Closed {
+            failures: s.sink_failures().into(),
+            probes: ClosedProbes::closed(&s, keep_flags),
+            outcome: outcome.clone(),
+        };
         handles().map.lock().insert(session_handle, Entry::ClosedSession(Arc::new(closed)));
+        let (status, message) = match &result {
+            Ok(()) => (RsStatus::RsOk, String::new()),
+            Err(Failure(status, message)) => (*status, message.clone()),
+        };
+        outcome.set(counts, status, message);
         result
     })
+}
+
+/// What every close of a session's handle returns: the first close's totals, status and message, once it finished.
+#[derive(Default)]
+struct CloseOutcome {
+    done: Mutex<Option<(Option<RsCounts>, RsStatus, String)>>,
+    finished: parking_lot::Condvar,
+}
+
+impl CloseOutcome {
+    fn set(&self, counts: Option<RsCounts>, status: RsStatus, message: String) {
+        *self.done.lock() = Some((counts, status, message));
+        self.finished.notify_all();
+    }
+
+    /// Waits for the first close to finish. (It always does: the close that made this outcome sets it on every
+    /// path but a panic, which `ffi` turns into `RS_ERR_PANIC` — and then a waiter would wait forever; the session's
+    /// shutdown does not panic by design, and a bounded wait here would return a wrong "closed" to the second caller.)
+    fn wait(&self) -> (Option<RsCounts>, RsStatus, String) {
+        let mut done = self.done.lock();
+        while done.is_none() {
+            self.finished.wait(&mut done);
+        }
+        done.clone().expect("set")
+    }
 }
 
 fn counts(c: &CounterSnapshot) -> RsCounts {
@@ -1116,7 +1167,7 @@ unsafe fn write_sized<T: Copy>(out: *mut T, value: T, oldest: usize, what: &str,
 /// As for [`write_sized`].
 unsafe fn check_sized<T>(out: *mut T, oldest: usize, what: &str, c_name: &str) -> Result<usize, Failure> {
     out_arg(out, what)?;
-    if (out as usize) % std::mem::align_of::<T>() != 0 {
+    if !(out as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(invalid(format!("{what} is not aligned for {c_name}")));
     }
     let ours = std::mem::size_of::<T>();
@@ -1318,6 +1369,22 @@ pub unsafe extern "C" fn rs_metrics_text(
         unsafe { *needed = text.len() + 1 };
         // SAFETY: per the contract.
         unsafe { write_c_string(&text, buf, buf_len, "the metrics text") }
+    })
+}
+
+/// Writes the TCP port the session's metrics endpoint (`[metrics] listen`) listens on to `port` — the port the
+/// system chose when the configuration asked for port 0 — or 0 when the session serves no endpoint.
+///
+/// # Safety
+/// `port` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn rs_metrics_port(session_handle: u64, port: *mut u16) -> RsStatus {
+    ffi(|| {
+        out_arg(port, "port")?;
+        let p = session(session_handle)?.metrics_addr().map_or(0, |a| a.port());
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { *port = p };
+        Ok(())
     })
 }
 
@@ -1629,20 +1696,40 @@ pub struct RsProbeSnapshot {
 }
 
 /// What a closed session still answers about its probes: the alerts not yet polled (those raised while the drain
-/// delivered its last records too), its final counts, and its flag table (kept, so that a pointer from
-/// [`rs_probe_flags`] read after close reads the last flags, never freed memory).
+/// delivered its last records too), its final counts, and — if [`rs_probe_flags`] handed out its address — its flag
+/// table (kept, so that a reader of that pointer after close reads the last flags, never freed memory).
 struct ClosedProbes {
-    alerts: AlertReceiver,
-    _flags: Arc<Flags>,
+    alerts: AlertsLeft,
+    _flags: Option<Arc<Flags>>,
     stats: Vec<(RsProbeSnapshot, String)>,
     alerts_dropped: u64,
 }
 
+/// A closed session's alerts not yet polled.
+enum AlertsLeft {
+    /// The session is closing: its probes may still raise alerts.
+    Live(AlertReceiver),
+    /// Closed: what was left in the queue (the queue itself is freed).
+    Left(Mutex<std::collections::VecDeque<ringscope_api::probe::Alert>>),
+}
+
 impl ClosedProbes {
-    fn of(s: &Session) -> Option<ClosedProbes> {
+    /// While `s` closes.
+    fn closing(s: &Session) -> Option<ClosedProbes> {
         Some(ClosedProbes {
-            alerts: s.alerts().ok()?,
-            _flags: s.probe_flags()?,
+            alerts: AlertsLeft::Live(s.alerts().ok()?),
+            _flags: s.probe_flags(),
+            stats: probe_stats(s),
+            alerts_dropped: s.alerts_dropped(),
+        })
+    }
+
+    /// Once `s` is shut down (its probes have stopped): the alerts left, moved out of the queue.
+    fn closed(s: &Session, keep_flags: bool) -> Option<ClosedProbes> {
+        let left = s.alerts().ok()?.try_iter().collect();
+        Some(ClosedProbes {
+            alerts: AlertsLeft::Left(Mutex::new(left)),
+            _flags: if keep_flags { s.probe_flags() } else { None },
             stats: probe_stats(s),
             alerts_dropped: s.alerts_dropped(),
         })
@@ -1653,6 +1740,8 @@ impl ClosedProbes {
 struct Closed {
     failures: Arc<[SinkFailure]>,
     probes: Option<ClosedProbes>,
+    /// What its closes return.
+    outcome: Arc<CloseOutcome>,
 }
 
 /// An open session, or what a closed one left.
@@ -1741,10 +1830,16 @@ pub unsafe extern "C" fn rs_alert_poll(session_handle: u64, timeout_ms: u32, out
         // Checked before an alert is taken from the queue: a bad `out` must not lose one.
         // SAFETY: per the contract.
         unsafe { check_sized(out, size_of::<RsAlert>(), "out", "rs_alert") }?;
+        let ended = || Failure(RsStatus::RsErrEnded, "the session is closed and every alert was delivered".into());
         let alerts = match session_or_closed(session_handle)? {
             Probed::Open(s) => s.alerts().map_err(|_| no_probes())?,
             Probed::Closed(c) => match &c.probes {
-                Some(p) => p.alerts.clone(),
+                Some(ClosedProbes { alerts: AlertsLeft::Live(rx), .. }) => rx.clone(),
+                Some(ClosedProbes { alerts: AlertsLeft::Left(left), .. }) => {
+                    let a = left.lock().pop_front().ok_or_else(ended)?;
+                    // SAFETY: per the contract.
+                    return unsafe { write_alert(out, &a) };
+                }
                 None => return Err(Failure(RsStatus::RsErrClosed, "the session is closed (it had no probes)".into())),
             },
         };
@@ -1754,10 +1849,19 @@ pub unsafe extern "C" fn rs_alert_poll(session_handle: u64, timeout_ms: u32, out
                 return Err(Failure(RsStatus::RsErrTimeout, format!("no alert came within {timeout_ms} ms")))
             }
             // The probes' thread has ended (the session closed) and the queue is empty.
-            Err(_) => {
-                return Err(Failure(RsStatus::RsErrEnded, "the session is closed and every alert was delivered".into()))
-            }
+            Err(_) => return Err(ended()),
         };
+        // SAFETY: per the contract.
+        unsafe { write_alert(out, &a) }
+    })
+}
+
+/// Writes `a` to `out`.
+///
+/// # Safety
+/// As [`rs_alert_poll`]'s `out`, checked by [`check_sized`].
+unsafe fn write_alert(out: *mut RsAlert, a: &ringscope_api::probe::Alert) -> Result<(), Failure> {
+    {
         let (probe, probe_len) = fixed_text::<RS_PROBE_NAME_LEN>(&a.probe);
         let (label, label_len) = fixed_text::<RS_PROBE_NAME_LEN>(&a.label);
         let value = RsAlert {
@@ -1781,7 +1885,7 @@ pub unsafe extern "C" fn rs_alert_poll(session_handle: u64, timeout_ms: u32, out
         };
         // SAFETY: per the contract.
         unsafe { write_sized(out, value, size_of::<RsAlert>(), "out", "rs_alert") }
-    })
+    }
 }
 
 /// Writes to `out` how many alerts found the alerts queue full (`alerts.queue`) and were not queued; their requests'
@@ -1908,8 +2012,9 @@ pub unsafe extern "C" fn rs_is_flagged(session_handle: u64, request_id: u64, out
 /// table above the engine's live requests, or use batch-slot indices as request ids; request `UINT64_MAX` cannot be
 /// flagged. On the CUDA backend the table is pinned host memory mapped into the device, so a kernel of the engine
 /// can read it with one load and no host synchronisation; its device address comes with the GPU probes' calls (this
-/// call gives the host address). `*slots` stays valid until the session is closed (the table is kept with the closed
-/// handle, so a reader that outlives it never reads freed host memory; the flags are no longer raised then).
+/// call gives the host address). `*slots` stays valid after the session is closed too: once this call handed it out,
+/// the table is kept with the closed handle (`alerts.flag_slots` × 8 bytes), so a reader that outlives the session
+/// never reads freed host memory (the flags are no longer raised then).
 /// `RS_ERR_CONFIG`: the session has no probes.
 ///
 /// # Safety
@@ -1920,6 +2025,8 @@ pub unsafe extern "C" fn rs_probe_flags(session_handle: u64, slots: *mut *const 
         out_arg(slots, "slots")?;
         out_arg(len, "len")?;
         let flags = session(session_handle)?.probe_flags().ok_or_else(no_probes)?;
+        // The address is out: the table is kept with the closed handle (see `rs_session_close`).
+        handles().flags_handed_out.lock().insert(session_handle);
         // SAFETY: both checked non-null; writable per the contract.
         unsafe {
             *slots = flags.as_ptr();

@@ -987,3 +987,78 @@ fn rs_probes_wait_returns_once_every_row_is_scored() {
     assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 28: `rs_session_close` from two threads at once — the caller that lost the race got `RS_OK` with untouched
+/// totals while the first close was still writing. Every caller now waits for the one close and gets its totals.
+#[test]
+fn concurrent_closes_wait_for_the_one_close_and_return_its_totals() {
+    for round in 0..20 {
+        let s = open("");
+        let id = register(s, "h", 4);
+        for step in 0..50u64 {
+            let (ids, pos) = ([1u64, 2], [step as u32, step as u32]);
+            // SAFETY: arrays of 2.
+            assert_eq!(unsafe { rs_begin_step(s, step, ids.as_ptr(), pos.as_ptr(), 2) }, RsStatus::RsOk);
+            let data = [3u8; 16];
+            // SAFETY: 16 bytes: 2 rows of 4 bf16.
+            let st = unsafe { rs_capture_host(s, id, data.as_ptr().cast(), data.len(), std::ptr::null_mut()) };
+            assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+            assert_eq!(rs_end_step(s), RsStatus::RsOk);
+        }
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let closers: Vec<_> = (0..4)
+            .map(|_| {
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    let mut totals = RsCounts::default();
+                    barrier.wait();
+                    // SAFETY: writable totals.
+                    let st = unsafe { rs_session_close(s, &mut totals) };
+                    (st, totals)
+                })
+            })
+            .collect();
+        let results: Vec<(RsStatus, RsCounts)> = closers.into_iter().map(|t| t.join().unwrap()).collect();
+        for (st, totals) in &results {
+            assert_eq!(*st, RsStatus::RsOk, "round {round}");
+            assert_eq!((totals.produced_rows, totals.exported_rows), (100, 100), "round {round}: {totals:?}");
+        }
+        // A later close returns the same.
+        let mut again = RsCounts::default();
+        // SAFETY: writable totals.
+        assert_eq!(unsafe { rs_session_close(s, &mut again) }, RsStatus::RsOk);
+        assert_eq!(again, results[0].1);
+    }
+}
+
+/// Issue 28: a closed session with probes kept its alerts queue (every slot allocated up front: ~5 MiB at the default
+/// `alerts.queue`) and its flag table for the life of the process. Now the handle keeps only the alerts left and its
+/// counts; the flag table only when `rs_probe_flags` handed its address out.
+#[test]
+fn a_closed_session_keeps_only_what_its_handle_answers() {
+    let dir = probe_dir("closed-keeps");
+    let w = first_element_weights(&dir);
+    for hand_out in [false, true] {
+        let s = open(&probe_config(&w));
+        let id = hookpoint_id(s, "h");
+        if hand_out {
+            let (mut slots, mut len) = (std::ptr::null::<u64>(), 0usize);
+            // SAFETY: writable out-pointers.
+            assert_eq!(unsafe { rs_probe_flags(s, &mut slots, &mut len) }, RsStatus::RsOk);
+        }
+        probe_step(s, id, 0, &[(7, 0)], |_| 2.0);
+        // SAFETY: null totals are allowed.
+        assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
+        let map = handles().map.lock();
+        let Some(Entry::ClosedSession(closed)) = map.get(&s) else { panic!("a closed session") };
+        let probes = closed.probes.as_ref().expect("it had probes");
+        let AlertsLeft::Left(left) = &probes.alerts else { panic!("the alerts queue was not freed") };
+        assert_eq!(left.lock().len(), 2, "the two alerts not polled stay with the handle");
+        assert_eq!(probes._flags.is_some(), hand_out, "the flag table is kept only when its address is out");
+        drop(map);
+        assert_eq!(poll_alert(s, 0).0, RsStatus::RsOk);
+        assert_eq!(poll_alert(s, 0).0, RsStatus::RsOk);
+        assert_eq!(poll_alert(s, 0).0, RsStatus::RsErrEnded);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -98,7 +98,7 @@ impl Control {
 
     /// Whether a capture at `step` is taken (enabled and on a sampled step, the policy manager's rung included).
     pub fn samples(&self, step: u64) -> bool {
-        self.effective_enabled() && step % self.effective_every_n() as u64 == 0
+        self.effective_enabled() && step.is_multiple_of(self.effective_every_n() as u64)
     }
 
     /// The policy manager's layer over the user's settings.

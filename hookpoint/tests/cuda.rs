@@ -644,7 +644,7 @@ fn graph_begun_steps(defer: bool) {
 fn downcast_source(step: u64, hp: &HookPoint, rows: u32) -> Vec<u8> {
     let spec = hp.spec();
     let bytes = rows as usize * spec.row_bytes() as usize;
-    if step % 2 == 0 {
+    if step.is_multiple_of(2) {
         return pattern_bytes(seed(step, hp.id()), bytes);
     }
     let n = rows as usize * spec.row_width as usize;
@@ -879,7 +879,7 @@ fn probe_step_rows(dtype: DType, weights: &[f32], bias: &[f32], step: u64, rows:
     let scale = 3.0 / (d as f32).sqrt();
     let (mut bytes, mut refs) = (Vec::new(), Vec::new());
     for r in 0..rows {
-        let hot = (r as u64 + step) % 3 == 0;
+        let hot = (r as u64 + step).is_multiple_of(3);
         let target = (r as usize + step as usize) % k;
         let mut attempt = 0u64;
         let (row, reference) = loop {

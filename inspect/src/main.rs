@@ -219,9 +219,66 @@ fn add_numbers(a: &mut Value, b: &Value) {
     }
 }
 
+/// Whether `dir` looks like a run directory: a manifest, or a partition of one of the file sinks.
+fn looks_like_run(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else { return false };
+    entries.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        is_manifest(&name) || name.starts_with("hookpoint=") || name == "_arrow_ipc"
+    })
+}
+
+/// When `dir` is no run directory but next to one — a partition (or file series) inside a run, or the export
+/// directory that holds runs —, what to give instead.
+fn not_a_run_hint(dir: &Path) -> Option<String> {
+    let abs = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    // What lives inside a run: `hookpoint=…`, `rank=…`, `_arrow_ipc`, a downcast series, the events table.
+    let inside = |p: &Path| {
+        p.file_name().map(|n| n.to_string_lossy()).is_some_and(|n| {
+            n.starts_with("hookpoint=")
+                || n.starts_with("rank=")
+                || n == "_arrow_ipc"
+                || n == "_ringscope_events"
+                || n.starts_with("_f8e4m3")
+        })
+    };
+    if !inside(&abs) && looks_like_run(dir) {
+        return None;
+    }
+    if let Some(run) = abs.ancestors().skip(1).take(5).find(|a| !inside(a) && looks_like_run(a)) {
+        return Some(format!(
+            "{} is inside the run {}: give the run directory, e.g. `inspect {}`",
+            dir.display(),
+            run.display(),
+            run.display()
+        ));
+    }
+    // The export directory: runs below it.
+    let mut runs: Vec<String> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().is_dir() && looks_like_run(&e.path()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    runs.sort();
+    let first = runs.first()?;
+    let shown =
+        if runs.len() > 8 { format!("{}, ... ({} runs)", runs[..8].join(", "), runs.len()) } else { runs.join(", ") };
+    Some(format!(
+        "{} is not a run directory but holds runs ({shown}): give one, e.g. `inspect {}`",
+        dir.display(),
+        dir.join(first).display()
+    ))
+}
+
 fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
     if !run_dir.is_dir() {
         eprintln!("inspect: {} is not a directory", run_dir.display());
+        return ExitCode::from(EXIT_NOT_A_RUN);
+    }
+    // An export directory or a partition would otherwise read as an interrupted run (its files, no manifest).
+    if let Some(hint) = not_a_run_hint(run_dir) {
+        eprintln!("inspect: {hint}");
         return ExitCode::from(EXIT_NOT_A_RUN);
     }
     let manifest: Option<Value> = match read_manifests(run_dir) {

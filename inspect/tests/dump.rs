@@ -67,7 +67,8 @@ fn drive(session: &Session, cfg: EngineConfig) {
 
 fn inspect(path: &Path) -> (Option<i32>, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_inspect")).arg(path).output().unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code(), text)
 }
 
 #[test]
@@ -369,4 +370,23 @@ fn files_with_ext_if_any(dir: &Path, ext: &str) -> usize {
     } else {
         0
     }
+}
+
+/// Issue 28: pointed at the export directory (which holds runs) or at a partition inside a run, `inspect` said
+/// "interrupted" (exit 3). It now says what it was given and which directory to give instead (exit 2).
+#[test]
+fn an_export_directory_or_a_partition_is_not_a_run_and_the_run_is_named() {
+    let dir = tempdir("not-a-run");
+    dump(&dir, EngineConfig { layers: 1, hidden: 64, requests: 4, max_concurrent: 2, seed: 3, ..Default::default() });
+    let (code, out) = inspect(&dir);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("holds runs (r)") && out.contains("give one"), "{out}");
+    for inner in ["r/hookpoint=layers.0.resid", "r/hookpoint=layers.0.resid/rank=0", "r/_arrow_ipc"] {
+        let (code, out) = inspect(&dir.join(inner));
+        assert_eq!(code, Some(2), "{inner}: {out}");
+        assert!(out.contains("is inside the run") && out.contains("/r"), "{inner}: {out}");
+    }
+    let (code, out) = inspect(&dir.join("r"));
+    assert_eq!(code, Some(0), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

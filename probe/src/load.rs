@@ -44,16 +44,90 @@ fn file_error(probe: &str, path: &Path, message: impl Into<String>) -> ProbeErro
     ProbeError::File { probe: probe.into(), path: path.display().to_string(), message: message.into() }
 }
 
+/// Reads a whole probe file: a regular file only, at most [`MAX_FILE_BYTES`], every allocation fallible. A FIFO, a
+/// socket or a device (`/dev/zero` reads without end; opening a FIFO waits for a writer) is refused, never waited on.
 fn read_file(probe: &str, path: &Path) -> Result<Vec<u8>, ProbeError> {
-    let meta = std::fs::metadata(path).map_err(|e| file_error(probe, path, e.to_string()))?;
+    use std::io::Read;
+    let fail = |message: String| file_error(probe, path, message);
+    if path.as_os_str().is_empty() {
+        return Err(fail("an empty path: give the file's path".into()));
+    }
+    // Refused before it is opened: opening a FIFO for reading would wait for a writer.
+    let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(fail(format!("not a regular file ({}); give a .safetensors or .npy file", file_kind(&meta))));
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        // Non-blocking: should the path have become a FIFO since the check above, opening it does not wait.
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path).map_err(|e| fail(e.to_string()))?;
+    // What was opened is checked again: the path may have changed since.
+    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(fail(format!("not a regular file ({}); give a .safetensors or .npy file", file_kind(&meta))));
+    }
     if meta.len() > MAX_FILE_BYTES {
-        return Err(file_error(
-            probe,
-            path,
-            format!("{} bytes; probe files are read whole, at most 1 GiB", meta.len()),
+        return Err(fail(format!("{} bytes; probe files are read whole, at most 1 GiB", meta.len())));
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(meta.len() as usize)
+        .map_err(|_| fail(format!("cannot allocate {} bytes to read it", meta.len())))?;
+    // Bounded even if the file grows while it is read.
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| fail(e.to_string()))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(fail("grew past 1 GiB while it was read; probe files are read whole, at most 1 GiB".into()));
+    }
+    Ok(bytes)
+}
+
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() || t.is_block_device() {
+            return "a device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Checks a `.npy` file's header length and data size against the file before npyz parses it: npyz allocates the
+/// header length it reads (a length field of 0xFFFFFFF0 aborted the process) and the shape's element count.
+/// Returns the bytes of data after the header.
+fn check_npy_layout(bytes: &[u8]) -> Result<u64, String> {
+    const MAGIC: &[u8] = b"\x93NUMPY";
+    if bytes.len() < 10 || &bytes[..6] != MAGIC {
+        return Err("not a .npy file (no \\x93NUMPY magic)".into());
+    }
+    let (header_len, start) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as u64, 10u64),
+        2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as u64, 12),
+        v => return Err(format!("a .npy file of format version {v}, or truncated; save it with numpy (version 1-3)")),
+    };
+    if start + header_len > bytes.len() as u64 {
+        return Err(format!(
+            "its header claims {header_len} bytes, but the file has {} bytes after the preamble: a damaged file",
+            bytes.len() as u64 - start
         ));
     }
-    std::fs::read(path).map_err(|e| file_error(probe, path, e.to_string()))
+    Ok(bytes.len() as u64 - start - header_len)
 }
 
 /// Reads a probe's weights from `path`: a `.safetensors` file (the tensor named `tensor`, default `weight`; its
@@ -172,8 +246,25 @@ fn st_values(
 }
 
 fn npy_values(probe: &str, path: &Path, bytes: &[u8]) -> Result<(Vec<usize>, Vec<f32>), ProbeError> {
+    let data = check_npy_layout(bytes).map_err(|e| file_error(probe, path, e))?;
     let npy = npyz::NpyFile::new(bytes).map_err(|e| file_error(probe, path, format!("not a .npy file: {e}")))?;
     let shape: Vec<usize> = npy.shape().iter().map(|&n| n as usize).collect();
+    // The shape's element count must be what the file holds, before anything of that size is allocated.
+    let elements = npy.shape().iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    let item = match npy.dtype() {
+        npyz::DType::Plain(ts) => ts.num_bytes().unwrap_or(0) as u64,
+        _ => 0,
+    };
+    if item > 0 && elements.and_then(|n| n.checked_mul(item)).is_none_or(|need| need > data) {
+        return Err(file_error(
+            probe,
+            path,
+            format!(
+                "its header declares shape {:?} of {item}-byte elements, but it holds {data} bytes of data",
+                npy.shape()
+            ),
+        ));
+    }
     if npy.order() == npyz::Order::Fortran && shape.len() > 1 {
         return Err(file_error(probe, path, "a Fortran-ordered array: save it C-ordered (np.ascontiguousarray)"));
     }
@@ -206,6 +297,58 @@ mod tests {
         assert_eq!((w.outputs(), w.width(), w.values()), (2, 3, &values[..]));
         assert!(bias.is_none());
         assert!(save_npy(&path, &[2, 4], &values).is_err(), "6 values do not fill [2, 4]");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 28: a header length of 0xFFFFFFF0 aborted the process (npyz allocated it); a shape larger than the data
+    /// must not be allocated either.
+    #[test]
+    fn npy_files_whose_header_or_shape_exceed_the_file_are_refused() {
+        let dir = std::env::temp_dir().join(format!("ringscope-probe-npy-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.npy");
+        let mut huge = b"\x93NUMPY\x02\x00".to_vec();
+        huge.extend_from_slice(&0xFFFF_FFF0u32.to_le_bytes());
+        huge.extend_from_slice(&[b' '; 64]);
+        std::fs::write(&path, &huge).unwrap();
+        let e = load_weights("p", &path, None).unwrap_err().to_string();
+        assert!(e.contains("4294967280 bytes") && e.contains("damaged"), "{e}");
+        let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 4), }";
+        let mut big = b"\x93NUMPY\x01\x00".to_vec();
+        let padded = format!("{header:<118}\n");
+        big.extend_from_slice(&(padded.len() as u16).to_le_bytes());
+        big.extend_from_slice(padded.as_bytes());
+        big.extend_from_slice(&[0u8; 16]);
+        std::fs::write(&path, &big).unwrap();
+        let e = load_weights("p", &path, None).unwrap_err().to_string();
+        assert!(e.contains("holds 16 bytes of data"), "{e}");
+        std::fs::write(&path, b"\x93NUMPY").unwrap();
+        assert!(load_weights("p", &path, None).unwrap_err().to_string().contains("not a .npy file"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 28: a FIFO hung session open (opening it waits for a writer) and `/dev/zero` read without end.
+    #[cfg(unix)]
+    #[test]
+    fn weights_that_are_not_regular_files_are_refused_without_waiting() {
+        let dir = std::env::temp_dir().join(format!("ringscope-probe-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("w.npy");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = load_weights("p", &fifo, None).unwrap_err().to_string();
+        assert!(e.contains("a FIFO") && e.contains("w.npy"), "{e}");
+        let e = load_bias("p", Path::new("/dev/zero.npy")).unwrap_err().to_string();
+        assert!(e.contains("/dev/zero.npy"), "{e}");
+        let zero = dir.join("zero.npy");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let e = load_weights("p", &zero, None).unwrap_err().to_string();
+        assert!(e.contains("a device"), "{e}");
+        let e = load_weights("p", Path::new(""), None).unwrap_err().to_string();
+        assert!(e.contains("empty path"), "{e}");
+        let e = load_weights("p", &dir, None).unwrap_err().to_string();
+        assert!(e.contains("a directory"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

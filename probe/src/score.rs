@@ -97,7 +97,7 @@ impl Scorer {
         if !scorable(dtype) {
             return Err(ProbeError::DType { probe: self.name.clone(), dtype: dtype.name() });
         }
-        if rows.len() % row_bytes != 0 || out.len() != rows.len() / row_bytes * k {
+        if !rows.len().is_multiple_of(row_bytes) || out.len() != rows.len() / row_bytes * k {
             return Err(ProbeError::invalid(
                 &self.name,
                 format!("{} bytes are not whole rows of {d} {} elements", rows.len(), dtype.name()),

@@ -81,7 +81,7 @@ impl DType {
     /// Elements in a row of `row_bytes` bytes; `None` when no row of this dtype has that size.
     pub const fn row_width(self, row_bytes: u64) -> Option<u64> {
         let overhead = self.row_overhead() as u64;
-        if row_bytes <= overhead || (row_bytes - overhead) % self.size() as u64 != 0 {
+        if row_bytes <= overhead || !(row_bytes - overhead).is_multiple_of(self.size() as u64) {
             return None;
         }
         Some((row_bytes - overhead) / self.size() as u64)

@@ -159,7 +159,7 @@ pub struct SpecError {
 /// written in the configuration.
 pub(crate) fn in_units(bytes: usize) -> String {
     const UNITS: [(usize, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
-    match UNITS.iter().find(|(size, _)| bytes >= *size && bytes % size == 0) {
+    match UNITS.iter().find(|(size, _)| bytes >= *size && bytes.is_multiple_of(*size)) {
         Some((size, unit)) => format!("{} {unit}", bytes / size),
         None => format!("{bytes} bytes"),
     }

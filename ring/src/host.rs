@@ -112,7 +112,7 @@ impl SpaceSignal {
 /// `capacity` must be a multiple of [`CAPACITY_ALIGN`] and at least [`MIN_CAPACITY`]. The largest payload it takes
 /// is [`Producer::max_payload_len`] (half the capacity, minus the header).
 pub fn channel(capacity: usize) -> Result<(Producer, Consumer), RingError> {
-    if capacity < MIN_CAPACITY || capacity % CAPACITY_ALIGN != 0 {
+    if capacity < MIN_CAPACITY || !capacity.is_multiple_of(CAPACITY_ALIGN) {
         return Err(RingError::InvalidCapacity { capacity, align: CAPACITY_ALIGN, min: MIN_CAPACITY });
     }
     // The capacity comes from configuration: an allocation the machine refuses is an error for the caller to

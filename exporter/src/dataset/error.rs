@@ -37,6 +37,27 @@ pub enum FileError {
     /// The run directory already holds a dump.
     #[error("run directory {} already holds a dump; choose another run id or remove it", .0.display())]
     RunDirInUse(PathBuf),
+    /// Another session holds this rank of the run directory (see [`RunLock`](super::RunLock)).
+    #[error(
+        "run directory {} is being written by another session (rank {rank}): two writers of one run and rank would \
+         overwrite each other's files; give this session another export.run_id (or export.rank)",
+        .dir.display()
+    )]
+    RunLocked {
+        /// The run directory.
+        dir: PathBuf,
+        /// The rank.
+        rank: u32,
+    },
+    /// The run's lock file could not be created or locked.
+    #[error("cannot lock {}: {source}", .path.display())]
+    Lock {
+        /// The lock file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A directory could not be created.
     #[error("cannot create directory {}: {source}", .dir.display())]
     CreateDir {
@@ -97,8 +118,14 @@ pub enum FileError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OptionsError {
     /// The run id is not a plain directory name.
-    #[error("run id `{0}` must be a non-empty directory name not starting with `.`")]
+    #[error(
+        "run id {0:?} must be a directory name: 1 to 255 bytes, not starting with `.`, without `/`, `\\` or control \
+         characters"
+    )]
     RunId(String),
+    /// The output root is empty.
+    #[error("export.dir is empty: give the directory dumps go to (\".\" for the working directory)")]
+    EmptyRoot,
     /// A size is zero.
     #[error("max_file_bytes and batch_bytes must be positive")]
     ZeroSize,

@@ -53,10 +53,12 @@ use crate::routing::record::Record;
 mod error;
 pub mod events;
 mod files;
+mod lock;
 
 pub use error::{FileError, FormatError, OptionsError};
 pub use events::{read_events, EventRecorder, EventsFile, EventsReport, EventsTable, TableFormat, EVENTS_DIR};
 pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink, FinishedFile};
+pub use lock::{lock_file_name, RunLock};
 
 /// How a file sink writes its files (`export.direct_io` in a session config: `"auto"`, `"on"` or `"off"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -139,8 +141,18 @@ impl DatasetOptions {
 
     /// Checks the options before anything is written.
     pub fn validate(&self) -> Result<(), OptionsError> {
-        if self.run_id.is_empty() || self.run_id.contains(['/', '\\']) || self.run_id.starts_with('.') {
+        // A directory name every tool can show and every shell can type: no separators, no control characters
+        // (a newline in a run id splits log lines and file listings), at most 255 bytes.
+        if self.run_id.is_empty()
+            || self.run_id.len() > 255
+            || self.run_id.contains(['/', '\\'])
+            || self.run_id.starts_with('.')
+            || self.run_id.chars().any(char::is_control)
+        {
             return Err(OptionsError::RunId(self.run_id.clone()));
+        }
+        if self.root.as_os_str().is_empty() {
+            return Err(OptionsError::EmptyRoot);
         }
         if self.max_file_bytes == 0 || self.batch_bytes == 0 || self.max_pending_bytes == 0 {
             return Err(OptionsError::ZeroSize);
@@ -462,5 +474,18 @@ mod tests {
         o.run_id = "r1".into();
         o.rank = 3;
         assert_eq!(o.partition_dir("", "layers.0.resid"), PathBuf::from("/tmp/x/r1/hookpoint=layers.0.resid/rank=3"));
+        // Issue 28: control characters were accepted (a newline in a run id splits every listing).
+        for bad in ["a\nb", "tab\there", "nul\0", "\u{7f}", ".hidden", ""] {
+            o.run_id = bad.into();
+            let e = o.validate().unwrap_err().to_string();
+            assert!(e.contains("control characters"), "{bad:?}: {e}");
+        }
+        o.run_id = "x".repeat(256);
+        assert!(o.validate().is_err());
+        o.run_id = "ünïcode-run 1".into();
+        assert!(o.validate().is_ok());
+        // An empty output root wrote into the working directory.
+        let empty = DatasetOptions { root: PathBuf::new(), ..DatasetOptions::new("") };
+        assert!(empty.validate().unwrap_err().to_string().contains("export.dir is empty"));
     }
 }

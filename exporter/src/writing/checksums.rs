@@ -75,7 +75,7 @@ impl PageBlobs {
     /// the chunk's start).
     pub(crate) fn take_chunk(&self, column: usize, mut close: ColumnCloseResult) -> Result<(Bytes, ColumnCloseResult)> {
         let blobs = std::mem::take(&mut self.0.lock()[column]);
-        if blobs.len() % 2 != 0 {
+        if !blobs.len().is_multiple_of(2) {
             return Err(ParquetError::General(format!("column {column}: a page header without its page")));
         }
         let mut dictionary = None;

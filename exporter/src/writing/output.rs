@@ -665,7 +665,7 @@ mod tests {
                 } else {
                     // All of the lent memory but the partial blocks at each write's two ends went as it lies.
                     assert!(
-                        lent_written > 249_000 - 4 * ALIGN as u64 && lent_written % ALIGN as u64 == 0,
+                        lent_written > 249_000 - 4 * ALIGN as u64 && lent_written.is_multiple_of(ALIGN as u64),
                         "{lent_written}"
                     );
                 }

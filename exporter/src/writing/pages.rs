@@ -553,7 +553,7 @@ mod tests {
         // bf16-like rows: a random low byte, a high byte from a few values (1 MiB pages compress to ~0.6 MiB, whose
         // size takes a shorter varint than zstd's bound for 1 MiB).
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let bf16 = |i: usize, r: u64| if i % 2 == 0 { r as u8 } else { 0x3c + (r >> 40) as u8 % 4 };
+        let bf16 = |i: usize, r: u64| if i.is_multiple_of(2) { r as u8 } else { 0x3c + (r >> 40) as u8 % 4 };
         let want: Vec<Vec<u8>> = (0..48).map(|_| noise(&mut x, 1 << 20, bf16)).collect();
         for rows in &want {
             compress_page(&mut pages.compressor, &mut chunk, rows, &mut asm).unwrap();

@@ -269,6 +269,11 @@ class _Counts(ctypes.Structure):
     def to_dict(self) -> dict:
         d = {n: getattr(self, n) for n, _ in self._fields_[:-1]}
         d["dropped_by_reason"] = dict(zip(_DROP_REASONS, list(self.dropped_by_reason)))
+        # Captured, neither exported (committed) nor dropped yet: in the ring, queued for a destination, or written
+        # into a file that is not committed yet (flush() or close() commits it). 0 once the session is closed.
+        for unit in ("records", "rows"):
+            d[f"in_flight_{unit}"] = max(0, d[f"produced_{unit}"] - d[f"sampled_out_{unit}"] - d[f"exported_{unit}"]
+                                         - d[f"dropped_{unit}"])
         return d
 
 
@@ -437,6 +442,7 @@ def _load():
         "rs_hookpoint_stats": ([u64, u32, p(_HookPointSnapshot), ctypes.c_char_p, sz], i32),
         "rs_destination_stats": ([u64, u32, p(_DestinationSnapshot), ctypes.c_char_p, sz], i32),
         "rs_metrics_text": ([u64, ctypes.c_char_p, sz, p(sz)], i32),
+        "rs_metrics_port": ([u64, p(ctypes.c_uint16)], i32),
     }
     # ABI 4 (probes): likewise.
     probe_sigs = {
@@ -719,7 +725,10 @@ class Session:
 
     # -- state ---------------------------------------------------------------------------------------------------
     def stats(self, hookpoint: int) -> dict:
-        """Counters of one hookpoint (records and rows): produced, sampled out, exported, dropped (by reason)."""
+        """Counters of one hookpoint (records and rows): ``produced``, ``sampled_out``, ``exported`` — *committed*:
+        delivered to every destination, which for a file sink means in a committed file —, ``dropped`` (by reason),
+        and ``in_flight``: captured but not committed yet (in the ring, queued, or in a file still being written;
+        ``flush()`` commits it). Mid-run, rows in an open file are ``in_flight``, not ``exported``."""
         c = _Counts()
         _check(_load().rs_stats(self._h, _u32("hookpoint", hookpoint), ctypes.byref(c)))
         return c.to_dict()
@@ -799,6 +808,17 @@ class Session:
             buf = ctypes.create_string_buffer(needed.value + 4096)
         _check(status)
         return buf.value.decode("utf-8", "replace")
+
+    def metrics_port(self) -> int:
+        """The TCP port the metrics endpoint (``[metrics] listen``) listens on — the one the system chose for port 0 —
+        or 0 when the session serves none."""
+        lib = _stats_lib()
+        if not hasattr(lib, "rs_metrics_port"):
+            raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates rs_metrics_port: rebuild it with "
+                                                  "`cargo build --release -p ringscope-ffi`")
+        out = ctypes.c_uint16(0)
+        _check(lib.rs_metrics_port(self._h, ctypes.byref(out)))
+        return out.value
 
     def sink_failures(self) -> list:
         """The sinks that have failed so far, in the order they failed: a list of dicts with ``sink`` (its name),
@@ -1198,7 +1218,7 @@ def _read_checked(part: "pathlib.Path | list"):
 
 
 def _read_ipc_checked(files: list):
-    """The table of Arrow IPC files (memory-mapped), every record batch checked against its CRC-32 in the file's
+    """The table of Arrow IPC files (read, not memory-mapped), every record batch checked against its CRC-32 in the file's
     footer; a file whose bytes are not as written is a RingscopeError naming it."""
     import pyarrow as pa
 
@@ -1229,16 +1249,19 @@ def _as_float32(values: np.ndarray, dtype_name: str) -> np.ndarray:
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
     """Reads a dump (a run directory: its Parquet files, or its Arrow IPC files when it has no Parquet) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
-    with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every dtype becomes a torch tensor then),
-    else as uint16 bit patterns (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
+    with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every column becomes a torch tensor then;
+    ``step``, ``request_id`` and ``position`` as int64, which torch indexes and counts with: a request id or step
+    above 2**63-1 is a :class:`RingscopeError`, read such a run with ``as_torch=False``), else as uint16 bit patterns
+    (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
     ``downcast`` (bool per row) marks rows that were downcast on capture (``Session.set_downcast``): a hookpoint
     with any has its ``activation`` as float32 for every row (full-precision rows converted exactly, downcast rows
     dequantized: E4M3 × the row's scale), and ``dtype`` ``"f32"``; ``source_dtype`` is the hookpoint's own dtype.
     Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
     :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
     run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
-    file's bytes are not as written: every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
-    is read. Needs pyarrow."""
+    file's bytes are not as written — every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
+    is read; a file cut short is found too — or when a file does not belong in its partition (another hookpoint's
+    file, or rows of another width or dtype). Needs pyarrow."""
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     if hookpoint is not None:
         _text("hookpoint", hookpoint)
@@ -1279,6 +1302,12 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         name = part.name[len("hookpoint="):]
         downcast_files = sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))
         full_files = sorted(part.glob(f"rank=*/part-*.{ext}"))
+        # Each file belongs where it lies (its footer names this hookpoint; one row width and dtype per series): a
+        # file of another hookpoint copied into the partition is an error naming it, not a pyarrow or numpy error.
+        from .stream import _Series
+
+        _Series(name, False).check_files(ext, full_files)
+        _Series(name, True).check_files(ext, downcast_files)
         pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
         if full_files:
             t = _read_checked(part) if ext == "parquet" else _read_ipc_checked(full_files)
@@ -1322,10 +1351,14 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         if as_torch:
             import torch
 
+            from .stream import _int64
+
             act_t = torch.from_numpy(act.copy())
             if dtype_name == "bf16":
                 act_t = act_t.view(torch.bfloat16)
-            cols = {k: torch.from_numpy(np.array(v)) for k, v in cols.items()}  # own, writable copies
+            # Own, writable copies; unsigned id columns as int64, what torch indexes and counts with (ids above
+            # 2**63-1 are refused, not wrapped).
+            cols = {k: torch.from_numpy(np.array(_int64(k, v) if v.dtype.kind == "u" else v)) for k, v in cols.items()}
             cols["activation"] = act_t
         else:
             cols["activation"] = act

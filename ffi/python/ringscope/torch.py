@@ -133,7 +133,9 @@ def _decoder(model):
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
-_SITES = ("residual", "attention_output", "mlp_output", "final_norm", "logits")
+_SITES = ("residual", "attention_output", "mlp_output", "final_norm", "logits", "tokens")
+# The token ids of each step's rows (int64, one per row): what joins captured rows to text.
+_TOKENS = "tokens"
 
 
 def _device_ids(ids: List[int]) -> torch.Tensor:
@@ -166,10 +168,27 @@ def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _eos_ids(model) -> set:
+    """The model's end-of-sequence token ids (its generation config's, else its config's)."""
+    out = set()
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is None:
+            continue
+        for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+            if isinstance(e, int) and e >= 0:
+                out.add(e)
+        if out:
+            break
+    return out
+
+
 class Attachment:
     """What :func:`attach` installed: the session, the hookpoint ids by name, and the hooks (``detach()`` removes
-    them). Set ``request_ids`` (one per batch row) before a forward pass to name the rows' requests; by default
-    row ``b`` of the batch is request ``b``."""
+    them). Set ``request_ids`` (one per batch row) before a forward pass to name the rows' requests. By default
+    every forward pass that starts new sequences (a prefill: nothing cached yet) gets new ids — ``generate`` calls
+    one after another never share a request id: the first call's rows are requests ``0 .. batch-1``, the next
+    call's continue from there —, and the decode steps that follow keep them (:meth:`current_request_ids`)."""
 
     def __init__(self, session: Session, model):
         self.session = session
@@ -190,6 +209,19 @@ class Attachment:
         self._widths: Dict[int, int] = {}
         self._key = next(_NEXT_KEY)
         self._recorded_graph = False  # a CUDA graph recorded one of this attachment's steps (see detach)
+        # Default request ids (request_ids unset): those of the sequences in flight, and the next one to give.
+        self._auto_ids: Optional[List[int]] = None
+        self._next_id = 0
+        # Eager steps: which batch rows' sequences have ended (fed their EOS token, or stopped by
+        # ProbeStoppingCriteria) — sticky until the next prefill —, and the rows of the open step that are captured
+        # (None: all; else an index tensor: padding and ended rows left out).
+        self._finished: Optional[np.ndarray] = None
+        self._kept: Optional[torch.Tensor] = None
+        self._step_shape = (0, 0)  # (batch, seq) of the open eager step
+        self._eos = _eos_ids(model)
+        self._tokens_hp: Optional[int] = None
+        self._warned_logits = False
+        self._rows_setting: "str | Sequence[int]" = "all"  # attach's `rows`, restored after a last-token capture
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -246,9 +278,37 @@ class Attachment:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_TOO_FEW_IDS} (a batch of {batch} rows)")
             t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
-            if self.request_ids is not None and len(self.request_ids) <= t.numel():
-                t[:len(self.request_ids)].copy_(_device_ids(self.request_ids))
+            ids = self.request_ids if self.request_ids is not None else self._auto_ids
+            if ids is not None and len(ids) <= t.numel():
+                t[:len(ids)].copy_(_device_ids(ids))
         return t[:batch]
+
+    def current_request_ids(self, batch: int) -> List[int]:
+        """The request id of each of ``batch`` rows as the steps now name them: ``request_ids`` when set, else the
+        ids the last prefill gave (``0 .. batch-1`` before any)."""
+        if self.request_ids is not None:
+            return list(self.request_ids)
+        if self._auto_ids is not None and len(self._auto_ids) == batch:
+            return list(self._auto_ids)
+        return list(range(batch))
+
+    def _new_sequences(self, batch: int) -> None:
+        """A prefill: default request ids for its rows (when ``request_ids`` is unset), in the tensors recorded graphs
+        read too; no row has ended."""
+        self._finished = np.zeros(batch, dtype=bool)
+        if self.request_ids is not None:
+            return
+        self._auto_ids = list(range(self._next_id, self._next_id + batch))
+        self._next_id += batch
+        ids = _device_ids(self._auto_ids)
+        for t in self._req_ids.values():
+            if t.numel() >= batch:
+                t[:batch].copy_(ids)
+
+    def _mark_finished(self, rows) -> None:
+        """Rows whose sequences ``generate`` ended (ProbeStoppingCriteria): left out of the steps that follow."""
+        if self._finished is not None and len(self._finished) == len(rows):
+            self._finished |= np.asarray(rows, dtype=bool)
 
     def detach(self) -> None:
         """Removes the hooks and the sink buffer :func:`attach` added to the model. When torch.compile recorded CUDA
@@ -312,18 +372,56 @@ class Attachment:
                                      "tensors in the forward call (the step's token positions are read from them at "
                                      "every replay), or begin_step by hand before recording and before each replay")
             self._begin_tensors(self._request_id_tensor(device, batch), pos)
+            ids_in = kwargs.get("input_ids", args[0] if args else None)
+            if self._tokens_hp is not None and isinstance(ids_in, torch.Tensor) and ids_in.is_cuda:
+                # The static input tensor: every replay captures the tokens it then holds.
+                capture(ids_in.reshape(-1, 1), self.sink(ids_in.device), self.session._h, self._tokens_hp, 1)
             return
+        # Tokens already in the cache: from cache_position, else the cache (`past_key_values`, or `cache` as newer
+        # transformers name it), else the attention mask's width.
+        past = kwargs.get("past_key_values", kwargs.get("cache"))
+        past_len = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else None
+        cp = kwargs.get("cache_position")
+        mask = kwargs.get("attention_mask")
+        if isinstance(cp, torch.Tensor) and cp.numel() > 0:
+            past_len = int(cp.reshape(-1)[0])
+        elif past_len is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
+            past_len = mask.shape[1] - seq
+        past_len = past_len or 0
         if pos is None:
-            past = kwargs.get("past_key_values")
-            start = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
-            pos = torch.arange(start, start + seq)
-        req = np.asarray(self.request_ids if self.request_ids is not None else range(batch), dtype=np.uint64)
-        if req.shape != (batch,):
+            pos = torch.arange(past_len, past_len + seq)
+        if self.request_ids is not None and len(self.request_ids) != batch:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                 f"attach: {req.size} request ids set for a batch of {batch} rows")
+                                 f"attach: {len(self.request_ids)} request ids set for a batch of {batch} rows")
+        if past_len == 0 or self._finished is None or len(self._finished) != batch:
+            self._new_sequences(batch)
+        # Real token positions and padding from the attention mask (left-padded batches: `generate` pads on the left,
+        # and padding rows are no tokens of any request), when it covers the whole sequence so far.
+        keep = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) == (batch, past_len + seq):
+            m = mask.detach().to("cpu") != 0
+            if not bool(m.all()):
+                pos = (m.to(torch.int64).cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+                keep = m[:, -seq:].clone()
+        # Sequences that ended: a row fed its EOS token generated it at the step before (``generate`` keeps a finished
+        # row in the batch, feeding it padding), so from here on its rows are no request's tokens.
+        ids_in = kwargs.get("input_ids", args[0] if args else None)
+        if past_len > 0 and self._eos and isinstance(ids_in, torch.Tensor) and ids_in.dim() == 2:
+            last = ids_in[:, -1].detach().to("cpu").numpy()
+            self._finished |= np.isin(last, list(self._eos))
+        if self._finished.any():
+            ended = torch.from_numpy(self._finished)[:, None].expand(batch, seq)
+            keep = ~ended if keep is None else keep & ~ended
+        req = np.asarray(self.current_request_ids(batch), dtype=np.uint64)
         if device.type == "cuda":
             self._request_id_tensor(device, batch)  # ready for a graph recorded after this eager pass
-        self._begin_eager(req, pos, batch, device)
+        self._begin_eager(req, pos, batch, device, keep)
+        if self._tokens_hp is not None and isinstance(ids_in, torch.Tensor) and ids_in.dim() == 2:
+            tokens = self._keep_rows(ids_in.to(torch.int64).reshape(-1, 1))
+            if tokens.shape[0]:
+                tokens = tokens.contiguous()
+                self._keep.append(tokens)  # alive until the step's (possibly deferred) capture has read it
+                capture(tokens, self.sink(tokens.device), self.session._h, self._tokens_hp, 1)
 
     def _begin_tensors(self, request_ids: torch.Tensor, pos: torch.Tensor) -> None:
         """Begins a step from a request-id tensor ``[batch]`` and a positions tensor (``[batch, seq]``, ``[1, seq]``
@@ -347,7 +445,10 @@ class Attachment:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: negative request ids {req[req < 0][:4]}")
         self._begin_eager(req.astype(np.uint64), pos, batch, pos.device)
 
-    def _begin_eager(self, req: np.ndarray, pos: torch.Tensor, batch: int, device) -> None:
+    def _begin_eager(self, req: np.ndarray, pos: torch.Tensor, batch: int, device,
+                     keep: Optional[torch.Tensor] = None) -> None:
+        """Begins an eager step of ``batch`` × ``seq`` rows; ``keep`` (bool ``[batch, seq]``): the rows that are
+        tokens of a request (the others — padding, ended sequences — are left out of the step and of every capture)."""
         seq = pos.shape[-1]
         # Range-checked by begin_step (a negative position is refused, not wrapped to 2**32 - 1).
         positions = np.broadcast_to(pos.detach().to("cpu", torch.int64).numpy().reshape(-1, seq), (batch, seq))
@@ -355,8 +456,19 @@ class Attachment:
             self.session.end_step()
             self._keep.clear()
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-        self.session.begin_step(self.step, np.repeat(req, seq), positions.reshape(-1), stream=stream)
+        reqs, positions = np.repeat(req, seq), positions.reshape(-1)
+        self._kept = None
+        if keep is not None and not bool(keep.all()):
+            flat = keep.reshape(-1).numpy()
+            reqs, positions = reqs[flat], positions[flat]
+            self._kept = torch.from_numpy(np.flatnonzero(flat)).to(device)
+        self._step_shape = (batch, seq)
+        self.session.begin_step(self.step, reqs, positions, stream=stream)
         self._open = True
+
+    def _keep_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of ``x`` (``[batch × seq, width]``) the open eager step captures."""
+        return x if self._kept is None else x.index_select(0, self._kept.to(x.device))
 
     def _end(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():
@@ -418,13 +530,55 @@ class Attachment:
 
         def hook(module, args, output):
             x = pick(output).contiguous()
-            self._keep.append(x)
             if torch.compiler.is_compiling():
+                self._keep.append(x)
                 self._keep_hp.append(hp)  # captured by the step op at the end of the forward pass
-            else:
+                return
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                self._keep.append(x)
+                capture(x, self.sink(x.device), handle, hp, width)
+                return
+            batch, seq = self._step_shape
+            rows = x.numel() // width
+            if seq > 1 and rows == batch:
+                # The model computed this site for each row's last token only (logits at a `generate` prefill).
+                self._capture_last_tokens(x, hp, width)
+                return
+            x = self._keep_rows(x.reshape(-1, width))
+            self._keep.append(x)
+            if x.shape[0]:
                 capture(x, self.sink(x.device), handle, hp, width)
 
         return hook
+
+    def _capture_last_tokens(self, x: torch.Tensor, hp: int, width: int) -> None:
+        """Captures ``x`` — one row per batch row, its last token's — as those tokens' rows, not the step's first
+        rows. Host backend: through the hookpoint's last-token selection for this one capture. CUDA: not yet
+        (the capture kernels read a full step's rows); skipped with a warning rather than misattributed."""
+        batch, seq = self._step_shape
+        if x.is_cuda:
+            if not self._warned_logits:
+                import warnings
+                warnings.warn("ringscope attach: a site the model computed for each row's last token only (logits at "
+                              "a prefill) is not captured on the CUDA backend at multi-token steps (decode steps are)",
+                              stacklevel=3)
+                self._warned_logits = True
+            return
+        rows = x.reshape(batch, width)
+        if self._kept is not None:
+            # Rows whose last token is in the step (left padding never pads a row's last token; ended rows are out).
+            last = torch.arange(batch) * seq + seq - 1
+            kept = torch.isin(last, self._kept.cpu())
+            rows = rows[kept]
+        if rows.shape[0] == 0:
+            return
+        rows = rows.contiguous()
+        self._keep.append(rows)
+        self.session.set_rows(hp, "last_per_request")
+        try:
+            capture(rows, self.sink(rows.device), self.session._h, hp, width)
+        finally:
+            self.session.set_rows(hp, self._rows_setting)
 
 
 def _hookpoint(session: Session, name: str, site: str, layer: Optional[int], dtype: str, width: int) -> int:
@@ -459,27 +613,36 @@ def _declare_hookpoints(config, planned, dtype: str) -> str:
     except tomllib.TOMLDecodeError as e:
         raise RingscopeError("RS_ERR_CONFIG", f"invalid config: {e}") from None
     extra = []
-    for name, site, layer, width, _module, _pick in planned:
+    for name, site, layer, width, _module, _pick, *own_dtype in planned:
         if name in declared:
             continue
+        hp_dtype = own_dtype[0] if own_dtype else dtype
         site_toml = f'"{site}"' if site in ("residual", "attention_output", "mlp_output", "logits") \
             else f'{{ custom = "{site}" }}'
         layer_toml = "" if layer is None else f"layer = {layer}\n"
-        extra.append(f'[[hookpoints]]\nname = "{name}"\nsite = {site_toml}\n{layer_toml}dtype = "{dtype}"\n'
+        extra.append(f'[[hookpoints]]\nname = "{name}"\nsite = {site_toml}\n{layer_toml}dtype = "{hp_dtype}"\n'
                      f"row_width = {width}\n")
     return text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(extra)
 
 
-def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual",),
+def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual", "tokens"),
            layers: Optional[Iterable[int]] = None, rows: "str | Sequence[int]" = "all") -> Attachment:
     """Attaches ringscope to a Hugging Face decoder (Llama, Qwen2/3, Mistral, GPT-2 families).
 
     ``sites``: any of ``residual`` (the residual stream after each chosen layer: ``output_hidden_states[i + 1]`` for
     every layer but the last, whose entry in ``output_hidden_states`` is taken after the final norm),
     ``attention_output``, ``mlp_output`` (the blocks' outputs before they are added to the residual stream),
-    ``final_norm`` (``output_hidden_states[-1]``), ``logits``. ``layers``: which decoder layers (default all).
+    ``final_norm`` (``output_hidden_states[-1]``), ``logits`` (what the model computed: at a ``generate`` prefill,
+    each row's last token only), ``tokens`` (the input token id of every captured row, int64: joins rows to text).
+    ``layers``: which decoder layers (default all).
     ``rows``: ``"all"``, ``"last_per_request"`` or a list of batch rows. ``session``: a :class:`Session`, or its
     configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
+
+    Rows that are no request's tokens are not captured in eager steps: padding (``attention_mask`` 0: a left-padded
+    batch's pad tokens) and the rows of sequences that ended (fed their EOS token, or stopped by
+    :class:`ProbeStoppingCriteria`); positions are the tokens' real positions (from ``attention_mask``). Steps
+    recorded as CUDA graphs or compiled capture their fixed batch as it is (decode steps have no padding; rows of
+    ended sequences are captured until the call ends).
     """
     decoder_layers, final_norm, lm_head, family = _decoder(model)
     for prev in list(_ATTACHMENTS.values()):
@@ -521,15 +684,19 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         if lm_head is None:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", "attach: the model has no lm_head for the logits site")
         planned.append(("logits", "logits", None, lm_head.out_features, lm_head, _first))
+    declared = list(planned) + ([(_TOKENS, _TOKENS, None, 1, None, None, "i64")] if _TOKENS in sites else [])
     if not isinstance(session, Session):
         # A configuration: its hookpoints are declared before the session starts, so that its [[probes]] can read
         # them (probes bind to configured hookpoints when the session starts).
-        session = Session(_declare_hookpoints(session, planned, dt))
+        session = Session(_declare_hookpoints(session, declared, dt))
     att = Attachment(session, model)
     param_device = next(model.parameters()).device
     model.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device),
                           persistent=False)
     att._request_id_tensor(param_device, 1)
+    att._rows_setting = rows
+    if _TOKENS in sites:
+        att._tokens_hp = att.hookpoints[_TOKENS] = _hookpoint(session, _TOKENS, _TOKENS, None, "i64", 1)
 
     for name, site, layer_index, width, module, pick in planned:
         att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
@@ -569,9 +736,9 @@ def _probe_stopping_criteria_class():
         """A Hugging Face ``StoppingCriteria`` that ends the rows of ``generate`` whose requests a probe with
         ``action = "stop"`` has flagged. After every step it waits (up to ``timeout`` seconds) for the probes to
         score the step's rows (:meth:`Session.wait_probes`), then reads the stop flag of each row's request — row
-        ``b`` is request ``attachment.request_ids[b]``, or ``b`` when they are not set, exactly as :func:`attach`
-        names the rows it captures. A flagged row is finished (``generate`` pads it from then on) while the others
-        go on. ``on_timeout`` says what a step whose rows were not all scored in time does: ``"raise"`` (default:
+        ``b`` is request ``attachment.current_request_ids(batch)[b]``, exactly as :func:`attach` names the rows it
+        captures. A flagged row is finished (``generate`` pads it from then on, and the attachment captures it no
+        more) while the others go on. ``on_timeout`` says what a step whose rows were not all scored in time does: ``"raise"`` (default:
         ``RS_ERR_TIMEOUT``), ``"stop"`` (fail closed: end every row) or ``"continue"`` (act on the flags raised so
         far). ``stopped`` maps each request it ended to the ringscope step after which it did (the step numbers of the
         alerts: the attachment's steps, 0 being the first prefill).
@@ -600,7 +767,7 @@ def _probe_stopping_criteria_class():
         def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
             att, session = self.attachment, self.attachment.session
             batch = input_ids.shape[0]
-            ids = att.request_ids if att.request_ids is not None else list(range(batch))
+            ids = att.current_request_ids(batch)
             if len(ids) != batch:
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                      f"ProbeStoppingCriteria: {len(ids)} request ids for a batch of {batch} rows "
@@ -619,6 +786,8 @@ def _probe_stopping_criteria_class():
             for r, d in zip(ids, done):
                 if d:
                     self.stopped.setdefault(int(r), step)
+            # `generate` ends these rows: the attachment leaves them out of the steps that follow.
+            att._mark_finished(done)
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     return ProbeStoppingCriteria
@@ -637,11 +806,13 @@ def __getattr__(name):
 
 class ActivationDataset(torch.utils.data.IterableDataset):
     """A dump as a stream of training batches: ``torch`` tensors of ``batch_size`` rows of one hookpoint, read file
-    by file (memory-mapped Arrow IPC where the run has it, else Parquet), optionally shuffled within a buffer of
-    ``shuffle_buffer`` rows; bf16 stays ``torch.bfloat16``. Use it with ``DataLoader(ds, batch_size=None,
-    num_workers=N)``: each worker reads its own share of the files. Each item is a dict: ``activation`` (rows,
-    row_width), ``hookpoint``, and with ``with_meta`` the ``step``, ``request_id`` and ``position`` of every row.
-    Arguments as :func:`ringscope.stream.iter_batches`; they are checked here, not in the workers."""
+    by file (Arrow IPC where the run has it, else Parquet), optionally shuffled within a buffer of ``shuffle_buffer``
+    rows; bf16 stays ``torch.bfloat16``. Use it with ``DataLoader(ds, batch_size=None, num_workers=N)``: each worker
+    reads its own share of every file (every N-th record batch or row group), so that even a run of one large file
+    is split between the workers; together they yield every row once. Each item is a dict: ``activation`` (rows,
+    row_width), ``hookpoint``, and with ``with_meta`` the ``step``, ``request_id`` and ``position`` of every row
+    (int64 tensors: a step or request id above 2**63-1 is a :class:`RingscopeError`, not wrapped). Arguments as
+    :func:`ringscope.stream.iter_batches`; they are checked here, not in the workers."""
 
     def __init__(self, path, hookpoints=None, batch_size: int = 4096, shuffle_buffer: int = 0, seed: int = 0,
                  format: str = "auto", drop_last: bool = False, with_meta: bool = False, verify: bool = True):
@@ -661,12 +832,12 @@ class ActivationDataset(torch.utils.data.IterableDataset):
         seed = self._args["seed"] + (info.id if info is not None else 0)
         for b in stream.iter_batches(**{**self._args, "seed": seed}, shard=shard):
             rows = b["activation"]
-            # Rows straight from a memory-mapped file are read-only: a tensor must not write into the dump.
+            # Rows straight from a file's read buffer are read-only: such a tensor gets a copy of its own.
             act = torch.from_numpy(rows if rows.flags.writeable else rows.copy())
             if b["dtype"] == "bf16":
                 act = act.view(torch.bfloat16)
             item = {"hookpoint": b["hookpoint"], "activation": act}
             for c in stream.META_COLUMNS:
                 if c in b:
-                    item[c] = torch.from_numpy(b[c].astype(np.int64))
+                    item[c] = torch.from_numpy(stream._int64(c, b[c]))
             yield item

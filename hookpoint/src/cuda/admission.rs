@@ -33,7 +33,7 @@ pub(super) fn step_bound(mirrors: &[HostMirror], batch: &StepBatch) -> u64 {
     let (mut sum, mut max) = (0u64, 0u64);
     for m in mirrors {
         let c = &m.control;
-        if c.enabled == 0 || batch.step() % c.every_n.max(1) as u64 != 0 {
+        if c.enabled == 0 || !batch.step().is_multiple_of(c.every_n.max(1) as u64) {
             continue;
         }
         let rows = match c.mode {

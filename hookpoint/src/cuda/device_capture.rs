@@ -563,7 +563,7 @@ impl DeviceCapture {
     /// Fills `bytes` (a multiple of 4) at device address `dst` with the pattern of
     /// [`pattern_word`](super::pattern_word) for `seed`, on `stream`. For tests and benchmarks.
     pub fn fill_pattern(&self, dst: DevicePtr, bytes: usize, seed: u64, stream: StreamRef) -> Result<(), CudaError> {
-        if bytes % 4 != 0 {
+        if !bytes.is_multiple_of(4) {
             return Err(CudaError::Invalid(format!("fill_pattern: {bytes} bytes is not a multiple of 4")));
         }
         self.gpu.check_device_range("fill_pattern", dst, bytes, 4)?;

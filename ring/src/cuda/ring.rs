@@ -123,7 +123,7 @@ pub struct DeviceRing {
 impl DeviceRing {
     /// Allocates a ring of `capacity` bytes on `gpu` (a multiple of 128, at least 256).
     pub fn new(gpu: &Arc<Gpu>, capacity: usize) -> Result<Arc<DeviceRing>, CudaError> {
-        if capacity < MIN_CAPACITY || capacity % CAPACITY_ALIGN != 0 {
+        if capacity < MIN_CAPACITY || !capacity.is_multiple_of(CAPACITY_ALIGN) {
             return Err(CudaError::Invalid(format!(
                 "ring capacity {capacity} bytes is invalid: it must be a multiple of {CAPACITY_ALIGN} and at least \
                  {MIN_CAPACITY} bytes"
@@ -291,7 +291,7 @@ pub struct DeviceConsumer {
 impl DeviceConsumer {
     /// Creates the drain end: its own stream, a pinned staging buffer as large as the ring, and events.
     pub fn new(ring: &Arc<DeviceRing>, tuning: DrainTuning) -> Result<DeviceConsumer, CudaError> {
-        if tuning.chunk_bytes < 64 || tuning.chunk_bytes % 64 != 0 || tuning.max_in_flight == 0 {
+        if tuning.chunk_bytes < 64 || !tuning.chunk_bytes.is_multiple_of(64) || tuning.max_in_flight == 0 {
             return Err(CudaError::Invalid(format!(
                 "drain tuning {tuning:?}: chunk_bytes must be a positive multiple of 64, max_in_flight at least 1"
             )));

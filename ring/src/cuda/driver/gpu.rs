@@ -132,7 +132,7 @@ impl Gpu {
         if ptr == 0 {
             return Err(CudaError::Invalid(format!("{what}: null device pointer")));
         }
-        if ptr % align as u64 != 0 {
+        if !ptr.is_multiple_of(align as u64) {
             return Err(CudaError::Invalid(format!(
                 "{what}: device pointer {ptr:#x} is not aligned to {align} bytes (the element size)"
             )));

@@ -1,0 +1,146 @@
+"""What `attach` captures from Hugging Face `generate` in the cases a user hit (issue 28): left-padded batches (padding
+is no request's tokens; positions are the tokens' real positions), rows of sequences that ended, logits computed for
+the last prompt token only, request ids across calls, and the token ids that join rows to text. CPU, host backend,
+a random tiny Llama (no download).
+
+Skipped when torch or transformers is missing, unless RINGSCOPE_REQUIRE_TORCH is set (.ci/run sets it).
+"""
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("RINGSCOPE_REQUIRE_TORCH"):
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+import ringscope
+import ringscope.torch as rt
+
+PAD = 0
+
+
+def tiny(layers=2):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def rows_by_hookpoint(session, sub, att):
+    session.close()
+    names = {v: k for k, v in att.hookpoints.items()}
+    out = {}
+    for r in sub:
+        for k in range(len(r.rows)):
+            out.setdefault(names[r.hookpoint], []).append((r.step, int(r.request_id[k]), int(r.position[k]),
+                                                           r.rows[k].copy()))
+    return out
+
+
+def left_padded():
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return prompts, ids, mask
+
+
+def test_left_padding_is_not_captured_and_positions_are_real():
+    model = tiny()
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual", "tokens"))
+    sub = session.subscribe("check")
+    prompts, ids, mask = left_padded()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                             output_hidden_states=True, return_dict_in_generate=True, pad_token_id=PAD)
+    got = rows_by_hookpoint(session, sub, att)
+    width = ids.shape[1]
+    # Prefill: each request's real tokens only, at positions 0 .. len-1, bit-identical to the model's hidden states.
+    for layer in range(2 - 1):
+        prefill = [(req, pos, row) for step, req, pos, row in got[f"layers.{layer}.resid"] if step == 0]
+        assert sorted((req, pos) for req, pos, _ in prefill) == [(b, t) for b, p in enumerate(prompts)
+                                                               for t in range(len(p))]
+        for req, pos, row in prefill:
+            pad = width - len(prompts[req])
+            want = out.hidden_states[0][layer + 1][req, pad + pos].numpy()
+            assert row.tobytes() == want.tobytes(), (req, pos)
+    # Decode steps: every request's next position, no duplicate (request, position) anywhere.
+    keys = [(req, pos) for _, req, pos, _ in got["layers.0.resid"]]
+    assert len(keys) == len(set(keys)), "a (request, position) was captured twice"
+    for b, p in enumerate(prompts):
+        assert sorted(pos for req, pos in keys if req == b) == list(range(len(p) + 2))
+    # The token ids join rows to text: the prompt's tokens, then the generated ones fed back.
+    tokens = {(req, pos): int(row.view(np.int64)[0]) for _, req, pos, row in got["tokens"]}
+    for b, p in enumerate(prompts):
+        assert [tokens[(b, t)] for t in range(len(p))] == p
+        generated = out.sequences[b, width:width + 2].tolist()
+        assert [tokens[(b, len(p) + i)] for i in range(2)] == generated
+
+
+def test_two_generate_calls_get_distinct_request_ids_by_default():
+    model = tiny()
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session)  # default sites: residual and tokens
+    sub = session.subscribe("check")
+    prompt = torch.tensor([[5, 6, 7], [9, 10, 11]])
+    with torch.no_grad():
+        for _ in range(2):
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, min_new_tokens=2,
+                           do_sample=False, pad_token_id=PAD)
+    got = rows_by_hookpoint(session, sub, att)
+    by_request = {}
+    for step, req, pos, _ in got["layers.0.resid"]:
+        by_request.setdefault(req, set()).add(step)
+    assert sorted(by_request) == [0, 1, 2, 3], sorted(by_request)
+    assert max(by_request[0]) < min(by_request[2]), "the second call's rows are requests 2 and 3"
+    assert att.current_request_ids(2) == [2, 3]
+    assert "tokens" in got
+
+
+def test_rows_of_a_sequence_that_ended_are_not_captured():
+    model = tiny()
+    prompt = torch.tensor([[5, 6, 7], [9, 10, 11]])
+    with torch.no_grad():
+        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, min_new_tokens=4,
+                               do_sample=False, pad_token_id=PAD)
+    # Make row 0's first generated token its end-of-sequence token (greedy decoding is deterministic).
+    eos = int(plain[0, 3])
+    if eos in plain[1, 3:].tolist():
+        pytest.skip("both rows generate the chosen token")
+    model.generation_config.eos_token_id = eos
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                             pad_token_id=PAD)
+    assert out[0, 3] == eos and out.shape[1] == 7, out
+    got = rows_by_hookpoint(session, sub, att)
+    positions = {b: sorted(pos for _, req, pos, _ in got["layers.0.resid"] if req == b) for b in (0, 1)}
+    # Row 0 ended at its first generated token: the steps that fed it its EOS and padding capture nothing of it.
+    assert positions[0] == [0, 1, 2], positions
+    assert positions[1] == [0, 1, 2, 3, 4, 5], positions
+
+
+def test_logits_of_the_last_prompt_token_are_captured_as_that_token():
+    model = tiny()
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("logits",))
+    sub = session.subscribe("check")
+    prompts, ids, mask = left_padded()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=PAD)
+    got = rows_by_hookpoint(session, sub, att)
+    rows = {(step, req, pos): row for step, req, pos, row in got["logits"]}
+    for b, p in enumerate(prompts):
+        # Prefill: the last prompt token's logits (the only ones `generate` computes), then the decode step's.
+        assert rows[(0, b, len(p) - 1)].tobytes() == out.logits[0][b].numpy().tobytes()
+        assert rows[(1, b, len(p))].tobytes() == out.logits[1][b].numpy().tobytes()
+    assert len(rows) == 2 * len(prompts)

@@ -1,0 +1,132 @@
+"""A session's life through Python and the C ABI under the conditions an independent check found wrong (issue 28):
+two closers at once, many sessions opened and closed, two writers of one run, probe files that are not what they
+claim, and a metrics endpoint with idle or slow clients."""
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ringscope
+
+D = 16
+
+
+def _probe_config(tmp_path, **extra):
+    w = ringscope.save_probe(tmp_path / "w.safetensors", np.eye(2, D, dtype=np.float32), np.zeros(2, np.float32))
+    cfg = {"hookpoints": [{"name": "h", "site": "residual", "layer": 0, "dtype": "f32", "row_width": D}],
+           "probes": [{"name": "p", "hookpoint": "h", "threshold": 0.5, **w}]}
+    cfg.update(extra)
+    return cfg
+
+
+def _steps(s, n=20):
+    hp = s.hookpoint_id("h")
+    for step in range(n):
+        s.begin_step(step, [1, 2], [step, step])
+        s.capture(hp, np.ones((2, D), np.float32))
+        s.end_step()
+
+
+def test_close_from_two_threads_gives_both_callers_the_same_totals(tmp_path):
+    """Before: the losing caller got all-zero totals (20 of 20 runs)."""
+    for _ in range(20):
+        s = ringscope.Session(_probe_config(tmp_path))
+        _steps(s)
+        out, barrier = [], threading.Barrier(2)
+
+        def close():
+            barrier.wait()
+            out.append(s.close())
+        threads = [threading.Thread(target=close) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert len(out) == 2 and out[0] == out[1], out
+        assert out[0]["produced_rows"] == 40 and out[0]["exported_rows"] == 40, out[0]
+
+
+def _rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_closed_sessions_with_probes_do_not_keep_their_memory(tmp_path):
+    """Before: every closed session with probes kept its alerts queue (5-6.5 MiB): 200 cycles grew RSS by 1.3 GiB."""
+    cfg = _probe_config(tmp_path)
+    for _ in range(10):  # warm up the allocator and the library
+        s = ringscope.Session(cfg)
+        _steps(s, 2)
+        s.close()
+    before = _rss_mib()
+    for _ in range(200):
+        s = ringscope.Session(cfg)
+        _steps(s, 2)
+        s.close()
+    grown = _rss_mib() - before
+    assert grown < 150, f"RSS grew {grown:.0f} MiB over 200 closed sessions"
+
+
+def test_a_second_writer_of_one_run_and_rank_is_refused_and_the_first_keeps_its_rows(tmp_path):
+    """Before: both opened; the second's part-00000.parquet and manifest replaced the first's."""
+    def cfg():
+        return {"export": {"parquet": True, "dir": str(tmp_path), "run_id": "r"},
+                "hookpoints": [{"name": "h", "site": "residual", "layer": 0, "dtype": "f32", "row_width": D}]}
+    first = ringscope.Session(cfg())
+    with pytest.raises(ringscope.RingscopeError, match="another session") as e:
+        ringscope.Session(cfg())
+    assert e.value.status == "RS_ERR_CONFIG"
+    _steps(first, 3)
+    first.close()
+    with pytest.raises(ringscope.RingscopeError, match="already holds a dump"):
+        ringscope.Session(cfg())
+    dump = ringscope.read_dump(tmp_path / "r")
+    assert len(dump["h"]["step"]) == 6
+
+
+@pytest.mark.parametrize("make, want", [
+    (lambda p: os.mkfifo(p), "a FIFO"),
+    (lambda p: os.symlink("/dev/zero", p), "a device"),
+    (lambda p: p.write_bytes(b"\x93NUMPY\x02\x00" + (0xFFFFFFF0).to_bytes(4, "little") + b" " * 64), "damaged"),
+])
+def test_probe_files_that_are_not_regular_or_lie_about_their_size_are_clear_errors(tmp_path, make, want):
+    """Before: a FIFO hung session open, /dev/zero read without bound, a huge npy header length aborted."""
+    path = tmp_path / "w.npy"
+    make(path)
+    cfg = {"hookpoints": [{"name": "h", "site": "residual", "layer": 0, "dtype": "f32", "row_width": D}],
+           "probes": [{"name": "p", "hookpoint": "h", "threshold": 0.5, "weights": str(path)}]}
+    t = time.monotonic()
+    with pytest.raises(ringscope.RingscopeError, match=want) as e:
+        ringscope.Session(cfg)
+    assert "w.npy" in str(e.value) and time.monotonic() - t < 10
+
+
+def test_metrics_port_is_reported_and_idle_clients_delay_neither_scrapes_nor_close():
+    """Before: one connection at a time — 200 idle clients made a scrape wait > 20 s; no API said the port."""
+    s = ringscope.Session({"metrics": {"listen": "127.0.0.1:0"}})
+    port = s.metrics_port()
+    assert port > 0
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        t = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+            c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while chunk := c.recv(65536):
+                got += chunk
+        scrape = time.monotonic() - t
+        # Every idle client is cut off at its deadline (2 s), never waited on by the others: a scrape is answered
+        # (200, or 503 while too many connections are open) within a few of those deadlines, not 200 of them.
+        assert got.startswith((b"HTTP/1.1 200", b"HTTP/1.1 503")), got[:80]
+        assert scrape < 10, f"a scrape took {scrape:.1f} s with 200 idle clients"
+        t = time.monotonic()
+        s.close()
+        assert time.monotonic() - t < 5, "idle metrics clients held up close()"
+    finally:
+        for c in idle:
+            c.close()
+    plain = ringscope.Session()
+    assert plain.metrics_port() == 0
+    plain.close()
