@@ -229,8 +229,9 @@ pub(crate) struct MetricsServer {
 const POLL: Duration = Duration::from_millis(10);
 /// How long one connection may take, from accept to the last byte of the answer (reading the request included).
 pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(2);
-/// Connections served at once; more get `503 Service Unavailable` without waiting.
-pub const MAX_CONNECTIONS: usize = 64;
+/// Connections served at once (each on a thread with a small stack, idle until its client sends or its deadline
+/// passes); more get `503 Service Unavailable` without waiting.
+pub const MAX_CONNECTIONS: usize = 512;
 
 /// Binds `addr` (at session start, so that a port in use is an error then), non-blocking.
 pub(crate) fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
@@ -292,10 +293,13 @@ fn serve(listener: TcpListener, observer: &Arc<Observer>, stop: &AtomicBool) {
                 active.fetch_add(1, Ordering::AcqRel);
                 let (observer, done) = (observer.clone(), Active(active.clone()));
                 // Detached: bounded by its deadline, it never holds up the listener or the session's shutdown.
-                let spawned = std::thread::Builder::new().name("ringscope-metrics-conn".into()).spawn(move || {
-                    let _done = done;
-                    let _ = respond(stream, &observer, deadline);
-                });
+                let spawned = std::thread::Builder::new()
+                    .name("ringscope-metrics-conn".into())
+                    .stack_size(256 << 10)
+                    .spawn(move || {
+                        let _done = done;
+                        let _ = respond(stream, &observer, deadline);
+                    });
                 // No thread to be had (a resource limit): that connection is dropped, and `Active` was dropped with
                 // the closure.
                 let _ = spawned;
@@ -325,7 +329,13 @@ fn refuse(mut stream: TcpStream, deadline: Instant) -> std::io::Result<()> {
          Retry-After: 1\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    write_until(&mut stream, response.as_bytes(), deadline.min(Instant::now() + Duration::from_millis(100)))
+    write_until(&mut stream, response.as_bytes(), deadline.min(Instant::now() + Duration::from_millis(100)))?;
+    // What the client sent so far is read (and dropped) before the close, so that the answer is not cut off by a
+    // reset; nothing is waited for.
+    stream.set_nonblocking(true)?;
+    let mut sink = [0u8; 4096];
+    while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
+    stream.shutdown(std::net::Shutdown::Write)
 }
 
 /// Writes `bytes`, giving up at `deadline` (a client that reads slowly is cut off, not waited for).
