@@ -96,7 +96,7 @@ def one_session(model, tmp, session_no, defer, busy, rng, args):
     }
     if busy:
         busy_default_stream()
-    att = rt.attach(model, config, sites=["residual"])
+    att = rt.attach(model, config, sites=args.sites.split(","))
     session = att.session
     # The reference rows: plain torch copies of each layer's output, recorded into the same graph.
     copies = torch.zeros(L, BATCH, H, dtype=torch.bfloat16, device=DEV)
@@ -115,13 +115,14 @@ def one_session(model, tmp, session_no, defer, busy, rng, args):
         att.detach()
         for h in handles:
             h.remove()
-    rows = []
+    rows, fed = [], []
     for _ in range(REPLAYS):
         d.advance()  # replay r decodes position PROMPT + 1 + r (the warm-up passes were at PROMPT)
         d.tok.copy_(torch.randint(0, 1000, (BATCH, 1), device=DEV))
         d.graph.replay()
         torch.cuda.synchronize()
         rows.append(copies.clone())
+        fed.append(d.tok.reshape(-1).cpu().numpy().copy())
     totals = session.close()
     dump = ringscope.read_dump(os.path.join(tmp, run_id))
     # Every hookpoint's rows of one replay carry the same step number (the rows are keyed by position below).
@@ -139,6 +140,14 @@ def one_session(model, tmp, session_no, defer, busy, rng, args):
         if len(values) > 1:
             step_problems.append(f"replay {r}: steps differ across hookpoints: {sorted(values)[:6]}")
         replay_steps.append(sorted(values)[0] if values else None)
+    # The `tokens` site, captured inside the graph: every replay's rows carry the tokens fed to it.
+    token_mismatch = 0
+    if "tokens" in args.sites.split(","):
+        got = dump["tokens"]
+        for r in range(REPLAYS):
+            sel = got["position"] == PROMPT + 1 + r
+            order = np.argsort(got["request_id"][sel], kind="stable")
+            token_mismatch += int((got["activation"][sel][order].view(np.int64).reshape(-1) != fed[r]).sum())
     raw_mismatch = 0
     if args.raw:
         for i in range(L):
@@ -181,7 +190,7 @@ def one_session(model, tmp, session_no, defer, busy, rng, args):
             wrong.append({"probe": p["name"], "k": p["k"], "wrong_scores": bad, "max_error_over_magnitude": probe_worst})
     return {"session": session_no, "defer_captures": defer, "busy_default_stream": busy, "raw": args.raw,
             "probes": len(probes), "step_problems": step_problems[:20], "replay_steps": replay_steps,
-            "raw_rows_differing": raw_mismatch,
+            "raw_rows_differing": raw_mismatch, "token_rows_differing": token_mismatch,
             "scores_checked": checked, "wrong_probes": wrong, "max_error_over_magnitude": worst,
             "bound": bound, "exported_rows": totals["exported_rows"], "dropped_rows": totals["dropped_rows"]}
 
@@ -197,6 +206,7 @@ def main():
     ap.add_argument("--raw", type=int, default=1, help="1: the residual hookpoints enabled too; 0: scores only")
     ap.add_argument("--capacity", default="", help="ring.capacity (default: the library's)")
     ap.add_argument("--defer", default="0,1", help="ring.defer_captures settings to run")
+    ap.add_argument("--sites", default="residual", help="attach's sites (add tokens to check the token ids too)")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "library": ringscope.library_path(),
                "shapes": {}}
@@ -214,7 +224,8 @@ def main():
                 r["seconds"] = round(time.perf_counter() - t, 2)
                 session_no += 1
                 out.append(r)
-                failed |= bool(r["wrong_probes"]) or bool(r["step_problems"]) or r["raw_rows_differing"] > 0
+                failed |= bool(r["wrong_probes"]) or bool(r["step_problems"]) or r["raw_rows_differing"] > 0 \
+                    or r["token_rows_differing"] > 0
                 print(json.dumps({"shape": shape, **{k: v for k, v in r.items() if k != "wrong_probes"},
                                   "wrong": [w["probe"] for w in r["wrong_probes"]]}), flush=True)
         del model
