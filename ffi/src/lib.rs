@@ -590,6 +590,8 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
         // While it closes, the handle already answers as closed: its probes' alerts stay pollable (the drain's last
         // records may still raise some), with the counts so far; other closes wait for this one's outcome.
         let outcome = Arc::new(CloseOutcome::default());
+        // Whatever happens below (a panic included), the waiting closes get an outcome.
+        let _settled = Settle(outcome.clone());
         let closing = Closed { failures: Arc::new([]), probes: ClosedProbes::closing(open), outcome: outcome.clone() };
         let Some(Entry::Session(s)) = map.insert(session_handle, Entry::ClosedSession(Arc::new(closing))) else {
             unreachable!()
@@ -628,6 +630,19 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
     })
 }
 
+/// Settles a close's outcome when dropped, if the close did not (it panicked): waiting closes get `RS_ERR_PANIC`.
+struct Settle(Arc<CloseOutcome>);
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        let mut done = self.0.done.lock();
+        if done.is_none() {
+            *done = Some((None, RsStatus::RsErrPanic, "ringscope panicked while closing the session (a bug)".into()));
+            self.0.finished.notify_all();
+        }
+    }
+}
+
 /// What every close of a session's handle returns: the first close's totals, status and message, once it finished.
 #[derive(Default)]
 struct CloseOutcome {
@@ -641,9 +656,7 @@ impl CloseOutcome {
         self.finished.notify_all();
     }
 
-    /// Waits for the first close to finish. (It always does: the close that made this outcome sets it on every
-    /// path but a panic, which `ffi` turns into `RS_ERR_PANIC` — and then a waiter would wait forever; the session's
-    /// shutdown does not panic by design, and a bounded wait here would return a wrong "closed" to the second caller.)
+    /// Waits for the first close to finish (it always settles the outcome: [`Settle`]).
     fn wait(&self) -> (Option<RsCounts>, RsStatus, String) {
         let mut done = self.done.lock();
         while done.is_none() {
