@@ -40,6 +40,26 @@ fn tempdir(name: &str) -> PathBuf {
     d
 }
 
+/// Records one step begun inside a CUDA graph on `stream`: hookpoint `l` captures `batch.batch` rows of `sources[l]`.
+/// The controls reach the device first (and, later, between replays).
+fn record_graph_step(
+    session: &Session,
+    stream: &Stream,
+    batch: &ringscope::cuda::GraphBatch,
+    sources: &[DeviceBuffer],
+) -> Graph {
+    session.apply_controls(stream.handle()).unwrap();
+    stream.synchronize().unwrap();
+    Graph::capture(stream, || -> Result<(), Error> {
+        session.begin_step_graph(batch, stream.handle())?;
+        for (l, buf) in sources.iter().enumerate() {
+            session.capture_device(l as u32, buf.ptr(), batch.batch, stream.handle())?;
+        }
+        session.end_step()
+    })
+    .unwrap()
+}
+
 #[test]
 fn cuda_session_replays_a_graph_into_parquet_bit_exact() {
     let _alone = alone();
@@ -180,17 +200,7 @@ fn the_policy_manager_reaches_graph_begun_steps_between_replays() {
         positions: positions.ptr(),
         positions_batch_stride: 1,
     };
-    // Controls reach the device before recording (and then between replays).
-    session.apply_controls(stream.handle()).unwrap();
-    stream.synchronize().unwrap();
-    let graph = Graph::capture(&stream, || -> Result<(), Error> {
-        session.begin_step_graph(&batch, stream.handle())?;
-        for (l, buf) in layers.iter().enumerate() {
-            session.capture_device(l as u32, buf.ptr(), 8, stream.handle())?;
-        }
-        session.end_step()
-    })
-    .unwrap();
+    let graph = record_graph_step(&session, &stream, &batch, &layers);
     let started = std::time::Instant::now();
     let mut replays = 0;
     while started.elapsed() < std::time::Duration::from_millis(1500) {
@@ -415,16 +425,7 @@ fn many_fused_probes_in_graphs_agree_with_an_f64_reference_over_sessions() {
                     positions: positions.ptr(),
                     positions_batch_stride: 1,
                 };
-                session.apply_controls(stream.handle()).unwrap();
-                stream.synchronize().unwrap();
-                let graph = Graph::capture(&stream, || -> Result<(), Error> {
-                    session.begin_step_graph(&batch, stream.handle())?;
-                    for (l, buf) in sources.iter().enumerate() {
-                        session.capture_device(l as u32, buf.ptr(), BATCH as u32, stream.handle())?;
-                    }
-                    session.end_step()
-                })
-                .unwrap();
+                let graph = record_graph_step(&session, &stream, &batch, &sources);
                 // Replay r: every row at position r; the rows (bf16) kept here for the reference.
                 let mut rows: Vec<Vec<Vec<f32>>> = Vec::new(); // [replay][layer] → BATCH × d values
                 for r in 0..REPLAYS {

@@ -50,16 +50,22 @@ def left_padded():
     return prompts, ids, mask
 
 
-def test_left_padding_is_not_captured_and_positions_are_real():
+def generate_left_padded(sites, new_tokens, **outputs):
+    """`generate` of the left-padded batch with `attach(sites)`: the prompts, the padded ids, generate's output and
+    the captured rows by hookpoint."""
     model = tiny()
     session = ringscope.Session({"policy": {"mode": "full"}})
-    att = rt.attach(model, session, sites=("residual", "tokens"))
+    att = rt.attach(model, session, sites=sites)
     sub = session.subscribe("check")
     prompts, ids, mask = left_padded()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                             output_hidden_states=True, return_dict_in_generate=True, pad_token_id=PAD)
-    got = rows_by_hookpoint(session, sub, att)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=PAD, **outputs)
+    return prompts, ids, out, rows_by_hookpoint(session, sub, att)
+
+
+def test_left_padding_is_not_captured_and_positions_are_real():
+    prompts, ids, out, got = generate_left_padded(("residual", "tokens"), 3, output_hidden_states=True)
     width = ids.shape[1]
     # Prefill: each request's real tokens only, at positions 0 .. len-1, bit-identical to the model's hidden states.
     for layer in range(2 - 1):
@@ -129,15 +135,7 @@ def test_rows_of_a_sequence_that_ended_are_not_captured():
 
 
 def test_logits_of_the_last_prompt_token_are_captured_as_that_token():
-    model = tiny()
-    session = ringscope.Session({"policy": {"mode": "full"}})
-    att = rt.attach(model, session, sites=("logits",))
-    sub = session.subscribe("check")
-    prompts, ids, mask = left_padded()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=PAD)
-    got = rows_by_hookpoint(session, sub, att)
+    prompts, _, out, got = generate_left_padded(("logits",), 2, output_logits=True)
     rows = {(step, req, pos): row for step, req, pos, row in got["logits"]}
     for b, p in enumerate(prompts):
         # Prefill: the last prompt token's logits (the only ones `generate` computes), then the decode step's.
