@@ -147,6 +147,23 @@ def test_rows_of_a_sequence_that_ended_are_not_captured(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(device):
+    """A decode step fed only end-of-sequence tokens has no request's token: no step, no rows, no error."""
+    model = tiny(device)
+    session = session_for(device)
+    att = rt.attach(model, session, sites=("residual", "tokens"))
+    sub = session.subscribe("check")
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]], device=device), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[2]], device=device), past_key_values=cache, use_cache=True)  # EOS fed back
+        model(input_ids=torch.tensor([[0]], device=device), past_key_values=cache, use_cache=True)  # padding after it
+    got = rows_by_hookpoint(session, sub, att)
+    assert sorted(pos for _, _, pos, _ in got["layers.0.resid"]) == [0, 1, 2]
+    assert sorted(pos for _, _, pos, _ in got["tokens"]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logits_of_the_last_prompt_token_are_captured_as_that_token(device):
     if device == "cuda":
         with pytest.warns(UserWarning, match="not captured on the CUDA backend"):

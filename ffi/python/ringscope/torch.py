@@ -463,6 +463,9 @@ class Attachment:
             reqs, positions = reqs[flat], positions[flat]
             self._kept = torch.from_numpy(np.flatnonzero(flat)).to(device)
         self._step_shape = (batch, seq)
+        if len(reqs) == 0:
+            # Every row is padding or an ended sequence: no step (a step has rows), and the hooks capture nothing.
+            return
         self.session.begin_step(self.step, reqs, positions, stream=stream)
         self._open = True
 
