@@ -199,3 +199,30 @@ def test_the_compiled_step_gains_only_static_inputs():
     assert sorted(shape for _, shape, _ in added) == [(1,), (256,)], added  # the sink byte, the request ids
     assert all(static for _, _, static in added), added
     assert [i for i in plain if not i[2]] == [i for i in attached if not i[2]], "the same per-call inputs"
+
+
+def test_compiled_static_cache_generate_records_the_token_ids():
+    """The `tokens` site inside compiled decode steps (issue 28: rows joinable to text): every step's rows carry the
+    token fed at that position, prefill (eager) and compiled decode steps alike."""
+    model = tiny(layers=2)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual", "tokens"))
+    sub = session.subscribe("check")
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    new = 4
+    gc = transformers.GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, cache_implementation="static",
+        compile_config=transformers.CompileConfig(fullgraph=True, backend="inductor", mode="default"))
+    gc.compile_config._compile_all_devices = True
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    session.close()
+    got = rows_by_key(list(sub), att)
+    att.detach()
+    tokens = {(req, pos): int(row.view(np.int64)[0]) for (name, _, req, pos), row in got.items() if name == "tokens"}
+    first = att.current_request_ids(2)
+    # Every position fed to the model (the prompt, then each generated token but the last) once, with its token.
+    assert len(tokens) == 2 * (4 + new - 1), sorted(tokens)
+    for b, req in enumerate(first):
+        assert [tokens[(req, p)] for p in range(4 + new - 1)] == out[b, :4 + new - 1].tolist()

@@ -221,6 +221,7 @@ class Attachment:
         self._eos = _eos_ids(model)
         self._tokens_hp: Optional[int] = None
         self._warned_logits = False
+        self._traced_tokens: Optional[torch.Tensor] = None
         self._rows_setting: "str | Sequence[int]" = "all"  # attach's `rows`, restored after a last-token capture
         _ATTACHMENTS[self._key] = self
 
@@ -495,6 +496,18 @@ class Attachment:
         self._keep.clear()
         self._keep_hp.clear()
         self._keep.extend((self._request_id_tensor(hidden.device, hidden.shape[0]), pos))
+        tokens, self._traced_tokens = self._traced_tokens, None
+        if self._tokens_hp is not None and tokens is not None:
+            # The step's token ids (noted by the embedding's pre-hook): captured by the step op like the sites.
+            self._keep.append(tokens.to(torch.int64).reshape(-1, 1))
+            self._keep_hp.append(self._tokens_hp)
+
+    def _note_tokens(self, module, args, kwargs):
+        """Pre-hook of the input embedding: while torch.compile traces, notes the step's token ids for
+        :meth:`_begin_compiled` (the decoder layers see only hidden states)."""
+        if torch.compiler.is_compiling():
+            ids = kwargs.get("input", args[0] if args else None)
+            self._traced_tokens = ids if isinstance(ids, torch.Tensor) else None
 
     def _end_compiled(self, device) -> None:
         """After the last captured module, while torch.compile traces: the whole step as one op (see :func:`step`)."""
@@ -645,7 +658,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     batch's pad tokens) and the rows of sequences that ended (fed their EOS token, or stopped by
     :class:`ProbeStoppingCriteria`); positions are the tokens' real positions (from ``attention_mask``). Steps
     recorded as CUDA graphs or compiled capture their fixed batch as it is (decode steps have no padding; rows of
-    ended sequences are captured until the call ends).
+    ended sequences are captured until the call ends; the ``tokens`` rows show them).
     """
     decoder_layers, final_norm, lm_head, family = _decoder(model)
     for prev in list(_ATTACHMENTS.values()):
@@ -700,6 +713,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     att._rows_setting = rows
     if _TOKENS in sites:
         att._tokens_hp = att.hookpoints[_TOKENS] = _hookpoint(session, _TOKENS, _TOKENS, None, "i64", 1)
+        att._widths[att._tokens_hp] = 1
 
     for name, site, layer_index, width, module, pick in planned:
         att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
@@ -722,6 +736,9 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                 submit(att.sink(_first(output).device), session._h)
         att._handles.append(last.register_forward_hook(submit_hook))
         att._handles.append(decoder_layers[0].register_forward_pre_hook(att._begin_compiled, with_kwargs=True))
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if att._tokens_hp is not None and embed is not None:
+            att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
     att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
     att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
     return att
