@@ -40,6 +40,18 @@ fn tempdir(name: &str) -> PathBuf {
     d
 }
 
+/// A decode step's batch read from device tensors: `batch` rows of one token each, request ids `i64[batch]` in
+/// `ids`, positions `i64[batch]` in `positions`.
+fn decode_batch(batch: u32, ids: &DeviceBuffer, positions: &DeviceBuffer) -> ringscope::cuda::GraphBatch {
+    ringscope::cuda::GraphBatch {
+        batch,
+        seq: 1,
+        request_ids: ids.ptr(),
+        positions: positions.ptr(),
+        positions_batch_stride: 1,
+    }
+}
+
 /// Records one step begun inside a CUDA graph on `stream`: hookpoint `l` captures `batch.batch` rows of `sources[l]`.
 /// The controls reach the device first (and, later, between replays).
 fn record_graph_step(
@@ -193,13 +205,7 @@ fn the_policy_manager_reaches_graph_begun_steps_between_replays() {
     ids.copy_from_host_async(0, &bytes((0..8).collect()), stream.handle()).unwrap();
     positions.copy_from_host_async(0, &bytes(vec![0; 8]), stream.handle()).unwrap();
     let layers: Vec<DeviceBuffer> = (0..4).map(|_| DeviceBuffer::zeroed(&gpu, 8 * 4096).unwrap()).collect();
-    let batch = ringscope::cuda::GraphBatch {
-        batch: 8,
-        seq: 1,
-        request_ids: ids.ptr(),
-        positions: positions.ptr(),
-        positions_batch_stride: 1,
-    };
+    let batch = decode_batch(8, &ids, &positions);
     let graph = record_graph_step(&session, &stream, &batch, &layers);
     let started = std::time::Instant::now();
     let mut replays = 0;
@@ -418,13 +424,7 @@ fn many_fused_probes_in_graphs_agree_with_an_f64_reference_over_sessions() {
                 let request = |b: usize| 1000 * session_no + b as u64;
                 let id_bytes: Vec<u8> = (0..BATCH).flat_map(|b| (request(b) as i64).to_le_bytes()).collect();
                 ids.copy_from_host_async(0, &id_bytes, stream.handle()).unwrap();
-                let batch = ringscope::cuda::GraphBatch {
-                    batch: BATCH as u32,
-                    seq: 1,
-                    request_ids: ids.ptr(),
-                    positions: positions.ptr(),
-                    positions_batch_stride: 1,
-                };
+                let batch = decode_batch(BATCH as u32, &ids, &positions);
                 let graph = record_graph_step(&session, &stream, &batch, &sources);
                 // Replay r: every row at position r; the rows (bf16) kept here for the reference.
                 let mut rows: Vec<Vec<Vec<f32>>> = Vec::new(); // [replay][layer] → BATCH × d values

@@ -313,6 +313,10 @@ fn bad_probe_definitions_are_refused_at_start() {
         (format!("weights = \"{g}\"\nthresholds = [1.0, -1e39]"), "thresholds[1] = "),
         (format!("weights = \"{g}\"\nthreshold = 1.0\nbias = [1e39, 0.0]"), "bias[0] = "),
         (format!("weights = \"{g}\"\nthreshold = inf"), "threshold = inf is not a finite float32"),
+        (
+            format!("weights = \"{g}\"\nthreshold = 1.0\naggregate = \"ema\"\nema_alpha = 1e39"),
+            "ema_alpha = 1e39 is not a finite float32",
+        ),
         // An empty weights path named neither the key nor the path.
         ("weights = \"\"\nthreshold = 1.0".to_owned(), "weights = \"\" names no file"),
         (format!("weights = \"{g}\"\nthreshold = 1.0\nbias = \"\""), "bias = \"\" names no file"),

@@ -1062,3 +1062,30 @@ fn a_closed_session_keeps_only_what_its_handle_answers() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `rs_metrics_port`: the port of the endpoint (0 without one); a null out-pointer, an unknown handle and a closed
+/// session are the documented errors, each with a message.
+#[test]
+fn rs_metrics_port_answers_and_refuses_bad_input() {
+    let s = open("[metrics]\nlisten = \"127.0.0.1:0\"\n");
+    let mut port = 0u16;
+    // SAFETY: a writable u16.
+    assert_eq!(unsafe { rs_metrics_port(s, &mut port) }, RsStatus::RsOk, "{}", last_error());
+    assert_ne!(port, 0, "the port the system chose");
+    // SAFETY: null is the bad input under test.
+    assert_eq!(unsafe { rs_metrics_port(s, std::ptr::null_mut()) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("port"), "{}", last_error());
+    // SAFETY: a writable u16.
+    assert_eq!(unsafe { rs_metrics_port(0xdead, &mut port) }, RsStatus::RsErrInvalidHandle);
+    assert!(!last_error().is_empty());
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+    // SAFETY: a writable u16.
+    assert_eq!(unsafe { rs_metrics_port(s, &mut port) }, RsStatus::RsErrClosed);
+    let plain = open("");
+    // SAFETY: a writable u16.
+    assert_eq!(unsafe { rs_metrics_port(plain, &mut port) }, RsStatus::RsOk);
+    assert_eq!(port, 0, "no endpoint");
+    // SAFETY: null totals are allowed.
+    unsafe { rs_session_close(plain, std::ptr::null_mut()) };
+}

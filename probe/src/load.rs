@@ -52,11 +52,12 @@ fn read_file(probe: &str, path: &Path) -> Result<Vec<u8>, ProbeError> {
     if path.as_os_str().is_empty() {
         return Err(fail("an empty path: give the file's path".into()));
     }
+    let regular = |meta: std::fs::Metadata| match meta.is_file() {
+        true => Ok(meta),
+        false => Err(fail(format!("not a regular file ({}); give a .safetensors or .npy file", file_kind(&meta)))),
+    };
     // Refused before it is opened: opening a FIFO for reading would wait for a writer.
-    let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(fail(format!("not a regular file ({}); give a .safetensors or .npy file", file_kind(&meta))));
-    }
+    regular(std::fs::metadata(path).map_err(|e| fail(e.to_string()))?)?;
     let mut options = std::fs::OpenOptions::new();
     options.read(true);
     #[cfg(unix)]
@@ -67,10 +68,7 @@ fn read_file(probe: &str, path: &Path) -> Result<Vec<u8>, ProbeError> {
     }
     let file = options.open(path).map_err(|e| fail(e.to_string()))?;
     // What was opened is checked again: the path may have changed since.
-    let meta = file.metadata().map_err(|e| fail(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(fail(format!("not a regular file ({}); give a .safetensors or .npy file", file_kind(&meta))));
-    }
+    let meta = regular(file.metadata().map_err(|e| fail(e.to_string()))?)?;
     if meta.len() > MAX_FILE_BYTES {
         return Err(fail(format!("{} bytes; probe files are read whole, at most 1 GiB", meta.len())));
     }

@@ -130,3 +130,6 @@ def test_metrics_port_is_reported_and_idle_clients_delay_neither_scrapes_nor_clo
     plain = ringscope.Session()
     assert plain.metrics_port() == 0
     plain.close()
+    with pytest.raises(ringscope.RingscopeError) as e:
+        plain.metrics_port()
+    assert e.value.status == "RS_ERR_CLOSED"

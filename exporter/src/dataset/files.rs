@@ -124,15 +124,7 @@ impl<F: FileFormat> FileSink<F> {
         let run = options.run_dir().join(F::SUBDIR);
         // A run directory belongs to one run: never mix two runs' files (or overwrite one) by reusing it. The ranks
         // of one run share it (each writes its own `rank=<r>` partitions): what must not exist yet is this rank's.
-        let rank_dir = format!("rank={}", options.rank);
-        let holds_data = std::fs::read_dir(&run).is_ok_and(|mut entries| {
-            entries.any(|e| {
-                e.is_ok_and(|e| {
-                    e.file_name().to_string_lossy().starts_with("hookpoint=") && e.path().join(&rank_dir).exists()
-                })
-            })
-        });
-        if holds_data {
+        if super::lock::partitions_hold_rank(&run, options.rank) {
             return Err(FileError::RunDirInUse(run));
         }
         std::fs::create_dir_all(&run).map_err(|source| FileError::CreateDir { dir: run, source })

@@ -2,8 +2,9 @@
 //!
 //! Two sessions given the same `export.dir`, `run_id` and rank would write the same file names (`part-00000.*`) and
 //! the same manifest: the later one's files replace the earlier one's, and rows vanish without an error. A session
-//! that writes files therefore holds an exclusive advisory lock on `<run_dir>/_ringscope.rank=<rank>.lock` for its
-//! whole life, and refuses to start when another holds it or when this rank's part of the run is already written.
+//! that writes files therefore holds an exclusive advisory lock on `<run_dir>/_ringscope.rank=<rank>.lock` until its
+//! manifest is written, and refuses to start when another holds it or when this rank's part of the run is already
+//! written.
 //! The operating system drops the lock when its holder exits, however it exits: a crashed writer leaves no stale
 //! lock behind (its files, if any, still make the rank "already written").
 
@@ -59,13 +60,16 @@ impl RunLock {
 
 /// Whether a partition of the run (Parquet at the top, Arrow IPC under `_arrow_ipc`) has a `rank=<rank>` directory.
 fn holds_rank_files(run_dir: &Path, rank: u32) -> bool {
+    [run_dir.to_owned(), run_dir.join("_arrow_ipc")].iter().any(|dir| partitions_hold_rank(dir, rank))
+}
+
+/// Whether a `hookpoint=…` partition directly under `dir` has a `rank=<rank>` directory.
+pub(super) fn partitions_hold_rank(dir: &Path, rank: u32) -> bool {
     let rank_dir = format!("rank={rank}");
-    [run_dir.to_owned(), run_dir.join("_arrow_ipc")].iter().any(|dir| {
-        std::fs::read_dir(dir).is_ok_and(|mut entries| {
-            entries.any(|e| {
-                e.is_ok_and(|e| {
-                    e.file_name().to_string_lossy().starts_with("hookpoint=") && e.path().join(&rank_dir).exists()
-                })
+    std::fs::read_dir(dir).is_ok_and(|mut entries| {
+        entries.any(|e| {
+            e.is_ok_and(|e| {
+                e.file_name().to_string_lossy().starts_with("hookpoint=") && e.path().join(&rank_dir).exists()
             })
         })
     })

@@ -64,25 +64,28 @@ impl DeviceBuffer {
     /// them right after could run first and then be zeroed (issue 28: fused probes' weights uploaded that way were
     /// zeroed under a busy engine, and their scores were wrong on every replay).
     pub fn zeroed(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer, CudaError> {
+        let buf = DeviceBuffer::allocate(gpu, len)?;
+        let stream = super::Stream::new(gpu)?;
+        // SAFETY: a fresh allocation of at least `len.max(1)` bytes that nothing else knows of yet; the stream is
+        // ours and live.
+        unsafe { result::memset_d8_async(buf.ptr, 0, len.max(1), stream.stream_ref().raw()) }
+            .call("cuMemsetD8Async")?;
+        stream.synchronize()?;
+        Ok(buf)
+    }
+
+    /// `len` bytes (at least 1) of uninitialised device memory, freed when dropped.
+    fn allocate(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer, CudaError> {
         gpu.bind()?;
         // SAFETY: plain allocation; freed in Drop.
         let ptr = unsafe { result::malloc_sync(len.max(1)) }.call("cuMemAlloc")?;
-        let buf = DeviceBuffer { gpu: gpu.clone(), ptr, len };
-        let stream = super::Stream::new(gpu)?;
-        // SAFETY: `ptr` is a fresh allocation of at least `len.max(1)` bytes that nothing else knows of yet; the
-        // stream is ours and live.
-        unsafe { result::memset_d8_async(ptr, 0, len.max(1), stream.stream_ref().raw()) }.call("cuMemsetD8Async")?;
-        stream.synchronize()?;
-        Ok(buf)
+        Ok(DeviceBuffer { gpu: gpu.clone(), ptr, len })
     }
 
     /// Allocates a buffer holding `bytes` (a copy), on the device by the time this returns (a private stream, waited
     /// for): work issued afterwards on any stream reads these bytes.
     pub fn from_host(gpu: &Arc<Gpu>, bytes: &[u8]) -> Result<DeviceBuffer, CudaError> {
-        gpu.bind()?;
-        // SAFETY: plain allocation; freed in Drop.
-        let ptr = unsafe { result::malloc_sync(bytes.len().max(1)) }.call("cuMemAlloc")?;
-        let buf = DeviceBuffer { gpu: gpu.clone(), ptr, len: bytes.len() };
+        let buf = DeviceBuffer::allocate(gpu, bytes.len())?;
         if bytes.is_empty() {
             return Ok(buf);
         }
