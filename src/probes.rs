@@ -34,6 +34,9 @@ pub struct ProbeStats {
     pub alerts: u64,
     /// Requests forgotten to stay within `alerts.max_requests`.
     pub evicted_requests: u64,
+    /// Rows of no request ([`RowMeta::NO_REQUEST`]: sequences that ended, in steps recorded as CUDA graphs) seen and
+    /// left unscored.
+    pub no_request_rows: u64,
 }
 
 /// The largest `[alerts]` `flag_slots`, `max_requests` and `queue` (16 Mi: a flag table of 128 MiB).
@@ -434,6 +437,7 @@ impl Probes {
                     nan_rows,
                     alerts,
                     evicted_requests: m.evicted(),
+                    no_request_rows: m.no_request_rows(),
                 }
             })
             .collect()

@@ -16,6 +16,7 @@ use ringscope::synthetic::{activation_row, fill_layer, pregenerate, EngineConfig
 use ringscope::{Config, Error, Session};
 use ringscope_exporter::{CallbackSink, Record};
 use ringscope_ring::cuda::{DeviceBuffer, Gpu, Graph, Stream};
+use ringscope_ring::RowMeta;
 
 /// Held by each test for its whole life: the tests record CUDA graphs in global capture mode (as PyTorch does), which
 /// another thread's CUDA call during the capture invalidates, and the harness runs tests on several threads at once.
@@ -313,6 +314,65 @@ fn fused_probes_in_a_replayed_graph_match_the_consumer_and_raise_the_stop_flag()
     let report = session.shutdown().unwrap();
     let counters = |name: &str| report.accounting.hookpoints.iter().find(|(n, _)| n == name).unwrap().1;
     assert_eq!(counters("probes.fused").exported.rows, counters("h").exported.rows);
+}
+
+/// Issue 28: a step recorded as a CUDA graph keeps its fixed batch, so the rows of sequences that ended are marked
+/// with request id `NO_REQUEST` (-1 in the engine's int64 tensor) instead. Such a row crossing a stop probe's threshold
+/// must not touch the flag table (it used to store `NO_REQUEST + 1` = 0 into slot `2^64-1 % flag_slots`, clearing the
+/// flag of the request that owns that slot), and the probes leave it unscored (counted as `no_request_rows`).
+#[test]
+fn rows_of_no_request_in_a_graph_step_raise_no_flag_and_are_not_scored() {
+    let _alone = alone();
+    let Ok(gpu) = Gpu::open(0) else {
+        eprintln!("skipped (no GPU)");
+        return;
+    };
+    let (d, slots) = (128usize, 64u64);
+    let dir = tempdir("no-request");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut w = vec![0.0f32; d];
+    w[0] = 1.0;
+    let npy = dir.join("w.npy");
+    ringscope::probe::save_npy(&npy, &[1, d], &w).unwrap();
+    let text = format!(
+        "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\n[policy]\nmode = \"best_effort\"\n\
+         [alerts]\nflag_slots = {slots}\n\
+         [[hookpoints]]\nname = \"h\"\nsite = \"residual\"\nlayer = 0\ndtype = \"f32\"\nrow_width = {d}\n\
+         [[probes]]\nname = \"stop\"\nhookpoint = \"h\"\nweights = \"{}\"\nthresholds = [50.0]\n\
+         aggregate = \"per_token\"\naction = \"stop\"\nmode = \"fused\"\n",
+        npy.display()
+    );
+    let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    let flags = session.probe_flags().unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    // Row 0: request slots - 1 (the slot NO_REQUEST maps to); row 1: an ended sequence.
+    let owner = slots - 1;
+    assert_eq!(RowMeta::NO_REQUEST % slots, owner);
+    let ids: Vec<u8> = [owner as i64, -1i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let ids = DeviceBuffer::from_host(&gpu, &ids).unwrap();
+    let positions = DeviceBuffer::zeroed(&gpu, 16).unwrap();
+    let src = DeviceBuffer::zeroed(&gpu, 2 * d * 4).unwrap();
+    let batch = decode_batch(2, &ids, &positions);
+    let graph = record_graph_step(&session, &stream, &batch, std::slice::from_ref(&src));
+    // Replay 1: only the owner's row crosses the threshold; replay 2: only the ended row does.
+    for (replay, hot_row) in [(1u32, 0usize), (2, 1)] {
+        let mut rows = vec![0.0f32; 2 * d];
+        rows[hot_row * d] = 64.0;
+        let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+        src.copy_from_host_async(0, &bytes, stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        stream.synchronize().unwrap();
+        assert!(flags.is_raised(owner), "replay {replay}: request {owner}'s flag is up (an ended row cleared it?)");
+    }
+    assert!(session.wait_probes(std::time::Duration::from_secs(30)));
+    let stats = session.probe_stats();
+    assert_eq!((stats[0].rows, stats[0].no_request_rows), (2, 2), "{stats:?}");
+    assert!(session.probe_request("stop", RowMeta::NO_REQUEST).unwrap().is_none());
+    let alerts: Vec<_> = session.alerts().unwrap().try_iter().collect();
+    assert!(alerts.iter().all(|a| a.request_id == owner), "{alerts:?}");
+    let report = session.shutdown().unwrap();
+    let h = report.accounting.hookpoints.iter().find(|(n, _)| n == "h").unwrap().1;
+    assert_eq!(h.exported.rows, 4, "the ended rows are exported (marked), not dropped");
 }
 
 /// Issue 28: many fused probes (one or two per layer, K from 1 to 64, weights and biases of their own) recorded into

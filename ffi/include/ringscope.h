@@ -449,6 +449,9 @@ typedef struct rs_probe_snapshot {
   // Requests forgotten to stay within `alerts.max_requests` (an engine that calls `rs_request_finish` for every
   // finished request needs none).
   uint64_t evicted_requests;
+  // Rows of no request (`request_id` 2^64 - 1: sequences that ended, in steps recorded as CUDA graphs) seen and
+  // left unscored.
+  uint64_t no_request_rows;
 } rs_probe_snapshot;
 
 #ifdef __cplusplus

@@ -1706,6 +1706,9 @@ pub struct RsProbeSnapshot {
     /// Requests forgotten to stay within `alerts.max_requests` (an engine that calls `rs_request_finish` for every
     /// finished request needs none).
     pub evicted_requests: u64,
+    /// Rows of no request (`request_id` 2^64 - 1: sequences that ended, in steps recorded as CUDA graphs) seen and
+    /// left unscored.
+    pub no_request_rows: u64,
 }
 
 /// What a closed session still answers about its probes: the alerts not yet polled (those raised while the drain
@@ -1807,6 +1810,7 @@ fn probe_stats(s: &Session) -> Vec<(RsProbeSnapshot, String)> {
                 nan_rows: p.nan_rows,
                 alerts: p.alerts,
                 evicted_requests: p.evicted_requests,
+                no_request_rows: p.no_request_rows,
             };
             (stats, p.name)
         })

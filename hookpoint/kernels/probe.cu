@@ -94,9 +94,10 @@ __device__ void rs_probe_rows(
         }
         if (threadIdx.x == 0 && s_hit) {
             // One plain (volatile) word store: an engine polling the slot sees either the old value or this one. No
-            // fence: nothing else is published with it.
+            // fence: nothing else is published with it. A row of no request (an ended sequence in a graph step) raises
+            // no flag: NO_REQUEST + 1 would be 0, clearing another request's slot.
             const u64 req = probe_request(desc, g, r);
-            *(volatile u64*)(flags + req % flag_slots) = req + 1;
+            if (req != NO_REQUEST) *(volatile u64*)(flags + req % flag_slots) = req + 1;
         }
     }
 }

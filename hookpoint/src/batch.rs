@@ -41,7 +41,8 @@ impl StepBatch {
     /// Builds the descriptor from `(request_id, token_position)` per batch row, in batch order.
     ///
     /// A request's rows need not be contiguous; its *last* row (for [`crate::RowSelection::LastPerRequest`]) is
-    /// the one with the highest batch index. An empty batch is an error: there is nothing to capture.
+    /// the one with the highest batch index. Rows of [`RowMeta::NO_REQUEST`] have no last row (they are no
+    /// request's). An empty batch is an error: there is nothing to capture.
     pub fn new(step: u64, rows: impl IntoIterator<Item = (u64, u32)>) -> Result<Self, HookPointError> {
         let rows = rows.into_iter();
         // The row count comes from the engine (through the C ABI, any number): every allocation sized by it is
@@ -69,7 +70,7 @@ impl StepBatch {
         let mut seen: HashSet<u64, BuildHasherDefault<RequestIdHasher>> = HashSet::default();
         seen.try_reserve(rows.len()).map_err(|_| refused("the request-id set", rows.len(), 16))?;
         let mut last_per_request: Vec<RowMeta> = Vec::new();
-        for r in rows.iter().rev().filter(|r| seen.insert(r.request_id)) {
+        for r in rows.iter().rev().filter(|r| !r.is_no_request() && seen.insert(r.request_id)) {
             if last_per_request.len() == last_per_request.capacity() {
                 // Grows as a Vec does (doubling), fallibly; at most one entry per row.
                 let more = last_per_request.len().max(4).min(rows.len() - last_per_request.len());
@@ -118,6 +119,15 @@ mod tests {
         let last: Vec<_> = b.last_per_request().iter().map(|m| (m.request_id, m.position, m.batch_row)).collect();
         assert_eq!(last, vec![(7, 2, 2), (3, 40, 3), (9, 1, 5)]);
         assert_eq!(b.rows()[4], RowMeta { request_id: 9, position: 0, batch_row: 4 });
+    }
+
+    #[test]
+    fn rows_of_no_request_have_no_last_row() {
+        let no = RowMeta::NO_REQUEST;
+        let b = StepBatch::new(1, [(4, 9), (no, 3), (5, 7), (no, 0)]).unwrap();
+        let last: Vec<_> = b.last_per_request().iter().map(|m| m.request_id).collect();
+        assert_eq!(last, vec![4, 5]);
+        assert_eq!(b.len(), 4, "the rows themselves stay in the batch (a graph step's shape is fixed)");
     }
 
     /// Claims more rows than any memory holds, as a C caller's `rows` argument may.

@@ -140,6 +140,7 @@ pub struct Monitor {
     evicted: u64,
     rows: u64,
     nan_rows: u64,
+    no_request_rows: u64,
     alerts: u64,
 }
 
@@ -160,6 +161,7 @@ impl Monitor {
             evicted: 0,
             rows: 0,
             nan_rows: 0,
+            no_request_rows: 0,
             alerts: 0,
         }
     }
@@ -193,11 +195,21 @@ impl Monitor {
 
     /// The engine ran `rows` rows of `request` in a step (its batch descriptor): the coverage denominator.
     pub fn expect(&mut self, request: u64, rows: u64) {
+        if request == RowMeta::NO_REQUEST {
+            return; // rows of no request (ended sequences in a graph step): nobody's coverage
+        }
         self.state(request).expected += rows;
     }
 
     /// One scored row: aggregates its `K` scores into its request and pushes the alerts it raises onto `alerts`.
+    ///
+    /// A row of [`RowMeta::NO_REQUEST`] (a sequence that ended, in a graph step) is counted in
+    /// [`no_request_rows`](Self::no_request_rows) and scored into no request: it raises no alert.
     pub fn observe(&mut self, step: u64, meta: RowMeta, scores: &[f32], alerts: &mut Vec<Alert>) {
+        if meta.is_no_request() {
+            self.no_request_rows += 1;
+            return;
+        }
         let aggregation = self.aggregation;
         let (k, min_tokens) = (self.outputs, self.min_tokens);
         debug_assert_eq!(scores.len(), k);
@@ -323,6 +335,11 @@ impl Monitor {
         self.evicted
     }
 
+    /// Rows of no request ([`RowMeta::NO_REQUEST`]) seen and left unscored (not in [`totals`](Self::totals)).
+    pub fn no_request_rows(&self) -> u64 {
+        self.no_request_rows
+    }
+
     /// Rows scored, rows with a NaN score, alerts raised.
     pub fn totals(&self) -> (u64, u64, u64) {
         (self.rows, self.nan_rows, self.alerts)
@@ -415,6 +432,21 @@ mod tests {
         let c = m.finish(4).unwrap().coverage;
         assert_eq!((c.scored, c.expected, c.unobserved), (3, 0, 3));
         assert!(m.request(4).is_none());
+    }
+
+    #[test]
+    fn rows_of_no_request_are_counted_and_never_scored_or_alerted() {
+        let mut m = monitor(Aggregation::Max, 0.5);
+        m.expect(RowMeta::NO_REQUEST, 4);
+        let mut alerts = Vec::new();
+        for pos in 0..4u32 {
+            let meta = RowMeta { request_id: RowMeta::NO_REQUEST, position: pos, batch_row: pos };
+            m.observe(0, meta, &[9.0], &mut alerts);
+        }
+        assert!(alerts.is_empty(), "{alerts:?}");
+        assert_eq!(m.no_request_rows(), 4);
+        assert_eq!(m.totals(), (0, 0, 0));
+        assert!(m.request(RowMeta::NO_REQUEST).is_none() && m.requests().is_empty());
     }
 
     #[test]

@@ -107,6 +107,17 @@ pub struct RowMeta {
 }
 
 impl RowMeta {
+    /// The request id of a row that belongs to no request: a row a fixed-shape step (a CUDA graph replay) computes
+    /// for a sequence that has ended, or an engine's padding row it cannot leave out. Such rows are exported with
+    /// this id (`2^64 - 1`; `-1` read as a signed 64-bit integer) so that they are never read as a request's tokens,
+    /// and probes never score them into a request, raise a flag or alert for them.
+    pub const NO_REQUEST: u64 = u64::MAX;
+
+    /// Whether this row belongs to no request ([`RowMeta::NO_REQUEST`]).
+    pub fn is_no_request(&self) -> bool {
+        self.request_id == Self::NO_REQUEST
+    }
+
     /// Writes this entry as 16 little-endian bytes.
     pub fn write_to(&self, out: &mut [u8; ROW_META_LEN]) {
         out[0..8].copy_from_slice(&self.request_id.to_le_bytes());

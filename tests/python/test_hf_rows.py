@@ -147,6 +147,83 @@ def test_rows_of_a_sequence_that_ended_are_not_captured(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_a_sequence_a_stopping_criterion_ended_are_not_captured(device):
+    """A row ended by a stopping criterion other than ringscope's (so ringscope is not told) is fed the pad token
+    from the step after next: those rows are no request's tokens either."""
+    model = tiny(device)
+    prompt = torch.tensor([[5, 6, 7], [9, 10, 11]], device=device)
+
+    class StopRowZero(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([True, False], device=input_ids.device)
+
+    with torch.no_grad():
+        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, min_new_tokens=4,
+                               do_sample=False, pad_token_id=PAD)
+    if PAD in plain[1, 3:].tolist():
+        pytest.skip("row 1 generates the pad token")
+    session = session_for(device)
+    att = rt.attach(model, session, sites=("residual", "tokens"))
+    sub = session.subscribe("check")
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                             pad_token_id=PAD, stopping_criteria=transformers.StoppingCriteriaList([StopRowZero()]))
+    assert out[0, 4:].tolist() == [PAD] * 3, out
+    got = rows_by_hookpoint(session, sub, att)
+    positions = {b: sorted(pos for _, req, pos, _ in got["layers.0.resid"] if req == b) for b in (0, 1)}
+    # Row 0 ended after its first generated token (position 3, fed at the next step); then it is fed padding.
+    assert positions[0] == [0, 1, 2, 3], positions
+    assert positions[1] == [0, 1, 2, 3, 4, 5], positions
+    assert PAD not in [int(row.view(np.int64)[0]) for _, _, _, row in got["tokens"]]
+
+
+def test_graph_recorded_decode_steps_mark_rows_of_ended_sequences_as_no_request():
+    """A decode step recorded as a CUDA graph has a fixed batch and runs no Python at replay: a row fed its EOS or
+    the pad token is captured with request id NO_REQUEST (2**64-1), computed on the device at every replay; the other
+    rows keep their requests, and a probe scores no row of no request."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (CUDA graphs)")
+    model = tiny("cuda")
+    session = session_for("cuda")
+    att = rt.attach(model, session, sites=("residual", "tokens"))
+    sub = session.subscribe("check")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7], [9, 10, 11]], device="cuda"), past_key_values=cache,
+              cache_position=torch.arange(3, device="cuda"), use_cache=True)
+    tok = torch.tensor([[20], [21]], device="cuda")
+    cp = torch.tensor([3], device="cuda")
+    pid = torch.full((2, 1), 3, device="cuda")
+
+    def forward():
+        return model(input_ids=tok, position_ids=pid, cache_position=cp, past_key_values=cache, use_cache=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        forward()  # an eager step at position 3 (warm-up before recording)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        forward()
+    eos = model.config.eos_token_id
+    for i, t0 in enumerate([22, eos, PAD]):  # row 0: a token, then its EOS fed back, then padding
+        tok[0, 0], tok[1, 0] = t0, 30 + i
+        cp.add_(1)
+        pid.add_(1)
+        graph.replay()
+    torch.cuda.synchronize()
+    got = rows_by_hookpoint(session, sub, att)
+    by_request = {}
+    for _, req, pos, _ in got["layers.0.resid"]:
+        by_request.setdefault(req, []).append(pos)
+    assert {k: sorted(v) for k, v in by_request.items()} == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4, 5, 6],
+                                                             rt.NO_REQUEST: [5, 6]}, by_request
+    tokens = sorted((pos, int(row.view(np.int64)[0])) for _, req, pos, row in got["tokens"] if req == rt.NO_REQUEST)
+    assert tokens == [(5, eos), (6, PAD)], tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(device):
     """A decode step fed only end-of-sequence tokens has no request's token: no step, no rows, no error."""
     model = tiny(device)
@@ -181,13 +258,16 @@ def test_logits_of_the_last_prompt_token_are_captured_as_that_token(device):
 
 
 if __name__ == "__main__":
+    import inspect
     import sys
 
     failed = 0
     for name, fn in list(globals().items()):
-        for device in DEVICES if name.startswith("test_") else ():
+        if not name.startswith("test_"):
+            continue
+        for device in DEVICES if inspect.signature(fn).parameters else [None]:
             try:
-                fn(device)
+                fn(device) if device else fn()
                 print(f"ok   {name}[{device}]")
             except pytest.skip.Exception as e:
                 print(f"skip {name}[{device}]: {e}")

@@ -190,6 +190,41 @@ def generate(model, torch, prompt, **kwargs):
                               **kwargs)
 
 
+def test_rows_of_no_request_are_exported_marked_and_never_scored_flagged_or_alerted(tmp_path):
+    """Request id 2**64-1 (NO_REQUEST: an ended sequence's row in a fixed-shape graph step, or an engine's padding
+    row): the rows are exported with it, but no probe scores them into a request, alerts or raises a flag for them
+    (flag slot 2**64-1 % 64 belongs to request 63, whose flag must stay up)."""
+    no_request = 2**64 - 1
+    w, b = probe_weights()
+    probe = {"hookpoint": HP, "aggregate": "per_token", "thresholds": [1.0, 100.0], "action": "stop"}
+    config = {
+        "policy": {"mode": "full"},
+        "hookpoints": [{"name": HP, "site": "residual", "layer": 3, "dtype": "f32", "row_width": D}],
+        "probes": [{"name": "consumer", **ringscope.save_probe(tmp_path / "c.npy", w, b), **probe},
+                   {"name": "fused", **ringscope.save_probe(tmp_path / "f.npy", w, b), **probe, "mode": "fused"}],
+        "alerts": {"flag_slots": 64},
+    }
+    s = ringscope.Session(config)
+    sub = s.subscribe("check")
+    hp = s.hookpoint_id(HP)
+    hot = (5 * planted_direction()).astype(np.float32)  # crosses threshold 1.0 on output 0
+    s.begin_step(0, [63], [0])
+    s.capture(hp, hot[None, :])
+    s.end_step()
+    s.begin_step(1, [63, no_request, no_request], [1, 0, 0])
+    s.capture(hp, np.stack([np.zeros(D, np.float32), hot, hot]))
+    s.end_step()
+    s.wait_probes(30)
+    stats = s.probe_stats()
+    assert [(p["rows"], p["no_request_rows"], p["alerts"]) for p in stats] == [(2, 2, 1), (2, 2, 1)], stats
+    assert s.is_flagged(63)
+    assert {a.request_id for a in s.alerts()} == {63}
+    assert s.probe_request("consumer", no_request) is None
+    s.close()
+    rows = [(int(r.request_id[k]), int(r.position[k])) for r in sub if r.hookpoint == hp for k in range(len(r.rows))]
+    assert sorted(rows) == sorted([(63, 0), (63, 1), (no_request, 0), (no_request, 0)]), rows
+
+
 def test_a_probe_stops_exactly_the_flagged_row_of_hugging_face_generate(tmp_path):
     torch, transformers = hf()
     import ringscope.torch as rt

@@ -226,3 +226,40 @@ def test_compiled_static_cache_generate_records_the_token_ids():
     assert len(tokens) == 2 * (4 + new - 1), sorted(tokens)
     for b, req in enumerate(first):
         assert [tokens[(req, p)] for p in range(4 + new - 1)] == out[b, :4 + new - 1].tolist()
+
+
+def test_compiled_decode_steps_leave_out_the_rows_of_ended_sequences():
+    """Compiled decode steps (inductor, no CUDA graphs: the step op runs eagerly) leave out the rows of a sequence
+    that ended — fed its EOS token, then the pad token — as eager steps do (issue 28)."""
+    model = tiny(layers=2)
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    new = 4
+    with torch.no_grad():
+        plain = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, pad_token_id=0)
+    eos = int(plain[0, 4])  # row 0's first generated token becomes its end-of-sequence token
+    if eos in plain[1, 4:].tolist() or 0 in plain[1, 4:].tolist():
+        pytest.skip("row 1 generates the chosen EOS or the pad token")
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual", "tokens"))
+    sub = session.subscribe("check")
+    gc = transformers.GenerationConfig(
+        max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=eos, cache_implementation="static",
+        compile_config=transformers.CompileConfig(fullgraph=True, backend="inductor", mode="default"))
+    gc.compile_config._compile_all_devices = True
+    counters.clear()
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert out[0, 4] == eos and out[0, 5:].tolist() == [0] * (new - 1), out
+    session.close()
+    got = rows_by_key(list(sub), att)
+    att.detach()
+    first = att.current_request_ids(2)
+    positions = {b: sorted(pos for (name, _, req, pos) in got if name == "layers.0.resid" and req == first[b])
+                 for b in (0, 1)}
+    assert positions[0] == [0, 1, 2, 3], positions  # the prompt; the steps that fed it EOS and padding: nothing
+    assert positions[1] == list(range(4 + new - 1)), positions
+    assert all(req in first for (_, _, req, _) in got), "no row of no request reaches the files in eager steps"

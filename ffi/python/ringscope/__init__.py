@@ -343,7 +343,7 @@ class _ProbeReport(ctypes.Structure):
 class _ProbeSnapshot(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in (
         "struct_size", "mode", "hookpoint", "scores_hookpoint", "name_len", "reserved")] + [
-        (n, ctypes.c_uint64) for n in ("rows", "nan_rows", "alerts", "evicted_requests")]
+        (n, ctypes.c_uint64) for n in ("rows", "nan_rows", "alerts", "evicted_requests", "no_request_rows")]
 
 
 class Alert(NamedTuple):
@@ -984,7 +984,9 @@ class Session:
         """Each probe's totals, in configuration order: a list of dicts with ``name``, ``mode`` (``"consumer"`` or
         ``"fused"``), ``hookpoint`` (the hookpoint it reads), ``scores_hookpoint`` (a fused probe's scores,
         ``probes.<name>``, exported like any hookpoint; None for a consumer probe), ``rows`` (rows scored),
-        ``nan_rows``, ``alerts`` (raised, dropped ones included) and ``evicted_requests``. Empty without probes;
+        ``nan_rows``, ``alerts`` (raised, dropped ones included), ``evicted_requests`` and ``no_request_rows`` (rows
+        of no request — request id 2**64-1, sequences that ended in steps recorded as CUDA graphs — left unscored).
+        Empty without probes;
         after :meth:`close` the final totals (hookpoint names are then None)."""
         lib = _probes_lib()
         n = ctypes.c_uint32()
@@ -1004,7 +1006,8 @@ class Session:
                          "scores_hookpoint": self._hookpoint_name(ps.scores_hookpoint)}
             out.append({"name": name.raw[:ps.name_len].decode("utf-8", "replace"),
                         "mode": _PROBE_MODES.get(ps.mode, str(ps.mode)), **names, "rows": ps.rows,
-                        "nan_rows": ps.nan_rows, "alerts": ps.alerts, "evicted_requests": ps.evicted_requests})
+                        "nan_rows": ps.nan_rows, "alerts": ps.alerts, "evicted_requests": ps.evicted_requests,
+                        "no_request_rows": ps.no_request_rows})
         return out
 
     def wait_probes(self, timeout: float = 10.0) -> None:

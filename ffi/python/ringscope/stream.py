@@ -26,6 +26,7 @@ from . import ROWSCALED, RingscopeError, _NUMPY_FOR_DTYPE, _int, _path, _text, d
 META_COLUMNS = ("step", "request_id", "position")
 FORMATS = ("auto", "arrow", "parquet")
 _I64_MAX = 2**63 - 1
+_NO_REQUEST = 2**64 - 1  # the request id of rows of no request (ringscope.torch.NO_REQUEST)
 
 
 class Batch(dict):
@@ -308,8 +309,10 @@ class _Series:
 
 def _int64(column: str, values: np.ndarray) -> np.ndarray:
     """``values`` (a metadata column) as int64, what torch indexes and counts with: unsigned ids above 2**63-1 are
-    refused rather than wrapped to negative numbers."""
-    if values.dtype.kind == "u" and values.dtype.itemsize == 8 and len(values) and values.max() > _I64_MAX:
+    refused rather than wrapped to negative numbers — except the request id of rows of no request (2**64-1), which
+    becomes -1."""
+    if values.dtype.kind == "u" and values.dtype.itemsize == 8 and len(values) and values.max() > _I64_MAX and (
+            column != "request_id" or bool(((values > _I64_MAX) & (values != _NO_REQUEST)).any())):
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"{column}: {int(values.max())} does not fit a torch.int64 tensor (ids above 2**63-1 "
                              "cannot be torch tensors): read it as numpy uint64 (ringscope.read_dump with "

@@ -168,6 +168,21 @@ def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+# The request id of a row of no request (an ended sequence in a step recorded as a CUDA graph, whose shape is fixed):
+# 2**64 - 1 as the library and the files store it, -1 as the int64 tensors here hold it.
+NO_REQUEST = 2**64 - 1
+
+
+def _pad_id(model) -> Optional[int]:
+    """The pad token id ``generate`` feeds the rows of ended sequences (its generation config's, else its config's);
+    None when there is none (``generate`` then feeds the end-of-sequence token)."""
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        pad = getattr(cfg, "pad_token_id", None)
+        if isinstance(pad, int) and pad >= 0:
+            return pad
+    return None
+
+
 def _eos_ids(model) -> set:
     """The model's end-of-sequence token ids (its generation config's, else its config's)."""
     out = set()
@@ -219,6 +234,10 @@ class Attachment:
         self._kept: Optional[torch.Tensor] = None
         self._step_shape = (0, 0)  # (batch, seq) of the open eager step
         self._eos = _eos_ids(model)
+        # Input tokens that mark a decode row as an ended sequence's: `generate` feeds an ended row its EOS token
+        # (the one it generated), then the pad token (the EOS token when there is no pad token).
+        pad = _pad_id(model)
+        self._ended_tokens = sorted(self._eos | ({pad} if pad is not None else set()))
         self._tokens_hp: Optional[int] = None
         self._warned_logits = False
         self._traced_tokens: Optional[torch.Tensor] = None
@@ -372,8 +391,8 @@ class Attachment:
                                      "attach: recording a CUDA graph needs position_ids or cache_position as CUDA "
                                      "tensors in the forward call (the step's token positions are read from them at "
                                      "every replay), or begin_step by hand before recording and before each replay")
-            self._begin_tensors(self._request_id_tensor(device, batch), pos)
             ids_in = kwargs.get("input_ids", args[0] if args else None)
+            self._begin_tensors(self._live_request_ids(self._request_id_tensor(device, batch), ids_in), pos)
             if self._tokens_hp is not None and isinstance(ids_in, torch.Tensor) and ids_in.is_cuda:
                 # The static input tensor: every replay captures the tokens it then holds.
                 capture(ids_in.reshape(-1, 1), self.sink(ids_in.device), self.session._h, self._tokens_hp, 1)
@@ -407,11 +426,15 @@ class Attachment:
         # Sequences that ended: a row fed its EOS token generated it at the step before (``generate`` keeps a finished
         # row in the batch, feeding it padding), so from here on its rows are no request's tokens.
         ids_in = kwargs.get("input_ids", args[0] if args else None)
-        if past_len > 0 and self._eos and isinstance(ids_in, torch.Tensor) and ids_in.dim() == 2:
+        ended_now = None
+        if past_len > 0 and self._ended_tokens and isinstance(ids_in, torch.Tensor) and ids_in.dim() == 2:
             last = ids_in[:, -1].detach().to("cpu").numpy()
             self._finished |= np.isin(last, list(self._eos))
-        if self._finished.any():
-            ended = torch.from_numpy(self._finished)[:, None].expand(batch, seq)
+            # A row fed the pad token is an ended sequence's too (one that a stopping criterion ended), at this step.
+            ended_now = self._finished | np.isin(last, self._ended_tokens)
+        if ended_now is not None and ended_now.any() or self._finished.any():
+            ended = torch.from_numpy(ended_now if ended_now is not None else self._finished)[:, None]
+            ended = ended.expand(batch, seq)
             keep = ~ended if keep is None else keep & ~ended
         req = np.asarray(self.current_request_ids(batch), dtype=np.uint64)
         if device.type == "cuda":
@@ -442,9 +465,13 @@ class Attachment:
             self._open = True
             return
         req = request_ids.detach().to("cpu", torch.int64).numpy()
-        if (req < 0).any():
-            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: negative request ids {req[req < 0][:4]}")
-        self._begin_eager(req.astype(np.uint64), pos, batch, pos.device)
+        if (req < -1).any():
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: negative request ids {req[req < -1][:4]}")
+        # -1: a row of no request (an ended sequence, see _live_request_ids): left out, as eager steps leave it out.
+        keep = None
+        if (req == -1).any():
+            keep = torch.from_numpy(req != -1)[:, None].expand(batch, pos.shape[-1])
+        self._begin_eager(req.astype(np.uint64), pos, batch, pos.device, keep)
 
     def _begin_eager(self, req: np.ndarray, pos: torch.Tensor, batch: int, device,
                      keep: Optional[torch.Tensor] = None) -> None:
@@ -469,6 +496,22 @@ class Attachment:
             return
         self.session.begin_step(self.step, reqs, positions, stream=stream)
         self._open = True
+
+    def _live_request_ids(self, req: torch.Tensor, ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Steps recorded as CUDA graphs or compiled (fixed shape, no host code at replay): ``req`` with -1 (no
+        request, :data:`NO_REQUEST`) for the rows of a decode step fed an end-of-sequence or pad token — what
+        ``generate`` feeds the rows of ended sequences —, computed on the device at every replay."""
+        if not self._ended_tokens or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 \
+                or ids.shape[0] != req.shape[0]:
+            return req
+        last = ids[:, -1]
+        ended = last == self._ended_tokens[0]
+        for t in self._ended_tokens[1:]:
+            ended = ended | (last == t)
+        live = torch.where(ended, torch.full_like(req, -1), req)
+        if not torch.compiler.is_compiling():
+            self._keep.append(live)  # read by the step's kernels until it ends (recorded graphs: at every replay)
+        return live
 
     def _keep_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of ``x`` (``[batch × seq, width]``) the open eager step captures."""
@@ -495,8 +538,9 @@ class Attachment:
             _refuse_while_tracing("positions")
         self._keep.clear()
         self._keep_hp.clear()
-        self._keep.extend((self._request_id_tensor(hidden.device, hidden.shape[0]), pos))
         tokens, self._traced_tokens = self._traced_tokens, None
+        req = self._live_request_ids(self._request_id_tensor(hidden.device, hidden.shape[0]), tokens)
+        self._keep.extend((req, pos))
         if self._tokens_hp is not None and tokens is not None:
             # The step's token ids (noted by the embedding's pre-hook): captured by the step op like the sites.
             self._keep.append(tokens.to(torch.int64).reshape(-1, 1))
@@ -533,9 +577,18 @@ class Attachment:
     def _step_tensors(self, request_ids, positions, captures, hookpoints) -> None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self._recorded_graph = True  # torch.compile's CUDA graphs (mode="reduce-overhead") record this step
+        recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         self._begin_tensors(request_ids, positions)
         try:
             for x, hp in zip(captures, hookpoints):
+                if not recording:
+                    # Run eagerly: rows of no request (ended sequences) are left out, as in eager steps.
+                    if not self._open:
+                        continue  # every row is of no request: no step, nothing captured
+                    x = self._keep_rows(x.reshape(-1, self._widths[hp]))
+                    if x.shape[0] == 0:
+                        continue
+                    x = x.contiguous()
                 _capture_now(x, self.session._h, hp, self._widths[hp])
         finally:
             self._end_tensors()
@@ -655,10 +708,13 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
 
     Rows that are no request's tokens are not captured in eager steps: padding (``attention_mask`` 0: a left-padded
-    batch's pad tokens) and the rows of sequences that ended (fed their EOS token, or stopped by
-    :class:`ProbeStoppingCriteria`); positions are the tokens' real positions (from ``attention_mask``). Steps
-    recorded as CUDA graphs or compiled capture their fixed batch as it is (decode steps have no padding; rows of
-    ended sequences are captured until the call ends; the ``tokens`` rows show them).
+    batch's pad tokens) and the rows of sequences that ended (fed their EOS token, or — fed the pad token — ended by
+    a stopping criterion such as :class:`ProbeStoppingCriteria`); positions are the tokens' real positions (from
+    ``attention_mask``). A step recorded as a CUDA graph (by hand or by ``torch.compile``'s ``reduce-overhead``)
+    has a fixed shape and runs no Python at replay: its decode rows fed an EOS or pad token are captured with the
+    request id of no request — :data:`NO_REQUEST`, ``2**64 - 1`` in the files, ``-1`` in int64 tensors — and
+    probes never score them into a request, flag or alert for them (``probe_stats()["no_request_rows"]`` counts
+    them). Compiled steps run without CUDA graphs leave them out, as eager steps do.
     """
     decoder_layers, final_norm, lm_head, family = _decoder(model)
     for prev in list(_ATTACHMENTS.values()):

@@ -21,7 +21,7 @@ use ringscope_ring::cuda::{errors, host, state, CudaError, DevicePtr, Function, 
 use ringscope_ring::record::{
     self, HEADER_CHECK_MUL, HEADER_CHECK_SEED, HEADER_CHECK_SHIFT, HEADER_LEN, RECORD_ALIGN, ROW_META_LEN,
 };
-use ringscope_ring::{rowscaled, DType, RecordKind};
+use ringscope_ring::{rowscaled, DType, RecordKind, RowMeta};
 
 use super::controls::{DeviceControl, RowMode, CONTROL_BYTES};
 use super::counters::{counter, COUNTER_WORDS};
@@ -176,6 +176,7 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("ROW_ALL", RowMode::All as u64, Int),
         ("ROW_LIST", RowMode::List as u64, Int),
         ("ROW_LAST_PER_REQUEST", RowMode::LastPerRequest as u64, Int),
+        ("NO_REQUEST", RowMeta::NO_REQUEST, U64),
         ("COUNTER_WORDS", n(COUNTER_WORDS), U64),
     ];
     for (name, word) in [
@@ -803,6 +804,7 @@ mod tests {
         expect("ROW_ALL", RowMode::All as u64, "");
         expect("ROW_LIST", RowMode::List as u64, "");
         expect("ROW_LAST_PER_REQUEST", RowMode::LastPerRequest as u64, "");
+        expect("NO_REQUEST", RowMeta::NO_REQUEST, "ull");
         expect("COUNTER_WORDS", COUNTER_WORDS as u64, "ull");
         for (name, w) in [
             ("PRODUCED", counter::PRODUCED),
