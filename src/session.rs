@@ -762,14 +762,34 @@ impl Session {
     /// returned before anything is launched. What cannot be checked — that the memory stays allocated until the
     /// captures reading it have run — is the promise of [`DevicePtr::from_raw`].
     pub fn capture_device(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
+        self.capture_device_rows(id, ptr, rows, false, stream)
+    }
+
+    /// CUDA backend: like [`capture_device`](Self::capture_device), from a source that holds one row per request —
+    /// the step's *last* row of each request, in batch order: what a model computes for each request's last token
+    /// only (the logits of a prefill that keeps only the last token's). Row `k` is captured (and scored by fused
+    /// probes) as the step's `k`-th last row per request, with that row's request and position. Refused for a
+    /// hookpoint that selects a list of batch rows, and in steps begun inside a CUDA graph.
+    pub fn capture_device_last_rows(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
+        self.capture_device_rows(id, ptr, rows, true, stream)
+    }
+
+    fn capture_device_rows(
+        &self,
+        id: u32,
+        ptr: DevicePtr,
+        rows: u32,
+        last_rows: bool,
+        stream: StreamRef,
+    ) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
         self.check_sinks()?;
         let fused = self.probes.as_ref().and_then(|p| p.fused.get(&id));
         self.with_capture(|c| {
-            c.backend.capture_device(&hp, ptr, rows, stream.clone())?;
+            c.backend.capture_device(&hp, ptr, rows, last_rows, stream.clone())?;
             // Fused probes: a score kernel on the same rows, then the capture of the scores (both recordable).
             for f in fused.into_iter().flatten() {
-                c.backend.capture_fused_device(f.index, &hp, &f.scores, ptr, rows, stream.clone())?;
+                c.backend.capture_fused_device(f.index, &hp, &f.scores, ptr, rows, last_rows, stream.clone())?;
             }
             Ok(())
         })

@@ -375,6 +375,107 @@ fn rows_of_no_request_in_a_graph_step_raise_no_flag_and_are_not_scored() {
     assert_eq!(h.exported.rows, 4, "the ended rows are exported (marked), not dropped");
 }
 
+/// Issue 28: a site the model computed for each request's last token only (Hugging Face's logits at a `generate`
+/// prefill) is captured from its compact source — row `k` is the step's `k`-th last row per request — as those rows:
+/// their requests and positions, bit for bit, with and without deferred captures and row downcasting, and a fused
+/// probe on it scores each row into its own request (f64 reference here). A hookpoint selecting a row list and a
+/// step begun inside a graph refuse such a capture.
+#[test]
+fn last_rows_sources_are_captured_and_scored_as_the_last_row_of_each_request() {
+    let _alone = alone();
+    let Ok(gpu) = Gpu::open(0) else {
+        eprintln!("skipped (no GPU)");
+        return;
+    };
+    let d = 64usize;
+    let dir = tempdir("last-rows");
+    std::fs::create_dir_all(&dir).unwrap();
+    let w: Vec<f32> = (0..2 * d).map(|i| ((i * 37 % 29) as f32 - 14.0) / 16.0).collect();
+    let npy = dir.join("w.npy");
+    ringscope::probe::save_npy(&npy, &[2, d], &w).unwrap();
+    // A prefill step: request 7 (4 tokens), request 9 (2 tokens), request 3 (3 tokens), interleaved as an engine may.
+    let rows: Vec<(u64, u32)> = vec![(7, 0), (7, 1), (9, 0), (7, 2), (9, 1), (3, 0), (3, 1), (7, 3), (3, 2)];
+    let last = [(7u64, 3u32), (9, 1), (3, 2)];
+    for (defer, downcast) in [(false, false), (true, false), (false, true), (true, true)] {
+        let text = format!(
+            "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\ndefer_captures = {defer}\n\
+             [policy]\nmode = \"best_effort\"\n\
+             [[hookpoints]]\nname = \"logits\"\nsite = \"logits\"\ndtype = \"f32\"\nrow_width = {d}\n\
+             [[hookpoints]]\nname = \"listed\"\nsite = \"residual\"\nlayer = 0\ndtype = \"f32\"\n\
+             row_width = {d}\nrows = [0, 2]\n\
+             [[probes]]\nname = \"p\"\nhookpoint = \"logits\"\nweights = \"{}\"\nbias = [0.5, -1.0]\n\
+             thresholds = [1e30, 1e30]\nmode = \"fused\"\n",
+            npy.display()
+        );
+        let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+        let sub = session.subscribe("check", ringscope::Filter::all()).unwrap();
+        let stream = Stream::new(&gpu).unwrap();
+        let x: Vec<f32> = (0..last.len() * d).map(|i| ((i * 13 % 31) as f32 - 15.0) / 4.0).collect();
+        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let src = DeviceBuffer::from_host(&gpu, &bytes).unwrap();
+        let (logits, listed) = (session.hookpoint("logits").unwrap().id(), session.hookpoint("listed").unwrap().id());
+        // Rows downcast to fp8 (what the policy manager's downcast rung does), read from the last-rows source too.
+        session.hookpoint("logits").unwrap().control().set_downcast(downcast).unwrap();
+        session.begin_step_on(0, rows.iter().copied(), stream.handle()).unwrap();
+        session.capture_device_last_rows(logits, src.ptr(), last.len() as u32, stream.handle()).unwrap();
+        let refused = session.capture_device_last_rows(listed, src.ptr(), last.len() as u32, stream.handle());
+        assert!(refused.unwrap_err().to_string().contains("list of batch rows"));
+        session.end_step().unwrap();
+        stream.synchronize().unwrap();
+        // A step begun inside a graph: refused while recording (nothing is recorded).
+        let ids = DeviceBuffer::from_host(&gpu, &[0u8; 16]).unwrap();
+        let positions = DeviceBuffer::zeroed(&gpu, 16).unwrap();
+        let batch = decode_batch(2, &ids, &positions);
+        session.apply_controls(stream.handle()).unwrap();
+        let in_graph = Graph::capture(&stream, || -> Result<(), Error> {
+            session.begin_step_graph(&batch, stream.handle())?;
+            let e = session.capture_device_last_rows(logits, src.ptr(), 2, stream.handle()).unwrap_err();
+            assert!(e.to_string().contains("inside a CUDA graph"), "{e}");
+            session.end_step()
+        });
+        drop(in_graph);
+        stream.synchronize().unwrap();
+        session.shutdown().unwrap();
+        let mut seen = 0;
+        while let Some(r) = sub.recv() {
+            let name = r.hookpoint().name();
+            if r.step() != 0 || (name != "logits" && name != "probes.p") {
+                continue;
+            }
+            let v = r.view();
+            assert_eq!(v.rows(), last.len(), "{name}");
+            for (k, &(req, pos)) in last.iter().enumerate() {
+                let m = v.row_meta(k);
+                assert_eq!((m.request_id, m.position), (req, pos), "{name} row {k} (defer {defer})");
+                let xk = &x[k * d..(k + 1) * d];
+                if name == "logits" && !downcast {
+                    assert_eq!(v.row(k), &bytes[k * d * 4..(k + 1) * d * 4], "row {k} bit for bit");
+                } else if name == "logits" {
+                    // fp8 with a per-row scale: within the format's precision of the row's own values.
+                    let mut got = vec![0f32; d];
+                    ringscope_ring::rowscaled::decode_row(v.row(k), &mut got);
+                    let amax = xk.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    for (g, want) in got.iter().zip(xk) {
+                        assert!((g - want).abs() <= amax / 8.0 + 1e-6, "row {k}: {g} vs {want}");
+                    }
+                } else if name == "probes.p" {
+                    for j in 0..2 {
+                        let want: f64 =
+                            [0.5f64, -1.0][j] + (0..d).map(|i| w[j * d + i] as f64 * xk[i] as f64).sum::<f64>();
+                        let got = f32::from_le_bytes(v.row(k)[j * 4..j * 4 + 4].try_into().unwrap()) as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                            "score {j} of {req}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+            seen += 1;
+        }
+        assert_eq!(seen, 2, "the logits and the probe's scores, once each (defer {defer}, downcast {downcast})");
+    }
+}
+
 /// Issue 28: many fused probes (one or two per layer, K from 1 to 64, weights and biases of their own) recorded into
 /// a CUDA graph with every layer's capture, over several sessions in a row, on two model shapes (28 × 1536 and
 /// 16 × 2048), with and without deferred captures — every score of every replay checked against `W · x + b`

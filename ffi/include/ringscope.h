@@ -631,6 +631,20 @@ rs_status rs_capture_device(uint64_t session_handle,
                             uint32_t rows,
                             uint64_t cuda_stream);
 
+// Like [`rs_capture_device`], from a source that holds one row per request: the step's *last* row of each request,
+// in batch order (what a model computes for each request's last token only, such as the logits of a prefill that
+// keeps only the last token's). Row `k` is captured — and scored by fused probes — as the step's `k`-th last row
+// per request, with its request and position. `RS_ERR_CUDA` for a hookpoint that selects a list of batch rows and
+// in a step begun inside a CUDA graph.
+//
+// # Safety
+// As for [`rs_capture_device`].
+rs_status rs_capture_device_last_rows(uint64_t session_handle,
+                                      uint32_t hookpoint,
+                                      uint64_t device_ptr,
+                                      uint32_t rows,
+                                      uint64_t cuda_stream);
+
 // CUDA backend: rows of `hookpoint` at or past the `u32` at `device_ptr` are padding (read at replay time). 0
 // removes it.
 //

@@ -1001,6 +1001,29 @@ pub unsafe extern "C" fn rs_capture_device(
     })
 }
 
+/// Like [`rs_capture_device`], from a source that holds one row per request: the step's *last* row of each request,
+/// in batch order (what a model computes for each request's last token only, such as the logits of a prefill that
+/// keeps only the last token's). Row `k` is captured — and scored by fused probes — as the step's `k`-th last row
+/// per request, with its request and position. `RS_ERR_CUDA` for a hookpoint that selects a list of batch rows and
+/// in a step begun inside a CUDA graph.
+///
+/// # Safety
+/// As for [`rs_capture_device`].
+#[no_mangle]
+pub unsafe extern "C" fn rs_capture_device_last_rows(
+    session_handle: u64,
+    hookpoint: u32,
+    device_ptr: u64,
+    rows: u32,
+    cuda_stream: u64,
+) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per this function's contract (as rs_capture_device's); bad device input is rejected at run time.
+        let (ptr, stream) = unsafe { (DevicePtr::from_raw(device_ptr), StreamRef::from_raw(cuda_stream)) };
+        Ok(session(session_handle)?.capture_device_last_rows(hookpoint, ptr, rows, stream)?)
+    })
+}
+
 /// CUDA backend: rows of `hookpoint` at or past the `u32` at `device_ptr` are padding (read at replay time). 0
 /// removes it.
 ///

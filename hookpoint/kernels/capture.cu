@@ -156,6 +156,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
     const u64 tail = ld64(state + ST_TAIL_SNAP);
     const u64 tail_now = ld64(state + ST_TAIL);
     const bool lead = blockIdx.x == 0 && threadIdx.x == 0;
+    // A last-rows source (SRC_LAST_ROWS): its row k is the step's k-th last row per request, captured as that row
+    // whatever the hookpoint's selection (the host refuses row lists for it).
+    const bool last_rows = (src_rows & SRC_LAST_ROWS) != 0;
+    src_rows &= ~SRC_LAST_ROWS;
     // The source is read before the decision, so the data loads overlap the control loads: for all-rows captures
     // (the common case) each thread's first units are the same whatever the number of valid rows turns out to be.
     // (Row selections discard them and read the selected rows.)
@@ -179,13 +183,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
     if (lead) was_busy = atomicExch((u32*)(state + ST_BUSY), 1u);
 
     // Which rows: every block computes the same answer from memory nobody writes while this kernel runs.
-    u32 bound = min(src_rows, n_rows);
+    u32 bound = last_rows ? n_rows : min(src_rows, n_rows);
     if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
+    const u32 mode = last_rows ? (u32)ROW_LAST_PER_REQUEST : c.mode;
     const u32* idx = 0;
     u32 rows = bound;
-    if (c.mode != ROW_ALL) {
-        idx = c.mode == ROW_LIST ? (const u32*)c.list_ptr : (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows);
-        const u32 len = c.mode == ROW_LIST ? c.list_len : n_last;
+    if (mode != ROW_ALL) {
+        idx = mode == ROW_LIST ? (const u32*)c.list_ptr : (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows);
+        const u32 len = mode == ROW_LIST ? c.list_len : last_rows ? min(n_last, src_rows) : n_last;
         // Rows are taken in list order up to the first index at or past `bound` (padding).
         if (threadIdx.x == 0) s_rows = len;
         __syncthreads();
@@ -232,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
     u8* rec = ring + start;
     if (lead) {
         if (pad) write_header(ring + offset, 0, 0, 0, DTYPE_PAD << 40, pad - HEADER_BYTES);
-        const u64 flags = (c.mode != ROW_ALL || rows != n_rows) ? FLAG_ROW_SELECTION : 0;
+        const u64 flags = (mode != ROW_ALL || rows != n_rows) ? FLAG_ROW_SELECTION : 0;
         const u64 out_dtype = dc ? DTYPE_ROWSCALED : dtype;
         write_header(rec, seq, step, (u64)hookpoint | ((u64)rows << 32),
                      (u64)out_rb | (KIND_DATA << 32) | (out_dtype << 40) | (flags << 48), payload_len);
@@ -252,8 +257,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
         meta_dst[i] = i < rows ? metas[idx ? idx[i] : i] : make_uint4(0, 0, 0, 0);
 
     u8* __restrict__ dst = rec + HEADER_BYTES + meta_bytes;
+    // The source row of record row k: idx[k] (a selection of batch rows), or k (all rows, or a last-rows source).
+    const u32* sidx = last_rows ? 0 : idx;
     if (dc) {
-        rs_downcast_rows(dst, src, idx, rows, dtype, row_bytes);
+        rs_downcast_rows(dst, src, sidx, rows, dtype, row_bytes);
     } else if (vec) {
         // Flattened over 16-byte units; (row, column) advance by the grid size without a division per unit.
         const u64 total = (u64)rows * vpr;
@@ -261,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
         u32 r = (u32)(gtid / vpr), col = (u32)(gtid % vpr);
         uint4* d = (uint4*)dst;
         u64 u = gtid;
-        if (pre_n > 0 && idx == 0) {
+        if (pre_n > 0 && sidx == 0) {
             // The units loaded before the decision are exactly this thread's first units.
             for (int k = 0; k < UNROLL && k < pre_n; k++) {
                 if (u + k * gsize < total) d[u + k * gsize] = pre[k];
@@ -279,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
 #pragma unroll
             for (int k = 0; k < UNROLL; k++) {
                 if (u + k * gsize < total) {
-                    const u64 srow = idx ? idx[rr] : rr;
+                    const u64 srow = sidx ? sidx[rr] : rr;
                     v[k] = ((const uint4*)(src + srow * row_bytes))[cc];
                 }
                 rr += q;
@@ -297,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
         for (u64 b = gtid; b < total; b += gsize) {
             const u32 r = (u32)(b / row_bytes);
             const u32 col = (u32)(b - (u64)r * row_bytes);
-            const u64 srow = idx ? idx[r] : r;
+            const u64 srow = sidx ? sidx[r] : r;
             dst[b] = src[srow * row_bytes + col];
         }
     }
@@ -418,6 +425,7 @@ struct Plan {
     u32 vec;          // 16-byte path
     u32 dc;           // rows are downcast (rs_downcasts)
     u32 orb;          // bytes of a row in the record
+    u32 last;         // a last-rows source (SRC_LAST_ROWS): record row k is source row k
     int status;       // -1 published, -2 no rows, else the counter index of the drop reason
 };
 
@@ -470,14 +478,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
     const bool deadline = (desc_flags & DESC_DEADLINE) != 0;
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         const Entry e = m.e[i];
-        const Control c = controls[e.hookpoint];
+        // A last-rows source: its row k is the step's k-th last row per request, whatever the selection.
+        const bool last_rows = (e.src_rows & SRC_LAST_ROWS) != 0;
+        Control c = controls[e.hookpoint];
+        if (last_rows) c.mode = ROW_LAST_PER_REQUEST;
         ctl[i] = c;
-        u32 bound = min(e.src_rows, n_rows);
+        u32 bound = last_rows ? n_rows : min(e.src_rows, n_rows);
         if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
         const bool scan = c.mode == ROW_LIST || (c.mode == ROW_LAST_PER_REQUEST && !m.g.on);
         Plan p;
         p.rows = c.mode == ROW_ALL ? bound : c.mode == ROW_LAST_PER_REQUEST && m.g.on ? bound / m.g.seq : 0;
         p.pad = bound;  // kept for the list scan
+        p.last = last_rows;
         p.vec = ((e.src | e.row_bytes) & 15) == 0;
         p.dc = rs_downcasts(c, e.dtype);
         p.orb = rs_out_row_bytes(p.dc, e.dtype, e.row_bytes);
@@ -491,7 +503,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         for (u32 i = 0; i < n; i++) {
             const Control c = ctl[i];
             if (c.mode == ROW_ALL || (c.mode == ROW_LAST_PER_REQUEST && m.g.on)) continue;
-            const u32 len = c.mode == ROW_LIST ? c.list_len : n_last;
+            const u32 len = c.mode == ROW_LIST ? c.list_len
+                            : plan[i].last ? min(n_last, m.e[i].src_rows & ~SRC_LAST_ROWS) : n_last;
             const u32 bound = (u32)plan[i].pad;
             if (threadIdx.x == 0) s_min = len;
             __syncthreads();
@@ -590,7 +603,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
             const u32 j = (u32)(u - s_unit[i]);  // < 2^32: a record is at most half the ring, in 16-byte units
             const u32 upr = p.vec ? rb / 16 : rb;
             const u32 row = j / upr, col = j - row * upr;
-            const u64 r = ctl[i].mode == ROW_ALL ? row : many_row(ctl[i], desc, n_rows, m.g, row);
+            const u64 r = ctl[i].mode == ROW_ALL || p.last ? row : many_row(ctl[i], desc, n_rows, m.g, row);
             const u8* src = (const u8*)m.e[i].src + r * rb;
             u8* out = ring + p.start + HEADER_BYTES + p.meta_bytes;
             wide[k] = p.vec;
@@ -616,7 +629,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         const Plan& p = plan[i];
         const Entry& e = m.e[i];
         const u32 j = (u32)(k - s_drow[i]);
-        const u64 r = ctl[i].mode == ROW_ALL ? j : many_row(ctl[i], desc, n_rows, m.g, j);
+        const u64 r = ctl[i].mode == ROW_ALL || p.last ? j : many_row(ctl[i], desc, n_rows, m.g, j);
         rs_downcast_row((const u8*)e.src + r * e.row_bytes, e.dtype, p.orb - SCALE_BYTES,
                         ring + p.start + HEADER_BYTES + p.meta_bytes + (u64)j * p.orb);
     }

@@ -38,11 +38,24 @@ __device__ void rs_probe_rows(
     __shared__ float s_part[THREADS / 32][PROBE_CHUNK];
     __shared__ u32 s_hit;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 bound = probe_bound(controls[hookpoint], desc, g, src_rows);
+    // A last-rows source (SRC_LAST_ROWS, never in a graph-begun step): its row j is the step's j-th last row per
+    // request; scored into scores row j (captured the same way), flagged as that row's request.
+    const bool last_rows = (src_rows & SRC_LAST_ROWS) != 0;
+    src_rows &= ~SRC_LAST_ROWS;
+    const u32 bound = probe_bound(controls[hookpoint], desc, g, last_rows ? 0xFFFFFFFFu : src_rows);
+    const u32* last = 0;
+    u32 end = bound;
+    if (last_rows) {
+        const u32 n_rows = *(const u32*)(desc + DESC_N_ROWS);
+        last = (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows);
+        end = min(src_rows, *(const u32*)(desc + DESC_N_LAST));
+    }
     const u64 row_bytes = (u64)d * (dtype == DTYPE_F32 ? 4u : 2u);
     const bool flagging = thresholds != 0 && flags != 0 && flag_slots != 0;
 
-    for (u32 r = first_row; r < bound; r += row_stride) {
+    for (u32 r = first_row; r < end; r += row_stride) {
+        // (The same r for the whole block: the skip is uniform, no thread misses a barrier.)
+        if (last && last[r] >= bound) continue;  // a padding row
         const u8* x = src + (u64)r * row_bytes;
         if (threadIdx.x == 0) s_hit = 0;
         for (u32 k0 = 0; k0 < k; k0 += PROBE_CHUNK) {
@@ -96,7 +109,7 @@ __device__ void rs_probe_rows(
             // One plain (volatile) word store: an engine polling the slot sees either the old value or this one. No
             // fence: nothing else is published with it. A row of no request (an ended sequence in a graph step) raises
             // no flag: NO_REQUEST + 1 would be 0, clearing another request's slot.
-            const u64 req = probe_request(desc, g, r);
+            const u64 req = probe_request(desc, g, last ? last[r] : r);
             if (req != NO_REQUEST) *(volatile u64*)(flags + req % flag_slots) = req + 1;
         }
     }

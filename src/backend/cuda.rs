@@ -118,8 +118,18 @@ impl Backend for CudaBackend {
         Ok(self.capture.end_step()?)
     }
 
-    fn capture_device(&mut self, hp: &HookPoint, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
+    fn capture_device(
+        &mut self,
+        hp: &HookPoint,
+        ptr: DevicePtr,
+        rows: u32,
+        last_rows: bool,
+        stream: StreamRef,
+    ) -> Result<(), Error> {
         self.open.ok_or(Error::NoStep)?;
+        if last_rows {
+            return Ok(self.capture.capture_last_rows(hp, ptr, rows, stream)?);
+        }
         Ok(self.capture.capture(hp, ptr, rows, stream)?)
     }
 
@@ -170,6 +180,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn capture_fused_device(
         &mut self,
         index: usize,
@@ -177,10 +188,16 @@ impl Backend for CudaBackend {
         scores: &HookPoint,
         ptr: DevicePtr,
         rows: u32,
+        last_rows: bool,
         stream: StreamRef,
     ) -> Result<(), Error> {
         let probe = self.probes.get(&index).ok_or(Error::Backend("a fused probe without its device tables"))?;
-        self.capture.capture_probe(probe, scores, ptr, source.spec().dtype, rows, stream)?;
+        let dtype = source.spec().dtype;
+        if last_rows {
+            self.capture.capture_probe_last_rows(probe, scores, ptr, dtype, rows, stream)?;
+        } else {
+            self.capture.capture_probe(probe, scores, ptr, dtype, rows, stream)?;
+        }
         Ok(())
     }
 

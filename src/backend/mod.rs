@@ -84,12 +84,14 @@ pub(crate) trait Backend: Send {
         Err(Error::Backend(HOST_ONLY))
     }
 
-    /// CUDA backend: launches the capture of `hp` from `rows` rows at device address `ptr` on `stream`.
+    /// CUDA backend: launches the capture of `hp` from `rows` rows at device address `ptr` on `stream` (`last_rows`:
+    /// row `k` is the step's `k`-th last row per request, not batch row `k`).
     fn capture_device(
         &mut self,
         _hp: &HookPoint,
         _ptr: DevicePtr,
         _rows: u32,
+        _last_rows: bool,
         _stream: StreamRef,
     ) -> Result<(), Error> {
         Err(Error::Backend(CUDA_ONLY))
@@ -122,7 +124,9 @@ pub(crate) trait Backend: Send {
         Ok(())
     }
 
-    /// CUDA: scores `rows` rows of `source` at `ptr` with fused probe `index` and captures the scores as `scores`.
+    /// CUDA: scores `rows` rows of `source` at `ptr` with fused probe `index` and captures the scores as `scores`
+    /// (`last_rows` as for [`capture_device`](Self::capture_device)).
+    #[allow(clippy::too_many_arguments)]
     fn capture_fused_device(
         &mut self,
         _index: usize,
@@ -130,6 +134,7 @@ pub(crate) trait Backend: Send {
         _scores: &HookPoint,
         _ptr: DevicePtr,
         _rows: u32,
+        _last_rows: bool,
         _stream: StreamRef,
     ) -> Result<(), Error> {
         Err(Error::Backend(CUDA_ONLY))

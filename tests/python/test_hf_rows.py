@@ -242,19 +242,14 @@ def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_logits_of_the_last_prompt_token_are_captured_as_that_token(device):
-    if device == "cuda":
-        with pytest.warns(UserWarning, match="not captured on the CUDA backend"):
-            prompts, _, out, got = generate_left_padded(device, ("logits",), 2, output_logits=True)
-    else:
-        prompts, _, out, got = generate_left_padded(device, ("logits",), 2, output_logits=True)
+    prompts, _, out, got = generate_left_padded(device, ("logits",), 2, output_logits=True)
     rows = {(step, req, pos): row for step, req, pos, row in got["logits"]}
     for b, p in enumerate(prompts):
-        # Prefill: the last prompt token's logits (the only ones `generate` computes; CUDA: not captured, never
-        # attributed to other tokens), then the decode step's.
-        if device == "cpu":
-            assert rows[(0, b, len(p) - 1)].tobytes() == out.logits[0][b].cpu().numpy().tobytes()
+        # Prefill: the last prompt token's logits (the only ones `generate` computes; on CUDA a last-rows capture),
+        # then the decode step's.
+        assert rows[(0, b, len(p) - 1)].tobytes() == out.logits[0][b].cpu().numpy().tobytes()
         assert rows[(1, b, len(p))].tobytes() == out.logits[1][b].cpu().numpy().tobytes()
-    assert len(rows) == (2 if device == "cpu" else 1) * len(prompts)
+    assert len(rows) == 2 * len(prompts)
 
 
 if __name__ == "__main__":

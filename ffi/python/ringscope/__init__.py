@@ -426,6 +426,7 @@ def _load():
         "rs_end_step": ([u64], i32),
         "rs_capture_host": ([u64, u32, ctypes.c_void_p, sz, p(i32)], i32),
         "rs_capture_device": ([u64, u32, u64, u32, u64], i32),
+        "rs_capture_device_last_rows": ([u64, u32, u64, u32, u64], i32),
         "rs_set_valid_rows_device": ([u64, u32, u64], i32),
         "rs_stats": ([u64, u32, p(_Counts)], i32),
         "rs_flush": ([u64, u32], i32),
@@ -722,6 +723,14 @@ class Session:
         """CUDA backend: launches the capture of ``rows`` contiguous rows at ``device_ptr`` on ``stream``."""
         _check(_load().rs_capture_device(self._h, _u32("hookpoint", hookpoint), _u64("device_ptr", device_ptr),
                                          _u32("rows", rows), _u64("stream", stream)))
+
+    def capture_device_last_rows(self, hookpoint: int, device_ptr: int, rows: int, stream: int) -> None:
+        """CUDA backend: like :meth:`capture_device`, from a source holding one row per request — the step's last
+        row of each request, in batch order (what a model computes for each request's last token only, such as a
+        prefill's logits): row ``k`` is captured, and scored by fused probes, as the step's ``k``-th last row."""
+        _check(_load().rs_capture_device_last_rows(self._h, _u32("hookpoint", hookpoint),
+                                                   _u64("device_ptr", device_ptr), _u32("rows", rows),
+                                                   _u64("stream", stream)))
 
     # -- state ---------------------------------------------------------------------------------------------------
     def stats(self, hookpoint: int) -> dict:

@@ -239,7 +239,6 @@ class Attachment:
         pad = _pad_id(model)
         self._ended_tokens = sorted(self._eos | ({pad} if pad is not None else set()))
         self._tokens_hp: Optional[int] = None
-        self._warned_logits = False
         self._traced_tokens: Optional[torch.Tensor] = None
         self._rows_setting: "str | Sequence[int]" = "all"  # attach's `rows`, restored after a last-token capture
         _ATTACHMENTS[self._key] = self
@@ -622,27 +621,23 @@ class Attachment:
 
     def _capture_last_tokens(self, x: torch.Tensor, hp: int, width: int) -> None:
         """Captures ``x`` — one row per batch row, its last token's — as those tokens' rows, not the step's first
-        rows. Host backend: through the hookpoint's last-token selection for this one capture. CUDA: not yet
-        (the capture kernels read a full step's rows); skipped with a warning rather than misattributed."""
+        rows: the rows of the requests in the step, in batch order, are its last rows per request. CUDA: a last-rows
+        capture (:meth:`Session.capture_device_last_rows`); host backend: through the hookpoint's last-token
+        selection for this one capture."""
         batch, seq = self._step_shape
-        if x.is_cuda:
-            if not self._warned_logits:
-                import warnings
-                warnings.warn("ringscope attach: a site the model computed for each row's last token only (logits at "
-                              "a prefill) is not captured on the CUDA backend at multi-token steps (decode steps are)",
-                              stacklevel=3)
-                self._warned_logits = True
-            return
         rows = x.reshape(batch, width)
         if self._kept is not None:
             # Rows whose last token is in the step (left padding never pads a row's last token; ended rows are out).
-            last = torch.arange(batch) * seq + seq - 1
-            kept = torch.isin(last, self._kept.cpu())
-            rows = rows[kept]
+            last = torch.arange(batch, device=self._kept.device) * seq + seq - 1
+            rows = rows[torch.isin(last, self._kept).to(rows.device)]
         if rows.shape[0] == 0:
             return
         rows = rows.contiguous()
         self._keep.append(rows)
+        if rows.is_cuda:
+            self.session.capture_device_last_rows(hp, rows.data_ptr(), rows.shape[0],
+                                                  torch.cuda.current_stream(rows.device).cuda_stream)
+            return
         self.session.set_rows(hp, "last_per_request")
         try:
             capture(rows, self.sink(rows.device), self.session._h, hp, width)

@@ -18,6 +18,7 @@ use super::probe::{DeviceFlags, DeviceProbe};
 use super::slots::{desc, DescriptorSlots};
 use crate::batch::StepBatch;
 use crate::registry::{HookPoint, Registry};
+use crate::RowSelection;
 
 /// Options of the device capture side.
 #[derive(Debug, Clone, Copy)]
@@ -378,6 +379,42 @@ impl DeviceCapture {
         self.issue_capture(checked, stream)
     }
 
+    /// Like [`capture`](Self::capture), from a *last-rows* source: row `k` of `src` is the `k`-th of the step's last
+    /// rows per request (in batch order) — a site the model computed for each request's last token only, such as the
+    /// logits of a prefill that keeps only the last token's. Those rows are captured as the rows they are (their
+    /// requests and positions), whatever the hookpoint's `all` / `last_per_request` selection; a row-list selection
+    /// is refused (the list names batch rows the source does not hold). Steps begun inside a graph are refused too
+    /// (their last rows are not known on the host); an eager step's captures may be recorded into a graph.
+    pub fn capture_last_rows(
+        &mut self,
+        hp: &HookPoint,
+        src: DevicePtr,
+        src_rows: u32,
+        stream: StreamRef,
+    ) -> Result<(), DeviceCaptureError> {
+        self.check_last_rows(hp)?;
+        let checked = self.check_capture(hp, src, src_rows, &stream)?;
+        self.issue_capture(CaptureEntry { last_rows: true, ..checked }, stream)
+    }
+
+    /// Refuses a last-rows capture of `hp` that cannot be attributed.
+    fn check_last_rows(&self, hp: &HookPoint) -> Result<(), DeviceCaptureError> {
+        let name = &hp.spec().name;
+        if self.graph_batch.is_some() {
+            return Err(DeviceCaptureError::Usage(format!(
+                "last-rows capture of `{name}` in a step begun inside a CUDA graph: its last rows per request are not \
+                 known to the host; capture a full source (one row per batch row)"
+            )));
+        }
+        if matches!(*hp.control().selection(), RowSelection::Rows(_)) {
+            return Err(DeviceCaptureError::Usage(format!(
+                "last-rows capture of `{name}`: the hookpoint selects a list of batch rows, which a source holding \
+                 one row per request does not have; use rows = \"all\" or \"last_per_request\""
+            )));
+        }
+        Ok(())
+    }
+
     /// Everything [`capture`](Self::capture) checks before it launches (or notes) anything.
     fn check_capture(
         &mut self,
@@ -427,7 +464,7 @@ impl DeviceCapture {
             )));
         }
         let dtype = hp.spec().dtype.code() as u32;
-        Ok(CaptureEntry { src: src.addr(), hookpoint: hp.id(), dtype, row_bytes, src_rows })
+        Ok(CaptureEntry { src: src.addr(), hookpoint: hp.id(), dtype, row_bytes, src_rows, last_rows: false })
     }
 
     /// Launches (or, deferred, notes) a capture that passed [`check_capture`](Self::check_capture).
@@ -449,6 +486,7 @@ impl DeviceCapture {
             row_bytes: entry.row_bytes,
             src: entry.src,
             src_rows: entry.src_rows,
+            last_rows: entry.last_rows,
             full_mode: self.options.full_mode_deadline.is_some(),
         };
         self.join()?;
@@ -497,6 +535,36 @@ impl DeviceCapture {
         src_rows: u32,
         stream: StreamRef,
     ) -> Result<(), DeviceCaptureError> {
+        self.probe_rows(probe, scores_hp, src, src_dtype, src_rows, false, stream)
+    }
+
+    /// [`capture_probe`](Self::capture_probe) from a last-rows source (see
+    /// [`capture_last_rows`](Self::capture_last_rows)): row `k` is scored as the step's `k`-th last row per request,
+    /// and its scores are captured as that row's.
+    pub fn capture_probe_last_rows(
+        &mut self,
+        probe: &DeviceProbe,
+        scores_hp: &HookPoint,
+        src: DevicePtr,
+        src_dtype: DType,
+        src_rows: u32,
+        stream: StreamRef,
+    ) -> Result<(), DeviceCaptureError> {
+        self.check_last_rows(scores_hp)?;
+        self.probe_rows(probe, scores_hp, src, src_dtype, src_rows, true, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn probe_rows(
+        &mut self,
+        probe: &DeviceProbe,
+        scores_hp: &HookPoint,
+        src: DevicePtr,
+        src_dtype: DType,
+        src_rows: u32,
+        last_rows: bool,
+        stream: StreamRef,
+    ) -> Result<(), DeviceCaptureError> {
         let name = &scores_hp.spec().name;
         if probe.gpu_ordinal() != self.gpu.ordinal() {
             return Err(DeviceCaptureError::Usage(format!(
@@ -506,7 +574,7 @@ impl DeviceCapture {
             )));
         }
         probe.check_use(scores_hp.spec(), src_dtype, src_rows, self.options.max_batch_rows)?;
-        let entry = self.check_capture(scores_hp, probe.scores_ptr(), src_rows, &stream)?;
+        let entry = CaptureEntry { last_rows, ..self.check_capture(scores_hp, probe.scores_ptr(), src_rows, &stream)? };
         let src_bytes = src_rows as usize * src_dtype.row_bytes(probe.width() as u64) as usize;
         self.gpu.check_device_range(&format!("probe source of `{name}`"), src, src_bytes, src_dtype.size())?;
         let scores = probe.scores_ptr().addr();
@@ -523,6 +591,7 @@ impl DeviceCapture {
         let args = ProbeArgs {
             src: src.addr(),
             src_rows,
+            last_rows,
             dtype: src_dtype.code() as u32,
             width: probe.width(),
             weights: probe.weights_addr(),

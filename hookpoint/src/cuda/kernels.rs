@@ -177,6 +177,7 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("ROW_LIST", RowMode::List as u64, Int),
         ("ROW_LAST_PER_REQUEST", RowMode::LastPerRequest as u64, Int),
         ("NO_REQUEST", RowMeta::NO_REQUEST, U64),
+        ("SRC_LAST_ROWS", SRC_LAST_ROWS as u64, U32),
         ("COUNTER_WORDS", n(COUNTER_WORDS), U64),
     ];
     for (name, word) in [
@@ -364,6 +365,22 @@ impl GraphBatch {
     }
 }
 
+/// The bit of a kernel's `src_rows` argument that marks a *last-rows* source: its row `k` is the step's `k`-th last
+/// row per request (a site the model computed for each request's last token only, such as the logits of a prefill),
+/// not batch row `k`. The kernels then capture (and score) the last rows per request whatever the hookpoint's row
+/// selection. The row count itself stays below this bit (`max_batch_rows` is far smaller).
+pub const SRC_LAST_ROWS: u32 = 1 << 31;
+
+/// `rows` as a kernel's `src_rows` argument (with [`SRC_LAST_ROWS`] for a last-rows source).
+fn src_rows_arg(rows: u32, last_rows: bool) -> u32 {
+    debug_assert!(rows < SRC_LAST_ROWS, "{rows} source rows");
+    if last_rows {
+        rows | SRC_LAST_ROWS
+    } else {
+        rows
+    }
+}
+
 /// One capture of `ringscope_capture_many` (`struct Entry`).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct CaptureEntry {
@@ -372,6 +389,8 @@ pub(super) struct CaptureEntry {
     pub dtype: u32,
     pub row_bytes: u32,
     pub src_rows: u32,
+    /// The source holds the step's last row per request, in order ([`SRC_LAST_ROWS`]).
+    pub last_rows: bool,
 }
 
 /// The `ringscope_capture_many` parameter (`struct Many`), as its bytes.
@@ -391,7 +410,8 @@ impl ManyParam {
             p[o + entry::HOOKPOINT..o + entry::HOOKPOINT + 4].copy_from_slice(&e.hookpoint.to_le_bytes());
             p[o + entry::DTYPE..o + entry::DTYPE + 4].copy_from_slice(&e.dtype.to_le_bytes());
             p[o + entry::ROW_BYTES..o + entry::ROW_BYTES + 4].copy_from_slice(&e.row_bytes.to_le_bytes());
-            p[o + entry::SRC_ROWS..o + entry::SRC_ROWS + 4].copy_from_slice(&e.src_rows.to_le_bytes());
+            let rows = src_rows_arg(e.src_rows, e.last_rows);
+            p[o + entry::SRC_ROWS..o + entry::SRC_ROWS + 4].copy_from_slice(&rows.to_le_bytes());
         }
         ManyParam(p)
     }
@@ -420,7 +440,7 @@ impl ProbeManyParam {
             put(probe_entry::SCORES, &a.scores.to_le_bytes());
             put(probe_entry::THRESHOLDS, &a.thresholds.to_le_bytes());
             put(probe_entry::FLAGS, &a.flags.to_le_bytes());
-            put(probe_entry::SRC_ROWS, &a.src_rows.to_le_bytes());
+            put(probe_entry::SRC_ROWS, &src_rows_arg(a.src_rows, a.last_rows).to_le_bytes());
             put(probe_entry::DTYPE, &a.dtype.to_le_bytes());
             put(probe_entry::WIDTH, &a.width.to_le_bytes());
             put(probe_entry::OUTPUTS, &a.outputs.to_le_bytes());
@@ -456,6 +476,8 @@ pub(super) struct CaptureArgs {
     pub row_bytes: u32,
     pub src: u64,
     pub src_rows: u32,
+    /// The source holds the step's last row per request, in order ([`SRC_LAST_ROWS`]).
+    pub last_rows: bool,
     pub full_mode: bool,
 }
 
@@ -465,6 +487,8 @@ pub(super) struct CaptureArgs {
 pub(super) struct ProbeArgs {
     pub src: u64,
     pub src_rows: u32,
+    /// The source holds the step's last row per request, in order ([`SRC_LAST_ROWS`]): so do the scores.
+    pub last_rows: bool,
     pub dtype: u32,
     /// Elements per source row.
     pub width: u32,
@@ -551,7 +575,8 @@ impl Kernels {
         args: CaptureArgs,
     ) -> Result<(), CudaError> {
         let mut common = tables.args();
-        let CaptureArgs { mut hookpoint, mut dtype, mut row_bytes, mut src, mut src_rows, full_mode } = args;
+        let CaptureArgs { mut hookpoint, mut dtype, mut row_bytes, mut src, src_rows, last_rows, full_mode } = args;
+        let mut src_rows = src_rows_arg(src_rows, last_rows);
         let mut full = full_mode as u32;
         let mut params: Vec<*mut c_void> = common.iter_mut().map(|v| (v as *mut u64).cast()).collect();
         params.extend([
@@ -602,7 +627,8 @@ impl Kernels {
     pub(super) unsafe fn probe_scores(&self, stream: &StreamRef, grid: u32, args: ProbeArgs) -> Result<(), CudaError> {
         let ProbeArgs {
             mut src,
-            mut src_rows,
+            src_rows,
+            last_rows,
             mut dtype,
             mut width,
             mut weights,
@@ -617,6 +643,7 @@ impl Kernels {
             mut flags,
             mut flag_slots,
         } = args;
+        let mut src_rows = src_rows_arg(src_rows, last_rows);
         let mut params: [*mut c_void; 15] = [
             (&mut src as *mut u64).cast(),
             (&mut src_rows as *mut u32).cast(),
@@ -805,6 +832,7 @@ mod tests {
         expect("ROW_LIST", RowMode::List as u64, "");
         expect("ROW_LAST_PER_REQUEST", RowMode::LastPerRequest as u64, "");
         expect("NO_REQUEST", RowMeta::NO_REQUEST, "ull");
+        expect("SRC_LAST_ROWS", SRC_LAST_ROWS as u64, "u");
         expect("COUNTER_WORDS", COUNTER_WORDS as u64, "ull");
         for (name, w) in [
             ("PRODUCED", counter::PRODUCED),
@@ -924,11 +952,23 @@ mod tests {
 
     #[test]
     fn many_param_places_entries_as_the_kernel_reads_them() {
-        let e = CaptureEntry { src: 0x1122_3344_5566_7788, hookpoint: 7, dtype: 3, row_bytes: 4096, src_rows: 9 };
-        let p = ManyParam::new(GraphBatch::param(None, GraphRole::Off), &[e, e], true);
+        let e = CaptureEntry {
+            src: 0x1122_3344_5566_7788,
+            hookpoint: 7,
+            dtype: 3,
+            row_bytes: 4096,
+            src_rows: 9,
+            last_rows: false,
+        };
+        let last = CaptureEntry { last_rows: true, ..e };
+        let p = ManyParam::new(GraphBatch::param(None, GraphRole::Off), &[e, last], true);
         assert_eq!(&p.0[32..40], &[2, 0, 0, 0, 1, 0, 0, 0]);
         assert_eq!(&p.0[64..72], &0x1122_3344_5566_7788u64.to_le_bytes());
         assert_eq!(&p.0[72..76], &7u32.to_le_bytes());
+        let at = |i: usize| many::ENTRIES + i * entry::BYTES + entry::SRC_ROWS;
+        let rows = |i: usize| &p.0[at(i)..at(i) + 4];
+        assert_eq!(rows(0), &9u32.to_le_bytes());
+        assert_eq!(rows(1), &(9 | SRC_LAST_ROWS).to_le_bytes(), "a last-rows source is marked in its row count");
         assert_eq!(p.0.len(), 40 + 48 * 24);
     }
 }
