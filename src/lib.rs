@@ -181,6 +181,9 @@ pub enum Error {
     /// A call of the other backend (a host capture on a CUDA session, or the reverse).
     #[error("{0}")]
     Backend(&'static str),
+    /// An argument of a call is out of its range (the message names it).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// The session was shut down.
     #[error("the session is shut down; create a new session to capture again")]
     Closed,

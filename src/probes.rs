@@ -385,6 +385,13 @@ impl Probes {
         let _ = self.batches.send(rows_per_request(batch.rows()));
     }
 
+    /// The engine took `rows` rows of `request` from its prefix cache: every probe's coverage of it counts them.
+    pub fn cached(&self, request: u64, rows: u64) {
+        for m in &self.shared.monitors {
+            m.lock().cached(request, rows);
+        }
+    }
+
     /// The alerts channel.
     pub fn alerts(&self) -> Receiver<Alert> {
         self.alerts.clone()

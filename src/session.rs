@@ -17,6 +17,7 @@ use ringscope_policy::{
     AccountingSnapshot, Budget, DropReason, Event, EventKind, EventLog, LossPolicy, Mode, RungChange,
 };
 use ringscope_ring::cuda::{DevicePtr, StreamRef};
+use ringscope_ring::RowMeta;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
@@ -124,6 +125,8 @@ pub struct Session {
     metrics_addr: Option<SocketAddr>,
     /// What was lost, when and why, and rung changes: every drop counted anywhere is logged here.
     events: Arc<EventLog>,
+    /// Token rows the engine took from its prefix cache (note_cached).
+    cached_rows: AtomicU64,
     /// Writes `events` into the run directory's events table as it happens (with a file sink); `None` once shut
     /// down.
     recorder: Mutex<Option<EventRecorder>>,
@@ -351,6 +354,7 @@ impl SessionBuilder {
             metrics: Mutex::new(metrics),
             metrics_addr,
             events,
+            cached_rows: AtomicU64::new(0),
             recorder: Mutex::new(recorder),
             probes,
         })
@@ -603,6 +607,54 @@ impl Session {
             rows_lost: 0,
             detail: format!("{} -> {}: {}", change.from, change.to, change.detail),
         });
+    }
+
+    /// The engine did not compute `rows` token rows of request `request` — positions `first_position ..
+    /// first_position + rows` — because its prefix cache held them (a prompt prefix shared with an earlier request),
+    /// at step `step` (the step of the request's first computed rows). No hookpoint or probe sees such rows, so they
+    /// are made visible instead: one `cached` row in the events table (`rows_lost` = `rows`, `detail` names the
+    /// request and positions) and every probe's coverage of the request ([`Coverage::cached`]) — never read as
+    /// "safe". Also counted in [`cached_rows`](Self::cached_rows).
+    ///
+    /// [`Coverage::cached`]: crate::probe::Coverage::cached
+    pub fn note_cached(&self, step: u64, request: u64, first_position: u32, rows: u64) -> Result<(), Error> {
+        if self.capture.lock().is_none() {
+            return Err(Error::Closed);
+        }
+        if request == RowMeta::NO_REQUEST {
+            return Err(Error::InvalidArgument(format!(
+                "note_cached: request id {request} is NO_REQUEST (rows of no request), not a request"
+            )));
+        }
+        let end = first_position as u64 + rows;
+        if rows == 0 || end > u32::MAX as u64 + 1 {
+            return Err(Error::InvalidArgument(format!(
+                "note_cached: {rows} rows from position {first_position}: give 1 or more rows, ending at position 2^32 \
+                 at most"
+            )));
+        }
+        self.cached_rows.fetch_add(rows, Ordering::Relaxed);
+        if let Some(p) = &self.probes {
+            p.cached(request, rows);
+        }
+        self.events.push(Event {
+            unix_ns: unix_ns_now(),
+            hookpoint: String::new(),
+            first_step: step,
+            last_step: step,
+            kind: EventKind::Cached,
+            rung: String::new(),
+            reason: "prefix_cache".into(),
+            records_lost: 0,
+            rows_lost: rows,
+            detail: format!("request={request} positions={first_position}..{end}"),
+        });
+        Ok(())
+    }
+
+    /// Token rows the engine took from its prefix cache, over the session ([`note_cached`](Self::note_cached)).
+    pub fn cached_rows(&self) -> u64 {
+        self.cached_rows.load(Ordering::Relaxed)
     }
 
     /// Full mode with `on_deadline = "degrade"`: a step went on without room; said in the events table.

@@ -7,7 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 4 added the probes (`rs_alert_poll`,
+// The version of this C ABI, as [`rs_abi_version`] returns it: 5 added `rs_capture_device_last_rows`,
+// `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of `rs_probe_snapshot` and `cached` at the end
+// of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
 // `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
 // `rs_probe_count`, `rs_probe_stats`, their structs and constants, the status `RS_NOT_SEEN`, and `dtype` / `row_width`
 // at the end of `rs_hookpoint_snapshot`); 3 added `stalls` and `stall_ns` at the end of
@@ -16,7 +18,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 4
+#define RS_ABI_VERSION 5
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -289,6 +291,8 @@ typedef struct rs_session_snapshot {
   uint64_t stalls;
   // Full mode: nanoseconds those waits took together (ABI 3).
   uint64_t stall_ns;
+  // Token rows the engine took from its prefix cache ([`rs_note_cached`]; ABI 5).
+  uint64_t cached_rows;
 } rs_session_snapshot;
 
 // One hookpoint's numbers (see [`rs_hookpoint_stats`]). Set `struct_size` before the call.
@@ -423,6 +427,9 @@ typedef struct rs_probe_report {
   uint64_t unobserved;
   // Per output, the aggregated score so far (NaN while no row was scored, and past `outputs`).
   float scores[RS_PROBE_MAX_OUTPUTS];
+  // Rows of the request the engine did not compute because its prefix cache held them ([`rs_note_cached`]):
+  // no probe saw them — not "safe", and not in `expected` (ABI 5).
+  uint64_t cached;
 } rs_probe_report;
 
 // One probe's totals (see [`rs_probe_stats`]). Set `struct_size` before the call.
@@ -823,6 +830,18 @@ rs_status rs_probe_request(uint64_t session_handle,
                            const char *probe_name,
                            uint64_t request_id,
                            struct rs_probe_report *out);
+
+// The engine did not compute `rows` token rows of request `request_id` — positions `first_position ..
+// first_position + rows` — because its prefix cache held them (a prompt prefix shared with an earlier request);
+// `step` is the step of the request's first computed rows. Such rows are seen by no hookpoint and no probe, so this
+// makes them visible: a `cached` row in the run's events table, the `cached` count of every probe's report of the
+// request (`rs_probe_report.cached`), and the session's `cached_rows`. `RS_ERR_INVALID_ARGUMENT` for 0 rows, rows
+// past position 2^32, or the request id `2^64 - 1` (rows of no request).
+rs_status rs_note_cached(uint64_t session_handle,
+                         uint64_t step,
+                         uint64_t request_id,
+                         uint32_t first_position,
+                         uint64_t rows);
 
 // The engine has finished request `request_id`: every probe forgets it (its last report is gone: read it with
 // [`rs_probe_request`] first, after [`rs_probes_wait`] so that every row counts) and its stop flag is lowered.

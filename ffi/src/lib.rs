@@ -148,7 +148,9 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 4 added the probes (`rs_alert_poll`,
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 5 added `rs_capture_device_last_rows`,
+/// `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of `rs_probe_snapshot` and `cached` at the end
+/// of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
 /// `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
 /// `rs_probe_count`, `rs_probe_stats`, their structs and constants, the status `RS_NOT_SEEN`, and `dtype` / `row_width`
 /// at the end of `rs_hookpoint_snapshot`); 3 added `stalls` and `stall_ns` at the end of
@@ -157,7 +159,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 4;
+pub const RS_ABI_VERSION: u32 = 5;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -225,6 +227,8 @@ pub struct RsSessionSnapshot {
     pub stalls: u64,
     /// Full mode: nanoseconds those waits took together (ABI 3).
     pub stall_ns: u64,
+    /// Token rows the engine took from its prefix cache ([`rs_note_cached`]; ABI 5).
+    pub cached_rows: u64,
 }
 
 /// One hookpoint's numbers (see [`rs_hookpoint_stats`]). Set `struct_size` before the call.
@@ -397,7 +401,7 @@ impl From<Error> for Failure {
             Error::Exporter(_) | Error::Manifest { .. } => RsStatus::RsErrIo,
             Error::SinkFailed { .. } => RsStatus::RsErrSink,
             Error::Cuda(_) | Error::DeviceCapture(_) => RsStatus::RsErrCuda,
-            Error::Backend(_) => RsStatus::RsErrInvalidArgument,
+            Error::Backend(_) | Error::InvalidArgument(_) => RsStatus::RsErrInvalidArgument,
             Error::Closed => RsStatus::RsErrClosed,
             Error::NoStep | Error::StepOpen { .. } => RsStatus::RsErrStep,
             Error::Unbalanced { .. } => RsStatus::RsErrUnbalanced,
@@ -1219,6 +1223,9 @@ unsafe fn check_sized<T>(out: *mut T, oldest: usize, what: &str, c_name: &str) -
 }
 
 /// Size of `rs_session_snapshot` in ABI 2 (before `stalls`).
+/// `rs_probe_report` and `rs_probe_snapshot` as ABI 4 had them (before `cached` and `no_request_rows`).
+const PROBE_REPORT_V4: usize = std::mem::offset_of!(RsProbeReport, cached);
+const PROBE_SNAPSHOT_V4: usize = std::mem::offset_of!(RsProbeSnapshot, no_request_rows);
 const SESSION_SNAPSHOT_V2: usize = std::mem::offset_of!(RsSessionSnapshot, stalls);
 /// Size of `rs_hookpoint_snapshot` in ABI 2 (before `downcast_records`).
 const HOOKPOINT_SNAPSHOT_V2: usize = std::mem::offset_of!(RsHookPointSnapshot, downcast_records);
@@ -1235,7 +1242,8 @@ const HOOKPOINT_SNAPSHOT_V2: usize = std::mem::offset_of!(RsHookPointSnapshot, d
 pub unsafe extern "C" fn rs_session_stats(session_handle: u64, out: *mut RsSessionSnapshot) -> RsStatus {
     ffi(|| {
         out_arg(out, "out")?;
-        let st = session(session_handle)?.stats();
+        let s = session(session_handle)?;
+        let st = s.stats();
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let value = RsSessionSnapshot {
             struct_size: 0,
@@ -1262,6 +1270,7 @@ pub unsafe extern "C" fn rs_session_stats(session_handle: u64, out: *mut RsSessi
             drain_data_bytes: st.drain.data_bytes,
             stalls: st.stalls,
             stall_ns: nanos(st.stall_time),
+            cached_rows: s.cached_rows(),
         };
         // SAFETY: per the contract.
         unsafe { write_sized(out, value, SESSION_SNAPSHOT_V2, "out", "rs_session_snapshot") }
@@ -1684,6 +1693,9 @@ pub struct RsProbeReport {
     pub unobserved: u64,
     /// Per output, the aggregated score so far (NaN while no row was scored, and past `outputs`).
     pub scores: [f32; RS_PROBE_MAX_OUTPUTS],
+    /// Rows of the request the engine did not compute because its prefix cache held them ([`rs_note_cached`]):
+    /// no probe saw them — not "safe", and not in `expected` (ABI 5).
+    pub cached: u64,
 }
 
 impl Default for RsProbeReport {
@@ -1699,6 +1711,7 @@ impl Default for RsProbeReport {
             expected: 0,
             unobserved: 0,
             scores: [f32::NAN; RS_PROBE_MAX_OUTPUTS],
+            cached: 0,
         }
     }
 }
@@ -1964,6 +1977,7 @@ fn report_value(r: &RequestReport) -> RsProbeReport {
         expected: r.coverage.expected,
         unobserved: r.coverage.unobserved,
         scores,
+        cached: r.coverage.cached,
     }
 }
 
@@ -1985,7 +1999,7 @@ pub unsafe extern "C" fn rs_probe_request(
 ) -> RsStatus {
     ffi(|| {
         // SAFETY: per the contract.
-        unsafe { check_sized(out, size_of::<RsProbeReport>(), "out", "rs_probe_report") }?;
+        unsafe { check_sized(out, PROBE_REPORT_V4, "out", "rs_probe_report") }?;
         let s = session(session_handle)?;
         // SAFETY: per the contract.
         let name = unsafe { str_arg(probe_name, "probe_name") }?;
@@ -2002,7 +2016,7 @@ pub unsafe extern "C" fn rs_probe_request(
             None => (RsProbeReport { request_id, ..RsProbeReport::default() }, false),
         };
         // SAFETY: per the contract.
-        unsafe { write_sized(out, value, size_of::<RsProbeReport>(), "out", "rs_probe_report") }?;
+        unsafe { write_sized(out, value, PROBE_REPORT_V4, "out", "rs_probe_report") }?;
         if !seen {
             return Err(Failure(
                 RsStatus::RsNotSeen,
@@ -2014,6 +2028,23 @@ pub unsafe extern "C" fn rs_probe_request(
         }
         Ok(())
     })
+}
+
+/// The engine did not compute `rows` token rows of request `request_id` — positions `first_position ..
+/// first_position + rows` — because its prefix cache held them (a prompt prefix shared with an earlier request);
+/// `step` is the step of the request's first computed rows. Such rows are seen by no hookpoint and no probe, so this
+/// makes them visible: a `cached` row in the run's events table, the `cached` count of every probe's report of the
+/// request (`rs_probe_report.cached`), and the session's `cached_rows`. `RS_ERR_INVALID_ARGUMENT` for 0 rows, rows
+/// past position 2^32, or the request id `2^64 - 1` (rows of no request).
+#[no_mangle]
+pub extern "C" fn rs_note_cached(
+    session_handle: u64,
+    step: u64,
+    request_id: u64,
+    first_position: u32,
+    rows: u64,
+) -> RsStatus {
+    ffi(|| Ok(session(session_handle)?.note_cached(step, request_id, first_position, rows)?))
 }
 
 /// The engine has finished request `request_id`: every probe forgets it (its last report is gone: read it with
@@ -2136,7 +2167,7 @@ pub unsafe extern "C" fn rs_probe_stats(
 ) -> RsStatus {
     ffi(|| {
         // SAFETY: per the contract.
-        unsafe { check_sized(out, size_of::<RsProbeSnapshot>(), "out", "rs_probe_snapshot") }?;
+        unsafe { check_sized(out, PROBE_SNAPSHOT_V4, "out", "rs_probe_snapshot") }?;
         let all = match session_or_closed(session_handle)? {
             Probed::Open(s) => probe_stats(&s),
             Probed::Closed(c) => c.probes.as_ref().map_or_else(Vec::new, |p| p.stats.clone()),
@@ -2145,7 +2176,7 @@ pub unsafe extern "C" fn rs_probe_stats(
             return Err(invalid(format!("no probe {index}: the session has {}", all.len())));
         };
         // SAFETY: per the contract.
-        unsafe { write_sized(out, *value, size_of::<RsProbeSnapshot>(), "out", "rs_probe_snapshot") }?;
+        unsafe { write_sized(out, *value, PROBE_SNAPSHOT_V4, "out", "rs_probe_snapshot") }?;
         // SAFETY: per the contract.
         unsafe { write_c_string(probe, name, name_cap, "name") }
     })

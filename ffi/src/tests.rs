@@ -929,7 +929,7 @@ fn probe_structs_have_no_padding_and_names_are_cut_at_a_character_boundary() {
     assert_eq!(RS_PROBE_MAX_OUTPUTS, ringscope_api::probe::MAX_OUTPUTS);
     // Every byte of the structs is a field (the library copies them whole; padding would be uninitialised bytes).
     assert_eq!(size_of::<RsAlert>(), 4 * 4 + 2 * 8 + 6 * 4 + 2 * RS_PROBE_NAME_LEN);
-    assert_eq!(size_of::<RsProbeReport>(), 2 * 4 + 7 * 8 + 4 * RS_PROBE_MAX_OUTPUTS);
+    assert_eq!(size_of::<RsProbeReport>(), 2 * 4 + 8 * 8 + 4 * RS_PROBE_MAX_OUTPUTS);
     assert_eq!(size_of::<RsProbeSnapshot>(), 6 * 4 + 5 * 8);
     let (short, len) = fixed_text::<8>("abc");
     assert_eq!((text(&short), len), ("abc".into(), 3));

@@ -28,6 +28,9 @@ pub enum EventKind {
     Rung,
     /// Capture waited (full mode) for the drain.
     Stall,
+    /// Rows of a request the engine did not compute because its prefix cache held them (`rows_lost` rows at
+    /// positions from the event's `detail`): no hookpoint or probe ever saw them. Not a drop: no record was lost.
+    Cached,
 }
 
 impl EventKind {
@@ -37,6 +40,7 @@ impl EventKind {
             EventKind::Drop => "drop",
             EventKind::Rung => "rung",
             EventKind::Stall => "stall",
+            EventKind::Cached => "cached",
         }
     }
 }

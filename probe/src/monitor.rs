@@ -57,6 +57,9 @@ pub struct Coverage {
     pub expected: u64,
     /// Rows of the request the probe did not see: sampled out, dropped, cut by a policy rung, not selected.
     pub unobserved: u64,
+    /// Rows of the request the engine did not compute because its prefix cache held them (a prompt prefix shared
+    /// with an earlier request): never seen by any probe — not "safe", unobserved, and not in `expected`.
+    pub cached: u64,
 }
 
 /// A request as one probe saw it.
@@ -81,6 +84,7 @@ struct RequestState {
     rows: u64,
     nan: u64,
     expected: u64,
+    cached: u64,
     positions: Option<(u32, u32)>,
     last_step: Option<u64>,
     /// Per output: scores aggregated (non-NaN tokens only).
@@ -98,6 +102,7 @@ impl RequestState {
             rows: 0,
             nan: 0,
             expected: 0,
+            cached: 0,
             positions: None,
             last_step: None,
             count: vec![0; k],
@@ -117,6 +122,7 @@ impl RequestState {
             nan: self.nan,
             expected: self.expected,
             unobserved: expected.saturating_sub(self.rows),
+            cached: self.cached,
         }
     }
 }
@@ -199,6 +205,15 @@ impl Monitor {
             return; // rows of no request (ended sequences in a graph step): nobody's coverage
         }
         self.state(request).expected += rows;
+    }
+
+    /// The engine took `rows` rows of `request` from its prefix cache instead of computing them: counted in the
+    /// request's [`Coverage::cached`] (rows of no request are ignored).
+    pub fn cached(&mut self, request: u64, rows: u64) {
+        if request == RowMeta::NO_REQUEST {
+            return;
+        }
+        self.state(request).cached += rows;
     }
 
     /// One scored row: aggregates its `K` scores into its request and pushes the alerts it raises onto `alerts`.
@@ -432,6 +447,21 @@ mod tests {
         let c = m.finish(4).unwrap().coverage;
         assert_eq!((c.scored, c.expected, c.unobserved), (3, 0, 3));
         assert!(m.request(4).is_none());
+    }
+
+    #[test]
+    fn rows_taken_from_the_prefix_cache_are_counted_apart_from_what_the_engine_ran() {
+        let mut m = monitor(Aggregation::Max, 10.0);
+        m.cached(5, 96);
+        m.expect(5, 6);
+        let mut alerts = Vec::new();
+        for pos in 96..102u32 {
+            m.observe(0, RowMeta { request_id: 5, position: pos, batch_row: 0 }, &[0.0], &mut alerts);
+        }
+        let c = m.request(5).unwrap().coverage;
+        assert_eq!((c.scored, c.expected, c.unobserved, c.cached), (6, 6, 0, 96));
+        m.cached(RowMeta::NO_REQUEST, 3);
+        assert!(m.request(RowMeta::NO_REQUEST).is_none());
     }
 
     #[test]

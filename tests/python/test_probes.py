@@ -118,7 +118,8 @@ def test_planted_direction_scores_equal_numpy_and_alerts_fire_exactly_for_the_pl
             assert report is not None and report["request_id"] == r
             assert close_to(report["scores"], want).all(), (probe, r, report["scores"], want)
             assert report["alerted"] == [is_planted(r), False], (probe, r)
-            assert report["coverage"] == {"scored": TOKENS, "nan": 0, "expected": TOKENS, "unobserved": 0}
+            assert report["coverage"] == {"scored": TOKENS, "nan": 0, "expected": TOKENS, "unobserved": 0,
+                                          "cached": 0}
             assert report["last_step"] == DECODE
         means.append(s.probe_request("deception", r)["scores"][0])
     assert auroc(means, [is_planted(r) for r in range(REQUESTS)]) >= 0.99
@@ -223,6 +224,42 @@ def test_rows_of_no_request_are_exported_marked_and_never_scored_flagged_or_aler
     s.close()
     rows = [(int(r.request_id[k]), int(r.position[k])) for r in sub if r.hookpoint == hp for k in range(len(r.rows))]
     assert sorted(rows) == sorted([(63, 0), (63, 1), (no_request, 0), (no_request, 0)]), rows
+
+
+def test_rows_from_the_prefix_cache_are_counted_in_coverage_and_the_events_table(tmp_path):
+    """Issue 29: an engine that takes a request's first 96 prompt rows from its prefix cache computes (and ringscope
+    sees) only the rest: `note_cached` makes the 96 visible — `coverage["cached"]` of every probe, a `cached` row in
+    the events table naming the request and positions, the session's `cached_rows` — never read as "safe"."""
+    w, b = probe_weights()
+    config = {
+        "policy": {"mode": "full"},
+        "export": {"parquet": True, "dir": str(tmp_path), "run_id": "cached"},
+        "hookpoints": [{"name": HP, "site": "residual", "layer": 3, "dtype": "f32", "row_width": D}],
+        "probes": [{"name": "p", **ringscope.save_probe(tmp_path / "p.npy", w, b), "hookpoint": HP,
+                    "thresholds": [100.0, 100.0]}],
+    }
+    s = ringscope.Session(config)
+    hp = s.hookpoint_id(HP)
+    s.note_cached(0, 5, 0, 96)
+    s.begin_step(0, [5] * 4 + [6] * 2, [96, 97, 98, 99, 0, 1])
+    s.capture(hp, np.stack([token(5, p) for p in range(4)] + [token(6, p) for p in range(2)]))
+    s.end_step()
+    s.wait_probes(30)
+    assert s.probe_request("p", 5)["coverage"] == {"scored": 4, "nan": 0, "expected": 4, "unobserved": 0,
+                                                   "cached": 96}
+    assert s.probe_request("p", 6)["coverage"]["cached"] == 0
+    assert s.stats_all()["cached_rows"] == 96
+    for args, what in (((0, 5, 0, 0), "0 rows"), ((0, 2**64 - 1, 0, 3), "NO_REQUEST"),
+                       ((0, 5, 2**32 - 1, 2), "ending at position")):
+        with pytest.raises(RingscopeError, match=what) as e:
+            s.note_cached(*args)
+        assert e.value.status == "RS_ERR_INVALID_ARGUMENT"
+    s.close()
+    events = [e for e in ringscope.read_events(tmp_path / "cached") if e["kind"] == "cached"]
+    assert [(e["hookpoint"], e["first_step"], e["reason"], e["records_lost"], e["rows_lost"], e["detail"])
+            for e in events] == [("", 0, "prefix_cache", 0, 96, "request=5 positions=0..96")]
+    with pytest.raises(RingscopeError):
+        s.note_cached(1, 5, 0, 1)  # closed
 
 
 def test_a_probe_stops_exactly_the_flagged_row_of_hugging_face_generate(tmp_path):

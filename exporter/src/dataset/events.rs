@@ -127,7 +127,8 @@ fn read_events_file(path: &Path, out: &mut Vec<Event>) -> Result<(), FormatError
                 "drop" => EventKind::Drop,
                 "rung" => EventKind::Rung,
                 "stall" => EventKind::Stall,
-                other => return Err(not("kind", &format!("drop, rung or stall (found `{other}`)"))),
+                "cached" => EventKind::Cached,
+                other => return Err(not("kind", &format!("drop, rung, stall or cached (found `{other}`)"))),
             };
             out.push(Event {
                 unix_ns: unix_ns.value(i),

@@ -297,7 +297,7 @@ class _SessionSnapshot(ctypes.Structure):
         "struct_size", "mode", "backend", "hookpoints", "destinations", "reserved")] + [(n, ctypes.c_uint64) for n in (
         "unix_ns", "uptime_ns", "steps", "last_step", "step_time_ns", "step_interval_ns", "ring_capacity_bytes",
         "ring_used_bytes", "ring_held_bytes", "drain_records", "drain_rows", "drain_bytes", "drain_data_bytes",
-        "stalls", "stall_ns")]
+        "stalls", "stall_ns", "cached_rows")]
 
 
 _RUNG_LEN = 32
@@ -337,7 +337,7 @@ class _Alert(ctypes.Structure):
 class _ProbeReport(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("outputs", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
         "request_id", "alerted", "last_step", "scored", "nan", "expected", "unobserved")] + [
-        ("scores", ctypes.c_float * PROBE_MAX_OUTPUTS)]
+        ("scores", ctypes.c_float * PROBE_MAX_OUTPUTS), ("cached", ctypes.c_uint64)]
 
 
 class _ProbeSnapshot(ctypes.Structure):
@@ -451,6 +451,7 @@ def _load():
         "rs_alerts_dropped": ([u64, p(u64)], i32),
         "rs_probe_request": ([u64, cp, u64, p(_ProbeReport)], i32),
         "rs_request_finish": ([u64, u64], i32),
+        "rs_note_cached": ([u64, u64, u64, u32, u64], i32),
         "rs_is_flagged": ([u64, u64, p(ctypes.c_bool)], i32),
         "rs_probe_flags": ([u64, p(p(u64)), p(sz)], i32),
         "rs_probes_wait": ([u64, u32], i32),
@@ -752,7 +753,8 @@ class Session:
         ``failed``) and ``hookpoints`` (a list of dicts: ``id``, ``name``, ``row_bytes``, ``counters`` as
         :meth:`stats` returns them, ``produced_bytes``, ``published_bytes``, ``exported_bytes``, ``rung`` — the user's
         controls and the policy manager's rung together —, ``downcast_records`` and ``downcast_rows``), and ``stalls``
-        / ``stall_time_s`` (full mode's waits for room).
+        / ``stall_time_s`` (full mode's waits for room), and ``cached_rows`` (token rows the engine took from its
+        prefix cache, :meth:`note_cached`).
 
         Counters are cumulative: difference two calls for rates. Cheap enough to call every step; no device call
         (CUDA backend: the device-counted hookpoint counters are those of the last :meth:`stats` or :meth:`flush`).
@@ -798,7 +800,7 @@ class Session:
                      "held_bytes": st.ring_held_bytes},
             "drain": {"records": st.drain_records, "rows": st.drain_rows, "bytes": st.drain_bytes,
                       "data_bytes": st.drain_data_bytes},
-            "stalls": st.stalls, "stall_time_s": st.stall_ns / 1e9,
+            "stalls": st.stalls, "stall_time_s": st.stall_ns / 1e9, "cached_rows": st.cached_rows,
             "destinations": destinations,
             "hookpoints": hookpoints,
         }
@@ -925,7 +927,8 @@ class Session:
         ``scores`` (the aggregated score per output; NaN while no row was scored), ``alerted`` (per output),
         ``coverage`` (``scored``: rows scored; ``nan``: of those, rows with a NaN score; ``expected``: rows the engine
         ran for it, per its step batches; ``unobserved``: rows the probe never saw — sampled out, dropped, not
-        selected: never read them as safe) and ``last_step`` (None when no row was scored). Probes score on their
+        selected: never read them as safe; ``cached``: rows the engine took from its prefix cache and never computed,
+        see :meth:`note_cached` — not seen either) and ``last_step`` (None when no row was scored). Probes score on their
         own thread: call :meth:`wait_probes` first to count every row captured so far. ``RS_ERR_INVALID_ARGUMENT``
         names an unknown probe; ``RS_ERR_CONFIG``: the session has no probes."""
         name = _text("probe", probe)
@@ -939,9 +942,19 @@ class Session:
         return {
             "probe": probe, "request_id": r.request_id, "scores": [float(v) for v in r.scores[:k]],
             "alerted": [bool(r.alerted >> j & 1) for j in range(k)],
-            "coverage": {"scored": r.scored, "nan": r.nan, "expected": r.expected, "unobserved": r.unobserved},
+            "coverage": {"scored": r.scored, "nan": r.nan, "expected": r.expected, "unobserved": r.unobserved,
+                         "cached": r.cached},
             "last_step": r.last_step if r.scored else None,
         }
+
+    def note_cached(self, step: int, request_id: int, first_position: int, rows: int) -> None:
+        """The engine did not compute ``rows`` token rows of request ``request_id`` (positions ``first_position`` ..
+        ``first_position + rows - 1``) because its prefix cache held them; ``step`` is the step of the request's first
+        computed rows. No hookpoint or probe sees such rows: this records them — a ``cached`` row in the run's
+        events table (:func:`read_events`), ``coverage["cached"]`` of every probe's report on the request, and the
+        session.s ``cached_rows`` (:meth:`stats_all`) — so that a prefix-cache hit is never read as "safe"."""
+        _check(_load().rs_note_cached(self._h, _u64("step", step), _u64("request_id", request_id),
+                                      _u32("first_position", first_position), _u64("rows", rows)))
 
     def finish_request(self, request_id: int) -> dict:
         """The engine has finished request ``request_id``: returns each probe's last report on it (``{probe name:
