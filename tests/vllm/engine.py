@@ -65,6 +65,8 @@ def run(out, mode, scenario, result):
     make_model(model_dir)
     if TP:
         return run_tp(model_dir, mode, result)
+    if scenario == "prefix":
+        return run_prefix(model_dir, mode, result)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=128,
               max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True, enforce_eager=(mode == "eager"),
               distributed_executor_backend=None if MULTIPROCESS else "uni", seed=0)
@@ -113,6 +115,44 @@ def run(out, mode, scenario, result):
         mod = sys.modules.get("ringscope")
         result["ringscope_imported"] = mod is not None
         result["ringscope_library_loaded"] = mod is not None and mod._lib is not None
+
+
+def run_prefix(model_dir, mode, result):
+    """Prefix caching (vLLM's default) with 32-token blocks: a first request of 70 tokens, then three at once — one
+    sharing its first 64 tokens, one its first 40 (one whole block: 32 cached), one sharing nothing. The plugin's
+    probe reports on every request are read before the session closes."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=256, block_size=32,
+              enable_prefix_caching=True, max_num_seqs=3, max_num_batched_tokens=64, enable_chunked_prefill=True,
+              enforce_eager=(mode == "eager"), distributed_executor_backend="uni", seed=0)
+    base = [(11 * i) % 500 + 1 for i in range(70)]
+    calls = [[base], [base[:64] + [(13 * i) % 500 + 2 for i in range(6)], base[:40] + [(17 * i) % 500 + 3 for i in
+                                                                                       range(14)],
+                      [(19 * i) % 500 + 4 for i in range(20)]]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    result["requests"] = []
+    for prompts in calls:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        result["requests"] += [{"vllm_request_id": o.request_id, "prompt": list(o.prompt_token_ids),
+                                "tokens": list(o.outputs[0].token_ids), "extra_args": None,
+                                "num_cached_tokens": o.num_cached_tokens} for o in outs]
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    result["plugin_installed"] = getattr(runner, "_ringscope", None) is not None
+    if result["plugin_installed"]:
+        import ringscope.vllm as rv
+        from ringscope.vllm import external_id
+
+        cap = runner._ringscope
+        result["run_dir"] = str(cap.run_dir)
+        result["hookpoints"] = cap.hookpoints
+        cap.session.wait_probes(30)
+        result["coverage"] = {}
+        for r in result["requests"]:
+            (rid,) = [v[0] for k, v in cap._ids.items() if external_id(k) == r["vllm_request_id"]]
+            rep = cap.session.probe_request("p", rid)
+            result["coverage"][r["vllm_request_id"]] = None if rep is None else rep["coverage"]
+        result["closed"] = rv.close_all()
 
 
 def run_tp(model_dir, mode, result):

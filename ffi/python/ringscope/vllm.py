@@ -50,6 +50,12 @@ what ``RequestOutput.request_id`` says), and a summary with the plugin's counter
 With ``ranks`` other than ``[0]`` every capturing rank writes its own: tensor-parallel rank 0 the files above, rank
 ``R > 0`` ``requests.rank=R.jsonl`` and ``summary.rank=R.json`` (as the library names the ranks' manifests).
 
+Prefix caching (on by default in vLLM): a request whose first tokens were in vLLM's prefix cache starts its first
+forward pass past position 0; those tokens are computed by no forward pass, so no hookpoint or probe sees them. The
+plugin records them (:meth:`ringscope.Session.note_cached`): a ``cached`` row in the run's events table (request and
+positions), ``coverage["cached"]`` of every probe's report on the request, and the counters ``cached_requests`` /
+``cached_rows`` — an interior-token monitor is never silently blind on shared prefixes.
+
 Errors while serving never take the engine down: the plugin logs the error, disables capture for the rest of the
 run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows`` in
 :meth:`VllmCapture.counters` and in the summary).
@@ -393,7 +399,8 @@ class VllmCapture:
         self.step = 0  # the number of this runner's forward passes of real batches so far (the ringscope step)
         self.disabled: Optional[str] = None
         self._counters = {"steps": 0, "steps_captured": 0, "rows_exported_requested": 0, "padding_rows": 0,
-                          "opted_out_rows": 0, "lost_steps": 0, "lost_rows": 0, "bad_extra_args": 0}
+                          "opted_out_rows": 0, "lost_steps": 0, "lost_rows": 0, "bad_extra_args": 0,
+                          "cached_requests": 0, "cached_rows": 0}
         self._active = False
         self._open = False
         self._sel = None  # indices of the exported rows of the open step (None: all)
@@ -559,9 +566,15 @@ class VllmCapture:
             n = int(qsl[-1])
             padded = int(positions.shape[-1]) if positions is not None else n
             ids = np.empty(num_reqs, dtype=np.int64)
+            computed = runner.input_batch.num_computed_tokens_cpu
             for k, r in enumerate(req_ids):
+                new = r not in self._ids
                 rid, opted = self._request(r, runner.requests.get(r))
                 ids[k] = rid if opted else -1
+                if new and opted and int(computed[k]) > 0:
+                    # A request's first forward pass starts past position 0 only when vLLM's prefix cache held its
+                    # first tokens: rows nobody computes, recorded as such (events table, probes' coverage).
+                    self._note_cached(rid, int(computed[k]))
             if len(self._ids) > 2 * max(num_reqs, 1024):
                 # Forget finished requests (the runner drops them from runner.requests; preempted ones stay there), so
                 # that a long-serving engine's map stays as large as its live requests.
@@ -579,6 +592,11 @@ class VllmCapture:
             self._active = True
         except Exception as e:  # never take the engine down
             self._fail(e, "preparing the step")
+
+    def _note_cached(self, rid: int, rows: int) -> None:
+        self.session.note_cached(self.step, rid, 0, rows)
+        self._counters["cached_requests"] += 1
+        self._counters["cached_rows"] += rows
 
     def _finish(self) -> None:
         if self._open:  # a forward pass that raised between begin and end
@@ -652,7 +670,9 @@ class VllmCapture:
     def counters(self) -> dict:
         """The plugin's own counters: ``steps`` (forward passes of real batches), ``steps_captured``, ``padding_rows``
         and ``opted_out_rows`` (token rows never given to ringscope), ``lost_steps`` / ``lost_rows`` (not captured
-        because of a plugin error: rows × hookpoints), ``bad_extra_args``; and ``disabled`` (the error, or None)."""
+        because of a plugin error: rows × hookpoints), ``bad_extra_args``, ``cached_requests`` / ``cached_rows``
+        (requests whose first tokens came from vLLM's prefix cache, and those tokens: never computed, so never
+        captured — see :meth:`ringscope.Session.note_cached`); and ``disabled`` (the error, or None)."""
         return {**self._counters, "disabled": self.disabled}
 
     def close(self) -> dict:

@@ -1,0 +1,62 @@
+"""vLLM's prefix caching made visible (issue 29): requests whose first tokens came from the prefix cache are never
+computed there, so ringscope sees only their other rows — and records the cached ones: the plugin's counters, a
+`cached` row per such request in the events table, and `coverage["cached"]` of the probe's report on it."""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import CONFIG, reference, request_ids
+
+PREFIX_CONFIG = CONFIG + """
+[[probes]]
+name = "p"
+hookpoint = "layers.1.resid"
+weights = "{{weights}}"
+thresholds = [1e30]
+"""
+
+
+@pytest.fixture(scope="module")
+def prefix(engines, tmp_path_factory):
+    import ringscope
+
+    d = tmp_path_factory.mktemp("probe")
+    w = np.random.default_rng(3).standard_normal((1, 128)).astype(np.float32)
+    probe = ringscope.save_probe(d / "p.npy", w)
+    return engines("prefix", "eager", "prefix", config=PREFIX_CONFIG.replace("{{weights}}", probe["weights"]))
+
+
+def test_cached_rows_are_counted_never_captured_and_the_rest_is_exact(prefix):
+    import ringscope
+
+    assert prefix.get("error") is None, prefix.get("traceback")
+    reqs = prefix["requests"]
+    cached = [r["num_cached_tokens"] for r in reqs]
+    # 32-token blocks: the second request shares 64 tokens (two blocks), the third 40 (one whole block).
+    assert cached == [0, 64, 32, 0], cached
+    rid = request_ids(prefix)
+    (closed,) = prefix["closed"]
+    assert (closed["plugin"]["cached_requests"], closed["plugin"]["cached_rows"]) == (2, 96)
+    dump = ringscope.read_dump(prefix["run_dir"])
+    seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
+    ref = reference(pathlib.Path(prefix["out"]) / "model", seqs)
+    for name, cols in dump.items():
+        req, pos, act = cols["request_id"], cols["position"], cols["activation"]
+        for k, r in enumerate(reqs):
+            rows = req == rid[k]
+            # Exactly the positions the engine computed: from the first uncached one to the last fed token.
+            assert sorted(pos[rows].tolist()) == list(range(cached[k], len(seqs[k]))), (name, k)
+            order = np.argsort(pos[rows])
+            a, b = act[rows][order], ref[(k, name)][cached[k]:]
+            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+            assert err.max() < 1e-4, (name, k, err.max())
+    # The events table names each cached span; the probe's coverage counts it (not as scored, not as expected).
+    events = [e for e in ringscope.read_events(prefix["run_dir"]) if e["kind"] == "cached"]
+    assert sorted((e["detail"], e["rows_lost"], e["reason"]) for e in events) == sorted(
+        (f"request={rid[k]} positions=0..{c}", c, "prefix_cache") for k, c in enumerate(cached) if c)
+    for k, r in enumerate(reqs):
+        cov = prefix["coverage"][r["vllm_request_id"]]
+        assert cov["cached"] == cached[k], (k, cov)
+        assert cov["scored"] == cov["expected"] == len(seqs[k]) - cached[k], (k, cov)
