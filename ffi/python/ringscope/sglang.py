@@ -1,0 +1,509 @@
+"""ringscope as an SGLang plugin: captures decoder-layer activations of a serving SGLang engine into a ringscope
+session, and makes its prefix cache (RadixAttention) visible in the dataset and the probes' coverage.
+
+Enable it by pointing ``RINGSCOPE_SGLANG_CONFIG`` at a ringscope TOML file (the same configuration as every other
+path: ``[ring]``, ``[policy]``, ``[export]``, ``[[hookpoints]]``, ``[[probes]]`` ...) that may hold an ``[sglang]``
+table::
+
+    [export]
+    parquet = true
+    dir = "ringscope-out"
+
+    [sglang]
+    sites = ["residual"]          # residual | attention_output | mlp_output
+    layers = "all"                # or a list of decoder layer indices
+    requests = "all"              # or "opt_in": only requests with sampling_params
+                                  #   {"custom_params": {"ringscope": True}}
+
+The plugin is an ``sglang.srt.plugins`` entry point (``ringscope = "ringscope.sglang:register"``), which SGLang calls
+with no arguments in every process it starts. Without ``RINGSCOPE_SGLANG_CONFIG`` it does nothing (SGLang runs
+unchanged, no ringscope session); ``RINGSCOPE_SGLANG_DISABLE=1`` turns it off even when configured.
+
+How it hooks SGLang (0.5.23; the model lives in the scheduler process): :func:`register` wraps
+
+- ``ModelRunner.load_model``: once the model is loaded (before any graph is captured or compiled), the plugin checks
+  the model and the capture set — an unsupported architecture, tensor parallelism, a layer that does not exist or a
+  bad ``[sglang]`` table fail the engine's start with an error naming what is supported —, opens the ringscope session
+  and adds hooks to the chosen decoder layers;
+- ``ModelRunner.forward``: before each forward pass, the request id of every token row (``ForwardBatch.rids`` and
+  the rows each request has in the pass: its new prompt tokens at an extend, one at a decode), written into a buffer
+  the capture ops read; rows of requests that did not opt in are ``-1`` (never exported). A request's first extend
+  that starts past position 0 starts after its prefix-cache hit: those tokens are computed by no forward pass, so the
+  plugin records them (:meth:`ringscope.Session.note_cached`: a ``cached`` row in the run's events table,
+  ``coverage["cached"]`` of every probe's report on the request, the counters ``cached_requests`` / ``cached_rows``);
+- ``ForwardBatch.init_new``: keeps the batch's requests next to it, for their ``custom_params`` (opt-in, ids);
+- ``Scheduler.ringscope_close`` (added) and ``Engine.shutdown``: SGLang ends its scheduler process with SIGKILL, so
+  the plugin closes the session first (``Engine.shutdown`` calls ``collective_rpc("ringscope_close")``): its files
+  and manifest are complete when ``shutdown()`` returns.
+
+The hooks call the same custom ops as the vLLM plugin (``ringscope_engine::begin``, ``::capture``, ``::end``); the
+residual stream after layer ``i`` (``layers.{i}.resid``, HF's ``output_hidden_states[i + 1]``) is SGLang's residual
+stream snapshot after the layer (the layer returns only its contribution; SGLang keeps the running residual in the
+forward batch). Hookpoints are named as :func:`ringscope.torch.attach` names them.
+
+Request ids: SGLang's are strings. A request's id is ``custom_params["ringscope"]["request_id"]`` when given
+(0..2**63-1), else a 63-bit hash of its SGLang ``rid`` (:func:`request_id_of`; ``meta_info["id"]`` of its output).
+Every captured request is written once to ``<run dir>/_ringscope_sglang/requests.jsonl`` (``{"request_id",
+"sglang_rid", "explicit", "first_step"}``; a request a probe stopped once more with ``stopped_after_step``), and at
+close a summary with the plugin's counters to ``summary.json`` there and, with probes, every probe's last report on
+every captured request to ``probe_reports.jsonl`` (scores, alerts, coverage with its ``cached`` rows).
+
+Probes with ``action = "stop"``: after each forward pass the plugin waits (up to 10 s) for the probes to score its
+rows, and a request whose stop flag is up is finished there (SGLang keeps the token just generated; the output's
+``finish_reason`` is ``{"type": "stop", "ringscope": {"request_id", "step"}}``). A request recomputed after SGLang retracted it (KV cache full) keeps its id: its recomputed rows appear again.
+
+Errors while serving never take the engine down: the plugin logs the error, disables capture for the rest of the
+run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows``). Forward passes of
+other modes (speculative decoding's draft and verify passes) capture nothing and are counted (``skipped_steps``).
+
+CPU only for now (verified with SGLang 0.5.23 on CPU, eager); on a CUDA device the plugin refuses to load.
+"""
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Dict, List
+
+from . import RingscopeError
+from . import _engine
+from ._engine import EngineCapture, PluginConfig, first as _first, request_id_of, truthy as _truthy
+
+__all__ = ["register", "close_all", "captures", "request_id_of", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SGLANG",
+           "ENV_CONFIG", "ENV_DISABLE"]
+
+logger = logging.getLogger("ringscope.sglang")
+
+ENV_CONFIG = "RINGSCOPE_SGLANG_CONFIG"
+ENV_DISABLE = "RINGSCOPE_SGLANG_DISABLE"
+#: SGLang versions the plugin's hooks were written and tested against (its internals move between releases).
+SUPPORTED_SGLANG = ("0.5.23",)
+#: Model classes whose decoder layers are ``layer(positions, hidden_states, forward_batch)`` with ``self_attn`` and
+#: ``mlp`` submodules and a plain residual stream (tested: Llama).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SIDE_DIR = "_ringscope_sglang"
+
+_lock = threading.Lock()
+_registered = False
+_LIVE: List["SglangCapture"] = []  # strong references until close_all (atexit) or ringscope_close
+
+
+def enabled() -> bool:
+    """Whether the plugin is configured (``RINGSCOPE_SGLANG_CONFIG``) and not switched off
+    (``RINGSCOPE_SGLANG_DISABLE``)."""
+    return bool(os.environ.get(ENV_CONFIG)) and not _truthy(ENV_DISABLE)
+
+
+def load_config(path: "str | os.PathLike") -> PluginConfig:
+    """Reads and checks a plugin configuration file (a ringscope TOML file with an optional ``[sglang]`` table)."""
+    return _engine.load_config(path, "sglang", ENV_CONFIG)
+
+
+def parse_config(cfg: dict, source: str = "<dict>", base=None) -> PluginConfig:
+    return _engine.parse_config(cfg, "sglang", source, base)
+
+
+# -- registration --------------------------------------------------------------------------------------------------
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point. Idempotent; does nothing unless :func:`enabled`. Checks the SGLang
+    version and the configuration file (a bad one fails the engine's start, with the file named) and wraps what the
+    module docs list."""
+    global _registered
+    if not enabled():
+        if os.environ.get(ENV_CONFIG) and _truthy(ENV_DISABLE):
+            logger.info("ringscope: %s is set: capture is off", ENV_DISABLE)
+        return
+    with _lock:
+        if _registered:
+            return
+        import sglang
+
+        version = getattr(sglang, "__version__", "?")
+        if version not in SUPPORTED_SGLANG:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.sglang supports SGLang {', '.join(SUPPORTED_SGLANG)}; this is SGLang "
+                                 f"{version} (unset {ENV_CONFIG} to run without ringscope)")
+        load_config(os.environ[ENV_CONFIG])  # fail early on a bad file
+        _patch()
+        _registered = True
+        logger.info("ringscope: SGLang plugin registered (config %s)", os.environ[ENV_CONFIG])
+
+
+def _wrapped(fn, wrapper):
+    wrapper._ringscope = True
+    wrapper.__wrapped__ = fn
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    return wrapper
+
+
+def _patch() -> None:
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    load_model = ModelRunner.__dict__["load_model"]
+    if not getattr(load_model, "_ringscope", False):
+        def wrapped_load_model(self, *args, **kwargs):
+            out = load_model(self, *args, **kwargs)
+            if enabled() and getattr(self, "_ringscope", None) is None:
+                # Errors here (bad capture set, unsupported model) fail the engine's start, as they should.
+                self._ringscope = SglangCapture.install(self, load_config(os.environ[ENV_CONFIG]))
+            return out
+        ModelRunner.load_model = _wrapped(load_model, wrapped_load_model)
+
+    forward = ModelRunner.__dict__["forward"]
+    if not getattr(forward, "_ringscope", False):
+        def wrapped_forward(self, forward_batch, *args, **kwargs):
+            cap = getattr(self, "_ringscope", None)
+            if not cap:
+                return forward(self, forward_batch, *args, **kwargs)
+            cap._prepare(forward_batch)
+            try:
+                return forward(self, forward_batch, *args, **kwargs)
+            finally:
+                cap._finish()
+        ModelRunner.forward = _wrapped(forward, wrapped_forward)
+
+    init_new = ForwardBatch.__dict__["init_new"].__func__
+    if not getattr(init_new, "_ringscope", False):
+        def wrapped_init_new(cls, batch, model_runner, *args, **kwargs):
+            fb = init_new(cls, batch, model_runner, *args, **kwargs)
+            if getattr(model_runner, "_ringscope", None):
+                # The requests of the batch, for their custom_params (the forward batch keeps only their ids).
+                fb._ringscope_reqs = getattr(batch, "reqs", None)
+            return fb
+        ForwardBatch.init_new = classmethod(_wrapped(init_new, wrapped_init_new))
+
+    if not hasattr(Scheduler, "ringscope_close"):
+        def ringscope_close(self):
+            """RPC target (``Engine.collective_rpc("ringscope_close")``): closes this scheduler's captures."""
+            close_all()
+        Scheduler.ringscope_close = ringscope_close
+
+    shutdown = Engine.__dict__["shutdown"]
+    if not getattr(shutdown, "_ringscope", False):
+        def wrapped_shutdown(self, *args, **kwargs):
+            # The scheduler process is killed (SIGKILL) by shutdown: close the sessions there first.
+            if enabled() and not getattr(self, "_ringscope_closed", False) and \
+                    getattr(self, "send_to_rpc", None) is not None:
+                self._ringscope_closed = True
+                try:
+                    self.collective_rpc("ringscope_close")
+                except Exception:
+                    logger.exception("ringscope: closing the scheduler's session before shutdown failed")
+            return shutdown(self, *args, **kwargs)
+        Engine.shutdown = _wrapped(shutdown, wrapped_shutdown)
+
+
+# -- the capture ---------------------------------------------------------------------------------------------------
+
+def _default_run_id() -> str:
+    return time.strftime("sglang-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+
+
+class SglangCapture(EngineCapture):
+    """What the plugin installed into one SGLang model runner: the session, the hookpoints, the hooks, the
+    counters."""
+
+    COUNTERS = EngineCapture.COUNTERS + ("skipped_steps", "stopped_requests", "probe_wait_timeouts")
+    #: How long a step waits for the probes to score its rows before it looks at their stop flags.
+    PROBE_WAIT_S = 10.0
+
+    @classmethod
+    def install(cls, runner, pc: PluginConfig) -> "SglangCapture":
+        model = runner.model
+        arch = type(model).__name__
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.sglang: model class {arch} is not supported (supported: "
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}); unset {ENV_CONFIG} to serve it without "
+                                 "ringscope")
+        tp = int(getattr(runner, "tp_size", 1) or 1)
+        pp = int(getattr(runner, "pp_size", 1) or 1)
+        if tp != 1 or pp != 1:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.sglang: tensor/pipeline parallelism (tp_size={tp}, pp_size={pp}) is not "
+                                 f"supported yet: serve with tp_size=1 and pp_size=1, or unset {ENV_CONFIG}")
+        decoder = getattr(model, "model", None)
+        layers = getattr(decoder, "layers", None)
+        if layers is None:
+            raise RingscopeError("RS_ERR_CONFIG", f"ringscope.sglang: {arch} has no model.layers")
+        n = len(layers)
+        chosen = list(range(n)) if pc.layers is None else list(dict.fromkeys(pc.layers))
+        bad = [i for i in chosen if not 0 <= i < n]
+        if bad:
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"{pc.source}: sglang.layers names layer(s) {bad} but {arch} has {n} decoder layers "
+                                 f"(0..{n - 1})")
+        param = next(model.parameters())
+        _engine.check_cpu(param.device, "ringscope.sglang", "SGLang", ENV_CONFIG)
+        dt = _engine.model_dtype(param)
+        return cls(runner, model, decoder, layers, chosen, pc, dt, model.config.hidden_size)
+
+    def __init__(self, runner, model, decoder, layers, chosen, pc: PluginConfig, dt, hidden):
+        import torch
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+        begin_op, capture_op, end_op = _engine.ops()
+        self._ids: Dict[str, list] = {}  # SGLang rid -> [ringscope id, opted in, last step seen]
+        planned = _engine.planned_hookpoints(chosen, pc.sites)
+        cfg = _engine.session_config(pc, planned, dt, hidden)
+        export = cfg.setdefault("export", {})
+        if export.get("parquet") or export.get("arrow_ipc"):
+            export.setdefault("run_id", _default_run_id())
+        super().__init__(pc, cfg, planned, 0, SIDE_DIR, logger)
+        _LIVE.append(self)
+        # Probes with action = "stop": after each forward pass the plugin waits for the probes to score its rows and
+        # ends the requests they flagged (SGLang keeps the token just generated and finishes the request).
+        self._stops = any(isinstance(p, dict) and p.get("action") == "stop" for p in cfg.get("probes", []) or [])
+        self._step_reqs = None
+        self.stopped: Dict[int, int] = {}  # ringscope request id -> the step after which a probe ended it
+
+        device = next(model.parameters()).device
+        max_tokens = int(getattr(runner.server_args, "max_prefill_tokens", 0) or 0)
+        max_tokens = max(max_tokens, int(getattr(runner, "max_total_num_tokens", 0) or 0), 8192)
+        decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=device), persistent=False)
+        decoder.register_buffer("_ringscope_req", torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+                                persistent=False)
+        self._req_np = decoder._ringscope_req.numpy()
+        self._decoder = weakref.ref(decoder)
+        self._handles = []
+        key = self.key
+        keep: List = []
+
+        def begin_hook(module, args, kwargs):
+            positions = kwargs.get("positions", args[0] if args else None)
+            hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+            nt = hs.shape[0]
+            keep.clear()
+            begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
+
+        self._handles.append(layers[0].register_forward_pre_hook(begin_hook, with_kwargs=True))
+
+        def site_hook(name, pick):
+            hp = self.hookpoints[name]
+
+            def hook(module, args, kwargs, output):
+                x = pick(output, args, kwargs).reshape(-1, hidden).contiguous()
+                keep.append(x)
+                capture_op(x, decoder._ringscope_sink, hp, key)
+            return hook
+
+        def residual(output, args, kwargs):
+            # The layer returns its contribution; the stream after it is SGLang's residual snapshot.
+            fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+            return residual_batch.snapshot(output, fb)
+
+        for name, site, i in planned:
+            layer = layers[i]
+            if site == "residual":
+                target, pick = layer, residual
+            elif site == "attention_output":
+                target, pick = layer.self_attn, lambda out, a, k: _first(out)
+            else:
+                target, pick = layer.mlp, lambda out, a, k: _first(out)
+            self._handles.append(target.register_forward_hook(site_hook(name, pick), with_kwargs=True))
+
+        def end_hook(module, args, output):
+            end_op(decoder._ringscope_sink, list(keep), key)
+            keep.clear()
+
+        self._handles.append(layers[len(layers) - 1].register_forward_hook(end_hook))
+        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s", len(planned),
+                    ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers")
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- per step, on the host (the scheduler's thread) -----------------------------------------------------------
+    def _request(self, rid: str, req) -> list:
+        got = self._ids.get(rid)
+        if got is not None:
+            got[2] = self.step
+            return got
+        sp = getattr(req, "sampling_params", None)
+        custom = getattr(sp, "custom_params", None) if sp is not None else None
+        extra = custom.get("ringscope") if isinstance(custom, dict) else None
+        opted, explicit = _engine.opt_in(extra, "custom_params", self.pc.requests == "all", logger, rid,
+                                         self._counters)
+        rid_u = explicit if explicit is not None else request_id_of(rid)
+        self._ids[rid] = got = [rid_u, opted, self.step]
+        if opted:
+            self._write_request({"request_id": rid_u, "sglang_rid": rid, "explicit": explicit is not None,
+                                 "first_step": self.step})
+        if len(self._ids) > 65536:
+            # Forget requests not seen for a long time (finished ones), so that a long-serving engine's map stays
+            # as large as its live requests.
+            cut = self.step - 100_000
+            self._ids = {r: v for r, v in self._ids.items() if v[2] >= cut}
+        return got
+
+    def _prepare(self, fb) -> None:
+        """Before a forward pass: the request id of every token row, in place."""
+        import numpy as np
+
+        if self._closed:
+            return
+        mode = fb.forward_mode
+        if mode.is_idle():
+            return
+        self._counters["steps"] += 1
+        try:
+            rids = list(fb.rids or [])
+            if mode.is_extend():  # EXTEND, and MIXED (extends and one-token decodes): rows per request
+                counts = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
+                prefix = list(fb.extend_prefix_lens_cpu)
+            elif mode.is_decode():
+                counts = np.ones(len(rids), dtype=np.int64)
+                prefix = None
+            else:  # speculative decoding's passes: not captured
+                self._counters["skipped_steps"] += 1
+                return
+            n = int(counts.sum())
+            if self.disabled is not None:
+                self._lost(n)
+                return
+            reqs = getattr(fb, "_ringscope_reqs", None)
+            if reqs is not None and len(reqs) != len(rids):
+                reqs = None
+            self._step_reqs = reqs
+            ids = np.empty(len(rids), dtype=np.int64)
+            for k, r in enumerate(rids):
+                new = r not in self._ids
+                rid, opted, _ = self._request(r, reqs[k] if reqs is not None else None)
+                ids[k] = rid if opted else -1
+                if new and opted and prefix is not None and int(prefix[k]) > 0:
+                    # A request's first extend starts past position 0 only after a prefix-cache hit: tokens no
+                    # forward pass computes, recorded as such (events table, probes' coverage).
+                    self._note_cached(rid, int(prefix[k]))
+            tok = np.repeat(ids, counts)
+            padded = int(fb.positions.shape[0]) if getattr(fb, "positions", None) is not None else n
+            self._counters["opted_out_rows"] += int((tok < 0).sum())
+            self._counters["padding_rows"] += max(padded - n, 0)
+            buf = self._req_np
+            if padded > buf.shape[0]:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"a forward pass of {padded} tokens, past the {buf.shape[0]} the plugin sized for")
+            buf[:n] = tok
+            buf[n:padded] = -1
+            self._active = True
+        except Exception as e:  # never take the engine down
+            self._fail(e, "preparing the step")
+
+    def _finish(self) -> None:
+        captured = self._active and self.disabled is None
+        super()._finish()
+        reqs, self._step_reqs = self._step_reqs, None
+        if not (captured and self._stops and reqs):
+            return
+        try:
+            self._apply_stops(reqs)
+        except Exception as e:  # never take the engine down
+            self._fail(e, "applying the probes' stop flags")
+
+    def _apply_stops(self, reqs) -> None:
+        """Ends the requests of the step just run that a probe with ``action = "stop"`` has flagged."""
+        from . import RingscopeError as _E
+
+        try:
+            self.session.wait_probes(self.PROBE_WAIT_S)
+        except _E as e:
+            if e.status != "RS_ERR_TIMEOUT":
+                raise
+            self._counters["probe_wait_timeouts"] += 1  # act on the flags raised so far
+        step = self.step - 1
+        for req in reqs:
+            got = self._ids.get(getattr(req, "rid", None))
+            if got is None or not got[1] or got[0] in self.stopped:
+                continue
+            if self.session.is_flagged(got[0]) and not req.finished() and req.to_finish is None:
+                req.to_finish = _probe_stop(got[0], step)
+                self.stopped[got[0]] = step
+                self._counters["stopped_requests"] += 1
+                self._write_request({"request_id": got[0], "sglang_rid": req.rid, "stopped_after_step": step})
+
+    def _write_probe_reports(self) -> None:
+        """At close, with probes and a run directory: every probe's last report on every captured request still
+        known (scores, alerts, coverage — ``cached`` included) to ``probe_reports.jsonl`` next to the request map."""
+        if self.run_dir is None or not self.session.probe_stats():
+            return
+        try:
+            self.session.wait_probes(self.PROBE_WAIT_S)
+        except RingscopeError as e:
+            if e.status != "RS_ERR_TIMEOUT":
+                raise
+        probes = [p["name"] for p in self.session.probe_stats()]
+        with open(self.run_dir / SIDE_DIR / "probe_reports.jsonl", "w", encoding="utf-8") as f:
+            for rid, (request_id, opted, _) in self._ids.items():
+                if not opted:
+                    continue
+                for name in probes:
+                    r = self.session.probe_request(name, request_id)
+                    if r is not None:
+                        f.write(json.dumps({**r, "sglang_rid": rid, "stopped_after_step":
+                                            self.stopped.get(request_id)}) + "\n")
+
+    def close(self) -> dict:
+        if self._closed_stats is None and not self._closed:
+            try:
+                self._write_probe_reports()
+            except Exception:
+                logger.exception("ringscope: writing the probes' reports at close failed")
+        out = super().close()
+        if self in _LIVE:
+            _LIVE.remove(self)
+        return out
+
+
+_STOP_CLASS = None
+
+
+def _probe_stop(request_id: int, step: int):
+    """The finish reason of a request a ringscope probe ended: reported as a stop (``finish_reason["type"] ==
+    "stop"``) with ``"ringscope": {"request_id", "step"}``."""
+    global _STOP_CLASS
+    if _STOP_CLASS is None:
+        from sglang.srt.managers.schedule_batch import BaseFinishReason
+
+        class FINISH_RINGSCOPE_PROBE(BaseFinishReason):
+            def __init__(self, request_id: int, step: int):
+                super().__init__()
+                self.request_id, self.step = request_id, step
+
+            def to_json(self):
+                return {"type": "stop", "matched": None,
+                        "ringscope": {"request_id": self.request_id, "step": self.step}}
+
+        _STOP_CLASS = FINISH_RINGSCOPE_PROBE
+    return _STOP_CLASS(request_id, step)
+
+
+def captures() -> List[SglangCapture]:
+    """The plugin's live captures in this process (the scheduler process holds the engine's)."""
+    return list(_LIVE)
+
+
+def close_all() -> list:
+    """Closes every capture of this process (also run at exit, and by ``Engine.shutdown`` through the scheduler's
+    ``ringscope_close``); returns their results."""
+    out = []
+    while _LIVE:
+        cap = _LIVE[0]
+        try:
+            out.append(cap.close())
+        except Exception:
+            logger.exception("ringscope: closing the session failed")
+        if _LIVE and _LIVE[0] is cap:
+            _LIVE.pop(0)
+    return out
+
+
+atexit.register(close_all)
+

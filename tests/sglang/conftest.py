@@ -1,0 +1,160 @@
+"""Shared pieces of the SGLang plugin tests: engines run in subprocesses (tests/sglang/engine.py, one engine per
+process, each started once per test session) and the independent reference — a Hugging Face ``LlamaForCausalLM``
+loaded from the checkpoint the engine served, whose own forward hooks give the layer outputs the plugin's rows must
+equal."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+CONFIG = """
+[policy]
+mode = "full"
+[export]
+parquet = true
+dir = "{dir}"
+run_id = "run"
+[sglang]
+sites = ["residual", "attention_output", "mlp_output"]
+layers = "all"
+requests = "{requests}"
+{extra}
+"""
+
+_cache = {}
+
+
+def run_engine(tmp_root: pathlib.Path, name: str, scenario: str, config: "str | None", requests: str = "all",
+               extra: str = "", env: "dict | None" = None, timeout: int = 600) -> dict:
+    """Runs tests/sglang/engine.py in a subprocess (at most once per name and test session); returns its result."""
+    if name in _cache:
+        return _cache[name]
+    out = tmp_root / name
+    out.mkdir(parents=True, exist_ok=True)
+    e = {k: v for k, v in os.environ.items() if not k.startswith("RINGSCOPE_SGLANG_")}
+    if config is not None:
+        cfg = out / "ringscope.toml"
+        cfg.write_text(config.format(dir=out / "dump", requests=requests, extra=extra))
+        e["RINGSCOPE_SGLANG_CONFIG"] = str(cfg)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, str(HERE / "engine.py"), str(out), scenario], env=e, capture_output=True,
+                       text=True, timeout=timeout)
+    (out / "engine.log").write_text(p.stdout + p.stderr)
+    res_file = out / "result.json"
+    if not res_file.exists():
+        pytest.fail(f"engine {name} wrote no result (exit {p.returncode}); log tail:\n{(p.stdout + p.stderr)[-4000:]}")
+    res = json.loads(res_file.read_text())
+    res["out"] = str(out)
+    res["run_dir"] = str(out / "dump" / "run")
+    res["returncode"] = p.returncode
+    res["log"] = p.stdout + p.stderr
+    _cache[name] = res
+    return res
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    return lambda name, scenario, config=CONFIG, **kw: run_engine(root, name, scenario, config, **kw)
+
+
+def side_file(res: dict, name: str) -> list:
+    path = pathlib.Path(res["run_dir"]) / "_ringscope_sglang" / name
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.suffix == ".jsonl" else \
+        json.loads(path.read_text())
+
+
+def request_ids(res: dict) -> list:
+    """The ringscope id of each request (None: not captured), from the run's request map, checked against the
+    documented mapping (the explicit id, else the hash of SGLang's rid)."""
+    from ringscope.sglang import request_id_of
+
+    by_rid = {}
+    for x in side_file(res, "requests.jsonl"):
+        if "first_step" not in x:
+            continue  # a later line about the same request (stopped by a probe)
+        assert x["sglang_rid"] not in by_rid
+        by_rid[x["sglang_rid"]] = x
+        assert x["request_id"] == (x["request_id"] if x["explicit"] else request_id_of(x["sglang_rid"]))
+    out = []
+    for r in res["requests"]:
+        x = by_rid.get(r["rid"])
+        e = (r["custom_params"] or {}).get("ringscope")
+        if x is not None and isinstance(e, dict) and "request_id" in e:
+            assert x["explicit"] and x["request_id"] == e["request_id"]
+        out.append(None if x is None else x["request_id"])
+    return out
+
+
+def reference(model_dir, sequences):
+    """{(sequence index, hookpoint name): array [len, hidden]}: every layer's output (the residual stream after it,
+    before the final norm), attention and MLP outputs at every position of each token sequence, from the Hugging
+    Face model's own forward hooks."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    m = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    got = {}
+    cur = {}
+    for i, layer in enumerate(m.model.layers):
+        def hook(name):
+            def f(mod, args, out):
+                cur[name] = (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy()
+            return f
+        layer.register_forward_hook(hook(f"layers.{i}.resid"))
+        layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out"))
+        layer.mlp.register_forward_hook(hook(f"layers.{i}.mlp_out"))
+    with torch.no_grad():
+        for k, seq in enumerate(sequences):
+            cur.clear()
+            m(torch.tensor([seq]))
+            for name, v in cur.items():
+                got[(k, name)] = v
+    return got
+
+
+def check_rows(res: dict, dump: dict, rid: list, first: "list[int]"):
+    """Every exported row equals the reference's row at its (request, position); each captured request's rows are
+    exactly the positions the engine computed for it — ``first[k]`` (its prefix-cache hit) up to its last fed
+    token (its prompt and every generated token but the last)."""
+    reqs = res["requests"]
+    seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
+    ref = reference(pathlib.Path(res["out"]) / "model", seqs)
+    for name, cols in dump.items():
+        act, req, pos = cols["activation"], cols["request_id"], cols["position"]
+        assert cols["dtype"] == "f32" and act.shape[1] == 64
+        want = sorted((rid[k], p) for k in range(len(reqs)) if rid[k] is not None
+                      for p in range(first[k], len(seqs[k])))
+        assert sorted(zip(req.tolist(), pos.tolist())) == want, name
+        for k in range(len(reqs)):
+            if rid[k] is None:
+                continue
+            rows = req == rid[k]
+            order = np.argsort(pos[rows])
+            a = act[rows][order]
+            b = ref[(k, name)][first[k]:]
+            assert a.shape == b.shape, (name, k)
+            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+            assert err.max() < 1e-4, (name, k, err.max())
+            if len(b) > 1:  # the check tells rows apart: a neighbouring position's row is far off
+                off = np.linalg.norm(a[1:] - b[:-1], axis=1) / np.linalg.norm(b[:-1], axis=1)
+                assert off.min() > 1e-2, (name, k, off.min())
+
+
+def mixed_step(dump: dict, prompt_lens: "dict[int, int]") -> bool:
+    """Whether some step holds a decode row of one request and a prefill row of another."""
+    cols = dump["layers.0.resid"]
+    for step in np.unique(cols["step"]):
+        m = cols["step"] == step
+        decode, prefill = set(), set()
+        for r, p in zip(cols["request_id"][m].tolist(), cols["position"][m].tolist()):
+            (decode if p >= prompt_lens[r] else prefill).add(r)
+        if decode and prefill and decode != prefill:
+            return True
+    return False

@@ -1,0 +1,106 @@
+"""Runs one in-process SGLang engine (CPU, a tiny random Llama checkpoint; its scheduler — where the model and the
+plugin live — in a process of its own) and writes what the tests check to ``<out>/result.json``: the requests'
+prompts, generated tokens, SGLang ids, cached tokens and finish reasons. Run by the tests in a subprocess per engine.
+Usage: python engine.py OUT_DIR SCENARIO (SCENARIO: "main", "stop" or "plain"; see the functions below).
+
+SGLang starts its processes with "spawn", which imports this file again in each of them: everything with an effect is
+under ``if __name__ == "__main__"``."""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+PREFIX = [(7 * i + 11) % 250 + 3 for i in range(64)]
+# Phase 1 of "main" and "plain": three concurrent requests of different lengths; the second names its ringscope id.
+PHASE1 = [([(5 * i + 3) % 250 + 3 for i in range(n)], m, extra) for n, m, extra in
+          ((5, 6, None), (17, 4, {"ringscope": {"request_id": 7}}), (40, 3, None))]
+
+
+def make_model(path: str) -> None:
+    """A tiny random Llama checkpoint (seeded), saved as safetensors: the engine loads it, and the tests' reference
+    loads the same file into Hugging Face's model."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      architectures=["LlamaForCausalLM"])
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():  # a larger init than the default, so that each layer visibly changes the stream
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
+
+
+def start(model_dir: str, chunked: bool):
+    import sglang as sgl
+
+    return sgl.Engine(model_path=model_dir, load_format="auto", skip_tokenizer_init=True, device="cpu",
+                      dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
+                      disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=4096,
+                      max_running_requests=8, chunked_prefill_size=16 if chunked else -1,
+                      enable_mixed_chunk=chunked, random_seed=0, log_level="warning")
+
+
+def generate(engine, reqs, result):
+    """Sends ``reqs`` ((prompt, max_new_tokens, custom_params or None)) at once; appends their outputs to
+    ``result["requests"]``."""
+    params = [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
+               **({"custom_params": extra} if extra is not None else {})} for _, m, extra in reqs]
+    outs = engine.generate(input_ids=[p for p, _, _ in reqs], sampling_params=params)
+    for (prompt, m, extra), o in zip(reqs, outs):
+        meta = o["meta_info"]
+        result["requests"].append({"rid": meta["id"], "prompt": prompt, "tokens": list(o["output_ids"]),
+                                   "max_new_tokens": m, "custom_params": extra,
+                                   "cached_tokens": meta.get("cached_tokens", 0),
+                                   "finish_reason": meta.get("finish_reason")})
+
+
+def run(out: str, scenario: str, result: dict) -> None:
+    model_dir = os.path.join(out, "model")
+    make_model(model_dir)
+    t = time.time()
+    engine = start(model_dir, chunked=scenario in ("main", "plain"))
+    result["start_seconds"] = time.time() - t
+    result["requests"] = []
+    try:
+        if scenario in ("main", "plain"):
+            # Concurrent requests of different lengths, prefilled in 16-token chunks mixed with the others' decodes.
+            generate(engine, PHASE1, result)
+            if scenario == "main":
+                # A 64-token prefix warmed by one request, then three requests sharing it: prefix-cache hits.
+                generate(engine, [(PREFIX + [100], 2, None)], result)
+                generate(engine, [(PREFIX + [200 + i] * (i + 1), 3, None) for i in range(3)], result)
+        elif scenario == "stop":
+            # requests = "opt_in": only the first request is captured and scored; the stop probe flags every row it
+            # scores, so it ends that request after its first forward pass while the other runs to its end.
+            generate(engine, [(list(range(3, 13)), 8, {"ringscope": True}), (list(range(20, 32)), 8, None)], result)
+    finally:
+        t = time.time()
+        engine.shutdown()  # the plugin closes its session first (the scheduler process is then killed)
+        result["shutdown_seconds"] = time.time() - t
+
+
+def main(out: str, scenario: str) -> None:
+    result = {"scenario": scenario}
+    t0 = time.time()
+    try:
+        run(out, scenario, result)
+    except Exception as e:  # the tests check the error
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    result["seconds"] = time.time() - t0
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,153 @@
+"""The SGLang plugin (ringscope/sglang.py) against a real SGLang 0.5.23 engine on CPU (issue 29):
+
+- "main": concurrent requests of different lengths, prefilled in 16-token chunks in the same forward passes as the
+  others' decodes (SGLang's mixed chunks); then a prefix warmed by one request and shared by three (prefix-cache
+  hits). Every exported row of every site equals an independent Hugging Face forward pass over the same checkpoint;
+  request ids (one named by the request, the others hashed from SGLang's rid) and positions exact; the cached rows
+  counted in the events table, the plugin's counters and the probe's coverage — never captured, never "safe".
+- "stop": a probe with ``action = "stop"`` ends the one request it scores (``requests = "opt_in"``) after its first
+  forward pass; the other runs to its end.
+- "plain": SGLang without the plugin's configuration: no session, and the same tokens as with the plugin.
+"""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import CONFIG, check_rows, mixed_step, request_ids, side_file
+
+PROBE = """
+[[probes]]
+name = "p"
+hookpoint = "layers.1.resid"
+weights = "{weights}"
+thresholds = [1e30]
+"""
+STOP_PROBE = """
+[[probes]]
+name = "stop"
+hookpoint = "layers.0.resid"
+weights = "{weights}"
+bias = [1.0]
+thresholds = [0.5]
+aggregate = "per_token"
+action = "stop"
+"""
+
+
+def _weights(tmp_path_factory, w) -> str:
+    import ringscope
+
+    d = tmp_path_factory.mktemp("probe")
+    return ringscope.save_probe(d / "w.npy", np.asarray(w, dtype=np.float32))["weights"]
+
+
+@pytest.fixture(scope="module")
+def main(engines, tmp_path_factory):
+    w = np.random.default_rng(3).standard_normal((1, 64))
+    return engines("main", "main", extra=PROBE.format(weights=_weights(tmp_path_factory, w)))
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    return engines("plain", "plain", config=None)
+
+
+@pytest.fixture(scope="module")
+def stop(engines, tmp_path_factory):
+    return engines("stop", "stop", requests="opt_in",
+                   extra=STOP_PROBE.format(weights=_weights(tmp_path_factory, np.zeros((1, 64)))))
+
+
+def test_rows_equal_the_reference_with_mixed_prefill_and_decode_batches(main):
+    import ringscope
+
+    assert main.get("error") is None, main.get("traceback")
+    reqs = main["requests"]
+    rid = request_ids(main)
+    assert rid[1] == 7 and None not in rid, rid
+    cached = [r["cached_tokens"] for r in reqs]
+    dump = ringscope.read_dump(main["run_dir"])
+    assert sorted(dump) == sorted(f"layers.{i}.{s}" for i in range(2) for s in ("resid", "attn_out", "mlp_out"))
+    check_rows(main, dump, rid, cached)
+    lens = {rid[k]: len(r["prompt"]) for k, r in enumerate(reqs)}
+    assert mixed_step(dump, lens), "no forward pass mixed a prefill and a decode: the scenario does not test batching"
+
+
+def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main):
+    import ringscope
+
+    reqs = main["requests"]
+    rid = request_ids(main)
+    cached = [r["cached_tokens"] for r in reqs]
+    # SGLang's own count (meta_info["cached_tokens"]) is the independent check. The three requests after the warm-up
+    # share its 64-token prefix; the first three share their first tokens too (their prompts start alike), so the one
+    # prefilled last finds part of its prompt cached by the earlier ones' chunks.
+    assert cached[3:] == [0, 64, 64, 64], cached
+    hits = [k for k, c in enumerate(cached) if c]
+    summary = side_file(main, "summary.json")
+    assert (summary["plugin"]["cached_requests"], summary["plugin"]["cached_rows"]) == (len(hits), sum(cached))
+    assert summary["plugin"]["disabled"] is None and summary["plugin"]["lost_rows"] == 0
+    events = [e for e in ringscope.read_events(main["run_dir"]) if e["kind"] == "cached"]
+    assert sorted((e["detail"], e["rows_lost"], e["reason"], e["hookpoint"]) for e in events) == sorted(
+        (f"request={rid[k]} positions=0..{cached[k]}", cached[k], "prefix_cache", "") for k in hits)
+    reports = {r["request_id"]: r for r in side_file(main, "probe_reports.jsonl") if r["probe"] == "p"}
+    for k, r in enumerate(reqs):
+        fed = len(r["prompt"]) + len(r["tokens"]) - 1
+        cov = reports[rid[k]]["coverage"]
+        assert cov["cached"] == cached[k], (k, cov)
+        assert cov["scored"] == cov["expected"] == fed - cached[k], (k, cov)
+    # The session's own accounting balances (every row produced was exported or counted).
+    s = summary["session"]
+    assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
+    assert s["dropped_rows"] == 0
+
+
+def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(stop):
+    import ringscope
+
+    assert stop.get("error") is None, stop.get("traceback")
+    a, b = stop["requests"]
+    # The captured request is ended after its prefill (the token generated there is kept); the other goes on.
+    assert len(a["tokens"]) == 1 and a["finish_reason"]["type"] == "stop", a
+    assert a["finish_reason"].get("ringscope", {}).get("step") is not None, a["finish_reason"]
+    assert len(b["tokens"]) == 8 and b["finish_reason"]["type"] == "length", b
+    rid = request_ids(stop)
+    assert rid[0] is not None and rid[1] is None, rid  # requests = "opt_in": only the first is captured
+    summary = side_file(stop, "summary.json")
+    assert summary["plugin"]["stopped_requests"] == 1
+    dump = ringscope.read_dump(stop["run_dir"])
+    assert set(dump["layers.0.resid"]["request_id"].tolist()) == {rid[0]}
+
+
+def test_without_the_configuration_sglang_runs_unchanged(plain, main):
+    assert plain.get("error") is None, plain.get("traceback")
+    assert not pathlib.Path(plain["run_dir"]).exists()
+    assert "ringscope" not in plain["log"].lower() or "registered" not in plain["log"]
+    assert [r["tokens"] for r in plain["requests"]] == [r["tokens"] for r in main["requests"][:3]]
+
+
+def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path):
+    import ringscope.sglang as rs
+    from ringscope import RingscopeError
+
+    class GPT2LMHeadModel:  # a model class the plugin does not support
+        pass
+
+    class Runner:
+        model = GPT2LMHeadModel()
+
+    with pytest.raises(RingscopeError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+        rs.SglangCapture.install(Runner(), rs.parse_config({}))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[sglang]\nsites = [\"logits\"]\n")
+    monkeypatch.setenv(rs.ENV_CONFIG, str(cfg))
+    with pytest.raises(RingscopeError, match="sglang.sites"):
+        rs.load_config(cfg)
+    import sglang
+
+    monkeypatch.setattr(sglang, "__version__", "0.4.0")
+    monkeypatch.setattr(rs, "_registered", False)
+    with pytest.raises(RingscopeError, match="supports SGLang 0.5.23; this is SGLang 0.4.0"):
+        rs.register()
