@@ -82,7 +82,9 @@ def run(out: str, scenario: str, result: dict) -> None:
         elif scenario == "stop":
             # requests = "opt_in": only the first request is captured and scored; the stop probe flags every row it
             # scores, so it ends that request after its first forward pass while the other runs to its end.
-            generate(engine, [(list(range(3, 13)), 8, {"ringscope": True}), (list(range(20, 32)), 8, None)], result)
+            # A third request's ringscope parameter is malformed: counted, warned about, not captured; it runs on.
+            generate(engine, [(list(range(3, 13)), 8, {"ringscope": True}), (list(range(20, 32)), 8, None),
+                              (list(range(40, 47)), 8, {"ringscope": "yes"})], result)
     finally:
         t = time.time()
         engine.shutdown()  # the plugin closes its session first (the scheduler process is then killed)

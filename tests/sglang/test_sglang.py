@@ -108,15 +108,19 @@ def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(stop):
     import ringscope
 
     assert stop.get("error") is None, stop.get("traceback")
-    a, b = stop["requests"]
-    # The captured request is ended after its prefill (the token generated there is kept); the other goes on.
+    a, b, c = stop["requests"]
+    # The captured request is ended after its prefill (the token generated there is kept); the others go on.
     assert len(a["tokens"]) == 1 and a["finish_reason"]["type"] == "stop", a
     assert a["finish_reason"].get("ringscope", {}).get("step") is not None, a["finish_reason"]
-    assert len(b["tokens"]) == 8 and b["finish_reason"]["type"] == "length", b
+    for r in (b, c):
+        assert len(r["tokens"]) == 8 and r["finish_reason"]["type"] == "length", r
     rid = request_ids(stop)
-    assert rid[0] is not None and rid[1] is None, rid  # requests = "opt_in": only the first is captured
+    assert rid[0] is not None and rid[1] is None and rid[2] is None, rid  # "opt_in": only the first is captured
     summary = side_file(stop, "summary.json")
     assert summary["plugin"]["stopped_requests"] == 1
+    # The malformed {"ringscope": "yes"} is counted and warned about (named in the log), never an engine error.
+    assert summary["plugin"]["bad_extra_args"] == 1 and summary["plugin"]["disabled"] is None
+    assert 'custom_params["ringscope"] = \'yes\'' in stop["log"], stop["log"][-3000:]
     dump = ringscope.read_dump(stop["run_dir"])
     assert set(dump["layers.0.resid"]["request_id"].tolist()) == {rid[0]}
 
@@ -145,6 +149,14 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     monkeypatch.setenv(rs.ENV_CONFIG, str(cfg))
     with pytest.raises(RingscopeError, match="sglang.sites"):
         rs.load_config(cfg)
+    # The kill switch: configured, but off — nothing is patched.
+    monkeypatch.setenv(rs.ENV_DISABLE, "1")
+    monkeypatch.setattr(rs, "_registered", False)
+    rs.register()
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    assert not getattr(ModelRunner.forward, "_ringscope", False)
+    monkeypatch.delenv(rs.ENV_DISABLE)
     import sglang
 
     monkeypatch.setattr(sglang, "__version__", "0.4.0")
