@@ -395,7 +395,8 @@ fn last_rows_sources_are_captured_and_scored_as_the_last_row_of_each_request() {
     ringscope::probe::save_npy(&npy, &[2, d], &w).unwrap();
     // A prefill step: request 7 (4 tokens), request 9 (2 tokens), request 3 (3 tokens), interleaved as an engine may.
     let rows: Vec<(u64, u32)> = vec![(7, 0), (7, 1), (9, 0), (7, 2), (9, 1), (3, 0), (3, 1), (7, 3), (3, 2)];
-    let last = [(7u64, 3u32), (9, 1), (3, 2)];
+    // The last row of each request, in batch order (request 9's ends at batch row 4, 7's at 7, 3's at 8).
+    let last = [(9u64, 1u32), (7, 3), (3, 2)];
     for (defer, downcast) in [(false, false), (true, false), (false, true), (true, true)] {
         let text = format!(
             "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\ndefer_captures = {defer}\n\
