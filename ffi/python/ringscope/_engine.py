@@ -269,14 +269,16 @@ class EngineCapture:
         try:
             fn(*args)
         except Exception as e:
-            self._fail(e, fn.__name__.strip("_"))
+            self._fail(e, fn.__name__.strip("_"), self._rows)
 
-    def _fail(self, e: BaseException, where: str) -> None:
+    def _fail(self, e: BaseException, where: str, rows: int = 0) -> None:
+        """Capture is off from now on (the engine goes on): logged, and the ``rows`` of the step it happened in that
+        were not captured counted as lost."""
         if self.disabled is None:
             self.disabled = f"{where}: {type(e).__name__}: {e}"
             self.logger.exception("ringscope: error while %s at step %d; capture is off for the rest of the run (the "
                                   "engine goes on)", where, self.step)
-            self._lost(self._rows)
+            self._lost(rows)
             if self._open:
                 self._open = False
                 try:
@@ -292,6 +294,7 @@ class EngineCapture:
         pos = positions.numpy()
         sel = ids >= 0
         self._rows = int(sel.sum())
+        self._open = False
         if self._rows == 0:
             self._open = False
             return

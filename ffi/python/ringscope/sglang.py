@@ -53,10 +53,13 @@ rows, and a request whose stop flag is up is finished there (SGLang keeps the to
 ``finish_reason`` is ``{"type": "stop", "ringscope": {"request_id", "step"}}``). A request recomputed after SGLang retracted it (KV cache full) keeps its id: its recomputed rows appear again.
 
 Errors while serving never take the engine down: the plugin logs the error, disables capture for the rest of the
-run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows``). Forward passes of
-other modes (speculative decoding's draft and verify passes) capture nothing and are counted (``skipped_steps``).
+run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows``: rows of those forward
+passes × hookpoints). Forward passes of other modes (speculative decoding's verify passes, split prefills) capture
+nothing and are counted (``skipped_steps``); a draft model's runner captures nothing.
 
-CPU only for now (verified with SGLang 0.5.23 on CPU, eager); on a CUDA device the plugin refuses to load.
+CPU only for now (verified with SGLang 0.5.23 on CPU, eager, without the overlap scheduler); on a CUDA device, with
+``enable_torch_compile``, or with tensor or pipeline parallelism the plugin refuses to load, naming why. With SGLang's
+overlap scheduler (its default) a stop probe's request can end one token off from the step above.
 """
 
 import atexit
@@ -150,7 +153,10 @@ def _patch() -> None:
     if not getattr(load_model, "_ringscope", False):
         def wrapped_load_model(self, *args, **kwargs):
             out = load_model(self, *args, **kwargs)
-            if enabled() and getattr(self, "_ringscope", None) is None:
+            if getattr(self, "is_draft_worker", False):
+                # Speculative decoding's draft model: its passes are not the served model's; nothing is captured.
+                self._ringscope = None
+            elif enabled() and getattr(self, "_ringscope", None) is None:
                 # Errors here (bad capture set, unsupported model) fail the engine's start, as they should.
                 self._ringscope = SglangCapture.install(self, load_config(os.environ[ENV_CONFIG]))
             return out
@@ -160,9 +166,8 @@ def _patch() -> None:
     if not getattr(forward, "_ringscope", False):
         def wrapped_forward(self, forward_batch, *args, **kwargs):
             cap = getattr(self, "_ringscope", None)
-            if not cap:
+            if not cap or not cap._prepare(forward_batch):
                 return forward(self, forward_batch, *args, **kwargs)
-            cap._prepare(forward_batch)
             try:
                 return forward(self, forward_batch, *args, **kwargs)
             finally:
@@ -193,11 +198,33 @@ def _patch() -> None:
                     getattr(self, "send_to_rpc", None) is not None:
                 self._ringscope_closed = True
                 try:
-                    self.collective_rpc("ringscope_close")
+                    _close_remote(self)
                 except Exception:
                     logger.exception("ringscope: closing the scheduler's session before shutdown failed")
             return shutdown(self, *args, **kwargs)
         Engine.shutdown = _wrapped(shutdown, wrapped_shutdown)
+
+
+#: How long ``Engine.shutdown`` waits for the scheduler to close the session (it may have died already).
+CLOSE_TIMEOUT_S = 60.0
+
+
+def _close_remote(engine) -> None:
+    """``collective_rpc("ringscope_close")`` with a bounded wait: SGLang's own waits forever, and a scheduler that
+    has died never answers."""
+    import zmq
+    from sglang.srt.entrypoints import engine as engine_mod
+    from sglang.srt.managers.io_struct import RpcReqInput
+
+    sock = engine.send_to_rpc
+    engine_mod.sock_send(sock, RpcReqInput(method="ringscope_close", parameters=None))
+    if not sock.poll(int(CLOSE_TIMEOUT_S * 1000), zmq.POLLIN):
+        logger.error("ringscope: the scheduler did not close its session within %.0f s (has it died?); its last "
+                     "files and manifest may be missing", CLOSE_TIMEOUT_S)
+        return
+    reply = engine_mod.sock_recv(sock)
+    if not getattr(reply, "success", False):
+        logger.error("ringscope: closing the scheduler's session failed: %s", getattr(reply, "message", reply))
 
 
 # -- the capture ---------------------------------------------------------------------------------------------------
@@ -223,12 +250,17 @@ class SglangCapture(EngineCapture):
                                  f"ringscope.sglang: model class {arch} is not supported (supported: "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}); unset {ENV_CONFIG} to serve it without "
                                  "ringscope")
-        tp = int(getattr(runner, "tp_size", 1) or 1)
-        pp = int(getattr(runner, "pp_size", 1) or 1)
+        sa = getattr(runner, "server_args", None)
+        tp = int(getattr(sa, "tp_size", 1) or 1)
+        pp = int(getattr(sa, "pp_size", 1) or 1)
         if tp != 1 or pp != 1:
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"ringscope.sglang: tensor/pipeline parallelism (tp_size={tp}, pp_size={pp}) is not "
                                  f"supported yet: serve with tp_size=1 and pp_size=1, or unset {ENV_CONFIG}")
+        if getattr(sa, "enable_torch_compile", False):
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 "ringscope.sglang: enable_torch_compile is not supported yet (its graphs pad batches "
+                                 f"the plugin does not see): serve without it, or unset {ENV_CONFIG}")
         decoder = getattr(model, "model", None)
         layers = getattr(decoder, "layers", None)
         if layers is None:
@@ -250,7 +282,8 @@ class SglangCapture(EngineCapture):
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 
         begin_op, capture_op, end_op = _engine.ops()
-        self._ids: Dict[str, list] = {}  # SGLang rid -> [ringscope id, opted in, last step seen]
+        # Captured requests, for the probes' reports at close: ringscope id -> SGLang rid (bounded, oldest dropped).
+        self._captured: Dict[int, str] = {}
         planned = _engine.planned_hookpoints(chosen, pc.sites)
         cfg = _engine.session_config(pc, planned, dt, hidden)
         export = cfg.setdefault("export", {})
@@ -262,26 +295,31 @@ class SglangCapture(EngineCapture):
         # ends the requests they flagged (SGLang keeps the token just generated and finishes the request).
         self._stops = any(isinstance(p, dict) and p.get("action") == "stop" for p in cfg.get("probes", []) or [])
         self._step_reqs = None
+        self._prepared = False
         self.stopped: Dict[int, int] = {}  # ringscope request id -> the step after which a probe ended it
 
-        device = next(model.parameters()).device
-        max_tokens = int(getattr(runner.server_args, "max_prefill_tokens", 0) or 0)
-        max_tokens = max(max_tokens, int(getattr(runner, "max_total_num_tokens", 0) or 0), 8192)
-        decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=device), persistent=False)
-        decoder.register_buffer("_ringscope_req", torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+        self._device = next(model.parameters()).device
+        decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=self._device),
                                 persistent=False)
-        self._req_np = decoder._ringscope_req.numpy()
         self._decoder = weakref.ref(decoder)
+        self._grow(max(int(getattr(runner.server_args, "max_prefill_tokens", 0) or 0), 8192))
         self._handles = []
         key = self.key
         keep: List = []
 
+        # The hooks run in SGLang's eager forward pass (torch.compile is refused): they do nothing unless the step is
+        # being captured, and an error in them switches capture off instead of failing the engine.
         def begin_hook(module, args, kwargs):
-            positions = kwargs.get("positions", args[0] if args else None)
-            hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-            nt = hs.shape[0]
-            keep.clear()
-            begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
+            if not self._active or self.disabled is not None:
+                return
+            try:
+                positions = kwargs.get("positions", args[0] if args else None)
+                hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+                nt = hs.shape[0]
+                keep.clear()
+                begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
+            except Exception as e:
+                self._fail(e, "beginning the step", self._rows)
 
         self._handles.append(layers[0].register_forward_pre_hook(begin_hook, with_kwargs=True))
 
@@ -289,9 +327,14 @@ class SglangCapture(EngineCapture):
             hp = self.hookpoints[name]
 
             def hook(module, args, kwargs, output):
-                x = pick(output, args, kwargs).reshape(-1, hidden).contiguous()
-                keep.append(x)
-                capture_op(x, decoder._ringscope_sink, hp, key)
+                if not self._open or self.disabled is not None:
+                    return
+                try:
+                    x = pick(output, args, kwargs).reshape(-1, hidden).contiguous()
+                    keep.append(x)
+                    capture_op(x, decoder._ringscope_sink, hp, key)
+                except Exception as e:
+                    self._fail(e, f"capturing {name}", self._rows)
             return hook
 
         def residual(output, args, kwargs):
@@ -310,12 +353,29 @@ class SglangCapture(EngineCapture):
             self._handles.append(target.register_forward_hook(site_hook(name, pick), with_kwargs=True))
 
         def end_hook(module, args, output):
-            end_op(decoder._ringscope_sink, list(keep), key)
+            if not self._active or self.disabled is not None:
+                return
+            try:
+                end_op(decoder._ringscope_sink, list(keep), key)
+            except Exception as e:
+                self._fail(e, "ending the step", self._rows)
             keep.clear()
 
         self._handles.append(layers[len(layers) - 1].register_forward_hook(end_hook))
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s", len(planned),
                     ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers")
+
+    def _grow(self, rows: int) -> None:
+        """The request-id buffer (a buffer of the decoder), at least ``rows`` long."""
+        import torch
+
+        decoder = self._decoder()
+        buf = getattr(decoder, "_ringscope_req", None)
+        if buf is not None and buf.shape[0] >= rows:
+            return
+        decoder.register_buffer("_ringscope_req", torch.full((max(rows, 2 * (0 if buf is None else buf.shape[0])),), -1,
+                                                             dtype=torch.int64, device=self._device), persistent=False)
+        self._req_np = decoder._ringscope_req.numpy()
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
@@ -323,61 +383,66 @@ class SglangCapture(EngineCapture):
         self._handles.clear()
 
     # -- per step, on the host (the scheduler's thread) -----------------------------------------------------------
-    def _request(self, rid: str, req) -> list:
-        got = self._ids.get(rid)
+    def _request(self, req) -> tuple:
+        """``(ringscope id, opted in, first seen now)`` of a request: kept on SGLang's request object itself, so a
+        retracted request keeps its state and a new request reusing an old rid gets its own."""
+        got = getattr(req, "_ringscope", None)
         if got is not None:
-            got[2] = self.step
-            return got
+            return got[0], got[1], False
+        rid = req.rid
         sp = getattr(req, "sampling_params", None)
         custom = getattr(sp, "custom_params", None) if sp is not None else None
         extra = custom.get("ringscope") if isinstance(custom, dict) else None
         opted, explicit = _engine.opt_in(extra, "custom_params", self.pc.requests == "all", logger, rid,
                                          self._counters)
         rid_u = explicit if explicit is not None else request_id_of(rid)
-        self._ids[rid] = got = [rid_u, opted, self.step]
+        req._ringscope = (rid_u, opted)
         if opted:
             self._write_request({"request_id": rid_u, "sglang_rid": rid, "explicit": explicit is not None,
                                  "first_step": self.step})
-        if len(self._ids) > 65536:
-            # Forget requests not seen for a long time (finished ones), so that a long-serving engine's map stays
-            # as large as its live requests.
-            cut = self.step - 100_000
-            self._ids = {r: v for r, v in self._ids.items() if v[2] >= cut}
-        return got
+            self._captured[rid_u] = rid
+            if len(self._captured) > 65536:  # keep the newest half (insertion order): amortised O(1)
+                self._captured = dict(list(self._captured.items())[32768:])
+        return rid_u, opted, True
 
-    def _prepare(self, fb) -> None:
-        """Before a forward pass: the request id of every token row, in place."""
+    def _prepare(self, fb) -> bool:
+        """Before a forward pass: the request id of every token row, in place. Returns whether the pass counts as a
+        step (idle passes and speculative decoding's passes do not)."""
         import numpy as np
 
+        self._prepared = False
         if self._closed:
-            return
-        mode = fb.forward_mode
-        if mode.is_idle():
-            return
-        self._counters["steps"] += 1
+            return False
+        n = 0
         try:
+            mode = fb.forward_mode
+            if mode.is_idle():
+                return False
+            if mode.is_target_verify() or mode.is_split_prefill() or mode.is_dllm_extend() \
+                    or not (mode.is_extend() or mode.is_decode()):
+                self._counters["skipped_steps"] += 1  # speculative / split / diffusion passes: not captured
+                return False
+            self._counters["steps"] += 1
+            self._prepared = True
             rids = list(fb.rids or [])
             if mode.is_extend():  # EXTEND, and MIXED (extends and one-token decodes): rows per request
                 counts = np.asarray(fb.extend_seq_lens_cpu, dtype=np.int64)
                 prefix = list(fb.extend_prefix_lens_cpu)
-            elif mode.is_decode():
+            else:
                 counts = np.ones(len(rids), dtype=np.int64)
                 prefix = None
-            else:  # speculative decoding's passes: not captured
-                self._counters["skipped_steps"] += 1
-                return
             n = int(counts.sum())
             if self.disabled is not None:
                 self._lost(n)
-                return
+                return True
             reqs = getattr(fb, "_ringscope_reqs", None)
-            if reqs is not None and len(reqs) != len(rids):
-                reqs = None
+            if reqs is None or len(reqs) != len(rids) or [r.rid for r in reqs] != rids:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     "the forward batch's requests are not those of its rids (SGLang internals changed?)")
             self._step_reqs = reqs
             ids = np.empty(len(rids), dtype=np.int64)
-            for k, r in enumerate(rids):
-                new = r not in self._ids
-                rid, opted, _ = self._request(r, reqs[k] if reqs is not None else None)
+            for k, req in enumerate(reqs):
+                rid, opted, new = self._request(req)
                 ids[k] = rid if opted else -1
                 if new and opted and prefix is not None and int(prefix[k]) > 0:
                     # A request's first extend starts past position 0 only after a prefix-cache hit: tokens no
@@ -387,17 +452,18 @@ class SglangCapture(EngineCapture):
             padded = int(fb.positions.shape[0]) if getattr(fb, "positions", None) is not None else n
             self._counters["opted_out_rows"] += int((tok < 0).sum())
             self._counters["padding_rows"] += max(padded - n, 0)
-            buf = self._req_np
-            if padded > buf.shape[0]:
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"a forward pass of {padded} tokens, past the {buf.shape[0]} the plugin sized for")
-            buf[:n] = tok
-            buf[n:padded] = -1
+            self._grow(padded)
+            self._req_np[:n] = tok
+            self._req_np[n:padded] = -1
             self._active = True
         except Exception as e:  # never take the engine down
-            self._fail(e, "preparing the step")
+            self._fail(e, "preparing the step", n)
+        return self._prepared
 
     def _finish(self) -> None:
+        if not self._prepared:
+            return
+        self._prepared = False
         captured = self._active and self.disabled is None
         super()._finish()
         reqs, self._step_reqs = self._step_reqs, None
@@ -409,22 +475,23 @@ class SglangCapture(EngineCapture):
             self._fail(e, "applying the probes' stop flags")
 
     def _apply_stops(self, reqs) -> None:
-        """Ends the requests of the step just run that a probe with ``action = "stop"`` has flagged."""
-        from . import RingscopeError as _E
-
+        """Ends the requests of the step just run that a probe with ``action = "stop"`` has flagged. Waits up to
+        ``PROBE_WAIT_S`` for the probes to score the step; after a wait ran out, only 50 ms (the scheduler must not
+        stall behind a stuck consumer), counted in ``probe_wait_timeouts``."""
         try:
-            self.session.wait_probes(self.PROBE_WAIT_S)
-        except _E as e:
+            self.session.wait_probes(0.05 if self._counters["probe_wait_timeouts"] else self.PROBE_WAIT_S)
+        except RingscopeError as e:
             if e.status != "RS_ERR_TIMEOUT":
                 raise
             self._counters["probe_wait_timeouts"] += 1  # act on the flags raised so far
         step = self.step - 1
         for req in reqs:
-            got = self._ids.get(getattr(req, "rid", None))
-            if got is None or not got[1] or got[0] in self.stopped:
+            got = getattr(req, "_ringscope", None)
+            if got is None or not got[1] or getattr(req, "_ringscope_stopped", False):
                 continue
             if self.session.is_flagged(got[0]) and not req.finished() and req.to_finish is None:
                 req.to_finish = _probe_stop(got[0], step)
+                req._ringscope_stopped = True
                 self.stopped[got[0]] = step
                 self._counters["stopped_requests"] += 1
                 self._write_request({"request_id": got[0], "sglang_rid": req.rid, "stopped_after_step": step})
@@ -441,9 +508,7 @@ class SglangCapture(EngineCapture):
                 raise
         probes = [p["name"] for p in self.session.probe_stats()]
         with open(self.run_dir / SIDE_DIR / "probe_reports.jsonl", "w", encoding="utf-8") as f:
-            for rid, (request_id, opted, _) in self._ids.items():
-                if not opted:
-                    continue
+            for request_id, rid in self._captured.items():
                 for name in probes:
                     r = self.session.probe_request(name, request_id)
                     if r is not None:

@@ -241,6 +241,8 @@ class Attachment:
         self._tokens_hp: Optional[int] = None
         self._traced_tokens: Optional[torch.Tensor] = None
         self._rows_setting: "str | Sequence[int]" = "all"  # attach's `rows`, restored after a last-token capture
+        self._duplicate_ids = False  # the open eager step names one request on several batch rows
+        self._warned_last = False
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -481,8 +483,10 @@ class Attachment:
         positions = np.broadcast_to(pos.detach().to("cpu", torch.int64).numpy().reshape(-1, seq), (batch, seq))
         if self._open:
             self.session.end_step()
+            self._open = False
             self._keep.clear()
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        self._duplicate_ids = len(set(req.tolist())) != len(req)
         reqs, positions = np.repeat(req, seq), positions.reshape(-1)
         self._kept = None
         if keep is not None and not bool(keep.all()):
@@ -578,6 +582,7 @@ class Attachment:
             self._recorded_graph = True  # torch.compile's CUDA graphs (mode="reduce-overhead") record this step
         recording = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         self._begin_tensors(request_ids, positions)
+        alive = []  # filtered copies: read by a deferred capture when the step ends, so kept until then
         try:
             for x, hp in zip(captures, hookpoints):
                 if not recording:
@@ -588,6 +593,7 @@ class Attachment:
                     if x.shape[0] == 0:
                         continue
                     x = x.contiguous()
+                    alive.append(x)
                 _capture_now(x, self.session._h, hp, self._widths[hp])
         finally:
             self._end_tensors()
@@ -631,6 +637,16 @@ class Attachment:
             last = torch.arange(batch, device=self._kept.device) * seq + seq - 1
             rows = rows[torch.isin(last, self._kept).to(rows.device)]
         if rows.shape[0] == 0:
+            return
+        if rows.is_cuda and (isinstance(self._rows_setting, (list, tuple)) or self._duplicate_ids):
+            # A row list names batch rows a one-row-per-request source does not hold, and requests sharing rows
+            # have one last row between them: skipped (and said once) rather than misattributed.
+            if not self._warned_last:
+                import warnings
+                warnings.warn("ringscope attach: a site the model computed for each row's last token only (logits at a "
+                              "prefill) is not captured on the CUDA backend when attach selects a list of rows or rows "
+                              "share a request id", stacklevel=3)
+                self._warned_last = True
             return
         rows = rows.contiguous()
         self._keep.append(rows)
