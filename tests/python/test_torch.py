@@ -124,3 +124,22 @@ def test_bad_input_is_a_clear_python_exception():
     with pytest.raises(ringscope.RingscopeError) as e:
         rt.capture(torch.ones(2, 8), sink, session._h, hp, 8)
     assert e.value.status == "RS_ERR_CLOSED"
+
+
+def test_request_id_tensors_a_recorded_graph_reads_stay_alive_and_current():
+    """A graph recorded with a batch of up to 256 rows reads the attachment's request-id tensor at every replay. A
+    larger batch later gets a larger tensor: the old one must stay allocated (a replay would read freed memory) and
+    keep receiving the ids set afterwards (a replay would name stale requests)."""
+    model = tiny()
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session)
+    cpu = torch.device("cpu")
+    recorded = att._request_id_tensor(cpu, 2)  # what a graph recorded at batch 2 holds
+    att.set_request_ids(list(range(100, 400)), device=cpu)  # a 300-row batch: a larger tensor
+    assert att._request_id_tensor(cpu, 300).data_ptr() != recorded.data_ptr()
+    att.request_ids = [7, 8]
+    assert recorded.tolist() == [7, 8]
+    att.request_ids = None
+    assert recorded.tolist() == [0, 1]
+    att.detach()
+    session.close()

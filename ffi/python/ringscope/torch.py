@@ -212,6 +212,9 @@ class Attachment:
         # Request id per batch row as an int64 tensor per device, read by steps begun inside a CUDA graph or by a
         # compiled graph (see set_request_ids): updated in place, so recorded graphs never name stale requests.
         self._req_ids: Dict[torch.device, torch.Tensor] = {}
+        # Tensors replaced by larger ones (a larger batch came): graphs recorded earlier still read them, so they are
+        # kept alive and updated with the current ids too.
+        self._retired: List[torch.Tensor] = []
         self._request_ids: Optional[List[int]] = None
         self.step = 0
         self._handles: List = []
@@ -272,11 +275,13 @@ class Attachment:
                                  "attach: request ids were set while a CUDA graph is being recorded; set them before "
                                  "recording or between replays")
         new = _device_ids(self._request_ids) if ids is not None else None
-        for t in self._req_ids.values():
+        for t in self._id_tensors():
             if new is None:
                 t.copy_(torch.arange(t.numel(), dtype=torch.int64))
             elif new.numel() <= t.numel():  # a larger batch gets a new tensor at its first eager forward pass
                 t[:new.numel()].copy_(new)
+            else:  # a graph recorded with a smaller batch reads the first rows
+                t.copy_(new[:t.numel()])
 
     def set_request_ids(self, request_ids: Sequence[int], device=None) -> None:
         """Names the requests of the batch rows (one id per row), like setting ``request_ids``, and makes sure the
@@ -291,6 +296,10 @@ class Attachment:
         the graph (their replays make no host call). Call between replays."""
         self.session.apply_controls(stream)
 
+    def _id_tensors(self) -> List[torch.Tensor]:
+        """Every request-id tensor a recorded graph may read: the current one per device and the retired ones."""
+        return list(self._req_ids.values()) + self._retired
+
     def _request_id_tensor(self, device, batch: int) -> torch.Tensor:
         t = self._req_ids.get(device)
         if t is None or t.numel() < batch:
@@ -298,6 +307,8 @@ class Attachment:
                 _refuse_while_tracing("ids")
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_TOO_FEW_IDS} (a batch of {batch} rows)")
+            if t is not None:
+                self._retired.append(t)
             t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
             ids = self.request_ids if self.request_ids is not None else self._auto_ids
             if ids is not None and len(ids) <= t.numel():
@@ -322,9 +333,9 @@ class Attachment:
         self._auto_ids = list(range(self._next_id, self._next_id + batch))
         self._next_id += batch
         ids = _device_ids(self._auto_ids)
-        for t in self._req_ids.values():
-            if t.numel() >= batch:
-                t[:batch].copy_(ids)
+        for t in self._id_tensors():
+            n = min(batch, t.numel())
+            t[:n].copy_(ids[:n])
 
     def _mark_finished(self, rows) -> None:
         """Rows whose sequences ``generate`` ended (ProbeStoppingCriteria): left out of the steps that follow."""
