@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from engine_reference import assert_rows_match, mixed_step, reference  # noqa: E402,F401
 CONFIG = """
 [policy]
 mode = "full"
@@ -92,33 +94,6 @@ def request_ids(res: dict) -> list:
     return out
 
 
-def reference(model_dir, sequences):
-    """{(sequence index, hookpoint name): array [len, hidden]}: every layer's output (the residual stream after it,
-    before the final norm), attention and MLP outputs at every position of each token sequence, from the Hugging
-    Face model's own forward hooks."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    m = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
-    got = {}
-    cur = {}
-    for i, layer in enumerate(m.model.layers):
-        def hook(name):
-            def f(mod, args, out):
-                cur[name] = (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy()
-            return f
-        layer.register_forward_hook(hook(f"layers.{i}.resid"))
-        layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out"))
-        layer.mlp.register_forward_hook(hook(f"layers.{i}.mlp_out"))
-    with torch.no_grad():
-        for k, seq in enumerate(sequences):
-            cur.clear()
-            m(torch.tensor([seq]))
-            for name, v in cur.items():
-                got[(k, name)] = v
-    return got
-
-
 def check_rows(res: dict, dump: dict, rid: list, first: "list[int]"):
     """Every exported row equals the reference's row at its (request, position); each captured request's rows are
     exactly the positions the engine computed for it — ``first[k]`` (its prefix-cache hit) up to its last fed
@@ -137,24 +112,4 @@ def check_rows(res: dict, dump: dict, rid: list, first: "list[int]"):
                 continue
             rows = req == rid[k]
             order = np.argsort(pos[rows])
-            a = act[rows][order]
-            b = ref[(k, name)][first[k]:]
-            assert a.shape == b.shape, (name, k)
-            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
-            assert err.max() < 1e-4, (name, k, err.max())
-            if len(b) > 1:  # the check tells rows apart: a neighbouring position's row is far off
-                off = np.linalg.norm(a[1:] - b[:-1], axis=1) / np.linalg.norm(b[:-1], axis=1)
-                assert off.min() > 1e-2, (name, k, off.min())
-
-
-def mixed_step(dump: dict, prompt_lens: "dict[int, int]") -> bool:
-    """Whether some step holds a decode row of one request and a prefill row of another."""
-    cols = dump["layers.0.resid"]
-    for step in np.unique(cols["step"]):
-        m = cols["step"] == step
-        decode, prefill = set(), set()
-        for r, p in zip(cols["request_id"][m].tolist(), cols["position"][m].tolist()):
-            (decode if p >= prompt_lens[r] else prefill).add(r)
-        if decode and prefill and decode != prefill:
-            return True
-    return False
+            assert_rows_match(act[rows][order], ref[(k, name)][first[k]:], (name, k))

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from engine_reference import assert_rows_match, hf_model, mixed_step, reference  # noqa: E402,F401
 SITES = {"resid": "residual", "attn_out": "attention_output", "mlp_out": "mlp_output"}
 CONFIG = """
 [policy]
@@ -70,39 +72,7 @@ def eager_all(engines):
     return engines("eager_all", "eager", "all")
 
 
-# -- the independent reference -------------------------------------------------------------------------------------
-
-def hf_model(model_dir):
-    """The checkpoint the engine served, loaded by Hugging Face transformers (its own Llama code)."""
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype="float32").eval()
-
-
-def reference(model_dir, sequences):
-    """{(sequence index, hookpoint name): array [len, hidden]}: every layer's residual stream, attention and MLP
-    outputs at every position of each token sequence, from the Hugging Face model's own forward hooks."""
-    import torch
-
-    m = hf_model(model_dir)
-    got = {}
-    cur = {}
-    for i, layer in enumerate(m.model.layers):
-        def hook(name):
-            def f(mod, args, out):
-                cur[name] = (out[0] if isinstance(out, tuple) else out)[0].detach().numpy().copy()
-            return f
-        layer.register_forward_hook(hook(f"layers.{i}.resid"))
-        layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out"))
-        layer.mlp.register_forward_hook(hook(f"layers.{i}.mlp_out"))
-    with torch.no_grad():
-        for k, seq in enumerate(sequences):
-            cur.clear()
-            m(torch.tensor([seq]))
-            for name, v in cur.items():
-                got[(k, name)] = v
-    return got
-
+# -- the independent reference (tests/engine_reference.py, shared with the SGLang tests) -----------------------------
 
 def check_capture(res: dict, captured_requests: "list[int]"):
     """Every exported row equals the reference's row of its (request, position); the rows are exactly those of the
@@ -129,15 +99,7 @@ def check_capture(res: dict, captured_requests: "list[int]"):
         for k in captured_requests:
             rows = req == rid[k]
             order = np.argsort(pos[rows])
-            a = act[rows][order]
-            b = ref[(k, name)]
-            assert a.shape == b.shape
-            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
-            assert err.max() < 1e-4, (name, k, err.max())
-            # The check can tell rows apart: a neighbouring position's row is far off.
-            if len(b) > 1:
-                off = np.linalg.norm(a[1:] - b[:-1], axis=1) / np.linalg.norm(b[:-1], axis=1)
-                assert off.min() > 1e-2, (name, k, off.min())
+            assert_rows_match(act[rows][order], ref[(k, name)], (name, k))
     # Accounting: every row produced was exported or counted as dropped.
     (closed,) = res["closed"]
     s = closed["session"]
@@ -169,18 +131,3 @@ def request_ids(res: dict) -> list:
             assert x["explicit"] and x["request_id"] == e["request_id"]
         out.append(None if x is None else x["request_id"])
     return out
-
-
-def mixed_step(dump: dict, prompt_lens: "dict[int, int]") -> bool:
-    """Whether some step holds a decode row of one request and a prefill row of another (continuous batching)."""
-    cols = dump["layers.0.resid"]
-    for step in np.unique(cols["step"]):
-        m = cols["step"] == step
-        kinds = set()
-        for r, p in zip(cols["request_id"][m].tolist(), cols["position"][m].tolist()):
-            kinds.add((r, "decode" if p >= prompt_lens[r] else "prefill"))
-        reqs_decode = {r for r, k in kinds if k == "decode"}
-        reqs_prefill = {r for r, k in kinds if k == "prefill"}
-        if reqs_decode and reqs_prefill and reqs_decode != reqs_prefill:
-            return True
-    return False

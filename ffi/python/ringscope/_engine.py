@@ -354,6 +354,21 @@ class EngineCapture:
         return self._closed_stats
 
 
+def close_live(live: list, logger) -> list:
+    """Closes every capture in ``live`` (a plugin's list of live captures; each removes itself when it closes), even
+    when one fails to; returns their results."""
+    out = []
+    while live:
+        cap = live[0]
+        try:
+            out.append(cap.close())
+        except Exception:
+            logger.exception("ringscope: closing the session failed")
+        if live and live[0] is cap:
+            live.pop(0)
+    return out
+
+
 def first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 

@@ -431,16 +431,7 @@ def captures() -> List[VllmCapture]:
 
 def close_all() -> list:
     """Closes every capture of this process (also run at exit); returns their results."""
-    out = []
-    while _LIVE:
-        cap = _LIVE[0]
-        try:
-            out.append(cap.close())
-        except Exception:
-            logger.exception("ringscope: closing the session failed")
-        if _LIVE and _LIVE[0] is cap:
-            _LIVE.pop(0)
-    return out
+    return _engine.close_live(_LIVE, logger)
 
 
 atexit.register(close_all)
