@@ -488,6 +488,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         const bool scan = c.mode == ROW_LIST || (c.mode == ROW_LAST_PER_REQUEST && !m.g.on);
         Plan p;
         p.rows = c.mode == ROW_ALL ? bound : c.mode == ROW_LAST_PER_REQUEST && m.g.on ? bound / m.g.seq : 0;
+        // A last-rows source holds src_rows rows, whatever the batch (the host refuses one in a graph-begun step;
+        // this keeps the kernel within the source on its own).
+        if (last_rows && m.g.on) p.rows = min(p.rows, e.src_rows & ~SRC_LAST_ROWS);
         p.pad = bound;  // kept for the list scan
         p.last = last_rows;
         p.vec = ((e.src | e.row_bytes) & 15) == 0;
