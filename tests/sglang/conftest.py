@@ -15,10 +15,18 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from engine_reference import assert_rows_match, mixed_step, reference  # noqa: E402,F401
+#: "cpu", or "cuda" (tests/sglang/run_cuda.sh): the engine's device; see engine.py.
+DEVICE = os.environ.get("RINGSCOPE_SGLANG_TEST_DEVICE", "cpu")
+#: On CUDA the plugin records its steps into SGLang's CUDA graphs: best-effort mode (full mode is refused there).
+MODE = "full" if DEVICE == "cpu" else "best_effort"
+#: Captured rows equal the reference within this (relative): exact float32 on CPU; on CUDA the reference runs on the
+#: CPU and SGLang's triton attention multiplies in TF32.
+TOLERANCE = 1e-4 if DEVICE == "cpu" else 5e-3
+NO_REQUEST = 2**64 - 1
 CONFIG = """
 [policy]
-mode = "full"
-[export]
+mode = "MODE"
+""".replace("MODE", MODE) + """[export]
 parquet = true
 dir = "{dir}"
 run_id = "run"
@@ -39,7 +47,8 @@ def run_engine(tmp_root: pathlib.Path, name: str, scenario: str, config: "str | 
         return _cache[name]
     out = tmp_root / name
     out.mkdir(parents=True, exist_ok=True)
-    e = {k: v for k, v in os.environ.items() if not k.startswith("RINGSCOPE_SGLANG_")}
+    keep = ("RINGSCOPE_SGLANG_TEST_DEVICE", "RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA")  # run_cuda.sh's
+    e = {k: v for k, v in os.environ.items() if not k.startswith("RINGSCOPE_SGLANG_") or k in keep}
     if config is not None:
         cfg = out / "ringscope.toml"
         cfg.write_text(config.format(dir=out / "dump", requests=requests, extra=extra))
@@ -101,9 +110,16 @@ def check_rows(res: dict, dump: dict, rid: list, first: "list[int]"):
     reqs = res["requests"]
     seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
     ref = reference(pathlib.Path(res["out"]) / "model", seqs)
+    worst = 0.0
     for name, cols in dump.items():
         act, req, pos = cols["activation"], cols["request_id"], cols["position"]
         assert cols["dtype"] == "f32" and act.shape[1] == 64
+        # Rows of no request: on CUDA, the padding rows of SGLang's graph replays (and rows of requests not captured)
+        # are exported as computed with request id NO_REQUEST, never attributed; on CPU there are none.
+        none = req.astype(np.uint64) == np.uint64(NO_REQUEST)
+        if DEVICE == "cpu":
+            assert not none.any(), name
+        act, req, pos = act[~none], req[~none], pos[~none]
         want = sorted((rid[k], p) for k in range(len(reqs)) if rid[k] is not None
                       for p in range(first[k], len(seqs[k])))
         assert sorted(zip(req.tolist(), pos.tolist())) == want, name
@@ -112,4 +128,6 @@ def check_rows(res: dict, dump: dict, rid: list, first: "list[int]"):
                 continue
             rows = req == rid[k]
             order = np.argsort(pos[rows])
-            assert_rows_match(act[rows][order], ref[(k, name)][first[k]:], (name, k))
+            worst = max(worst, assert_rows_match(act[rows][order], ref[(k, name)][first[k]:], (name, k), TOLERANCE))
+    print(f"check_rows: worst relative error {worst:.2e} (tolerance {TOLERANCE:g}, device {DEVICE})")
+    return worst

@@ -12,7 +12,8 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+if os.environ.get("RINGSCOPE_SGLANG_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 PREFIX = [(7 * i + 11) % 250 + 3 for i in range(64)]
 # Phase 1 of "main" and "plain": three concurrent requests of different lengths; the second names its ringscope id.
@@ -40,14 +41,23 @@ def make_model(path: str) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
 
 
+#: "cpu" (CI), or "cuda" (RINGSCOPE_SGLANG_TEST_DEVICE=cuda, tests/sglang/run_cuda.sh): SGLang's CUDA graphs on
+#: (decode graphs up to batch 8, and its default breakable prefill graphs), triton attention.
+DEVICE = os.environ.get("RINGSCOPE_SGLANG_TEST_DEVICE", "cpu")
+
+
 def start(model_dir: str, chunked: bool):
     import sglang as sgl
 
-    return sgl.Engine(model_path=model_dir, load_format="auto", skip_tokenizer_init=True, device="cpu",
-                      dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
-                      disable_overlap_schedule=True, mem_fraction_static=0.5, max_total_tokens=4096,
-                      max_running_requests=8, chunked_prefill_size=16 if chunked else -1,
-                      enable_mixed_chunk=chunked, random_seed=0, log_level="warning")
+    common = dict(model_path=model_dir, load_format="auto", skip_tokenizer_init=True, dtype="float32",
+                  disable_overlap_schedule=True, max_total_tokens=4096, max_running_requests=8,
+                  chunked_prefill_size=16 if chunked else -1, enable_mixed_chunk=chunked, random_seed=0,
+                  log_level="warning")
+    if DEVICE == "cuda":
+        return sgl.Engine(device="cuda", attention_backend="triton", sampling_backend="pytorch",
+                          mem_fraction_static=0.2, cuda_graph_max_bs_decode=8, **common)
+    return sgl.Engine(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                      mem_fraction_static=0.5, **common)
 
 
 def generate(engine, reqs, result):

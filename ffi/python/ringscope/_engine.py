@@ -178,10 +178,25 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
     return [(f"layers.{i}.{SITES[site]}", site, i) for i in chosen for site in sites]
 
 
-def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int) -> dict:
+def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False) -> dict:
     """The session's configuration: the user's, with the planned hookpoints declared (the user's entries for the
-    same names are kept after checking their dtype and width)."""
+    same names are kept after checking their dtype and width). ``cuda``: the model is on a CUDA device, where the
+    capture ops are recorded into the engine's CUDA graphs (steps begun on the device, :meth:`Session.begin_step_graph`):
+    ``ring.backend`` defaults to ``"cuda"`` and ``policy.mode`` to ``"best_effort"``, and other values are refused."""
     cfg = json.loads(json.dumps(pc.session_config))  # deep copy
+    if cuda:
+        ring = cfg.setdefault("ring", {})
+        policy = cfg.setdefault("policy", {})
+        if not isinstance(ring, dict) or not isinstance(policy, dict):
+            raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: [ring] and [policy] must be tables")
+        ring.setdefault("backend", "cuda")
+        policy.setdefault("mode", "best_effort")
+        if ring["backend"] != "cuda" or policy["mode"] != "best_effort":
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"{pc.source}: the model is on a CUDA device, where the engine replays CUDA graphs "
+                                 f"that begin their steps on the device: this needs ring.backend = \"cuda\" and "
+                                 f"policy.mode = \"best_effort\" (got ring.backend = {ring['backend']!r}, "
+                                 f"policy.mode = {policy['mode']!r}; leave them out to get these)")
     declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
     for name, site, i in planned:
         h = declared.get(name)
@@ -219,6 +234,9 @@ class EngineCapture:
         self._rows = 0
         self._closed_stats = None
         self._closed = False
+        # CUDA: the capture ops are recorded into the engine's CUDA graphs (and run eagerly otherwise) with the step
+        # begun on the device from the request-id buffer and the model's positions; set by the plugin.
+        self.cuda = (cfg.get("ring") or {}).get("backend") == "cuda"
         export = cfg.get("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]
@@ -263,8 +281,16 @@ class EngineCapture:
         self.step += 1
 
     # -- inside the forward pass (op bodies) ----------------------------------------------------------------------
+    def live(self) -> bool:
+        """Whether the capture ops do anything now: inside a forward pass the plugin prepared, or (CUDA) while the
+        engine records a CUDA graph — the ops are recorded, and every replay runs them. The engine's eager warm-up
+        passes around a recording capture nothing (they would begin steps of no request)."""
+        if self.disabled is not None or self._closed:
+            return False
+        return self._active or (self.cuda and _recording())
+
     def _guard(self, fn, *args) -> None:
-        if self.disabled is not None or not self._active:
+        if not self.live():
             return
         try:
             fn(*args)
@@ -274,6 +300,12 @@ class EngineCapture:
     def _fail(self, e: BaseException, where: str, rows: int = 0) -> None:
         """Capture is off from now on (the engine goes on): logged, and the ``rows`` of the step it happened in that
         were not captured counted as lost."""
+        if self.cuda and _recording():
+            # Half a step recorded into a CUDA graph would run at every replay: fail the recording (the engine's
+            # start) instead, naming what went wrong.
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"ringscope: error while {where} during CUDA graph capture: {type(e).__name__}: "
+                                 f"{e}") from e
         if self.disabled is None:
             self.disabled = f"{where}: {type(e).__name__}: {e}"
             self.logger.exception("ringscope: error while %s at step %d; capture is off for the rest of the run (the "
@@ -285,9 +317,30 @@ class EngineCapture:
                     self.session.end_step()
                 except Exception:
                     pass
+            if self.cuda:
+                # The engine's recorded CUDA graphs still run the capture kernels at every replay, with request ids
+                # nobody updates any more: every hookpoint is switched off on the device, in stream order.
+                try:
+                    for hp in self.hookpoints.values():
+                        self.session.set_enabled(hp, False)
+                    self.session.apply_controls()
+                except Exception:
+                    self.logger.exception("ringscope: switching the hookpoints off on the device failed")
         self._active = False
 
     def _begin(self, request_ids, positions) -> None:
+        if self.cuda:
+            # Begun on the device, from the request-id buffer (-1: a row of no request — padding, or a request not
+            # captured — exported as computed, never attributed) and the model's positions, one token per row:
+            # recorded into a CUDA graph being captured, or run eagerly. No host synchronisation either way.
+            import torch
+
+            stream = torch.cuda.current_stream(positions.device).cuda_stream
+            self.session.begin_step_graph(request_ids, positions.reshape(-1, 1), stream=stream)
+            self._open = True
+            self._sel = None
+            self._rows = request_ids.shape[0]
+            return
         import numpy as np
 
         ids = request_ids.numpy()
@@ -308,6 +361,12 @@ class EngineCapture:
 
     def _capture(self, x, hookpoint: int) -> None:
         if not self._open:
+            return
+        if self.cuda:
+            import torch
+
+            self.session.capture_device(hookpoint, x.data_ptr(), x.shape[0],
+                                        torch.cuda.current_stream(x.device).cuda_stream)
             return
         from . import _check, _load
 
@@ -380,6 +439,13 @@ def model_dtype(param) -> str:
     if dt is None:
         raise RingscopeError("RS_ERR_CONFIG", f"parameters of dtype {param.dtype} are not supported")
     return dt
+
+
+def _recording() -> bool:
+    """Whether a CUDA graph is being recorded on the current stream."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_cpu(device, plugin: str, engine: str, env: str) -> None:

@@ -57,8 +57,13 @@ run and counts the steps and rows it did not capture from then on (``lost_steps`
 passes × hookpoints). Forward passes of other modes (speculative decoding's verify passes, split prefills) capture
 nothing and are counted (``skipped_steps``); a draft model's runner captures nothing.
 
-CPU only for now (verified with SGLang 0.5.23 on CPU, eager, without the overlap scheduler); on a CUDA device, with
-``enable_torch_compile``, or with tensor or pipeline parallelism the plugin refuses to load, naming why. With SGLang's
+Verified with SGLang 0.5.23 on CPU (eager, without the overlap scheduler). With ``enable_torch_compile``, or with tensor
+or pipeline parallelism the plugin refuses to load, naming why. On a CUDA device it refuses too, unless
+``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``: the CUDA path — the same capture ops, recorded into SGLang's CUDA graphs
+(decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
+(updated before every forward pass; padding rows and rows of requests not captured are exported as rows of no
+request, ``NO_REQUEST``, never attributed), the CUDA ring in best-effort mode — reached SGLang's graph capture on an
+H200 but has not yet run end to end there (tests/sglang/run_cuda.sh is the test). With SGLang's
 overlap scheduler (its default) a stop probe's request can end one token off from the step above.
 """
 
@@ -82,6 +87,9 @@ logger = logging.getLogger("ringscope.sglang")
 
 ENV_CONFIG = "RINGSCOPE_SGLANG_CONFIG"
 ENV_DISABLE = "RINGSCOPE_SGLANG_DISABLE"
+#: Opt-in for the CUDA path (capture ops recorded into SGLang's CUDA graphs), which has not yet run end to end on a
+#: GPU: without it a model on a CUDA device is refused.
+ENV_CUDA = "RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA"
 #: SGLang versions the plugin's hooks were written and tested against (its internals move between releases).
 SUPPORTED_SGLANG = ("0.5.23",)
 #: Model classes whose decoder layers are ``layer(positions, hidden_states, forward_batch)`` with ``self_attn`` and
@@ -134,6 +142,19 @@ def register() -> None:
         _patch()
         _registered = True
         logger.info("ringscope: SGLang plugin registered (config %s)", os.environ[ENV_CONFIG])
+
+
+def check_device(device) -> None:
+    """CPU; or CUDA with :data:`ENV_CUDA` set (the experimental CUDA path). Anything else is a clear error."""
+    if device.type == "cuda":
+        if not _truthy(ENV_CUDA):
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.sglang: the model is on {device}: the plugin's CUDA path (its capture ops "
+                                 "recorded into SGLang's CUDA graphs) is experimental — it has not yet run end to end "
+                                 f"on a GPU; set {ENV_CUDA}=1 to use it anyway, or unset {ENV_CONFIG} to serve without "
+                                 "ringscope")
+        return
+    _engine.check_cpu(device, "ringscope.sglang", "SGLang", ENV_CONFIG)
 
 
 def _wrapped(fn, wrapper):
@@ -273,7 +294,7 @@ class SglangCapture(EngineCapture):
                                  f"{pc.source}: sglang.layers names layer(s) {bad} but {arch} has {n} decoder layers "
                                  f"(0..{n - 1})")
         param = next(model.parameters())
-        _engine.check_cpu(param.device, "ringscope.sglang", "SGLang", ENV_CONFIG)
+        check_device(param.device)
         dt = _engine.model_dtype(param)
         return cls(runner, model, decoder, layers, chosen, pc, dt, model.config.hidden_size)
 
@@ -285,7 +306,8 @@ class SglangCapture(EngineCapture):
         # Captured requests, for the probes' reports at close: ringscope id -> SGLang rid (bounded, oldest dropped).
         self._captured: Dict[int, str] = {}
         planned = _engine.planned_hookpoints(chosen, pc.sites)
-        cfg = _engine.session_config(pc, planned, dt, hidden)
+        cuda = next(model.parameters()).device.type == "cuda"
+        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda)
         export = cfg.setdefault("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             export.setdefault("run_id", _default_run_id())
@@ -302,22 +324,35 @@ class SglangCapture(EngineCapture):
         decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=self._device),
                                 persistent=False)
         self._decoder = weakref.ref(decoder)
-        self._grow(max(int(getattr(runner.server_args, "max_prefill_tokens", 0) or 0), 8192))
+        # CUDA: every request-id buffer a recorded graph may read (replays read them at fixed addresses), pinned
+        # staging slots for their host-to-device updates, and how much of them holds ids (the rest holds -1).
+        self._req_bufs: List = []
+        self._stage: List = []
+        self._dirty = 0
+        sa = runner.server_args
+        self._grow(max(int(getattr(sa, "max_prefill_tokens", 0) or 0), int(getattr(sa, "chunked_prefill_size", 0) or 0),
+                       8192))
         self._handles = []
         key = self.key
         keep: List = []
 
-        # The hooks run in SGLang's eager forward pass (torch.compile is refused): they do nothing unless the step is
-        # being captured, and an error in them switches capture off instead of failing the engine.
+        # The hooks run in SGLang's eager forward passes (torch.compile is refused) and, on CUDA, while SGLang records
+        # its CUDA graphs (the ops are recorded; replays run them with no Python). They do nothing unless the step is
+        # being captured or a graph recorded, and an error in them switches capture off instead of failing the
+        # engine (while recording, it fails the recording: half a step must not be replayed).
         def begin_hook(module, args, kwargs):
-            if not self._active or self.disabled is not None:
+            if not self.live():
                 return
             try:
                 positions = kwargs.get("positions", args[0] if args else None)
                 hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
                 nt = hs.shape[0]
                 keep.clear()
-                begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
+                pos = positions.reshape(-1)[:nt]
+                if pos.dtype != torch.int64:
+                    pos = pos.to(torch.int64)
+                    keep.append(pos)
+                begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], pos, key)
             except Exception as e:
                 self._fail(e, "beginning the step", self._rows)
 
@@ -327,7 +362,7 @@ class SglangCapture(EngineCapture):
             hp = self.hookpoints[name]
 
             def hook(module, args, kwargs, output):
-                if not self._open or self.disabled is not None:
+                if not self._open or not self.live():
                     return
                 try:
                     x = pick(output, args, kwargs).reshape(-1, hidden).contiguous()
@@ -353,7 +388,7 @@ class SglangCapture(EngineCapture):
             self._handles.append(target.register_forward_hook(site_hook(name, pick), with_kwargs=True))
 
         def end_hook(module, args, output):
-            if not self._active or self.disabled is not None:
+            if not self.live():
                 return
             try:
                 end_op(decoder._ringscope_sink, list(keep), key)
@@ -362,20 +397,55 @@ class SglangCapture(EngineCapture):
             keep.clear()
 
         self._handles.append(layers[len(layers) - 1].register_forward_hook(end_hook))
+        if self.cuda:
+            # The hookpoints' controls on the device before SGLang records its graphs (which read them at replay).
+            self.session.apply_controls()
+            torch.cuda.current_stream(self._device).synchronize()
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s", len(planned),
                     ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers")
 
     def _grow(self, rows: int) -> None:
-        """The request-id buffer (a buffer of the decoder), at least ``rows`` long."""
+        """The request-id buffer (a buffer of the decoder), at least ``rows`` long. On CUDA a replaced buffer stays
+        alive and keeps receiving the ids: graphs recorded earlier read it."""
         import torch
 
         decoder = self._decoder()
         buf = getattr(decoder, "_ringscope_req", None)
         if buf is not None and buf.shape[0] >= rows:
             return
-        decoder.register_buffer("_ringscope_req", torch.full((max(rows, 2 * (0 if buf is None else buf.shape[0])),), -1,
-                                                             dtype=torch.int64, device=self._device), persistent=False)
-        self._req_np = decoder._ringscope_req.numpy()
+        size = max(rows, 2 * (0 if buf is None else buf.shape[0]))
+        decoder.register_buffer("_ringscope_req", torch.full((size,), -1, dtype=torch.int64, device=self._device),
+                                persistent=False)
+        if self.cuda:
+            self._req_bufs.append(decoder._ringscope_req)
+            self._stage = [[torch.full((size,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]
+            self._stage_next = 0
+            self._dirty = size  # a new buffer: all of every buffer is written next time
+        else:
+            self._req_np = decoder._ringscope_req.numpy()
+
+    def _upload(self, tok, n: int) -> None:
+        """CUDA: the request ids of the next forward pass's ``n`` token rows into every request-id buffer, and -1
+        after them as far as earlier ids went, on the engine's current stream (stream-ordered before the forward
+        pass or graph replay). Through pinned staging slots, each reused only once its last copy has run."""
+        import torch
+
+        m = min(max(n, self._dirty), self._req_bufs[-1].shape[0])
+        slot = self._stage[self._stage_next]
+        self._stage_next = (self._stage_next + 1) % len(self._stage)
+        if slot[1] is not None:
+            slot[1].synchronize()  # that slot's copy (4 steps ago) has run: nearly always already done
+        host = slot[0].numpy()
+        host[:n] = tok
+        host[n:m] = -1
+        src = slot[0]
+        for buf in self._req_bufs:
+            k = min(m, buf.shape[0])
+            buf[:k].copy_(src[:k], non_blocking=True)
+        ev = slot[1] or torch.cuda.Event()
+        ev.record()
+        slot[1] = ev
+        self._dirty = n
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
@@ -453,8 +523,18 @@ class SglangCapture(EngineCapture):
             self._counters["opted_out_rows"] += int((tok < 0).sum())
             self._counters["padding_rows"] += max(padded - n, 0)
             self._grow(padded)
-            self._req_np[:n] = tok
-            self._req_np[n:padded] = -1
+            if self.cuda:
+                # Control changes (the policy manager's, set_enabled, ...) reach the recorded graphs between replays:
+                # a no-op unless one changed.
+                self.session.apply_controls()
+                self._upload(tok, n)
+                # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the
+                # device's step numbers follow self.step; rows of no request are exported as such, not attributed.
+                self._counters["steps_captured"] += 1
+                self._counters["rows_exported_requested"] += int((tok >= 0).sum()) * len(self.hookpoints)
+            else:
+                self._req_np[:n] = tok
+                self._req_np[n:padded] = -1
             self._active = True
         except Exception as e:  # never take the engine down
             self._fail(e, "preparing the step", n)
