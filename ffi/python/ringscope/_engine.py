@@ -219,7 +219,8 @@ class EngineCapture:
     COUNTERS = ("steps", "steps_captured", "rows_exported_requested", "padding_rows", "opted_out_rows", "lost_steps",
                 "lost_rows", "bad_extra_args", "cached_requests", "cached_rows")
 
-    def __init__(self, pc: PluginConfig, cfg: dict, planned: list, rank: int, side_dir: str, logger):
+    def __init__(self, pc: PluginConfig, cfg: dict, planned: list, rank: int, side_dir: str, logger,
+                 cuda: bool = False):
         from . import Session
 
         self.pc = pc
@@ -235,8 +236,8 @@ class EngineCapture:
         self._closed_stats = None
         self._closed = False
         # CUDA: the capture ops are recorded into the engine's CUDA graphs (and run eagerly otherwise) with the step
-        # begun on the device from the request-id buffer and the model's positions; set by the plugin.
-        self.cuda = (cfg.get("ring") or {}).get("backend") == "cuda"
+        # begun on the device from the request-id buffer and the model's positions (see session_config).
+        self.cuda = cuda
         export = cfg.get("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]

@@ -311,7 +311,7 @@ class SglangCapture(EngineCapture):
         export = cfg.setdefault("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             export.setdefault("run_id", _default_run_id())
-        super().__init__(pc, cfg, planned, 0, SIDE_DIR, logger)
+        super().__init__(pc, cfg, planned, 0, SIDE_DIR, logger, cuda=cuda)
         _LIVE.append(self)
         # Probes with action = "stop": after each forward pass the plugin waits for the probes to score its rows and
         # ends the requests they flagged (SGLang keeps the token just generated and finishes the request).
