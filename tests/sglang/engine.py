@@ -41,6 +41,7 @@ def make_model(path: str) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(path)
 
 
+#: RINGSCOPE_SGLANG_TEST_OVERLAP=1: with SGLang's overlap scheduler (its default), else without it.
 #: "cpu" (CI), or "cuda" (RINGSCOPE_SGLANG_TEST_DEVICE=cuda, tests/sglang/run_cuda.sh): SGLang's CUDA graphs on
 #: (decode graphs up to batch 8, and its default breakable prefill graphs), triton attention.
 DEVICE = os.environ.get("RINGSCOPE_SGLANG_TEST_DEVICE", "cpu")
@@ -50,7 +51,8 @@ def start(model_dir: str, chunked: bool):
     import sglang as sgl
 
     common = dict(model_path=model_dir, load_format="auto", skip_tokenizer_init=True, dtype="float32",
-                  disable_overlap_schedule=True, max_total_tokens=4096, max_running_requests=8,
+                  disable_overlap_schedule=os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") != "1",
+                  max_total_tokens=4096, max_running_requests=8,
                   chunked_prefill_size=16 if chunked else -1, enable_mixed_chunk=chunked, random_seed=0,
                   log_level="warning")
     if DEVICE == "cuda":

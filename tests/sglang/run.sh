@@ -57,3 +57,7 @@ else
   export PYTHONPATH="$stub${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$py" -m pytest -q -p no:cacheprovider tests/sglang "$@"
+# Again with SGLang's overlap scheduler (its default: the next batch is scheduled while the current one runs); the
+# first pass runs without it.
+echo "== again with SGLang's overlap scheduler"
+RINGSCOPE_SGLANG_TEST_OVERLAP=1 "$py" -m pytest -q -p no:cacheprovider tests/sglang -k "not unsupported" "$@"

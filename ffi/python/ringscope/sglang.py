@@ -57,14 +57,14 @@ run and counts the steps and rows it did not capture from then on (``lost_steps`
 passes × hookpoints). Forward passes of other modes (speculative decoding's verify passes, split prefills) capture
 nothing and are counted (``skipped_steps``); a draft model's runner captures nothing.
 
-Verified with SGLang 0.5.23 on CPU (eager, without the overlap scheduler). With ``enable_torch_compile``, or with tensor
-or pipeline parallelism the plugin refuses to load, naming why. On a CUDA device it refuses too, unless
+Verified with SGLang 0.5.23 on CPU (eager; with and without its overlap scheduler). With ``enable_torch_compile``, or
+with tensor or pipeline parallelism the plugin refuses to load, naming why. On a CUDA device it refuses too, unless
 ``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``: the CUDA path — the same capture ops, recorded into SGLang's CUDA graphs
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
 (updated before every forward pass; padding rows and rows of requests not captured are exported as rows of no
 request, ``NO_REQUEST``, never attributed), the CUDA ring in best-effort mode — reached SGLang's graph capture on an
-H200 but has not yet run end to end there (tests/sglang/run_cuda.sh is the test). With SGLang's
-overlap scheduler (its default) a stop probe's request can end one token off from the step above.
+H200 but has not yet run end to end there (tests/sglang/run_cuda.sh is the test). With SGLang's overlap scheduler
+(its default) the next batch may be scheduled before a stop flag is read: a stopped request can get one more token.
 """
 
 import atexit
