@@ -178,11 +178,14 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
     return [(f"layers.{i}.{SITES[site]}", site, i) for i in chosen for site in sites]
 
 
-def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False) -> dict:
+def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
+                   max_rows: int = 0) -> dict:
     """The session's configuration: the user's, with the planned hookpoints declared (the user's entries for the
     same names are kept after checking their dtype and width). ``cuda``: the model is on a CUDA device, where the
     capture ops are recorded into the engine's CUDA graphs (steps begun on the device, :meth:`Session.begin_step_graph`):
-    ``ring.backend`` defaults to ``"cuda"`` and ``policy.mode`` to ``"best_effort"``, and other values are refused."""
+    ``ring.backend`` defaults to ``"cuda"`` and ``policy.mode`` to ``"best_effort"``, and other values are refused;
+    ``ring.max_batch_rows`` defaults to ``max_rows`` (the most token rows of one forward pass), and a smaller value is
+    refused (a larger pass would switch capture off)."""
     cfg = json.loads(json.dumps(pc.session_config))  # deep copy
     if cuda:
         ring = cfg.setdefault("ring", {})
@@ -197,6 +200,12 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
                                  f"that begin their steps on the device: this needs ring.backend = \"cuda\" and "
                                  f"policy.mode = \"best_effort\" (got ring.backend = {ring['backend']!r}, "
                                  f"policy.mode = {policy['mode']!r}; leave them out to get these)")
+        if max_rows:
+            ring.setdefault("max_batch_rows", max_rows)
+            if not isinstance(ring["max_batch_rows"], int) or ring["max_batch_rows"] < max_rows:
+                raise RingscopeError("RS_ERR_CONFIG",
+                                     f"{pc.source}: ring.max_batch_rows = {ring['max_batch_rows']!r}, but a forward "
+                                     f"pass of this engine can hold {max_rows} token rows: raise it, or leave it out")
     declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
     for name, site, i in planned:
         h = declared.get(name)
@@ -320,7 +329,13 @@ class EngineCapture:
                     pass
             if self.cuda:
                 # The engine's recorded CUDA graphs still run the capture kernels at every replay, with request ids
-                # nobody updates any more: every hookpoint is switched off on the device, in stream order.
+                # nobody updates any more: every hookpoint is switched off on the device, in stream order, and the
+                # request-id buffers are cleared (no row attributed, should switching off fail).
+                try:
+                    for buf in getattr(self, "_req_bufs", ()):
+                        buf.fill_(-1)
+                except Exception:
+                    self.logger.exception("ringscope: clearing the request-id buffers failed")
                 try:
                     for hp in self.hookpoints.values():
                         self.session.set_enabled(hp, False)

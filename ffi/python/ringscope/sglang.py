@@ -62,8 +62,11 @@ with tensor or pipeline parallelism the plugin refuses to load, naming why. On a
 ``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``: the CUDA path — the same capture ops, recorded into SGLang's CUDA graphs
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
 (updated before every forward pass; padding rows and rows of requests not captured are exported as rows of no
-request, ``NO_REQUEST``, never attributed), the CUDA ring in best-effort mode — reached SGLang's graph capture on an
-H200 but has not yet run end to end there (tests/sglang/run_cuda.sh is the test). With SGLang's overlap scheduler
+request, ``NO_REQUEST``, never attributed; so ``requests = "opt_in"``, speculative decoding and diffusion models are
+refused there), the CUDA ring in best-effort mode — reached SGLang's graph capture on an H200 but has not yet run end
+to end there (tests/sglang/run_cuda.sh is the test). On CUDA the session must close only once the engine stops
+replaying its graphs (``Engine.shutdown`` does that with no requests in flight): the recorded kernels write into the
+session's device memory. With SGLang's overlap scheduler
 (its default) the next batch may be scheduled before a stop flag is read: a stopped request can get one more token.
 """
 
@@ -233,19 +236,26 @@ CLOSE_TIMEOUT_S = 60.0
 def _close_remote(engine) -> None:
     """``collective_rpc("ringscope_close")`` with a bounded wait: SGLang's own waits forever, and a scheduler that
     has died never answers."""
+    _close_via(engine.send_to_rpc)
+
+
+def _close_via(sock) -> bool:
+    """Asks the scheduler at the other end of ``sock`` to close its sessions; waits at most ``CLOSE_TIMEOUT_S``.
+    Returns whether it did."""
     import zmq
     from sglang.srt.entrypoints import engine as engine_mod
     from sglang.srt.managers.io_struct import RpcReqInput
 
-    sock = engine.send_to_rpc
     engine_mod.sock_send(sock, RpcReqInput(method="ringscope_close", parameters=None))
     if not sock.poll(int(CLOSE_TIMEOUT_S * 1000), zmq.POLLIN):
         logger.error("ringscope: the scheduler did not close its session within %.0f s (has it died?); its last "
                      "files and manifest may be missing", CLOSE_TIMEOUT_S)
-        return
+        return False
     reply = engine_mod.sock_recv(sock)
     if not getattr(reply, "success", False):
         logger.error("ringscope: closing the scheduler's session failed: %s", getattr(reply, "message", reply))
+        return False
+    return True
 
 
 # -- the capture ---------------------------------------------------------------------------------------------------
@@ -307,7 +317,24 @@ class SglangCapture(EngineCapture):
         self._captured: Dict[int, str] = {}
         planned = _engine.planned_hookpoints(chosen, pc.sites)
         cuda = next(model.parameters()).device.type == "cuda"
-        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda)
+        sa = runner.server_args
+        # The most token rows of one forward pass (a prefill chunk with decodes beside it), and then some.
+        max_rows = max(int(getattr(sa, "max_prefill_tokens", 0) or 0),
+                       int(getattr(sa, "chunked_prefill_size", 0) or 0), 8192)
+        max_rows += int(getattr(sa, "max_running_requests", 0) or 0) + 256
+        if cuda:
+            bad = [k for k in ("speculative_algorithm", "dllm_algorithm") if getattr(sa, k, None)]
+            if bad:
+                raise RingscopeError("RS_ERR_CONFIG",
+                                     f"ringscope.sglang: {bad[0]} = {getattr(sa, bad[0])!r} is not supported on CUDA "
+                                     "(their passes replay CUDA graphs the plugin does not prepare): serve without it, "
+                                     f"or unset {ENV_CONFIG}")
+            if pc.requests == "opt_in":
+                raise RingscopeError("RS_ERR_CONFIG",
+                                     f"{pc.source}: sglang.requests = \"opt_in\" is not supported on CUDA yet: there "
+                                     "the rows of requests not captured would be exported as rows of no request "
+                                     "(unattributed, but in the files); use \"all\", or serve on CPU")
+        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_rows if cuda else 0)
         export = cfg.setdefault("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             export.setdefault("run_id", _default_run_id())
@@ -329,9 +356,7 @@ class SglangCapture(EngineCapture):
         self._req_bufs: List = []
         self._stage: List = []
         self._dirty = 0
-        sa = runner.server_args
-        self._grow(max(int(getattr(sa, "max_prefill_tokens", 0) or 0), int(getattr(sa, "chunked_prefill_size", 0) or 0),
-                       8192))
+        self._grow(max_rows)
         self._handles = []
         key = self.key
         keep: List = []
@@ -348,6 +373,10 @@ class SglangCapture(EngineCapture):
                 hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
                 nt = hs.shape[0]
                 keep.clear()
+                if nt > decoder._ringscope_req.shape[0]:
+                    raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                         f"a forward pass of {nt} token rows, more than the "
+                                         f"{decoder._ringscope_req.shape[0]} its request-id buffer was sized for")
                 pos = positions.reshape(-1)[:nt]
                 if pos.dtype != torch.int64:
                     pos = pos.to(torch.int64)
@@ -558,6 +587,11 @@ class SglangCapture(EngineCapture):
         """Ends the requests of the step just run that a probe with ``action = "stop"`` has flagged. Waits up to
         ``PROBE_WAIT_S`` for the probes to score the step; after a wait ran out, only 50 ms (the scheduler must not
         stall behind a stuck consumer), counted in ``probe_wait_timeouts``."""
+        if self.cuda:
+            import torch
+
+            # The step's kernels (a graph replay) may still be queued: the probes can only score rows that exist.
+            torch.cuda.current_stream(self._device).synchronize()
         try:
             self.session.wait_probes(0.05 if self._counters["probe_wait_timeouts"] else self.PROBE_WAIT_S)
         except RingscopeError as e:
