@@ -1,7 +1,7 @@
 """Runs one in-process SGLang engine (CPU, a tiny random Llama checkpoint; its scheduler — where the model and the
 plugin live — in a process of its own) and writes what the tests check to ``<out>/result.json``: the requests'
 prompts, generated tokens, SGLang ids, cached tokens and finish reasons. Run by the tests in a subprocess per engine.
-Usage: python engine.py OUT_DIR SCENARIO (SCENARIO: "main", "stop" or "plain"; see the functions below).
+Usage: python engine.py OUT_DIR SCENARIO (SCENARIO: "main", "stop", "plain", "server", "server-int" or "server-ctrlc"; see the functions below).
 
 SGLang starts its processes with "spawn", which imports this file again in each of them: everything with an effect is
 under ``if __name__ == "__main__"``."""
@@ -76,9 +76,78 @@ def generate(engine, reqs, result):
                                    "finish_reason": meta.get("finish_reason")})
 
 
+def serve(out: str, model_dir: str, result: dict, sig: str) -> None:
+    """Scenarios "server", "server-int", "server-ctrlc": ``python -m sglang.launch_server`` in a process of its own,
+    PHASE1's requests through its HTTP API, then the server stopped the ways servers are stopped: SIGTERM to it
+    (``sig`` "term"), SIGINT to it ("int"), SIGINT to its whole process group ("ctrlc": Ctrl-C in a terminal)."""
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--skip-tokenizer-init",
+           "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native", "--disable-cuda-graph",
+           "--max-total-tokens", "4096", "--max-running-requests", "8", "--mem-fraction-static", "0.5",
+           "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
+    if os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") != "1":
+        cmd.append("--disable-overlap-schedule")
+    url = f"http://127.0.0.1:{port}"
+    with open(os.path.join(out, "server.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            t = time.time()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.time() - t > 240:
+                    raise RuntimeError("the server was not ready within 240 s")
+                time.sleep(1)
+            result["start_seconds"] = time.time() - t
+            body = {"input_ids": [p for p, _, _ in PHASE1],
+                    "sampling_params": [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
+                                         **({"custom_params": extra} if extra is not None else {})}
+                                        for _, m, extra in PHASE1]}
+            req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                outs = json.loads(r.read())
+            for (prompt, m, extra), o in zip(PHASE1, outs):
+                meta = o["meta_info"]
+                result["requests"].append({"rid": meta["id"], "prompt": prompt, "tokens": list(o["output_ids"]),
+                                           "max_new_tokens": m, "custom_params": extra,
+                                           "cached_tokens": meta.get("cached_tokens", 0),
+                                           "finish_reason": meta.get("finish_reason")})
+        finally:
+            t = time.time()
+            if sig == "ctrlc":  # Ctrl-C in a terminal: SIGINT to the whole process group
+                os.killpg(proc.pid, signal.SIGINT)
+            else:  # `kill -INT <pid>` / `kill <pid>`: the server's process only
+                proc.send_signal(signal.SIGINT if sig == "int" else signal.SIGTERM)
+            try:
+                result["server_exit"] = proc.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                result["server_exit"] = "killed after 150 s"
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            result["shutdown_seconds"] = time.time() - t
+
+
 def run(out: str, scenario: str, result: dict) -> None:
     model_dir = os.path.join(out, "model")
     make_model(model_dir)
+    if scenario.startswith("server"):
+        result["requests"] = []
+        serve(out, model_dir, result, scenario.partition("-")[2] or "term")
+        return
     t = time.time()
     engine = start(model_dir, chunked=scenario in ("main", "plain"))
     result["start_seconds"] = time.time() - t

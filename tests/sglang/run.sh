@@ -60,4 +60,4 @@ fi
 # Again with SGLang's overlap scheduler (its default: the next batch is scheduled while the current one runs); the
 # first pass runs without it.
 echo "== again with SGLang's overlap scheduler"
-RINGSCOPE_SGLANG_TEST_OVERLAP=1 "$py" -m pytest -q -p no:cacheprovider tests/sglang -k "not unsupported" "$@"
+RINGSCOPE_SGLANG_TEST_OVERLAP=1 "$py" -m pytest -q -p no:cacheprovider tests/sglang -k "not unsupported and not launch_server" "$@"

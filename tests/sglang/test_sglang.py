@@ -10,12 +10,13 @@
 - "plain": SGLang without the plugin's configuration: no session, and the same tokens as with the plugin.
 """
 
+import os
 import pathlib
 
 import numpy as np
 import pytest
 
-from conftest import CONFIG, NO_REQUEST, check_rows, mixed_step, request_ids, side_file
+from conftest import CONFIG, DEVICE, NO_REQUEST, check_rows, mixed_step, request_ids, side_file
 
 PROBE = """
 [[probes]]
@@ -124,6 +125,45 @@ def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(stop):
     dump = ringscope.read_dump(stop["run_dir"])
     # (On CUDA, rows of the requests not captured are exported as rows of no request: see check_rows.)
     assert set(dump["layers.0.resid"]["request_id"].astype(np.uint64).tolist()) - {NO_REQUEST} == {rid[0]}
+
+
+@pytest.mark.parametrize("scenario", ["server", "server-int", "server-ctrlc"])
+def test_a_launch_server_run_is_complete_however_the_server_is_stopped(engines, main, scenario):
+    """``python -m sglang.launch_server`` stopped by SIGTERM (SGLang asks its scheduler to exit), by SIGINT to its
+    process (SGLang kills the scheduler with SIGKILL: the plugin closes the session first) or by Ctrl-C (SIGINT to
+    every process): the run is complete — manifest and summary written, accounting balanced, every row of every
+    request there and equal to the reference."""
+    import ringscope
+
+    if DEVICE != "cpu" or os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") == "1":
+        pytest.skip("the server scenarios run on CPU, in the first pass")
+    res = engines(scenario, scenario)
+    assert res.get("error") is None, res.get("traceback")
+    run = pathlib.Path(res["run_dir"])
+    server_log = (pathlib.Path(res["out"]) / "server.log").read_text()
+    assert res["server_exit"] != "killed after 150 s", server_log[-3000:]
+    # Stopping waits for no timeout (the plugin waits up to 60 s for a scheduler that neither answers nor exits).
+    assert res["shutdown_seconds"] < 45, (res["shutdown_seconds"], server_log[-3000:])
+    assert (run / "_ringscope_run.json").exists(), server_log[-3000:]
+    summary = side_file(res, "summary.json")
+    assert summary["plugin"]["disabled"] is None and summary["plugin"]["lost_rows"] == 0
+    s = summary["session"]
+    assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
+    assert s["dropped_rows"] == 0
+    rid = request_ids(res)
+    assert rid[1] == 7 and None not in rid, rid
+    dump = ringscope.read_dump(res["run_dir"])
+    # The server's own requests (its warm-up) are captured too, each a request of the request map.
+    known = {x["request_id"] for x in side_file(res, "requests.jsonl")}
+    ours = {}
+    for name, cols in dump.items():
+        ids = cols["request_id"].astype(np.uint64)
+        assert set(ids.tolist()) <= known, name
+        keep = np.isin(ids, np.asarray(rid, dtype=np.uint64))
+        ours[name] = {k: (v[keep] if isinstance(v, np.ndarray) and len(v) == len(ids) else v) for k, v in cols.items()}
+    check_rows(res, ours, rid, [r["cached_tokens"] for r in res["requests"]])
+    # The served tokens are the in-process engine's (same checkpoint, same greedy requests).
+    assert [r["tokens"] for r in res["requests"]] == [r["tokens"] for r in main["requests"][:3]]
 
 
 def test_without_the_configuration_sglang_runs_unchanged(plain, main):

@@ -34,7 +34,11 @@ How it hooks SGLang (0.5.23; the model lives in the scheduler process): :func:`r
 - ``ForwardBatch.init_new``: keeps the batch's requests next to it, for their ``custom_params`` (opt-in, ids);
 - ``Scheduler.ringscope_close`` (added) and ``Engine.shutdown``: SGLang ends its scheduler process with SIGKILL, so
   the plugin closes the session first (``Engine.shutdown`` calls ``collective_rpc("ringscope_close")``): its files
-  and manifest are complete when ``shutdown()`` returns.
+  and manifest are complete when ``shutdown()`` returns;
+- the HTTP server's ``_setup_and_run_http_server`` (``python -m sglang.launch_server``), in the server's process: on
+  SIGTERM (and Ctrl-C) SGLang's schedulers exit on their own and close the session at exit; an exception out of the
+  server (SIGINT to its process alone) goes straight to SIGKILL, so the plugin has the scheduler close the session
+  first (through its RPC address; waiting until it answers or has exited, at most 60 s).
 
 The hooks call the same custom ops as the vLLM plugin (``ringscope_engine::begin``, ``::capture``, ``::end``); the
 residual stream after layer ``i`` (``layers.{i}.resid``, HF's ``output_hidden_states[i + 1]``) is SGLang's residual
@@ -228,6 +232,34 @@ def _patch() -> None:
             return shutdown(self, *args, **kwargs)
         Engine.shutdown = _wrapped(shutdown, wrapped_shutdown)
 
+    # `python -m sglang.launch_server` / `sglang serve`. SIGTERM: SGLang drains, asks its schedulers to exit and they
+    # do (our atexit closes the session there). But an exception out of the HTTP server — KeyboardInterrupt from a
+    # SIGINT — goes straight to a kill of the process tree (SIGKILL): close the scheduler's session first, through the
+    # RPC address an Engine would use. Only in a main process (SGLang's own processes are its children), and only where
+    # SGLang's HTTP server can be imported.
+    import multiprocessing
+
+    http_server = None
+    if multiprocessing.parent_process() is None:
+        try:
+            from sglang.srt.entrypoints import http_server
+        except ImportError as e:
+            logger.debug("ringscope: no SGLang HTTP server here (%s)", e)
+    run = http_server.__dict__.get("_setup_and_run_http_server") if http_server is not None else None
+    if run is not None and not getattr(run, "_ringscope", False):
+        def wrapped_run(server_args, tokenizer_manager, template_manager, port_args, *args, **kwargs):
+            try:
+                return run(server_args, tokenizer_manager, template_manager, port_args, *args, **kwargs)
+            except BaseException:
+                if enabled():
+                    try:
+                        _close_server(port_args)
+                    except Exception:
+                        logger.exception("ringscope: closing the scheduler's session as the server stopped failed; "
+                                         "the run's last files and manifest may be missing")
+                raise
+        http_server._setup_and_run_http_server = _wrapped(run, wrapped_run)
+
 
 #: How long ``Engine.shutdown`` waits for the scheduler to close the session (it may have died already).
 CLOSE_TIMEOUT_S = 60.0
@@ -237,6 +269,48 @@ def _close_remote(engine) -> None:
     """``collective_rpc("ringscope_close")`` with a bounded wait: SGLang's own waits forever, and a scheduler that
     has died never answers."""
     _close_via(engine.send_to_rpc)
+
+
+def _close_server(port_args) -> None:
+    """For a server started by ``sglang.launch_server`` (no Engine): asks the scheduler to close its sessions, through
+    a socket of our own at its RPC address; waits until it answers, or the scheduler processes have all exited (on a
+    Ctrl-C they get the SIGINT too and close the session themselves, at exit), or ``CLOSE_TIMEOUT_S``."""
+    import psutil
+    import zmq
+    from sglang.srt.entrypoints import engine as engine_mod
+    from sglang.srt.managers.io_struct import RpcReqInput
+    from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
+    from sglang.srt.utils.network import get_zmq_socket
+
+    ctx = zmq.Context(1)
+    sock = get_zmq_socket(ctx, zmq.DEALER, port_args.rpc_ipc_name, True)
+    try:
+        engine_mod.sock_send(sock, RpcReqInput(method="ringscope_close", parameters=None))
+        me = psutil.Process()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(100, zmq.POLLIN):
+                reply = engine_mod.sock_recv(sock)
+                if getattr(reply, "success", False):
+                    logger.info("ringscope: the scheduler closed its session before the server's shutdown")
+                else:
+                    logger.error("ringscope: closing the scheduler's session failed: %s",
+                                 getattr(reply, "message", reply))
+                return
+            alive = []
+            for c in collect_scheduler_processes():
+                try:
+                    if c.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(c)
+                except psutil.NoSuchProcess:
+                    pass
+            if not alive:
+                return  # the schedulers have exited (and closed their sessions at exit)
+        logger.error("ringscope: the scheduler did not close its session within %.0f s; its last files and manifest "
+                     "may be missing", CLOSE_TIMEOUT_S)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def _close_via(sock) -> bool:
