@@ -62,18 +62,25 @@ def start(model_dir: str, chunked: bool):
                       mem_fraction_static=0.5, **common)
 
 
-def generate(engine, reqs, result):
-    """Sends ``reqs`` ((prompt, max_new_tokens, custom_params or None)) at once; appends their outputs to
-    ``result["requests"]``."""
-    params = [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
-               **({"custom_params": extra} if extra is not None else {})} for _, m, extra in reqs]
-    outs = engine.generate(input_ids=[p for p, _, _ in reqs], sampling_params=params)
+def sampling_params(reqs) -> list:
+    """Greedy sampling parameters of ``reqs`` ((prompt, max_new_tokens, custom_params or None))."""
+    return [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
+             **({"custom_params": extra} if extra is not None else {})} for _, m, extra in reqs]
+
+
+def record(reqs, outs, result) -> None:
+    """Appends the engine's outputs ``outs`` for ``reqs`` to ``result["requests"]``."""
     for (prompt, m, extra), o in zip(reqs, outs):
         meta = o["meta_info"]
         result["requests"].append({"rid": meta["id"], "prompt": prompt, "tokens": list(o["output_ids"]),
                                    "max_new_tokens": m, "custom_params": extra,
                                    "cached_tokens": meta.get("cached_tokens", 0),
                                    "finish_reason": meta.get("finish_reason")})
+
+
+def generate(engine, reqs, result):
+    """Sends ``reqs`` at once through the in-process engine; appends their outputs to ``result["requests"]``."""
+    record(reqs, engine.generate(input_ids=[p for p, _, _ in reqs], sampling_params=sampling_params(reqs)), result)
 
 
 def serve(out: str, model_dir: str, result: dict, sig: str) -> None:
@@ -112,20 +119,11 @@ def serve(out: str, model_dir: str, result: dict, sig: str) -> None:
                     raise RuntimeError("the server was not ready within 240 s")
                 time.sleep(1)
             result["start_seconds"] = time.time() - t
-            body = {"input_ids": [p for p, _, _ in PHASE1],
-                    "sampling_params": [{"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
-                                         **({"custom_params": extra} if extra is not None else {})}
-                                        for _, m, extra in PHASE1]}
+            body = {"input_ids": [p for p, _, _ in PHASE1], "sampling_params": sampling_params(PHASE1)}
             req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as r:
-                outs = json.loads(r.read())
-            for (prompt, m, extra), o in zip(PHASE1, outs):
-                meta = o["meta_info"]
-                result["requests"].append({"rid": meta["id"], "prompt": prompt, "tokens": list(o["output_ids"]),
-                                           "max_new_tokens": m, "custom_params": extra,
-                                           "cached_tokens": meta.get("cached_tokens", 0),
-                                           "finish_reason": meta.get("finish_reason")})
+                record(PHASE1, json.loads(r.read()), result)
         finally:
             t = time.time()
             if sig == "ctrlc":  # Ctrl-C in a terminal: SIGINT to the whole process group

@@ -204,6 +204,31 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     with pytest.raises(RingscopeError, match='policy.mode = "best_effort".*got ring.backend = .cuda., policy.mode = .full.'):
         rs._engine.session_config(rs.parse_config({"policy": {"mode": "full"}}), planned, "f32", 64, cuda=True)
     assert "ring" not in rs._engine.session_config(rs.parse_config({}), planned, "f32", 64)
+    # ring.max_batch_rows on CUDA: defaults to the largest forward pass; a smaller value is refused by name.
+    cfg = rs._engine.session_config(rs.parse_config({}), planned, "f32", 64, cuda=True, max_rows=9000)
+    assert cfg["ring"]["max_batch_rows"] == 9000
+    with pytest.raises(RingscopeError, match="ring.max_batch_rows = 100, but a forward pass .* 9000 token rows"):
+        rs._engine.session_config(rs.parse_config({"ring": {"max_batch_rows": 100}}), planned, "f32", 64, cuda=True,
+                                  max_rows=9000)
+    # What the CUDA path cannot do yet is refused at install, naming it: speculative decoding, requests = "opt_in".
+    import types
+
+    class LlamaForCausalLM:  # a supported model class whose parameters are on a CUDA device (no GPU needed)
+        model = types.SimpleNamespace(layers=[object(), object()])
+        config = types.SimpleNamespace(hidden_size=64)
+
+        def parameters(self):
+            return iter([types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32)])
+
+    def cuda_runner(**server_args):
+        return types.SimpleNamespace(model=LlamaForCausalLM(), server_args=types.SimpleNamespace(**server_args))
+
+    monkeypatch.setenv(rs.ENV_CUDA, "1")
+    with pytest.raises(RingscopeError, match="speculative_algorithm = 'EAGLE' is not supported on CUDA"):
+        rs.SglangCapture.install(cuda_runner(speculative_algorithm="EAGLE"), rs.parse_config({}))
+    with pytest.raises(RingscopeError, match='requests = "opt_in" is not supported on CUDA'):
+        rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"requests": "opt_in"}}))
+    monkeypatch.delenv(rs.ENV_CUDA)
     cfg = tmp_path / "c.toml"
     cfg.write_text("[sglang]\nsites = [\"logits\"]\n")
     monkeypatch.setenv(rs.ENV_CONFIG, str(cfg))
