@@ -9,7 +9,8 @@
 #
 # Sets itself up: needs only the Rust toolchain, Python 3 (with pip) and a C compiler. The Python packages the tests
 # use are installed, at the versions in tests/python/constraints.txt and tests/python/torch.txt, into a virtual
-# environment in the checkout (.venv, or $RINGSCOPE_VENV) the first time, and again only when those files change.
+# environment in the checkout (.venv, or $RINGSCOPE_VENV) the first time; it is reused only while it holds exactly
+# what those files pin (tests/venv.sh checks `pip freeze`), and built again from scratch otherwise.
 # That first run downloads torch and NVRTC (a few GB with torch's CUDA libraries) and takes several minutes on top of
 # the Rust build. NVRTC lets the tests compile the CUDA kernels without a GPU; the GPU tests themselves skip without
 # one (docs/gpu-benchmarks.md says how to run them on one).
@@ -24,24 +25,15 @@ free_gb=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }') || f
 if [ ! -x "$venv/bin/python" ] && [ -n "$free_gb" ] && [ "$free_gb" -lt 32 ]; then
   echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 32 GB (builds and three Python environments)" >&2
 fi
-if [ ! -x "$venv/bin/python" ]; then
-  echo "== creating the Python environment for the tests in $venv"
-  python3 -m venv "$venv" || {
-    echo "test.sh: 'python3 -m venv' failed; install your distribution's venv module (Debian: apt install python3-venv)" >&2
-    exit 1
-  }
-fi
-py="$venv/bin/python"
-wanted=$(cat tests/python/requirements.txt tests/python/constraints.txt tests/python/torch.txt | sha256sum | cut -d' ' -f1)
-stamp="$venv/.ringscope-packages"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-  echo "== installing the tests' Python packages into $venv (first run: several minutes)"
+# shellcheck source=tests/venv.sh
+. tests/venv.sh
+install_test_packages() {
   "$py" -m pip install --quiet --disable-pip-version-check --upgrade pip
   # --no-cache-dir: the wheels (torch's CUDA libraries are a few GB) are not kept a second time in pip's cache.
   "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
     -r tests/python/requirements.txt -r tests/python/torch.txt -c tests/python/constraints.txt
-  echo "$wanted" > "$stamp"
-fi
+}
+ensure_venv "$venv" install_test_packages tests/python/requirements.txt tests/python/constraints.txt tests/python/torch.txt
 
 # NVRTC (CUDA 13) from PyPI, in the environment: the tests compile the CUDA kernels with it and fail if it is missing.
 nvrtc_dir=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')

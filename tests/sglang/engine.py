@@ -1,7 +1,8 @@
 """Runs one in-process SGLang engine (CPU, a tiny random Llama checkpoint; its scheduler — where the model and the
 plugin live — in a process of its own) and writes what the tests check to ``<out>/result.json``: the requests'
 prompts, generated tokens, SGLang ids, cached tokens and finish reasons. Run by the tests in a subprocess per engine.
-Usage: python engine.py OUT_DIR SCENARIO (SCENARIO: "main", "stop", "plain", "server", "server-int" or "server-ctrlc"; see the functions below).
+Usage: python engine.py OUT_DIR SCENARIO (SCENARIO: "main", "stop", "plain", or "server-STOP-PLACE[-N]" with STOP
+one of ``STOPS`` and PLACE one of ``PLACES``; see the functions below).
 
 SGLang starts its processes with "spawn", which imports this file again in each of them: everything with an effect is
 under ``if __name__ == "__main__"``."""
@@ -83,13 +84,25 @@ def generate(engine, reqs, result):
     record(reqs, engine.generate(input_ids=[p for p, _, _ in reqs], sampling_params=sampling_params(reqs)), result)
 
 
-def serve(out: str, model_dir: str, result: dict, sig: str) -> None:
-    """Scenarios "server", "server-int", "server-ctrlc": ``python -m sglang.launch_server`` in a process of its own,
-    PHASE1's requests through its HTTP API, then the server stopped the ways servers are stopped: SIGTERM to it
-    (``sig`` "term"), SIGINT to it ("int"), SIGINT to its whole process group ("ctrlc": Ctrl-C in a terminal)."""
+#: How the server scenarios stop the server: the signal, and who gets it.
+STOPS = {
+    "term": "SIGTERM to the server's process (`kill <pid>`): SGLang drains and asks its scheduler to exit",
+    "int": "SIGINT to the server's process (`kill -INT <pid>`): SGLang kills its process tree with SIGKILL",
+    "ctrlc": "SIGINT to every process of the group (Ctrl-C in a terminal): the scheduler gets it too",
+    "termgroup": "SIGTERM to every process of the group (a service manager stopping its unit)",
+}
+#: Where the scheduler is when the signal arrives (tests/sglang/stub/ringscope_sglang_testhooks.py holds it there).
+PLACES = ("idle", "check", "busy")
+
+
+def serve(out: str, model_dir: str, result: dict, stop: str, place: str) -> None:
+    """Scenarios "server-STOP-PLACE": ``python -m sglang.launch_server`` in a process of its own, PHASE1's requests
+    through its HTTP API, then the server stopped (``STOPS``) while its scheduler is held at ``PLACE``: idle, inside
+    SGLang's own checks, or inside a forward pass of a request still in flight (``PLACES``)."""
     import signal
     import socket
     import subprocess
+    import threading
     import urllib.request
 
     with socket.socket() as s:
@@ -102,8 +115,18 @@ def serve(out: str, model_dir: str, result: dict, sig: str) -> None:
     if os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") != "1":
         cmd.append("--disable-overlap-schedule")
     url = f"http://127.0.0.1:{port}"
+    mark = os.path.join(out, "signal.mark")
+    env = dict(os.environ, RINGSCOPE_SGLANG_TEST_SIGNAL_AT=place, RINGSCOPE_SGLANG_TEST_MARK=mark)
+
+    def post(reqs, timeout=300):
+        body = {"input_ids": [p for p, _, _ in reqs], "sampling_params": sampling_params(reqs)}
+        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
     with open(os.path.join(out, "server.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             t = time.time()
             while True:
@@ -117,34 +140,68 @@ def serve(out: str, model_dir: str, result: dict, sig: str) -> None:
                     pass
                 if time.time() - t > 240:
                     raise RuntimeError("the server was not ready within 240 s")
-                time.sleep(1)
+                time.sleep(0.5)
             result["start_seconds"] = time.time() - t
-            body = {"input_ids": [p for p, _, _ in PHASE1], "sampling_params": sampling_params(PHASE1)}
-            req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                record(PHASE1, json.loads(r.read()), result)
+            record(PHASE1, post(PHASE1), result)
+            if place == "busy":
+                # A long request, in flight when the signal arrives (its reply never comes: the server stops).
+                result["in_flight"] = {}
+
+                def long_request():
+                    try:
+                        post([(list(range(3, 20)), 400, None)], timeout=200)
+                        result["in_flight"]["finished"] = True
+                    except Exception as e:
+                        result["in_flight"]["error"] = f"{type(e).__name__}"
+                threading.Thread(target=long_request, daemon=True).start()
+            open(mark + ".arm", "w").close()
+            t = time.time()
+            while not os.path.exists(mark):
+                if time.time() - t > 60:
+                    raise RuntimeError(f"the scheduler did not reach {place!r} within 60 s")
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode} before the signal")
+                time.sleep(0.005)
+            result["held"] = open(mark).read().split()
         finally:
             t = time.time()
-            if sig == "ctrlc":  # Ctrl-C in a terminal: SIGINT to the whole process group
-                os.killpg(proc.pid, signal.SIGINT)
+            if stop in ("ctrlc", "termgroup"):  # to every process of the group
+                os.killpg(proc.pid, signal.SIGINT if stop == "ctrlc" else signal.SIGTERM)
             else:  # `kill -INT <pid>` / `kill <pid>`: the server's process only
-                proc.send_signal(signal.SIGINT if sig == "int" else signal.SIGTERM)
+                proc.send_signal(signal.SIGINT if stop == "int" else signal.SIGTERM)
             try:
                 result["server_exit"] = proc.wait(timeout=150)
             except subprocess.TimeoutExpired:
                 result["server_exit"] = "killed after 150 s"
+                # Where each process is stuck, into the server's log (the test hooks register faulthandler).
+                subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], stdout=log, stderr=subprocess.STDOUT)
+                os.killpg(proc.pid, signal.SIGUSR1)
+                time.sleep(2)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             result["shutdown_seconds"] = time.time() - t
+            # Nothing of the server's may outlive it for long (a scheduler left behind would hold the run open).
+            result["left_behind"] = True
+            t = time.time()
+            while time.time() - t < 30:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    result["left_behind"] = False
+                    break
+                time.sleep(0.1)
+            if result["left_behind"]:
+                subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)], stdout=log, stderr=subprocess.STDOUT)
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run(out: str, scenario: str, result: dict) -> None:
     model_dir = os.path.join(out, "model")
     make_model(model_dir)
-    if scenario.startswith("server"):
+    if scenario.startswith("server-"):
         result["requests"] = []
-        serve(out, model_dir, result, scenario.partition("-")[2] or "term")
+        _, stop, place = scenario.split("-")[:3]
+        serve(out, model_dir, result, stop, place)
         return
     t = time.time()
     engine = start(model_dir, chunked=scenario in ("main", "plain"))

@@ -17,27 +17,17 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 venv=${RINGSCOPE_SGLANG_VENV:-.venv-sglang}
-if [ ! -x "$venv/bin/python" ]; then
-  echo "== creating the Python environment for the SGLang tests in $venv"
-  python3 -m venv "$venv" || {
-    echo "run.sh: 'python3 -m venv' failed; install your distribution's venv module (Debian: apt install python3-venv)" >&2
-    exit 1
-  }
-fi
-py="$venv/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
-wanted=$(cat tests/sglang/requirements.txt tests/sglang/requirements-sglang-cpu.txt | sha256sum | cut -d' ' -f1)
-stamp="$venv/.ringscope-sglang-packages"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-  echo "== installing torch, sglang and the tests' packages into $venv (first run: several minutes, ~3 GB)"
-  start=$(date +%s)
-  "${pip[@]}" torch==2.14.1
-  "${pip[@]}" --no-deps sglang==0.5.23
-  "${pip[@]}" --no-deps -r tests/sglang/requirements-sglang-cpu.txt
-  "${pip[@]}" -r tests/sglang/requirements.txt
-  echo "$wanted" > "$stamp"
-  echo "== installed in $(( $(date +%s) - start )) s"
-fi
+pip=(-m pip install --quiet --disable-pip-version-check --no-cache-dir)
+install_sglang_packages() {
+  "$py" "${pip[@]}" torch==2.14.1
+  "$py" "${pip[@]}" --no-deps sglang==0.5.23
+  "$py" "${pip[@]}" --no-deps -r tests/sglang/requirements-sglang-cpu.txt
+  "$py" "${pip[@]}" -r tests/sglang/requirements.txt
+}
+# shellcheck source=tests/venv.sh
+. tests/venv.sh
+ensure_venv "$venv" install_sglang_packages tests/sglang/requirements.txt \
+  tests/sglang/requirements-sglang-cpu.txt
 
 export SGLANG_USE_CPU_ENGINE=1
 stub="$PWD/tests/sglang/stub"
@@ -53,7 +43,7 @@ if [ -n "${RINGSCOPE_LIB:-}" ]; then
     > "$ep/ringscope_sglang_tests-0.dist-info/entry_points.txt"
   export PYTHONPATH="$PWD/ffi/python:$ep:$stub${PYTHONPATH:+:$PYTHONPATH}"
 else
-  "${pip[@]}" ./ffi/python
+  "$py" "${pip[@]}" ./ffi/python
   export PYTHONPATH="$stub${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$py" -m pytest -q -p no:cacheprovider tests/sglang "$@"

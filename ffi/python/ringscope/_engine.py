@@ -8,6 +8,8 @@ The ops are ``torch.library`` custom ops that declare they write a one-byte sink
 ``torch.compile`` keeps them in the graph, in order, without a graph break.
 """
 
+import _thread
+import contextlib
 import ctypes
 import hashlib
 import itertools
@@ -15,6 +17,8 @@ import json
 import logging
 import os
 import pathlib
+import signal
+import threading
 import weakref
 from typing import List, Optional
 
@@ -209,13 +213,17 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
     declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
     for name, site, i in planned:
         h = declared.get(name)
+        entry = {"name": name, "site": site, "layer": i, "dtype": dt, "row_width": hidden}
         if h is None:
-            cfg.setdefault("hookpoints", []).append(
-                {"name": name, "site": site, "layer": i, "dtype": dt, "row_width": hidden})
-        elif (h.get("dtype"), h.get("row_width")) not in ((dt, hidden), (None, None)):
+            cfg.setdefault("hookpoints", []).append(entry)
+            continue
+        if any(h.get(k) not in (None, entry[k]) for k in ("dtype", "row_width")):
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"{pc.source}: hookpoint {name!r} is configured with {h.get('dtype')} rows of "
                                  f"{h.get('row_width')} elements, but the model's are {dt} rows of {hidden}")
+        # The user's entry (enabled = false, a sampling rule, ...) with what the model says filled in.
+        for k, v in entry.items():
+            h.setdefault(k, v)
     return cfg
 
 
@@ -289,6 +297,84 @@ class EngineCapture:
             self._guard(self._end)
         self._active = False
         self.step += 1
+
+    # -- the request-id buffer -----------------------------------------------------------------------------------
+    def _request_id_buffer(self, decoder, device, rows: int) -> None:
+        """Gives ``decoder`` its request-id buffer ``_ringscope_req`` (int64, at least ``rows`` long, ``-1``: a row
+        never attributed) — what the ``begin`` op reads. On CUDA it is read by recorded graphs at a fixed address:
+        the plugin fills it before every forward pass on the engine's stream (:meth:`_arm`)."""
+        self._device = device
+        self._decoder = weakref.ref(decoder)
+        # CUDA: every request-id buffer a recorded graph may read (replays read them at fixed addresses), pinned
+        # staging slots for their host-to-device updates, and how much of them holds ids (the rest holds -1).
+        self._req_bufs: List = []
+        self._stage: List = []
+        self._dirty = 0
+        self._grow(rows)
+
+    def _arm(self, tok, n: int, padded: int) -> None:
+        """Before a forward pass of ``padded`` token rows: ``tok``, the request id of each of its first ``n`` rows
+        (``-1``: a request not captured), and ``-1`` for the rest (padding), into the request-id buffer; the
+        capture ops are live for the pass."""
+        self._counters["opted_out_rows"] += int((tok < 0).sum())
+        self._counters["padding_rows"] += max(padded - n, 0)
+        self._grow(padded)
+        if self.cuda:
+            # Control changes (the policy manager's, set_enabled, ...) reach the recorded graphs between replays:
+            # a no-op unless one changed.
+            self.session.apply_controls()
+            self._upload(tok, n)
+            # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's
+            # step numbers follow self.step; rows of no request are exported as such, not attributed.
+            self._counters["steps_captured"] += 1
+            self._counters["rows_exported_requested"] += int((tok >= 0).sum()) * len(self.hookpoints)
+        else:
+            self._req_np[:n] = tok
+            self._req_np[n:padded] = -1
+        self._active = True
+
+    def _grow(self, rows: int) -> None:
+        """The request-id buffer (a buffer of the decoder), at least ``rows`` long. On CUDA a replaced buffer stays
+        alive and keeps receiving the ids: graphs recorded earlier read it."""
+        import torch
+
+        decoder = self._decoder()
+        buf = getattr(decoder, "_ringscope_req", None)
+        if buf is not None and buf.shape[0] >= rows:
+            return
+        size = max(rows, 2 * (0 if buf is None else buf.shape[0]))
+        decoder.register_buffer("_ringscope_req", torch.full((size,), -1, dtype=torch.int64, device=self._device),
+                                persistent=False)
+        if self.cuda:
+            self._req_bufs.append(decoder._ringscope_req)
+            self._stage = [[torch.full((size,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]
+            self._stage_next = 0
+            self._dirty = size  # a new buffer: all of every buffer is written next time
+        else:
+            self._req_np = decoder._ringscope_req.numpy()
+
+    def _upload(self, tok, n: int) -> None:
+        """CUDA: the request ids of the next forward pass's ``n`` token rows into every request-id buffer, and -1
+        after them as far as earlier ids went, on the engine's current stream (stream-ordered before the forward
+        pass or graph replay). Through pinned staging slots, each reused only once its last copy has run."""
+        import torch
+
+        m = min(max(n, self._dirty), self._req_bufs[-1].shape[0])
+        slot = self._stage[self._stage_next]
+        self._stage_next = (self._stage_next + 1) % len(self._stage)
+        if slot[1] is not None:
+            slot[1].synchronize()  # that slot's copy (4 steps ago) has run: nearly always already done
+        host = slot[0].numpy()
+        host[:n] = tok
+        host[n:m] = -1
+        src = slot[0]
+        for buf in self._req_bufs:
+            k = min(m, buf.shape[0])
+            buf[:k].copy_(src[:k], non_blocking=True)
+        ev = slot[1] or torch.cuda.Event()
+        ev.record()
+        slot[1] = ev
+        self._dirty = n
 
     # -- inside the forward pass (op bodies) ----------------------------------------------------------------------
     def live(self) -> bool:
@@ -442,6 +528,82 @@ def close_live(live: list, logger) -> list:
         if live and live[0] is cap:
             live.pop(0)
     return out
+
+
+# -- stop signals ----------------------------------------------------------------------------------------------------
+# An engine process stopped by a signal (Ctrl-C reaches every process of the group; a service manager sends SIGTERM to
+# every process of its unit) must not lose the run: the signal may land anywhere — inside a forward pass, in the
+# engine's idle loop, inside its own checks — and the engine's parent may kill the process moments later. So in the
+# process that owns the sessions the plugin takes SIGINT and SIGTERM: the sessions are closed first (at once when no
+# capture code is running, else as soon as the running forward pass is done), then the signal is delivered again to do
+# what it did before (the previous handler, or the default action).
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_lock = threading.RLock()  # re-entrant: the handler may run in the main thread while it holds the lock
+_stop_state = {"busy": 0, "pending": [], "prev": {}, "close": None, "logger": None, "closing": False}
+
+
+def guard_stop_signals(close, logger) -> bool:
+    """Installs the stop-signal handlers of this process (once): ``close()`` closes its sessions. Only from the main
+    thread (Python runs signal handlers there); returns whether they are installed."""
+    st = _stop_state
+    if threading.current_thread() is not threading.main_thread():
+        logger.warning("ringscope: the sessions are opened outside the main thread: a SIGINT or SIGTERM to this "
+                       "process may stop it before they close")
+        return False
+    st["close"], st["logger"] = close, logger
+    for sig in _STOP_SIGNALS:
+        if sig in st["prev"]:
+            continue
+        prev = signal.getsignal(sig)
+        if prev is signal.SIG_IGN or prev is None:
+            continue  # ignored (or not Python's): the signal does not stop this process
+        st["prev"][sig] = prev
+        signal.signal(sig, _on_stop_signal)
+    return True
+
+
+@contextlib.contextmanager
+def critical():
+    """Code a stop signal must not interrupt (a forward pass with its capture, a close): a signal that arrives
+    meanwhile is acted on when the outermost such block ends."""
+    st = _stop_state
+    with _stop_lock:
+        st["busy"] += 1
+    try:
+        yield
+    finally:
+        with _stop_lock:
+            st["busy"] -= 1
+            sig = st["pending"].pop(0) if st["busy"] == 0 and st["pending"] else None
+        if sig is not None:
+            # The handler runs again in the main thread, now that nothing is running.
+            _thread.interrupt_main(sig)
+
+
+def _on_stop_signal(signum, frame) -> None:
+    st = _stop_state
+    with _stop_lock:
+        if st["busy"] or st["closing"]:
+            if signum not in st["pending"] and not st["closing"]:
+                st["pending"].append(signum)
+            return
+        st["closing"] = True
+    log = st["logger"] or logging.getLogger("ringscope")
+    try:
+        log.warning("ringscope: %s received: closing the capture sessions before the process stops",
+                    signal.Signals(signum).name)
+        st["close"]()
+    except Exception:
+        log.exception("ringscope: closing the sessions on %s failed", signal.Signals(signum).name)
+    finally:
+        with _stop_lock:
+            st["closing"] = False
+        prev = st["prev"].pop(signum, signal.SIG_DFL)
+        signal.signal(signum, prev)
+    # What the signal did before: the previous handler (SIGINT's raises KeyboardInterrupt where the code was), or the
+    # default action (SIGTERM's ends the process).
+    os.kill(os.getpid(), signum)
 
 
 def first(output):

@@ -35,10 +35,15 @@ How it hooks SGLang (0.5.23; the model lives in the scheduler process): :func:`r
 - ``Scheduler.ringscope_close`` (added) and ``Engine.shutdown``: SGLang ends its scheduler process with SIGKILL, so
   the plugin closes the session first (``Engine.shutdown`` calls ``collective_rpc("ringscope_close")``): its files
   and manifest are complete when ``shutdown()`` returns;
-- the HTTP server's ``_setup_and_run_http_server`` (``python -m sglang.launch_server``), in the server's process: on
-  SIGTERM (and Ctrl-C) SGLang's schedulers exit on their own and close the session at exit; an exception out of the
-  server (SIGINT to its process alone) goes straight to SIGKILL, so the plugin has the scheduler close the session
-  first (through its RPC address; waiting until it answers or has exited, at most 60 s).
+- stopping, however it happens: a SIGINT or SIGTERM that reaches the scheduler process itself (Ctrl-C reaches every
+  process of the group; a service manager may signal them all) closes the session first — at once when the
+  scheduler is idle or inside SGLang's own code, after the running forward pass when it is inside one — and is then
+  delivered again to do what it did before (``_engine.guard_stop_signals``). In the server's process
+  (``python -m sglang.launch_server``), an exception out of the HTTP server (SIGINT to its process alone) and
+  SGLang's SIGQUIT handler (a child process died: it kills the process tree with SIGKILL) first have the scheduler
+  close the session, through its RPC address, waiting until it answers or every scheduler has exited (at most 60 s;
+  never blocking on a scheduler that is gone). On SIGTERM to the server SGLang's schedulers exit on their own and
+  close the session at exit.
 
 The hooks call the same custom ops as the vLLM plugin (``ringscope_engine::begin``, ``::capture``, ``::end``); the
 residual stream after layer ``i`` (``layers.{i}.resid``, HF's ``output_hidden_states[i + 1]``) is SGLang's residual
@@ -80,7 +85,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from typing import Dict, List
 
 from . import RingscopeError
@@ -187,6 +191,9 @@ def _patch() -> None:
             elif enabled() and getattr(self, "_ringscope", None) is None:
                 # Errors here (bad capture set, unsupported model) fail the engine's start, as they should.
                 self._ringscope = SglangCapture.install(self, load_config(os.environ[ENV_CONFIG]))
+                # SIGINT / SIGTERM to the scheduler (Ctrl-C reaches every process of the group): the session is
+                # closed first, wherever the signal lands.
+                _engine.guard_stop_signals(close_all, logger)
             return out
         ModelRunner.load_model = _wrapped(load_model, wrapped_load_model)
 
@@ -194,12 +201,15 @@ def _patch() -> None:
     if not getattr(forward, "_ringscope", False):
         def wrapped_forward(self, forward_batch, *args, **kwargs):
             cap = getattr(self, "_ringscope", None)
-            if not cap or not cap._prepare(forward_batch):
+            if not cap:
                 return forward(self, forward_batch, *args, **kwargs)
-            try:
-                return forward(self, forward_batch, *args, **kwargs)
-            finally:
-                cap._finish()
+            with _engine.critical():  # a stop signal closes the session after the pass, not inside it
+                if not cap._prepare(forward_batch):
+                    return forward(self, forward_batch, *args, **kwargs)
+                try:
+                    return forward(self, forward_batch, *args, **kwargs)
+                finally:
+                    cap._finish()
         ModelRunner.forward = _wrapped(forward, wrapped_forward)
 
     init_new = ForwardBatch.__dict__["init_new"].__func__
@@ -248,6 +258,7 @@ def _patch() -> None:
     run = http_server.__dict__.get("_setup_and_run_http_server") if http_server is not None else None
     if run is not None and not getattr(run, "_ringscope", False):
         def wrapped_run(server_args, tokenizer_manager, template_manager, port_args, *args, **kwargs):
+            _server["port_args"] = port_args
             try:
                 return run(server_args, tokenizer_manager, template_manager, port_args, *args, **kwargs)
             except BaseException:
@@ -260,6 +271,27 @@ def _patch() -> None:
                 raise
         http_server._setup_and_run_http_server = _wrapped(run, wrapped_run)
 
+    # A child process that dies (the detokenizer on Ctrl-C, a scheduler) makes the server kill the whole process tree
+    # with SIGKILL from its SIGQUIT handler: the scheduler may be closing its session right then. Let it finish.
+    if run is not None:
+        from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+        sigquit = SignalHandler.__dict__.get("running_phase_sigquit_handler")
+        if sigquit is not None and not getattr(sigquit, "_ringscope", False):
+            def wrapped_sigquit(self, *args, **kwargs):
+                if enabled() and _server.get("port_args") is not None:
+                    try:
+                        _close_server(_server["port_args"])
+                    except Exception:
+                        logger.exception("ringscope: closing the scheduler's session before the server's shutdown "
+                                         "failed; the run's last files and manifest may be missing")
+                return sigquit(self, *args, **kwargs)
+            SignalHandler.running_phase_sigquit_handler = _wrapped(sigquit, wrapped_sigquit)
+
+
+#: The HTTP server's port arguments (its scheduler's RPC address), in a ``launch_server`` process.
+_server: dict = {}
+
 
 #: How long ``Engine.shutdown`` waits for the scheduler to close the session (it may have died already).
 CLOSE_TIMEOUT_S = 60.0
@@ -268,68 +300,67 @@ CLOSE_TIMEOUT_S = 60.0
 def _close_remote(engine) -> None:
     """``collective_rpc("ringscope_close")`` with a bounded wait: SGLang's own waits forever, and a scheduler that
     has died never answers."""
-    _close_via(engine.send_to_rpc)
+    _ask_to_close(engine.send_to_rpc)
 
 
 def _close_server(port_args) -> None:
     """For a server started by ``sglang.launch_server`` (no Engine): asks the scheduler to close its sessions, through
-    a socket of our own at its RPC address; waits until it answers, or the scheduler processes have all exited (on a
-    Ctrl-C they get the SIGINT too and close the session themselves, at exit), or ``CLOSE_TIMEOUT_S``."""
-    import psutil
+    a socket of our own at its RPC address."""
     import zmq
-    from sglang.srt.entrypoints import engine as engine_mod
-    from sglang.srt.managers.io_struct import RpcReqInput
-    from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
     from sglang.srt.utils.network import get_zmq_socket
 
+    if _server.get("closed"):
+        return
     ctx = zmq.Context(1)
     sock = get_zmq_socket(ctx, zmq.DEALER, port_args.rpc_ipc_name, True)
     try:
-        engine_mod.sock_send(sock, RpcReqInput(method="ringscope_close", parameters=None))
-        me = psutil.Process()
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if sock.poll(100, zmq.POLLIN):
-                reply = engine_mod.sock_recv(sock)
-                if getattr(reply, "success", False):
-                    logger.info("ringscope: the scheduler closed its session before the server's shutdown")
-                else:
-                    logger.error("ringscope: closing the scheduler's session failed: %s",
-                                 getattr(reply, "message", reply))
-                return
-            alive = []
-            for c in collect_scheduler_processes():
-                try:
-                    if c.status() != psutil.STATUS_ZOMBIE:
-                        alive.append(c)
-                except psutil.NoSuchProcess:
-                    pass
-            if not alive:
-                return  # the schedulers have exited (and closed their sessions at exit)
-        logger.error("ringscope: the scheduler did not close its session within %.0f s; its last files and manifest "
-                     "may be missing", CLOSE_TIMEOUT_S)
+        if _ask_to_close(sock):
+            _server["closed"] = True
     finally:
         sock.close(linger=0)
         ctx.term()
 
 
-def _close_via(sock) -> bool:
-    """Asks the scheduler at the other end of ``sock`` to close its sessions; waits at most ``CLOSE_TIMEOUT_S``.
-    Returns whether it did."""
+def _ask_to_close(sock) -> bool:
+    """Asks the scheduler at the other end of ``sock`` to close its sessions; waits until it answers, or every
+    scheduler process (a child of this one) has exited — a scheduler stopped by a signal closes its sessions itself
+    before it exits —, or ``CLOSE_TIMEOUT_S``. Returns whether the sessions are closed."""
+    import psutil
     import zmq
     from sglang.srt.entrypoints import engine as engine_mod
     from sglang.srt.managers.io_struct import RpcReqInput
+    from sglang.srt.utils.cudacore_pyspy_dump_utils import collect_scheduler_processes
 
-    engine_mod.sock_send(sock, RpcReqInput(method="ringscope_close", parameters=None))
-    if not sock.poll(int(CLOSE_TIMEOUT_S * 1000), zmq.POLLIN):
-        logger.error("ringscope: the scheduler did not close its session within %.0f s (has it died?); its last "
-                     "files and manifest may be missing", CLOSE_TIMEOUT_S)
-        return False
-    reply = engine_mod.sock_recv(sock)
-    if not getattr(reply, "success", False):
-        logger.error("ringscope: closing the scheduler's session failed: %s", getattr(reply, "message", reply))
-        return False
-    return True
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    sent = False
+    while time.monotonic() < deadline:
+        if not sent:
+            # Never a blocking send: with no scheduler at the other end (it has exited) a DEALER socket's send
+            # blocks forever.
+            try:
+                engine_mod.sock_send(sock, RpcReqInput(method="ringscope_close", parameters=None), flags=zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:
+                time.sleep(0.1)
+        if sent and sock.poll(100, zmq.POLLIN):
+            reply = engine_mod.sock_recv(sock)
+            if getattr(reply, "success", False):
+                logger.info("ringscope: the scheduler closed its session before the shutdown")
+                return True
+            logger.error("ringscope: closing the scheduler's session failed: %s", getattr(reply, "message", reply))
+            return False
+        alive = []
+        for c in collect_scheduler_processes():
+            try:
+                if c.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(c)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return True  # the schedulers have exited (closing their sessions first: at exit, or on the signal)
+    logger.error("ringscope: the scheduler did not close its session within %.0f s (has it died?); its last files and "
+                 "manifest may be missing", CLOSE_TIMEOUT_S)
+    return False
 
 
 # -- the capture ---------------------------------------------------------------------------------------------------
@@ -421,16 +452,9 @@ class SglangCapture(EngineCapture):
         self._prepared = False
         self.stopped: Dict[int, int] = {}  # ringscope request id -> the step after which a probe ended it
 
-        self._device = next(model.parameters()).device
-        decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=self._device),
-                                persistent=False)
-        self._decoder = weakref.ref(decoder)
-        # CUDA: every request-id buffer a recorded graph may read (replays read them at fixed addresses), pinned
-        # staging slots for their host-to-device updates, and how much of them holds ids (the rest holds -1).
-        self._req_bufs: List = []
-        self._stage: List = []
-        self._dirty = 0
-        self._grow(max_rows)
+        device = next(model.parameters()).device
+        decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=device), persistent=False)
+        self._request_id_buffer(decoder, device, max_rows)
         self._handles = []
         key = self.key
         keep: List = []
@@ -507,49 +531,6 @@ class SglangCapture(EngineCapture):
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s", len(planned),
                     ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers")
 
-    def _grow(self, rows: int) -> None:
-        """The request-id buffer (a buffer of the decoder), at least ``rows`` long. On CUDA a replaced buffer stays
-        alive and keeps receiving the ids: graphs recorded earlier read it."""
-        import torch
-
-        decoder = self._decoder()
-        buf = getattr(decoder, "_ringscope_req", None)
-        if buf is not None and buf.shape[0] >= rows:
-            return
-        size = max(rows, 2 * (0 if buf is None else buf.shape[0]))
-        decoder.register_buffer("_ringscope_req", torch.full((size,), -1, dtype=torch.int64, device=self._device),
-                                persistent=False)
-        if self.cuda:
-            self._req_bufs.append(decoder._ringscope_req)
-            self._stage = [[torch.full((size,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]
-            self._stage_next = 0
-            self._dirty = size  # a new buffer: all of every buffer is written next time
-        else:
-            self._req_np = decoder._ringscope_req.numpy()
-
-    def _upload(self, tok, n: int) -> None:
-        """CUDA: the request ids of the next forward pass's ``n`` token rows into every request-id buffer, and -1
-        after them as far as earlier ids went, on the engine's current stream (stream-ordered before the forward
-        pass or graph replay). Through pinned staging slots, each reused only once its last copy has run."""
-        import torch
-
-        m = min(max(n, self._dirty), self._req_bufs[-1].shape[0])
-        slot = self._stage[self._stage_next]
-        self._stage_next = (self._stage_next + 1) % len(self._stage)
-        if slot[1] is not None:
-            slot[1].synchronize()  # that slot's copy (4 steps ago) has run: nearly always already done
-        host = slot[0].numpy()
-        host[:n] = tok
-        host[n:m] = -1
-        src = slot[0]
-        for buf in self._req_bufs:
-            k = min(m, buf.shape[0])
-            buf[:k].copy_(src[:k], non_blocking=True)
-        ev = slot[1] or torch.cuda.Event()
-        ev.record()
-        slot[1] = ev
-        self._dirty = n
-
     def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
@@ -623,22 +604,7 @@ class SglangCapture(EngineCapture):
                     self._note_cached(rid, int(prefix[k]))
             tok = np.repeat(ids, counts)
             padded = int(fb.positions.shape[0]) if getattr(fb, "positions", None) is not None else n
-            self._counters["opted_out_rows"] += int((tok < 0).sum())
-            self._counters["padding_rows"] += max(padded - n, 0)
-            self._grow(padded)
-            if self.cuda:
-                # Control changes (the policy manager's, set_enabled, ...) reach the recorded graphs between replays:
-                # a no-op unless one changed.
-                self.session.apply_controls()
-                self._upload(tok, n)
-                # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the
-                # device's step numbers follow self.step; rows of no request are exported as such, not attributed.
-                self._counters["steps_captured"] += 1
-                self._counters["rows_exported_requested"] += int((tok >= 0).sum()) * len(self.hookpoints)
-            else:
-                self._req_np[:n] = tok
-                self._req_np[n:padded] = -1
-            self._active = True
+            self._arm(tok, n, padded)
         except Exception as e:  # never take the engine down
             self._fail(e, "preparing the step", n)
         return self._prepared
@@ -744,9 +710,10 @@ def captures() -> List[SglangCapture]:
 
 
 def close_all() -> list:
-    """Closes every capture of this process (also run at exit, and by ``Engine.shutdown`` through the scheduler's
-    ``ringscope_close``); returns their results."""
-    return _engine.close_live(_LIVE, logger)
+    """Closes every capture of this process (also run at exit, on SIGINT / SIGTERM, and by ``Engine.shutdown``
+    through the scheduler's ``ringscope_close``); returns their results."""
+    with _engine.critical():
+        return _engine.close_live(_LIVE, logger)
 
 
 atexit.register(close_all)

@@ -1,0 +1,54 @@
+# Sourced by test.sh, tests/vllm/run.sh and tests/sglang/run.sh: the tests' Python environments, each exactly what its
+# requirement files pin — never a leftover of an earlier run that happens to work.
+#
+#   ensure_venv DIR INSTALL_FUNCTION FILE...
+#
+# creates the virtual environment DIR and runs INSTALL_FUNCTION (with $py set to its python) the first time. It
+# records two things in DIR/.ringscope-env: a hash of FILE... (the requirement files) and of INSTALL_FUNCTION, and a hash of what `pip freeze`
+# then lists (every package and version, the ringscope package itself left out: the tests install it afresh). A later
+# run reuses DIR only when both still match; when either differs — the requirement files changed, or something was
+# installed, upgraded or removed by hand — DIR is deleted and built again from scratch, so a reused environment
+# holds exactly what a fresh machine would get. A DIR that was not made here (no record) is left alone, with an error.
+
+_ringscope_freeze() {
+  "$1/bin/python" -m pip freeze --disable-pip-version-check 2>/dev/null | grep -viE '^ringscope( |=|@|$)' \
+    | LC_ALL=C sort | sha256sum | cut -d' ' -f1
+}
+
+ensure_venv() {
+  local dir=$1 install=$2
+  shift 2
+  local wanted record
+  # The requirement files and the install commands themselves (their pins: torch==..., --no-deps ...).
+  wanted=$( (cat "$@"; declare -f "$install") | sha256sum | cut -d' ' -f1)
+  record="$dir/.ringscope-env"
+  if [ -e "$dir" ]; then
+    if [ ! -f "$record" ] && ls "$dir"/.ringscope-*packages >/dev/null 2>&1; then
+      echo "== $dir was made by an older version of the test scripts: building it again from scratch"
+      rm -rf "$dir"
+    elif [ ! -f "$record" ]; then
+      echo "venv.sh: $dir exists but was not made by the test scripts (no $record): remove it, or point the" \
+           "script's environment variable at another directory" >&2
+      return 1
+    fi
+    if [ "$(sed -n 1p "$record")" = "$wanted" ] && [ "$(sed -n 2p "$record")" = "$(_ringscope_freeze "$dir")" ]; then
+      py="$dir/bin/python"
+      return 0
+    fi
+    if [ -f "$record" ]; then
+      echo "== $dir no longer holds exactly what $* pin: building it again from scratch"
+      rm -rf "$dir"
+    fi
+  fi
+  echo "== creating the Python environment $dir (first run: several minutes and a few GB of downloads)"
+  python3 -m venv "$dir" || {
+    echo "venv.sh: 'python3 -m venv' failed; install your distribution's venv module (Debian: apt install python3-venv)" >&2
+    return 1
+  }
+  py="$dir/bin/python"
+  local start
+  start=$(date +%s)
+  "$install"
+  printf '%s\n%s\n' "$wanted" "$(_ringscope_freeze "$dir")" > "$record"
+  echo "== $dir installed in $(( $(date +%s) - start )) s"
+}
