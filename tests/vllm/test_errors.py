@@ -30,8 +30,13 @@ def test_unsupported_vllm_version(monkeypatch, tmp_path):
     monkeypatch.delenv(rv.ENV_DISABLE, raising=False)
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setattr(rv, "_registered", False)
-    with pytest.raises(RingscopeError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.99\.0"):
+    with pytest.raises(RingscopeError, match=r"supports vLLM 0\.26\.x to 0\.32\.x; this is vLLM 0\.99\.0"):
         rv.register()
+    for bad in ("0.25.1", "0.33.0", "1.0.0", "dev"):
+        with pytest.raises(RingscopeError, match=f"supports vLLM 0\\.26\\.x to 0\\.32\\.x; this is vLLM {bad}"):
+            rv.check_version(bad)
+    for good in ("0.26.0", "0.29.3", "0.32.0", "0.32.1rc1"):
+        rv.check_version(good)
 
 
 def test_unsupported_model(tmp_path):
@@ -78,12 +83,26 @@ def test_the_default_run_id_is_the_same_in_every_worker_of_an_engine():
     assert plugin._default_run_id("").startswith("vllm-")
 
 
-def test_a_gpu_model_is_refused_with_a_clear_error():
+def test_devices_and_cuda_engine_settings_are_checked_with_clear_errors():
+    import types
+
     import torch
 
     from ringscope import RingscopeError
     from ringscope import vllm as plugin
 
     plugin._check_device(torch.device("cpu"))
+    plugin._check_device(torch.device("cuda", 0))  # the CUDA path: capture recorded into vLLM's CUDA graphs
     with pytest.raises(RingscopeError, match="supports vLLM on CPU only"):
-        plugin._check_device(torch.device("cuda", 0))
+        plugin._check_device(torch.device("meta"))
+
+    def runner(dp=1, spec=None):
+        return types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(data_parallel_size=dp), speculative_config=spec))
+
+    plugin._check_cuda_engine(runner())
+    with pytest.raises(RingscopeError, match="data_parallel_size = 2 is not supported on CUDA"):
+        plugin._check_cuda_engine(runner(dp=2))
+    with pytest.raises(RingscopeError, match="speculative decoding is not supported on CUDA"):
+        plugin._check_cuda_engine(runner(spec=object()))
+

@@ -71,7 +71,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from typing import Dict, List, Optional
 
 from . import RingscopeError
@@ -85,8 +84,35 @@ logger = logging.getLogger("ringscope.vllm")
 
 ENV_CONFIG = "RINGSCOPE_VLLM_CONFIG"
 ENV_DISABLE = "RINGSCOPE_VLLM_DISABLE"
-#: vLLM versions (prefixes) the plugin's hooks were written and tested against.
-SUPPORTED_VLLM = ("0.32.",)
+#: The vLLM releases the plugin's hooks were written and tested against, oldest and newest (major, minor): 0.26 on
+#: a GPU (torch.compile + CUDA graphs), 0.32 on CPU. What differs between them is in :data:`_VERSIONED`.
+SUPPORTED_VLLM = ((0, 26), (0, 32))
+#: Every version-specific name the plugin touches, and where it is in each supported release (none moved between
+#: 0.26 and 0.32; a release that moves one gets its entry here): the V1 runner's forward helper and persistent
+#: batch, and the V2 runner (refused).
+_VERSIONED = {
+    "v1_runner": "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+    "cpu_runner": "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+    "v2_runner": "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+    "forward": "_model_forward",  # (self, input_ids, positions, ...): one forward pass of a real batch
+}
+
+
+def supported_range() -> str:
+    (a, b), (c, d) = SUPPORTED_VLLM
+    return f"{a}.{b}.x to {c}.{d}.x"
+
+
+def check_version(version: str) -> None:
+    """A clear error unless ``version`` is in :data:`SUPPORTED_VLLM`."""
+    try:
+        key = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        key = None
+    if key is None or len(key) != 2 or not SUPPORTED_VLLM[0] <= key <= SUPPORTED_VLLM[1]:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.vllm supports vLLM {supported_range()}; this is vLLM {version} (unset "
+                             f"{ENV_CONFIG} to run without ringscope)")
 #: Model classes whose decoder layers are called as ``layer(positions, hidden_states, residual)`` and return
 #: ``(hidden_states, residual)`` with ``self_attn`` and ``mlp`` submodules (only Llama is tested).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -155,33 +181,48 @@ def register() -> None:
             return
         import vllm
 
-        version = getattr(vllm, "__version__", "?")
-        if not any(version.startswith(s) for s in SUPPORTED_VLLM):
-            raise RingscopeError("RS_ERR_CONFIG",
-                                 f"ringscope.vllm supports vLLM {', '.join(s + 'x' for s in SUPPORTED_VLLM)}; this is "
-                                 f"vLLM {version} (unset {ENV_CONFIG} to run without ringscope)")
+        check_version(getattr(vllm, "__version__", "?"))
         load_config(os.environ[ENV_CONFIG])  # fail early on a bad file
         _patch_runners()
         _registered = True
         logger.info("ringscope: vLLM plugin registered (config %s)", os.environ[ENV_CONFIG])
 
 
-def _patch_runners() -> None:
-    from vllm.v1.worker import gpu_model_runner
+def _versioned_class(key: str):
+    import importlib
 
-    classes = [gpu_model_runner.GPUModelRunner]
+    module, _, name = _VERSIONED[key].partition(":")
     try:
-        from vllm.v1.worker import cpu_model_runner
-        classes.append(cpu_model_runner.CPUModelRunner)
-    except ImportError:  # a build without the CPU runner
-        pass
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # a build without it (the CPU runner on a GPU build, ...)
+        return None
+
+
+def _patch_runners() -> None:
+    classes = [c for c in (_versioned_class("v1_runner"), _versioned_class("cpu_runner")) if c is not None]
+    fwd = _VERSIONED["forward"]
     for cls in classes:
         lm = cls.__dict__.get("load_model")
         if lm is not None and not getattr(lm, "_ringscope", False):
             cls.load_model = _wrap_load_model(lm)
-        mf = cls.__dict__.get("_model_forward")
+        mf = cls.__dict__.get(fwd)
         if mf is not None and not getattr(mf, "_ringscope", False):
-            cls._model_forward = _wrap_model_forward(mf)
+            setattr(cls, fwd, _wrap_model_forward(mf))
+    v2 = _versioned_class("v2_runner")
+    if v2 is not None and v2 not in classes:
+        lm = v2.__dict__.get("load_model")
+        if lm is not None and not getattr(lm, "_ringscope", False):
+            def refuse(self, *args, **kwargs):
+                if enabled():
+                    raise RingscopeError("RS_ERR_CONFIG",
+                                         "ringscope.vllm: this engine uses vLLM's V2 model runner (vllm/v1/worker/gpu/; "
+                                         "VLLM_USE_V2_MODEL_RUNNER=1, or its default for a few MoE architectures), "
+                                         "which the plugin does not support: serve with VLLM_USE_V2_MODEL_RUNNER=0 "
+                                         f"(the V1 GPUModelRunner), or unset {ENV_CONFIG}")
+                return lm(self, *args, **kwargs)
+            refuse._ringscope = True
+            refuse.__wrapped__ = lm
+            v2.load_model = refuse
 
 
 def _wrap_load_model(orig):
@@ -236,7 +277,24 @@ def _default_run_id(instance_id: str) -> str:
 
 
 def _check_device(device) -> None:
-    _engine.check_cpu(device, "ringscope.vllm", "vLLM", ENV_CONFIG)
+    """CPU, or CUDA (the capture ops recorded into vLLM's CUDA graphs); anything else is a clear error."""
+    if device.type != "cuda":
+        _engine.check_cpu(device, "ringscope.vllm", "vLLM", ENV_CONFIG)
+
+
+def _check_cuda_engine(runner) -> None:
+    """What the CUDA path cannot capture faithfully is refused at load, naming it."""
+    cfg = runner.vllm_config
+    dp = int(getattr(cfg.parallel_config, "data_parallel_size", 1) or 1)
+    if dp > 1:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.vllm: data_parallel_size = {dp} is not supported on CUDA (idle ranks replay "
+                             "CUDA graphs on dummy batches the plugin does not prepare): serve with "
+                             f"data_parallel_size=1, or unset {ENV_CONFIG}")
+    if getattr(cfg, "speculative_config", None) is not None:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             "ringscope.vllm: speculative decoding is not supported on CUDA (its verify passes hold "
+                             f"draft tokens that may be rejected): serve without it, or unset {ENV_CONFIG}")
 
 
 class VllmCapture(EngineCapture):
@@ -270,6 +328,8 @@ class VllmCapture(EngineCapture):
         chosen = [i for i in chosen if start <= i < end]  # pipeline parallel: this rank's layers
         param = next(model.parameters())
         _check_device(param.device)
+        if param.device.type == "cuda":
+            _check_cuda_engine(runner)
         dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
         return cls(runner, model, decoder, layers, start, end, chosen, pc, dt, hidden, rank)
@@ -280,7 +340,10 @@ class VllmCapture(EngineCapture):
         begin_op, capture_op, end_op = _engine.ops()
         self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
         planned = _engine.planned_hookpoints(chosen, pc.sites)
-        cfg = _engine.session_config(pc, planned, dt, hidden)
+        device = next(model.parameters()).device
+        cuda = device.type == "cuda"
+        max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
+        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0)
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
@@ -298,17 +361,14 @@ class VllmCapture(EngineCapture):
             raise RingscopeError("RS_ERR_CONFIG",
                                  "ringscope.vllm: vllm_config.additional_config is not a dict, so the plugin cannot "
                                  "salt the compile-cache key with its capture set")
-        super().__init__(pc, cfg, planned, rank, "_ringscope_vllm", logger)
+        super().__init__(pc, cfg, planned, rank, "_ringscope_vllm", logger, cuda=cuda)
         _LIVE.append(self)
 
-        device = next(model.parameters()).device
-        max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
-        # Buffers of the decoder model: static inputs of the compiled graph, updated in place.
+        # Buffers of the decoder model: static inputs of the compiled graph (and, on CUDA, read by the recorded CUDA
+        # graphs at fixed addresses), updated in place before every forward pass; sized once for the largest pass
+        # (vLLM's max_num_tokens), so that compiled code never sees them replaced.
         decoder.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=device), persistent=False)
-        decoder.register_buffer("_ringscope_req", torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
-                                persistent=False)
-        self._req_np = decoder._ringscope_req.numpy() if device.type == "cpu" else None
-        self._decoder = weakref.ref(decoder)
+        self._request_id_buffer(decoder, device, max_tokens)
         self._handles = []
         key = self.key
         keep: List = []
@@ -347,6 +407,10 @@ class VllmCapture(EngineCapture):
             keep.clear()
 
         self._handles.append(layers[end - 1].register_forward_hook(end_hook))
+        if cuda:
+            # The hookpoints' controls on the device before vLLM records its graphs (which read them at replay).
+            self.session.apply_controls()
+            torch.cuda.current_stream(device).synchronize()
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s; compile-cache salt %s",
                     len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers", salt)
 
@@ -405,15 +469,11 @@ class VllmCapture(EngineCapture):
                 live = runner.requests
                 self._ids = {r: v for r, v in self._ids.items() if r in live}
             tok = np.repeat(ids, counts)
-            self._counters["opted_out_rows"] += int((tok < 0).sum())
-            self._counters["padding_rows"] += max(padded - n, 0)
-            buf = self._req_np
-            if padded > buf.shape[0]:
+            size = self._decoder()._ringscope_req.shape[0]
+            if padded > size:
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"a forward pass of {padded} tokens, past the {buf.shape[0]} the plugin sized for")
-            buf[:n] = tok
-            buf[n:padded] = -1
-            self._active = True
+                                     f"a forward pass of {padded} tokens, past the {size} the plugin sized for")
+            self._arm(tok, n, padded)
         except Exception as e:  # never take the engine down
             self._fail(e, "preparing the step")
 

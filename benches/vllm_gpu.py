@@ -1,0 +1,445 @@
+"""ringscope's vLLM plugin on a GPU, through vLLM's public API: correctness against Hugging Face and decode/prefill
+cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has the numbers and the recipe).
+
+    python benches/vllm_gpu.py all OUT_DIR        # every check and benchmark below, one engine per process
+    python benches/vllm_gpu.py correct OUT_DIR    # only the correctness runs
+
+Correctness ("correct-llama", "correct-qwen2"): a small random checkpoint of each family (bf16, saved with
+save_pretrained), vLLM's default mode (torch.compile + FULL_AND_PIECEWISE CUDA graphs), continuous batching of many
+requests of different lengths with chunked prefill (64-token chunks) and prefix caching (requests sharing a 256-token
+prefix), the plugin capturing the residual, attention and MLP outputs of every layer. Every exported row is compared
+with a Hugging Face forward pass of the same checkpoint (float32 on the CPU): request ids and positions exact (each
+request's rows are exactly its computed positions, from its prefix-cache hit on), values within ``TOLERANCE``
+relative (bf16 engine against an f32 reference), cached rows counted, accounting balanced. Run twice (two engines).
+
+Cost ("bench-*"): a Llama-3.2-1B-shaped model (16 layers, hidden 2048, bf16, dummy weights), 16-token prompts,
+greedy, ``ignore_eos``; one decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, median of
+``REPS``; prefill = 8 prompts of 2048 tokens, one new token each. Configurations, each in a process of its own:
+plain vLLM (three recordings: the comparison's resolution), (b) every layer's residual to Parquet (best-effort),
+(c) residual + attention + MLP outputs of every layer, (d) 16 fused probes on the residuals with the residual
+hookpoints off (scores only), (e) ``enforce_eager`` with a PyTorch forward hook per layer copying to the CPU.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+NO_REQUEST = 2**64 - 1
+#: Engine rows against the f32 Hugging Face reference, relative L2 error per row: a bf16 engine (bf16 rounding of
+#: differently fused kernels, growing over the layers), and an f32 one (Triton attention's dots in TF32).
+TOLERANCE = {"bf16": 0.1, "f32": 5e-3}
+REPS = 3
+BATCHES = (1, 8, 64)
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+def make_checkpoint(path: str, family: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **common)
+    else:
+        cfg = AutoConfig.for_model("qwen2", architectures=["Qwen2ForCausalLM"], **common)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # larger than the default init, so that every layer visibly changes the stream
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+
+
+def make_1b(path: str) -> None:
+    """config.json of the Llama-3.2-1B shape (vLLM serves it with load_format="dummy")."""
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "hidden_act": "silu"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def write_config(out: str, body: str) -> str:
+    path = os.path.join(out, "ringscope.toml")
+    with open(path, "w") as f:
+        f.write(body)
+    return path
+
+
+def register_plugin() -> None:
+    """The plugin, registered in this process (where the in-process engine's model runner lives): what vLLM's
+    plugin loader does when the package is installed (`pip install ./ffi/python`); here it may be used from the source
+    tree with a prebuilt library (RINGSCOPE_LIB)."""
+    import ringscope.vllm as rv
+
+    rv.register()
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def engine_facts(llm) -> dict:
+    r = runner_of(llm)
+    cc = r.vllm_config.compilation_config
+    return {"vllm": __import__("vllm").__version__, "runner": f"{type(r).__module__}.{type(r).__name__}",
+            "compilation_mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode),
+            "attention_backend": str(getattr(r, "attn_backends", None) or
+                                     [type(g.backend).__name__ for g in getattr(r, "attn_groups", [[]])[0]][:1]),
+            "plugin": getattr(r, "_ringscope", None) is not None}
+
+
+# -- correctness -------------------------------------------------------------------------------------------------
+
+def run_correct(out: str, family: str, dtype: str, result: dict) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    model_dir = os.path.join(out, "model")
+    make_checkpoint(model_dir, family)
+    result["dtype"] = dtype
+    extra = {}
+    if dtype == "f32" and torch.cuda.is_available():
+        extra["attention_backend"] = "TRITON_ATTN"  # FlashAttention has no float32
+    os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, f"""
+[export]
+parquet = true
+dir = "{out}/dump"
+run_id = "run"
+[ring]
+capacity = "256 MiB"
+[vllm]
+sites = ["residual", "attention_output", "mlp_output"]
+layers = "all"
+""")
+    register_plugin()
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16" if dtype == "bf16" else "float32",
+              max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=64, enable_chunked_prefill=True,
+              enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.3, **extra)
+    result["engine"] = engine_facts(llm)
+    import random
+
+    rng = random.Random(1 if family == "llama" else 2)
+    reqs = [([rng.randrange(3, 1000) for _ in range(rng.randrange(3, 200))], rng.randrange(2, 24))
+            for _ in range(14)]
+    # A prefix of whole KV-cache blocks (16 tokens on the GPU, 128 on vLLM's CPU build), shared by later requests.
+    prefix = [rng.randrange(3, 1000) for _ in range(256)]
+    phases = [reqs, [(prefix + [5], 3)], [(prefix + [6 + i] * (i + 1), 4 + i) for i in range(4)]]
+    result["requests"] = []
+    for phase in phases:
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in phase],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in phase],
+                            use_tqdm=False)
+        for o in outs:
+            result["requests"].append({"request_id": o.request_id, "prompt": list(o.prompt_token_ids),
+                                       "tokens": list(o.outputs[0].token_ids),
+                                       "cached": int(o.num_cached_tokens or 0)})
+    import ringscope.vllm as rv
+
+    result["closed"] = rv.close_all()
+    result["run_dir"] = os.path.join(out, "dump", "run")
+
+
+def check_correct(out: str, result: dict) -> dict:
+    """Every exported row against the Hugging Face reference; returns what was found."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import ringscope
+
+    run = result["run_dir"]
+    side = os.path.join(run, "_ringscope_vllm")
+    by_ext = {}
+    for line in open(os.path.join(side, "requests.jsonl")):
+        x = json.loads(line)
+        by_ext[x["external_request_id"]] = x
+    summary = json.load(open(os.path.join(side, "summary.json")))
+    dump = ringscope.read_dump(run)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ref = {}
+    cur = {}
+
+    def hook(name):
+        def f(mod, args, o):
+            cur[name] = (o[0] if isinstance(o, tuple) else o)[0].detach().float().numpy().copy()
+        return f
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(hook(f"layers.{i}.resid"))
+        layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out"))
+        layer.mlp.register_forward_hook(hook(f"layers.{i}.mlp_out"))
+    rid = []
+    for k, r in enumerate(result["requests"]):
+        seq = r["prompt"] + r["tokens"][:-1]
+        with torch.no_grad():
+            model(torch.tensor([seq]))
+        for name, v in cur.items():
+            ref[(k, name)] = v
+        rid.append(by_ext[r["request_id"]]["request_id"])
+    worst, rows, none_rows = 0.0, 0, 0
+    bad = []
+    tol = TOLERANCE[result["dtype"]]
+    for name, cols in dump.items():
+        act = cols["activation"]
+        act = ringscope.as_float32(act) if cols["dtype"] == "bf16" else np.asarray(act, dtype=np.float32)
+        req = cols["request_id"].astype(np.uint64)
+        pos = cols["position"].astype(np.int64)
+        none = req == np.uint64(NO_REQUEST)
+        none_rows += int(none.sum())
+        act, req, pos = act[~none], req[~none], pos[~none]
+        want = sorted((rid[k], p) for k, r in enumerate(result["requests"])
+                      for p in range(r["cached"], len(r["prompt"]) + len(r["tokens"]) - 1))
+        got = sorted(zip(req.tolist(), pos.tolist()))
+        if got != want:
+            bad.append(f"{name}: (request, position) pairs differ: {len(got)} exported, {len(want)} expected; "
+                       f"missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}")
+            continue
+        for k, r in enumerate(result["requests"]):
+            sel = req == np.uint64(rid[k])
+            order = np.argsort(pos[sel])
+            a = act[sel][order]
+            b = ref[(k, name)][r["cached"]:]
+            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+            worst = max(worst, float(err.max()))
+            if err.max() > tol:
+                bad.append(f"{name} request {k}: relative error {err.max():.3g} at position "
+                           f"{int(np.argmax(err)) + r['cached']}")
+            if len(b) > 1:  # the check tells neighbouring positions apart
+                off = np.linalg.norm(a[1:] - b[:-1], axis=1) / np.linalg.norm(b[:-1], axis=1)
+                if off.min() < 2 * tol:
+                    bad.append(f"{name} request {k}: neighbouring positions too close to tell apart")
+            rows += len(a)
+    s = summary["session"]
+    cached = [r["cached"] for r in result["requests"]]
+    p = summary["plugin"]
+    if s["produced_rows"] != s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]:
+        bad.append(f"accounting does not balance: {s}")
+    if s["dropped_rows"]:
+        bad.append(f"{s['dropped_rows']} rows dropped")
+    if (p["cached_requests"], p["cached_rows"]) != (sum(1 for c in cached if c), sum(cached)):
+        bad.append(f"cached counters {p['cached_requests']}/{p['cached_rows']} vs vLLM's {cached}")
+    if not any(cached):
+        bad.append("no prefix-cache hit: the scenario does not test prefix caching")
+    if p["disabled"] is not None or p["lost_rows"]:
+        bad.append(f"plugin disabled: {p['disabled']}")
+    return {"rows_checked": rows, "no_request_rows": none_rows, "worst_relative_error": worst,
+            "tolerance": tol, "cached_tokens": cached, "session": s, "plugin": p, "problems": bad,
+            "ok": not bad}
+
+
+# -- cost --------------------------------------------------------------------------------------------------------
+
+BENCH_CONFIGS = {
+    "plain": None,
+    "resid": '[vllm]\nsites = ["residual"]\n',
+    "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
+    "probes16": None,  # written by bench_config (weights files)
+    "eager_hooks": None,
+}
+
+
+def bench_config(out: str, kind: str) -> "str | None":
+    head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
+    if kind in ("resid", "resid_attn_mlp"):
+        return head + BENCH_CONFIGS[kind]
+    if kind == "probes16":
+        import numpy as np
+
+        import ringscope
+
+        body = head + '[vllm]\nsites = ["residual"]\n'
+        rng = np.random.default_rng(0)
+        for i in range(16):
+            w = ringscope.save_probe(os.path.join(out, f"p{i}.npy"),
+                                     rng.standard_normal((1, 2048)).astype(np.float32) / 45)["weights"]
+            body += (f'[[hookpoints]]\nname = "layers.{i}.resid"\nenabled = false\n'
+                     f'[[probes]]\nname = "p{i}"\nhookpoint = "layers.{i}.resid"\nweights = "{w}"\n'
+                     f'thresholds = [1e30]\nmode = "fused"\n')
+        return body
+    return None
+
+
+def decode_step_ms(llm, batch: int) -> list:
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(31 * b + 7 * i) % 30000 + 10 for i in range(16)]} for b in range(batch)]
+
+    def t(n):
+        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+    t(8)  # warm
+    return [(t(160) - t(32)) / 128 * 1e3 for _ in range(REPS)]
+
+
+def prefill_s(llm) -> list:
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(13 * b + 5 * i) % 30000 + 10 for i in range(2048)]} for b in range(8)]
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    out = []
+    for k in range(REPS + 1):
+        # Distinct prompts each time: no prefix-cache hit.
+        ps = [{"prompt_token_ids": [x + k + 1 for x in p["prompt_token_ids"]]} for p in prompts]
+        t0 = time.perf_counter()
+        llm.generate(ps, sp, use_tqdm=False)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def run_bench(out: str, kind: str, result: dict) -> None:
+    from vllm import LLM
+
+    model_dir = os.path.join(out, "model")
+    make_1b(model_dir)
+    cfg = bench_config(out, kind)
+    if cfg is not None:
+        os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
+        register_plugin()
+    t0 = time.time()
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=64, seed=0, gpu_memory_utilization=0.5, enforce_eager=(kind == "eager_hooks"),
+              max_num_batched_tokens=8192)
+    result["start_s"] = time.time() - t0
+    result["engine"] = engine_facts(llm)
+    if kind == "eager_hooks":
+        model = runner_of(llm).get_model()
+        sink = []
+
+        def hook(mod, args, o):
+            sink.append((o[0] + o[1]).to("cpu"))  # what a forward-hook tool does: a copy to the host per layer
+            if len(sink) > 64:
+                sink.clear()
+        for layer in model.model.layers:
+            layer.register_forward_hook(hook)
+    result["decode_ms"] = {b: decode_step_ms(llm, b) for b in BATCHES}
+    result["prefill_s"] = prefill_s(llm)
+    if cfg is not None:
+        import ringscope.vllm as rv
+
+        cap = rv.captures()[0]
+        result["counters"] = cap.counters()
+        result["closed"] = rv.close_all()
+
+
+# -- driver ------------------------------------------------------------------------------------------------------
+
+def child(out: str, what: str) -> None:
+    result = {"what": what}
+    try:
+        if what.startswith("correct-"):
+            parts = what.split("#")[0].split("-")
+            run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result)
+        else:
+            run_bench(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+def run_child(root: str, what: str, timeout: int = 900) -> dict:
+    out = os.path.join(root, what.replace("#", "_"))
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("RINGSCOPE_VLLM_CONFIG", None)
+    with open(os.path.join(out, "engine.log"), "w") as log:
+        p = subprocess.run([sys.executable, __file__, "child", out, what], stdout=log, stderr=subprocess.STDOUT,
+                           env=env, timeout=timeout)
+    try:
+        res = json.load(open(os.path.join(out, "result.json")))
+    except OSError:
+        res = {"error": f"no result (exit {p.returncode})"}
+    res["seconds"] = time.time() - t0
+    res["out"] = out
+    if res.get("error"):
+        print(f"== {what}: ERROR {res['error']}\n{res.get('traceback', '')[-3000:]}", flush=True)
+        print(open(os.path.join(out, "engine.log")).read()[-4000:], flush=True)
+    return res
+
+
+def main(cmd: str, root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    # A report already in ROOT (an earlier call cut short by a time limit) is continued: what it holds is not run again.
+    path = os.path.join(root, "report.json")
+    report = json.load(open(path)) if os.path.exists(path) else {}
+    report.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    correct = ["correct-llama", "correct-qwen2", "correct-llama-f32", "correct-llama#2"]
+    bench = ["bench-plain#1", "bench-resid", "bench-plain#2", "bench-resid_attn_mlp", "bench-probes16",
+             "bench-plain#3", "bench-eager_hooks"]
+    todo = {"all": correct[:1] + bench[:5] + correct[1:2] + bench[5:] + correct[2:], "correct": correct,
+            "bench": bench}[cmd]
+    for what in todo:
+        if isinstance(report.get(what), dict) and not report[what].get("error"):
+            continue
+        res = run_child(root, what)
+        if what.startswith("correct-") and not res.get("error"):
+            try:
+                res["check"] = check_correct(res["out"], res)
+            except Exception as e:
+                res["check"] = {"ok": False, "problems": [f"{type(e).__name__}: {e}"],
+                                "traceback": traceback.format_exc()}
+        report[what] = {k: v for k, v in res.items() if k not in ("requests",)}
+        brief = res.get("check", {}) if what.startswith("correct-") else \
+            {k: res.get(k) for k in ("decode_ms", "prefill_s", "start_s", "engine")}
+        print(f"== {what} ({res['seconds']:.0f} s): {json.dumps(brief, default=str)[:1500]}", flush=True)
+        summarize(report, quiet=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    summarize(report)
+
+
+def summarize(report: dict, quiet: bool = False) -> None:
+    plains = [v for k, v in report.items() if k.startswith("bench-plain") and isinstance(v, dict) and "decode_ms" in v]
+    if not plains:
+        return
+    lines = []
+    base = {b: statistics.median([statistics.median(p["decode_ms"][str(b)] if str(b) in p["decode_ms"]
+                                                    else p["decode_ms"][b]) for p in plains]) for b in BATCHES}
+    spread = {b: (max(statistics.median(p["decode_ms"].get(str(b), p["decode_ms"].get(b))) for p in plains) /
+                  min(statistics.median(p["decode_ms"].get(str(b), p["decode_ms"].get(b))) for p in plains) - 1)
+              for b in BATCHES}
+    pbase = statistics.median([statistics.median(p["prefill_s"]) for p in plains])
+    lines.append("decode step, median ms (ratio to the median of the plain recordings); prefill 8x2048 s (ratio)")
+    lines.append("plain spread (max/min of the plain recordings - 1): " +
+                 ", ".join(f"B={b}: {spread[b] * 100:.1f}%" for b in BATCHES))
+    for k, v in report.items():
+        if not k.startswith("bench-") or not isinstance(v, dict) or "decode_ms" not in v:
+            continue
+        cells = []
+        for b in BATCHES:
+            xs = v["decode_ms"].get(str(b), v["decode_ms"].get(b))
+            m = statistics.median(xs)
+            cells.append(f"B={b}: {m:.3f} ({(m / base[b] - 1) * 100:+.1f}%)")
+        pm = statistics.median(v["prefill_s"])
+        drops = (v.get("closed") or [{}])[0].get("session", {}).get("dropped_rows") if v.get("closed") else None
+        cells.append(f"prefill {pm:.3f} s ({(pm / pbase - 1) * 100:+.1f}%)")
+        cells.append(f"dropped rows {drops}")
+        lines.append(f"{k}: " + "; ".join(cells))
+    report["summary"] = lines
+    if not quiet:
+        print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "child":
+        child(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])
