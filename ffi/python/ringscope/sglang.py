@@ -39,11 +39,11 @@ How it hooks SGLang (0.5.23; the model lives in the scheduler process): :func:`r
   process of the group; a service manager may signal them all) closes the session first — at once when the
   scheduler is idle or inside SGLang's own code, after the running forward pass when it is inside one — and is then
   delivered again to do what it did before (``_engine.guard_stop_signals``). In the server's process
-  (``python -m sglang.launch_server``), an exception out of the HTTP server (SIGINT to its process alone) and
-  SGLang's SIGQUIT handler (a child process died: it kills the process tree with SIGKILL) first have the scheduler
-  close the session, through its RPC address, waiting until it answers or every scheduler has exited (at most 60 s;
-  never blocking on a scheduler that is gone). On SIGTERM to the server SGLang's schedulers exit on their own and
-  close the session at exit.
+  (``python -m sglang.launch_server``), the end of the HTTP server however it ends (SIGINT to its process alone
+  stops it gracefully, then SGLang kills the process tree with SIGKILL) and SGLang's SIGQUIT handler (a child
+  process died: it kills the process tree too) first have the scheduler close the session, through its RPC address,
+  waiting until it answers or every scheduler has exited (at most 60 s; never blocking on a scheduler that is gone).
+  On SIGTERM to the server SGLang's schedulers exit on their own and close the session at exit.
 
 The hooks call the same custom ops as the vLLM plugin (``ringscope_engine::begin``, ``::capture``, ``::end``); the
 residual stream after layer ``i`` (``layers.{i}.resid``, HF's ``output_hidden_states[i + 1]``) is SGLang's residual
@@ -242,11 +242,12 @@ def _patch() -> None:
             return shutdown(self, *args, **kwargs)
         Engine.shutdown = _wrapped(shutdown, wrapped_shutdown)
 
-    # `python -m sglang.launch_server` / `sglang serve`. SIGTERM: SGLang drains, asks its schedulers to exit and they
-    # do (our atexit closes the session there). But an exception out of the HTTP server — KeyboardInterrupt from a
-    # SIGINT — goes straight to a kill of the process tree (SIGKILL): close the scheduler's session first, through the
-    # RPC address an Engine would use. Only in a main process (SGLang's own processes are its children), and only where
-    # SGLang's HTTP server can be imported.
+    # `python -m sglang.launch_server` / `sglang serve`. When the HTTP server ends — SIGINT to the server (uvicorn stops
+    # gracefully, then returns or raises KeyboardInterrupt), Ctrl-C to the group, an exception, SIGTERM (SGLang drains
+    # and asks its schedulers to exit) — the next thing SGLang does is kill the process tree (SIGKILL): close the
+    # scheduler's session first, through the RPC address an Engine would use (a scheduler that exited on its own has
+    # closed it at exit). Only in a main process (SGLang's own processes are its children), and only where SGLang's
+    # HTTP server can be imported.
     import multiprocessing
 
     http_server = None
@@ -261,14 +262,15 @@ def _patch() -> None:
             _server["port_args"] = port_args
             try:
                 return run(server_args, tokenizer_manager, template_manager, port_args, *args, **kwargs)
-            except BaseException:
+            finally:
+                # However the HTTP server ended — an exception, or a graceful stop on SIGINT that returns normally —
+                # SGLang kills the process tree next.
                 if enabled():
                     try:
                         _close_server(port_args)
                     except Exception:
                         logger.exception("ringscope: closing the scheduler's session as the server stopped failed; "
                                          "the run's last files and manifest may be missing")
-                raise
         http_server._setup_and_run_http_server = _wrapped(run, wrapped_run)
 
     # A child process that dies (the detokenizer on Ctrl-C, a scheduler) makes the server kill the whole process tree
