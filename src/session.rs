@@ -606,6 +606,9 @@ impl Session {
             records_lost: 0,
             rows_lost: 0,
             detail: format!("{} -> {}: {}", change.from, change.to, change.detail),
+            request_id: None,
+            first_position: None,
+            end_position: None,
         });
     }
 
@@ -648,6 +651,9 @@ impl Session {
             records_lost: 0,
             rows_lost: rows,
             detail: format!("request={request} positions={first_position}..{end}"),
+            request_id: Some(request),
+            first_position: Some(first_position as u64),
+            end_position: Some(end),
         });
         Ok(())
     }
@@ -674,6 +680,9 @@ impl Session {
                  of the step time): the step went on as in best-effort (policy.on_deadline = \"degrade\")",
                 self.wait_budget().as_secs_f64() * 1e3
             ),
+            request_id: None,
+            first_position: None,
+            end_position: None,
         });
     }
 

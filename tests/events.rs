@@ -187,10 +187,27 @@ fn a_run_that_lost_nothing_has_no_events_table_and_rung_changes_are_written() {
         records_lost: 0,
         rows_lost: 0,
         detail: "full -> every_4: drain 21.3 GB/s over cap 20 GB/s".into(),
+        request_id: None,
+        first_position: None,
+        end_position: None,
+    };
+    // An event about one request's positions keeps them in its typed columns.
+    let cached = Event {
+        hookpoint: String::new(),
+        kind: EventKind::Cached,
+        rung: String::new(),
+        reason: "prefix_cache".into(),
+        rows_lost: 32,
+        detail: "request=7 positions=0..32".into(),
+        request_id: Some(7),
+        first_position: Some(0),
+        end_position: Some(32),
+        ..rung.clone()
     };
     session.events().push(rung.clone());
+    session.events().push(cached.clone());
     let report = session.shutdown().unwrap();
     assert_eq!(report.events.len(), 1);
-    assert_eq!(ringscope::read_events(&dir.join("r")).unwrap(), vec![rung]);
+    assert_eq!(ringscope::read_events(&dir.join("r")).unwrap(), vec![rung, cached]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

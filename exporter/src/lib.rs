@@ -33,8 +33,8 @@ pub use routing::{
     SinkHealth, SinkReport, Subscription, Summary, SummarySink,
 };
 pub use writing::{
-    arrow_ipc_sink, event_recorder, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet, ParquetSink, ParquetTable,
-    ParquetWriter,
+    arrow_ipc_sink, check_ipc_footer, event_recorder, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet,
+    ParquetSink, ParquetTable, ParquetWriter,
 };
 
 /// Errors of the drain's life cycle (a sink's errors are [`SinkError`]s, in the [`DrainReport`]).

@@ -7,9 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 5 added `rs_capture_device_last_rows`,
-// `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of `rs_probe_snapshot` and `cached` at the end
-// of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
+// The version of this C ABI, as [`rs_abi_version`] returns it: 6 added the status `RS_ERR_STATE`; 5 added
+// `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
+// `rs_probe_snapshot` and `cached` at the end of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
 // `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
 // `rs_probe_count`, `rs_probe_stats`, their structs and constants, the status `RS_NOT_SEEN`, and `dtype` / `row_width`
 // at the end of `rs_hookpoint_snapshot`); 3 added `stalls` and `stall_ns` at the end of
@@ -18,7 +18,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 5
+#define RS_ABI_VERSION 6
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -192,6 +192,10 @@ enum rs_status
   // yet, or forgotten (finished with `rs_request_finish`, or evicted past `alerts.max_requests`). Not a failure of
   // the call: the report is written, with zero coverage and NaN scores, and the message says which (ABI 4).
   RS_NOT_SEEN = 15,
+  // The handle belongs to another process: a session or subscription opened by the parent of a forked process
+  // (its threads and its files' writers stay with the parent). Open a session in the child instead. The parent's
+  // handles are left alone in the child: nothing of the parent's run is changed (ABI 6).
+  RS_ERR_STATE = 16,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -75,6 +75,10 @@ pub enum RsStatus {
     /// yet, or forgotten (finished with `rs_request_finish`, or evicted past `alerts.max_requests`). Not a failure of
     /// the call: the report is written, with zero coverage and NaN scores, and the message says which (ABI 4).
     RsNotSeen = 15,
+    /// The handle belongs to another process: a session or subscription opened by the parent of a forked process
+    /// (its threads and its files' writers stay with the parent). Open a session in the child instead. The parent's
+    /// handles are left alone in the child: nothing of the parent's run is changed (ABI 6).
+    RsErrState = 16,
 }
 
 /// The health of a session's sinks (see [`rs_sink_status`]).
@@ -148,9 +152,9 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 5 added `rs_capture_device_last_rows`,
-/// `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of `rs_probe_snapshot` and `cached` at the end
-/// of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 6 added the status `RS_ERR_STATE`; 5 added
+/// `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
+/// `rs_probe_snapshot` and `cached` at the end of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
 /// `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
 /// `rs_probe_count`, `rs_probe_stats`, their structs and constants, the status `RS_NOT_SEEN`, and `dtype` / `row_width`
 /// at the end of `rs_hookpoint_snapshot`); 3 added `stalls` and `stall_ns` at the end of
@@ -159,7 +163,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 5;
+pub const RS_ABI_VERSION: u32 = 6;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -361,7 +365,7 @@ enum Entry {
 }
 
 struct Handles {
-    map: Mutex<HashMap<u64, Entry>>,
+    map: Mutex<Table>,
     /// Sessions whose stop-flag table's address `rs_probe_flags` handed out: their table outlives the close.
     flags_handed_out: Mutex<std::collections::HashSet<u64>>,
     next: AtomicU64,
@@ -376,7 +380,7 @@ fn handles() -> &'static Handles {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
                 ^ (std::process::id() as u64) << 32;
         Handles {
-            map: Mutex::new(HashMap::new()),
+            map: Mutex::new(Table { pid: std::process::id(), entries: HashMap::new(), inherited: HashMap::new() }),
             flags_handed_out: Mutex::new(Default::default()),
             next: AtomicU64::new(1),
             salt: salt & 0xFFFF_0000_0000_0000,
@@ -384,10 +388,66 @@ fn handles() -> &'static Handles {
     })
 }
 
+/// The handles of this process.
+struct Table {
+    /// The process the entries belong to.
+    pid: u32,
+    entries: HashMap<u64, Entry>,
+    /// Handles of the process this one was forked from, with that process's id: they answer `RS_ERR_STATE`.
+    inherited: HashMap<u64, u32>,
+}
+
+impl std::ops::Deref for Table {
+    type Target = HashMap<u64, Entry>;
+    fn deref(&self) -> &Self::Target {
+        &self.entries
+    }
+}
+
+impl std::ops::DerefMut for Table {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.entries
+    }
+}
+
+impl Table {
+    /// The failure for a handle that is not in the table: one of the parent's (`RS_ERR_STATE`), or unknown.
+    fn unknown(&self, handle: u64, unknown: impl FnOnce() -> String) -> Failure {
+        match self.inherited.get(&handle) {
+            Some(parent) => Failure(
+                RsStatus::RsErrState,
+                format!(
+                    "handle {handle:#x} was opened by process {parent}, and this is process {} (forked from it): a \
+                     session belongs to the process that opened it; open one in this process",
+                    self.pid
+                ),
+            ),
+            None => Failure(RsStatus::RsErrInvalidHandle, unknown()),
+        }
+    }
+}
+
+/// The handle table, locked. In a process forked from the one that filled it, the entries are the parent's: their
+/// threads did not come with the fork, so they are set aside as inherited (leaked on purpose: dropping a session here
+/// would join threads that do not exist in this process) and answer `RS_ERR_STATE`.
+fn table() -> parking_lot::MutexGuard<'static, Table> {
+    let mut t = handles().map.lock();
+    let pid = std::process::id();
+    if t.pid != pid {
+        let parent = t.pid;
+        for (handle, entry) in std::mem::take(&mut t.entries) {
+            t.inherited.insert(handle, parent);
+            std::mem::forget(entry);
+        }
+        t.pid = pid;
+    }
+    t
+}
+
 fn new_handle(entry: Entry) -> u64 {
     let h = handles();
     let id = h.next.fetch_add(1, Ordering::Relaxed) | h.salt;
-    h.map.lock().insert(id, entry);
+    table().insert(id, entry);
     id
 }
 
@@ -415,13 +475,14 @@ fn invalid(msg: impl Into<String>) -> Failure {
 }
 
 fn session(handle: u64) -> Result<Arc<Session>, Failure> {
-    match handles().map.lock().get(&handle) {
+    let t = table();
+    match t.get(&handle) {
         Some(Entry::Session(s)) => Ok(s.clone()),
         Some(Entry::ClosedSession(_)) => Err(Failure(RsStatus::RsErrClosed, "the session is closed".into())),
         Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
             Err(Failure(RsStatus::RsErrInvalidHandle, format!("handle {handle:#x} is a subscription, not a session")))
         }
-        None => Err(Failure(RsStatus::RsErrInvalidHandle, format!("{handle:#x} is not a ringscope session handle"))),
+        None => Err(t.unknown(handle, || format!("{handle:#x} is not a ringscope session handle"))),
     }
 }
 
@@ -560,7 +621,7 @@ pub unsafe extern "C" fn rs_session_open_file(path: *const c_char, out: *mut u64
 #[no_mangle]
 pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCounts) -> RsStatus {
     ffi(|| {
-        let mut map = handles().map.lock();
+        let mut map = table();
         let outcome = match map.get(&session_handle) {
             Some(Entry::ClosedSession(c)) => Some(c.outcome.clone()),
             Some(Entry::Session(_)) => None,
@@ -571,10 +632,9 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
                 ))
             }
             None => {
-                return Err(Failure(
-                    RsStatus::RsErrInvalidHandle,
-                    format!("{session_handle:#x} is not a ringscope session handle"),
-                ))
+                return Err(
+                    map.unknown(session_handle, || format!("{session_handle:#x} is not a ringscope session handle"))
+                )
             }
         };
         let write = |counts: &Option<RsCounts>| {
@@ -624,7 +684,7 @@ pub unsafe extern "C" fn rs_session_close(session_handle: u64, totals: *mut RsCo
             probes: ClosedProbes::closed(&s, keep_flags),
             outcome: outcome.clone(),
         };
-        handles().map.lock().insert(session_handle, Entry::ClosedSession(Arc::new(closed)));
+        table().insert(session_handle, Entry::ClosedSession(Arc::new(closed)));
         let (status, message) = match &result {
             Ok(()) => (RsStatus::RsOk, String::new()),
             Err(Failure(status, message)) => (*status, message.clone()),
@@ -1086,13 +1146,14 @@ pub extern "C" fn rs_flush(session_handle: u64, timeout_ms: u32) -> RsStatus {
 
 /// The sink failures of an open or closed session.
 fn sink_failures(handle: u64) -> Result<Arc<[SinkFailure]>, Failure> {
-    match handles().map.lock().get(&handle) {
+    let t = table();
+    match t.get(&handle) {
         Some(Entry::ClosedSession(c)) => Ok(c.failures.clone()),
         Some(Entry::Session(s)) => Ok(s.sink_failures().into()),
         Some(Entry::Subscription(_) | Entry::ClosedSubscription) => {
             Err(Failure(RsStatus::RsErrInvalidHandle, format!("handle {handle:#x} is a subscription, not a session")))
         }
-        None => Err(Failure(RsStatus::RsErrInvalidHandle, format!("{handle:#x} is not a ringscope session handle"))),
+        None => Err(t.unknown(handle, || format!("{handle:#x} is not a ringscope session handle"))),
     }
 }
 
@@ -1481,16 +1542,18 @@ pub unsafe extern "C" fn rs_poll(
 ) -> RsStatus {
     ffi(|| {
         out_arg(info, "info")?;
-        let entry = match handles().map.lock().get(&subscription) {
-            Some(Entry::Subscription(s)) => s.clone(),
-            Some(Entry::ClosedSubscription) => {
-                return Err(Failure(RsStatus::RsErrClosed, "the subscription is closed".into()))
-            }
-            _ => {
-                return Err(Failure(
-                    RsStatus::RsErrInvalidHandle,
-                    format!("{subscription:#x} is not a ringscope subscription handle"),
-                ))
+        let entry = {
+            let t = table();
+            match t.get(&subscription) {
+                Some(Entry::Subscription(s)) => s.clone(),
+                Some(Entry::ClosedSubscription) => {
+                    return Err(Failure(RsStatus::RsErrClosed, "the subscription is closed".into()))
+                }
+                _ => {
+                    return Err(
+                        t.unknown(subscription, || format!("{subscription:#x} is not a ringscope subscription handle"))
+                    )
+                }
             }
         };
         let closed = || Failure(RsStatus::RsErrClosed, "the subscription was closed".into());
@@ -1565,7 +1628,7 @@ fn take_pending(subscription: u64) -> Option<Record> {
 #[no_mangle]
 pub extern "C" fn rs_subscription_close(subscription: u64) -> RsStatus {
     ffi(|| {
-        let mut map = handles().map.lock();
+        let mut map = table();
         match map.get(&subscription) {
             Some(Entry::ClosedSubscription) => Ok(()),
             Some(Entry::Subscription(_)) => {
@@ -1578,10 +1641,11 @@ pub extern "C" fn rs_subscription_close(subscription: u64) -> RsStatus {
                 take_pending(subscription);
                 Ok(())
             }
-            _ => Err(Failure(
-                RsStatus::RsErrInvalidHandle,
-                format!("{subscription:#x} is not an open ringscope subscription handle"),
-            )),
+            _ => {
+                Err(map.unknown(subscription, || {
+                    format!("{subscription:#x} is not an open ringscope subscription handle")
+                }))
+            }
         }
     })
 }
@@ -1803,7 +1867,7 @@ enum Probed {
 }
 
 fn session_or_closed(handle: u64) -> Result<Probed, Failure> {
-    let found = match handles().map.lock().get(&handle) {
+    let found = match table().get(&handle) {
         Some(Entry::Session(s)) => Some(Probed::Open(s.clone())),
         Some(Entry::ClosedSession(c)) => Some(Probed::Closed(c.clone())),
         _ => None,

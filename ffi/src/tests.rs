@@ -1049,7 +1049,7 @@ fn a_closed_session_keeps_only_what_its_handle_answers() {
         probe_step(s, id, 0, &[(7, 0)], |_| 2.0);
         // SAFETY: null totals are allowed.
         assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk, "{}", last_error());
-        let map = handles().map.lock();
+        let map = table();
         let Some(Entry::ClosedSession(closed)) = map.get(&s) else { panic!("a closed session") };
         let probes = closed.probes.as_ref().expect("it had probes");
         let AlertsLeft::Left(left) = &probes.alerts else { panic!("the alerts queue was not freed") };

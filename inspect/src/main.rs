@@ -667,7 +667,7 @@ fn read_file(path: &Path, verify: bool) -> Result<FileSummary, String> {
 
 /// Checks every checksum of a file: for Parquet, reads every page of every column chunk (the page reader checks the
 /// CRC in each page header, and zstd the checksum of each frame); for Arrow IPC, the CRC-32 of each record batch's
-/// stretch of the file against the list in its metadata.
+/// stretch of the file against the list in its metadata, and of the rest (the footer) against its own.
 fn verify_checksums(path: &Path) -> Result<(), String> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let file = File::open(path).map_err(|e| e.to_string())?;
@@ -710,7 +710,8 @@ fn verify_checksums(path: &Path) -> Result<(), String> {
         }
         start = end;
     }
-    Ok(())
+    // The rest: end-of-stream marker, footer, length, magic.
+    ringscope_exporter::check_ipc_footer(&map, start)
 }
 
 /// Drop spans of one (hookpoint, reason) in the events table.

@@ -175,7 +175,8 @@ fn inspect_summarises_a_good_dump_and_fails_on_a_bad_one() {
 
 /// Where single-byte flips go in a file: for Parquet, the middle of the first row group's activation chunk (its
 /// zstd pages) and the last byte of its `step` chunk (a metadata column's data page, PLAIN/RLE, uncompressed); for
-/// Arrow IPC, inside the first record batch's body (its activation buffer, just before the batch's end).
+/// Arrow IPC, inside the first record batch's body (its activation buffer, just before the batch's end), and in the
+/// footer (300 bytes before the end: its metadata).
 fn flip_positions(path: &Path) -> Vec<(&'static str, usize)> {
     if path.extension().is_some_and(|e| e == "parquet") {
         use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -193,9 +194,11 @@ fn flip_positions(path: &Path) -> Vec<(&'static str, usize)> {
         vec![("activation page", a + a_len / 2), ("step page", s + s_len - 1)]
     } else {
         let bytes = std::fs::read(path).unwrap();
-        let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(bytes), None).unwrap();
+        let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(&bytes), None).unwrap();
         let crcs: Vec<(u64, u32)> = serde_json::from_str(&reader.custom_metadata()["ringscope.batch_crc32"]).unwrap();
-        vec![("record batch body", crcs[0].0 as usize - 100)]
+        let footer = crcs.last().unwrap().0 as usize;
+        assert!(bytes.len() - 300 >= footer, "a footer of {} bytes", bytes.len() - footer);
+        vec![("record batch body", crcs[0].0 as usize - 100), ("footer", bytes.len() - 300)]
     }
 }
 
@@ -227,6 +230,7 @@ fn verify_names_a_file_with_any_flipped_byte_in_its_data() {
                 assert!(problem.contains("PROBLEM") && problem.contains(&*name), "{what}: {stdout}");
                 match ext {
                     "parquet" => assert!(problem.contains("row group 0, column "), "{what}: {problem}"),
+                    _ if what == "footer" => assert!(problem.contains("footer"), "{what}: {problem}"),
                     _ => assert!(problem.contains("record batch 0"), "{what}: {problem}"),
                 }
             }

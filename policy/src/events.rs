@@ -75,6 +75,15 @@ pub struct Event {
     pub rows_lost: u64,
     /// Free text, e.g. `every_4 -> last_row: drain 21.3 GB/s over cap 20 GB/s`.
     pub detail: String,
+    /// The request the event is about (a prefix-cache hit: `kind = cached`); `None` where it is about no one request.
+    #[serde(default)]
+    pub request_id: Option<u64>,
+    /// The first position of the request the event concerns (with `request_id`).
+    #[serde(default)]
+    pub first_position: Option<u64>,
+    /// One past the last position of the request the event concerns (with `request_id`).
+    #[serde(default)]
+    pub end_position: Option<u64>,
 }
 
 /// Nanoseconds since the Unix epoch, now.
@@ -126,6 +135,9 @@ impl Span {
             records_lost: self.records,
             rows_lost: self.rows,
             detail: String::new(),
+            request_id: None,
+            first_position: None,
+            end_position: None,
         }
     }
 }
@@ -241,6 +253,9 @@ mod tests {
             records_lost: 0,
             rows_lost: 0,
             detail: "full -> every_4".into(),
+            request_id: None,
+            first_position: None,
+            end_position: None,
         }
     }
 

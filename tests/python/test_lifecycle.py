@@ -53,9 +53,13 @@ def _rss_mib():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
-def test_closed_sessions_with_probes_do_not_keep_their_memory(tmp_path):
-    """Before: every closed session with probes kept its alerts queue (5-6.5 MiB): 200 cycles grew RSS by 1.3 GiB."""
+@pytest.mark.parametrize("alerts", ["unread alerts", "no alert"])
+def test_closed_sessions_with_probes_do_not_keep_their_memory(tmp_path, alerts):
+    """Before: every closed session with probes kept its alerts queue (5-6.5 MiB): 200 cycles grew RSS by 1.3 GiB;
+    then one whose probe never alerted kept ~3.3 MiB (200 cycles: +670 MiB)."""
     cfg = _probe_config(tmp_path)
+    if alerts == "no alert":
+        cfg["probes"][0]["threshold"] = 1e9
     for _ in range(10):  # warm up the allocator and the library
         s = ringscope.Session(cfg)
         _steps(s, 2)
@@ -67,6 +71,8 @@ def test_closed_sessions_with_probes_do_not_keep_their_memory(tmp_path):
         s.close()
     grown = _rss_mib() - before
     assert grown < 150, f"RSS grew {grown:.0f} MiB over 200 closed sessions"
+    if alerts == "no alert":
+        assert s.probe_stats()[0]["alerts"] == 0, "the probe was meant never to alert"
 
 
 def test_a_second_writer_of_one_run_and_rank_is_refused_and_the_first_keeps_its_rows(tmp_path):
@@ -133,3 +139,53 @@ def test_metrics_port_is_reported_and_idle_clients_delay_neither_scrapes_nor_clo
     with pytest.raises(ringscope.RingscopeError) as e:
         plain.metrics_port()
     assert e.value.status == "RS_ERR_CLOSED"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_session_used_from_a_forked_child_is_a_clear_error_and_the_parent_run_stays_whole(tmp_path):
+    """Before: the child's close got RS_ERR_PANIC ("threads should not terminate unexpectedly")."""
+    cfg = {"export": {"parquet": True, "dir": str(tmp_path), "run_id": "fork"},
+           "hookpoints": [{"name": "h", "site": "residual", "layer": 0, "dtype": "f32", "row_width": D}]}
+    s = ringscope.Session(cfg)
+    _steps(s, 3)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what each call did, never run the parent's cleanup
+        code = 0
+        try:
+            out = []
+            for call in (s.close, lambda: _steps(s, 1), s.stats_all):
+                try:
+                    call()
+                    out.append("ok")
+                except ringscope.RingscopeError as e:
+                    out.append(f"{e.status}|{e.message}")
+                except BaseException as e:  # noqa: BLE001 - reported to the parent
+                    out.append(f"other|{type(e).__name__}: {e}")
+            # A session of the child's own works.
+            own = {**cfg, "export": {**cfg["export"], "run_id": "child"}}
+            with ringscope.Session(own) as c:
+                _steps(c, 2)
+            out.append(f"child {c.totals['exported_rows']}")
+            os.write(w, "\n".join(out).encode())
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, f"crash {type(e).__name__}: {e}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        lines = f.read().split("\n")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, lines
+    assert len(lines) == 4, lines
+    for line in lines[:3]:
+        code, _, message = line.partition("|")
+        assert code == "RS_ERR_STATE", lines
+        assert f"opened by process {os.getpid()}" in message and f"this is process {pid}" in message, line
+    assert lines[3] == "child 4", lines
+    # The parent's session went on untouched by the child.
+    _steps(s, 1)
+    totals = s.close()
+    assert totals["produced_rows"] == 8 and totals["exported_rows"] == 8, totals
+    assert ringscope.read_dump(tmp_path / "fork", hookpoint="h")["h"]["activation"].shape == (8, D)

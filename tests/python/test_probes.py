@@ -258,6 +258,18 @@ def test_rows_from_the_prefix_cache_are_counted_in_coverage_and_the_events_table
     events = [e for e in ringscope.read_events(tmp_path / "cached") if e["kind"] == "cached"]
     assert [(e["hookpoint"], e["first_step"], e["reason"], e["records_lost"], e["rows_lost"], e["detail"])
             for e in events] == [("", 0, "prefix_cache", 0, 96, "request=5 positions=0..96")]
+    # Typed columns, so that a DuckDB or Polars user joins events to rows without parsing `detail`.
+    assert [(e["request_id"], e["first_position"], e["end_position"]) for e in events] == [(5, 0, 96)]
+    import pyarrow.parquet as pq
+
+    (events_file,) = (tmp_path / "cached" / ringscope.EVENTS_DIR).glob("part-*.parquet")
+    schema = pq.read_schema(events_file)
+    assert [(c, str(schema.field(c).type), schema.field(c).nullable)
+            for c in ("request_id", "first_position", "end_position")] == [(c, "uint64", True) for c in
+                                                                          ("request_id", "first_position",
+                                                                           "end_position")]
+    others = [e for e in ringscope.read_events(tmp_path / "cached") if e["kind"] != "cached"]
+    assert all(e["request_id"] is None and e["end_position"] is None for e in others)
     with pytest.raises(RingscopeError):
         s.note_cached(1, 5, 0, 1)  # closed
 

@@ -391,6 +391,67 @@ def test_another_hookpoints_file_in_a_partition_is_an_error_naming_it(own_run, t
         assert f"{4 * 32} bytes of f32 where the hookpoint's are {2 * WIDTH} bytes of bf16" in msg
 
 
+def test_every_byte_of_an_arrow_ipc_footer_is_checked(own_run, tmp_path):
+    """Before: a byte flipped 300 bytes before the end of a file (in its footer) went unnoticed. Every byte after
+    the last record batch — end-of-stream marker, footer, its length, the magic — flipped one at a time, by three
+    different bits, fails the footer's check (pyarrow opening the file, then its CRC-32); a few of them, the one 300
+    bytes before the end included, through the reader itself: an error naming the file."""
+    import json
+
+    import pyarrow as pa
+
+    run = one_format(own_run[0], tmp_path / "run", "arrow")
+    victim = only_file(run, "arrow")
+    good = victim.read_bytes()
+    end = json.loads(pa.ipc.open_file(str(victim)).metadata[b"ringscope.batch_crc32"])[-1][0]
+    assert len(good) - end > 300
+
+    data = bytearray(good)  # flipped and flipped back in place: pyarrow reads it without a copy
+
+    def footer_checked() -> bool:
+        try:
+            metadata = pa.ipc.open_file(pa.BufferReader(data)).metadata or {}
+            stream._check_ipc_footer(pa.BufferReader(data), victim, end, len(data), metadata)
+        except (RingscopeError, pa.ArrowException, OSError):
+            return False
+        return True
+
+    assert footer_checked()
+    unnoticed = []
+    for at in range(end, len(good)):
+        for bit in (0x01, 0x20, 0x80):
+            data[at] ^= bit
+            if footer_checked():
+                unnoticed.append((at, bit))
+            data[at] ^= bit
+    assert not unnoticed, f"{len(unnoticed)} flips of the footer's {len(good) - end} bytes went unnoticed: {unnoticed[:10]}"
+    for at in (end, len(good) - 300, len(good) - 20, len(good) - 1):
+        bad = bytearray(good)
+        bad[at] ^= 0x01
+        victim.write_bytes(bytes(bad))
+        with pytest.raises(RingscopeError) as e:
+            list(stream.iter_batches(run, "a", batch_size=4096, format="arrow"))
+        assert e.value.status == "RS_ERR_IO" and str(victim) in e.value.message, (at, e.value)
+    victim.write_bytes(good)
+    assert sum(len(b["activation"]) for b in stream.iter_batches(run, "a", format="arrow")) == len(own_run[1])
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+@pytest.mark.parametrize("where", ["", "_f8e4m3_rowscaled/"])
+@pytest.mark.parametrize("reader", ["iter_batches", "read_dump"])
+def test_a_directory_named_like_a_part_file_is_an_error_naming_it(own_run, tmp_path, fmt, where, reader):
+    run = one_format(own_run[0], tmp_path / "run", fmt)
+    own = only_file(run, fmt)
+    intruder = own.parent / where / ("part-99999" + own.suffix)  # next to the run's own file, which stays
+    (intruder / "inner").mkdir(parents=True)
+    with pytest.raises(RingscopeError) as e:
+        if reader == "read_dump":
+            ringscope.read_dump(run, hookpoint="a")
+        else:
+            list(stream.iter_batches(run, "a", batch_size=1000, format=fmt))
+    assert e.value.status == "RS_ERR_IO" and str(intruder) in e.value.message and "not a file" in e.value.message
+
+
 def test_meta_columns_are_int64_tensors_and_ids_past_int64_are_refused(tmp_path):
     torch = pytest.importorskip("torch")
     from ringscope.torch import ActivationDataset

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use arrow::array::{ArrayRef, AsArray, RecordBatch, StringArray, UInt64Array};
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, StringArray, UInt64Array};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type};
 use crossbeam::channel::{RecvTimeoutError, Sender};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
@@ -58,6 +58,10 @@ pub fn events_schema() -> SchemaRef {
         number("records_lost"),
         number("rows_lost"),
         text("detail"),
+        // Typed where an event is about one request's positions (a prefix-cache hit), null elsewhere.
+        Field::new("request_id", DataType::UInt64, true),
+        Field::new("first_position", DataType::UInt64, true),
+        Field::new("end_position", DataType::UInt64, true),
     ]))
 }
 
@@ -65,6 +69,8 @@ pub fn events_schema() -> SchemaRef {
 pub fn events_batch(events: &[Event]) -> RecordBatch {
     let number = |f: fn(&Event) -> u64| -> ArrayRef { Arc::new(UInt64Array::from_iter_values(events.iter().map(f))) };
     let text = |f: fn(&Event) -> &str| -> ArrayRef { Arc::new(StringArray::from_iter_values(events.iter().map(f))) };
+    let nullable =
+        |f: fn(&Event) -> Option<u64>| -> ArrayRef { Arc::new(UInt64Array::from_iter(events.iter().map(f))) };
     let columns = vec![
         number(|e| e.unix_ns),
         text(|e| &e.hookpoint),
@@ -76,6 +82,9 @@ pub fn events_batch(events: &[Event]) -> RecordBatch {
         number(|e| e.records_lost),
         number(|e| e.rows_lost),
         text(|e| &e.detail),
+        nullable(|e| e.request_id),
+        nullable(|e| e.first_position),
+        nullable(|e| e.end_position),
     ];
     RecordBatch::try_new(events_schema(), columns).expect("columns are built to match the schema")
 }
@@ -122,6 +131,19 @@ fn read_events_file(path: &Path, out: &mut Vec<Event>) -> Result<(), FormatError
         let (records_lost, rows_lost) = (number("records_lost")?, number("rows_lost")?);
         let (hookpoint, kind, rung) = (text("hookpoint")?, text("kind")?, text("rung")?);
         let (reason, detail) = (text("reason")?, text("detail")?);
+        // Files written before these columns existed read as events about no one request.
+        let optional = |name: &str| -> Result<Option<UInt64Array>, FormatError> {
+            match batch.column_by_name(name) {
+                None => Ok(None),
+                Some(c) => {
+                    c.as_primitive_opt::<UInt64Type>().cloned().map(Some).ok_or_else(|| not(name, "a uint64 column"))
+                }
+            }
+        };
+        let (request_id, first_position, end_position) =
+            (optional("request_id")?, optional("first_position")?, optional("end_position")?);
+        let at =
+            |column: &Option<UInt64Array>, i: usize| column.as_ref().and_then(|c| c.is_valid(i).then(|| c.value(i)));
         for i in 0..batch.num_rows() {
             let kind = match kind.value(i) {
                 "drop" => EventKind::Drop,
@@ -141,6 +163,9 @@ fn read_events_file(path: &Path, out: &mut Vec<Event>) -> Result<(), FormatError
                 records_lost: records_lost.value(i),
                 rows_lost: rows_lost.value(i),
                 detail: detail.value(i).to_owned(),
+                request_id: at(&request_id, i),
+                first_position: at(&first_position, i),
+                end_position: at(&end_position, i),
             });
         }
     }
@@ -369,6 +394,9 @@ mod tests {
             records_lost: 0,
             rows_lost: 0,
             detail: "full -> every_4: drain 21.3 GB/s over cap 20 GB/s".into(),
+            request_id: None,
+            first_position: None,
+            end_position: None,
         }
     }
 

@@ -209,6 +209,11 @@ pub mod keys {
     /// file where the batch's message ends, and the CRC-32 of the file's bytes from the previous batch's end (0 for
     /// the first) to that end. (Parquet pages carry their CRCs in their headers.)
     pub const BATCH_CRC32: &str = "ringscope.batch_crc32";
+    /// Arrow IPC files only: the CRC-32 (8 lowercase hex digits) of the file's bytes after the last record batch's
+    /// end — end-of-stream marker, footer, footer length, magic — taken with this value written as `00000000`
+    /// ([`check_ipc_footer`](crate::writing::check_ipc_footer)). With [`BATCH_CRC32`], every byte of the
+    /// file is covered.
+    pub const FOOTER_CRC32: &str = "ringscope.footer_crc32";
 }
 
 /// The value of [`keys::LAYOUT`] for `f8e4m3_rowscaled` activations.

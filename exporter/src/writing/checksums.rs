@@ -10,7 +10,11 @@
 //!
 //! **Arrow IPC.** The format has no checksums. [`BatchCrcs`] sits under the IPC file writer and takes the CRC-32 of
 //! the file's bytes up to the end of each record batch (from the end of the one before, or the file's start); the
-//! list goes into the footer's metadata under [`keys::BATCH_CRC32`](crate::dataset::keys::BATCH_CRC32).
+//! list goes into the footer's metadata under [`keys::BATCH_CRC32`](crate::dataset::keys::BATCH_CRC32). The rest of
+//! the file — the end-of-stream marker, the footer, its length and the magic — is held back as the writer writes it,
+//! and sealed with the CRC-32 of those bytes under [`keys::FOOTER_CRC32`](crate::dataset::keys::FOOTER_CRC32)
+//! (taken with that value as [`FOOTER_CRC_PLACEHOLDER`]; [`check_ipc_footer`] checks it): every byte of the file is
+//! covered.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -247,11 +251,38 @@ pub struct BatchCrcs<W> {
     crc: crc32fast::Hasher,
     /// Per record batch: the file offset its message ends at, and the CRC-32 of the bytes since the previous end.
     batches: Vec<(u64, u32)>,
+    /// The footer as the writer writes it, held back until [`BatchCrcs::write_footer`] seals it.
+    footer: Option<Vec<u8>>,
 }
 
 impl<W: Write> BatchCrcs<W> {
     pub(crate) fn new(inner: W) -> Self {
-        BatchCrcs { inner, written: 0, crc: crc32fast::Hasher::new(), batches: Vec::new() }
+        BatchCrcs { inner, written: 0, crc: crc32fast::Hasher::new(), batches: Vec::new(), footer: None }
+    }
+
+    /// What the IPC writer writes from now on (it finishes the file: end-of-stream marker, footer, length, magic) is
+    /// held back for [`write_footer`](Self::write_footer).
+    pub(crate) fn hold_footer(&mut self) {
+        self.footer = Some(Vec::new());
+    }
+
+    /// Seals the held footer and writes it through: the value of [`keys::FOOTER_CRC32`] in the footer's metadata,
+    /// written as [`FOOTER_CRC_PLACEHOLDER`], becomes the CRC-32 (8 lowercase hex digits) of every byte after the
+    /// last record batch's end (the file's start without one) to the file's end, taken with the placeholder in place.
+    ///
+    /// [`keys::FOOTER_CRC32`]: crate::dataset::keys::FOOTER_CRC32
+    pub(crate) fn write_footer(&mut self) -> std::io::Result<()> {
+        let mut tail = self.footer.take().ok_or_else(|| std::io::Error::other("no footer was held"))?;
+        let at = footer_crc_range(&tail).map_err(std::io::Error::other)?;
+        if tail[at.clone()] != *FOOTER_CRC_PLACEHOLDER.as_bytes() {
+            return Err(std::io::Error::other("the footer's CRC-32 value is not the placeholder written"));
+        }
+        let mut crc = std::mem::take(&mut self.crc); // the bytes since the last batch's end written so far
+        crc.update(&tail);
+        tail[at].copy_from_slice(format!("{:08x}", crc.finalize()).as_bytes());
+        self.inner.write_all(&tail)?;
+        self.written += tail.len() as u64;
+        Ok(())
     }
 
     /// Everything written so far belongs to the batch just written (the IPC file writer writes a batch's message
@@ -282,6 +313,10 @@ impl<W: Write> BatchCrcs<W> {
 
 impl<W: Write> Write for BatchCrcs<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Some(footer) = &mut self.footer {
+            footer.extend_from_slice(buf);
+            return Ok(buf.len());
+        }
         let n = self.inner.write(buf)?;
         self.crc.update(&buf[..n]);
         self.written += n as u64;
@@ -293,10 +328,132 @@ impl<W: Write> Write for BatchCrcs<W> {
     }
 }
 
+/// The value of [`keys::FOOTER_CRC32`](crate::dataset::keys::FOOTER_CRC32) as the footer is written, and as it is
+/// put back to check it.
+pub const FOOTER_CRC_PLACEHOLDER: &str = "00000000";
+
+/// Where, in `tail` (an Arrow IPC file's bytes from some offset to its end), the value of
+/// [`keys::FOOTER_CRC32`](crate::dataset::keys::FOOTER_CRC32) lies: the footer is found from the length before the
+/// closing magic, and parsed.
+fn footer_crc_range(tail: &[u8]) -> Result<std::ops::Range<usize>, String> {
+    use crate::dataset::keys;
+    let n = tail.len();
+    if n < 10 || &tail[n - 6..] != b"ARROW1" {
+        return Err("the file does not end in an Arrow IPC footer (length and ARROW1 magic)".into());
+    }
+    let len = i32::from_le_bytes(tail[n - 10..n - 6].try_into().expect("4 bytes"));
+    let start = usize::try_from(len).ok().and_then(|l| (n - 10).checked_sub(l)).ok_or_else(|| {
+        format!("the footer's length ({len} bytes) does not fit the {} bytes after the last record batch", n - 10)
+    })?;
+    let footer = &tail[start..n - 10];
+    let parsed = arrow::ipc::root_as_footer(footer).map_err(|e| format!("the footer does not parse: {e}"))?;
+    let value = parsed
+        .custom_metadata()
+        .into_iter()
+        .flatten()
+        .find(|kv| kv.key() == Some(keys::FOOTER_CRC32))
+        .and_then(|kv| kv.value())
+        .ok_or_else(|| {
+            format!("the footer has no {} (written before footer checksums existed?)", keys::FOOTER_CRC32)
+        })?;
+    // The value's bytes are in `footer` (flatbuffers strings are read in place).
+    let offset =
+        (value.as_ptr() as usize).checked_sub(footer.as_ptr() as usize).filter(|o| o + value.len() <= footer.len());
+    let offset = offset.ok_or("the footer's CRC-32 value lies outside the footer")?;
+    if value.len() != FOOTER_CRC_PLACEHOLDER.len() {
+        return Err(format!("{} is {value:?}: not 8 hex digits", keys::FOOTER_CRC32));
+    }
+    Ok(start + offset..start + offset + value.len())
+}
+
+/// Checks the footer checksum of an Arrow IPC file written by this crate: `file` is the whole file, `covered_end`
+/// where its last record batch ends (the `end` of the last entry of
+/// [`keys::BATCH_CRC32`](crate::dataset::keys::BATCH_CRC32); 0 without batches). With the batch checksums, this
+/// covers every byte of the file.
+pub fn check_ipc_footer(file: &[u8], covered_end: u64) -> Result<(), String> {
+    use crate::dataset::keys;
+    let tail = usize::try_from(covered_end).ok().and_then(|e| file.get(e..)).ok_or_else(|| {
+        format!("the last record batch ends at byte {covered_end}, past the file's {} bytes", file.len())
+    })?;
+    let at = footer_crc_range(tail)?;
+    // Lowercase only, as written: an upper-case digit would read as the same number, and the value itself is the
+    // one stretch the CRC does not cover.
+    let value = &tail[at.clone()];
+    let want = Some(value)
+        .filter(|v| v.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        .and_then(|v| u32::from_str_radix(std::str::from_utf8(v).ok()?, 16).ok())
+        .ok_or_else(|| {
+            format!("{} is {:?}: not 8 lowercase hex digits", keys::FOOTER_CRC32, String::from_utf8_lossy(value))
+        })?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&tail[..at.start]);
+    crc.update(FOOTER_CRC_PLACEHOLDER.as_bytes());
+    crc.update(&tail[at.end..]);
+    let got = crc.finalize();
+    if got != want {
+        return Err(format!(
+            "the footer (bytes {covered_end}..{}): CRC-32 {got:08x}, but its metadata says {want:08x}",
+            file.len()
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use parquet::basic::Encoding;
+
+    /// An Arrow IPC file as [`ArrowIpc`](crate::writing::ArrowIpc) writes it (two record batches, metadata, sealed
+    /// footer), and where its last batch ends.
+    fn ipc_file() -> (Vec<u8>, u64) {
+        use arrow::array::{RecordBatch, UInt64Array};
+        use arrow::datatypes::{DataType, Field, Schema};
+        let schema = Arc::new(Schema::new(vec![Field::new("step", DataType::UInt64, false)]));
+        let mut writer = arrow::ipc::writer::FileWriter::try_new(BatchCrcs::new(Vec::new()), &schema).unwrap();
+        for step in 0..2u64 {
+            let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(UInt64Array::from(vec![step; 5]))]).unwrap();
+            writer.write(&batch).unwrap();
+            writer.get_mut().end_batch();
+        }
+        writer.write_metadata("ringscope.hookpoint", "layers.0.resid");
+        let crcs = writer.get_ref().metadata();
+        writer.write_metadata(crate::dataset::keys::BATCH_CRC32, crcs);
+        writer.write_metadata(crate::dataset::keys::FOOTER_CRC32, FOOTER_CRC_PLACEHOLDER);
+        writer.get_mut().hold_footer();
+        writer.finish().unwrap();
+        let mut crcs = writer.into_inner().unwrap();
+        crcs.write_footer().unwrap();
+        let end = crcs.batches.last().unwrap().0;
+        (crcs.into_inner(), end)
+    }
+
+    #[test]
+    fn every_byte_after_the_last_record_batch_is_covered_by_the_footer_crc() {
+        let (good, end) = ipc_file();
+        assert_eq!(check_ipc_footer(&good, end), Ok(()));
+        // Readers read the sealed file as any Arrow IPC file.
+        let reader = arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(good.clone()), None).unwrap();
+        assert_eq!(reader.num_batches(), 2);
+        assert_eq!(reader.custom_metadata()["ringscope.hookpoint"], "layers.0.resid");
+        let sealed = &reader.custom_metadata()[crate::dataset::keys::FOOTER_CRC32];
+        assert!(sealed != FOOTER_CRC_PLACEHOLDER && sealed.len() == 8, "{sealed}");
+        assert!(good.len() - end as usize > 200, "a footer of {} bytes", good.len() - end as usize);
+        for at in end as usize..good.len() {
+            for bit in [0x01u8, 0x20, 0x80] {
+                let mut bad = good.clone();
+                bad[at] ^= bit;
+                assert!(
+                    check_ipc_footer(&bad, end).is_err(),
+                    "byte {at} of {} ^ {bit:#04x} went unnoticed",
+                    good.len()
+                );
+            }
+        }
+        // A cut file, or a start past its end.
+        assert!(check_ipc_footer(&good[..good.len() - 1], end).is_err());
+        assert!(check_ipc_footer(&good, good.len() as u64 + 1).is_err());
+    }
 
     #[test]
     fn a_crc_inserted_into_a_header_reads_as_our_own_header_with_it() {

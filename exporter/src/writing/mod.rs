@@ -35,6 +35,7 @@ use crate::dataset::{
 };
 use crate::routing::record::Record;
 use crate::routing::sink::SinkError;
+pub use checksums::{check_ipc_footer, FOOTER_CRC_PLACEHOLDER};
 use checksums::{BatchCrcs, ChunkPageWriter, PageBlobs};
 use constants::constant_chunk;
 use output::{Buffer, Output, ALIGN};
@@ -357,8 +358,12 @@ impl FileFormat for ArrowIpc {
         }
         let crcs = writer.get_ref().metadata();
         writer.write_metadata(keys::BATCH_CRC32, crcs);
+        writer.write_metadata(keys::FOOTER_CRC32, checksums::FOOTER_CRC_PLACEHOLDER);
+        writer.get_mut().hold_footer();
         writer.finish()?;
-        finish(writer.into_inner()?.into_inner())
+        let mut crcs = writer.into_inner()?;
+        crcs.write_footer()?;
+        finish(crcs.into_inner())
     }
 }
 

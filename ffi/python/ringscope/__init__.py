@@ -56,6 +56,7 @@ _STATUS = {
     13: "RS_ERR_PANIC",
     14: "RS_ERR_SINK",
     15: "RS_NOT_SEEN",
+    16: "RS_ERR_STATE",
 }
 _CODE = {name: code for code, name in _STATUS.items()}
 _DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_backpressure", "sink_error", "corrupt")
@@ -1066,6 +1067,20 @@ class Session:
         return False
 
 
+def _toml():
+    """The TOML reader: ``tomllib`` (Python 3.11+), or its backport ``tomli`` before 3.11 (a dependency of this
+    package there)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise RingscopeError("RS_ERR_CONFIG", "reading TOML before Python 3.11 needs the tomli package "
+                                                  "(pip install tomli)") from None
+    return tomllib
+
+
 def _config_text(config) -> bytes:
     """``Session``'s ``config`` → NUL-free UTF-8 TOML text."""
     if config is None:
@@ -1315,8 +1330,10 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
                              f"hookpoint {hookpoint!r} is not in {root}; it holds {', '.join(map(repr, names))}")
     # Committed files only: in-progress ones are hidden (.part-*.inprogress) and pyarrow skips them.
     # Downcast rows are a series of their own in each partition (rank=*/_f8e4m3_rowscaled/).
-    committed = {p: sorted(p.glob(f"rank=*/part-*.{ext}")) + sorted(p.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))
-                 for p in parts if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
+    from .stream import _part_files, _Series
+
+    files = {p: _part_files(p, ext) for p in parts if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
+    committed = {p: full + downcast for p, (full, downcast) in files.items()}
     if not any(committed.values()):
         what = f"hookpoint {hookpoint!r} of {root}" if hookpoint is not None else f"the run {root}"
         raise RingscopeError("RS_ERR_IO", f"{what} holds no committed files yet: {_COMMIT_HINT}")
@@ -1325,12 +1342,9 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     for part in parts:
         # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
         name = part.name[len("hookpoint="):]
-        downcast_files = sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))
-        full_files = sorted(part.glob(f"rank=*/part-*.{ext}"))
+        full_files, downcast_files = files[part]
         # Each file belongs where it lies (its footer names this hookpoint; one row width and dtype per series): a
         # file of another hookpoint copied into the partition is an error naming it, not a pyarrow or numpy error.
-        from .stream import _Series
-
         _Series(name, False).check_files(ext, full_files)
         _Series(name, True).check_files(ext, downcast_files)
         pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
@@ -1645,7 +1659,9 @@ def calibration_retention(run: "str | os.PathLike", weights, hookpoint: str, gro
 #: The events table's directory in a run directory, and its columns in order (docs/format.md, "The events table").
 EVENTS_DIR = "_ringscope_events"
 EVENT_COLUMNS = ("unix_ns", "hookpoint", "first_step", "last_step", "kind", "rung", "reason", "records_lost",
-                 "rows_lost", "detail")
+                 "rows_lost", "detail", "request_id", "first_position", "end_position")
+#: Columns an events file written before they existed lacks: read as None.
+_LATER_EVENT_COLUMNS = ("request_id", "first_position", "end_position")
 
 
 def read_events(path: "str | os.PathLike") -> list:
@@ -1653,7 +1669,9 @@ def read_events(path: "str | os.PathLike") -> list:
     Parquet and Arrow IPC dumps alike): a list of dicts, one per event, with the keys of :data:`EVENT_COLUMNS` —
     ``kind`` is ``"drop"`` (records of ``hookpoint`` dropped somewhere in steps ``first_step..=last_step`` for
     ``reason``, e.g. ``"ring_full"`` or ``"sink_error"``: ``records_lost`` records, ``rows_lost`` token rows),
-    ``"rung"`` (the hookpoint moved to rung ``rung``; ``reason`` and ``detail`` say why) or ``"stall"``. Events are in
+    ``"rung"`` (the hookpoint moved to rung ``rung``; ``reason`` and ``detail`` say why), ``"stall"`` or ``"cached"``
+    (the engine took request ``request_id``'s positions ``first_position..end_position`` from its prefix cache;
+    these three are None for events about no one request). Events are in
     the order they were logged (file by file, in commit order). After a run has shut down, ``rows_lost`` summed per
     (hookpoint, reason) over the drops equals the manifest's dropped rows. A run that never lost anything has no
     events directory: that reads as ``[]``. Every Parquet page's CRC is checked (``RS_ERR_IO`` naming a corrupt
@@ -1672,8 +1690,11 @@ def read_events(path: "str | os.PathLike") -> list:
             table = pq.read_table(f, page_checksum_verification=True)
         except (OSError, pa.ArrowException) as e:
             raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
-        missing = [c for c in EVENT_COLUMNS if c not in table.column_names]
+        missing = [c for c in EVENT_COLUMNS if c not in table.column_names and c not in _LATER_EVENT_COLUMNS]
         if missing:
             raise RingscopeError("RS_ERR_IO", f"{f} is not a ringscope events file: no column(s) {', '.join(missing)}")
+        for c in _LATER_EVENT_COLUMNS:
+            if c not in table.column_names:
+                table = table.append_column(c, pa.nulls(table.num_rows, pa.uint64()))
         events += table.select(list(EVENT_COLUMNS)).to_pylist()
     return events

@@ -36,6 +36,18 @@ class Batch(dict):
     ``position`` (numpy arrays, one value per row)."""
 
 
+def _part_files(part: pathlib.Path, ext: str) -> Tuple[List[pathlib.Path], List[pathlib.Path]]:
+    """The committed files of one hookpoint partition, in name order: its full-precision rows
+    (``rank=*/part-*.EXT``) and its downcast rows (``rank=*/_f8e4m3_rowscaled/part-*.EXT``). Something named like a
+    part file that is not a file (a directory) is a :class:`RingscopeError` naming it."""
+    found = (sorted(part.glob(f"rank=*/part-*.{ext}")), sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}")))
+    for f in found[0] + found[1]:
+        if not f.is_file():
+            raise RingscopeError("RS_ERR_IO", f"{f} is named like a committed part file but is not a file; a run "
+                                              "directory holds only the files ringscope wrote there")
+    return found
+
+
 def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) -> Tuple[str, List[Tuple[str, pathlib.Path]]]:
     ipc_root = root / "_arrow_ipc"
 
@@ -44,9 +56,9 @@ def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) ->
         for part in sorted(p for p in base.glob("hookpoint=*") if p.is_dir()):
             name = part.name[len("hookpoint="):]
             if hookpoints is None or name in hookpoints:
-                out += [(name, f) for f in sorted(part.glob(f"rank=*/part-*.{ext}"))]
+                full, downcast = _part_files(part, ext)
                 # Downcast rows: a series of their own, read as batches of their own.
-                out += [(name, f) for f in sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}"))]
+                out += [(name, f) for f in full + downcast]
         return out
 
     def names(base: pathlib.Path):
@@ -149,6 +161,31 @@ def _ipc_blocks(source, path, size: int) -> List[Tuple[int, int, int]]:
     return blocks
 
 
+_FOOTER_CRC = b"ringscope.footer_crc32"
+
+
+def _check_ipc_footer(source, path, start: int, size: int, metadata: dict) -> None:
+    """The file's bytes after its last record batch (``start``: end-of-stream marker, footer, length, magic) against
+    the CRC-32 in its footer, taken with that value as ``00000000`` (docs/format.md, "Checksums in dump files")."""
+    want = metadata.get(_FOOTER_CRC)
+    if want is None:
+        raise _corrupt(path, "no footer checksum (ringscope.footer_crc32)")
+    # Lowercase only, as written: an upper-case digit would read as the same number, and the value itself is the one
+    # stretch the CRC does not cover.
+    if len(want) != 8 or not set(want) <= set(b"0123456789abcdef"):
+        raise _corrupt(path, f"ringscope.footer_crc32 is {want!r}: not 8 lowercase hex digits")
+    crc = int(want, 16)
+    tail = bytes(source.read_at(size - start, start))
+    # The value as the footer stores it (a flatbuffers string: u32 length, bytes, NUL), put back as written.
+    stored, written = (struct.pack("<I", 8) + v + b"\0" for v in (want, b"00000000"))
+    at = tail.find(stored)
+    while at >= 0:
+        if zlib.crc32(tail[:at] + written + tail[at + len(stored):]) == crc:
+            return
+        at = tail.find(stored, at + 1)
+    raise _corrupt(path, f"its footer (bytes {start}..{size}) does not match its CRC-32")
+
+
 def _ipc_batches(path: pathlib.Path, columns, verify: bool, units, check):
     import pyarrow as pa
     from concurrent.futures import wait
@@ -184,6 +221,7 @@ def _ipc_batches(path: pathlib.Path, columns, verify: bool, units, check):
             if any(not (a <= lo and hi <= b) for (a, b), (lo, hi) in zip(bounds, regions)):
                 raise _corrupt(path, "batch checksums do not cover the record batches the footer lists")
             regions = bounds
+            _check_ipc_footer(source, path, crcs[-1][0] if crcs else 0, size, reader.metadata or {})
 
         def read(i):
             lo, hi = regions[i]
@@ -228,7 +266,10 @@ def _parquet_batches(path: pathlib.Path, columns, verify: bool, units, check):
     # 16-core host). Page CRCs are checked by pyarrow when `verify`. Plain reads: pyarrow maps no file.
     options = ds.ParquetFragmentScanOptions(page_checksum_verification=verify)
     checked = ds.ParquetFileFormat(default_fragment_scan_options=options)
-    fragment = next(iter(ds.dataset(str(path), format=checked).get_fragments()))
+    fragments = list(ds.dataset(str(path), format=checked).get_fragments())
+    if len(fragments) != 1:  # a directory named like a part file
+        raise RingscopeError("RS_ERR_IO", f"{path} is not one Parquet file")
+    fragment = fragments[0]
     if check is not None:
         check(fragment.metadata.metadata or {}, fragment.physical_schema)
     n = fragment.num_row_groups
