@@ -58,7 +58,9 @@ class PluginConfig:
 
 def load_config(path: "str | os.PathLike", table: str, env: str, extra_keys=()) -> PluginConfig:
     """Reads and checks a plugin configuration file: a ringscope TOML file with an optional ``[table]`` table."""
-    import tomllib
+    from . import _toml
+
+    tomllib = _toml()
 
     p = pathlib.Path(path)
     try:

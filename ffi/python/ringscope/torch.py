@@ -695,9 +695,9 @@ def _hookpoint(session: Session, name: str, site: str, layer: Optional[int], dty
 def _declare_hookpoints(config, planned, dtype: str) -> str:
     """``config`` (TOML text, bytes, a dict or None) as TOML text with a ``[[hookpoints]]`` entry for each planned
     capture it does not declare yet."""
-    import tomllib
+    from . import _config_text, _toml
 
-    from . import _config_text
+    tomllib = _toml()
     text = _config_text(config).decode("utf-8")
     try:
         declared = {h.get("name") for h in tomllib.loads(text).get("hookpoints", []) if isinstance(h, dict)}
