@@ -417,8 +417,8 @@ impl Table {
             Some(parent) => Failure(
                 RsStatus::RsErrState,
                 format!(
-                    "handle {handle:#x} was opened by process {parent}, and this is process {} (forked from it): a \
-                     session belongs to the process that opened it; open one in this process",
+                    "handle {handle:#x} was opened by process {parent}, and this is process {} (forked from it, or \
+                     from one of its forks): a session belongs to the process that opened it; open one in this process",
                     self.pid
                 ),
             ),

@@ -169,7 +169,10 @@ def _check_ipc_footer(source, path, start: int, size: int, metadata: dict) -> No
     the CRC-32 in its footer, taken with that value as ``00000000`` (docs/format.md, "Checksums in dump files")."""
     want = metadata.get(_FOOTER_CRC)
     if want is None:
-        raise _corrupt(path, "no footer checksum (ringscope.footer_crc32)")
+        raise RingscopeError("RS_ERR_IO", f"{path} has no footer checksum (ringscope.footer_crc32): it was written by "
+                                          "a ringscope from before footer checksums (December 2026), or its footer "
+                                          "changed after it was written; stream.iter_batches(..., verify=False) reads "
+                                          "it unchecked")
     # Lowercase only, as written: an upper-case digit would read as the same number, and the value itself is the one
     # stretch the CRC does not cover.
     if len(want) != 8 or not set(want) <= set(b"0123456789abcdef"):
