@@ -189,3 +189,15 @@ def test_a_session_used_from_a_forked_child_is_a_clear_error_and_the_parent_run_
     totals = s.close()
     assert totals["produced_rows"] == 8 and totals["exported_rows"] == 8, totals
     assert ringscope.read_dump(tmp_path / "fork", hookpoint="h")["h"]["activation"].shape == (8, D)
+
+
+def test_reading_toml_without_tomllib_or_tomli_is_a_clear_error(monkeypatch):
+    """Before Python 3.11 the TOML reader is tomli (a dependency there); without either, a RingscopeError naming it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    with pytest.raises(ringscope.RingscopeError) as e:
+        ringscope._toml()
+    assert e.value.status == "RS_ERR_CONFIG" and "pip install tomli" in e.value.message
+

@@ -424,7 +424,8 @@ def test_every_byte_of_an_arrow_ipc_footer_is_checked(own_run, tmp_path):
             if footer_checked():
                 unnoticed.append((at, bit))
             data[at] ^= bit
-    assert not unnoticed, f"{len(unnoticed)} flips of the footer's {len(good) - end} bytes went unnoticed: {unnoticed[:10]}"
+    assert not unnoticed, \
+        f"{len(unnoticed)} flips of the footer's {len(good) - end} bytes went unnoticed: {unnoticed[:10]}"
     for at in (end, len(good) - 300, len(good) - 20, len(good) - 1):
         bad = bytearray(good)
         bad[at] ^= 0x01
@@ -434,6 +435,22 @@ def test_every_byte_of_an_arrow_ipc_footer_is_checked(own_run, tmp_path):
         assert e.value.status == "RS_ERR_IO" and str(victim) in e.value.message, (at, e.value)
     victim.write_bytes(good)
     assert sum(len(b["activation"]) for b in stream.iter_batches(run, "a", format="arrow")) == len(own_run[1])
+
+
+def test_an_arrow_ipc_file_without_a_footer_checksum_is_a_clear_error(own_run, tmp_path):
+    """A file written before footer checksums existed (or whose key changed on disk): an error naming the file, the
+    key, and how to read it unchecked."""
+    run = one_format(own_run[0], tmp_path / "run", "arrow")
+    victim = only_file(run, "arrow")
+    data = victim.read_bytes()
+    assert data.count(b"ringscope.footer_crc32") == 1
+    # The key renamed in place (same length): the file reads as one without it, every other byte as written.
+    victim.write_bytes(data.replace(b"ringscope.footer_crc32", b"ringscope.footer_crcXX"))
+    with pytest.raises(RingscopeError) as e:
+        list(stream.iter_batches(run, "a", format="arrow"))
+    msg = e.value.message
+    assert e.value.status == "RS_ERR_IO" and str(victim) in msg
+    assert "ringscope.footer_crc32" in msg and "verify=False" in msg
 
 
 @pytest.mark.parametrize("fmt", ["arrow", "parquet"])
