@@ -686,15 +686,67 @@ impl Session {
         });
     }
 
-    /// CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly).
-    /// The recorded kernel builds the step's batch descriptor at every replay from the engine's own device tensors
-    /// (`batch`: request id per batch row, token position per row), numbers the step one past the previous step, and
-    /// picks up control changes — so a replay needs no host call. Record the step's captures and
-    /// [`end_step`](Self::end_step) in the same graph.
+    /// CUDA backend: starts a step from inside a CUDA graph being recorded on `stream` (or eagerly). The recorded
+    /// kernel builds the step's batch descriptor at every replay from the engine's own device tensors (`batch`:
+    /// request id per batch row, token position per row), numbers the step one past the previous step, and picks up
+    /// control changes — so a best-effort replay needs no host call. Record the step's captures and
+    /// [`end_step`](Self::end_step) in the same graph. Full mode: call [`admit_graph_step`](Self::admit_graph_step)
+    /// before every replay; called eagerly, this admits the step itself (past the deadline the step is begun with its
+    /// captures dropped and counted, and the error returned, as [`begin_step_on`](Self::begin_step_on) does).
     pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
-        self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream))?;
-        self.observer.steps.begun(None);
-        Ok(())
+        let begun = self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream));
+        if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {
+            self.observer.steps.begun(None);
+        }
+        match begun {
+            Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
+                if self.on_deadline == config::OnDeadline::Degrade =>
+            {
+                self.log_degraded_step(crate::GRAPH_STEP, "");
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// CUDA backend, full mode: admits the next replay of a CUDA graph whose step is begun inside it
+    /// ([`begin_step_graph`](Self::begin_step_graph)). A replay cannot wait for ring space by itself, so full mode asks
+    /// the host to, before every replay, on the engine's `stream` and outside graph recording: this waits (up to the
+    /// step's wait budget: `policy.full_deadline_ms`, or `policy.max_step_overhead` of the step time) until the drain
+    /// has room for everything such a step can capture, and reserves it. When there is room at once it is a host-side
+    /// check of two counters — no CUDA call beyond a capture-status query — so a lossless replay costs what a
+    /// best-effort one does. It also uploads control changes (as [`apply_controls`](Self::apply_controls)) and lets the
+    /// policy manager decide.
+    ///
+    /// `rows` bounds the replayed step's batch rows; `None` takes the largest graph-begun step recorded in this session
+    /// (right for an engine that records one graph per batch size). A replay that was not admitted may find the ring
+    /// full: its records are dropped, counted as `ring_full`, and reported as a full-mode overrun.
+    ///
+    /// Past the budget it returns [`DeviceCaptureError::Deadline`] (with `policy.on_deadline = "degrade"`: logs the
+    /// event and returns `Ok`); the replay's captures are then dropped on the device and counted as `deadline`, so the
+    /// engine may replay all the same. Best-effort sessions: returns at once (graph replays need no host call there).
+    pub fn admit_graph_step(&self, rows: Option<u32>, stream: StreamRef) -> Result<(), Error> {
+        if self.policy.mode != Mode::Full {
+            return self.with_capture(|_| Ok(()));
+        }
+        self.check_sinks()?;
+        self.govern();
+        if let Some(share) = self.max_step_overhead {
+            let budget = self.next_wait_budget(share);
+            let _ = self.with_capture(|c| {
+                c.backend.set_step_deadline(budget);
+                Ok(())
+            });
+        }
+        match self.with_capture(|c| c.backend.admit_graph_step(&self.registry, rows, stream)) {
+            Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
+                if self.on_deadline == config::OnDeadline::Degrade =>
+            {
+                self.log_degraded_step(crate::GRAPH_STEP, "");
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so

@@ -7,7 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 6 added the status `RS_ERR_STATE`; 5 added
+// The version of this C ABI, as [`rs_abi_version`] returns it: 7 added `rs_admit_graph_step` (full mode for steps
+// begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
 // `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
 // `rs_probe_snapshot` and `cached` at the end of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
 // `rs_alerts_dropped`, `rs_probe_request`, `rs_request_finish`, `rs_is_flagged`, `rs_probe_flags`, `rs_probes_wait`,
@@ -18,7 +19,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 6
+#define RS_ABI_VERSION 7
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -581,12 +582,14 @@ rs_status rs_begin_step_on_stream(uint64_t session_handle,
                                   size_t rows,
                                   uint64_t cuda_stream);
 
-// Starts a step from inside a CUDA graph being recorded on `cuda_stream` (CUDA backend, best-effort mode; it also
-// works eagerly). At every replay the recorded kernel reads the batch from the engine's device tensors —
-// `request_ids_ptr`: `int64[batch]`, one request per batch row; `positions_ptr`: `int64`, token `s` of batch row `b`
-// at element `b * positions_batch_stride + s` (`seq` for a `[batch, seq]` tensor, 0 for one shared `[seq]`
-// vector) — and numbers the step one past the previous one; no host call is needed per replay. Record the step's
-// captures and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`.
+// Starts a step from inside a CUDA graph being recorded on `cuda_stream` (CUDA backend; it also works eagerly). At
+// every replay the recorded kernel reads the batch from the engine's device tensors — `request_ids_ptr`:
+// `int64[batch]`, one request per batch row; `positions_ptr`: `int64`, token `s` of batch row `b` at element
+// `b * positions_batch_stride + s` (`seq` for a `[batch, seq]` tensor, 0 for one shared `[seq]` vector) — and
+// numbers the step one past the previous one; a best-effort replay needs no host call. Record the step's captures
+// and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`. Full mode:
+// call `rs_admit_graph_step` before every replay (eagerly, this call admits the step itself: past the deadline it
+// returns `RS_ERR_CUDA`, its message naming the deadline, with the step begun and its captures dropped and counted).
 //
 // # Safety
 // `request_ids_ptr` and `positions_ptr` are device memory that stays allocated (and holds the batch) for as long
@@ -598,6 +601,20 @@ rs_status rs_begin_step_graph(uint64_t session_handle,
                               uint32_t batch,
                               uint32_t seq,
                               uint32_t positions_batch_stride,
+                              uint64_t cuda_stream);
+
+// Full mode (CUDA backend): admits the next replay of a CUDA graph whose step is begun inside it
+// (`rs_begin_step_graph`). Call it on the engine's stream before every replay, outside graph recording: it waits (up
+// to the step's wait budget) until the drain has room for everything such a step can capture and reserves it — a
+// host-side check when there is room. `rows` bounds the replayed step's batch rows; 0 takes the largest graph-begun
+// step recorded in the session. Past the budget it returns `RS_ERR_CUDA`, its message naming the deadline (`RS_OK` with `policy.on_deadline =
+// "degrade"`) and the replay's captures are dropped on the device and counted as `deadline`. It also uploads
+// control changes, as `rs_apply_controls` does. Best-effort sessions: returns `RS_OK` at once.
+//
+// # Safety
+// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
+rs_status rs_admit_graph_step(uint64_t session_handle,
+                              uint32_t rows,
                               uint64_t cuda_stream);
 
 // Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are

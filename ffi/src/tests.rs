@@ -168,6 +168,23 @@ fn bad_input_gets_the_documented_status_and_a_message() {
     assert_eq!(unsafe { rs_apply_controls(s, 0) }, RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
     assert_eq!(rs_submit_captures(s), RsStatus::RsOk, "nothing to submit on the host backend");
+    // Admitting graph replays: a host session in full mode has none (an error naming the backend); best-effort has
+    // nothing to admit (engines may call it unconditionally).
+    for (mode, want) in [("full", RsStatus::RsErrInvalidArgument), ("best_effort", RsStatus::RsOk)] {
+        let cfg = c(&format!("[policy]\nmode = \"{mode}\"\n"));
+        let mut h = 0u64;
+        // SAFETY: valid string and out-pointer.
+        assert_eq!(unsafe { rs_session_open(cfg.as_ptr(), &mut h) }, RsStatus::RsOk, "{}", last_error());
+        // SAFETY: stream 0 is always valid.
+        assert_eq!(unsafe { rs_admit_graph_step(h, 0, 0) }, want, "{mode}: {}", last_error());
+        // SAFETY: as above.
+        assert_eq!(unsafe { rs_admit_graph_step(h, 8, 0) }, want, "{mode}: {}", last_error());
+        if want != RsStatus::RsOk {
+            assert!(last_error().contains("host backend"), "{}", last_error());
+        }
+        // SAFETY: a null totals pointer is allowed.
+        assert_eq!(unsafe { rs_session_close(h, std::ptr::null_mut()) }, RsStatus::RsOk);
+    }
     // Registration and controls.
     let (nm, site, bad_dt) = (c("h"), c("residual"), c("complex128"));
     let mut out = 0u32;

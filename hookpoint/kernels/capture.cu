@@ -375,9 +375,20 @@ __device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
     return make_uint4((u32)req, (u32)(req >> 32), pos, r);
 }
 
+// A graph-begun step has started: counts it and tells the host (full mode's admission retires the reservations of
+// the steps before it: every capture issued before this point has run). One thread, after the step's first work.
+__device__ __forceinline__ void rs_graph_step_begun(u8* state, u8* host) {
+    const u64 begun = ld64(state + ST_GRAPH_BEGUN) + 1;
+    st64(state + ST_GRAPH_BEGUN, begun);
+    __threadfence_system();
+    st64(host + HS_GRAPH_BEGUN, begun);
+}
+
 // Starts a step from inside a CUDA graph (captures launched one by one): builds the batch descriptor from the
-// engine's device tensors, numbers the step one past the previous one. One block, no host memory, no waiting.
-extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph(u8* state, u8* desc, GraphBatch g) {
+// engine's device tensors, numbers the step one past the previous one, takes the flags the host set for graph
+// steps (ST_GRAPH_FLAGS, stream-ordered between replays). One block, no waiting.
+extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph(
+    u8* state, u8* host, u8* desc, GraphBatch g) {
     const u64 tail_now = ld64(state + ST_TAIL);
     const u64 step = ld64(state + ST_NEXT_STEP);
     const u32 n = g.batch * g.seq;
@@ -389,9 +400,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph
         *(u32*)(desc + DESC_N_ROWS) = n;
         *(u32*)(desc + DESC_N_LAST) = g.batch;
         st64(desc + DESC_BEGIN_INDEX, 0);
-        *(u32*)(desc + DESC_FLAGS) = 0;
+        *(u32*)(desc + DESC_FLAGS) = (u32)ld64(state + ST_GRAPH_FLAGS);
         st64(state + ST_NEXT_STEP, step + 1);
         st64(state + ST_TAIL_SNAP, tail_now);
+        rs_graph_step_begun(state, host);
     }
 }
 
@@ -460,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
                                                                               : *(const u64*)(desc + DESC_STEP);
     const u32 n_rows = m.g.on ? m.g.batch * m.g.seq : *(const u32*)(desc + DESC_N_ROWS);
     const u32 n_last = m.g.on ? m.g.batch : *(const u32*)(desc + DESC_N_LAST);
-    const u32 desc_flags = m.g.on ? 0u : *(const u32*)(desc + DESC_FLAGS);
+    const u32 desc_flags = m.g.on ? (u32)ld64(state + ST_GRAPH_FLAGS) : *(const u32*)(desc + DESC_FLAGS);
     const u64 head0 = ld64(state + ST_HEAD);
     const u64 seq0 = ld64(state + ST_SEQ);
     const u64 tail = ld64(state + ST_TAIL_SNAP);
@@ -654,6 +666,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         __threadfence_system();
         st64(host + HS_HEAD, new_head);
     }
+    if (m.g.on == GB_FIRST) rs_graph_step_begun(state, host);
     for (u32 i = 0; i < n; i++) {
         const Plan& p = plan[i];
         if (p.status == -2) continue;

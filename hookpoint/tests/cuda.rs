@@ -357,7 +357,7 @@ fn full_mode_deadline_drops_whole_steps_and_counts_them_with(defer: bool) {
         match cap.begin_step(&reg, &b(step), stream.handle()) {
             Ok(()) => ok += 1,
             Err(DeviceCaptureError::Deadline { step: s, .. }) => {
-                assert_eq!(s, step);
+                assert_eq!(s, format!("step {step}"));
                 late += 1;
             }
             Err(e) => panic!("{e}"),
@@ -541,8 +541,18 @@ fn graph_begun_steps(defer: bool) {
     assert!(cap.begin_step_graph(&reg, &bad, stream.handle()).unwrap_err().to_string().contains("stride"));
     let full_ring = DeviceRing::new(&gpu, 1 << 20).unwrap();
     let full = DeviceCaptureOptions { full_mode_deadline: Some(Duration::from_millis(10)), ..Default::default() };
-    let err = DeviceCapture::new(&full_ring, full).unwrap().begin_step_graph(&reg, &gb, stream.handle()).unwrap_err();
-    assert!(err.to_string().contains("best_effort"), "{err}");
+    let mut full_cap = DeviceCapture::new(&full_ring, full).unwrap();
+    let err = full_cap.admit_graph_step(&reg, None, stream.handle()).unwrap_err();
+    assert!(err.to_string().contains("no step begun inside a graph has been recorded"), "{err}");
+    let err = full_cap.admit_graph_step(&reg, Some(0), stream.handle()).unwrap_err();
+    assert!(err.to_string().contains("at least 1"), "{err}");
+    let err = full_cap.admit_graph_step(&reg, Some(1 << 20), stream.handle()).unwrap_err();
+    assert!(err.to_string().contains("max_batch_rows"), "{err}");
+    let err = Graph::capture(&stream, || full_cap.admit_graph_step(&reg, Some(4), stream.handle())).unwrap_err();
+    assert!(err.to_string().contains("capturing"), "{err}");
+    drop(full_cap);
+    // Best-effort: nothing to admit.
+    cap.admit_graph_step(&reg, None, stream.handle()).unwrap();
     sources[0].hp.control().set_enabled(true);
     let err = Graph::capture(&stream, || cap.begin_step_graph(&reg, &gb, stream.handle())).unwrap_err();
     assert!(err.to_string().contains("apply_controls"), "{err}");
@@ -636,6 +646,165 @@ fn graph_begun_steps(defer: bool) {
     let total = reg.accounting().total();
     assert_eq!(total.published.records, got.len() as u64);
     assert_eq!(total.dropped_total().records, 0);
+}
+
+/// Full mode with steps begun inside a graph: `admit_graph_step` before every replay makes each replay wait for ring
+/// space on the host (the replay itself cannot), so a ring of one step and a drain that starts 300 ms late lose
+/// nothing: every record arrives bit-exact, in order, with device-numbered steps; two eager `begin_step_graph` steps
+/// first (each admits itself), then replays.
+#[test]
+fn full_mode_graph_begun_steps_lose_nothing_when_the_drain_starts_late() {
+    full_mode_graph_begun_steps_lose_nothing_with(true);
+    full_mode_graph_begun_steps_lose_nothing_with(false);
+}
+
+fn full_mode_graph_begun_steps_lose_nothing_with(defer: bool) {
+    let Some(gpu) = gpu() else { return };
+    const BATCH: u32 = 4;
+    const STEPS: u64 = 40;
+    const EAGER: u64 = 2;
+    let ring = DeviceRing::new(&gpu, 64 << 10).unwrap();
+    let options = DeviceCaptureOptions {
+        max_batch_rows: 64,
+        full_mode_deadline: Some(Duration::from_secs(30)),
+        defer,
+        ..Default::default()
+    };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning { chunk_bytes: 16 << 10, max_in_flight: 2 }).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    // Two hookpoints of 4 rows x 4 KiB: 16.5 KiB records; a step's worst case (with a wrap) is 49.5 KiB of 64.
+    let hps: Vec<_> = (0..2).map(|i| register(&reg, &format!("h{i}"), DType::BF16, 2048)).collect();
+    cap.apply_controls(&reg, stream.handle()).unwrap();
+    let src = DeviceBuffer::zeroed(&gpu, 2 * 4 * 4096).unwrap();
+    let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
+    let pos = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
+    let gb = GraphBatch { batch: BATCH, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let step_body = |cap: &mut DeviceCapture| -> Result<(), DeviceCaptureError> {
+        cap.begin_step_graph(&reg, &gb, stream.handle())?;
+        for (k, hp) in hps.iter().enumerate() {
+            cap.capture(hp, src.ptr_at(k * 4 * 4096), 4, stream.handle())?;
+        }
+        cap.end_step()
+    };
+    let set_batch = |step: u64| {
+        let ids: Vec<u8> = (0..BATCH as u64).flat_map(|b| (700 + step * 10 + b).to_le_bytes()).collect();
+        let p: Vec<u8> = (0..BATCH as i64).flat_map(|b| (step as i64 * 100 + b).to_le_bytes()).collect();
+        req.copy_from_host_async(0, &ids, stream.handle()).unwrap();
+        pos.copy_from_host_async(0, &p, stream.handle()).unwrap();
+    };
+    let drain = spawn_drain(consumer, Duration::from_millis(300));
+    for step in 0..EAGER {
+        cap.fill_pattern(src.ptr(), 2 * 4 * 4096, step, stream.handle()).unwrap();
+        set_batch(step);
+        step_body(&mut cap).unwrap();
+    }
+    let graph = Graph::capture(&stream, || step_body(&mut cap)).unwrap();
+    for step in EAGER..STEPS {
+        cap.fill_pattern(src.ptr(), 2 * 4 * 4096, step, stream.handle()).unwrap();
+        set_batch(step);
+        cap.admit_graph_step(&reg, None, stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+    }
+    stream.synchronize().unwrap();
+    assert_eq!(ring.graph_begun(), STEPS, "the device counted every graph-begun step");
+    ring.close_producer();
+    let got = drain.join().unwrap();
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    assert_eq!(got.len() as u64, STEPS * 2);
+    for (i, g) in got.iter().enumerate() {
+        let step = i as u64 / 2;
+        assert_eq!((g.seq, g.step, g.hookpoint), (i as u64, step, hps[i % 2].id()), "record {i}");
+        let all = pattern_bytes(step, 2 * 4 * 4096);
+        let expect = &all[(i % 2) * 4 * 4096..(i % 2 + 1) * 4 * 4096];
+        assert!(g.rows.concat() == expect, "record {i} (step {step}) differs");
+        let metas: Vec<RowMeta> = (0..BATCH)
+            .map(|b| RowMeta { request_id: 700 + step * 10 + b as u64, position: step as u32 * 100 + b, batch_row: b })
+            .collect();
+        assert_eq!(g.metas, metas, "record {i}");
+    }
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.dropped_total().records, 0);
+    assert_eq!(total.published.records, STEPS * 2);
+}
+
+/// Full mode, graph-begun steps, no drain for a while: admissions past the deadline return `Deadline`, and exactly
+/// those replays' captures are dropped and counted as `deadline` on the device; once the drain runs, admissions find
+/// room again and the replays after them are captured whole (the device's graph step flags follow each admission).
+#[test]
+fn full_mode_graph_begun_deadline_drops_exactly_the_late_replays() {
+    full_mode_graph_begun_deadline_with(true);
+    full_mode_graph_begun_deadline_with(false);
+}
+
+fn full_mode_graph_begun_deadline_with(defer: bool) {
+    let Some(gpu) = gpu() else { return };
+    let ring = DeviceRing::new(&gpu, 64 << 10).unwrap();
+    let options = DeviceCaptureOptions {
+        max_batch_rows: 64,
+        full_mode_deadline: Some(Duration::from_millis(50)),
+        defer,
+        ..Default::default()
+    };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning::default()).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let hp = register(&reg, "h", DType::BF16, 2048);
+    cap.apply_controls(&reg, stream.handle()).unwrap();
+    let src = DeviceBuffer::zeroed(&gpu, 4 * 4096).unwrap();
+    let req = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
+    let pos = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
+    let gb = GraphBatch { batch: 4, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        cap.begin_step_graph(&reg, &gb, stream.handle())?;
+        cap.capture(&hp, src.ptr(), 4, stream.handle())?;
+        cap.end_step()
+    })
+    .unwrap();
+    // Replay i is device step i; which replays were admitted in time.
+    let mut admitted = Vec::new();
+    let replay = |cap: &mut DeviceCapture, i: u64, admitted: &mut Vec<bool>| {
+        cap.fill_pattern(src.ptr(), 4 * 4096, i, stream.handle()).unwrap();
+        match cap.admit_graph_step(&reg, None, stream.handle()) {
+            Ok(()) => admitted.push(true),
+            Err(DeviceCaptureError::Deadline { step, .. }) => {
+                assert!(step.contains("graph-begun step"), "{step}");
+                admitted.push(false);
+            }
+            Err(e) => panic!("{e}"),
+        }
+        graph.launch(stream.handle()).unwrap();
+    };
+    for i in 0..8 {
+        replay(&mut cap, i, &mut admitted);
+    }
+    stream.synchronize().unwrap();
+    let late = admitted.iter().filter(|a| !**a).count() as u64;
+    // 64 KiB holds three 16.5 KiB records, but a step reserves a worst case (one wrap) of two.
+    assert!(late >= 4, "{admitted:?}");
+    let drain = spawn_drain(consumer, Duration::ZERO);
+    cap.set_full_mode_deadline(Duration::from_secs(10));
+    for i in 8..16 {
+        replay(&mut cap, i, &mut admitted);
+    }
+    stream.synchronize().unwrap();
+    assert!(admitted[8..].iter().all(|a| *a), "with the drain running every admission finds room: {admitted:?}");
+    ring.close_producer();
+    let got = drain.join().unwrap();
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    let kept: Vec<u64> = (0..16u64).filter(|&i| admitted[i as usize]).collect();
+    assert_eq!(got.iter().map(|g| g.step).collect::<Vec<_>>(), kept, "exactly the admitted replays are captured");
+    for g in &got {
+        assert!(g.rows.concat() == pattern_bytes(g.step, 4 * 4096), "step {} differs", g.step);
+    }
+    cap.fold_counters(&reg).unwrap();
+    let total = reg.accounting().total();
+    assert_eq!(total.dropped_for(ringscope_policy::DropReason::Deadline).records, late);
+    assert_eq!(total.published.records, kept.len() as u64);
+    assert_eq!(total.dropped_total().records, late);
 }
 
 /// Source rows for the downcast tests: on even steps the pattern's raw bits (NaN, infinities, subnormals, huge and

@@ -90,7 +90,7 @@ impl Backend for CudaBackend {
     }
 
     fn steps_begun_on_device(&self) -> Option<u64> {
-        Some(self.ring.progress())
+        Some(self.ring.progress() + self.ring.graph_begun())
     }
 
     fn set_step_deadline(&mut self, deadline: std::time::Duration) {
@@ -99,9 +99,18 @@ impl Backend for CudaBackend {
 
     fn begin_step_graph(&mut self, registry: &Registry, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
         self.check_no_step(crate::GRAPH_STEP)?;
-        self.capture.begin_step_graph(registry, batch, stream)?;
-        self.open = Some(crate::GRAPH_STEP);
-        Ok(())
+        match self.capture.begin_step_graph(registry, batch, stream) {
+            // Full mode, eager: the step is begun; its captures are dropped on the device and counted as `deadline`.
+            r @ (Ok(()) | Err(DeviceCaptureError::Deadline { .. })) => {
+                self.open = Some(crate::GRAPH_STEP);
+                Ok(r?)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn admit_graph_step(&mut self, registry: &Registry, rows: Option<u32>, stream: StreamRef) -> Result<(), Error> {
+        Ok(self.capture.admit_graph_step(registry, rows, stream)?)
     }
 
     fn apply_controls(&mut self, registry: &Registry, stream: StreamRef) -> Result<(), Error> {

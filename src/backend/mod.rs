@@ -65,6 +65,12 @@ pub(crate) trait Backend: Send {
         Err(Error::Backend(CUDA_ONLY))
     }
 
+    /// CUDA backend, full mode: admits the next replay of a graph that begins its step (`rows`: its batch rows, or
+    /// the largest recorded). An `Err` for the deadline leaves the replay's captures dropped and counted.
+    fn admit_graph_step(&mut self, _registry: &Registry, _rows: Option<u32>, _stream: StreamRef) -> Result<(), Error> {
+        Err(Error::Backend(CUDA_ONLY))
+    }
+
     /// CUDA backend: uploads control changes on `stream`.
     fn apply_controls(&mut self, _registry: &Registry, _stream: StreamRef) -> Result<(), Error> {
         Err(Error::Backend(CUDA_ONLY))

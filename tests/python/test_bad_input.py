@@ -164,7 +164,30 @@ def test_capture_device_arguments(session, hp, args, name):
 @pytest.mark.parametrize("stream", [-1, 2**64])
 def test_streams_are_u64(session, stream):
     bad("stream must be an integer", lambda: session.apply_controls(stream=stream))
+    bad("stream must be an integer", lambda: session.admit_graph_step(stream=stream))
     bad("stream must be an integer", lambda: session.begin_step(0, [1], [0], stream=stream))
+
+
+@pytest.mark.parametrize("rows", [0, -1, 2**32, 1.5, "8", True])
+def test_admit_graph_step_rows_are_a_positive_u32(session, rows):
+    bad("admit_graph_step: rows must be an integer", lambda: session.admit_graph_step(rows, stream=0))
+
+
+def test_admit_graph_step_is_cuda_only_in_full_mode_and_nothing_to_do_in_best_effort():
+    # Full mode on the host backend: there are no graph-begun steps to admit.
+    with ringscope.Session({"policy": {"mode": "full"}}) as s:
+        with pytest.raises(RingscopeError) as e:
+            s.admit_graph_step(stream=0)
+        assert e.value.status == "RS_ERR_INVALID_ARGUMENT" and "host backend" in e.value.message, e.value
+    # Best-effort: graph replays need no host call, so engines may call it unconditionally.
+    with ringscope.Session({"policy": {"mode": "best_effort"}}) as s:
+        assert s.admit_graph_step(stream=0) is None
+        assert s.admit_graph_step(8, stream=0) is None
+    s = ringscope.Session({"policy": {"mode": "best_effort"}})
+    s.close()
+    with pytest.raises(RingscopeError) as e:
+        s.admit_graph_step(stream=0)
+    assert e.value.status == "RS_ERR_CLOSED"
 
 
 # -- timeouts -----------------------------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_graph_recorded_decode_steps_mark_rows_of_ended_sequences_as_no_request(
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU (CUDA graphs)")
     model = tiny("cuda")
-    # Best-effort: a step begun inside a graph cannot wait for ring space, which full mode requires.
+    # Best-effort: replays need no host call (full mode would call session.admit_graph_step() before each replay).
     session = ringscope.Session({"ring": {"backend": "cuda"}, "policy": {"mode": "best_effort"}})
     att = rt.attach(model, session, sites=("residual", "tokens"))
     sub = session.subscribe("check")
@@ -222,6 +222,56 @@ def test_graph_recorded_decode_steps_mark_rows_of_ended_sequences_as_no_request(
                                                              rt.NO_REQUEST: [5, 6]}, by_request
     tokens = sorted((pos, int(row.view(np.int64)[0])) for _, req, pos, row in got["tokens"] if req == rt.NO_REQUEST)
     assert tokens == [(5, eos), (6, PAD)], tokens
+
+
+def test_full_mode_graph_recorded_decode_steps_are_admitted_and_lose_nothing():
+    """Full mode with the step recorded inside the CUDA graph: ``admit_graph_step`` before every replay (the replay
+    itself cannot wait for ring space). Every replay's rows arrive, bit-identical to the model's own hidden states of
+    that replay, with their requests and positions; nothing is dropped."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (CUDA graphs)")
+    model = tiny("cuda")
+    session = ringscope.Session({"ring": {"backend": "cuda", "defer_captures": True},
+                                 "policy": {"mode": "full", "full_deadline_ms": 10000}})
+    att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=48)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7], [9, 10, 11]], device="cuda"), past_key_values=cache,
+              cache_position=torch.arange(3, device="cuda"), use_cache=True)
+    tok = torch.tensor([[20], [21]], device="cuda")
+    cp = torch.tensor([3], device="cuda")
+    pid = torch.full((2, 1), 3, device="cuda")
+
+    def forward():
+        return model(input_ids=tok, position_ids=pid, cache_position=cp, past_key_values=cache, use_cache=True,
+                     output_hidden_states=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        forward()  # an eager step at position 3 (warm-up before recording)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = forward()
+    reference = {}
+    for i in range(30):
+        tok[0, 0], tok[1, 0] = 40 + i, 80 + i
+        cp.add_(1)
+        pid.add_(1)
+        session.admit_graph_step()
+        graph.replay()
+        for b in range(2):
+            reference[(b, 4 + i)] = out.hidden_states[1][b, 0].cpu().numpy().copy()
+    torch.cuda.synchronize()
+    got = rows_by_hookpoint(session, sub, att)
+    totals = session.close()
+    assert totals["dropped_rows"] == 0 and totals["exported_rows"] == totals["produced_rows"], totals
+    replayed = {(req, pos): row for _, req, pos, row in got["layers.0.resid"] if pos >= 4}
+    assert sorted(replayed) == sorted(reference)
+    for key, row in replayed.items():
+        assert np.array_equal(row.view(np.float32), reference[key]), key
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -459,11 +459,15 @@ def _load():
         "rs_probe_count": ([u64, p(u32)], i32),
         "rs_probe_stats": ([u64, u32, p(_ProbeSnapshot), ctypes.c_char_p, sz], i32),
     }
+    # ABI 7 (full mode for graph-begun steps): likewise.
+    graph_sigs = {
+        "rs_admit_graph_step": ([u64, u32, u64], i32),
+    }
     for name, (args, res) in sigs.items():
         f = getattr(lib, name)
         f.argtypes = args
         f.restype = res
-    for name, (args, res) in {**stats_sigs, **probe_sigs}.items():
+    for name, (args, res) in {**stats_sigs, **probe_sigs, **graph_sigs}.items():
         f = getattr(lib, name, None)
         if f is not None:
             f.argtypes = args
@@ -660,12 +664,12 @@ class Session:
             _check(lib.rs_begin_step_on_stream(self._h, step, pids, ppos, ids.size, stream))
 
     def begin_step_graph(self, request_ids, positions, stream: Optional[int] = None) -> None:
-        """CUDA backend, best-effort mode: starts a step from inside a CUDA graph being recorded (or eagerly). The
-        recorded kernel reads the batch from the engine's own device tensors at every replay, so replays need no
-        Python call: ``request_ids`` is an int64 CUDA tensor ``[batch]`` (one request per batch row), ``positions``
-        an int64 CUDA tensor ``[batch, seq]`` (e.g. ``position_ids``) or ``[seq]`` shared by every row (e.g.
-        ``cache_position``). Their addresses are fixed into the graph: update them in place. Record the step's
-        captures and :meth:`end_step` in the same graph."""
+        """CUDA backend: starts a step from inside a CUDA graph being recorded (or eagerly). The recorded kernel reads
+        the batch from the engine's own device tensors at every replay, so best-effort replays need no Python call:
+        ``request_ids`` is an int64 CUDA tensor ``[batch]`` (one request per batch row), ``positions`` an int64 CUDA
+        tensor ``[batch, seq]`` (e.g. ``position_ids``) or ``[seq]`` shared by every row (e.g. ``cache_position``).
+        Their addresses are fixed into the graph: update them in place. Record the step's captures and
+        :meth:`end_step` in the same graph. Full mode: call :meth:`admit_graph_step` before every replay."""
         def check(t, what):
             if not (hasattr(t, "is_cuda") and t.is_cuda and str(t.dtype) == "torch.int64" and t.is_contiguous()):
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
@@ -690,6 +694,26 @@ class Session:
         _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(),
                                            _u32("the batch size", batch), _u32("the sequence length", seq),
                                            _u32("the positions' row stride", stride), _u64("stream", stream)))
+
+    def admit_graph_step(self, rows: Optional[int] = None, stream: Optional[int] = None) -> None:
+        """Full mode (CUDA backend): admits the next replay of a CUDA graph whose step begins inside it
+        (:meth:`begin_step_graph`). Call it before every replay, on the replay's ``stream`` (default: torch's current
+        stream), outside graph recording: it waits (up to the step's wait budget) until the drain has room for
+        everything such a step can capture and reserves it — a check of two host counters when there is room, so a
+        lossless replay costs what a best-effort one does. ``rows`` bounds the replay's batch rows (default: the
+        largest graph-begun step recorded in this session). Past the budget it raises ``RingscopeError`` naming the
+        deadline (nothing with ``policy.on_deadline = "degrade"``) and the replay's captures are dropped and counted
+        as ``deadline``. Also uploads control changes, as :meth:`apply_controls` does. Best-effort sessions: returns
+        at once."""
+        lib = _load()
+        if not hasattr(lib, "rs_admit_graph_step"):
+            raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates rs_admit_graph_step (C ABI 7): rebuild "
+                                                  "it with `cargo build --release -p ringscope-ffi`")
+        n = 0 if rows is None else _u32("admit_graph_step: rows", rows, 1)
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream().cuda_stream
+        _check(lib.rs_admit_graph_step(self._h, n, _u64("stream", stream)))
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """CUDA backend: uploads control changes (enable, every-N, rows) on ``stream`` (default: torch's current

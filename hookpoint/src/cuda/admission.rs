@@ -2,11 +2,13 @@
 //! step can capture, so that no capture kernel ever finds the ring full (kernels never wait: a spinning kernel
 //! deadlocks against the drain's copies).
 //!
-//! The bound is a worst case ([`step_bound`]): every enabled, sampled hookpoint once, plus one wrap. Room is judged
-//! against what the host knows without a device read: bytes published (host block), bytes the drain handed back,
-//! and the bounds of earlier admitted steps whose captures may not have run yet (`pending`). Those reservations
-//! retire when the GPU reports the next step's begin kernel ran (`progress`: everything issued before it is done),
-//! or — when the host is waiting anyway — when an event recorded on the engine's stream completes.
+//! The bound is a worst case ([`step_bound`]; [`graph_step_bound`] for a step begun inside a graph, whose batch
+//! the host does not see): every enabled, sampled hookpoint once, plus one wrap. Room is judged against what the
+//! host knows without a device read: bytes published (host block), bytes the drain handed back, and the bounds of
+//! earlier admitted steps whose captures may not have run yet (`pending`). Those reservations retire when the GPU
+//! reports that the next step of the same kind began (host-begun steps: `progress`, written by the begin kernel;
+//! graph-begun steps: `graph_begun`, written by the step's first kernel; everything issued before it is done), or
+//! — when the host is waiting anyway — when an event recorded on the engine's stream completes.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -48,6 +50,37 @@ pub(super) fn step_bound(mirrors: &[HostMirror], batch: &StepBatch) -> u64 {
     sum + max
 }
 
+/// Worst-case ring bytes of a step begun inside a graph of `rows` batch rows and `requests` requests (batch rows
+/// of the graph's `[batch, seq]` shape): every enabled hookpoint once — sampled or not, since the device numbers
+/// graph steps — plus one wrap.
+pub(super) fn graph_step_bound(mirrors: &[HostMirror], rows: u64, requests: u64) -> u64 {
+    let (mut sum, mut max) = (0u64, 0u64);
+    for m in mirrors {
+        let c = &m.control;
+        if c.enabled == 0 {
+            continue;
+        }
+        let rows = match c.mode {
+            RowMode::All => rows,
+            RowMode::List => (c.list_len as u64).min(rows),
+            RowMode::LastPerRequest => requests.min(rows),
+        };
+        let f = footprint(rows, m.row_bytes as u64);
+        sum += f;
+        max = max.max(f);
+    }
+    sum + max
+}
+
+/// Which begin counter tells that an admitted step has started on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StepKind {
+    /// Begun on the host (`begin_step`): its begin kernel writes `progress`.
+    Host,
+    /// Begun inside a graph: its first kernel writes `graph_begun`.
+    Graph,
+}
+
 /// What admission decided for a step.
 #[derive(Debug)]
 pub(super) enum Admitted {
@@ -62,19 +95,30 @@ pub(super) enum Admitted {
 /// marker event that tells when they all have.
 pub(super) struct Admission {
     deadline: Option<Duration>,
-    /// (begin index, worst-case bytes) of admitted steps whose captures may not have run yet.
-    pending: VecDeque<(u64, u64)>,
+    /// (kind, begin index among steps of that kind, worst-case bytes) of admitted steps whose captures may not have
+    /// run yet.
+    pending: VecDeque<(StepKind, u64, u64)>,
     /// Recorded on the engine's stream when a step must wait, to learn when every earlier step's captures have run
     /// (their reservations can then be retired).
     marker: Event,
     /// How long the last `admit` waited (zero when there was room at once).
     pub(super) last_wait: Duration,
+    /// The begin index the last admitted step took: the one asked for, or — for a graph-begun step admitted after
+    /// waiting for the marker — the device's count of graph-begun steps, which is exact then (everything issued
+    /// before has run), so a host count that drifted from the device's is set right.
+    pub(super) last_index: u64,
 }
 
 impl Admission {
     /// `deadline`: `Some` in full mode (how long a step may wait for room), `None` in best-effort.
     pub(super) fn new(gpu: &Arc<Gpu>, deadline: Option<Duration>) -> Result<Admission, DeviceCaptureError> {
-        Ok(Admission { deadline, pending: VecDeque::new(), marker: Event::new(gpu, false)?, last_wait: Duration::ZERO })
+        Ok(Admission {
+            deadline,
+            pending: VecDeque::new(),
+            marker: Event::new(gpu, false)?,
+            last_wait: Duration::ZERO,
+            last_index: 0,
+        })
     }
 
     /// Full mode: changes the deadline of the next admissions.
@@ -84,22 +128,32 @@ impl Admission {
         }
     }
 
+    /// Whether this is full mode (admission can wait).
+    pub(super) fn full_mode(&self) -> bool {
+        self.deadline.is_some()
+    }
+
     /// Full mode: waits, up to the deadline, until the ring has room for `bound` more bytes on top of what earlier
-    /// steps may still write, and reserves it for the step with begin index `index`. Best-effort admits at once.
+    /// steps may still write, and reserves it for the step of `kind` with begin index `index` (`step` names the step
+    /// in errors; called only for one). Best-effort admits at once.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn admit(
         &mut self,
         ring: &DeviceRing,
-        step: u64,
+        step: impl Fn() -> String,
         bound: u64,
-        index: u64,
+        kind: StepKind,
+        mut index: u64,
         stream: &StreamRef,
     ) -> Result<Admitted, DeviceCaptureError> {
+        self.last_index = index;
         let Some(deadline) = self.deadline else { return Ok(Admitted::Room) };
         let cap = ring.capacity() as u64;
         if bound > cap {
             return Err(DeviceCaptureError::Usage(format!(
-                "full mode: step {step} can capture up to {bound} bytes, more than the ring's {cap}; raise \
-                 ring.capacity or select fewer rows"
+                "full mode: {} can capture up to {bound} bytes, more than the ring's {cap}; raise \
+                 ring.capacity or select fewer rows",
+                step()
             )));
         }
         let started = Instant::now();
@@ -107,15 +161,20 @@ impl Admission {
         let mut marker_recorded = false;
         self.last_wait = Duration::ZERO;
         loop {
-            let progress = ring.progress();
-            while self.pending.front().is_some_and(|&(index, _)| index + 1 < progress) {
-                self.pending.pop_front();
-            }
+            let (progress, graph_begun) = (ring.progress(), ring.graph_begun());
+            // A step's reservation retires once the next step of its kind began on the device.
+            self.pending.retain(|&(kind, index, _)| {
+                index + 1 >= if kind == StepKind::Host { progress } else { graph_begun }
+            });
             if marker_recorded && !self.pending.is_empty() && self.marker.query()? {
-                // Everything issued before this begin_step has run: no earlier step can still write.
+                // Everything issued before this begin_step has run: no earlier step can still write, and the
+                // device's count of graph-begun steps is final for them.
                 self.pending.clear();
+                if kind == StepKind::Graph {
+                    index = ring.graph_begun();
+                }
             }
-            let in_flight: u64 = self.pending.iter().map(|&(_, b)| b).sum();
+            let in_flight: u64 = self.pending.iter().map(|&(_, _, b)| b).sum();
             let worst_head = ring.published() + in_flight;
             if space::fits(worst_head, ring.released(), bound, cap) {
                 if marker_recorded {
@@ -130,8 +189,9 @@ impl Admission {
             }
             if Instant::now() >= until {
                 self.last_wait = started.elapsed();
+                self.last_index = index;
                 return Ok(Admitted::Late(DeviceCaptureError::Deadline {
-                    step,
+                    step: step(),
                     needed: bound,
                     waited_ms: started.elapsed().as_millis() as u64,
                 }));
@@ -139,7 +199,8 @@ impl Admission {
             let wait = Instant::now() + Duration::from_micros(200);
             ring.wait_released(worst_head + bound - cap, wait.min(until))?;
         }
-        self.pending.push_back((index, bound));
+        self.pending.push_back((kind, index, bound));
+        self.last_index = index;
         Ok(Admitted::Room)
     }
 }

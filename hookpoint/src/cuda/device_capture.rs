@@ -9,7 +9,7 @@ use ringscope_ring::cuda::{CudaError, DevicePtr, DeviceRing, Gpu, StreamRef};
 use ringscope_ring::record::HEADER_LEN;
 use ringscope_ring::DType;
 
-use super::admission::{footprint, step_bound, Admission, Admitted};
+use super::admission::{footprint, graph_step_bound, step_bound, Admission, Admitted, StepKind};
 use super::controls::Controls;
 use super::counters::{Counters, StepWindow};
 use super::deferred::{Deferred, FlushContext};
@@ -55,10 +55,10 @@ pub enum DeviceCaptureError {
     Usage(String),
     /// Full mode: the drain did not free room for the step before the deadline. The step's captures are dropped
     /// and counted (reason `deadline`); the engine may go on.
-    #[error("full mode: the drain did not free {needed} bytes for step {step} within {waited_ms} ms; this step's captures are dropped and counted as `deadline` (raise the deadline or ring capacity, or use best-effort)")]
+    #[error("full mode: the drain did not free {needed} bytes for {step} within {waited_ms} ms; this step's captures are dropped and counted as `deadline` (raise the deadline or ring capacity, or use best-effort)")]
     Deadline {
-        /// The step.
-        step: u64,
+        /// The step: `step N`, or which graph-begun step (the device numbers those).
+        step: String,
         /// Bytes the step needed.
         needed: u64,
         /// Time waited.
@@ -90,6 +90,23 @@ pub struct DeviceCapture {
     steps: StepWindow,
     /// Scores buffers of the probes used in the open step (deferred captures: each may be used once per step).
     probes_in_step: Vec<u64>,
+    /// Full mode's admission of steps begun inside graphs.
+    graph: GraphAdmission,
+}
+
+/// Full mode, steps begun inside graphs: how many were admitted, the largest batch recorded, and the flags the
+/// device's graph steps take now.
+#[derive(Debug, Default)]
+struct GraphAdmission {
+    /// Graph-begun steps admitted so far (the device counts those that began: `DeviceRing::graph_begun`).
+    admitted: u64,
+    /// The largest graph-begun step recorded so far: (rows, requests).
+    largest: Option<(u32, u32)>,
+    /// The device's graph step flags are `DEADLINE` (the last admission found no room in time).
+    late: bool,
+    /// `admit_graph_step` admitted a step that an eager `begin_step_graph` has not taken yet (a replay takes it
+    /// without telling the host; the next admission replaces it).
+    token: Option<Option<DeviceCaptureError>>,
 }
 
 impl DeviceCapture {
@@ -127,6 +144,7 @@ impl DeviceCapture {
             step_stream: None,
             steps: StepWindow::default(),
             probes_in_step: Vec::new(),
+            graph: GraphAdmission::default(),
         })
     }
 
@@ -227,22 +245,19 @@ impl DeviceCapture {
     /// Starts a step from inside a CUDA graph (or eagerly) on `stream`: the batch descriptor is built on the device
     /// from the engine's tensors (`batch`) at every replay, and the step is numbered one past the previous one (a
     /// step begun with [`begin_step`](Self::begin_step) sets where numbering continues) — so replays need no host
-    /// call. With deferred captures nothing is launched here: the step's one kernel reads `batch` when the step
-    /// ends. Best-effort only: full mode must wait on the host for ring space before each step. Control changes
-    /// reach graph steps through [`apply_controls`](Self::apply_controls).
+    /// call in best-effort mode. With deferred captures nothing is launched here: the step's one kernel reads `batch`
+    /// when the step ends. Control changes reach graph steps through [`apply_controls`](Self::apply_controls).
+    ///
+    /// Full mode: the host must make sure of ring space before each step, which a replay cannot do by itself: call
+    /// [`admit_graph_step`](Self::admit_graph_step) before every replay (a host-side check, no device work unless
+    /// it has to wait). Called eagerly (not recording), this admits the step itself; past the deadline the step is
+    /// begun all the same, with its captures dropped and counted as `deadline`, and the error is returned.
     pub fn begin_step_graph(
         &mut self,
         registry: &Registry,
         batch: &GraphBatch,
         stream: StreamRef,
     ) -> Result<(), DeviceCaptureError> {
-        if self.options.full_mode_deadline.is_some() {
-            return Err(DeviceCaptureError::Usage(
-                "a step begun inside a graph cannot wait for ring space, which full mode requires before every \
-                 step: use policy.mode = \"best_effort\" for graph-begun steps, or begin_step before each replay"
-                    .into(),
-            ));
-        }
         let rows = batch.batch as u64 * batch.seq as u64;
         if batch.batch == 0 || batch.seq == 0 || rows > self.options.max_batch_rows as u64 {
             return Err(DeviceCaptureError::Usage(format!(
@@ -278,11 +293,26 @@ impl DeviceCapture {
             self.controls.sync(registry, &stream)?;
         }
         self.end_step()?;
+        let mut late = None;
+        if self.admission.full_mode() {
+            if self.gpu.is_capturing(&stream)? {
+                // Recorded: every replay is admitted by `admit_graph_step`, which bounds it by the largest recorded.
+                let shape = (batch.batch * batch.seq, batch.batch);
+                self.graph.largest = Some(self.graph.largest.map_or(shape, |l| l.max(shape)));
+            } else {
+                // Eager: the admission made for it, or its own.
+                late = match self.graph.token.take() {
+                    Some(late) => late,
+                    None => self.admit_graph(rows, batch.batch as u64, registry, &stream)?,
+                };
+            }
+        }
         if !self.options.defer {
             let param = GraphBatch::param(Some(batch), GraphRole::First);
-            // SAFETY: the state block and the descriptor live as long as `self`; the engine's tensors were checked
-            // above and are covered by their `DevicePtr::from_raw` promise for every replay.
-            unsafe { self.kernels.begin_step_graph(&stream, self.ring.addrs().state, self.slots.home_addr(), param) }?;
+            let addrs = self.ring.addrs();
+            // SAFETY: the state block, host block and descriptor live as long as `self`; the engine's tensors were
+            // checked above and are covered by their `DevicePtr::from_raw` promise for every replay.
+            unsafe { self.kernels.begin_step_graph(&stream, addrs.state, addrs.host, self.slots.home_addr(), param) }?;
         }
         self.graph_batch = Some(*batch);
         self.deferred.begin_step();
@@ -290,7 +320,101 @@ impl DeviceCapture {
         self.step_begun = true;
         self.step_stream = Some(stream);
         self.steps.begun_in_graph();
-        Ok(())
+        match late {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Full mode: admits the next replay of a graph whose step is begun inside it — waits (up to the deadline) until
+    /// the ring has room for everything such a step can capture, and reserves it. Call it on the engine's `stream`
+    /// before every replay, outside graph recording; replays that were not admitted may find the ring full (their
+    /// records are then dropped, counted as `ring_full`, and reported as a full-mode overrun). `rows` bounds the
+    /// replayed step's batch rows; `None` takes the largest graph-begun step recorded so far. Also uploads control
+    /// changes, as [`apply_controls`](Self::apply_controls) does. Best-effort: nothing to do.
+    ///
+    /// Past the deadline it returns [`DeviceCaptureError::Deadline`]: the replay's captures are then dropped on the
+    /// device and counted as `deadline` (the engine may replay all the same, or stop).
+    pub fn admit_graph_step(
+        &mut self,
+        registry: &Registry,
+        rows: Option<u32>,
+        stream: StreamRef,
+    ) -> Result<(), DeviceCaptureError> {
+        if !self.admission.full_mode() {
+            return Ok(());
+        }
+        let (rows, requests) = match rows {
+            Some(0) => {
+                return Err(DeviceCaptureError::Usage(
+                    "admit_graph_step: rows must be at least 1 (or none, for the largest recorded graph step)".into(),
+                ))
+            }
+            Some(r) if r > self.options.max_batch_rows => {
+                return Err(DeviceCaptureError::Usage(format!(
+                    "admit_graph_step: {r} rows is more than max_batch_rows ({})",
+                    self.options.max_batch_rows
+                )))
+            }
+            Some(r) => (r, r),
+            None => self.graph.largest.ok_or_else(|| {
+                DeviceCaptureError::Usage(
+                    "admit_graph_step: no step begun inside a graph has been recorded in this session yet (record \
+                     the graph first, or give the replay's batch rows)"
+                        .into(),
+                )
+            })?,
+        };
+        self.gpu.bind()?;
+        self.check_stream(&stream)?;
+        if self.gpu.is_capturing(&stream)? {
+            return Err(DeviceCaptureError::Usage(
+                "admit_graph_step was called while the stream is capturing a CUDA graph: call it before each replay, \
+                 outside the graph"
+                    .into(),
+            ));
+        }
+        self.controls.sync(registry, &stream)?;
+        let late = self.admit_graph(rows as u64, requests as u64, registry, &stream)?;
+        // For an eager `begin_step_graph` that may follow (a replay takes it without a host call).
+        self.graph.token = Some(match &late {
+            Some(DeviceCaptureError::Deadline { step, needed, waited_ms }) => {
+                Some(DeviceCaptureError::Deadline { step: step.clone(), needed: *needed, waited_ms: *waited_ms })
+            }
+            _ => None,
+        });
+        match late {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Full mode: admits one graph-begun step of `rows` rows and `requests` requests issued next on `stream`, and
+    /// sets the device's graph step flags to match (`DEADLINE` when no room came in time). Returns the deadline
+    /// error, if any, for the caller to return once the step is in place.
+    fn admit_graph(
+        &mut self,
+        rows: u64,
+        requests: u64,
+        registry: &Registry,
+        stream: &StreamRef,
+    ) -> Result<Option<DeviceCaptureError>, DeviceCaptureError> {
+        let bound = graph_step_bound(self.controls.mirrors(), rows, requests);
+        let n = self.graph.admitted + 1;
+        let step = || format!("graph-begun step {n} (of {rows} rows)");
+        let admitted = self.admission.admit(&self.ring, step, bound, StepKind::Graph, self.graph.admitted, stream)?;
+        registry.stall().waited(self.admission.last_wait);
+        let late = match admitted {
+            Admitted::Room => None,
+            Admitted::Late(e) => Some(e),
+        };
+        if late.is_some() != self.graph.late {
+            let flags = if late.is_some() { desc::DEADLINE as u64 } else { 0 };
+            self.ring.set_graph_flags(flags, stream)?;
+            self.graph.late = late.is_some();
+        }
+        self.graph.admitted = self.admission.last_index + 1;
+        Ok(late)
     }
 
     /// Starts a step on `stream` (the engine's stream; not while it is capturing a graph): installs the batch
@@ -326,7 +450,8 @@ impl DeviceCapture {
         if self.options.full_mode_deadline.is_some() {
             let bound = step_bound(self.controls.mirrors(), batch);
             let index = self.slots.next_index();
-            let admitted = self.admission.admit(&self.ring, batch.step(), bound, index, &stream)?;
+            let step = || format!("step {}", batch.step());
+            let admitted = self.admission.admit(&self.ring, step, bound, StepKind::Host, index, &stream)?;
             registry.stall().waited(self.admission.last_wait);
             if let Admitted::Late(e) = admitted {
                 flags |= desc::DEADLINE;

@@ -136,9 +136,12 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("ST_BEGIN_DONE", n(state::BEGIN_DONE), Int),
         ("ST_BUSY", n(state::BUSY), Int),
         ("ST_NEXT_STEP", n(state::NEXT_STEP), Int),
+        ("ST_GRAPH_BEGUN", n(state::GRAPH_BEGUN), Int),
+        ("ST_GRAPH_FLAGS", n(state::GRAPH_FLAGS), Int),
         ("HS_HEAD", n(host::HEAD), Int),
         ("HS_PROGRESS", n(host::PROGRESS), Int),
         ("HS_ERRORS", n(host::ERRORS), Int),
+        ("HS_GRAPH_BEGUN", n(host::GRAPH_BEGUN), Int),
         ("ERR_CONCURRENT_PRODUCERS", errors::CONCURRENT_PRODUCERS as u64, U32),
         ("ERR_FULL_MODE_OVERRUN", errors::FULL_MODE_OVERRUN as u64, U32),
         // The record format (ringscope_ring::record).
@@ -717,20 +720,26 @@ impl Kernels {
         unsafe { self.begin.launch(grid, THREADS, stream, &mut params) }
     }
 
-    /// Launches `ringscope_begin_step_graph(state, desc, GraphBatch)` with one block.
+    /// Launches `ringscope_begin_step_graph(state, host, desc, GraphBatch)` with one block.
     ///
     /// # Safety
-    /// `state` and `desc` are the ring's state block and the descriptor's device home; the batch's tensors stay
-    /// valid until the kernel — and every replay of a graph it is recorded into — has run.
+    /// `state`, `host` and `desc` are the ring's state block, its mapped host block and the descriptor's device
+    /// home; the batch's tensors stay valid until the kernel — and every replay of a graph it is recorded into — has
+    /// run.
     pub(super) unsafe fn begin_step_graph(
         &self,
         stream: &StreamRef,
         mut state: u64,
+        mut host: u64,
         mut desc: u64,
         mut batch: GraphBatchParam,
     ) -> Result<(), CudaError> {
-        let mut params: [*mut c_void; 3] =
-            [(&mut state as *mut u64).cast(), (&mut desc as *mut u64).cast(), batch.as_mut_ptr().cast()];
+        let mut params: [*mut c_void; 4] = [
+            (&mut state as *mut u64).cast(),
+            (&mut host as *mut u64).cast(),
+            (&mut desc as *mut u64).cast(),
+            batch.as_mut_ptr().cast(),
+        ];
         // SAFETY: the parameter list matches `ringscope_begin_step_graph` (the struct as its 32 bytes); the
         // addresses are valid per the caller.
         unsafe { self.begin_graph.launch(1, THREADS, stream, &mut params) }
@@ -795,9 +804,12 @@ mod tests {
         expect("ST_BEGIN_DONE", state::BEGIN_DONE as u64, "");
         expect("ST_BUSY", state::BUSY as u64, "");
         expect("ST_NEXT_STEP", state::NEXT_STEP as u64, "");
+        expect("ST_GRAPH_BEGUN", state::GRAPH_BEGUN as u64, "");
+        expect("ST_GRAPH_FLAGS", state::GRAPH_FLAGS as u64, "");
         expect("HS_HEAD", host::HEAD as u64, "");
         expect("HS_PROGRESS", host::PROGRESS as u64, "");
         expect("HS_ERRORS", host::ERRORS as u64, "");
+        expect("HS_GRAPH_BEGUN", host::GRAPH_BEGUN as u64, "");
         expect("ERR_CONCURRENT_PRODUCERS", errors::CONCURRENT_PRODUCERS as u64, "u");
         expect("ERR_FULL_MODE_OVERRUN", errors::FULL_MODE_OVERRUN as u64, "u");
         expect("RECORD_ALIGN_MASK", RECORD_ALIGN as u64 - 1, "ull");

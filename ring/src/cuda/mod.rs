@@ -17,4 +17,6 @@ pub use driver::{
     compile_ptx, CudaError, DeviceBuffer, DevicePtr, Event, ForeignStream, Function, Gpu, Graph, Module, PinnedBuffer,
     Stream, StreamRef,
 };
-pub use ring::{errors, host, state, DeviceConsumer, DeviceDrainStats, DeviceRing, DrainTuning, RingAddrs};
+pub use ring::{
+    errors, host, state, DeviceConsumer, DeviceDrainStats, DeviceRing, DrainTuning, RingAddrs, GRAPH_FLAG_VALUES,
+};

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::driver::{CudaError, DeviceBuffer, Event, Gpu, PinnedBuffer, Stream};
+use super::driver::{CudaError, DeviceBuffer, Event, Gpu, PinnedBuffer, Stream, StreamRef};
 use crate::error::{DecodeError, SourceError};
 use crate::host::{CAPACITY_ALIGN, MIN_CAPACITY};
 use crate::lease::{Lease, LeaseBook};
@@ -54,6 +54,13 @@ pub mod state {
     pub const BUSY: usize = 144;
     /// `u64`: the step number a step begun inside a graph takes (one past the last step begun).
     pub const NEXT_STEP: usize = 152;
+    /// `u64`: steps begun inside a graph that have started on the device (mirrored to the host block's
+    /// [`GRAPH_BEGUN`](super::host::GRAPH_BEGUN)).
+    pub const GRAPH_BEGUN: usize = 160;
+    /// `u64`: step flags of the next graph-begun steps (the descriptor's flags, e.g. `DEADLINE` when full mode's
+    /// admission found no room in time), written on the engine's stream between replays
+    /// ([`DeviceRing::set_graph_flags`](super::DeviceRing::set_graph_flags)).
+    pub const GRAPH_FLAGS: usize = 168;
     /// Size of the block.
     pub const BYTES: usize = 256;
 }
@@ -66,6 +73,9 @@ pub mod host {
     pub const PROGRESS: usize = 64;
     /// `u32`: error bits ([`super::errors`]).
     pub const ERRORS: usize = 128;
+    /// `u64`: steps begun inside a graph that have started on the device (every capture issued before the latest
+    /// of them has run).
+    pub const GRAPH_BEGUN: usize = 192;
     /// Size of the block.
     pub const BYTES: usize = 256;
 }
@@ -74,8 +84,9 @@ pub mod host {
 pub mod errors {
     /// Two capture kernels of one ring ran concurrently (captures were issued on more than one stream).
     pub const CONCURRENT_PRODUCERS: u32 = 1;
-    /// Full mode: a capture found the ring full although `begin_step` had reserved space (a hookpoint was
-    /// captured more than once in a step, or captures ran without a `begin_step`). The record was dropped, counted.
+    /// Full mode: a capture found the ring full although `begin_step` (or `admit_graph_step`) had reserved space (a
+    /// hookpoint was captured more than once in a step, captures ran without a `begin_step`, or a graph-begun step
+    /// was replayed without `admit_graph_step`). The record was dropped, counted.
     pub const FULL_MODE_OVERRUN: u32 = 2;
 
     /// Describes a set of error bits.
@@ -85,11 +96,14 @@ pub mod errors {
             out.push("capture kernels of one ring ran concurrently: issue every capture of a session on one stream");
         }
         if bits & FULL_MODE_OVERRUN != 0 {
-            out.push("full mode: a capture found the ring full despite begin_step's reservation (capture each hookpoint at most once per step, after begin_step)");
+            out.push("full mode: a capture found the ring full despite the step's reservation (capture each hookpoint at most once per step, after begin_step; call admit_graph_step before every replay of a graph that begins its step)");
         }
         out.join("; ")
     }
 }
+
+/// Graph step flags [`DeviceRing::set_graph_flags`] can set: `0..GRAPH_FLAG_VALUES`.
+pub const GRAPH_FLAG_VALUES: u64 = 8;
 
 /// The addresses a capture kernel needs, fixed for the ring's lifetime (so they can be baked into CUDA graphs).
 #[derive(Debug, Clone, Copy)]
@@ -112,6 +126,11 @@ pub struct DeviceRing {
     buf: DeviceBuffer,
     state: DeviceBuffer,
     host: PinnedBuffer,
+    /// The values 0..GRAPH_FLAG_VALUES as `u64`s, never written again: the source of [`set_graph_flags`]'s copy where
+    /// the driver has no stream memory operations.
+    ///
+    /// [`set_graph_flags`]: DeviceRing::set_graph_flags
+    flag_values: PinnedBuffer,
     /// Bytes copied out by the drain and handed back to the device (the device's `tail` is at least this).
     released: AtomicU64,
     producer_closed: AtomicBool,
@@ -135,6 +154,13 @@ impl DeviceRing {
             buf: DeviceBuffer::zeroed(gpu, capacity)?,
             state: DeviceBuffer::zeroed(gpu, state::BYTES)?,
             host: PinnedBuffer::zeroed(gpu, host::BYTES, true)?,
+            flag_values: {
+                let values = PinnedBuffer::zeroed(gpu, GRAPH_FLAG_VALUES as usize * 8, false)?;
+                for v in 0..GRAPH_FLAG_VALUES {
+                    values.u64_at(v as usize * 8).store(v, Ordering::Relaxed);
+                }
+                values
+            },
             released: AtomicU64::new(0),
             producer_closed: AtomicBool::new(false),
             consumer_alive: AtomicBool::new(true),
@@ -176,6 +202,26 @@ impl DeviceRing {
     /// Begin-step kernels that ran.
     pub fn progress(&self) -> u64 {
         self.host.u64_at(host::PROGRESS).load(Ordering::Acquire)
+    }
+
+    /// Steps begun inside a graph that have started on the device.
+    pub fn graph_begun(&self) -> u64 {
+        self.host.u64_at(host::GRAPH_BEGUN).load(Ordering::Acquire)
+    }
+
+    /// Sets the flags that the graph-begun steps issued on `stream` after this call take (the device state block's
+    /// [`state::GRAPH_FLAGS`]), stream-ordered: a stream memory operation where the driver has them, else an
+    /// 8-byte copy from a constant pinned word. `flags` is below [`GRAPH_FLAG_VALUES`].
+    pub fn set_graph_flags(&self, flags: u64, stream: &StreamRef) -> Result<(), CudaError> {
+        if flags >= GRAPH_FLAG_VALUES {
+            return Err(CudaError::Invalid(format!("graph step flags {flags:#x} are past {GRAPH_FLAG_VALUES}")));
+        }
+        if self.state.write_u64_async(state::GRAPH_FLAGS, flags, stream).is_ok() {
+            return Ok(());
+        }
+        // SAFETY: the source word is never written after `new` and lives as long as the ring (and so as long as
+        // any copy issued from it can be pending); the destination is the state block's flags word.
+        unsafe { self.state.copy_from_pinned_async(state::GRAPH_FLAGS, &self.flag_values, flags as usize * 8, 8, stream) }
     }
 
     /// Error bits set by kernels ([`errors`]).

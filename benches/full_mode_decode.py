@@ -1,0 +1,184 @@
+"""Full (lossless) mode at decode speed: what a replayed decode step costs when every row must reach Parquet.
+
+    python benches/full_mode_decode.py --out results.json --dir /dev/shm/rs   # needs CUDA, torch, transformers,
+                                                                              # libringscope + NVRTC
+
+Model: hf_overhead.py's 1B-shape Llama (16 layers, hidden 2048, bf16, random weights), decode with HF's StaticCache,
+one step recorded as a CUDA graph and replayed; the residual stream of all 16 layers of every row captured and
+written to Parquet (zstd, 8 threads) in the ringscope variants. Variants, all in this one process, interleaved (the
+order rotates every round, so drift of the machine falls on all of them alike):
+  (a1, a2, a3) the plain step, recorded three times: how far recordings of the same step differ is the resolution;
+  (full_graph) full mode, the step begun inside the graph (its batch from device tensors), deferred captures, and
+      ``Session.admit_graph_step()`` before every replay: a host-side check that the ring has room for a whole step
+      (it waits only when the drain is behind);
+  (full_host) full mode as before: ``begin_step`` from Python before every replay (a host-written descriptor and a
+      begin kernel per step), one capture kernel per layer;
+  (best_effort) the step begun inside the graph, deferred captures, no host call per replay;
+  (admit_only) diagnostic: the plain graph with ``admit_graph_step`` before each replay (no captures).
+Per batch size: per-step time synchronised every step (median, p99) and pipelined (many steps, one sync); for each
+ringscope variant the session's totals (rows produced / exported / dropped, full-mode waits). Then prefill (8 × 512
+tokens, eager) plain vs full mode into Parquet and into Arrow IPC.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_overhead import DEV, Decoder, build_model, interleaved, time_steps  # noqa: E402
+
+import ringscope  # noqa: E402
+import ringscope.torch as rt  # noqa: E402
+
+
+def session(root, name, mode, defer=True, export="parquet", capacity="1 GiB"):
+    policy = {"mode": mode, "full_deadline_ms": 20000} if mode == "full" else {"mode": mode}
+    config = {"ring": {"backend": "cuda", "capacity": capacity, "max_batch_rows": 4096, "defer_captures": defer},
+              "policy": policy}
+    if export:
+        d = os.path.join(root, name)
+        shutil.rmtree(d, ignore_errors=True)
+        config["export"] = {"dir": d, export: True, "threads": 8}
+    return ringscope.Session(config)
+
+
+def replay(d, before=None):
+    def step():
+        if before is not None:
+            before()
+        d.graph.replay()
+        d.advance()
+    return step
+
+
+def run_batch(model, batch, steps, rounds, root, results):
+    max_len = 16 + rounds * (10 + 2 * steps) + 16
+    variants, sessions = {}, {}
+    variants["a1"] = replay(Decoder(model, batch, max_len))
+
+    s = sessions["full_graph"] = session(root, f"b{batch}_full_graph", "full")
+    att = rt.attach(model, s, sites=["residual"])
+    try:
+        variants["full_graph"] = replay(Decoder(model, batch, max_len), before=s.admit_graph_step)
+    finally:
+        att.detach()
+    variants["a2"] = replay(Decoder(model, batch, max_len))
+
+    s = sessions["full_host"] = session(root, f"b{batch}_full_host", "full", defer=False)
+    att2 = rt.attach(model, s, sites=["residual"])
+    req = np.arange(batch, dtype=np.uint64)
+    stream = torch.cuda.current_stream().cuda_stream
+    try:
+        begin = lambda dec: att2.begin_step(req, np.full(batch, dec.pos, dtype=np.uint32), stream=stream)
+        d2 = Decoder(model, batch, max_len, before_record=begin, after_record=lambda dec: att2.end_step())
+    finally:
+        att2.detach()
+
+    def step_full_host():
+        att2.begin_step(req, np.full(batch, d2.pos, dtype=np.uint32), stream=stream)
+        d2.graph.replay()
+        att2.end_step()
+        d2.advance()
+    variants["full_host"] = step_full_host
+
+    s = sessions["best_effort"] = session(root, f"b{batch}_best_effort", "best_effort")
+    att3 = rt.attach(model, s, sites=["residual"])
+    try:
+        variants["best_effort"] = replay(Decoder(model, batch, max_len))
+    finally:
+        att3.detach()
+
+    s = sessions["admit_only"] = session(root, f"b{batch}_admit_only", "full", export=None, capacity="64 MiB")
+    s.register("unused", dtype="bf16", row_width=model.config.hidden_size)
+    variants["admit_only"] = replay(Decoder(model, batch, max_len), before=lambda: s.admit_graph_step(batch))
+    variants["a3"] = replay(Decoder(model, batch, max_len))
+
+    row = interleaved(variants, steps, rounds)
+    for key, sess in sessions.items():
+        sess.flush(timeout=600)
+        stats = sess.stats_all()
+        totals = sess.close()
+        row[key]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+        row[key]["totals"].update(stalls=stats["stalls"], stall_time_s=stats["stall_time_s"])
+    plain = ["a1", "a2", "a3"]
+    for m in ("median_ms", "p99_ms", "pipelined_ms"):
+        base = sorted(row[k][m] for k in plain)[1]  # the median of the three recordings
+        spread = (max(row[k][m] for k in plain) - min(row[k][m] for k in plain)) / base
+        row.setdefault("resolution", {})[m.replace("_ms", "")] = spread
+        for k, v in row.items():
+            if k != "resolution":
+                v[m.replace("_ms", "_overhead")] = v[m] / base - 1
+    results[f"batch_{batch}"] = row
+    print(json.dumps({f"batch_{batch}": row}, indent=1), flush=True)
+
+
+def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
+    ids = torch.randint(0, 1000, (batch, tokens), device=DEV)
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+
+    variants = {"plain": None}
+    for fmt in ("parquet", "arrow_ipc"):
+        variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
+    out = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            s = variants[k]
+            att = rt.attach(model, s, sites=["residual"]) if s is not None else None
+            run()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                run()
+            torch.cuda.synchronize()
+            out[k].append((time.perf_counter() - t) * 1e3 / n)
+            if att is not None:
+                att.detach()
+    row = {}
+    for k, s in variants.items():
+        row[k] = {"ms_per_prefill": sorted(out[k])[len(out[k]) // 2], "rounds_ms": out[k]}
+        if s is not None:
+            t = time.perf_counter()
+            s.flush(timeout=600)
+            totals = s.close()
+            row[k]["flush_and_close_s"] = time.perf_counter() - t
+            row[k]["totals"] = {x: totals[x] for x in ("produced_rows", "exported_rows", "dropped_rows")}
+    base = row["plain"]["ms_per_prefill"]
+    for v in row.values():
+        v["overhead"] = v["ms_per_prefill"] / base - 1
+    results[f"prefill_{batch}x{tokens}"] = row
+    print(json.dumps({f"prefill_{batch}x{tokens}": row}, indent=1), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="full_mode_decode.json")
+    ap.add_argument("--dir", default="/dev/shm/ringscope-full-mode", help="where the Parquet files go")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batches", default="1,8,64")
+    args = ap.parse_args()
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
+    model = build_model(args.layers)
+    for b in map(int, args.batches.split(",")):
+        run_batch(model, b, args.steps, args.rounds, args.dir, results)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    prefill(model, args.dir, results)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
