@@ -407,6 +407,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph
     }
 }
 
+// Full mode, steps begun inside a graph with deferred captures: the host found room counting what the drain handed
+// back, but the tail snapshot the step's capture kernel will decide on is older. Launched on the engine's stream
+// before the replay (stream-ordered with every capture), it brings the snapshot up to the drain's position.
+extern "C" __global__ void ringscope_refresh_tail_snap(u8* state, u8* host) {
+    const u64 tail_now = ld64(state + ST_TAIL);
+    st64(state + ST_TAIL_SNAP, tail_now);
+    st64(host + HS_TAIL_SNAP, tail_now);
+}
+
 // Deferred captures: every capture of a step, copied by one kernel when the step ends (the engine keeps the
 // tensors unchanged until then). Same records, same order, same counters as one ringscope_capture per entry.
 // At most MAX_MANY entries per kernel.
@@ -666,6 +675,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         __threadfence_system();
         st64(host + HS_HEAD, new_head);
     }
+    // A lower bound of the snapshot the next capture decides on: full mode's admission of graph-begun steps, whose
+    // captures have no begin kernel of their own to refresh it, judges room against it.
+    st64(host + HS_TAIL_SNAP, tail_now);
     if (m.g.on == GB_FIRST) rs_graph_step_begun(state, host);
     for (u32 i = 0; i < n; i++) {
         const Plan& p = plan[i];

@@ -96,6 +96,8 @@ struct Partition<W> {
     /// Records waiting for the next batch, and their activation bytes.
     pending: Vec<Record>,
     pending_bytes: usize,
+    /// The sink's `received` count when the oldest pending record that may still be lent by the ring came.
+    lent_since: Option<u64>,
     open: Option<OpenFile<W>>,
 }
 
@@ -106,6 +108,8 @@ pub struct FileSink<F: FileFormat> {
     partitions: HashMap<SeriesKey, Partition<F::Writer>>,
     /// Activation bytes pending over all partitions.
     pending_bytes: usize,
+    /// Activation bytes of every record written to this sink so far (its clock for how long records are held).
+    received: u64,
     committed: CommittedFiles,
 }
 
@@ -115,7 +119,14 @@ impl<F: FileFormat> FileSink<F> {
         Self::setup(&options).map_err(Self::error)?;
         let committed = CommittedFiles::default();
         let sink =
-            FileSink { format, options, partitions: HashMap::new(), pending_bytes: 0, committed: committed.clone() };
+            FileSink {
+            format,
+            options,
+            partitions: HashMap::new(),
+            pending_bytes: 0,
+            received: 0,
+            committed: committed.clone(),
+        };
         Ok((sink, committed))
     }
 
@@ -158,11 +169,42 @@ impl<F: FileFormat> FileSink<F> {
                     next_index,
                     pending: Vec::new(),
                     pending_bytes: 0,
+                    lent_since: None,
                     open: None,
                 },
             );
         }
         Ok(self.partitions.get_mut(&key).expect("inserted above"))
+    }
+
+    /// Moves pending records out of the ring into host memory (their batches stay whole): those of every partition
+    /// (`all`), or of partitions whose oldest lent record has waited while more than `max_pending_bytes` of other
+    /// records came to this sink. Ring space comes back in ring order, so a record held for a batch that grows slowly
+    /// — a hookpoint this sink sees rarely, such as one it took from another sink of its pool — would hold all of the
+    /// ring written after it; in full mode that stops the engine until the batch is written, which may be never.
+    /// The host memory this takes is within `max_pending_bytes` (what pending batches may hold in all). When the
+    /// memory for a copy is refused, the partition's batch is written as it is instead.
+    fn release_lent(&mut self, all: bool) -> Result<(), FileError> {
+        let limit = self.options.max_pending_bytes as u64;
+        let received = self.received;
+        let old: Vec<SeriesKey> = self
+            .partitions
+            .iter()
+            .filter(|(_, p)| p.lent_since.is_some_and(|since| all || received - since > limit))
+            .map(|(&k, _)| k)
+            .collect();
+        for key in old {
+            let part = self.partitions.get_mut(&key).expect("listed above");
+            let copied: Result<Vec<Record>, _> = part.pending.iter().map(Record::detach).collect();
+            match copied {
+                Ok(copied) => {
+                    part.pending = copied;
+                    part.lent_since = None;
+                }
+                Err(_) => self.flush(key, false)?,
+            }
+        }
+        Ok(())
     }
 
     /// Writes the partition's buffered rows into its open file (opening one if needed); commits the file once it
@@ -172,6 +214,7 @@ impl<F: FileFormat> FileSink<F> {
         let part = self.partitions.get_mut(&key).expect("partition exists");
         // Written or failed: either way the partition holds nothing pending afterwards.
         self.pending_bytes -= part.pending_bytes;
+        part.lent_since = None;
         let result = flush_partition(format, options, committed, part, commit);
         if result.is_err() {
             // Everything of this partition not yet committed is lost: count it, and remove the partial file.
@@ -281,14 +324,20 @@ impl<F: FileFormat> Sink for FileSink<F> {
         // A batch never outgrows the file size target, so small files still rotate.
         let batch_bytes =
             self.options.batch_bytes.min(usize::try_from(self.options.max_file_bytes).unwrap_or(usize::MAX));
+        let received = self.received;
         let part = self.partition(record.hookpoint(), key.1)?;
         part.pending.push(record.clone());
         part.pending_bytes += record.data().len();
+        if record.is_leased() && part.lent_since.is_none() {
+            part.lent_since = Some(received);
+        }
         let full = part.pending_bytes >= batch_bytes;
         self.pending_bytes += record.data().len();
+        self.received += record.data().len() as u64;
         if full {
             self.flush(key, false).map_err(Self::error)?;
         }
+        self.release_lent(false).map_err(Self::error)?;
         // Records held for batches hold their ring space: across many hookpoints, write the largest early rather
         // than let them hold the ring.
         while self.pending_bytes > self.options.max_pending_bytes {
@@ -312,5 +361,9 @@ impl<F: FileFormat> Sink for FileSink<F> {
 
     fn close(&mut self) -> Result<(), SinkError> {
         self.commit()
+    }
+
+    fn idle(&mut self) -> Result<(), SinkError> {
+        self.release_lent(true).map_err(Self::error)
     }
 }

@@ -506,6 +506,11 @@ impl Commits {
 /// How long a sink of a pool waits for a record of its own hookpoints before it takes any (see [`Queue::take`]).
 const STEAL_AFTER: Duration = Duration::from_millis(2);
 
+/// How long a sink waits for a record before it lets go of the ring memory it holds for batches ([`Sink::idle`]):
+/// ring space comes back in ring order, so a record held for a batch that grows slowly would otherwise hold the ring
+/// behind it for as long as the sink waits.
+const IDLE_AFTER: Duration = Duration::from_millis(10);
+
 /// A sink's worker: writes what it takes from its pool's queue until the queue ends. `writing` counts the pool's
 /// sinks that have not failed: one that fails leaves the queue to those still writing, and the last to fail fails
 /// what is left.
@@ -521,9 +526,28 @@ fn run_sink(
     // instead of holding the ring until shutdown.
     let mut live = Some(sink);
     let mut committed = 0;
+    // Whether the sink wrote since it was last told it is idle.
+    let mut busy = false;
     loop {
-        let record = match seat.queue.take(seat.worker, seat.workers, STEAL_AFTER, committed) {
-            Received::Record(record) => record,
+        let idle_after = busy.then_some(IDLE_AFTER);
+        let record = match seat.queue.take(seat.worker, seat.workers, STEAL_AFTER, committed, idle_after) {
+            Received::Record(record) => {
+                busy = true;
+                record
+            }
+            Received::Timeout => {
+                busy = false;
+                if let Some(sink) = live.as_mut() {
+                    if let Err(e) = guarded(&report.name, || sink.idle()) {
+                        let others_write = failed(&e, &mut report, &writing, &backlog, &health);
+                        close_sink(live.take().expect("live"), &mut report);
+                        if others_write {
+                            break;
+                        }
+                    }
+                }
+                continue;
+            }
             Received::Commit(n) => {
                 committed = n;
                 if let Some(sink) = live.as_mut() {
@@ -540,7 +564,7 @@ fn run_sink(
                 seat.committed.store(n, Ordering::Release);
                 continue;
             }
-            Received::Timeout | Received::End => break,
+            Received::End => break,
         };
         let size = record.size_bytes();
         match live.as_mut() {

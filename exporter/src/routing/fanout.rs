@@ -213,9 +213,20 @@ impl Queue {
     /// A sink that has carried out commit number `committed` gets [`Received::Commit`] once a later one is asked
     /// for and no record is queued: every record queued before the request has been taken by then (by this sink or
     /// another of the pool, each of which commits in turn once it comes back for more).
-    pub(crate) fn take(&self, worker: usize, workers: usize, steal_after: Duration, committed: u64) -> Received {
+    ///
+    /// `idle_after`: when nothing is taken within it, returns [`Received::Timeout`] (the sink lets go of what it
+    /// holds in the ring while idle); `None` waits for as long as it takes.
+    pub(crate) fn take(
+        &self,
+        worker: usize,
+        workers: usize,
+        steal_after: Duration,
+        committed: u64,
+        idle_after: Option<Duration>,
+    ) -> Received {
         let workers = workers.max(1);
         let window = workers.saturating_mul(4);
+        let idle_at = idle_after.map(|d| Instant::now() + d);
         let mut items = self.items.lock();
         loop {
             if items.closed {
@@ -237,11 +248,15 @@ impl Queue {
             if let Some(i) = take {
                 return Received::Record(items.records.remove(i).expect("a queued record").0);
             }
-            match oldest {
-                None if items.ended => return Received::End,
-                None => self.ready.wait(&mut items),
-                Some(at) => {
-                    self.ready.wait_until(&mut items, at + steal_after);
+            if idle_at.is_some_and(|t| Instant::now() >= t) && !(oldest.is_none() && items.ended) {
+                return Received::Timeout;
+            }
+            let steal_at = oldest.map(|at| at + steal_after);
+            match (oldest, steal_at.into_iter().chain(idle_at).min()) {
+                (None, _) if items.ended => return Received::End,
+                (_, None) => self.ready.wait(&mut items),
+                (_, Some(until)) => {
+                    self.ready.wait_until(&mut items, until);
                 }
             }
         }
@@ -633,7 +648,7 @@ mod tests {
     }
 
     fn take_hp(q: &Queue, worker: usize, workers: usize, steal_after: Duration) -> Option<(u32, u64)> {
-        match q.take(worker, workers, steal_after, 0) {
+        match q.take(worker, workers, steal_after, 0, None) {
             Received::Record(r) => Some((r.hookpoint().id(), r.header().seq)),
             _ => None,
         }
@@ -683,19 +698,36 @@ mod tests {
         // The pool's sinks take the queued records first, then each gets the commit once.
         assert_eq!(take_hp(&q, 0, 2, long), Some((0, 0)));
         assert_eq!(take_hp(&q, 1, 2, long), Some((1, 1)));
-        assert!(matches!(q.take(0, 2, long, 0), Received::Commit(1)));
-        assert!(matches!(q.take(1, 2, long, 0), Received::Commit(1)));
+        assert!(matches!(q.take(0, 2, long, 0, None), Received::Commit(1)));
+        assert!(matches!(q.take(1, 2, long, 0, None), Received::Commit(1)));
         // Carried out: a sink that has done commit 1 waits for records again; a record queued later is taken.
         q.push(records(&[1]).pop().unwrap());
         assert_eq!(take_hp(&q, 1, 2, long), Some((1, 0)));
         q.end();
-        assert!(matches!(q.take(0, 2, long, 1), Received::End));
+        assert!(matches!(q.take(0, 2, long, 1, None), Received::End));
         // A one-sink pool the same.
         let q = Queue::new();
         q.push(records(&[3]).pop().unwrap());
         assert_eq!(q.request_commit(), 1);
         assert_eq!(q.request_commit(), 2);
         assert_eq!(take_hp(&q, 0, 1, long), Some((3, 0)));
-        assert!(matches!(q.take(0, 1, long, 0), Received::Commit(2)));
+        assert!(matches!(q.take(0, 1, long, 0, None), Received::Commit(2)));
+    }
+
+    #[test]
+    fn a_sink_waiting_with_an_idle_time_is_told_when_nothing_came() {
+        let long = Duration::from_secs(600);
+        let q = Queue::new();
+        // Nothing queued: told after the idle time, not after the steal time.
+        let t = Instant::now();
+        assert!(matches!(q.take(0, 2, long, 0, Some(Duration::from_millis(20))), Received::Timeout));
+        assert!(t.elapsed() >= Duration::from_millis(20) && t.elapsed() < Duration::from_secs(60));
+        // A record of another sink's hookpoint, before the steal time: idle all the same.
+        q.push(records(&[1]).pop().unwrap());
+        assert!(matches!(q.take(0, 2, long, 0, Some(Duration::from_millis(5))), Received::Timeout));
+        // Its own record is taken at once; the end of the stream is the end, never idle.
+        assert_eq!(take_hp(&q, 1, 2, long), Some((1, 0)));
+        q.end();
+        assert!(matches!(q.take(0, 2, long, 0, Some(Duration::ZERO)), Received::End));
     }
 }

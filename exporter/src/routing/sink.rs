@@ -89,6 +89,12 @@ pub trait Sink: Send {
     fn close(&mut self) -> Result<(), SinkError> {
         Ok(())
     }
+
+    /// No record came for a while: let go of ring memory held for later (records kept for a batch are lent by the
+    /// ring, which gets space back in ring order only). Nothing to do for sinks that keep nothing.
+    fn idle(&mut self) -> Result<(), SinkError> {
+        Ok(())
+    }
 }
 
 /// What a [`SummarySink`] saw of one hookpoint.

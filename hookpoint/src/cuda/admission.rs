@@ -107,6 +107,9 @@ pub(super) struct Admission {
     /// waiting for the marker — the device's count of graph-begun steps, which is exact then (everything issued
     /// before has run), so a host count that drifted from the device's is set right.
     pub(super) last_index: u64,
+    /// The last admission found room only counting what the drain handed back, more than the device's tail
+    /// snapshot says: the caller must refresh the snapshot on the stream before the step's captures.
+    pub(super) refresh_snapshot: bool,
 }
 
 impl Admission {
@@ -118,6 +121,7 @@ impl Admission {
             marker: Event::new(gpu, false)?,
             last_wait: Duration::ZERO,
             last_index: 0,
+            refresh_snapshot: false,
         })
     }
 
@@ -136,6 +140,11 @@ impl Admission {
     /// Full mode: waits, up to the deadline, until the ring has room for `bound` more bytes on top of what earlier
     /// steps may still write, and reserves it for the step of `kind` with begin index `index` (`step` names the step
     /// in errors; called only for one). Best-effort admits at once.
+    ///
+    /// `stale_snapshot`: the step's captures decide on a tail snapshot no begin kernel of the step refreshes (graph-
+    /// begun steps with deferred captures). Room is then judged against the snapshot the kernels last mirrored, and
+    /// where only the drain's newer position gives room, [`refresh_snapshot`](Self::refresh_snapshot) tells the
+    /// caller to refresh it on the stream first.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn admit(
         &mut self,
@@ -144,9 +153,11 @@ impl Admission {
         bound: u64,
         kind: StepKind,
         mut index: u64,
+        stale_snapshot: bool,
         stream: &StreamRef,
     ) -> Result<Admitted, DeviceCaptureError> {
         self.last_index = index;
+        self.refresh_snapshot = false;
         let Some(deadline) = self.deadline else { return Ok(Admitted::Room) };
         let cap = ring.capacity() as u64;
         if bound > cap {
@@ -176,7 +187,9 @@ impl Admission {
             }
             let in_flight: u64 = self.pending.iter().map(|&(_, _, b)| b).sum();
             let worst_head = ring.published() + in_flight;
-            if space::fits(worst_head, ring.released(), bound, cap) {
+            let released = ring.released();
+            if space::fits(worst_head, released, bound, cap) {
+                self.refresh_snapshot = stale_snapshot && !space::fits(worst_head, ring.tail_snap(), bound, cap);
                 if marker_recorded {
                     // It had to wait (the marker is recorded on the first miss).
                     self.last_wait = started.elapsed();

@@ -402,8 +402,16 @@ impl DeviceCapture {
         let bound = graph_step_bound(self.controls.mirrors(), rows, requests);
         let n = self.graph.admitted + 1;
         let step = || format!("graph-begun step {n} (of {rows} rows)");
-        let admitted = self.admission.admit(&self.ring, step, bound, StepKind::Graph, self.graph.admitted, stream)?;
+        let index = self.graph.admitted;
+        let stale = self.options.defer;
+        let admitted = self.admission.admit(&self.ring, step, bound, StepKind::Graph, index, stale, stream)?;
         registry.stall().waited(self.admission.last_wait);
+        if self.admission.refresh_snapshot {
+            let addrs = self.ring.addrs();
+            // SAFETY: the state and host blocks live as long as `self`; every capture of this ring runs on `stream`
+            // (checked by the caller), in order with this launch.
+            unsafe { self.kernels.refresh_tail_snap(stream, addrs.state, addrs.host) }?;
+        }
         let late = match admitted {
             Admitted::Room => None,
             Admitted::Late(e) => Some(e),
@@ -451,7 +459,7 @@ impl DeviceCapture {
             let bound = step_bound(self.controls.mirrors(), batch);
             let index = self.slots.next_index();
             let step = || format!("step {}", batch.step());
-            let admitted = self.admission.admit(&self.ring, step, bound, StepKind::Host, index, &stream)?;
+            let admitted = self.admission.admit(&self.ring, step, bound, StepKind::Host, index, false, &stream)?;
             registry.stall().waited(self.admission.last_wait);
             if let Admitted::Late(e) = admitted {
                 flags |= desc::DEADLINE;

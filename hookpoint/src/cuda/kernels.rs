@@ -142,6 +142,7 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("HS_PROGRESS", n(host::PROGRESS), Int),
         ("HS_ERRORS", n(host::ERRORS), Int),
         ("HS_GRAPH_BEGUN", n(host::GRAPH_BEGUN), Int),
+        ("HS_TAIL_SNAP", n(host::TAIL_SNAP), Int),
         ("ERR_CONCURRENT_PRODUCERS", errors::CONCURRENT_PRODUCERS as u64, U32),
         ("ERR_FULL_MODE_OVERRUN", errors::FULL_MODE_OVERRUN as u64, U32),
         // The record format (ringscope_ring::record).
@@ -519,6 +520,7 @@ pub(super) struct Kernels {
     capture: Function,
     begin: Function,
     begin_graph: Function,
+    refresh_tail: Function,
     capture_many: Function,
     probe: Function,
     probe_many: Function,
@@ -554,6 +556,7 @@ impl Kernels {
             capture: module.function("ringscope_capture")?,
             begin: module.function("ringscope_begin_step")?,
             begin_graph: module.function("ringscope_begin_step_graph")?,
+            refresh_tail: module.function("ringscope_refresh_tail_snap")?,
             capture_many: module.function("ringscope_capture_many")?,
             probe: module.function("ringscope_probe_scores")?,
             probe_many: module.function("ringscope_probe_scores_many")?,
@@ -745,6 +748,22 @@ impl Kernels {
         unsafe { self.begin_graph.launch(1, THREADS, stream, &mut params) }
     }
 
+    /// Launches `ringscope_refresh_tail_snap(state, host)` with one thread.
+    ///
+    /// # Safety
+    /// `state` and `host` are a ring's state block and its mapped host block, alive until the kernel has run; no
+    /// capture kernel of the ring runs concurrently (captures and this launch share one stream).
+    pub(super) unsafe fn refresh_tail_snap(
+        &self,
+        stream: &StreamRef,
+        mut state: u64,
+        mut host: u64,
+    ) -> Result<(), CudaError> {
+        let mut params: [*mut c_void; 2] = [(&mut state as *mut u64).cast(), (&mut host as *mut u64).cast()];
+        // SAFETY: the parameter list matches `ringscope_refresh_tail_snap`; the addresses are valid per the caller.
+        unsafe { self.refresh_tail.launch(1, 1, stream, &mut params) }
+    }
+
     /// Launches `ringscope_fill_pattern(u32* dst, u64 words, u64 seed)` with `grid` blocks.
     ///
     /// # Safety
@@ -810,6 +829,7 @@ mod tests {
         expect("HS_PROGRESS", host::PROGRESS as u64, "");
         expect("HS_ERRORS", host::ERRORS as u64, "");
         expect("HS_GRAPH_BEGUN", host::GRAPH_BEGUN as u64, "");
+        expect("HS_TAIL_SNAP", host::TAIL_SNAP as u64, "");
         expect("ERR_CONCURRENT_PRODUCERS", errors::CONCURRENT_PRODUCERS as u64, "u");
         expect("ERR_FULL_MODE_OVERRUN", errors::FULL_MODE_OVERRUN as u64, "u");
         expect("RECORD_ALIGN_MASK", RECORD_ALIGN as u64 - 1, "ull");

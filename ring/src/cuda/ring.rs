@@ -76,6 +76,9 @@ pub mod host {
     /// `u64`: steps begun inside a graph that have started on the device (every capture issued before the latest
     /// of them has run).
     pub const GRAPH_BEGUN: usize = 192;
+    /// `u64`: a lower bound of the device's tail snapshot ([`state::TAIL_SNAP`], the drain position the next capture
+    /// kernel decides on), mirrored by kernels that refresh it.
+    pub const TAIL_SNAP: usize = 200;
     /// Size of the block.
     pub const BYTES: usize = 256;
 }
@@ -207,6 +210,12 @@ impl DeviceRing {
     /// Steps begun inside a graph that have started on the device.
     pub fn graph_begun(&self) -> u64 {
         self.host.u64_at(host::GRAPH_BEGUN).load(Ordering::Acquire)
+    }
+
+    /// A lower bound of the drain position the next capture kernel decides on (kernels mirror the tail snapshot
+    /// they refresh here; later refreshes only raise it).
+    pub fn tail_snap(&self) -> u64 {
+        self.host.u64_at(host::TAIL_SNAP).load(Ordering::Acquire)
     }
 
     /// Sets the flags that the graph-begun steps issued on `stream` after this call take (the device state block's
