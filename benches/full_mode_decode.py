@@ -13,8 +13,8 @@ order rotates every round, so drift of the machine falls on all of them alike):
       (it waits only when the drain is behind);
   (full_host) full mode as before: ``begin_step`` from Python before every replay (a host-written descriptor and a
       begin kernel per step), one capture kernel per layer;
-  (best_effort) the step begun inside the graph, deferred captures, no host call per replay;
-  (admit_only) diagnostic: the plain graph with ``admit_graph_step`` before each replay (no captures).
+  (best_effort) the step begun inside the graph, deferred captures, no host call per replay.
+First, the host time of one ``admit_graph_step`` call and of its parts (``admit_cost_us``).
 Per batch size: per-step time synchronised every step (median, p99) and pipelined (many steps, one sync); for each
 ringscope variant the session's totals (rows produced / exported / dropped, full-mode waits). Then prefill (8 × 512
 tokens, eager) plain vs full mode into Parquet and into Arrow IPC.
@@ -93,9 +93,6 @@ def run_batch(model, batch, steps, rounds, root, results):
     finally:
         att3.detach()
 
-    s = sessions["admit_only"] = session(root, f"b{batch}_admit_only", "full", export=None, capacity="64 MiB")
-    s.register("unused", dtype="bf16", row_width=model.config.hidden_size)
-    variants["admit_only"] = replay(Decoder(model, batch, max_len), before=lambda: s.admit_graph_step(batch))
     variants["a3"] = replay(Decoder(model, batch, max_len))
 
     row = interleaved(variants, steps, rounds)
@@ -158,6 +155,37 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
     print(json.dumps({f"prefill_{batch}x{tokens}": row}, indent=1), flush=True)
 
 
+def admit_cost(results, n=20000):
+    """Host time of one ``admit_graph_step`` and its parts (the GPU idle, room at once), µs per call."""
+    import ctypes
+    s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "4 GiB"},
+                           "policy": {"mode": "full", "full_deadline_ms": 20000}})
+    s.register("h", dtype="bf16", row_width=2048)
+    stream = torch.cuda.current_stream().cuda_stream
+    lib = ringscope._load()
+    h = s._h
+
+    def per_call(f):
+        f()
+        t = time.perf_counter()
+        for _ in range(n):
+            f()
+        return (time.perf_counter() - t) / n * 1e6
+    row = {
+        "ctypes_noop_rs_abi_version": per_call(lib.rs_abi_version),
+        "torch_current_stream": per_call(lambda: torch.cuda.current_stream().cuda_stream),
+        "rs_admit_graph_step_raw": per_call(lambda: lib.rs_admit_graph_step(h, 8, stream)),
+        "admit_graph_step_explicit_stream": per_call(lambda: s.admit_graph_step(8, stream=stream)),
+        "admit_graph_step_default": per_call(lambda: s.admit_graph_step(8)),
+        "default_stream_lookup": per_call(ringscope._current_stream),
+    }
+    stats = s.stats_all()
+    row["stalls"] = stats["stalls"]
+    s.close()
+    results["admit_cost_us"] = row
+    print(json.dumps({"admit_cost_us": row}, indent=1), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="full_mode_decode.json")
@@ -169,6 +197,7 @@ def main():
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
+    admit_cost(results)
     model = build_model(args.layers)
     for b in map(int, args.batches.split(",")):
         run_batch(model, b, args.steps, args.rounds, args.dir, results)

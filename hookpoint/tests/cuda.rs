@@ -680,7 +680,8 @@ fn full_mode_graph_begun_steps_lose_nothing_with(defer: bool) {
     let src = DeviceBuffer::zeroed(&gpu, 2 * 4 * 4096).unwrap();
     let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
     let pos = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
-    let gb = GraphBatch { batch: BATCH, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let gb =
+        GraphBatch { batch: BATCH, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
     let step_body = |cap: &mut DeviceCapture| -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
         for (k, hp) in hps.iter().enumerate() {

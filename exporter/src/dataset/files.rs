@@ -118,8 +118,7 @@ impl<F: FileFormat> FileSink<F> {
     pub fn create(format: F, options: DatasetOptions) -> Result<(Self, CommittedFiles), SinkError> {
         Self::setup(&options).map_err(Self::error)?;
         let committed = CommittedFiles::default();
-        let sink =
-            FileSink {
+        let sink = FileSink {
             format,
             options,
             partitions: HashMap::new(),

@@ -494,6 +494,18 @@ def _probes_lib():
     return lib
 
 
+def _current_stream() -> int:
+    """torch's current CUDA stream on the current device, as a ``CUstream``: through the raw-stream call torch's own
+    compiler uses where it exists (a fraction of a microsecond, where building a ``torch.cuda.Stream`` takes
+    several — this is called before every graph replay in full mode)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(torch.cuda.current_device())
+    return torch.cuda.current_stream().cuda_stream
+
+
 def _check(status: int) -> None:
     if status != 0:
         msg = _load().rs_last_error().decode("utf-8", "replace")
@@ -710,10 +722,7 @@ class Session:
             raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates rs_admit_graph_step (C ABI 7): rebuild "
                                                   "it with `cargo build --release -p ringscope-ffi`")
         n = 0 if rows is None else _u32("admit_graph_step: rows", rows, 1)
-        if stream is None:
-            import torch
-            stream = torch.cuda.current_stream().cuda_stream
-        _check(lib.rs_admit_graph_step(self._h, n, _u64("stream", stream)))
+        _check(lib.rs_admit_graph_step(self._h, n, _u64("stream", _current_stream() if stream is None else stream)))
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """CUDA backend: uploads control changes (enable, every-N, rows) on ``stream`` (default: torch's current

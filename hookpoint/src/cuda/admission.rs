@@ -81,6 +81,52 @@ pub(super) enum StepKind {
     Graph,
 }
 
+/// Reservations of admitted steps whose captures may not have run yet, per kind in begin order, and their sum: each
+/// admission retires and sums in constant time (amortised), however far the host runs ahead.
+#[derive(Debug, Default)]
+struct Pending {
+    /// (begin index, worst-case bytes) of host-begun steps.
+    host: VecDeque<(u64, u64)>,
+    /// The same of graph-begun steps.
+    graph: VecDeque<(u64, u64)>,
+    /// Their bytes in all.
+    bytes: u64,
+}
+
+impl Pending {
+    fn push(&mut self, kind: StepKind, index: u64, bound: u64) {
+        match kind {
+            StepKind::Host => self.host.push_back((index, bound)),
+            StepKind::Graph => self.graph.push_back((index, bound)),
+        }
+        self.bytes += bound;
+    }
+
+    /// Retires the reservations of steps whose next step of the same kind began on the device (`progress` host-begun
+    /// steps, `graph_begun` graph-begun steps have begun).
+    fn retire(&mut self, progress: u64, graph_begun: u64) {
+        for (queue, begun) in [(&mut self.host, progress), (&mut self.graph, graph_begun)] {
+            while let Some(&(index, bound)) = queue.front() {
+                if index + 1 >= begun {
+                    break;
+                }
+                queue.pop_front();
+                self.bytes -= bound;
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.host.is_empty() && self.graph.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.host.clear();
+        self.graph.clear();
+        self.bytes = 0;
+    }
+}
+
 /// What admission decided for a step.
 #[derive(Debug)]
 pub(super) enum Admitted {
@@ -97,7 +143,7 @@ pub(super) struct Admission {
     deadline: Option<Duration>,
     /// (kind, begin index among steps of that kind, worst-case bytes) of admitted steps whose captures may not have
     /// run yet.
-    pending: VecDeque<(StepKind, u64, u64)>,
+    pending: Pending,
     /// Recorded on the engine's stream when a step must wait, to learn when every earlier step's captures have run
     /// (their reservations can then be retired).
     marker: Event,
@@ -117,7 +163,7 @@ impl Admission {
     pub(super) fn new(gpu: &Arc<Gpu>, deadline: Option<Duration>) -> Result<Admission, DeviceCaptureError> {
         Ok(Admission {
             deadline,
-            pending: VecDeque::new(),
+            pending: Pending::default(),
             marker: Event::new(gpu, false)?,
             last_wait: Duration::ZERO,
             last_index: 0,
@@ -172,11 +218,8 @@ impl Admission {
         let mut marker_recorded = false;
         self.last_wait = Duration::ZERO;
         loop {
-            let (progress, graph_begun) = (ring.progress(), ring.graph_begun());
             // A step's reservation retires once the next step of its kind began on the device.
-            self.pending.retain(|&(kind, index, _)| {
-                index + 1 >= if kind == StepKind::Host { progress } else { graph_begun }
-            });
+            self.pending.retire(ring.progress(), ring.graph_begun());
             if marker_recorded && !self.pending.is_empty() && self.marker.query()? {
                 // Everything issued before this begin_step has run: no earlier step can still write, and the
                 // device's count of graph-begun steps is final for them.
@@ -185,7 +228,7 @@ impl Admission {
                     index = ring.graph_begun();
                 }
             }
-            let in_flight: u64 = self.pending.iter().map(|&(_, _, b)| b).sum();
+            let in_flight = self.pending.bytes;
             let worst_head = ring.published() + in_flight;
             let released = ring.released();
             if space::fits(worst_head, released, bound, cap) {
@@ -212,7 +255,7 @@ impl Admission {
             let wait = Instant::now() + Duration::from_micros(200);
             ring.wait_released(worst_head + bound - cap, wait.min(until))?;
         }
-        self.pending.push_back((kind, index, bound));
+        self.pending.push(kind, index, bound);
         self.last_index = index;
         Ok(Admitted::Room)
     }
@@ -221,6 +264,27 @@ impl Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reservations_retire_per_kind_once_the_next_step_of_that_kind_began() {
+        let mut p = Pending::default();
+        p.push(StepKind::Host, 0, 100);
+        p.push(StepKind::Graph, 0, 10);
+        p.push(StepKind::Graph, 1, 20);
+        p.push(StepKind::Host, 1, 200);
+        assert_eq!(p.bytes, 330);
+        // Host step 0's begin kernel ran (progress 1): step 0 may still be capturing.
+        p.retire(1, 0);
+        assert_eq!(p.bytes, 330);
+        // Host step 1 began: step 0 is done. Graph step 1 began: graph step 0 is done.
+        p.retire(2, 2);
+        assert_eq!((p.bytes, p.host.len(), p.graph.len()), (220, 1, 1));
+        p.retire(u64::MAX, u64::MAX);
+        assert!(p.is_empty() && p.bytes == 0);
+        p.push(StepKind::Graph, 7, 5);
+        p.clear();
+        assert!(p.is_empty() && p.bytes == 0);
+    }
 
     #[test]
     fn footprints_match_the_host_encoder() {

@@ -230,7 +230,9 @@ impl DeviceRing {
         }
         // SAFETY: the source word is never written after `new` and lives as long as the ring (and so as long as
         // any copy issued from it can be pending); the destination is the state block's flags word.
-        unsafe { self.state.copy_from_pinned_async(state::GRAPH_FLAGS, &self.flag_values, flags as usize * 8, 8, stream) }
+        unsafe {
+            self.state.copy_from_pinned_async(state::GRAPH_FLAGS, &self.flag_values, flags as usize * 8, 8, stream)
+        }
     }
 
     /// Error bits set by kernels ([`errors`]).
