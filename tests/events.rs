@@ -75,7 +75,10 @@ fn every_drop_is_in_the_events_table_as_it_happens_and_its_rows_lost_equal_the_a
     text += &ringscope::synthetic::residual_hookpoints_toml(cfg.layers, cfg.hidden);
     let gate = Arc::new(parking_lot::Mutex::new(()));
     let g = gate.clone();
+    let entered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let e = entered.clone();
     let stalled = CallbackSink::new("stalled", move |_: &Record| {
+        e.store(true, Ordering::Release);
         drop(g.lock());
         Ok(())
     });
@@ -106,6 +109,15 @@ fn every_drop_is_in_the_events_table_as_it_happens_and_its_rows_lost_equal_the_a
             session.capture(layer, &buf).unwrap();
         }
         session.end_step().unwrap();
+        if i == 0 {
+            // The stalled sink holds its first record, lent by the ring, before the ring is under pressure (a record
+            // still queued then would be moved to host memory, and hold nothing).
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !entered.load(Ordering::Acquire) {
+                assert!(Instant::now() < deadline, "the stalled sink never took a record");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
     drop(held);
     let report = session.shutdown().unwrap();
