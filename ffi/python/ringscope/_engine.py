@@ -203,7 +203,8 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
         if ring["backend"] != "cuda" or policy["mode"] != "best_effort":
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"{pc.source}: the model is on a CUDA device, where the engine replays CUDA graphs "
-                                 f"that begin their steps on the device: this needs ring.backend = \"cuda\" and "
+                                 f"that begin their steps on the device (the plugin does not admit each replay for "
+                                 f"full mode yet): this needs ring.backend = \"cuda\" and "
                                  f"policy.mode = \"best_effort\" (got ring.backend = {ring['backend']!r}, "
                                  f"policy.mode = {policy['mode']!r}; leave them out to get these)")
         if max_rows:
