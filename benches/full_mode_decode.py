@@ -17,7 +17,8 @@ order rotates every round, so drift of the machine falls on all of them alike):
 First, the host time of one ``admit_graph_step`` call and of its parts (``admit_cost_us``).
 Per batch size: per-step time synchronised every step (median, p99) and pipelined (many steps, one sync); for each
 ringscope variant the session's totals (rows produced / exported / dropped, full-mode waits). Then prefill (8 × 512
-tokens, eager) plain vs full mode into Parquet and into Arrow IPC.
+tokens, eager) plain vs full mode with no sink, into Parquet and into Arrow IPC, and best-effort into Arrow IPC
+(``--only-prefill`` for that part alone).
 """
 import argparse
 import json
@@ -121,9 +122,11 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
 
-    variants = {"plain": None}
+    variants = {"plain": None, "full_no_sink": session(root, "prefill_none", "full", export=None, capacity="8 GiB")}
     for fmt in ("parquet", "arrow_ipc"):
         variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
+    variants["best_effort_arrow_ipc"] = session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
+                                                capacity="8 GiB")
     out = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
@@ -194,16 +197,19 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prefill-rounds", type=int, default=3)
+    ap.add_argument("--only-prefill", action="store_true")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
-    admit_cost(results)
+    if not args.only_prefill:
+        admit_cost(results)
     model = build_model(args.layers)
-    for b in map(int, args.batches.split(",")):
+    for b in ([] if args.only_prefill else map(int, args.batches.split(","))):
         run_batch(model, b, args.steps, args.rounds, args.dir, results)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    prefill(model, args.dir, results)
+    prefill(model, args.dir, results, rounds=args.prefill_rounds)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     shutil.rmtree(args.dir, ignore_errors=True)
