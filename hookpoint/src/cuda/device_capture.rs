@@ -100,13 +100,13 @@ pub struct DeviceCapture {
 struct GraphAdmission {
     /// Graph-begun steps admitted so far (the device counts those that began: `DeviceRing::graph_begun`).
     admitted: u64,
-    /// The largest graph-begun step recorded so far: (rows, requests).
+    /// The most rows and the most requests of the graph-begun steps recorded so far.
     largest: Option<(u32, u32)>,
     /// The device's graph step flags are `DEADLINE` (the last admission found no room in time).
     late: bool,
     /// `admit_graph_step` admitted a step that an eager `begin_step_graph` has not taken yet (a replay takes it
     /// without telling the host; the next admission replaces it).
-    token: Option<Option<DeviceCaptureError>>,
+    admitted_ahead: bool,
 }
 
 impl DeviceCapture {
@@ -297,14 +297,13 @@ impl DeviceCapture {
         if self.admission.full_mode() {
             if self.gpu.is_capturing(&stream)? {
                 // Recorded: every replay is admitted by `admit_graph_step`, which bounds it by the largest recorded.
-                let shape = (batch.batch * batch.seq, batch.batch);
-                self.graph.largest = Some(self.graph.largest.map_or(shape, |l| l.max(shape)));
-            } else {
-                // Eager: the admission made for it, or its own.
-                late = match self.graph.token.take() {
-                    Some(late) => late,
-                    None => self.admit_graph(rows, batch.batch as u64, registry, &stream)?,
-                };
+                // Rows and requests each at their largest (one graph may have more rows, another more requests).
+                let (r, q) = self.graph.largest.unwrap_or((0, 0));
+                self.graph.largest = Some((r.max(batch.batch * batch.seq), q.max(batch.batch)));
+            } else if !std::mem::take(&mut self.graph.admitted_ahead) {
+                // Eager, and not admitted by `admit_graph_step` (which already returned its deadline, if any): its
+                // own admission.
+                late = self.admit_graph(rows, batch.batch as u64, registry, &stream)?;
             }
         }
         if !self.options.defer {
@@ -377,12 +376,7 @@ impl DeviceCapture {
         self.controls.sync(registry, &stream)?;
         let late = self.admit_graph(rows as u64, requests as u64, registry, &stream)?;
         // For an eager `begin_step_graph` that may follow (a replay takes it without a host call).
-        self.graph.token = Some(match &late {
-            Some(DeviceCaptureError::Deadline { step, needed, waited_ms }) => {
-                Some(DeviceCaptureError::Deadline { step: step.clone(), needed: *needed, waited_ms: *waited_ms })
-            }
-            _ => None,
-        });
+        self.graph.admitted_ahead = true;
         match late {
             Some(e) => Err(e),
             None => Ok(()),
