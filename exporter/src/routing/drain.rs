@@ -537,29 +537,15 @@ fn run_sink(
             }
             Received::Timeout => {
                 busy = false;
-                if let Some(sink) = live.as_mut() {
-                    if let Err(e) = guarded(&report.name, || sink.idle()) {
-                        let others_write = failed(&e, &mut report, &writing, &backlog, &health);
-                        close_sink(live.take().expect("live"), &mut report);
-                        if others_write {
-                            break;
-                        }
-                    }
+                if call_between_records(&mut live, &mut report, &writing, &backlog, &health, |s| s.idle()) {
+                    break;
                 }
                 continue;
             }
             Received::Commit(n) => {
                 committed = n;
-                if let Some(sink) = live.as_mut() {
-                    if let Err(e) = guarded(&report.name, || sink.commit()) {
-                        // As a failed write (below), with no record of its own to fail: the files it could not
-                        // commit failed their records' receipts.
-                        let others_write = failed(&e, &mut report, &writing, &backlog, &health);
-                        close_sink(live.take().expect("live"), &mut report);
-                        if others_write {
-                            break;
-                        }
-                    }
+                if call_between_records(&mut live, &mut report, &writing, &backlog, &health, |s| s.commit()) {
+                    break;
                 }
                 seat.committed.store(n, Ordering::Release);
                 continue;
@@ -608,7 +594,25 @@ fn run_sink(
     report
 }
 
-/// Runs `call` (a sink's `write` or `commit`), turning a panic into an error of the sink `name`.
+/// Runs `call` (a sink's `commit` or `idle`) on the live sink between records. When it fails, the sink fails as on a
+/// failed write, with no record of its own to fail (what it held failed its records' receipts), and is closed.
+/// Returns whether the worker should leave: others of its pool still write, and the queue is theirs.
+fn call_between_records(
+    live: &mut Option<Box<dyn Sink>>,
+    report: &mut SinkReport,
+    writing: &AtomicUsize,
+    backlog: &Backlog,
+    health: &SinkHealth,
+    call: impl FnOnce(&mut dyn Sink) -> Result<(), SinkError>,
+) -> bool {
+    let Some(sink) = live.as_mut() else { return false };
+    let Err(e) = guarded(&report.name, || call(sink.as_mut())) else { return false };
+    let others_write = failed(&e, report, writing, backlog, health);
+    close_sink(live.take().expect("live"), report);
+    others_write
+}
+
+/// Runs `call` (a sink's `write`, `commit` or `idle`), turning a panic into an error of the sink `name`.
 fn guarded(name: &str, call: impl FnOnce() -> Result<(), SinkError>) -> Result<(), SinkError> {
     catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|p| {
         Err(SinkError::Panicked { sink: name.to_owned(), message: panic_message(&*p), on_close: false })
