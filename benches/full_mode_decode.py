@@ -27,11 +27,10 @@ import shutil
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import DEV, Decoder, build_model, interleaved, time_steps  # noqa: E402
+from hf_overhead import DEV, Decoder, build_model, host_begun_replay, interleaved  # noqa: E402
 
 import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
@@ -71,21 +70,7 @@ def run_batch(model, batch, steps, rounds, root, results):
     variants["a2"] = replay(Decoder(model, batch, max_len))
 
     s = sessions["full_host"] = session(root, f"b{batch}_full_host", "full", defer=False)
-    att2 = rt.attach(model, s, sites=["residual"])
-    req = np.arange(batch, dtype=np.uint64)
-    stream = torch.cuda.current_stream().cuda_stream
-    try:
-        begin = lambda dec: att2.begin_step(req, np.full(batch, dec.pos, dtype=np.uint32), stream=stream)
-        d2 = Decoder(model, batch, max_len, before_record=begin, after_record=lambda dec: att2.end_step())
-    finally:
-        att2.detach()
-
-    def step_full_host():
-        att2.begin_step(req, np.full(batch, d2.pos, dtype=np.uint32), stream=stream)
-        d2.graph.replay()
-        att2.end_step()
-        d2.advance()
-    variants["full_host"] = step_full_host
+    variants["full_host"] = host_begun_replay(model, s, batch, max_len)
 
     s = sessions["best_effort"] = session(root, f"b{batch}_best_effort", "best_effort")
     att3 = rt.attach(model, s, sites=["residual"])
@@ -160,7 +145,6 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
 
 def admit_cost(results, n=20000):
     """Host time of one ``admit_graph_step`` and its parts (the GPU idle, room at once), µs per call."""
-    import ctypes
     s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "4 GiB"},
                            "policy": {"mode": "full", "full_deadline_ms": 20000}})
     s.register("h", dtype="bf16", row_width=2048)

@@ -132,6 +132,27 @@ def replay(d):
     return step
 
 
+def host_begun_replay(model, session, batch, max_len):
+    """A decode step recorded inside a step begun by hand, and a step function that begins the step from Python
+    (``begin_step``: batch rows as request ids, the decoder's position), replays it and ends it — the full-mode design
+    before graph-begun steps could be admitted."""
+    att = rt.attach(model, session, sites=["residual"])
+    req = np.arange(batch, dtype=np.uint64)
+    stream = torch.cuda.current_stream().cuda_stream
+    begin = lambda dec: att.begin_step(req, np.full(batch, dec.pos, dtype=np.uint32), stream=stream)
+    try:
+        d = Decoder(model, batch, max_len, before_record=begin, after_record=lambda dec: att.end_step())
+    finally:
+        att.detach()
+
+    def step():
+        begin(d)
+        d.graph.replay()
+        att.end_step()
+        d.advance()
+    return step
+
+
 def cuda_session(**ring):
     mode = ring.pop("mode", "best_effort")
     policy = {"mode": mode, "full_deadline_ms": 20000} if mode == "full" else {"mode": mode}
@@ -159,21 +180,9 @@ def run_batch(model, batch, steps, rounds, results):
 
     # (b2) the first design: full mode, begin_step from Python before each replay, one capture kernel per layer.
     sessions["b2_host_step_full"] = cuda_session(capacity="1 GiB", mode="full")
-    att2 = rt.attach(model, sessions["b2_host_step_full"], sites=["residual"])
+    variants["b2_host_step_full"] = host_begun_replay(model, sessions["b2_host_step_full"], batch, max_len)
     req = np.arange(batch, dtype=np.uint64)
     stream = torch.cuda.current_stream().cuda_stream
-    try:
-        begin = lambda dec: att2.begin_step(req, np.full(batch, dec.pos, dtype=np.uint32), stream=stream)
-        d2 = Decoder(model, batch, max_len, before_record=begin, after_record=lambda dec: att2.end_step())
-    finally:
-        att2.detach()
-
-    def step_b2():
-        att2.begin_step(req, np.full(batch, d2.pos, dtype=np.uint32), stream=stream)
-        d2.graph.replay()
-        att2.end_step()
-        d2.advance()
-    variants["b2_host_step_full"] = step_b2
 
     # (b0) diagnostic: b2's per-step host calls around the plain graph, no captures in it.
     s0 = sessions["b0_begin_step_only"] = cuda_session(capacity="64 MiB", mode="full")
