@@ -184,7 +184,11 @@ fn bad_input_gets_the_documented_status_and_a_message() {
         }
         // SAFETY: a null totals pointer is allowed.
         assert_eq!(unsafe { rs_session_close(h, std::ptr::null_mut()) }, RsStatus::RsOk);
+        // SAFETY: stream 0 is always valid.
+        assert_eq!(unsafe { rs_admit_graph_step(h, 0, 0) }, RsStatus::RsErrClosed, "{mode}: closed");
     }
+    // SAFETY: stream 0 is always valid; the handle was never issued.
+    assert_eq!(unsafe { rs_admit_graph_step(0xDEAD_BEEF, 0, 0) }, RsStatus::RsErrInvalidHandle);
     // Registration and controls.
     let (nm, site, bad_dt) = (c("h"), c("residual"), c("complex128"));
     let mut out = 0u32;
