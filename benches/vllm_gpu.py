@@ -104,13 +104,18 @@ def engine_facts(llm) -> dict:
 
 # -- correctness -------------------------------------------------------------------------------------------------
 
-def run_correct(out: str, family: str, dtype: str, result: dict) -> None:
+def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
     model_dir = os.path.join(out, "model")
     make_checkpoint(model_dir, family)
     result["dtype"] = dtype
+    result["mode"] = "full" if full else "best_effort"
+    # Full mode with a ring far smaller than the run's rows (~21k rows x 12 hookpoints x 512 B = 130 MiB): every
+    # forward pass admitted, waiting for the drain when the ring is full, and still no row lost.
+    policy = '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n' if full else ""
+    ring = "16 MiB" if full else "256 MiB"
     extra = {}
     if dtype == "f32" and torch.cuda.is_available():
         extra["attention_backend"] = "TRITON_ATTN"  # FlashAttention has no float32
@@ -119,8 +124,8 @@ def run_correct(out: str, family: str, dtype: str, result: dict) -> None:
 parquet = true
 dir = "{out}/dump"
 run_id = "run"
-[ring]
-capacity = "256 MiB"
+{policy}[ring]
+capacity = "{ring}"
 [vllm]
 sites = ["residual", "attention_output", "mlp_output"]
 layers = "all"
@@ -246,6 +251,10 @@ def check_correct(out: str, result: dict) -> dict:
 BENCH_CONFIGS = {
     "plain": None,
     "resid": '[vllm]\nsites = ["residual"]\n',
+    # Full (lossless) mode: the plugin admits every forward pass (Session.admit_graph_step); 8 Parquet sink threads
+    # (what benches/full_mode_decode.py uses for Hugging Face), and a wait budget long enough that a prefill of 1 GiB
+    # of residuals waits for the drain instead of being degraded.
+    "full_resid": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
     "probes16": None,  # written by bench_config (weights files)
     "eager_hooks": None,
@@ -254,7 +263,9 @@ BENCH_CONFIGS = {
 
 def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
-    if kind in ("resid", "resid_attn_mlp"):
+    if kind == "full_resid":
+        head = head.replace("[ring]", "threads = 8\n[ring]")
+    if kind in ("resid", "full_resid", "resid_attn_mlp"):
         return head + BENCH_CONFIGS[kind]
     if kind == "probes16":
         import numpy as np
@@ -273,18 +284,46 @@ def bench_config(out: str, kind: str) -> "str | None":
     return None
 
 
-def decode_step_ms(llm, batch: int) -> list:
+def step_clock(llm) -> list:
+    """The start time of every ``execute_model`` call of the engine's model runner from now on (the list returned):
+    in a decode-only stretch the time between two starts is one whole engine step — scheduling, the forward pass,
+    sampling and output processing — so each decode step is timed on its own (median and p99), not only a
+    generate call's average."""
+    runner = runner_of(llm)
+    starts = getattr(runner, "_bench_starts", None)
+    if starts is None:
+        starts = runner._bench_starts = []
+        inner = runner.execute_model
+
+        def timed(*args, **kwargs):
+            starts.append(time.perf_counter())
+            return inner(*args, **kwargs)
+        runner.execute_model = timed  # the instance's attribute: what the worker calls
+    return starts
+
+
+def decode_step_ms(llm, batch: int) -> dict:
+    """B requests decoding together: ``avg`` = (time of 160 new tokens - time of 32) / 128 per generate call (ms,
+    ``REPS`` values), ``steps`` = every decode step of the 160-token calls timed on its own (ms; the first 8 steps
+    of each call, the prefill and the batch filling up, left out)."""
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [(31 * b + 7 * i) % 30000 + 10 for i in range(16)]} for b in range(batch)]
+    starts = step_clock(llm)
+    steps = []
 
     def t(n):
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        starts.clear()
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        if n == 160:
+            steps.extend((b - a) * 1e3 for a, b in zip(starts[8:], starts[9:]))
+        return dt
     t(8)  # warm
-    return [(t(160) - t(32)) / 128 * 1e3 for _ in range(REPS)]
+    avg = [(t(160) - t(32)) / 128 * 1e3 for _ in range(REPS)]
+    return {"avg": avg, "steps": steps}
 
 
 def prefill_s(llm) -> list:
@@ -341,10 +380,14 @@ def run_bench(out: str, kind: str, result: dict) -> None:
         return sum(cap.session.stats(h)["dropped_rows"] for h in cap.hookpoints.values())
 
     # Each phase's drops on their own (the goal is zero at batch 1 and 8).
-    result["decode_ms"], result["dropped_rows"] = {}, {}
+    result["decode_ms"], result["step_ms"], result["dropped_rows"] = {}, {}, {}
     for b in BATCHES:
         before = dropped_rows()
-        result["decode_ms"][b] = decode_step_ms(llm, b)
+        d = decode_step_ms(llm, b)
+        result["decode_ms"][b] = d["avg"]
+        xs = sorted(d["steps"])
+        result["step_ms"][b] = {"p50": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+                                "mean": statistics.fmean(xs), "n": len(xs), "all": [round(x, 4) for x in d["steps"]]}
         result["dropped_rows"][f"decode B={b}"] = dropped_rows() - before
     before = dropped_rows()
     result["prefill_s"] = prefill_s(llm)
@@ -364,7 +407,8 @@ def child(out: str, what: str) -> None:
     try:
         if what.startswith("correct-"):
             parts = what.split("#")[0].split("-")
-            run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result)
+            run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
+                        full=len(parts) > 3 and parts[3] == "full")
         else:
             run_bench(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
     except Exception as e:
@@ -389,6 +433,10 @@ def run_child(root: str, what: str, timeout: int = 900) -> dict:
         res = {"error": f"no result (exit {p.returncode})"}
     res["seconds"] = time.time() - t0
     res["out"] = out
+    if what.startswith("bench-"):
+        import shutil
+
+        shutil.rmtree(os.path.join(out, "dump"), ignore_errors=True)  # gigabytes of rows nobody reads
     if res.get("error"):
         print(f"== {what}: ERROR {res['error']}\n{res.get('traceback', '')[-3000:]}", flush=True)
         print(open(os.path.join(out, "engine.log")).read()[-4000:], flush=True)
@@ -404,8 +452,11 @@ def main(cmd: str, root: str) -> None:
     correct = ["correct-llama", "correct-qwen2", "correct-llama-f32", "correct-llama#2"]
     bench = ["bench-plain#1", "bench-resid", "bench-plain#2", "bench-resid_attn_mlp", "bench-probes16",
              "bench-plain#3", "bench-eager_hooks"]
+    # Full mode (issue 36): correctness with a small ring, then plain and full interleaved, three recordings each.
+    full = ["correct-llama-bf16-full", "bench-plain#1", "bench-full_resid#1", "bench-plain#2", "bench-full_resid#2",
+            "bench-plain#3", "bench-full_resid#3"]
     todo = {"all": correct[:1] + bench[:5] + correct[1:2] + bench[5:] + correct[2:], "correct": correct,
-            "bench": bench}[cmd]
+            "bench": bench, "full": full}[cmd]
     for what in todo:
         if isinstance(report.get(what), dict) and not report[what].get("error"):
             continue
@@ -452,6 +503,28 @@ def summarize(report: dict, quiet: bool = False) -> None:
         cells.append(f"prefill {pm:.3f} s ({(pm / pbase - 1) * 100:+.1f}%)")
         cells.append(f"dropped rows {v.get('dropped_rows')}")
         lines.append(f"{k}: " + "; ".join(cells))
+    # Per-step decode times (step_ms): each configuration's p50 and p99 against the median of the plain recordings',
+    # with the plain recordings' own spread (max/min - 1) as the comparison's resolution.
+    plains = [p for p in plains if "step_ms" in p]
+    if plains:
+        def stat(v, b, q):
+            return (v["step_ms"].get(str(b)) or v["step_ms"].get(b))[q]
+        lines.append("decode step timed per step (ms): p50 / p99 (ratio to the plain recordings' median); "
+                     "resolution = plain spread")
+        lines.append("plain spread p50 / p99: " + ", ".join(
+            f"B={b}: {(max(stat(p, b, 'p50') for p in plains) / min(stat(p, b, 'p50') for p in plains) - 1) * 100:.2f}%"
+            f" / {(max(stat(p, b, 'p99') for p in plains) / min(stat(p, b, 'p99') for p in plains) - 1) * 100:.2f}%"
+            for b in BATCHES))
+        for k, v in report.items():
+            if not k.startswith("bench-") or not isinstance(v, dict) or "step_ms" not in v:
+                continue
+            cells = []
+            for b in BATCHES:
+                p50, p99 = stat(v, b, "p50"), stat(v, b, "p99")
+                b50 = statistics.median([stat(p, b, "p50") for p in plains])
+                b99 = statistics.median([stat(p, b, "p99") for p in plains])
+                cells.append(f"B={b}: {p50:.3f} ({(p50 / b50 - 1) * 100:+.2f}%) / {p99:.3f} ({(p99 / b99 - 1) * 100:+.2f}%)")
+            lines.append(f"{k} steps: " + "; ".join(cells))
     report["summary"] = lines
     if not quiet:
         print("\n".join(lines), flush=True)

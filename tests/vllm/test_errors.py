@@ -107,6 +107,30 @@ def test_devices_and_cuda_engine_settings_are_checked_with_clear_errors():
         plugin._check_cuda_engine(runner(spec=object()))
 
 
+def test_full_mode_on_cuda_is_taken_with_admission_and_degrade_by_default():
+    """The vLLM plugin admits every forward pass on CUDA, so full mode is taken there (a pass that finds no room in
+    time is degraded — its captures dropped on the device and counted —, never an error the engine cannot receive);
+    the SGLang plugin does not admit, and full mode stays refused for it; other values are refused by name."""
+    from ringscope import RingscopeError, _engine
+    from ringscope.vllm import parse_config
+
+    planned = [("layers.0.resid", "residual", 0)]
+    cfg = _engine.session_config(parse_config({"policy": {"mode": "full"}}), planned, "bf16", 64, cuda=True,
+                                 max_rows=512, full_on_cuda=True)
+    assert cfg["policy"] == {"mode": "full", "on_deadline": "degrade"}
+    assert cfg["ring"] == {"backend": "cuda", "max_batch_rows": 512}
+    cfg = _engine.session_config(parse_config({"policy": {"mode": "full", "on_deadline": "error"}}), planned, "bf16",
+                                 64, cuda=True, full_on_cuda=True)
+    assert cfg["policy"]["on_deadline"] == "error"  # the user's choice is kept
+    cfg = _engine.session_config(parse_config({}), planned, "bf16", 64, cuda=True, full_on_cuda=True)
+    assert cfg["policy"] == {"mode": "best_effort"}  # still the default: full mode waits for the drain
+    with pytest.raises(RingscopeError, match='policy.mode = "best_effort" or "full" .*policy.mode = .lossy.'):
+        _engine.session_config(parse_config({"policy": {"mode": "lossy"}}), planned, "bf16", 64, cuda=True,
+                               full_on_cuda=True)
+    with pytest.raises(RingscopeError, match='does not admit each replay.*policy.mode = "best_effort" \\(got'):
+        _engine.session_config(parse_config({"policy": {"mode": "full"}}), planned, "bf16", 64, cuda=True)
+
+
 
 def test_the_v2_model_runner_is_refused_by_name(monkeypatch, tmp_path):
     """vLLM's V2 model runner (its own load_model and forward path) is not supported: loading a model with it while

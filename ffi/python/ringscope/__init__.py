@@ -494,16 +494,18 @@ def _probes_lib():
     return lib
 
 
-def _current_stream() -> int:
-    """torch's current CUDA stream on the current device, as a ``CUstream``: through the raw-stream call torch's own
-    compiler uses where it exists (a fraction of a microsecond, where building a ``torch.cuda.Stream`` takes
-    several — this is called before every graph replay in full mode)."""
+def _current_stream(device: Optional[int] = None) -> int:
+    """torch's current CUDA stream on ``device`` (an index; default the current device), as a ``CUstream``: through
+    the raw-stream call torch's own compiler uses where it exists (a fraction of a microsecond, where building a
+    ``torch.cuda.Stream`` takes several — this is called before every graph replay in full mode)."""
     import torch
 
+    if device is None:
+        device = torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return raw(torch.cuda.current_device())
-    return torch.cuda.current_stream().cuda_stream
+        return raw(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _check(status: int) -> None:
@@ -729,8 +731,7 @@ class Session:
         stream) for CUDA graphs whose steps begin inside them (:meth:`begin_step_graph`; their replays make no host
         call). Call between replays."""
         if stream is None:
-            import torch
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = _current_stream()
         _check(_load().rs_apply_controls(self._h, _u64("stream", stream)))
 
     def submit_captures(self) -> None:

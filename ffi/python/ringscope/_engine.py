@@ -185,13 +185,16 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
 
 
 def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
-                   max_rows: int = 0) -> dict:
+                   max_rows: int = 0, full_on_cuda: bool = False) -> dict:
     """The session's configuration: the user's, with the planned hookpoints declared (the user's entries for the
     same names are kept after checking their dtype and width). ``cuda``: the model is on a CUDA device, where the
     capture ops are recorded into the engine's CUDA graphs (steps begun on the device, :meth:`Session.begin_step_graph`):
-    ``ring.backend`` defaults to ``"cuda"`` and ``policy.mode`` to ``"best_effort"``, and other values are refused;
-    ``ring.max_batch_rows`` defaults to ``max_rows`` (the most token rows of one forward pass), and a smaller value is
-    refused (a larger pass would switch capture off)."""
+    ``ring.backend`` defaults to ``"cuda"`` and ``policy.mode`` to ``"best_effort"``; ``"full"`` is taken only when the
+    plugin admits every forward pass (``full_on_cuda``: :meth:`EngineCapture._arm` calls
+    :meth:`Session.admit_graph_step`), with ``policy.on_deadline`` defaulting to ``"degrade"`` there (a pass that found
+    no room in time has its captures dropped on the device and counted as ``deadline``; the engine is never stopped);
+    other values are refused. ``ring.max_batch_rows`` defaults to ``max_rows`` (the most token rows of one forward
+    pass), and a smaller value is refused (a larger pass would switch capture off)."""
     cfg = json.loads(json.dumps(pc.session_config))  # deep copy
     if cuda:
         ring = cfg.setdefault("ring", {})
@@ -200,13 +203,18 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
             raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: [ring] and [policy] must be tables")
         ring.setdefault("backend", "cuda")
         policy.setdefault("mode", "best_effort")
-        if ring["backend"] != "cuda" or policy["mode"] != "best_effort":
+        modes = ("best_effort", "full") if full_on_cuda else ("best_effort",)
+        if ring["backend"] != "cuda" or policy["mode"] not in modes:
+            why = "" if full_on_cuda else " (this plugin does not admit each replay for full mode on CUDA yet)"
+            allowed = " or ".join(f'"{m}"' for m in modes)
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"{pc.source}: the model is on a CUDA device, where the engine replays CUDA graphs "
-                                 f"that begin their steps on the device (the plugin does not admit each replay for "
-                                 f"full mode yet): this needs ring.backend = \"cuda\" and "
-                                 f"policy.mode = \"best_effort\" (got ring.backend = {ring['backend']!r}, "
-                                 f"policy.mode = {policy['mode']!r}; leave them out to get these)")
+                                 f"that begin their steps on the device{why}: this needs ring.backend = \"cuda\" and "
+                                 f"policy.mode = {allowed} "
+                                 f"(got ring.backend = {ring['backend']!r}, policy.mode = {policy['mode']!r}; leave "
+                                 f"them out for \"cuda\" and \"best_effort\")")
+        if policy["mode"] == "full":
+            policy.setdefault("on_deadline", "degrade")
         if max_rows:
             ring.setdefault("max_batch_rows", max_rows)
             if not isinstance(ring["max_batch_rows"], int) or ring["max_batch_rows"] < max_rows:
@@ -258,6 +266,8 @@ class EngineCapture:
         # CUDA: the capture ops are recorded into the engine's CUDA graphs (and run eagerly otherwise) with the step
         # begun on the device from the request-id buffer and the model's positions (see session_config).
         self.cuda = cuda
+        # Full mode on CUDA: every forward pass is admitted before it runs (see _arm).
+        self.full = cuda and cfg.get("policy", {}).get("mode") == "full"
         export = cfg.get("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             self.run_dir: Optional[pathlib.Path] = pathlib.Path(export.get("dir", "ringscope-out")) / export["run_id"]
@@ -323,9 +333,19 @@ class EngineCapture:
         self._counters["padding_rows"] += max(padded - n, 0)
         self._grow(padded)
         if self.cuda:
-            # Control changes (the policy manager's, set_enabled, ...) reach the recorded graphs between replays:
-            # a no-op unless one changed.
-            self.session.apply_controls()
+            from . import _current_stream
+
+            stream = _current_stream(self._device.index)
+            if self.full:
+                # Full mode: room in the ring for everything a pass of `padded` rows can capture, reserved before it
+                # runs (a graph replay cannot wait by itself) — a host-side check of two counters when there is room;
+                # past the wait budget the pass's captures are dropped on the device and counted as `deadline`
+                # (policy.on_deadline = "degrade", the plugin's default). Also uploads control changes.
+                self.session.admit_graph_step(rows=padded, stream=stream)
+            else:
+                # Control changes (the policy manager's, set_enabled, ...) reach the recorded graphs between replays:
+                # a no-op unless one changed.
+                self.session.apply_controls(stream=stream)
             self._upload(tok, n)
             # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's
             # step numbers follow self.step; rows of no request are exported as such, not attributed.

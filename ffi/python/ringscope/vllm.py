@@ -66,7 +66,13 @@ are recorded into vLLM's CUDA graphs and replayed with them: ``begin`` begins th
 (:meth:`ringscope.Session.begin_step_graph`) from the request-id buffer, which the plugin refreshes before every
 forward pass on the engine's stream through pinned staging; rows of -1 (a graph's padding, requests not opted in)
 are exported as rows of no request (``NO_REQUEST``), never attributed. The CUDA ring in best-effort mode is the
-default there. vLLM's V2 model runner is refused by name, as are data parallelism and speculative decoding on CUDA.
+default there; with ``policy.mode = "full"`` (lossless) the plugin admits every forward pass before it runs
+(:meth:`ringscope.Session.admit_graph_step` for the pass's padded token rows: a check of two host counters when the
+ring has room, a wait for the drain when it has not), and a pass that finds no room within the wait budget
+(``policy.full_deadline_ms``, or ``policy.max_step_overhead`` of the step time) runs with its captures dropped on the
+device and counted as ``deadline`` (``policy.on_deadline = "degrade"``, the plugin's default there; ``"error"`` turns
+capture off for the rest of the run instead, the engine going on). vLLM's V2 model runner is refused by name, as are
+data parallelism and speculative decoding on CUDA.
 """
 
 import atexit
@@ -348,7 +354,8 @@ class VllmCapture(EngineCapture):
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
-        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0)
+        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0,
+                                      full_on_cuda=True)
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
