@@ -3,6 +3,15 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
 
     python benches/vllm_gpu.py all OUT_DIR        # every check and benchmark below, one engine per process
     python benches/vllm_gpu.py correct OUT_DIR    # only the correctness runs
+    python benches/vllm_gpu.py full OUT_DIR       # full (lossless) mode: correctness with a 16 MiB ring, then plain
+                                                  # and full engines interleaved, three of each
+    python benches/vllm_gpu.py host OUT_DIR       # the plugin's host time per forward pass, full and best-effort
+    python benches/vllm_gpu.py parts OUT_DIR      # the same, split into its parts (no prefill phase)
+
+(vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
+Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
+calls) besides the generate-call average (``decode_ms``), and with the plugin its host time per forward pass
+(``host_us``).
 
 Correctness ("correct-llama", "correct-qwen2"): a small random checkpoint of each family (bf16, saved with
 save_pretrained), vLLM's default mode (torch.compile + FULL_AND_PIECEWISE CUDA graphs), continuous batching of many
@@ -341,6 +350,17 @@ def prefill_s(llm) -> list:
     return out[1:]
 
 
+def timed_into(fn, into: list):
+    """``fn``, appending the microseconds of every call to ``into``."""
+    def f(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append((time.perf_counter() - t0) * 1e6)
+    return f
+
+
 def run_bench(out: str, kind: str, result: dict) -> None:
     from vllm import LLM
 
@@ -379,18 +399,38 @@ def run_bench(out: str, kind: str, result: dict) -> None:
         cap.session.flush()
         return sum(cap.session.stats(h)["dropped_rows"] for h in cap.hookpoints.values())
 
+    # The plugin's host work before each forward pass (request map, request-id upload, and in full mode the
+    # admission), timed in this process: vLLM's decode is host-bound here, so this is on every step's critical path,
+    # and unlike a comparison between processes it is measured to the microsecond.
+    host = {"prepare": [], "admit": []}
+    if os.environ.get("BENCH_HOST_PARTS") and cap is not None:
+        # Where the plugin's host time goes, part by part (each wrapper adds ~0.5 us to its part).
+        host.update({"arm": [], "upload": [], "request": [], "apply_controls": []})
+        cap._arm = timed_into(cap._arm, host["arm"])
+        cap._upload = timed_into(cap._upload, host["upload"])
+        cap._request = timed_into(cap._request, host["request"])
+        cap.session.apply_controls = timed_into(cap.session.apply_controls, host["apply_controls"])
+    if cap is not None:
+        cap._prepare = timed_into(cap._prepare, host["prepare"])
+        cap.session.admit_graph_step = timed_into(cap.session.admit_graph_step, host["admit"])
+    result["host_us"] = {}
+
     # Each phase's drops on their own (the goal is zero at batch 1 and 8).
     result["decode_ms"], result["step_ms"], result["dropped_rows"] = {}, {}, {}
     for b in BATCHES:
         before = dropped_rows()
+        for xs in host.values():
+            xs.clear()
         d = decode_step_ms(llm, b)
+        result["host_us"][b] = {k: {"p50": statistics.median(xs), "p99": sorted(xs)[int(0.99 * len(xs))],
+                                    "n": len(xs)} for k, xs in host.items() if xs}
         result["decode_ms"][b] = d["avg"]
         xs = sorted(d["steps"])
         result["step_ms"][b] = {"p50": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
                                 "mean": statistics.fmean(xs), "n": len(xs), "all": [round(x, 4) for x in d["steps"]]}
         result["dropped_rows"][f"decode B={b}"] = dropped_rows() - before
     before = dropped_rows()
-    result["prefill_s"] = prefill_s(llm)
+    result["prefill_s"] = prefill_s(llm) if not os.environ.get("BENCH_HOST_PARTS") else [float("nan")]
     result["dropped_rows"]["prefill"] = dropped_rows() - before
     if cfg is not None:
         import ringscope.vllm as rv
@@ -455,8 +495,15 @@ def main(cmd: str, root: str) -> None:
     # Full mode (issue 36): correctness with a small ring, then plain and full interleaved, three recordings each.
     full = ["correct-llama-bf16-full", "bench-plain#1", "bench-full_resid#1", "bench-plain#2", "bench-full_resid#2",
             "bench-plain#3", "bench-full_resid#3"]
+    # The plugin's own host time per forward pass, full and best-effort mode (recorded by every bench run with the
+    # plugin; this runs only those two).
+    host = ["bench-full_resid#4", "bench-resid#4"]
     todo = {"all": correct[:1] + bench[:5] + correct[1:2] + bench[5:] + correct[2:], "correct": correct,
-            "bench": bench, "full": full}[cmd]
+            "bench": bench, "full": full, "host": host,
+            # The same, with the plugin's host time split into its parts and no prefill phase (BENCH_HOST_PARTS=1).
+            "parts": ["bench-full_resid#5", "bench-resid#5"]}[cmd]
+    if cmd == "parts":
+        os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
         if isinstance(report.get(what), dict) and not report[what].get("error"):
             continue
@@ -525,6 +572,11 @@ def summarize(report: dict, quiet: bool = False) -> None:
                 b99 = statistics.median([stat(p, b, "p99") for p in plains])
                 cells.append(f"B={b}: {p50:.3f} ({(p50 / b50 - 1) * 100:+.2f}%) / {p99:.3f} ({(p99 / b99 - 1) * 100:+.2f}%)")
             lines.append(f"{k} steps: " + "; ".join(cells))
+    for k, v in report.items():
+        if k.startswith("bench-") and isinstance(v, dict) and v.get("host_us"):
+            lines.append(f"{k} plugin host time per forward pass, us p50/p99: " + "; ".join(
+                f"B={b}: " + ", ".join(f"{name} {x['p50']:.1f}/{x['p99']:.1f}" for name, x in h.items())
+                for b, h in v["host_us"].items()))
     report["summary"] = lines
     if not quiet:
         print("\n".join(lines), flush=True)
