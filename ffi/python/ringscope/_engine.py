@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import List, Optional
 
-from . import RingscopeError
+from . import RingscopeError, _current_stream
 
 #: Sites an engine plugin captures, and the hookpoint name suffix of each (as :func:`ringscope.torch.attach` names
 #: them: ``layers.{i}.resid``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``).
@@ -323,18 +323,19 @@ class EngineCapture:
         self._req_bufs: List = []
         self._stage: List = []
         self._dirty = 0
+        self._req_size = 0  # the length of the decoder's current request-id buffer
         self._grow(rows)
 
     def _arm(self, tok, n: int, padded: int) -> None:
         """Before a forward pass of ``padded`` token rows: ``tok``, the request id of each of its first ``n`` rows
         (``-1``: a request not captured), and ``-1`` for the rest (padding), into the request-id buffer; the
         capture ops are live for the pass."""
-        self._counters["opted_out_rows"] += int((tok < 0).sum())
+        opted_out = int((tok < 0).sum())
+        self._counters["opted_out_rows"] += opted_out
         self._counters["padding_rows"] += max(padded - n, 0)
-        self._grow(padded)
+        if padded > self._req_size:
+            self._grow(padded)
         if self.cuda:
-            from . import _current_stream
-
             stream = _current_stream(self._device.index)
             if self.full:
                 # Full mode: room in the ring for everything a pass of `padded` rows can capture, reserved before it
@@ -350,7 +351,7 @@ class EngineCapture:
             # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's
             # step numbers follow self.step; rows of no request are exported as such, not attributed.
             self._counters["steps_captured"] += 1
-            self._counters["rows_exported_requested"] += int((tok >= 0).sum()) * len(self.hookpoints)
+            self._counters["rows_exported_requested"] += (n - opted_out) * len(self.hookpoints)
         else:
             self._req_np[:n] = tok
             self._req_np[n:padded] = -1
@@ -368,6 +369,7 @@ class EngineCapture:
         size = max(rows, 2 * (0 if buf is None else buf.shape[0]))
         decoder.register_buffer("_ringscope_req", torch.full((size,), -1, dtype=torch.int64, device=self._device),
                                 persistent=False)
+        self._req_size = size
         if self.cuda:
             self._req_bufs.append(decoder._ringscope_req)
             self._stage = [[torch.full((size,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]

@@ -350,6 +350,8 @@ class VllmCapture(EngineCapture):
 
         begin_op, capture_op, end_op = _engine.ops()
         self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
+        # The previous pass's (request ids, query start offsets) and its rows' request ids (_prepare).
+        self._last_batch: tuple = (None, None)
         planned = _engine.planned_hookpoints(chosen, pc.sites)
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
@@ -448,10 +450,32 @@ class VllmCapture(EngineCapture):
                                  "first_step": self.step})
         return got
 
-    def _prepare(self, runner, positions) -> None:
-        """Before a forward pass of a real batch: the request id of every token row, in place."""
+    def _rows_of(self, runner, req_ids: tuple, qsl):
+        """The request id of every token row of a pass (``-1``: a request not captured), the requests seen for the
+        first time recorded (and their prefix-cache hits)."""
         import numpy as np
 
+        num_reqs = len(req_ids)
+        counts = np.diff(qsl).astype(np.int64)
+        ids = np.empty(num_reqs, dtype=np.int64)
+        computed = runner.input_batch.num_computed_tokens_cpu
+        for k, r in enumerate(req_ids):
+            new = r not in self._ids
+            rid, opted = self._request(r, runner.requests.get(r))
+            ids[k] = rid if opted else -1
+            if new and opted and int(computed[k]) > 0:
+                # A request's first forward pass starts past position 0 only when vLLM's prefix cache held its
+                # first tokens: rows nobody computes, recorded as such (events table, probes' coverage).
+                self._note_cached(rid, int(computed[k]))
+        if len(self._ids) > 2 * max(num_reqs, 1024):
+            # Forget finished requests (the runner drops them from runner.requests; preempted ones stay there), so
+            # that a long-serving engine's map stays as large as its live requests.
+            live = runner.requests
+            self._ids = {r: v for r, v in self._ids.items() if r in live}
+        return np.repeat(ids, counts)
+
+    def _prepare(self, runner, positions) -> None:
+        """Before a forward pass of a real batch: the request id of every token row, in place."""
         if self._closed:
             return
         self._counters["steps"] += 1
@@ -460,28 +484,19 @@ class VllmCapture(EngineCapture):
                 self._lost(int(runner.query_start_loc.np[runner.input_batch.num_reqs]))
                 return
             num_reqs = runner.input_batch.num_reqs
-            req_ids = runner.input_batch.req_ids[:num_reqs]
+            req_ids = tuple(runner.input_batch.req_ids[:num_reqs])
             qsl = runner.query_start_loc.np[:num_reqs + 1]
-            counts = np.diff(qsl).astype(np.int64)
             n = int(qsl[-1])
             padded = int(positions.shape[-1]) if positions is not None else n
-            ids = np.empty(num_reqs, dtype=np.int64)
-            computed = runner.input_batch.num_computed_tokens_cpu
-            for k, r in enumerate(req_ids):
-                new = r not in self._ids
-                rid, opted = self._request(r, runner.requests.get(r))
-                ids[k] = rid if opted else -1
-                if new and opted and int(computed[k]) > 0:
-                    # A request's first forward pass starts past position 0 only when vLLM's prefix cache held its
-                    # first tokens: rows nobody computes, recorded as such (events table, probes' coverage).
-                    self._note_cached(rid, int(computed[k]))
-            if len(self._ids) > 2 * max(num_reqs, 1024):
-                # Forget finished requests (the runner drops them from runner.requests; preempted ones stay there), so
-                # that a long-serving engine's map stays as large as its live requests.
-                live = runner.requests
-                self._ids = {r: v for r, v in self._ids.items() if r in live}
-            tok = np.repeat(ids, counts)
-            size = self._decoder()._ringscope_req.shape[0]
+            key = (req_ids, qsl.tobytes())
+            if key == self._last_batch[0]:
+                # The same requests with the same token counts as the previous pass (every decode step of a steady
+                # batch): the same rows, none of them new.
+                tok = self._last_batch[1]
+            else:
+                tok = self._rows_of(runner, req_ids, qsl)
+                self._last_batch = (key, tok)
+            size = self._req_size
             if padded > size:
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                      f"a forward pass of {padded} tokens, past the {size} the plugin sized for")
