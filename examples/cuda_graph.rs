@@ -1,4 +1,4 @@
-//! The CUDA backend in its smallest form (the README's snippet): a capture recorded into a CUDA graph and replayed
+//! The CUDA backend in its smallest form (docs/cuda-backend.md's snippet): a capture recorded into a CUDA graph and replayed
 //! for three steps, with the batch descriptor installed before each replay.
 //!
 //! ```sh

@@ -7,7 +7,7 @@
 //! cargo run --release --example dump_parquet -- --layers 4 --hidden 256 --run-id demo --arrow-ipc
 //! ```
 //!
-//! Read the output back with pyarrow, DuckDB or Polars (README, "Reading a dump").
+//! Read the output back with pyarrow, DuckDB or Polars (docs/reading-a-dump.md).
 //!
 //! While it runs, a progress line on stderr about once a second — rows exported, drain GB/s, drops, the
 //! destinations' backlog, ring use — read from `Session::stats`: when stderr is a terminal, or with `--progress`;

@@ -32,7 +32,7 @@
 //! enabled = true
 //! priority = 0               # the policy manager degrades lower priorities first
 //!
-//! [[probes]]                 # a linear probe on a configured hookpoint (README, "Probes")
+//! [[probes]]                 # a linear probe on a configured hookpoint (docs/probes.md)
 //! name = "deception"
 //! hookpoint = "layers.0.resid" # or layer = 0 and site = "residual"
 //! weights = "deception.safetensors" # [K, d] (+ bias [K]) or a .npy; relative to the config file

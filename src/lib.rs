@@ -212,3 +212,13 @@ pub enum Error {
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The CUDA backend guide's Rust snippet (docs/cuda-backend.md), compiled as a doc test.
+#[doc = include_str!("../docs/cuda-backend.md")]
+#[cfg(doctest)]
+pub struct CudaBackendDoctests;
+
+/// The probes guide's Rust snippet (docs/probes.md), compiled and run as a doc test.
+#[doc = include_str!("../docs/probes.md")]
+#[cfg(doctest)]
+pub struct ProbesDoctests;

@@ -6,7 +6,7 @@
 //! from raw text. Whatever the document, nothing panics, and a refusal is an [`Error`] whose message says what is
 //! wrong. Sessions are opened only for the host backend, with rings larger than [`MAX_RING`] (the default's 64 MiB
 //! included) cut to 64 KiB, so that the run allocates little; file sinks write under a temporary directory. The default run is `PROPTEST_CASES` (256) cases
-//! per property; the README's "Fuzzing" section says how to run longer.
+//! per property; docs/testing.md ("Fuzzing") says how to run longer.
 
 use proptest::prelude::*;
 use ringscope::config::Backend;

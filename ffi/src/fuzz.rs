@@ -5,7 +5,7 @@
 //! What is fuzzed are the *values* C passes (handles, lengths, row counts, timeouts, null pointers where the ABI
 //! checks for them); every pointer passed is valid for the length announced with it, as the C contract requires.
 //! Every case is fast (64 KiB rings, timeouts of at most a few milliseconds). The default run is 64 cases
-//! (`PROPTEST_CASES` overrides it); the README's "Fuzzing" section says how to run longer.
+//! (`PROPTEST_CASES` overrides it); docs/testing.md ("Fuzzing") says how to run longer.
 #![allow(clippy::undocumented_unsafe_blocks)]
 
 use proptest::prelude::*;

@@ -571,7 +571,7 @@ pub extern "C" fn rs_last_error() -> *const c_char {
 // ---------------------------------------------------------------------------------------------------------------
 // Sessions.
 
-/// Opens a session from TOML configuration text (see the README's configuration reference) and writes its handle
+/// Opens a session from TOML configuration text (see docs/configuration.md) and writes its handle
 /// to `out`.
 ///
 /// # Safety

@@ -6,7 +6,7 @@
 //!
 //! Inputs are unstructured (random bytes) and structured: valid records mutated (bit flips, truncation, a field set
 //! to an extreme value, with and without a recomputed header check, so that the consistency checks behind the check
-//! are reached). The default run is `PROPTEST_CASES` (256) cases per property; see the README's "Fuzzing" section to
+//! are reached). The default run is `PROPTEST_CASES` (256) cases per property; see docs/testing.md ("Fuzzing") to
 //! run longer.
 
 use proptest::prelude::*;

@@ -592,8 +592,8 @@ def _text_of(raw: bytes) -> str:
 
 
 class Session:
-    """A ringscope session. ``config`` is TOML text (``str``, or UTF-8 ``bytes``; the README's configuration
-    reference) or a dict (any mapping) of TOML sections, each a mapping (``hookpoints``: a list of mappings); or give
+    """A ringscope session. ``config`` is TOML text (``str``, or UTF-8 ``bytes``; docs/configuration.md is
+    the reference) or a dict (any mapping) of TOML sections, each a mapping (``hookpoints``: a list of mappings); or give
     ``config_file``, a path. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, config: "str | bytes | Mapping | None" = None, *,
