@@ -37,7 +37,29 @@ def bad(match, call):
     with pytest.raises(RingscopeError, match=match) as e:
         call()
     assert e.value.status in ("RS_ERR_INVALID_ARGUMENT", "RS_ERR_CONFIG", "RS_ERR_IO"), e.value
+    # Each status has its own subclass, whoever raised it (the library through _check, or a check in Python).
+    assert type(e.value) is ringscope.errors.ERROR_FOR_STATUS[e.value.status], (type(e.value), e.value.status)
     return e.value
+
+
+def test_each_status_is_its_own_error_class_and_still_a_ringscope_error():
+    """``except ringscope.ConfigError`` catches exactly the configuration errors; ``except RingscopeError`` and
+    ``.status`` keep working; an error survives pickling (an engine's worker process) as its class."""
+    import pickle
+
+    from ringscope._abi import _STATUS
+
+    assert set(ringscope.errors.ERROR_FOR_STATUS) == set(_STATUS.values()) - {"RS_OK"}
+    for status, cls in ringscope.errors.ERROR_FOR_STATUS.items():
+        assert issubclass(cls, RingscopeError) and getattr(ringscope, cls.__name__) is cls
+    with pytest.raises(ringscope.ConfigError) as e:  # refused by the library
+        ringscope.Session("[ring]\ncapacity = \"no\"\n")
+    assert e.value.status == "RS_ERR_CONFIG" and isinstance(e.value, RingscopeError)
+    with ringscope.Session("") as s, pytest.raises(ringscope.InvalidArgumentError):  # refused in Python first
+        s.register("h", dtype="f32", row_width=-1)
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is ringscope.ConfigError and (back.status, back.message) == (e.value.status, e.value.message)
+    assert type(RingscopeError("status 99", "an unknown status")) is RingscopeError
 
 
 # -- NUL bytes and unencodable text ------------------------------------------------------------------------------

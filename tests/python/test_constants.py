@@ -3,11 +3,14 @@ reasons (`RS_DROP_*`, indices into `rs_counts.dropped_by_reason`) and dtype code
 
 ffi/python re-types them by hand for ctypes; ffi/include/ringscope.h is generated from ffi/src/lib.rs, whose tests tie
 the constants to the Rust enums (and fail when the committed header is stale). Needs no built library: the header is
-parsed as text and the package's source file is imported on its own (importing it loads nothing until a call).
+parsed as text and the package's source is imported on its own (importing it loads nothing until a call).
 """
+import importlib
 import importlib.util
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 
@@ -25,10 +28,20 @@ def header():
 @pytest.fixture(scope="module")
 def package():
     # The checkout's source, not whatever `ringscope` is installed: it is the file a change would have to keep right.
-    spec = importlib.util.spec_from_file_location("_ringscope_source", PACKAGE_SOURCE)
+    # Loaded as a package of its own name, so that its relative imports (ringscope/_abi.py) resolve to the checkout.
+    name = "_ringscope_source"
+    spec = importlib.util.spec_from_file_location(name, PACKAGE_SOURCE,
+                                                  submodule_search_locations=[str(PACKAGE_SOURCE.parent)])
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        abi = importlib.import_module(f"{name}._abi")
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+    # The package's names, with the ABI module's private tables (status codes, drop reasons, structs) beside them.
+    return types.SimpleNamespace(**{**vars(abi), **vars(module)})
 
 
 def defines(header, prefix):

@@ -23,7 +23,6 @@ be C-contiguous and little-endian (or single-byte), of the hookpoint's dtype, wi
 from __future__ import annotations
 
 import ctypes
-import glob
 import json
 import numbers
 import operator
@@ -35,31 +34,19 @@ from typing import Dict, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RingscopeError", "Session", "Subscription", "Record", "Alert", "read_dump", "read_events", "save_probe",
-           "library_path", "EVENTS_DIR", "EVENT_COLUMNS", "DTYPE_CODES", "MAX_TIMEOUT_S", "PROBE_MAX_OUTPUTS"]
+from ._abi import (PROBE_MAX_OUTPUTS, _CODE, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES,
+                   _PROBE_NAME_LEN, _Alert, _check, _Counts, _DestinationSnapshot,
+                   _HookPointSnapshot, _load, _ProbeReport, _ProbeSnapshot, _probes_lib, _RecordInfo,
+                   _SessionSnapshot, _SinkFailureInfo, _SinkHealth, _sized, _stats_lib, library_path)
+from .errors import (BufferTooSmallError, CaptureError, ClosedError, ConfigError, CudaError, EndedError,
+                     InvalidArgumentError, InvalidHandleError, IoError, NotSeenError, PanicError, RingscopeError,
+                     SinkError, StateError, StepError, UnbalancedError, WaitTimeoutError)
 
-# Status codes (ffi/include/ringscope.h, `rs_status`).
-_STATUS = {
-    0: "RS_OK",
-    1: "RS_ERR_INVALID_ARGUMENT",
-    2: "RS_ERR_INVALID_HANDLE",
-    3: "RS_ERR_CONFIG",
-    4: "RS_ERR_CLOSED",
-    5: "RS_ERR_STEP",
-    6: "RS_ERR_CAPTURE",
-    7: "RS_ERR_CUDA",
-    8: "RS_ERR_IO",
-    9: "RS_ERR_UNBALANCED",
-    10: "RS_ERR_TIMEOUT",
-    11: "RS_ERR_BUFFER_TOO_SMALL",
-    12: "RS_ERR_ENDED",
-    13: "RS_ERR_PANIC",
-    14: "RS_ERR_SINK",
-    15: "RS_NOT_SEEN",
-    16: "RS_ERR_STATE",
-}
-_CODE = {name: code for code, name in _STATUS.items()}
-_DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_backpressure", "sink_error", "corrupt")
+__all__ = ["RingscopeError", "Session", "Subscription", "Record", "Alert", "read_dump", "read_events", "save_probe",
+           "library_path", "EVENTS_DIR", "EVENT_COLUMNS", "DTYPE_CODES", "MAX_TIMEOUT_S", "PROBE_MAX_OUTPUTS",
+           "InvalidArgumentError", "InvalidHandleError", "ConfigError", "ClosedError", "StepError", "CaptureError",
+           "CudaError", "IoError", "UnbalancedError", "WaitTimeoutError", "BufferTooSmallError", "EndedError",
+           "PanicError", "SinkError", "NotSeenError", "StateError"]
 
 #: dtype codes of the record format (docs/format.md) → (name, numpy dtype of the raw element; bf16 as uint16;
 #: f8e4m3_rowscaled as its raw bytes: an f32 scale, then one E4M3 byte per element — :func:`dequantize_rowscaled`).
@@ -104,15 +91,6 @@ def dequantize_rowscaled(raw: np.ndarray) -> np.ndarray:
 _NUMPY_FOR_DTYPE = {name: dt for name, dt in DTYPE_CODES.values()}
 _ALIASES = {"float32": "f32", "float16": "f16", "half": "f16", "bfloat16": "bf16", "float64": "f64", "int8": "i8",
             "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
-
-
-class RingscopeError(Exception):
-    """A ringscope call failed. ``status`` is the C status name (e.g. ``RS_ERR_CAPTURE``), ``message`` says why."""
-
-    def __init__(self, status: str, message: str):
-        super().__init__(f"{message} [{status}]")
-        self.status = status
-        self.message = message
 
 
 # -- argument checks ----------------------------------------------------------------------------------------------
@@ -262,91 +240,6 @@ def _host_array(name: str, array, dtype: "str | None", row_width: "int | None") 
     return a
 
 
-class _Counts(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "produced_records", "produced_rows", "sampled_out_records", "sampled_out_rows", "exported_records",
-        "exported_rows", "dropped_records", "dropped_rows")] + [("dropped_by_reason", ctypes.c_uint64 * 7)]
-
-    def to_dict(self) -> dict:
-        d = {n: getattr(self, n) for n, _ in self._fields_[:-1]}
-        d["dropped_by_reason"] = dict(zip(_DROP_REASONS, list(self.dropped_by_reason)))
-        # Captured, neither exported (committed) nor dropped yet: in the ring, queued for a destination, or written
-        # into a file that is not committed yet (flush() or close() commits it). 0 once the session is closed.
-        for unit in ("records", "rows"):
-            d[f"in_flight_{unit}"] = max(0, d[f"produced_{unit}"] - d[f"sampled_out_{unit}"] - d[f"exported_{unit}"]
-                                         - d[f"dropped_{unit}"])
-        return d
-
-
-class _RecordInfo(ctypes.Structure):
-    _fields_ = [("hookpoint", ctypes.c_uint32), ("rows", ctypes.c_uint32), ("step", ctypes.c_uint64),
-                ("seq", ctypes.c_uint64), ("row_bytes", ctypes.c_uint32), ("dtype", ctypes.c_uint32),
-                ("needed", ctypes.c_uint64)]
-
-
-class _SinkHealth(ctypes.Structure):
-    _fields_ = [("failed_sinks", ctypes.c_uint32), ("first_failure_unix_ns", ctypes.c_uint64)]
-
-
-class _SinkFailureInfo(ctypes.Structure):
-    _fields_ = [("unix_ns", ctypes.c_uint64), ("sink_len", ctypes.c_uint32), ("message_len", ctypes.c_uint32),
-                ("needed", ctypes.c_uint64)]
-
-
-class _SessionSnapshot(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint32) for n in (
-        "struct_size", "mode", "backend", "hookpoints", "destinations", "reserved")] + [(n, ctypes.c_uint64) for n in (
-        "unix_ns", "uptime_ns", "steps", "last_step", "step_time_ns", "step_interval_ns", "ring_capacity_bytes",
-        "ring_used_bytes", "ring_held_bytes", "drain_records", "drain_rows", "drain_bytes", "drain_data_bytes",
-        "stalls", "stall_ns", "cached_rows")]
-
-
-_RUNG_LEN = 32
-
-
-class _HookPointSnapshot(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("id", ctypes.c_uint32), ("row_bytes", ctypes.c_uint64),
-                ("name_len", ctypes.c_uint64), ("counts", _Counts), ("produced_bytes", ctypes.c_uint64), ("published_bytes", ctypes.c_uint64),
-                ("exported_bytes", ctypes.c_uint64), ("rung", ctypes.c_char * _RUNG_LEN),
-                ("downcast_records", ctypes.c_uint64), ("downcast_rows", ctypes.c_uint64),
-                ("dtype", ctypes.c_uint32), ("row_width", ctypes.c_uint32)]
-
-
-class _DestinationSnapshot(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
-        "delivered_records", "delivered_bytes", "queued_records", "queued_bytes", "dropped_records")] + [
-        ("failed", ctypes.c_uint32), ("name_len", ctypes.c_uint32)]
-
-
-# Probes (C ABI 4): `rs_alert`, `rs_probe_report`, `rs_probe_snapshot`.
-_PROBE_NAME_LEN = 64
-#: The most outputs (weight rows) a probe may have.
-PROBE_MAX_OUTPUTS = 64
-_PROBE_ACTIONS = {0: "alert", 1: "stop"}
-_PROBE_MODES = {0: "consumer", 1: "fused"}
-_NO_HOOKPOINT = 2**32 - 1
-
-
-class _Alert(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint32) for n in ("struct_size", "action", "output", "position")] + [
-        ("request_id", ctypes.c_uint64), ("step", ctypes.c_uint64)] + [
-        (n, ctypes.c_float) for n in ("score", "token_score", "threshold")] + [
-        (n, ctypes.c_uint32) for n in ("probe_len", "label_len", "reserved")] + [
-        ("probe", ctypes.c_char * _PROBE_NAME_LEN), ("label", ctypes.c_char * _PROBE_NAME_LEN)]
-
-
-class _ProbeReport(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("outputs", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
-        "request_id", "alerted", "last_step", "scored", "nan", "expected", "unobserved")] + [
-        ("scores", ctypes.c_float * PROBE_MAX_OUTPUTS), ("cached", ctypes.c_uint64)]
-
-
-class _ProbeSnapshot(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint32) for n in (
-        "struct_size", "mode", "hookpoint", "scores_hookpoint", "name_len", "reserved")] + [
-        (n, ctypes.c_uint64) for n in ("rows", "nan_rows", "alerts", "evicted_requests", "no_request_rows")]
-
-
 class Alert(NamedTuple):
     """A probe's aggregated score for a request reached its threshold (:meth:`Session.alerts`). Raised once per
     request, probe and output. ``action`` is ``"alert"`` or ``"stop"`` (then the request's stop flag was raised
@@ -371,129 +264,6 @@ class Alert(NamedTuple):
         return dict(self._asdict())
 
 
-def _sized(struct_type):
-    """A snapshot struct with ``struct_size`` set, as the C ABI asks."""
-    v = struct_type()
-    v.struct_size = ctypes.sizeof(struct_type)
-    return v
-
-
-def library_path() -> str:
-    """Where libringscope is loaded from: ``$RINGSCOPE_LIB``, else the copy inside this package, else a cargo
-    build of the checkout this package sits in (``target/release``)."""
-    env = os.environ.get("RINGSCOPE_LIB")
-    if env:
-        return env
-    here = pathlib.Path(__file__).resolve().parent
-    found = sorted(glob.glob(str(here / "libringscope*.so"))) + sorted(glob.glob(str(here / "libringscope*.dylib")))
-    if found:
-        return found[0]
-    for parent in here.parents:
-        candidate = parent / "target" / "release" / "libringscope.so"
-        if candidate.exists():
-            return str(candidate)
-    raise RingscopeError("RS_ERR_CONFIG", "libringscope not found: install with `pip install ./ffi/python`, or set "
-                                          "RINGSCOPE_LIB to the library built by `cargo build --release -p ringscope-ffi`")
-
-
-_lib = None
-
-
-def _load():
-    global _lib
-    if _lib is not None:
-        return _lib
-    lib = ctypes.CDLL(library_path())
-    u64, u32, i32, i64, sz, cp = (ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t,
-                                  ctypes.c_char_p)
-    p = ctypes.POINTER
-    sigs = {
-        "rs_last_error": ([], ctypes.c_char_p),
-        "ringscope_format_version": ([], ctypes.c_uint16),
-        "rs_session_open": ([cp, p(u64)], i32),
-        "rs_session_open_file": ([cp, p(u64)], i32),
-        "rs_session_close": ([u64, p(_Counts)], i32),
-        "rs_register_hookpoint": ([u64, cp, cp, i64, cp, u32, p(u32)], i32),
-        "rs_hookpoint_id": ([u64, cp, p(u32)], i32),
-        "rs_set_enabled": ([u64, u32, ctypes.c_bool], i32),
-        "rs_set_downcast": ([u64, u32, ctypes.c_bool], i32),
-        "rs_set_every_n_steps": ([u64, u32, u32], i32),
-        "rs_set_rows": ([u64, u32, i32, p(u32), sz], i32),
-        "rs_begin_step": ([u64, u64, p(u64), p(u32), sz], i32),
-        "rs_begin_step_on_stream": ([u64, u64, p(u64), p(u32), sz, u64], i32),
-        "rs_begin_step_graph": ([u64, u64, u64, u32, u32, u32, u64], i32),
-        "rs_apply_controls": ([u64, u64], i32),
-        "rs_submit_captures": ([u64], i32),
-        "rs_end_step": ([u64], i32),
-        "rs_capture_host": ([u64, u32, ctypes.c_void_p, sz, p(i32)], i32),
-        "rs_capture_device": ([u64, u32, u64, u32, u64], i32),
-        "rs_capture_device_last_rows": ([u64, u32, u64, u32, u64], i32),
-        "rs_set_valid_rows_device": ([u64, u32, u64], i32),
-        "rs_stats": ([u64, u32, p(_Counts)], i32),
-        "rs_flush": ([u64, u32], i32),
-        "rs_sink_status": ([u64, p(_SinkHealth)], i32),
-        "rs_sink_failure": ([u64, u32, p(_SinkFailureInfo), ctypes.c_char_p, sz], i32),
-        "rs_subscribe": ([u64, cp, p(u32), sz, p(u64)], i32),
-        "rs_poll": ([u64, u32, p(_RecordInfo), ctypes.c_void_p, sz], i32),
-        "rs_subscription_close": ([u64], i32),
-    }
-    # ABI 2 (statistics): a library built before it lacks them, and only the calls that need them fail.
-    stats_sigs = {
-        "rs_abi_version": ([], u32),
-        "rs_session_stats": ([u64, p(_SessionSnapshot)], i32),
-        "rs_hookpoint_stats": ([u64, u32, p(_HookPointSnapshot), ctypes.c_char_p, sz], i32),
-        "rs_destination_stats": ([u64, u32, p(_DestinationSnapshot), ctypes.c_char_p, sz], i32),
-        "rs_metrics_text": ([u64, ctypes.c_char_p, sz, p(sz)], i32),
-        "rs_metrics_port": ([u64, p(ctypes.c_uint16)], i32),
-    }
-    # ABI 4 (probes): likewise.
-    probe_sigs = {
-        "rs_alert_poll": ([u64, u32, p(_Alert)], i32),
-        "rs_alerts_dropped": ([u64, p(u64)], i32),
-        "rs_probe_request": ([u64, cp, u64, p(_ProbeReport)], i32),
-        "rs_request_finish": ([u64, u64], i32),
-        "rs_note_cached": ([u64, u64, u64, u32, u64], i32),
-        "rs_is_flagged": ([u64, u64, p(ctypes.c_bool)], i32),
-        "rs_probe_flags": ([u64, p(p(u64)), p(sz)], i32),
-        "rs_probes_wait": ([u64, u32], i32),
-        "rs_probe_count": ([u64, p(u32)], i32),
-        "rs_probe_stats": ([u64, u32, p(_ProbeSnapshot), ctypes.c_char_p, sz], i32),
-    }
-    # ABI 7 (full mode for graph-begun steps): likewise.
-    graph_sigs = {
-        "rs_admit_graph_step": ([u64, u32, u64], i32),
-    }
-    for name, (args, res) in sigs.items():
-        f = getattr(lib, name)
-        f.argtypes = args
-        f.restype = res
-    for name, (args, res) in {**stats_sigs, **probe_sigs, **graph_sigs}.items():
-        f = getattr(lib, name, None)
-        if f is not None:
-            f.argtypes = args
-            f.restype = res
-    _lib = lib
-    return lib
-
-
-def _stats_lib():
-    """The library, checked to have the statistics calls (C ABI 2)."""
-    lib = _load()
-    if not hasattr(lib, "rs_session_stats"):
-        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the statistics calls (C ABI 2): rebuild it "
-                                              "with `cargo build --release -p ringscope-ffi`")
-    return lib
-
-
-def _probes_lib():
-    """The library, checked to have the probe calls (C ABI 4)."""
-    lib = _load()
-    if not hasattr(lib, "rs_alert_poll"):
-        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the probe calls (C ABI 4): rebuild it with "
-                                              "`cargo build --release -p ringscope-ffi`")
-    return lib
-
-
 def _current_stream(device: Optional[int] = None) -> int:
     """torch's current CUDA stream on ``device`` (an index; default the current device), as a ``CUstream``: through
     the raw-stream call torch's own compiler uses where it exists (a fraction of a microsecond, where building a
@@ -506,12 +276,6 @@ def _current_stream(device: Optional[int] = None) -> int:
     if raw is not None:
         return raw(device)
     return torch.cuda.current_stream(device).cuda_stream
-
-
-def _check(status: int) -> None:
-    if status != 0:
-        msg = _load().rs_last_error().decode("utf-8", "replace")
-        raise RingscopeError(_STATUS.get(status, f"status {status}"), msg)
 
 
 class Record:
