@@ -146,3 +146,13 @@ def test_struct_sizes_and_offsets_are_the_c_compilers(abi, header, tmp_path):
             desc = getattr(struct, field)
             assert (desc.offset, desc.size) == c[f"{name}.{field}"], \
                 f"{name}.{field}: ctypes offset/size {(desc.offset, desc.size)}, C {c[f'{name}.{field}']}"
+
+
+def test_a_library_older_than_a_call_is_a_clear_error_naming_the_abi_version(abi, monkeypatch):
+    """Only the calls a library lacks fail, with the C ABI version that added them and what to do."""
+    monkeypatch.setenv("RINGSCOPE_LIB", "/opt/old/libringscope.so")
+    monkeypatch.setattr(abi, "_lib", object())  # a library with none of the calls
+    for call, version in [("rs_session_stats", 2), ("rs_alert_poll", 4), ("rs_admit_graph_step", 7)]:
+        with pytest.raises(abi.RingscopeError, match=rf"/opt/old/libringscope.so predates {call} \(C ABI {version}\): "
+                                                     r"rebuild it with `cargo build --release -p ringscope-ffi`"):
+            abi._lib_with(call)

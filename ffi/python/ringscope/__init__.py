@@ -36,7 +36,7 @@ import numpy as np
 
 from ._abi import (PROBE_MAX_OUTPUTS, _CODE, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES,
                    _PROBE_NAME_LEN, _Alert, _check, _Counts, _DestinationSnapshot,
-                   _HookPointSnapshot, _load, _ProbeReport, _ProbeSnapshot, _probes_lib, _RecordInfo,
+                   _HookPointSnapshot, _lib_with, _load, _ProbeReport, _ProbeSnapshot, _probes_lib, _RecordInfo,
                    _SessionSnapshot, _SinkFailureInfo, _SinkHealth, _sized, _stats_lib, library_path)
 from .errors import (BufferTooSmallError, CaptureError, ClosedError, ConfigError, CudaError, EndedError,
                      InvalidArgumentError, InvalidHandleError, IoError, NotSeenError, PanicError, RingscopeError,
@@ -483,10 +483,7 @@ class Session:
         deadline (nothing with ``policy.on_deadline = "degrade"``) and the replay's captures are dropped and counted
         as ``deadline``. Also uploads control changes, as :meth:`apply_controls` does. Best-effort sessions: returns
         at once."""
-        lib = _load()
-        if not hasattr(lib, "rs_admit_graph_step"):
-            raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates rs_admit_graph_step (C ABI 7): rebuild "
-                                                  "it with `cargo build --release -p ringscope-ffi`")
+        lib = _lib_with("rs_admit_graph_step")
         n = 0 if rows is None else _u32("admit_graph_step: rows", rows, 1)
         _check(lib.rs_admit_graph_step(self._h, n, _u64("stream", _current_stream() if stream is None else stream)))
 
@@ -622,10 +619,7 @@ class Session:
     def metrics_port(self) -> int:
         """The TCP port the metrics endpoint (``[metrics] listen``) listens on — the one the system chose for port 0 —
         or 0 when the session serves none."""
-        lib = _stats_lib()
-        if not hasattr(lib, "rs_metrics_port"):
-            raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates rs_metrics_port: rebuild it with "
-                                                  "`cargo build --release -p ringscope-ffi`")
+        lib = _lib_with("rs_metrics_port")
         out = ctypes.c_uint16(0)
         _check(lib.rs_metrics_port(self._h, ctypes.byref(out)))
         return out.value

@@ -228,22 +228,24 @@ def _load():
     return lib
 
 
+def _lib_with(call: str):
+    """The library, checked to have ``call``: one built before the C ABI version that added it (:data:`SIGNATURES`)
+    lacks it, and only the calls that need it fail, naming what to do."""
+    lib = _load()
+    if not hasattr(lib, call):
+        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates {call} (C ABI {SIGNATURES[call][0]}): rebuild "
+                                              "it with `cargo build --release -p ringscope-ffi`")
+    return lib
+
+
 def _stats_lib():
     """The library, checked to have the statistics calls (C ABI 2)."""
-    lib = _load()
-    if not hasattr(lib, "rs_session_stats"):
-        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the statistics calls (C ABI 2): rebuild it "
-                                              "with `cargo build --release -p ringscope-ffi`")
-    return lib
+    return _lib_with("rs_session_stats")
 
 
 def _probes_lib():
     """The library, checked to have the probe calls (C ABI 4)."""
-    lib = _load()
-    if not hasattr(lib, "rs_alert_poll"):
-        raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates the probe calls (C ABI 4): rebuild it with "
-                                              "`cargo build --release -p ringscope-ffi`")
-    return lib
+    return _lib_with("rs_alert_poll")
 
 
 def _check(status: int) -> None:
