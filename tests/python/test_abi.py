@@ -156,3 +156,14 @@ def test_a_library_older_than_a_call_is_a_clear_error_naming_the_abi_version(abi
         with pytest.raises(abi.RingscopeError, match=rf"/opt/old/libringscope.so predates {call} \(C ABI {version}\): "
                                                      r"rebuild it with `cargo build --release -p ringscope-ffi`"):
             abi._lib_with(call)
+
+
+def test_only_the_abi_and_session_modules_call_the_library():
+    """Every ``rs_*`` call goes through ringscope/_abi.py (loading, checking) or ringscope/session.py (the session and
+    its raw-pointer captures for the custom ops and plugins), where the signature table and the value checks are."""
+    calls = {}
+    for path in sorted(PACKAGE_DIR.glob("*.py")):
+        found = re.findall(r"\.(rs_\w+)\(", path.read_text())
+        if found:
+            calls[path.name] = sorted(set(found))
+    assert set(calls) <= {"_abi.py", "session.py"}, {k: v for k, v in calls.items() if k not in ("_abi.py", "session.py")}

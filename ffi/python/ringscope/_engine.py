@@ -10,7 +10,6 @@ The ops are ``torch.library`` custom ops that declare they write a one-byte sink
 
 import _thread
 import contextlib
-import ctypes
 import hashlib
 import itertools
 import json
@@ -22,7 +21,8 @@ import threading
 import weakref
 from typing import List, Optional
 
-from . import RingscopeError, _current_stream
+from .errors import RingscopeError
+from .session import _current_stream
 
 #: Sites an engine plugin captures, and the hookpoint name suffix of each (as :func:`ringscope.torch.attach` names
 #: them: ``layers.{i}.resid``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``).
@@ -58,7 +58,7 @@ class PluginConfig:
 
 def load_config(path: "str | os.PathLike", table: str, env: str, extra_keys=()) -> PluginConfig:
     """Reads and checks a plugin configuration file: a ringscope TOML file with an optional ``[table]`` table."""
-    from . import _toml
+    from .session import _toml
 
     tomllib = _toml()
 
@@ -249,7 +249,7 @@ class EngineCapture:
 
     def __init__(self, pc: PluginConfig, cfg: dict, planned: list, rank: int, side_dir: str, logger,
                  cuda: bool = False):
-        from . import Session
+        from .session import Session
 
         self.pc = pc
         self.rank = rank
@@ -505,14 +505,12 @@ class EngineCapture:
             self.session.capture_device(hookpoint, x.data_ptr(), x.shape[0],
                                         torch.cuda.current_stream(x.device).cuda_stream)
             return
-        from . import _check, _load
+        from .session import _capture_host_raw
 
         if self._sel is not None:
             x = x[self._sel]  # a new, contiguous tensor
         x = x.contiguous()
-        outcome = ctypes.c_int32(-1)
-        _check(_load().rs_capture_host(self.session._h, hookpoint, ctypes.c_void_p(x.data_ptr()),
-                                       x.numel() * x.element_size(), ctypes.byref(outcome)))
+        _capture_host_raw(self.session._h, hookpoint, x.data_ptr(), x.numel() * x.element_size())
         self._counters["rows_exported_requested"] += x.shape[0]
 
     def _end(self) -> None:

@@ -87,7 +87,7 @@ import threading
 import time
 from typing import Dict, List
 
-from . import RingscopeError
+from .errors import RingscopeError
 from . import _engine
 from ._engine import EngineCapture, PluginConfig, first as _first, request_id_of, truthy as _truthy
 

@@ -21,7 +21,9 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import ROWSCALED, RingscopeError, _NUMPY_FOR_DTYPE, _int, _path, _text, dequantize_rowscaled
+from ._args import _int, _path, _text
+from .dtypes import _NUMPY_FOR_DTYPE, ROWSCALED, dequantize_rowscaled
+from .errors import RingscopeError
 
 META_COLUMNS = ("step", "request_id", "position")
 FORMATS = ("auto", "arrow", "parquet")

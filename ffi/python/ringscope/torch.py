@@ -20,7 +20,6 @@ probe of the session (``[[probes]]`` with ``action = "stop"``, on hookpoints ``a
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import weakref
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -28,7 +27,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import _U32_MAX, RingscopeError, Session, _check, _int, _int_array, _load, _timeout_ms, _u32, _u64
+from ._args import _int, _int_array, _timeout_ms, _u32, _U32_MAX, _u64
+from .errors import RingscopeError
+from .session import Session, _capture_device_raw, _capture_host_raw, _submit_captures_raw
 
 __all__ = ["capture", "submit", "step", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
 
@@ -56,14 +57,11 @@ def _capture_now(x: torch.Tensor, session: int, hookpoint: int, row_width: int) 
                              f"hookpoint {hookpoint} has rows of {row_width} elements; got a tensor of shape "
                              f"{tuple(x.shape)}")
     rows = x.numel() // row_width
-    lib = _load()
     if x.is_cuda:
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        _check(lib.rs_capture_device(session, hookpoint, x.data_ptr(), _u32("rows", rows), stream))
+        _capture_device_raw(session, hookpoint, x.data_ptr(), _u32("rows", rows), stream)
     else:
-        outcome = ctypes.c_int32(-1)
-        _check(lib.rs_capture_host(session, hookpoint, ctypes.c_void_p(x.data_ptr()), x.numel() * x.element_size(),
-                                   ctypes.byref(outcome)))
+        _capture_host_raw(session, hookpoint, x.data_ptr(), x.numel() * x.element_size())
 
 
 @capture.register_fake
@@ -75,7 +73,7 @@ def _(x, sink, session, hookpoint, row_width):
 def submit(sink: torch.Tensor, session: int) -> None:
     """Starts copying the step's deferred captures now, on a side stream (``Session.submit_captures``); a custom op
     so that compiled models keep it in place without a graph break."""
-    _check(_load().rs_submit_captures(_u64("session", session)))
+    _submit_captures_raw(_u64("session", session))
 
 
 @submit.register_fake
@@ -695,7 +693,7 @@ def _hookpoint(session: Session, name: str, site: str, layer: Optional[int], dty
 def _declare_hookpoints(config, planned, dtype: str) -> str:
     """``config`` (TOML text, bytes, a dict or None) as TOML text with a ``[[hookpoints]]`` entry for each planned
     capture it does not declare yet."""
-    from . import _config_text, _toml
+    from .session import _config_text, _toml
 
     tomllib = _toml()
     text = _config_text(config).decode("utf-8")

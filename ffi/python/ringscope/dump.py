@@ -1,0 +1,238 @@
+"""Reading a run back: :func:`read_dump` (Parquet or Arrow IPC, every page's or batch's CRC checked) and
+:func:`read_events` (the events table)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Optional
+
+import numpy as np
+
+from .errors import RingscopeError
+from ._args import _path, _text
+from .dtypes import _as_float32, dequantize_rowscaled, _NUMPY_FOR_DTYPE, ROWSCALED
+
+
+_COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or when the session is closed, so read "
+                "after Session.close()")
+
+
+def _read_checked(part: "pathlib.Path | list"):
+    """The table of one hookpoint's Parquet files (its partition directory, whose `_`-prefixed downcast series pyarrow
+    skips; or a list of files), each page's CRC checked (the writer puts one in every page header); a file whose bytes
+    are not as written is a RingscopeError naming it."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    checked = ds.ParquetFileFormat(
+        default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True))
+    if isinstance(part, list):
+        dataset = ds.dataset([str(p) for p in part], format=checked)
+    else:
+        dataset = ds.dataset(str(part), format=checked, partitioning="hive")
+    try:
+        return dataset.to_table()
+    except (OSError, pa.ArrowException) as e:
+        failure = e
+    # pyarrow does not say which file failed: read them one by one to name it.
+    for fragment in dataset.get_fragments():
+        try:
+            fragment.to_table()
+        except (OSError, pa.ArrowException) as e:
+            raise RingscopeError("RS_ERR_IO", f"{fragment.path} is corrupt (its bytes are not as written): {e}") from e
+    raise RingscopeError("RS_ERR_IO", f"cannot read {part}: {failure}") from failure
+
+
+def _read_ipc_checked(files: list):
+    """The table of Arrow IPC files (read, not memory-mapped), every record batch checked against its CRC-32 in the file's
+    footer; a file whose bytes are not as written is a RingscopeError naming it."""
+    import pyarrow as pa
+
+    from .stream import _record_batches
+
+    batches = []
+    for f in files:
+        try:
+            batches += list(_record_batches("arrow", f, None, verify=True))
+        except (OSError, pa.ArrowInvalid) as e:
+            raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
+    return pa.Table.from_batches(batches)
+
+
+def _activation_bytes(t) -> np.ndarray:
+    """The activation column of table ``t`` as uint8 rows (rows, row bytes), without a copy."""
+    flat = t.column("activation").combine_chunks()
+    width = flat.type.byte_width
+    raw = np.frombuffer(flat.buffers()[1], dtype=np.uint8)[flat.offset * width:]
+    return raw[: t.num_rows * width].reshape(t.num_rows, width)
+
+
+def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
+    """Reads a dump (a run directory: its Parquet files, or its Arrow IPC files when it has no Parquet) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
+    ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
+    with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every column becomes a torch tensor then;
+    ``step``, ``request_id`` and ``position`` as int64, which torch indexes and counts with: a request id or step
+    above 2**63-1 is a :class:`RingscopeError`, read such a run with ``as_torch=False``), else as uint16 bit patterns
+    (:func:`as_float32` converts). Rows are sorted by (step, request_id, position).
+    ``downcast`` (bool per row) marks rows that were downcast on capture (``Session.set_downcast``): a hookpoint
+    with any has its ``activation`` as float32 for every row (full-precision rows converted exactly, downcast rows
+    dequantized: E4M3 × the row's scale), and ``dtype`` ``"f32"``; ``source_dtype`` is the hookpoint's own dtype.
+    Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
+    :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
+    run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
+    file's bytes are not as written — every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
+    is read; a file cut short is found too — or when a file does not belong in its partition (another hookpoint's
+    file, or rows of another width or dtype). Needs pyarrow."""
+    root = pathlib.Path(os.fsdecode(_path("path", path)))
+    if hookpoint is not None:
+        _text("hookpoint", hookpoint)
+    if not root.exists():
+        raise RingscopeError("RS_ERR_IO", f"{root} does not exist: give the run directory (<export.dir>/<run_id>)")
+    if not root.is_dir():
+        raise RingscopeError("RS_ERR_IO", f"{root} is not a directory: give the run directory "
+                                          "(<export.dir>/<run_id>), not one of its files")
+    base, ext = root, "parquet"
+    ipc = root / "_arrow_ipc"
+    if not any(p.is_dir() for p in root.glob("hookpoint=*")) and any(p.is_dir() for p in ipc.glob("hookpoint=*")):
+        base, ext = ipc, "arrow"  # a run dumped to Arrow IPC only
+    parts = sorted(p for p in base.glob("hookpoint=*") if p.is_dir())
+    if not parts:
+        runs = sorted(p.name for p in root.iterdir()
+                      if p.is_dir() and (any(p.glob("hookpoint=*")) or any(p.glob("_arrow_ipc/hookpoint=*"))))
+        if runs:
+            raise RingscopeError("RS_ERR_IO", f"{root} is not a run directory but holds runs ({', '.join(runs)}): "
+                                              f"give one, e.g. read_dump({str(root / runs[0])!r})")
+        raise RingscopeError("RS_ERR_IO", f"{root} holds no committed files yet (no hookpoint=... partitions): "
+                                          f"{_COMMIT_HINT}; or it is not a ringscope run directory "
+                                          "(<export.dir>/<run_id>)")
+    names = [p.name[len("hookpoint="):] for p in parts]
+    if hookpoint is not None and hookpoint not in names:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"hookpoint {hookpoint!r} is not in {root}; it holds {', '.join(map(repr, names))}")
+    # Committed files only: in-progress ones are hidden (.part-*.inprogress) and pyarrow skips them.
+    # Downcast rows are a series of their own in each partition (rank=*/_f8e4m3_rowscaled/).
+    from .stream import _part_files, _Series
+
+    files = {p: _part_files(p, ext) for p in parts if hookpoint is None or p.name == f"hookpoint={hookpoint}"}
+    committed = {p: full + downcast for p, (full, downcast) in files.items()}
+    if not any(committed.values()):
+        what = f"hookpoint {hookpoint!r} of {root}" if hookpoint is not None else f"the run {root}"
+        raise RingscopeError("RS_ERR_IO", f"{what} holds no committed files yet: {_COMMIT_HINT}")
+    parts = [p for p in parts if committed.get(p)]
+    out = {}
+    for part in parts:
+        # One dataset per hookpoint: hookpoints differ in row width, so they do not share one Arrow schema.
+        name = part.name[len("hookpoint="):]
+        full_files, downcast_files = files[part]
+        # Each file belongs where it lies (its footer names this hookpoint; one row width and dtype per series): a
+        # file of another hookpoint copied into the partition is an error naming it, not a pyarrow or numpy error.
+        _Series(name, False).check_files(ext, full_files)
+        _Series(name, True).check_files(ext, downcast_files)
+        pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
+        if full_files:
+            t = _read_checked(part) if ext == "parquet" else _read_ipc_checked(full_files)
+            meta = t.schema.field("activation").metadata or {}
+            pieces.append((t, meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()))
+        if downcast_files:
+            t = _read_checked(downcast_files) if ext == "parquet" else _read_ipc_checked(downcast_files)
+            pieces.append((t, ROWSCALED))
+        pieces = [(t, d) for t, d in pieces if t.num_rows > 0]
+        if not pieces:
+            continue
+        names = ("step", "request_id", "position", "layer", "rank")
+        if len(pieces) == 1 and pieces[0][1] != ROWSCALED:
+            t, dtype_name = pieces[0]
+            t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
+            np_dtype = _NUMPY_FOR_DTYPE[dtype_name]
+            raw = _activation_bytes(t)
+            act = raw.reshape(-1).view(np_dtype).reshape(t.num_rows, raw.shape[1] // np_dtype.itemsize)
+            cols = {c: t.column(c).to_numpy() for c in names if c in t.column_names}
+            cols["downcast"] = np.zeros(t.num_rows, dtype=bool)
+            source = dtype_name
+        else:
+            # Downcast rows: every row as float32, sorted together.
+            source = next((d for _, d in pieces if d != ROWSCALED), None)
+            acts, flags = [], []
+            for t, d in pieces:
+                raw = _activation_bytes(t)
+                if d == ROWSCALED:
+                    acts.append(dequantize_rowscaled(raw))
+                else:
+                    np_dtype = _NUMPY_FOR_DTYPE[d]
+                    acts.append(_as_float32(raw.reshape(-1).view(np_dtype).reshape(t.num_rows, -1), d))
+                flags.append(np.full(t.num_rows, d == ROWSCALED))
+            cols = {c: np.concatenate([t.column(c).to_numpy() for t, _ in pieces]) for c in names
+                    if all(c in t.column_names for t, _ in pieces)}
+            order = np.lexsort((cols["position"], cols["request_id"], cols["step"]))
+            cols = {c: v[order] for c, v in cols.items()}
+            act = np.concatenate(acts)[order]
+            cols["downcast"] = np.concatenate(flags)[order]
+            dtype_name = "f32"
+        if as_torch:
+            import torch
+
+            from .stream import _int64
+
+            act_t = torch.from_numpy(act.copy())
+            if dtype_name == "bf16":
+                act_t = act_t.view(torch.bfloat16)
+            # Own, writable copies; unsigned id columns as int64, what torch indexes and counts with (ids above
+            # 2**63-1 are refused, not wrapped).
+            cols = {k: torch.from_numpy(np.array(_int64(k, v) if v.dtype.kind == "u" else v)) for k, v in cols.items()}
+            cols["activation"] = act_t
+        else:
+            cols["activation"] = act
+        cols["dtype"] = dtype_name
+        # The hookpoint's own dtype (None when every row read was downcast: the downcast files do not say it).
+        cols["source_dtype"] = source
+        out[name] = cols
+    return out
+
+
+#: The events table's directory in a run directory, and its columns in order (docs/format.md, "The events table").
+EVENTS_DIR = "_ringscope_events"
+
+
+EVENT_COLUMNS = ("unix_ns", "hookpoint", "first_step", "last_step", "kind", "rung", "reason", "records_lost",
+                 "rows_lost", "detail", "request_id", "first_position", "end_position")
+
+
+#: Columns an events file written before they existed lacks: read as None.
+_LATER_EVENT_COLUMNS = ("request_id", "first_position", "end_position")
+
+
+def read_events(path: "str | os.PathLike") -> list:
+    """Reads the events table of a run directory (``<run dir>/_ringscope_events/part-*.parquet``, written for
+    Parquet and Arrow IPC dumps alike): a list of dicts, one per event, with the keys of :data:`EVENT_COLUMNS` —
+    ``kind`` is ``"drop"`` (records of ``hookpoint`` dropped somewhere in steps ``first_step..=last_step`` for
+    ``reason``, e.g. ``"ring_full"`` or ``"sink_error"``: ``records_lost`` records, ``rows_lost`` token rows),
+    ``"rung"`` (the hookpoint moved to rung ``rung``; ``reason`` and ``detail`` say why), ``"stall"`` or ``"cached"``
+    (the engine took request ``request_id``'s positions ``first_position..end_position`` from its prefix cache;
+    these three are None for events about no one request). Events are in
+    the order they were logged (file by file, in commit order). After a run has shut down, ``rows_lost`` summed per
+    (hookpoint, reason) over the drops equals the manifest's dropped rows. A run that never lost anything has no
+    events directory: that reads as ``[]``. Every Parquet page's CRC is checked (``RS_ERR_IO`` naming a corrupt
+    file). Raises :class:`RingscopeError` when ``path`` is not a directory. Needs pyarrow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = pathlib.Path(os.fsdecode(_path("path", path)))
+    if not root.is_dir():
+        raise RingscopeError("RS_ERR_IO", f"{root} is not a directory: give the run directory (<export.dir>/<run_id>)")
+    # Committed files only: in-progress ones are hidden (.part-*.inprogress).
+    files = sorted((root / EVENTS_DIR).glob("part-*.parquet"))
+    events = []
+    for f in files:
+        try:
+            table = pq.read_table(f, page_checksum_verification=True)
+        except (OSError, pa.ArrowException) as e:
+            raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
+        missing = [c for c in EVENT_COLUMNS if c not in table.column_names and c not in _LATER_EVENT_COLUMNS]
+        if missing:
+            raise RingscopeError("RS_ERR_IO", f"{f} is not a ringscope events file: no column(s) {', '.join(missing)}")
+        for c in _LATER_EVENT_COLUMNS:
+            if c not in table.column_names:
+                table = table.append_column(c, pa.nulls(table.num_rows, pa.uint64()))
+        events += table.select(list(EVENT_COLUMNS)).to_pylist()
+    return events
