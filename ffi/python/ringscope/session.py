@@ -125,6 +125,19 @@ def _hookpoint_spec(hp: "_HookPointSnapshot") -> dict:
     return {"dtype": DTYPE_CODES[hp.dtype][0], "row_width": hp.row_width}
 
 
+def _named_snapshot(call, handle: int, index: int, struct_type) -> tuple:
+    """``(snapshot, name)`` from a call that writes a snapshot struct and a name (``rs_hookpoint_stats``,
+    ``rs_destination_stats``, ``rs_probe_stats``): the name buffer is grown once if the library says it is too small."""
+    out = _sized(struct_type)
+    name = ctypes.create_string_buffer(257)
+    status = call(handle, index, ctypes.byref(out), name, len(name))
+    if status == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
+        name = ctypes.create_string_buffer(out.name_len + 1)
+        status = call(handle, index, ctypes.byref(out), name, len(name))
+    _check(status)
+    return out, name.raw[:out.name_len].decode("utf-8", "replace")
+
+
 def _text_of(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -353,11 +366,9 @@ class Session:
         _check(lib.rs_session_stats(self._h, ctypes.byref(st)))
         hookpoints = []
         for hp_id in range(st.hookpoints):
-            hp = _sized(_HookPointSnapshot)
-            name = ctypes.create_string_buffer(257)  # hookpoint names are at most 256 bytes
-            _check(lib.rs_hookpoint_stats(self._h, hp_id, ctypes.byref(hp), name, len(name)))
+            hp, name = _named_snapshot(lib.rs_hookpoint_stats, self._h, hp_id, _HookPointSnapshot)
             hookpoints.append({
-                "id": hp.id, "name": name.raw[:hp.name_len].decode("utf-8", "replace"), "row_bytes": hp.row_bytes, "counters": hp.counts.to_dict(),
+                "id": hp.id, "name": name, "row_bytes": hp.row_bytes, "counters": hp.counts.to_dict(),
                 "produced_bytes": hp.produced_bytes, "published_bytes": hp.published_bytes,
                 "exported_bytes": hp.exported_bytes, "rung": hp.rung.decode("ascii", "replace"),
                 "downcast_records": hp.downcast_records, "downcast_rows": hp.downcast_rows,
@@ -365,15 +376,9 @@ class Session:
             })
         destinations = []
         for i in range(st.destinations):
-            d = _sized(_DestinationSnapshot)
-            name = ctypes.create_string_buffer(256)
-            status = lib.rs_destination_stats(self._h, i, ctypes.byref(d), name, len(name))
-            if status == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
-                name = ctypes.create_string_buffer(d.name_len + 1)
-                status = lib.rs_destination_stats(self._h, i, ctypes.byref(d), name, len(name))
-            _check(status)
+            d, name = _named_snapshot(lib.rs_destination_stats, self._h, i, _DestinationSnapshot)
             destinations.append({
-                "name": name.raw[:d.name_len].decode("utf-8", "replace"),
+                "name": name,
                 "kind": "consumer" if d.kind == 1 else "sink",
                 "delivered_records": d.delivered_records, "delivered_bytes": d.delivered_bytes,
                 "queued_records": d.queued_records, "queued_bytes": d.queued_bytes,
@@ -579,11 +584,9 @@ class Session:
     def _hookpoint_info(self, hookpoint: int) -> dict:
         """``name``, ``dtype`` and ``row_width`` of hookpoint ``hookpoint`` (dtype and width None from a library
         before C ABI 4)."""
-        hp = _sized(_HookPointSnapshot)
-        name = ctypes.create_string_buffer(257)  # hookpoint names are at most 256 bytes
-        _check(_stats_lib().rs_hookpoint_stats(self._h, _u32("hookpoint", hookpoint), ctypes.byref(hp), name,
-                                               len(name)))
-        return {"name": name.raw[:hp.name_len].decode("utf-8", "replace"), **_hookpoint_spec(hp)}
+        hp, name = _named_snapshot(_stats_lib().rs_hookpoint_stats, self._h, _u32("hookpoint", hookpoint),
+                                   _HookPointSnapshot)
+        return {"name": name, **_hookpoint_spec(hp)}
 
     def _hookpoint_name(self, hookpoint: int) -> Optional[str]:
         return None if hookpoint == _NO_HOOKPOINT else self._hookpoint_info(hookpoint)["name"]
@@ -601,18 +604,12 @@ class Session:
         _check(lib.rs_probe_count(self._h, ctypes.byref(n)))
         out = []
         for i in range(n.value):
-            ps = _sized(_ProbeSnapshot)
-            name = ctypes.create_string_buffer(256)
-            st = lib.rs_probe_stats(self._h, i, ctypes.byref(ps), name, len(name))
-            if st == _CODE["RS_ERR_BUFFER_TOO_SMALL"]:
-                name = ctypes.create_string_buffer(ps.name_len + 1)
-                st = lib.rs_probe_stats(self._h, i, ctypes.byref(ps), name, len(name))
-            _check(st)
+            ps, name = _named_snapshot(lib.rs_probe_stats, self._h, i, _ProbeSnapshot)
             names = {"hookpoint": None, "scores_hookpoint": None}
             if self.totals is None:  # hookpoints are named by an open session only
                 names = {"hookpoint": self._hookpoint_name(ps.hookpoint),
                          "scores_hookpoint": self._hookpoint_name(ps.scores_hookpoint)}
-            out.append({"name": name.raw[:ps.name_len].decode("utf-8", "replace"),
+            out.append({"name": name,
                         "mode": _PROBE_MODES.get(ps.mode, str(ps.mode)), **names, "rows": ps.rows,
                         "nan_rows": ps.nan_rows, "alerts": ps.alerts, "evicted_requests": ps.evicted_requests,
                         "no_request_rows": ps.no_request_rows})
