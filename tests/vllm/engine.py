@@ -113,8 +113,9 @@ def run(out, mode, scenario, result):
         result["closed"] = rv.close_all()
     else:
         mod = sys.modules.get("ringscope")
+        abi = sys.modules.get("ringscope._abi")  # where the package keeps the loaded library
         result["ringscope_imported"] = mod is not None
-        result["ringscope_library_loaded"] = mod is not None and mod._lib is not None
+        result["ringscope_library_loaded"] = abi is not None and abi._lib is not None
 
 
 def run_prefix(model_dir, mode, result):
