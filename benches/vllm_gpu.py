@@ -122,9 +122,10 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     result["dtype"] = dtype
     result["mode"] = "full" if full else "best_effort"
     # Full mode: every forward pass admitted, and no row lost. The run's rows (~21.5k hookpoint rows of 512 B, ~11 MB)
-    # fit the 16 MiB ring, so no pass waits here (the cost runs' prefills do); a ring of ~1 MiB would make them wait.
+    # pass through a 1 MiB ring (a pass is at most 12 hookpoints x 64 rows, ~0.4 MB): the ring laps about ten times
+    # and passes wait for the exporter to make room.
     policy = '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n' if full else ""
-    ring = "16 MiB" if full else "256 MiB"
+    ring = "512 KiB" if full else "256 MiB"
     extra = {}
     if dtype == "f32" and torch.cuda.is_available():
         extra["attention_backend"] = "TRITON_ATTN"  # FlashAttention has no float32
@@ -163,6 +164,9 @@ layers = "all"
                                        "cached": int(o.num_cached_tokens or 0)})
     import ringscope.vllm as rv
 
+    # Full mode's waits for room (how often a pass found the ring full and waited for the exporter), read before close.
+    st = [c.session.stats_all() for c in rv.captures()]
+    result["stalls"] = [{"stalls": s["stalls"], "stall_time_s": s["stall_time_s"]} for s in st]
     result["closed"] = rv.close_all()
     result["run_dir"] = os.path.join(out, "dump", "run")
 
@@ -499,7 +503,7 @@ def main(cmd: str, root: str) -> None:
     # plugin; this runs only those two).
     host = ["bench-full_resid#4", "bench-resid#4"]
     todo = {"all": correct[:1] + bench[:5] + correct[1:2] + bench[5:] + correct[2:], "correct": correct,
-            "bench": bench, "full": full, "host": host,
+            "bench": bench, "full": full, "host": host, "fullcorrect": full[:1],
             # The same, with the plugin's host time split into its parts and no prefill phase (BENCH_HOST_PARTS=1).
             "parts": ["bench-full_resid#5", "bench-resid#5"]}[cmd]
     if cmd == "parts":
@@ -515,7 +519,7 @@ def main(cmd: str, root: str) -> None:
                 res["check"] = {"ok": False, "problems": [f"{type(e).__name__}: {e}"],
                                 "traceback": traceback.format_exc()}
         report[what] = {k: v for k, v in res.items() if k not in ("requests",)}
-        brief = res.get("check", {}) if what.startswith("correct-") else \
+        brief = dict(res.get("check", {}), stalls=res.get("stalls")) if what.startswith("correct-") else \
             {k: res.get(k) for k in ("decode_ms", "prefill_s", "start_s", "engine")}
         print(f"== {what} ({res['seconds']:.0f} s): {json.dumps(brief, default=str)[:1500]}", flush=True)
         summarize(report, quiet=True)
