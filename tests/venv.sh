@@ -1,5 +1,14 @@
-# Sourced by test.sh, tests/vllm/run.sh and tests/sglang/run.sh: the tests' Python environments, each exactly what its
-# requirement files pin — never a leftover of an earlier run that happens to work.
+# Sourced by test.sh and tests/engine.sh: the tests' Python environments, each exactly what its requirement files pin —
+# never a leftover of an earlier run that happens to work.
+#
+#   ensure_cached_venv NAME OVERRIDE INSTALL_FUNCTION FILE...
+#
+# is ensure_venv (below) on a directory outside the checkout, named by what it holds: OVERRIDE when it is not empty
+# (RINGSCOPE_VENV and the like: a directory of the caller's choice), else
+# ${RINGSCOPE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/ringscope}/NAME-HASH, HASH standing for the requirement files and
+# the install commands. A fresh clone of an unchanged checkout so finds the environment an earlier run built (several
+# GB and minutes of downloads) instead of building it again; a changed pin names another directory, and the
+# environments of NAME that it replaces are deleted (only those made by these scripts: they hold a record).
 #
 #   ensure_venv DIR INSTALL_FUNCTION FILE...
 #
@@ -15,15 +24,44 @@ _ringscope_freeze() {
     | LC_ALL=C sort | sha256sum | cut -d' ' -f1
 }
 
+# The requirement files and the install commands themselves (their pins: torch==..., --no-deps ...).
+_ringscope_wanted() {
+  local install=$1
+  shift
+  (cat "$@"; declare -f "$install") | sha256sum | cut -d' ' -f1
+}
+
+ensure_cached_venv() {
+  local name=$1 override=$2 install=$3
+  shift 3
+  if [ -n "$override" ]; then
+    ensure_venv "$override" "$install" "$@"
+    return
+  fi
+  local cache=${RINGSCOPE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ringscope}
+  local dir old
+  dir="$cache/$name-$(_ringscope_wanted "$install" "$@" | cut -c1-16)"
+  mkdir -p "$cache"
+  for old in "$cache/$name"-*; do
+    if [ "$old" != "$dir" ] && [ -f "$old/.ringscope-env" ]; then
+      echo "== removing $old (made for other pins than today's)"
+      rm -rf "$old"
+    fi
+  done
+  ensure_venv "$dir" "$install" "$@"
+}
+
 ensure_venv() {
   local dir=$1 install=$2
   shift 2
   local wanted record
-  # The requirement files and the install commands themselves (their pins: torch==..., --no-deps ...).
-  wanted=$( (cat "$@"; declare -f "$install") | sha256sum | cut -d' ' -f1)
+  wanted=$(_ringscope_wanted "$install" "$@")
   record="$dir/.ringscope-env"
   if [ -e "$dir" ]; then
-    if [ ! -f "$record" ] && ls "$dir"/.ringscope-*packages >/dev/null 2>&1; then
+    if [ ! -f "$record" ] && [ -f "$dir/.ringscope-building" ]; then
+      echo "== an earlier build of $dir did not finish: building it again from scratch"
+      rm -rf "$dir"
+    elif [ ! -f "$record" ] && ls "$dir"/.ringscope-*packages >/dev/null 2>&1; then
       echo "== $dir was made by an older version of the test scripts: building it again from scratch"
       rm -rf "$dir"
     elif [ ! -f "$record" ]; then
@@ -41,6 +79,9 @@ ensure_venv() {
     fi
   fi
   echo "== creating the Python environment $dir (first run: several minutes and a few GB of downloads)"
+  # Marked until the record is written: a build cut short is recognised as one, and started again next time.
+  mkdir -p "$dir"
+  : > "$dir/.ringscope-building"
   python3 -m venv "$dir" || {
     echo "venv.sh: 'python3 -m venv' failed; install your distribution's venv module (Debian: apt install python3-venv)" >&2
     return 1
@@ -50,5 +91,6 @@ ensure_venv() {
   start=$(date +%s)
   "$install"
   printf '%s\n%s\n' "$wanted" "$(_ringscope_freeze "$dir")" > "$record"
+  rm -f "$dir/.ringscope-building"
   echo "== $dir installed in $(( $(date +%s) - start )) s"
 }

@@ -7,3 +7,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("ringscope") is None:
     sys.path.insert(0, str(ROOT / "ffi" / "python"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "torch: needs torch and transformers; test.sh runs these in the vLLM tests' environment "
+        "(`tests/engine.sh vllm tests/python -m torch`), the others with `-m 'not torch'` in a torch-free one")

@@ -112,25 +112,32 @@ def readme_snippets():
     return snippets
 
 
-def test_readme_snippets_run(engine):
-    snippets = readme_snippets()
-    reading = [code for name, code in snippets if name == "docs/reading-a-dump.md"]
+def test_docs_show_every_reader():
+    reading = [code for name, code in readme_snippets() if name == "docs/reading-a-dump.md"]
     assert len(reading) >= 3, "docs/reading-a-dump.md shows pyarrow, DuckDB and Polars"
-    for name, code in snippets:
-        ns = {"run_dir": str(RUN_DIR)}
-        if "import torch" in code:
-            # With this seed the snippet's random Llama emits its EOS token (2) as the first new token under
-            # torch 2.11 / transformers 5.24 (about 1 seed in 60 does): the snippet must still make 3 forward passes.
-            import torch
-
-            torch.manual_seed(165)
-        exec(compile(code, name, "exec"), ns)
-        if "x" in ns:  # the pyarrow → numpy snippet
-            x = ns["x"]
-            assert x.dtype == np.float32 and x.shape[1] == engine["hidden"]
-            assert np.isfinite(x).all() and (np.abs(x) < 2).all()
 
 
+@pytest.mark.parametrize("name,code", [
+    pytest.param(name, code, id=f"{name}#{k}", marks=[pytest.mark.torch] if "import torch" in code else [])
+    for k, (name, code) in enumerate(readme_snippets())])
+def test_docs_snippet_runs(engine, name, code):
+    """Every ```python block of the README and the docs it points to runs as shown (those importing torch with the
+    torch tests)."""
+    ns = {"run_dir": str(RUN_DIR)}
+    if "import torch" in code:
+        # With this seed the snippet's random Llama emits its EOS token (2) as the first new token under
+        # torch 2.11 / transformers 5.24 (about 1 seed in 60 does): the snippet must still make 3 forward passes.
+        import torch
+
+        torch.manual_seed(165)
+    exec(compile(code, name, "exec"), ns)
+    if "x" in ns:  # the pyarrow → numpy snippet
+        x = ns["x"]
+        assert x.dtype == np.float32 and x.shape[1] == engine["hidden"]
+        assert np.isfinite(x).all() and (np.abs(x) < 2).all()
+
+
+@pytest.mark.torch
 def test_read_dump_as_torch_gives_int64_ids_and_refuses_ids_past_int64(tmp_path):
     """torch has no use for uint64 (bincount, indexing refuse it): step, request_id and position come as int64
     tensors; a request id above 2**63-1 is an error naming the column, never wrapped to a negative one."""

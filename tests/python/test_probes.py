@@ -274,6 +274,7 @@ def test_rows_from_the_prefix_cache_are_counted_in_coverage_and_the_events_table
         s.note_cached(1, 5, 0, 1)  # closed
 
 
+@pytest.mark.torch
 def test_a_probe_stops_exactly_the_flagged_row_of_hugging_face_generate(tmp_path):
     torch, transformers = hf()
     import ringscope.torch as rt
@@ -322,6 +323,7 @@ def test_a_probe_stops_exactly_the_flagged_row_of_hugging_face_generate(tmp_path
     session.close()
 
 
+@pytest.mark.torch
 def test_the_stopping_criteria_and_attach_refuse_bad_input(tmp_path):
     torch, transformers = hf()
     import ringscope.torch as rt

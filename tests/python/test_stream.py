@@ -93,6 +93,7 @@ def test_a_path_that_is_not_a_run_is_an_error(tmp_path):
         assert needle in str(e.value)
 
 
+@pytest.mark.torch
 def test_torch_dataset_in_a_data_loader_keeps_bf16_and_every_row(expected):
     torch = pytest.importorskip("torch")
     from ringscope.torch import ActivationDataset
@@ -293,6 +294,7 @@ def tagged_dataset(*args, **kwargs):
     return Tagged(*args, **kwargs)
 
 
+@pytest.mark.torch
 def test_two_data_loader_workers_share_one_file_and_yield_every_row_exactly_once(own_run):
     torch = pytest.importorskip("torch")
 
@@ -469,6 +471,7 @@ def test_a_directory_named_like_a_part_file_is_an_error_naming_it(own_run, tmp_p
     assert e.value.status == "RS_ERR_IO" and str(intruder) in e.value.message and "not a file" in e.value.message
 
 
+@pytest.mark.torch
 def test_meta_columns_are_int64_tensors_and_ids_past_int64_are_refused(tmp_path):
     torch = pytest.importorskip("torch")
     from ringscope.torch import ActivationDataset

@@ -10,6 +10,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.torch  # test.sh runs these in the vLLM test environment (one torch for both)
+
 if os.environ.get("RINGSCOPE_REQUIRE_TORCH"):
     import torch
     import transformers

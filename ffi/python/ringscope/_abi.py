@@ -8,7 +8,7 @@ import ctypes
 import glob
 import os
 import pathlib
-from typing import Dict, List, Tuple
+from typing import Any, ClassVar, Dict, List, Tuple
 
 from .errors import RingscopeError
 
@@ -37,7 +37,8 @@ _DROP_REASONS = ("ring_full", "deadline", "too_large", "disconnected", "sink_bac
 
 
 class _Counts(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in (
+    # (name, ctypes type) pairs, no bit widths: to_dict unpacks them.
+    _fields_: ClassVar[List[Tuple[str, Any]]] = [(n, ctypes.c_uint64) for n in (
         "produced_records", "produced_rows", "sampled_out_records", "sampled_out_rows", "exported_records",
         "exported_rows", "dropped_records", "dropped_rows")] + [("dropped_by_reason", ctypes.c_uint64 * 7)]
 
@@ -110,7 +111,9 @@ class _Alert(ctypes.Structure):
 
 
 class _ProbeReport(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("outputs", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
+    # (name, ctypes type) pairs (mypy would join an array's pair and a scalar's to (str, object)).
+    _fields_: ClassVar[List[Tuple[str, Any]]] = [
+        ("struct_size", ctypes.c_uint32), ("outputs", ctypes.c_uint32)] + [(n, ctypes.c_uint64) for n in (
         "request_id", "alerted", "last_step", "scored", "nan", "expected", "unobserved")] + [
         ("scores", ctypes.c_float * PROBE_MAX_OUTPUTS), ("cached", ctypes.c_uint64)]
 

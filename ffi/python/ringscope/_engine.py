@@ -19,10 +19,13 @@ import pathlib
 import signal
 import threading
 import weakref
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .errors import RingscopeError
 from .session import _current_stream
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Sites an engine plugin captures, and the hookpoint name suffix of each (as :func:`ringscope.torch.attach` names
 #: them: ``layers.{i}.resid``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``).
@@ -46,6 +49,9 @@ def request_id_of(engine_request_id: str) -> int:
 
 class PluginConfig:
     """The engine's table (``[vllm]``, ``[sglang]``), checked, and the rest of the configuration (for the session)."""
+
+    #: vLLM only, set by :mod:`ringscope.vllm` once parsed: the tensor-parallel ranks that capture (None: all).
+    ranks: Optional[List[int]]
 
     def __init__(self, session_config: dict, sites: List[str], layers, requests: str, source: str, extra: dict):
         self.session_config = session_config
@@ -244,8 +250,9 @@ class EngineCapture:
     fills ``_req`` — the request id of each token row of the next forward pass, ``-1`` for rows never exported —
     before the forward pass (:meth:`_armed`), and calls :meth:`_finish` after it."""
 
-    COUNTERS = ("steps", "steps_captured", "rows_exported_requested", "padding_rows", "opted_out_rows", "lost_steps",
-                "lost_rows", "bad_extra_args", "cached_requests", "cached_rows")
+    COUNTERS: Tuple[str, ...] = ("steps", "steps_captured", "rows_exported_requested", "padding_rows",
+                                 "opted_out_rows", "lost_steps", "lost_rows", "bad_extra_args", "cached_requests",
+                                 "cached_rows")
 
     def __init__(self, pc: PluginConfig, cfg: dict, planned: list, rank: int, side_dir: str, logger,
                  cuda: bool = False):
@@ -259,9 +266,9 @@ class EngineCapture:
         self._counters = {k: 0 for k in self.COUNTERS}
         self._active = False
         self._open = False
-        self._sel = None  # indices of the exported rows of the open step (None: all)
+        self._sel: Optional["np.ndarray"] = None  # indices of the exported rows of the open step (None: all)
         self._rows = 0
-        self._closed_stats = None
+        self._closed_stats: Optional[dict] = None
         self._closed = False
         # CUDA: the capture ops are recorded into the engine's CUDA graphs (and run eagerly otherwise) with the step
         # begun on the device from the request-id buffer and the model's positions (see session_config).
@@ -364,6 +371,7 @@ class EngineCapture:
         import torch
 
         decoder = self._decoder()
+        assert decoder is not None  # the plugin grows the buffer of a live model, before its forward pass
         buf = getattr(decoder, "_ringscope_req", None)
         if buf is not None and buf.shape[0] >= rows:
             return
@@ -542,6 +550,7 @@ class EngineCapture:
         self._closed_stats = {"session": totals, "plugin": self.counters()}
         if self._requests_file is not None:
             self._requests_file.close()
+            assert self.run_dir is not None  # the requests file lies in it
             (self.run_dir / self._side_dir / f"summary{self._rank_suffix}.json").write_text(
                 json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank}, indent=1))
         _CAPTURES.pop(self.key, None)
@@ -573,7 +582,7 @@ def close_live(live: list, logger) -> list:
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stop_lock = threading.RLock()  # re-entrant: the handler may run in the main thread while it holds the lock
-_stop_state = {"busy": 0, "pending": [], "prev": {}, "close": None, "logger": None, "closing": False}
+_stop_state: Dict[str, Any] = {"busy": 0, "pending": [], "prev": {}, "close": None, "logger": None, "closing": False}
 
 
 def guard_stop_signals(close, logger) -> bool:

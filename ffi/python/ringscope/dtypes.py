@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Dict, Tuple
+
 import numpy as np
 
 
 #: dtype codes of the record format (docs/format.md) → (name, numpy dtype of the raw element; bf16 as uint16;
 #: f8e4m3_rowscaled as its raw bytes: an f32 scale, then one E4M3 byte per element — :func:`dequantize_rowscaled`).
-DTYPE_CODES = {
+DTYPE_CODES: Dict[int, Tuple[str, np.dtype]] = {
     1: ("f32", np.dtype("<f4")),
     2: ("f16", np.dtype("<f2")),
     3: ("bf16", np.dtype("<u2")),
@@ -48,11 +50,11 @@ def dequantize_rowscaled(raw: np.ndarray) -> np.ndarray:
     return _E4M3[raw[:, 4:]] * scale
 
 
-_NUMPY_FOR_DTYPE = {name: dt for name, dt in DTYPE_CODES.values()}
+_NUMPY_FOR_DTYPE: Dict[str, np.dtype] = {name: dt for name, dt in DTYPE_CODES.values()}
 
 
-_ALIASES = {"float32": "f32", "float16": "f16", "half": "f16", "bfloat16": "bf16", "float64": "f64", "int8": "i8",
-            "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
+_ALIASES: Dict[str, str] = {"float32": "f32", "float16": "f16", "half": "f16", "bfloat16": "bf16", "float64": "f64",
+                            "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
 
 
 def as_float32(bits: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -106,7 +106,7 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         raise RingscopeError("RS_ERR_IO", f"{root} holds no committed files yet (no hookpoint=... partitions): "
                                           f"{_COMMIT_HINT}; or it is not a ringscope run directory "
                                           "(<export.dir>/<run_id>)")
-    names = [p.name[len("hookpoint="):] for p in parts]
+    names: Sequence[str] = [p.name[len("hookpoint="):] for p in parts]  # (reused below for a tuple)
     if hookpoint is not None and hookpoint not in names:
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"hookpoint {hookpoint!r} is not in {root}; it holds {', '.join(map(repr, names))}")

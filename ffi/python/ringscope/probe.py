@@ -6,7 +6,7 @@ import json
 import numbers
 import os
 import pathlib
-from typing import Optional
+from typing import Any, Dict, Optional, cast
 
 import numpy as np
 
@@ -79,7 +79,7 @@ def save_probe(path: "str | os.PathLike", weights, bias=None) -> dict:
                     f.write(t.astype("<f4").tobytes())
     except OSError as e:
         raise RingscopeError("RS_ERR_IO", f"cannot write the probe to {target}: {e}") from e
-    entry = {"weights": str(target)}
+    entry: Dict[str, Any] = {"weights": str(target)}
     if b is not None and suffix == ".npy":
         entry["bias"] = [float(v) for v in b]
     return entry
@@ -140,8 +140,8 @@ class _Ids:
         for item in body.split(","):
             if not item.strip():
                 raise _invalid(f"{name}: an empty item in {text!r}: give ids and ranges like '0-49,60'")
-            lo, sep, hi = item.partition("-")
-            lo, hi = (one(lo), one(hi)) if sep else (one(item), one(item))
+            lo_text, sep, hi_text = item.partition("-")
+            lo, hi = (one(lo_text), one(hi_text)) if sep else (one(item), one(item))
             if lo > hi:
                 raise _invalid(f"{name}: the range {item.strip()} is empty (its start is past its end)")
             ranges.append((lo, hi))
@@ -169,7 +169,8 @@ class _Ids:
         return None
 
 
-_SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
+# Looked up with the header's "dtype" value, whatever JSON holds there (a miss: not a dtype retention reads).
+_SAFETENSORS_DTYPES: Dict[object, str] = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
 
 
 def _load_safetensors(path: pathlib.Path, tensor: str) -> np.ndarray:
@@ -258,7 +259,8 @@ def _retention_side(run, which: str, hookpoint: str, groups, width: int, last_to
         x = x[np.isfinite(x).all(axis=1)]
         rows.append(len(x))
         means.append(x.mean(axis=0) if len(x) else None)
-    diff = None if any(m is None for m in means) else means[0] - means[1]
+    # any() does not narrow for mypy: both means are arrays here.
+    diff = None if any(m is None for m in means) else cast(np.ndarray, means[0]) - cast(np.ndarray, means[1])
     return rows, diff
 
 

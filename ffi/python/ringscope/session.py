@@ -6,7 +6,7 @@ import ctypes
 import numbers
 import os
 from collections.abc import Mapping
-from typing import Dict, Iterable, NamedTuple, Optional, Sequence
+from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -76,7 +76,7 @@ class Record:
         self.batch_row = meta["batch_row"].copy()
         self.rows = np.frombuffer(buf, dtype=dt, offset=16 * n).reshape(n, info.row_bytes // dt.itemsize).copy()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Record(hookpoint={self.hookpoint}, step={self.step}, rows={len(self.rows)}, dtype={self.dtype})"
 
 
@@ -103,7 +103,7 @@ class Subscription:
             _check(st)
             return Record(info, self._buf.raw[: info.needed])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Record]:
         while True:
             try:
                 r = self.poll(1.0)
@@ -227,8 +227,8 @@ class Session:
             _check(lib.rs_set_rows(self._h, hp, 2, a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), a.size))
 
     # -- steps and captures --------------------------------------------------------------------------------------
-    def begin_step(self, step: int, request_ids: Sequence[int], positions: Sequence[int],
-                   stream: Optional[int] = None) -> None:
+    def begin_step(self, step: int, request_ids: "Sequence[int] | np.ndarray",
+                   positions: "Sequence[int] | np.ndarray", stream: Optional[int] = None) -> None:
         """Starts a step: row i of every tensor captured in it belongs to ``request_ids[i]`` at ``positions[i]``.
         With the CUDA backend pass the engine's ``stream`` (a ``CUstream`` handle as an int, e.g.
         ``torch.cuda.current_stream().cuda_stream``)."""
@@ -482,7 +482,7 @@ class Session:
         _check(st)
         return self._alert(a)
 
-    def alerts(self, timeout: Optional[float] = 0.0):
+    def alerts(self, timeout: Optional[float] = 0.0) -> Iterator[Alert]:
         """Iterates over the probes' alerts (:class:`Alert`) as they come, and stops when none came for
         ``timeout`` seconds (default 0: the alerts queued now; ``None``: never — until the session is closed and
         every alert was delivered, e.g. from a monitoring thread). Checked before the first alert is taken."""
@@ -605,7 +605,7 @@ class Session:
         out = []
         for i in range(n.value):
             ps, name = _named_snapshot(lib.rs_probe_stats, self._h, i, _ProbeSnapshot)
-            names = {"hookpoint": None, "scores_hookpoint": None}
+            names: Dict[str, Optional[str]] = {"hookpoint": None, "scores_hookpoint": None}
             if self.totals is None:  # hookpoints are named by an open session only
                 names = {"hookpoint": self._hookpoint_name(ps.hookpoint),
                          "scores_hookpoint": self._hookpoint_name(ps.scores_hookpoint)}
@@ -641,7 +641,7 @@ class Session:
             self.totals = c.to_dict()
         return self.totals
 
-    def __enter__(self):
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc):

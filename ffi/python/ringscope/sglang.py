@@ -253,7 +253,8 @@ def _patch() -> None:
     http_server = None
     if multiprocessing.parent_process() is None:
         try:
-            from sglang.srt.entrypoints import http_server
+            # An optional import over the None above (mypy sees a redefinition).
+            from sglang.srt.entrypoints import http_server  # type: ignore[no-redef]
         except ImportError as e:
             logger.debug("ringscope: no SGLang HTTP server here (%s)", e)
     run = http_server.__dict__.get("_setup_and_run_http_server") if http_server is not None else None

@@ -17,7 +17,7 @@ import os
 import pathlib
 import struct
 import zlib
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -313,8 +313,9 @@ class _Series:
 
     def __init__(self, name: str, downcast: bool):
         self.name, self.downcast = name, downcast
-        self.first = None  # (path, dtype name, row bytes) of the first file checked
-        self.dtype = None
+        # (path, dtype name, row bytes) of the first file checked
+        self.first: Optional[Tuple[pathlib.Path, str, int]] = None
+        self.dtype: Optional[str] = None
 
     def check(self, path, meta: dict, schema) -> None:
         import pyarrow as pa
@@ -417,7 +418,7 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
     columns = ["activation", *META_COLUMNS] if with_meta else ["activation"]
     rng = np.random.default_rng(seed)
     shards = _Shard(index, count)
-    by_series = {}
+    by_series: Dict[Tuple[str, bool], List[pathlib.Path]] = {}
     for name, f in files:
         # A hookpoint's downcast rows have another row size: they are batched apart from its full-precision rows.
         by_series.setdefault((name, f.parent.name == f"_{ROWSCALED}"), []).append(f)
@@ -442,7 +443,9 @@ def _shuffled(chunks, capacity: int, batch_size: int, rng):
     each ``batch_size`` rows that come in take the places of as many rows drawn from random places of it, which go
     out (a batch costs O(batch_size), whatever the buffer's size); at the end the rows it holds go out in random
     order. Every row goes out exactly once."""
-    acts, meta, fill = None, None, 0
+    acts: Optional[np.ndarray] = None
+    meta: Optional[Dict[str, np.ndarray]] = None  # None exactly while acts is
+    fill = 0
 
     def grow(rows, row_meta, need):
         # The buffer is allocated as it fills (doubling up to `capacity`): a large buffer over a small run stays small.
@@ -461,6 +464,7 @@ def _shuffled(chunks, capacity: int, batch_size: int, rng):
             if fill < capacity:
                 if acts is None or fill == len(acts):
                     acts, meta = grow(rows, row_meta, fill + n - at)
+                assert meta is not None  # allocated with acts
                 k = min(len(acts) - fill, n - at)
                 acts[fill:fill + k] = rows[at:at + k]
                 for c in meta:
@@ -468,6 +472,7 @@ def _shuffled(chunks, capacity: int, batch_size: int, rng):
                 fill += k
                 at += k
                 continue
+            assert acts is not None and meta is not None  # full: fill == capacity >= 1 rows held
             k = min(batch_size, capacity, n - at)
             slots = rng.choice(capacity, k, replace=False)
             out = acts[slots], {c: v[slots] for c, v in meta.items()}  # copies: the slots are refilled next
@@ -477,6 +482,7 @@ def _shuffled(chunks, capacity: int, batch_size: int, rng):
             at += k
             yield out
     if fill:
+        assert acts is not None and meta is not None  # rows are held
         order = rng.permutation(fill)
         for lo in range(0, fill, batch_size):
             take = order[lo:lo + batch_size]
@@ -485,7 +491,9 @@ def _shuffled(chunks, capacity: int, batch_size: int, rng):
 
 def _batched(series: _Series, chunks, batch_size: int, drop_last: bool, with_meta: bool):
     """Batches of ``batch_size`` rows cut from ``chunks`` in order (a batch inside one chunk is a view of it)."""
-    pending, held = [], 0  # (activation uint8 rows, meta) chunks not yet emitted, in order
+    # (activation uint8 rows, meta) chunks not yet emitted, in order
+    pending: List[Tuple[np.ndarray, Dict[str, np.ndarray]]] = []
+    held = 0
 
     def take(k):
         nonlocal held

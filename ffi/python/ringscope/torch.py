@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -272,7 +272,7 @@ class Attachment:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  "attach: request ids were set while a CUDA graph is being recorded; set them before "
                                  "recording or between replays")
-        new = _device_ids(self._request_ids) if ids is not None else None
+        new = _device_ids(cast(List[int], self._request_ids)) if ids is not None else None  # set from ids above
         for t in self._id_tensors():
             if new is None:
                 t.copy_(torch.arange(t.numel(), dtype=torch.int64))
@@ -287,7 +287,7 @@ class Attachment:
         recording)."""
         self.request_ids = request_ids
         dev = torch.device(device) if device is not None else next(self.model.parameters()).device
-        self._request_id_tensor(dev, len(self._request_ids))
+        self._request_id_tensor(dev, len(cast(List[int], self._request_ids)))  # set from request_ids above
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """Makes control changes (``session.set_enabled`` etc.) reach recorded CUDA graphs whose steps begin inside
@@ -760,7 +760,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     dt = _TORCH_DTYPES[dtype]
     hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
     # What will be captured: (name, site, layer, row width, module, pick).
-    planned = []
+    planned: List[Tuple[str, str, Optional[int], int, Any, Callable[[Any], Any]]] = []
     for i in chosen:
         layer = decoder_layers[i]
         if "residual" in sites:
@@ -889,7 +889,7 @@ def _probe_stopping_criteria_class():
     return ProbeStoppingCriteria
 
 
-_LAZY = {}
+_LAZY: Dict[str, type] = {}
 
 
 def __getattr__(name):

@@ -231,8 +231,9 @@ def _patch_runners() -> None:
                                          "which the plugin does not support: serve with VLLM_USE_V2_MODEL_RUNNER=0 "
                                          f"(the V1 GPUModelRunner), or unset {ENV_CONFIG}")
                 return lm(self, *args, **kwargs)
-            refuse._ringscope = True
-            refuse.__wrapped__ = lm
+            # Marks on the function object, as on the other wrappers (mypy types a def as having no attributes).
+            refuse._ringscope = True  # type: ignore[attr-defined]
+            refuse.__wrapped__ = lm  # type: ignore[attr-defined]
             v2.load_model = refuse
 
 
