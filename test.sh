@@ -64,6 +64,35 @@ summary() {
 }
 trap summary EXIT
 
+# --- Background jobs: the machine has few cores and several parts of the suite keep only one of them busy (an engine
+# on CPU, Miri, downloads), so those run beside others. Each one's output goes to ringscope-out/logs/NAME.log and is
+# shown whole when it is joined; a job that failed fails the run there.
+mkdir -p ringscope-out/logs
+background=()
+start_job() {  # start_job NAME COMMAND...
+  local name=$1
+  shift
+  "$@" > "ringscope-out/logs/$name.log" 2>&1 &
+  background+=("$name:$!:$(date +%s)")
+  echo "== $name: started beside the rest (ringscope-out/logs/$name.log)"
+}
+join_job() {  # join_job NAME: waits for it, shows its output, fails if it failed
+  local job name pid started rc
+  for job in "${background[@]}"; do
+    IFS=: read -r name pid started <<< "$job"
+    [ "$name" = "$1" ] || continue
+    rc=0
+    wait "$pid" || rc=$?
+    echo "== $name (beside the rest, $(($(date +%s) - started)) s since it started): $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)")"
+    sed 's/^/   | /' "ringscope-out/logs/$name.log"
+    stage_lines+=("$(printf '%6s    %s (beside the rest: %d s)' "" "$name" $(($(date +%s) - started)))")
+    [ $rc = 0 ] || { echo "test.sh: $name failed (its output above)" >&2; return 1; }
+    return 0
+  done
+  echo "test.sh: no background job named $1" >&2
+  return 1
+}
+
 # --- The torch-free Python environment ------------------------------------------------------------------------------
 stage "python environment"
 free_gb=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }') || free_gb=""
@@ -86,29 +115,12 @@ nvrtc_dir=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__
 export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export RINGSCOPE_REQUIRE_NVRTC=1
 
-# The engines' environments (a few GB of downloads the first time, nothing once cached) are made in the background
-# while the Rust tests compile; their output goes to a log, shown if they fail.
-engine_setup=()
+# The engines' environments (a few GB of downloads the first time, nothing once cached) are made while the Rust tests
+# compile.
 if [ $quick = 0 ]; then
-  mkdir -p ringscope-out
-  for engine in vllm sglang; do
-    tests/engine.sh $engine --setup > "ringscope-out/setup-$engine.log" 2>&1 &
-    engine_setup+=("$engine:$!")
-  done
+  start_job vllm-env tests/engine.sh vllm --setup
+  start_job sglang-env tests/engine.sh sglang --setup
 fi
-engine_ready() {  # waits for the background setup of one engine's environment
-  local e pid
-  for e in "${engine_setup[@]}"; do
-    [ "${e%%:*}" = "$1" ] || continue
-    pid=${e#*:}
-    if ! wait "$pid"; then
-      cat "ringscope-out/setup-$1.log" >&2
-      echo "test.sh: setting up the $1 tests' environment failed (log above)" >&2
-      return 1
-    fi
-    tail -n 3 "ringscope-out/setup-$1.log"
-  done
-}
 
 # --- Rust -----------------------------------------------------------------------------------------------------------
 target="${CARGO_TARGET_DIR:-target}"
@@ -116,26 +128,27 @@ stage "rust tests (cargo test --workspace)"
 cargo test --workspace
 
 if [ $quick = 0 ]; then
-  stage "loom model check of the ring protocol"
-  RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
-    cargo test -p ringscope-ring --release --test loom --target-dir "$target/loom"
-
-  # Miri (undefined behaviour and data races) on a nightly toolchain with the miri component, installed through rustup
-  # the first time. Without rustup this is skipped with a message, unless RINGSCOPE_REQUIRE_MIRI=1 (CI).
-  stage "miri on the host ring's and the leases' unsafe code"
+  # Miri on the host ring's and the leases' unsafe code (undefined behaviour and data races), on a nightly toolchain
+  # with the miri component, installed through rustup the first time; it interprets the tests on one core, beside the
+  # rest. Without rustup it is skipped with a message,
+  # unless RINGSCOPE_REQUIRE_MIRI=1 (CI).
   if command -v rustup >/dev/null; then
     if ! cargo +nightly miri --version >/dev/null 2>&1; then
-      echo "== installing a nightly toolchain with Miri (first run only)"
+      stage "installing a nightly toolchain with Miri (first run only)"
       rustup toolchain install nightly --profile minimal --component miri,rust-src
     fi
-    MIRIFLAGS="-Zmiri-disable-isolation" cargo +nightly miri test -p ringscope-ring --lib --target-dir "$target/miri" \
-      -- host:: lease:: space::
+    start_job miri env MIRIFLAGS="-Zmiri-disable-isolation" \
+      cargo +nightly miri test -p ringscope-ring --lib --target-dir "$target/miri" -- host:: lease:: space::
   elif [ "${RINGSCOPE_REQUIRE_MIRI:-0}" = 1 ]; then
     echo "test.sh: Miri needs rustup (to install a nightly toolchain with the miri component)" >&2
     exit 1
   else
     echo "== skipping Miri: no rustup to install a nightly toolchain with it"
   fi
+
+  stage "loom model check of the ring protocol"
+  RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 \
+    cargo test -p ringscope-ring --release --test loom --target-dir "$target/loom"
 fi
 
 # The C library (.so and .a), inspect and the examples, from the dependencies `cargo test` built: `--tests` makes cargo
@@ -168,24 +181,21 @@ PYTHONPATH="$PWD/ffi/python" "$py" -m pytest -q -p no:cacheprovider tests/python
 
 stage "mypy on the Python package"
 MYPYPATH=ffi/python "$py" -m mypy --config-file ffi/python/pyproject.toml -p ringscope
+if command -v rustup >/dev/null; then
+  join_job miri
+fi
 
-# --- torch / Hugging Face and the engines: each engine pins its own torch (tests/engine.sh). The torch tests of
-# tests/python run in the vLLM one (torch and transformers must be there: RINGSCOPE_REQUIRE_TORCH).
-stage "python tests with torch and Hugging Face (vLLM's environment)"
-engine_ready vllm
+# --- torch / Hugging Face and the engines: each engine pins its own torch (tests/engine.sh); the torch tests of
+# tests/python run in the vLLM one (torch and transformers must be there: RINGSCOPE_REQUIRE_TORCH). The SGLang suite's
+# first pass (its launch_server runs, the longest part) runs beside the rest; each engine keeps about one core busy.
+stage "engine environments"
+join_job vllm-env
+join_job sglang-env
+
+stage "engines: SGLang (first pass) beside torch / Hugging Face, vLLM, SGLang (overlap scheduler)"
+start_job sglang-tests tests/engine.sh sglang tests/sglang
 RINGSCOPE_REQUIRE_TORCH=1 tests/engine.sh vllm tests/python -m torch
-
-# The two engine suites side by side: each keeps about one core busy (an engine on CPU, its processes mostly waiting on
-# one another), so together they take about as long as the longer one. The vLLM suite's output is shown when it ends.
-stage "vLLM and SGLang plugins against real engines on CPU (side by side)"
-engine_ready sglang
-tests/engine.sh vllm tests/vllm > ringscope-out/vllm-tests.log 2>&1 &
-vllm_pid=$!
-sglang_rc=0
-tests/sglang/run.sh || sglang_rc=$?
-vllm_rc=0
-wait "$vllm_pid" || vllm_rc=$?
-echo "== the vLLM suite's output"
-cat ringscope-out/vllm-tests.log
-[ "$vllm_rc" = 0 ] || { echo "test.sh: the vLLM plugin's tests failed (exit $vllm_rc)" >&2; exit 1; }
-[ "$sglang_rc" = 0 ] || { echo "test.sh: the SGLang plugin's tests failed (exit $sglang_rc)" >&2; exit 1; }
+tests/engine.sh vllm tests/vllm
+echo "== SGLang again with its overlap scheduler (its default; the server runs only in the first pass)"
+RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang tests/sglang -k "not unsupported and not launch_server"
+join_job sglang-tests

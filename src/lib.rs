@@ -49,6 +49,7 @@ pub mod metrics;
 mod probes;
 mod session;
 pub mod stats;
+mod step_policy;
 #[cfg(feature = "synthetic")]
 pub mod synthetic;
 

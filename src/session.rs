@@ -21,11 +21,12 @@ use ringscope_ring::RowMeta;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, Started};
+use crate::backend::{Backend, Rows, Started};
 use crate::config::{self, Config};
 use crate::governor::{self, Governor};
 use crate::metrics::MetricsServer;
 use crate::stats::{Observer, SessionStats, StepClock};
+use crate::step_policy::StepPolicy;
 use crate::Error;
 
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
@@ -108,16 +109,12 @@ pub struct Session {
     commits: ringscope_exporter::Commits,
     /// The policy manager (best-effort mode with budgets), deciding at step boundaries.
     governor: Option<Governor>,
-    /// Full mode: what a step that found no room by the deadline does.
-    on_deadline: config::OnDeadline,
+    /// Full mode's wait budgets per step and what a step out of time does (`policy.on_deadline`).
+    step_policy: StepPolicy,
     /// Steps begun, and their batches' rows and requests (the policy manager's production measure).
     steps: StepTally,
-    /// `policy.max_step_overhead`: full-mode waits per step bounded by this share of the step time.
-    max_step_overhead: Option<f64>,
     /// `policy.host_memory` (without it, the live destinations' backlogs together are the host budget).
     host_memory: Option<u64>,
-    /// The step whose deadline passed with `on_deadline = "degrade"`: its remaining captures do not wait.
-    degraded_step: Mutex<Option<u64>>,
     /// What `stats` reads (shared with the metrics endpoint's thread); outlives the drain.
     observer: Arc<Observer>,
     /// The Prometheus endpoint (`[metrics] listen`), stopped at shutdown.
@@ -141,20 +138,6 @@ struct StepTally {
     rows: AtomicU64,
     requests: AtomicU64,
     last: AtomicU64,
-    /// The step-time budget of full-mode waits (`policy.max_step_overhead`).
-    watch: Mutex<StepWatch>,
-}
-
-/// Full mode with `policy.max_step_overhead`: the engine's step time without waits (smoothed), and the waits of the
-/// open step so far, so that each step waits at most its share.
-#[derive(Debug, Default)]
-struct StepWatch {
-    /// When the open step began, and the session's wait total then.
-    begun: Option<(std::time::Instant, Duration)>,
-    /// Mean step time without waits.
-    work: Option<Duration>,
-    /// The open step's wait budget.
-    budget: Duration,
 }
 
 impl StepTally {
@@ -345,11 +328,13 @@ impl SessionBuilder {
                     .collect();
                 Governor::new(config.policy.planner_settings(), priorities, true)
             }),
-            on_deadline: config.policy.on_deadline,
+            step_policy: StepPolicy::new(
+                policy.full_deadline,
+                config.policy.max_step_overhead.filter(|_| config.policy.mode == Mode::Full),
+                config.policy.on_deadline,
+            ),
             steps: StepTally::default(),
-            max_step_overhead: config.policy.max_step_overhead.filter(|_| config.policy.mode == Mode::Full),
             host_memory: config.policy.host_memory.map(|b| b.0),
-            degraded_step: Mutex::new(None),
             observer,
             metrics: Mutex::new(metrics),
             metrics_addr,
@@ -481,16 +466,8 @@ impl Session {
         if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {
             self.observer.steps.begun(Some(step));
         }
-        match begun {
-            // With `on_deadline = "degrade"` the engine goes on without an error.
-            Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
-                if self.on_deadline == config::OnDeadline::Degrade =>
-            {
-                self.log_degraded_step(step, "");
-                Ok(())
-            }
-            other => other,
-        }
+        // With `on_deadline = "degrade"` the engine goes on without an error.
+        self.step_policy.admitted(begun, || self.log_degraded_step(step, ""))
     }
 
     /// At each step's start: tallies the batch, sets the step's wait budget, and lets the policy manager decide (at
@@ -500,8 +477,12 @@ impl Session {
         // produced yet).
         self.govern();
         self.steps.begun(batch);
-        if let Some(share) = self.max_step_overhead {
-            let budget = self.next_wait_budget(share);
+        self.set_wait_budget();
+    }
+
+    /// A step begins: with `policy.max_step_overhead`, its wait budget (the step policy's) goes to the backend.
+    fn set_wait_budget(&self) {
+        if let Some(budget) = self.step_policy.step_begins(Instant::now(), self.waited()) {
             let _ = self.with_capture(|c| {
                 c.backend.set_step_deadline(budget);
                 Ok(())
@@ -509,40 +490,9 @@ impl Session {
         }
     }
 
-    /// The wait budget of the step that begins now: `share` of the engine's recent step time without waits (at most
-    /// the full-mode deadline; the whole deadline until a step time is known).
-    fn next_wait_budget(&self, share: f64) -> Duration {
-        let now = std::time::Instant::now();
-        let waited = self.registry.stall().total().1;
-        let mut w = self.steps.watch.lock();
-        if let Some((at, waited_then)) = w.begun {
-            let work = now.duration_since(at).saturating_sub(waited.saturating_sub(waited_then));
-            w.work = Some(match w.work {
-                Some(m) => m.mul_f64(0.8) + work.mul_f64(0.2),
-                None => work,
-            });
-        }
-        w.begun = Some((now, waited));
-        w.budget = w.work.map_or(self.policy.full_deadline, |m| m.mul_f64(share).min(self.policy.full_deadline));
-        w.budget
-    }
-
-    /// The open step's wait budget.
-    fn wait_budget(&self) -> Duration {
-        match self.max_step_overhead {
-            Some(_) => self.steps.watch.lock().budget,
-            None => self.policy.full_deadline,
-        }
-    }
-
-    /// What is left of the open step's wait budget (the full deadline without `policy.max_step_overhead`).
-    fn remaining_wait(&self) -> Duration {
-        if self.max_step_overhead.is_none() {
-            return self.policy.full_deadline;
-        }
-        let w = self.steps.watch.lock();
-        let waited_then = w.begun.map_or(Duration::ZERO, |b| b.1);
-        w.budget.saturating_sub(self.registry.stall().total().1.saturating_sub(waited_then))
+    /// What the session's full-mode waits took, in all so far.
+    fn waited(&self) -> Duration {
+        self.registry.stall().total().1
     }
 
     /// One decision of the policy manager, if it runs and a tick has passed.
@@ -678,7 +628,7 @@ impl Session {
             detail: format!(
                 "no room within the step's wait budget ({:.3} ms: policy.full_deadline_ms, or policy.max_step_overhead \
                  of the step time): the step went on as in best-effort (policy.on_deadline = \"degrade\")",
-                self.wait_budget().as_secs_f64() * 1e3
+                self.step_policy.budget().as_secs_f64() * 1e3
             ),
             request_id: None,
             first_position: None,
@@ -698,15 +648,7 @@ impl Session {
         if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {
             self.observer.steps.begun(None);
         }
-        match begun {
-            Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
-                if self.on_deadline == config::OnDeadline::Degrade =>
-            {
-                self.log_degraded_step(crate::GRAPH_STEP, "");
-                Ok(())
-            }
-            other => other,
-        }
+        self.step_policy.admitted(begun, || self.log_degraded_step(crate::GRAPH_STEP, ""))
     }
 
     /// CUDA backend, full mode: admits the next replay of a CUDA graph whose step is begun inside it
@@ -731,22 +673,9 @@ impl Session {
         }
         self.check_sinks()?;
         self.govern();
-        if let Some(share) = self.max_step_overhead {
-            let budget = self.next_wait_budget(share);
-            let _ = self.with_capture(|c| {
-                c.backend.set_step_deadline(budget);
-                Ok(())
-            });
-        }
-        match self.with_capture(|c| c.backend.admit_graph_step(&self.registry, rows, stream)) {
-            Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))
-                if self.on_deadline == config::OnDeadline::Degrade =>
-            {
-                self.log_degraded_step(crate::GRAPH_STEP, "");
-                Ok(())
-            }
-            other => other,
-        }
+        self.set_wait_budget();
+        let admitted = self.with_capture(|c| c.backend.admit_graph_step(&self.registry, rows, stream));
+        self.step_policy.admitted(admitted, || self.log_degraded_step(crate::GRAPH_STEP, ""))
     }
 
     /// CUDA backend: uploads control changes (enable, every-N, rows) on the engine's `stream`, in stream order, so
@@ -839,23 +768,23 @@ impl Session {
     fn capture_rows(&self, hp: &HookPoint, data: &[u8]) -> Result<CaptureOutcome, Error> {
         self.check_sinks()?;
         let step = self.steps.last.load(Ordering::Relaxed);
-        if self.policy.mode == Mode::Full && self.on_deadline == config::OnDeadline::Degrade {
+        if self.policy.mode == Mode::Full && self.step_policy.degrades() {
             // A step whose deadline passed (or whose wait budget is spent) goes on as in best-effort: nothing more of
             // it waits.
-            let remaining = self.remaining_wait();
-            if remaining.is_zero() && *self.degraded_step.lock() != Some(step) {
-                *self.degraded_step.lock() = Some(step);
+            let remaining = self.step_policy.remaining(self.waited());
+            if remaining.is_zero() && self.step_policy.latch(step) {
                 self.log_degraded_step(step, &hp.spec().name);
             }
-            if *self.degraded_step.lock() == Some(step) {
+            if self.step_policy.latched(step) {
                 let best_effort = LossPolicy { mode: Mode::BestEffort, ..self.policy };
                 return self.with_capture(|c| c.backend.capture(&best_effort, hp, data));
             }
             let policy = LossPolicy { full_deadline: remaining, ..self.policy };
             return match self.with_capture(|c| c.backend.capture(&policy, hp, data)) {
                 Err(Error::HookPoint(HookPointError::Deadline { .. })) => {
-                    *self.degraded_step.lock() = Some(step);
-                    self.log_degraded_step(step, &hp.spec().name);
+                    if self.step_policy.latch(step) {
+                        self.log_degraded_step(step, &hp.spec().name);
+                    }
                     Ok(CaptureOutcome::Dropped(DropReason::Deadline))
                 }
                 other => other,
@@ -875,7 +804,7 @@ impl Session {
     /// returned before anything is launched. What cannot be checked — that the memory stays allocated until the
     /// captures reading it have run — is the promise of [`DevicePtr::from_raw`].
     pub fn capture_device(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
-        self.capture_device_rows(id, ptr, rows, false, stream)
+        self.capture_device_rows(id, ptr, rows, Rows::Batch, stream)
     }
 
     /// CUDA backend: like [`capture_device`](Self::capture_device), from a source that holds one row per request —
@@ -884,7 +813,7 @@ impl Session {
     /// probes) as the step's `k`-th last row per request, with that row's request and position. Refused for a
     /// hookpoint that selects a list of batch rows, and in steps begun inside a CUDA graph.
     pub fn capture_device_last_rows(&self, id: u32, ptr: DevicePtr, rows: u32, stream: StreamRef) -> Result<(), Error> {
-        self.capture_device_rows(id, ptr, rows, true, stream)
+        self.capture_device_rows(id, ptr, rows, Rows::LastPerRequest, stream)
     }
 
     fn capture_device_rows(
@@ -892,17 +821,17 @@ impl Session {
         id: u32,
         ptr: DevicePtr,
         rows: u32,
-        last_rows: bool,
+        source: Rows,
         stream: StreamRef,
     ) -> Result<(), Error> {
         let hp = self.registry.get(id)?;
         self.check_sinks()?;
         let fused = self.probes.as_ref().and_then(|p| p.fused.get(&id));
         self.with_capture(|c| {
-            c.backend.capture_device(&hp, ptr, rows, last_rows, stream.clone())?;
+            c.backend.capture_device(&hp, ptr, rows, source, stream.clone())?;
             // Fused probes: a score kernel on the same rows, then the capture of the scores (both recordable).
             for f in fused.into_iter().flatten() {
-                c.backend.capture_fused_device(f.index, &hp, &f.scores, ptr, rows, last_rows, stream.clone())?;
+                c.backend.capture_fused_device(f.index, &hp, &f.scores, ptr, rows, source, stream.clone())?;
             }
             Ok(())
         })

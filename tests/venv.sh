@@ -8,7 +8,9 @@
 # ${RINGSCOPE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/ringscope}/NAME-HASH, HASH standing for the requirement files and
 # the install commands. A fresh clone of an unchanged checkout so finds the environment an earlier run built (several
 # GB and minutes of downloads) instead of building it again; a changed pin names another directory, and the
-# environments of NAME that it replaces are deleted (only those made by these scripts: they hold a record).
+# environments of NAME that it replaces are deleted (only those made by these scripts: they hold a record). A new
+# environment's large files that another cached one holds byte for byte (both engines' torch builds pull the same
+# NVIDIA wheels) are hard-linked to it (tests/share_files.py): the disk is shared, the environments stay independent.
 #
 #   ensure_venv DIR INSTALL_FUNCTION FILE...
 #
@@ -48,7 +50,17 @@ ensure_cached_venv() {
       rm -rf "$old"
     fi
   done
+  _ringscope_built=0
   ensure_venv "$dir" "$install" "$@"
+  if [ "$_ringscope_built" = 1 ]; then
+    # The engines' torch builds pull the same NVIDIA wheels: share their files with the other cached environments.
+    local others=()
+    for old in "$cache"/*/; do
+      old=${old%/}
+      [ "$old" != "$dir" ] && [ -f "$old/.ringscope-env" ] && others+=("$old")
+    done
+    [ ${#others[@]} = 0 ] || python3 "$(dirname "${BASH_SOURCE[0]}")/share_files.py" "$dir" "${others[@]}"
+  fi
 }
 
 ensure_venv() {
@@ -92,5 +104,6 @@ ensure_venv() {
   "$install"
   printf '%s\n%s\n' "$wanted" "$(_ringscope_freeze "$dir")" > "$record"
   rm -f "$dir/.ringscope-building"
+  _ringscope_built=1
   echo "== $dir installed in $(( $(date +%s) - start )) s"
 }

@@ -12,7 +12,7 @@ use ringscope_policy::{LossPolicy, Mode};
 use ringscope_probe::{Action, Aggregation, Flags, Probe};
 use ringscope_ring::cuda::{DeviceConsumer, DevicePtr, DeviceRing, DrainTuning, Gpu, StreamRef};
 
-use super::{Backend, Started};
+use super::{Backend, Rows, Started};
 use crate::config::RingConfig;
 use crate::Error;
 
@@ -132,14 +132,15 @@ impl Backend for CudaBackend {
         hp: &HookPoint,
         ptr: DevicePtr,
         rows: u32,
-        last_rows: bool,
+        source: Rows,
         stream: StreamRef,
     ) -> Result<(), Error> {
         self.open.ok_or(Error::NoStep)?;
-        if last_rows {
-            return Ok(self.capture.capture_last_rows(hp, ptr, rows, stream)?);
+        match source {
+            Rows::Batch => self.capture.capture(hp, ptr, rows, stream)?,
+            Rows::LastPerRequest => self.capture.capture_last_rows(hp, ptr, rows, stream)?,
         }
-        Ok(self.capture.capture(hp, ptr, rows, stream)?)
+        Ok(())
     }
 
     fn set_valid_rows_device(&mut self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
@@ -197,15 +198,14 @@ impl Backend for CudaBackend {
         scores: &HookPoint,
         ptr: DevicePtr,
         rows: u32,
-        last_rows: bool,
+        rows_of: Rows,
         stream: StreamRef,
     ) -> Result<(), Error> {
         let probe = self.probes.get(&index).ok_or(Error::Backend("a fused probe without its device tables"))?;
         let dtype = source.spec().dtype;
-        if last_rows {
-            self.capture.capture_probe_last_rows(probe, scores, ptr, dtype, rows, stream)?;
-        } else {
-            self.capture.capture_probe(probe, scores, ptr, dtype, rows, stream)?;
+        match rows_of {
+            Rows::Batch => self.capture.capture_probe(probe, scores, ptr, dtype, rows, stream)?,
+            Rows::LastPerRequest => self.capture.capture_probe_last_rows(probe, scores, ptr, dtype, rows, stream)?,
         }
         Ok(())
     }

@@ -31,6 +31,15 @@ pub(crate) struct Started {
     pub(crate) source: Box<dyn RecordSource>,
 }
 
+/// Which rows of a step a device source holds (the session's `capture_device` and `capture_device_last_rows`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// Row `k` is batch row `k` (a tensor over the step's token rows).
+    Batch,
+    /// Row `k` is the step's `k`-th last row per request (one row per request: a model's last-token outputs).
+    LastPerRequest,
+}
+
 /// What a session asks of the place records are born. A backend keeps its own open step and checks the order of
 /// calls ([`Error::StepOpen`], [`Error::NoStep`]); a call it cannot serve at all is [`Error::Backend`], before any
 /// other check.
@@ -90,14 +99,14 @@ pub(crate) trait Backend: Send {
         Err(Error::Backend(HOST_ONLY))
     }
 
-    /// CUDA backend: launches the capture of `hp` from `rows` rows at device address `ptr` on `stream` (`last_rows`:
-    /// row `k` is the step's `k`-th last row per request, not batch row `k`).
+    /// CUDA backend: launches the capture of `hp` from `rows` rows at device address `ptr` on `stream`, whose rows
+    /// are `source`'s.
     fn capture_device(
         &mut self,
         _hp: &HookPoint,
         _ptr: DevicePtr,
         _rows: u32,
-        _last_rows: bool,
+        _source: Rows,
         _stream: StreamRef,
     ) -> Result<(), Error> {
         Err(Error::Backend(CUDA_ONLY))
@@ -131,7 +140,7 @@ pub(crate) trait Backend: Send {
     }
 
     /// CUDA: scores `rows` rows of `source` at `ptr` with fused probe `index` and captures the scores as `scores`
-    /// (`last_rows` as for [`capture_device`](Self::capture_device)).
+    /// (`rows_of` as `source` for [`capture_device`](Self::capture_device)).
     #[allow(clippy::too_many_arguments)]
     fn capture_fused_device(
         &mut self,
@@ -140,7 +149,7 @@ pub(crate) trait Backend: Send {
         _scores: &HookPoint,
         _ptr: DevicePtr,
         _rows: u32,
-        _last_rows: bool,
+        _rows_of: Rows,
         _stream: StreamRef,
     ) -> Result<(), Error> {
         Err(Error::Backend(CUDA_ONLY))

@@ -1,4 +1,4 @@
-"""tests/venv.sh (sourced by test.sh and the engine tests' run.sh): a test environment is reused only while it holds
+"""tests/venv.sh (sourced by test.sh and tests/engine.sh): a test environment is reused only while it holds
 exactly what its requirement files pin; anything installed, upgraded or removed by hand since, or a changed
 requirement file, makes the next run build it again from scratch (a reused environment can never pass where a fresh
 one would fail). A directory the scripts did not make is refused, not deleted."""
@@ -57,3 +57,49 @@ def test_a_directory_the_scripts_did_not_make_is_refused_not_deleted(tmp_path):
     res = ensure(tmp_path, req)
     assert res.returncode != 0 and "was not made by the test scripts" in res.stderr, (res.stdout, res.stderr)
     assert (tmp_path / "env" / "mine.txt").read_text() == "keep me"
+
+
+def test_share_files_links_only_large_files_with_the_same_bytes(tmp_path):
+    """tests/share_files.py (run by tests/venv.sh after building an environment): a large file that another cached
+    environment holds byte for byte becomes a hard link to it; a file that differs, a small one, or one with another
+    mode stays a copy of its own; both environments keep every file whole when the other is deleted."""
+    import os
+    import shutil
+
+    big = os.urandom(2 << 20)
+    envs = {}
+    for name in ("a", "b"):
+        site = tmp_path / name / "lib" / "python3.11" / "site-packages" / "nvidia"
+        site.mkdir(parents=True)
+        (site / "same.so").write_bytes(big)
+        (site / "differs.so").write_bytes(big[:-1] + (b"x" if name == "a" else b"y"))
+        (site / "small.py").write_bytes(b"tiny")
+        (site / "mode.so").write_bytes(big)
+        os.chmod(site / "mode.so", 0o755 if name == "a" else 0o644)
+        envs[name] = site
+    res = subprocess.run(["python3", str(ROOT / "tests" / "share_files.py"), str(tmp_path / "b"), str(tmp_path / "a"),
+                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "1 files shared" in res.stdout, res.stdout
+    a, b = envs["a"], envs["b"]
+    assert os.stat(a / "same.so").st_ino == os.stat(b / "same.so").st_ino
+    for name in ("differs.so", "small.py", "mode.so"):
+        assert os.stat(a / name).st_ino != os.stat(b / name).st_ino, name
+    shutil.rmtree(tmp_path / "a")
+    assert (b / "same.so").read_bytes() == big
+
+
+def test_a_build_that_was_cut_short_is_built_again(tmp_path):
+    """A build interrupted before its record was written (test.sh stopped while an engine's environment was being
+    made in the background) is recognised by its marker and started again, not refused."""
+    req = tmp_path / "requirements.txt"
+    req.write_text("")
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / ".ringscope-building").write_text("")
+    (env / "half-installed.txt").write_text("")
+    res = ensure(tmp_path, req)
+    assert res.returncode == 0, res.stderr
+    assert "did not finish" in res.stdout and "installing-into" in res.stdout, res.stdout
+    assert not (env / "half-installed.txt").exists() and not (env / ".ringscope-building").exists()
+    assert (env / ".ringscope-env").exists()

@@ -248,7 +248,7 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
         rs.load_config(cfg)
     # The kill switch: configured, but off — nothing is patched.
     monkeypatch.setenv(rs.ENV_DISABLE, "1")
-    monkeypatch.setattr(rs, "_registered", False)
+    monkeypatch.setattr(rs._PLUGIN, "registered", False)
     rs.register()
     from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -257,6 +257,6 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     import sglang
 
     monkeypatch.setattr(sglang, "__version__", "0.4.0")
-    monkeypatch.setattr(rs, "_registered", False)
+    monkeypatch.setattr(rs._PLUGIN, "registered", False)
     with pytest.raises(RingscopeError, match="supports SGLang 0.5.23; this is SGLang 0.4.0"):
         rs.register()

@@ -29,7 +29,7 @@ def test_unsupported_vllm_version(monkeypatch, tmp_path):
     monkeypatch.setenv(rv.ENV_CONFIG, str(cfg))
     monkeypatch.delenv(rv.ENV_DISABLE, raising=False)
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    monkeypatch.setattr(rv, "_registered", False)
+    monkeypatch.setattr(rv._PLUGIN, "registered", False)
     with pytest.raises(RingscopeError, match=r"supports vLLM 0\.26\.x to 0\.32\.x; this is vLLM 0\.99\.0"):
         rv.register()
     for bad in ("0.25.1", "0.33.0", "1.0.0", "dev"):

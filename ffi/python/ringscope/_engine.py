@@ -19,7 +19,7 @@ import pathlib
 import signal
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import RingscopeError
 from .session import _current_stream
@@ -60,6 +60,58 @@ class PluginConfig:
         self.requests = requests
         self.source = source
         self.extra = extra  # the table's engine-specific keys, checked by the plugin
+
+
+class Plugin:
+    """The skeleton every engine plugin module is built on: the environment variables that switch it on
+    (``RINGSCOPE_<ENGINE>_CONFIG``) and off (``RINGSCOPE_<ENGINE>_DISABLE``), its configuration file (the engine's
+    table checked, engine-specific keys by ``extra_keys`` and ``finish_config``), registration (idempotent, once per
+    process: the engine's version checked, the configuration checked so that a bad file fails the first process with
+    the file named, the engine patched), and the captures alive in this process (kept until ``close_all``). A plugin
+    module makes one and exposes its methods as module functions; what differs between engines is what is patched."""
+
+    def __init__(self, table: str, title: str, env_config: str, env_disable: str, logger: logging.Logger,
+                 extra_keys: Tuple[str, ...] = (),
+                 finish_config: Optional[Callable[[PluginConfig], PluginConfig]] = None):
+        self.table, self.title = table, title
+        self.env_config, self.env_disable = env_config, env_disable
+        self.logger = logger
+        self.extra_keys = extra_keys
+        self._finish = finish_config or (lambda pc: pc)
+        self.lock = threading.Lock()
+        self.registered = False
+        self.live: List[Any] = []  # strong references to the live captures, until close_all (atexit)
+
+    def enabled(self) -> bool:
+        return bool(os.environ.get(self.env_config)) and not truthy(self.env_disable)
+
+    def load_config(self, path: "str | os.PathLike") -> PluginConfig:
+        return self._finish(load_config(path, self.table, self.env_config, extra_keys=self.extra_keys))
+
+    def parse_config(self, cfg: dict, source: str = "<dict>", base: Optional[pathlib.Path] = None) -> PluginConfig:
+        return self._finish(parse_config(cfg, self.table, source, base, extra_keys=self.extra_keys))
+
+    def register(self, check_version: Callable[[], None], patch: Callable[[], None]) -> None:
+        """Does nothing unless :meth:`enabled`; else, once per process: ``check_version()``, the configuration file
+        read and checked, ``patch()``."""
+        if not self.enabled():
+            if os.environ.get(self.env_config) and truthy(self.env_disable):
+                self.logger.info("ringscope: %s is set: capture is off", self.env_disable)
+            return
+        with self.lock:
+            if self.registered:
+                return
+            check_version()
+            self.load_config(os.environ[self.env_config])  # fail early on a bad file
+            patch()
+            self.registered = True
+            self.logger.info("ringscope: %s plugin registered (config %s)", self.title, os.environ[self.env_config])
+
+    def captures(self) -> list:
+        return list(self.live)
+
+    def close_all(self) -> list:
+        return close_live(self.live, self.logger)
 
 
 def load_config(path: "str | os.PathLike", table: str, env: str, extra_keys=()) -> PluginConfig:

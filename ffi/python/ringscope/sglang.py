@@ -83,7 +83,6 @@ import atexit
 import json
 import logging
 import os
-import threading
 import time
 from typing import Dict, List
 
@@ -108,51 +107,42 @@ SUPPORTED_SGLANG = ("0.5.23",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SIDE_DIR = "_ringscope_sglang"
 
-_lock = threading.Lock()
-_registered = False
-_LIVE: List["SglangCapture"] = []  # strong references until close_all (atexit) or ringscope_close
+_PLUGIN = _engine.Plugin("sglang", "SGLang", ENV_CONFIG, ENV_DISABLE, logger)
+_LIVE: List["SglangCapture"] = _PLUGIN.live  # strong references until close_all (atexit) or ringscope_close
 
 
 def enabled() -> bool:
     """Whether the plugin is configured (``RINGSCOPE_SGLANG_CONFIG``) and not switched off
     (``RINGSCOPE_SGLANG_DISABLE``)."""
-    return bool(os.environ.get(ENV_CONFIG)) and not _truthy(ENV_DISABLE)
+    return _PLUGIN.enabled()
 
 
 def load_config(path: "str | os.PathLike") -> PluginConfig:
     """Reads and checks a plugin configuration file (a ringscope TOML file with an optional ``[sglang]`` table)."""
-    return _engine.load_config(path, "sglang", ENV_CONFIG)
+    return _PLUGIN.load_config(path)
 
 
 def parse_config(cfg: dict, source: str = "<dict>", base=None) -> PluginConfig:
-    return _engine.parse_config(cfg, "sglang", source, base)
+    return _PLUGIN.parse_config(cfg, source, base)
 
 
 # -- registration --------------------------------------------------------------------------------------------------
+
+def _check_installed_version() -> None:
+    import sglang
+
+    version = getattr(sglang, "__version__", "?")
+    if version not in SUPPORTED_SGLANG:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.sglang supports SGLang {', '.join(SUPPORTED_SGLANG)}; this is SGLang "
+                             f"{version} (unset {ENV_CONFIG} to run without ringscope)")
+
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Idempotent; does nothing unless :func:`enabled`. Checks the SGLang
     version and the configuration file (a bad one fails the engine's start, with the file named) and wraps what the
     module docs list."""
-    global _registered
-    if not enabled():
-        if os.environ.get(ENV_CONFIG) and _truthy(ENV_DISABLE):
-            logger.info("ringscope: %s is set: capture is off", ENV_DISABLE)
-        return
-    with _lock:
-        if _registered:
-            return
-        import sglang
-
-        version = getattr(sglang, "__version__", "?")
-        if version not in SUPPORTED_SGLANG:
-            raise RingscopeError("RS_ERR_CONFIG",
-                                 f"ringscope.sglang supports SGLang {', '.join(SUPPORTED_SGLANG)}; this is SGLang "
-                                 f"{version} (unset {ENV_CONFIG} to run without ringscope)")
-        load_config(os.environ[ENV_CONFIG])  # fail early on a bad file
-        _patch()
-        _registered = True
-        logger.info("ringscope: SGLang plugin registered (config %s)", os.environ[ENV_CONFIG])
+    _PLUGIN.register(_check_installed_version, _patch)
 
 
 def check_device(device) -> None:
@@ -709,14 +699,14 @@ def _probe_stop(request_id: int, step: int):
 
 def captures() -> List[SglangCapture]:
     """The plugin's live captures in this process (the scheduler process holds the engine's)."""
-    return list(_LIVE)
+    return _PLUGIN.captures()
 
 
 def close_all() -> list:
     """Closes every capture of this process (also run at exit, on SIGINT / SIGTERM, and by ``Engine.shutdown``
     through the scheduler's ``ringscope_close``); returns their results."""
     with _engine.critical():
-        return _engine.close_live(_LIVE, logger)
+        return _PLUGIN.close_all()
 
 
 atexit.register(close_all)

@@ -80,7 +80,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from typing import Dict, List, Optional
 
@@ -129,14 +128,21 @@ def check_version(version: str) -> None:
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _SITES = _engine.SITES
 
-_lock = threading.Lock()
-_registered = False
-_LIVE: List["VllmCapture"] = []  # strong references until close_all (atexit)
+
+
+def _with_ranks(pc: PluginConfig) -> PluginConfig:
+    pc.ranks = _ranks(pc)
+    return pc
+
+
+_PLUGIN = _engine.Plugin("vllm", "vLLM", ENV_CONFIG, ENV_DISABLE, logger, extra_keys=("ranks",),
+                         finish_config=_with_ranks)
+_LIVE: List["VllmCapture"] = _PLUGIN.live  # strong references until close_all (atexit)
 
 
 def enabled() -> bool:
     """Whether the plugin is configured (``RINGSCOPE_VLLM_CONFIG``) and not switched off (``RINGSCOPE_VLLM_DISABLE``)."""
-    return bool(os.environ.get(ENV_CONFIG)) and not _truthy(ENV_DISABLE)
+    return _PLUGIN.enabled()
 
 
 def external_id(vllm_request_id: str) -> str:
@@ -165,38 +171,26 @@ def _ranks(pc: PluginConfig):
 
 def load_config(path: "str | os.PathLike") -> PluginConfig:
     """Reads and checks a plugin configuration file (a ringscope TOML file with an optional ``[vllm]`` table)."""
-    pc = _engine.load_config(path, "vllm", ENV_CONFIG, extra_keys=("ranks",))
-    pc.ranks = _ranks(pc)
-    return pc
+    return _PLUGIN.load_config(path)
 
 
 def parse_config(cfg: dict, source: str = "<dict>", base=None) -> PluginConfig:
-    pc = _engine.parse_config(cfg, "vllm", source, base, extra_keys=("ranks",))
-    pc.ranks = _ranks(pc)
-    return pc
+    return _PLUGIN.parse_config(cfg, source, base)
 
 
 # -- registration --------------------------------------------------------------------------------------------------
+
+def _check_installed_version() -> None:
+    import vllm
+
+    check_version(getattr(vllm, "__version__", "?"))
+
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Idempotent; does nothing unless :func:`enabled`. Checks the vLLM
     version and the configuration file (so a bad one fails in the first process, with the file named) and wraps
     the model runners' ``load_model`` and ``_model_forward``."""
-    global _registered
-    if not enabled():
-        if os.environ.get(ENV_CONFIG) and _truthy(ENV_DISABLE):
-            logger.info("ringscope: %s is set: capture is off", ENV_DISABLE)
-        return
-    with _lock:
-        if _registered:
-            return
-        import vllm
-
-        check_version(getattr(vllm, "__version__", "?"))
-        load_config(os.environ[ENV_CONFIG])  # fail early on a bad file
-        _patch_runners()
-        _registered = True
-        logger.info("ringscope: vLLM plugin registered (config %s)", os.environ[ENV_CONFIG])
+    _PLUGIN.register(_check_installed_version, _patch_runners)
 
 
 def _versioned_class(key: str):
@@ -514,12 +508,12 @@ class VllmCapture(EngineCapture):
 
 def captures() -> List[VllmCapture]:
     """The plugin's live captures in this process (with an in-process engine, the worker's)."""
-    return list(_LIVE)
+    return _PLUGIN.captures()
 
 
 def close_all() -> list:
     """Closes every capture of this process (also run at exit); returns their results."""
-    return _engine.close_live(_LIVE, logger)
+    return _PLUGIN.close_all()
 
 
 atexit.register(close_all)
