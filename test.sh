@@ -124,14 +124,27 @@ fi
 
 # --- Rust -----------------------------------------------------------------------------------------------------------
 target="${CARGO_TARGET_DIR:-target}"
+bin="$target/debug"
 stage "rust tests (cargo test --workspace)"
 cargo test --workspace
 
+# The C library (.so and .a), inspect and the examples, from the dependencies `cargo test` built: `--tests` makes cargo
+# resolve features as the tests did, so nothing but the workspace's own crates is linked again (without it the
+# dev-dependencies' features differ, and arrow and parquet would be built a second time).
+stage "the library, inspect and the examples (linked from what cargo test built)"
+cargo build --workspace --lib --bins --examples --tests
+# The Python tests (and the engines') use the package from the source tree with this library.
+export RINGSCOPE_LIB="$PWD/$bin/libringscope.so" RINGSCOPE_INSPECT="$PWD/$bin/inspect"
+
 if [ $quick = 0 ]; then
+  # The SGLang plugin's tests against a real SGLang engine on CPU, first pass (its launch_server runs, stopped eight
+  # ways, twice each: the longest part of the suite, about one core busy) from here on, beside everything below.
+  join_job sglang-env
+  start_job sglang-tests tests/engine.sh sglang tests/sglang
+
   # Miri on the host ring's and the leases' unsafe code (undefined behaviour and data races), on a nightly toolchain
   # with the miri component, installed through rustup the first time; it interprets the tests on one core, beside the
-  # rest. Without rustup it is skipped with a message,
-  # unless RINGSCOPE_REQUIRE_MIRI=1 (CI).
+  # rest. Without rustup it is skipped with a message, unless RINGSCOPE_REQUIRE_MIRI=1 (CI).
   if command -v rustup >/dev/null; then
     if ! cargo +nightly miri --version >/dev/null 2>&1; then
       stage "installing a nightly toolchain with Miri (first run only)"
@@ -151,12 +164,7 @@ if [ $quick = 0 ]; then
     cargo test -p ringscope-ring --release --test loom --target-dir "$target/loom"
 fi
 
-# The C library (.so and .a), inspect and the examples, from the dependencies `cargo test` built: `--tests` makes cargo
-# resolve features as the tests did, so nothing but the workspace's own crates is compiled again (without it the
-# dev-dependencies' features differ, and arrow and parquet would be built a second time).
-stage "example and inspect (the artifacts cargo test built)"
-cargo build --workspace --lib --bins --examples --tests
-bin="$target/debug"
+stage "example and inspect"
 rm -rf ringscope-out/ci
 "$bin/examples/dump_parquet" --layers 4 --hidden 512 --requests 48 --run-id ci --arrow-ipc
 "$bin/inspect" ringscope-out/ci
@@ -172,8 +180,7 @@ LD_LIBRARY_PATH="$bin" "$bin/c_engine" ringscope-out c-engine
 "$bin/c_engine_static" ringscope-out c-engine-static
 "$bin/inspect" ringscope-out/c-engine
 
-# --- Python: the package from the source tree with the library built above.
-export RINGSCOPE_LIB="$PWD/$bin/libringscope.so" RINGSCOPE_INSPECT="$PWD/$bin/inspect"
+# --- Python: the package from the source tree with the library built above, reading back both dumps.
 export RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine
 stage "python tests (torch-free)"
 PYTHONPATH="$PWD/ffi/python" "$py" -m pytest -q -p no:cacheprovider tests/python -m "not torch"
@@ -186,16 +193,16 @@ if command -v rustup >/dev/null; then
 fi
 
 # --- torch / Hugging Face and the engines: each engine pins its own torch (tests/engine.sh); the torch tests of
-# tests/python run in the vLLM one (torch and transformers must be there: RINGSCOPE_REQUIRE_TORCH). The SGLang suite's
-# first pass (its launch_server runs, the longest part) runs beside the rest; each engine keeps about one core busy.
-stage "engine environments"
+# tests/python run in the vLLM one (torch and transformers must be there: RINGSCOPE_REQUIRE_TORCH).
+stage "python tests with torch and Hugging Face (the vLLM tests' environment)"
 join_job vllm-env
-join_job sglang-env
-
-stage "engines: SGLang (first pass) beside torch / Hugging Face, vLLM, SGLang (overlap scheduler)"
-start_job sglang-tests tests/engine.sh sglang tests/sglang
 RINGSCOPE_REQUIRE_TORCH=1 tests/engine.sh vllm tests/python -m torch
+
+stage "vLLM plugin against a real vLLM engine on CPU"
 tests/engine.sh vllm tests/vllm
-echo "== SGLang again with its overlap scheduler (its default; the server runs only in the first pass)"
+
+stage "SGLang plugin again, with SGLang's overlap scheduler (its default; the server runs only in the first pass)"
 RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang tests/sglang -k "not unsupported and not launch_server"
+
+stage "SGLang plugin, first pass (started after the Rust tests)"
 join_job sglang-tests
