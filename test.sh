@@ -72,7 +72,8 @@ background=()
 start_job() {  # start_job NAME COMMAND...
   local name=$1
   shift
-  "$@" > "ringscope-out/logs/$name.log" 2>&1 &
+  rm -f "ringscope-out/logs/$name.end"
+  { "$@" && rc=0 || rc=$?; date +%s > "ringscope-out/logs/$name.end"; exit $rc; } > "ringscope-out/logs/$name.log" 2>&1 &
   background+=("$name:$!:$(date +%s)")
   echo "== $name: started beside the rest (ringscope-out/logs/$name.log)"
 }
@@ -83,9 +84,10 @@ join_job() {  # join_job NAME: waits for it, shows its output, fails if it faile
     [ "$name" = "$1" ] || continue
     rc=0
     wait "$pid" || rc=$?
-    echo "== $name (beside the rest, $(($(date +%s) - started)) s since it started): $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)")"
+    local took=$(($(cat "ringscope-out/logs/$name.end" 2>/dev/null || date +%s) - started))
+    echo "== $name (ran beside the rest for $took s): $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)")"
     sed 's/^/   | /' "ringscope-out/logs/$name.log"
-    stage_lines+=("$(printf '%6s    %s (beside the rest: %d s)' "" "$name" $(($(date +%s) - started)))")
+    stage_lines+=("$(printf '%6d s  %s (beside the rest)' "$took" "$name")")
     [ $rc = 0 ] || { echo "test.sh: $name failed (its output above)" >&2; return 1; }
     return 0
   done
