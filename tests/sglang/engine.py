@@ -95,6 +95,31 @@ STOPS = {
 PLACES = ("idle", "check", "busy")
 
 
+def server_port(socket) -> int:
+    """A free TCP port for the server, between 12000 and 21000: below the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range, 32768 and up by default) and below 22000-29999, where SGLang's engines pick their
+    own extra ports. A port from ``bind(0)`` is an ephemeral one, which any process running beside this test (test.sh
+    runs other suites at the same time) may be given for a connection between this check and the server's own bind —
+    seen once: "[Errno 98] address already in use", and a server that never became ready. Here only a process that asks
+    for this very port can take it (SGLang also takes ports up to 1000 above the server's)."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            top = min(21000, int(f.read().split()[0]) - 1000)
+    except (OSError, ValueError, IndexError):
+        top = 21000
+    for _ in range(200):
+        port = random.randrange(12000, top)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port between 12000 and {top}")
+
+
 def serve(out: str, model_dir: str, result: dict, stop: str, place: str) -> None:
     """Scenarios "server-STOP-PLACE": ``python -m sglang.launch_server`` in a process of its own, PHASE1's requests
     through its HTTP API, then the server stopped (``STOPS``) while its scheduler is held at ``PLACE``: idle, inside
@@ -105,9 +130,7 @@ def serve(out: str, model_dir: str, result: dict, stop: str, place: str) -> None
     import threading
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = server_port(socket)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--skip-tokenizer-init",
            "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native", "--disable-cuda-graph",
            "--max-total-tokens", "4096", "--max-running-requests", "8", "--mem-fraction-static", "0.5",
@@ -132,6 +155,9 @@ def serve(out: str, model_dir: str, result: dict, stop: str, place: str) -> None
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+                with open(log.name, errors="replace") as f:
+                    if "address already in use" in f.read():
+                        raise RuntimeError(f"the server could not bind port {port}: address already in use")
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=5) as r:
                         if r.status == 200:
