@@ -1,8 +1,8 @@
 """The Python package (ffi/python, ctypes over libringscope): a session from Python with numpy arrays, an online
 consumer, the read-back helper, and every bad input the API promises to turn into a RingscopeError.
 
-Uses the installed package (`pip install ./ffi/python`, as test.sh does) or, if it is not installed, the sources in
-ffi/python with the library that `cargo build --release -p ringscope-ffi` built (test.sh builds it).
+Uses the installed package (`pip install ./ffi/python`) or, if it is not installed, the sources in ffi/python with the
+library RINGSCOPE_LIB names (test.sh: the one `cargo test` built) or else `cargo build --release -p ringscope-ffi`'s.
 """
 import numpy as np
 import pytest

@@ -103,3 +103,14 @@ def test_a_build_that_was_cut_short_is_built_again(tmp_path):
     assert "did not finish" in res.stdout and "installing-into" in res.stdout, res.stdout
     assert not (env / "half-installed.txt").exists() and not (env / ".ringscope-building").exists()
     assert (env / ".ringscope-env").exists()
+
+
+def test_the_test_scripts_refuse_an_unknown_argument_by_name():
+    """./test.sh and tests/engine.sh: a mistyped option or engine is a clear error (exit 2, naming it and the usage),
+    before anything is built or installed."""
+    res = subprocess.run(["bash", str(ROOT / "test.sh"), "--quik"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "unknown argument '--quik'" in res.stderr and "--quick" in res.stderr, res.stderr
+    res = subprocess.run(["bash", str(ROOT / "tests" / "engine.sh"), "vlm"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "usage: tests/engine.sh vllm|sglang" in res.stderr and "'vlm'" in res.stderr, \
+        res.stderr
