@@ -451,6 +451,57 @@ pub struct ExportConfig {
     /// ring's memory without a copy); `"on"`: always (an error where unsupported); `"off"`: through the page cache.
     #[serde(default)]
     pub direct_io: ringscope_exporter::DirectIo,
+    /// Object storage the dump goes to instead of `dir`: `s3://bucket/prefix` (S3 and S3-compatible stores),
+    /// `gs://bucket/prefix`, `az://container/prefix`; `file:///path` is the local directory `/path`. The run is
+    /// written there with the layout it has on disk, each file streamed as a multipart upload.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Settings of the object store, after the environment's (`AWS_*`, `GOOGLE_*`, `AZURE_*`): the `object_store`
+    /// builders' keys, such as `aws_endpoint`, `aws_region`, `aws_allow_http`, `aws_virtual_hosted_style_request`.
+    /// Values are never printed.
+    #[serde(default)]
+    pub storage_options: StorageSettings,
+    /// Size of each uploaded part but a file's last (at least 5 MiB, S3's smallest).
+    #[serde(default = "default_upload_part_size")]
+    pub upload_part_size: ByteSize,
+    /// Parts of one file uploaded at once. Memory per open file on object storage: its buffers (as on disk) plus
+    /// `upload_part_size * (upload_concurrency + 1)`.
+    #[serde(default = "default_upload_concurrency")]
+    pub upload_concurrency: u32,
+    /// Retries of a failed request to the object store (exponential backoff from 100 ms).
+    #[serde(default = "default_upload_retries")]
+    pub upload_retries: u32,
+    /// No retry of a request starts later than this many seconds after its first attempt; a request that still
+    /// fails fails its file (its records counted as `sink_error` drops).
+    #[serde(default = "default_upload_retry_timeout_s")]
+    pub upload_retry_timeout_s: f64,
+}
+
+/// `export.storage_options`: key-value settings whose values may be secrets (`Debug` shows the keys only).
+#[derive(Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(transparent)]
+pub struct StorageSettings(pub std::collections::BTreeMap<String, String>);
+
+impl std::fmt::Debug for StorageSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
+fn default_upload_part_size() -> ByteSize {
+    ByteSize(8 << 20)
+}
+
+fn default_upload_concurrency() -> u32 {
+    2
+}
+
+fn default_upload_retries() -> u32 {
+    5
+}
+
+fn default_upload_retry_timeout_s() -> f64 {
+    30.0
 }
 
 impl Default for ExportConfig {
@@ -467,6 +518,12 @@ impl Default for ExportConfig {
             zstd_level: 1,
             threads: 1,
             direct_io: ringscope_exporter::DirectIo::Auto,
+            url: None,
+            storage_options: StorageSettings::default(),
+            upload_part_size: default_upload_part_size(),
+            upload_concurrency: default_upload_concurrency(),
+            upload_retries: default_upload_retries(),
+            upload_retry_timeout_s: default_upload_retry_timeout_s(),
         }
     }
 }
@@ -516,7 +573,11 @@ impl ExportConfig {
 
     /// The dataset options these settings describe (for the file sinks).
     pub fn dataset_options(&self) -> ringscope_exporter::DatasetOptions {
-        let mut o = ringscope_exporter::DatasetOptions::new(&self.dir);
+        let dir = match self.url.as_deref().and_then(|u| u.strip_prefix("file://")) {
+            Some(path) => path,
+            None => &self.dir,
+        };
+        let mut o = ringscope_exporter::DatasetOptions::new(dir);
         if let Some(id) = &self.run_id {
             o.run_id = id.clone();
         }
@@ -524,6 +585,31 @@ impl ExportConfig {
         o.max_file_bytes = self.max_file_size.0;
         o.direct_io = self.direct_io;
         o
+    }
+
+    /// The object storage `url` names (`None` for a local directory, `file://` included), opened and checked: a
+    /// missing bucket or refused credentials is an error here, naming the URL and never a secret.
+    pub fn open_storage(&self) -> Result<Option<ringscope_exporter::ObjectStorage>, Error> {
+        let Some(url) = self.url.as_deref().filter(|u| !u.starts_with("file://")) else { return Ok(None) };
+        let setting = |source: Box<dyn std::error::Error + Send + Sync>| Error::Setting { key: "export.url", source };
+        if self.dir != default_dir() {
+            let shown = ringscope_exporter::redact_url(url);
+            return Err(setting(
+                format!("both export.dir ({:?}) and export.url ({shown}) are set: give one", self.dir).into(),
+            ));
+        }
+        let timeout = self.upload_retry_timeout_s;
+        if !(timeout.is_finite() && (0.0..=3600.0).contains(&timeout)) {
+            return Err(Error::Config(format!("export.upload_retry_timeout_s = {timeout}: use 0 to 3600 seconds")));
+        }
+        let options = ringscope_exporter::StorageOptions {
+            options: self.storage_options.0.clone(),
+            part_bytes: usize::try_from(self.upload_part_size.0).unwrap_or(usize::MAX),
+            concurrency: self.upload_concurrency as usize,
+            max_retries: self.upload_retries as usize,
+            retry_timeout: Duration::from_secs_f64(timeout),
+        };
+        ringscope_exporter::ObjectStorage::open(url, options).map(Some).map_err(|e| setting(e.into()))
     }
 }
 

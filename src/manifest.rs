@@ -14,7 +14,9 @@
 //! `events` lists the files of the events table (`_ringscope_events/`: what was lost, when and why), each with its
 //! events and rows lost; over all of them, rows lost per (hookpoint, reason) equal the accounting's dropped rows.
 //!
-//! A manifest that cannot be written leaves nothing behind (its temporary file is removed).
+//! A manifest that cannot be written leaves nothing behind (its temporary file is removed). On object storage it is
+//! one `PUT`, after every data and events object of the rank is complete: a reader that finds the manifest finds a
+//! whole run (rank).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -87,7 +89,13 @@ fn sinks(report: &Report) -> Vec<Value> {
 
 /// Writes the manifest of `report` into `run_dir` atomically: a temporary file, synced, renamed into place. On
 /// failure the temporary file is removed, so a run whose manifest could not be written leaves no hidden debris.
-pub(crate) fn write(run_dir: &Path, rank: u32, registry: &Registry, report: &Report) -> std::io::Result<()> {
+pub(crate) fn write(
+    run_dir: &Path,
+    rank: u32,
+    storage: Option<&ringscope_exporter::ObjectStorage>,
+    registry: &Registry,
+    report: &Report,
+) -> std::io::Result<()> {
     let hookpoints: Vec<Value> = registry
         .all()
         .iter()
@@ -151,8 +159,12 @@ pub(crate) fn write(run_dir: &Path, rank: u32, registry: &Registry, report: &Rep
         "errors": report.drain.errors,
     });
     let name = file_name(rank);
-    let tmp = run_dir.join(format!(".{name}.inprogress"));
     let text = serde_json::to_string_pretty(&manifest).expect("plain JSON values");
+    if let Some(storage) = storage {
+        // One PUT: the object is there, whole, or not at all; written after every data and events object.
+        return storage.put(&run_dir.join(&name), text.into()).map(drop);
+    }
+    let tmp = run_dir.join(format!(".{name}.inprogress"));
     let written = std::fs::File::create(&tmp)
         .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
         .and_then(|()| std::fs::rename(&tmp, run_dir.join(&name)));

@@ -101,6 +101,8 @@ pub struct Session {
     /// This session's hold on its rank of the run directory (with a file sink), released once shutdown has written
     /// the manifest (which then keeps later sessions of the run and rank from writing over it).
     run_lock: Mutex<Option<ringscope_exporter::RunLock>>,
+    /// Object storage the run is written to (`export.url`), `None` for a local directory.
+    storage: Option<ringscope_exporter::ObjectStorage>,
     /// `export.rank`: names this session's manifest and events files in a run directory several ranks share.
     rank: u32,
     /// The drain's sink failures, updated by the sink workers as they happen; outlives the drain.
@@ -154,9 +156,17 @@ pub struct SessionBuilder {
     config: Config,
     sinks: Vec<(Box<dyn Sink>, Filter)>,
     probes: Vec<(ringscope_probe::ProbeDef, config::ProbeMode)>,
+    storage: Option<ringscope_exporter::ObjectStorage>,
 }
 
 impl SessionBuilder {
+    /// Writes the run's files to `storage` (any `object_store` store, set up as the caller likes) instead of what
+    /// `export.url` or `export.dir` say.
+    pub fn storage(mut self, storage: ringscope_exporter::ObjectStorage) -> Self {
+        self.storage = Some(storage);
+        self
+    }
+
     /// Adds a sink that receives every record.
     pub fn sink(self, sink: impl Sink + 'static) -> Self {
         self.sink_filtered(sink, Filter::all())
@@ -217,6 +227,16 @@ impl SessionBuilder {
         let mut pools: Vec<_> = self.sinks.into_iter().map(|(sink, filter)| (vec![sink], filter)).collect();
         let mut files = Vec::new();
         let mut dataset = config.export.dataset_options();
+        // On object storage (`export.url`): opened and checked now, before anything is allocated or started.
+        let storage = match (self.storage, config.export.parquet || config.export.arrow_ipc) {
+            (_, false) => None,
+            (Some(storage), true) => Some(storage),
+            (None, true) => config.export.open_storage()?,
+        };
+        if let Some(storage) = &storage {
+            dataset.root = storage.root();
+            dataset.storage = Some(storage.clone());
+        }
         // Records a file sink holds for its batches hold ring space (they are lent, not copied): all file sinks
         // together hold at most a quarter of the ring, so the drain always has room to move.
         let file_sinks =
@@ -253,10 +273,13 @@ impl SessionBuilder {
         let run_lock = match &run_dir {
             Some(dir) => {
                 let manifest = crate::manifest::file_name(config.export.rank);
-                Some(
-                    ringscope_exporter::RunLock::acquire(dir, config.export.rank, &manifest)
-                        .map_err(|e| Error::Setting { key: "export.run_id", source: e.into() })?,
-                )
+                let lock = match &storage {
+                    Some(storage) => {
+                        ringscope_exporter::RunLock::acquire_object(storage, dir, config.export.rank, &manifest)
+                    }
+                    None => ringscope_exporter::RunLock::acquire(dir, config.export.rank, &manifest),
+                };
+                Some(lock.map_err(|e| Error::Setting { key: "export.run_id", source: e.into() })?)
             }
             None => None,
         };
@@ -286,7 +309,8 @@ impl SessionBuilder {
             None => None,
         };
         let rank = config.export.rank;
-        let recorder = run_dir.as_deref().map(|dir| event_recorder(dir, rank, events.clone())).transpose()?;
+        let recorder =
+            run_dir.as_deref().map(|dir| event_recorder(dir, rank, storage.clone(), events.clone())).transpose()?;
         let capture = Capture { backend };
         let observer = Arc::new(Observer {
             registry: registry.clone(),
@@ -312,6 +336,7 @@ impl SessionBuilder {
             drain: Mutex::new(Some(drain)),
             files,
             run_dir,
+            storage,
             run_lock: Mutex::new(run_lock),
             rank,
             health,
@@ -349,7 +374,7 @@ impl SessionBuilder {
 impl Session {
     /// Starts building a session from `config`.
     pub fn builder(config: Config) -> SessionBuilder {
-        SessionBuilder { config, sinks: Vec::new(), probes: Vec::new() }
+        SessionBuilder { config, sinks: Vec::new(), probes: Vec::new(), storage: None }
     }
 
     /// A session with no sinks (records are drained and counted, nothing is written).
@@ -935,7 +960,7 @@ impl Session {
             events,
         };
         if let Some(dir) = &report.run_dir {
-            let written = crate::manifest::write(dir, self.rank, &self.registry, &report);
+            let written = crate::manifest::write(dir, self.rank, self.storage.as_ref(), &self.registry, &report);
             // The run's files are final: another session may now look (and will find this rank written).
             self.run_lock.lock().take();
             if let Err(source) = written {

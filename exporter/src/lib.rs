@@ -10,6 +10,8 @@
 //! * [`dataset`] — what a dump is on disk: Hive-partitioned directories, the Arrow schema, batches, and the
 //!   [`FileSink`] that writes, rotates and commits files. It meets routing at the [`Sink`] trait. Next to the data,
 //!   the [`EventRecorder`] writes the session's event log (what was lost, when and why) as the run's events table.
+//! * [`storage`] — object storage (S3 and compatibles, GCS, Azure) through the `object_store` crate: a run written
+//!   to a bucket has the layout it has on disk; files are streamed as multipart uploads completed at commit.
 //! * [`writing`] — how one file's bytes are laid out and reach the disk: [`Parquet`] (our own zstd pages) and
 //!   [`ArrowIpc`], files written with `O_DIRECT` where possible. It meets the dataset at the [`FileFormat`] trait.
 //!
@@ -19,6 +21,7 @@
 
 pub mod dataset;
 pub mod routing;
+pub mod storage;
 #[cfg(test)]
 mod testing;
 pub mod writing;
@@ -32,6 +35,7 @@ pub use routing::{
     DrainOptions, DrainReport, DrainStats, Filter, HookPointSummary, Receipt, Record, Sink, SinkError, SinkFailure,
     SinkHealth, SinkReport, Subscription, Summary, SummarySink,
 };
+pub use storage::{is_object_url, redact_url, ObjectStorage, StorageError, StorageOptions, Upload};
 pub use writing::{
     arrow_ipc_sink, check_ipc_footer, event_recorder, parquet_sink, ArrowIpc, ArrowIpcSink, Codec, Parquet,
     ParquetSink, ParquetTable, ParquetWriter,

@@ -80,3 +80,123 @@ impl TestCatalog {
         AccountingSnapshot { hookpoints: self.0.iter().map(|e| (e.name().to_owned(), e.accounting())).collect() }
     }
 }
+
+/// Object storage in memory, rooted at `memory://bucket/dumps`, with parts of the smallest size S3 takes.
+pub(crate) fn memory_storage() -> crate::storage::ObjectStorage {
+    let store = Arc::new(object_store::memory::InMemory::new());
+    let options = crate::storage::StorageOptions { part_bytes: crate::storage::MIN_PART_BYTES, ..Default::default() };
+    crate::storage::ObjectStorage::with_store(store, "memory://bucket/dumps", "dumps", options)
+}
+
+/// An in-memory store that fails every write while `failing` is set, as a server that went away would (after the
+/// client's retries): puts, new uploads, parts and completions return an error; reads and listings work.
+#[derive(Debug, Default)]
+pub(crate) struct FlakyStore {
+    inner: object_store::memory::InMemory,
+    pub(crate) failing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl std::fmt::Display for FlakyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FlakyStore")
+    }
+}
+
+fn gone() -> object_store::Error {
+    object_store::Error::Generic { store: "flaky", source: "connection refused (the test's server is down)".into() }
+}
+
+impl FlakyStore {
+    fn check(failing: &std::sync::atomic::AtomicBool) -> object_store::Result<()> {
+        match failing.load(std::sync::atomic::Ordering::SeqCst) {
+            true => Err(gone()),
+            false => Ok(()),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl object_store::ObjectStore for FlakyStore {
+    async fn put_opts(
+        &self,
+        location: &object_store::path::Path,
+        payload: object_store::PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        Self::check(&self.failing)?;
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &object_store::path::Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        Self::check(&self.failing)?;
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        Ok(Box::new(FlakyUpload { inner, failing: self.failing.clone() }))
+    }
+
+    async fn get_opts(
+        &self,
+        location: &object_store::path::Path,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::path::Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&object_store::path::Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &object_store::path::Path,
+        to: &object_store::path::Path,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[derive(Debug)]
+struct FlakyUpload {
+    inner: Box<dyn object_store::MultipartUpload>,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl object_store::MultipartUpload for FlakyUpload {
+    fn put_part(&mut self, data: object_store::PutPayload) -> object_store::UploadPart {
+        match FlakyStore::check(&self.failing) {
+            Ok(()) => self.inner.put_part(data),
+            Err(e) => Box::pin(async move { Err(e) }),
+        }
+    }
+
+    async fn complete(&mut self) -> object_store::Result<object_store::PutResult> {
+        FlakyStore::check(&self.failing)?;
+        self.inner.complete().await
+    }
+
+    async fn abort(&mut self) -> object_store::Result<()> {
+        self.inner.abort().await
+    }
+}

@@ -29,6 +29,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use ringscope_policy::{Event, EventKind, EventLog};
 
 use crate::dataset::{keys, FileError, FormatError};
+use crate::storage::ObjectStorage;
 use crate::ExporterError;
 
 /// The events table's directory in a run directory.
@@ -182,8 +183,13 @@ fn not(name: &str, what: &str) -> FormatError {
 pub trait TableFormat: Send + 'static {
     /// File name extension.
     const EXT: &'static str;
-    /// Writes `batch` and `metadata` into `file` (created new, empty) and returns it, flushed.
-    fn write(&self, file: File, batch: &RecordBatch, metadata: Vec<(String, String)>) -> Result<File, FormatError>;
+    /// Writes `batch` and `metadata` into `out` (a file created new and empty, or memory) and returns it, flushed.
+    fn write<W: std::io::Write + Send>(
+        &self,
+        out: W,
+        batch: &RecordBatch,
+        metadata: Vec<(String, String)>,
+    ) -> Result<W, FormatError>;
 }
 
 /// An events file that was committed.
@@ -208,6 +214,8 @@ pub struct EventsTable<F: TableFormat> {
     rank: u32,
     /// The next file's number; found on the first write (a reused run directory keeps its files).
     next_index: Option<u32>,
+    /// Object storage the run is on (`dir` is then under its root): each file is one `PUT`.
+    storage: Option<ObjectStorage>,
 }
 
 impl<F: TableFormat> EventsTable<F> {
@@ -219,7 +227,13 @@ impl<F: TableFormat> EventsTable<F> {
     /// The table of `run_dir` as rank `rank` writes it (its own file names).
     pub fn with_rank(format: F, run_dir: &Path, rank: u32) -> Self {
         let run_id = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        EventsTable { format, run_id, dir: run_dir.join(EVENTS_DIR), rank, next_index: None }
+        EventsTable { format, run_id, dir: run_dir.join(EVENTS_DIR), rank, next_index: None, storage: None }
+    }
+
+    /// The table of a run on object storage (`run_dir` under the storage's root).
+    pub fn on_storage(mut self, storage: Option<ObjectStorage>) -> Self {
+        self.storage = storage;
+        self
     }
 
     /// The table's directory.
@@ -231,12 +245,29 @@ impl<F: TableFormat> EventsTable<F> {
     /// left behind, and the next write takes the same file number.
     pub fn write(&mut self, events: &[Event]) -> Result<EventsFile, FileError> {
         let dir = &self.dir;
-        std::fs::create_dir_all(dir).map_err(|source| FileError::CreateDir { dir: dir.clone(), source })?;
         let rank = self.rank;
-        let index = *self.next_index.get_or_insert_with(|| {
-            (0u32..).find(|&i| !dir.join(events_file_name(i, rank, F::EXT)).exists()).unwrap_or(u32::MAX)
-        });
+        let index = match (self.next_index, &self.storage) {
+            (Some(index), _) => index,
+            (None, Some(storage)) => {
+                let names =
+                    storage.list_names(dir).map_err(|source| FileError::CreateDir { dir: dir.clone(), source })?;
+                (0u32..).find(|&i| !names.contains(&events_file_name(i, rank, F::EXT))).unwrap_or(u32::MAX)
+            }
+            (None, None) => {
+                std::fs::create_dir_all(dir).map_err(|source| FileError::CreateDir { dir: dir.clone(), source })?;
+                (0u32..).find(|&i| !dir.join(events_file_name(i, rank, F::EXT)).exists()).unwrap_or(u32::MAX)
+            }
+        };
+        self.next_index = Some(index);
         let name = events_file_name(index, rank, F::EXT);
+        if let Some(storage) = &self.storage {
+            let path = dir.join(name);
+            let written = self.write_object(storage, &path, events);
+            if written.is_ok() {
+                self.next_index = Some(index + 1);
+            }
+            return written;
+        }
         // Hidden while in progress (leading `.`), like the data files: globs on `part-*.parquet` miss it.
         let tmp = dir.join(format!(".{name}.inprogress"));
         let path = dir.join(name);
@@ -249,18 +280,34 @@ impl<F: TableFormat> EventsTable<F> {
         committed
     }
 
+    /// The file's metadata.
+    fn metadata(&self, events: &[Event]) -> Vec<(String, String)> {
+        vec![
+            (keys::FORMAT_VERSION.to_owned(), ringscope_ring::record::FORMAT_VERSION.to_string()),
+            (keys::RUN_ID.to_owned(), self.run_id.clone()),
+            (keys::FILE_ROWS.to_owned(), events.len().to_string()),
+        ]
+    }
+
+    /// One `PUT` of the whole file: the object is there, whole, or not at all.
+    fn write_object(&self, storage: &ObjectStorage, path: &Path, events: &[Event]) -> Result<EventsFile, FileError> {
+        let rows_lost = events.iter().map(|e| e.rows_lost).sum();
+        let bytes = self
+            .format
+            .write(Vec::new(), &events_batch(events), self.metadata(events))
+            .map_err(|source| FileError::Write { path: path.to_owned(), source })?;
+        let bytes =
+            storage.put(path, bytes.into()).map_err(|source| FileError::Commit { path: path.to_owned(), source })?;
+        Ok(EventsFile { path: path.to_owned(), events: events.len() as u64, rows_lost, bytes })
+    }
+
     fn write_file(&self, tmp: &Path, path: &Path, events: &[Event]) -> Result<EventsFile, FileError> {
         let file = File::create_new(tmp)
             .map_err(|source| FileError::Create { path: tmp.to_owned(), source: FormatError::Io(source) })?;
         let rows_lost = events.iter().map(|e| e.rows_lost).sum();
-        let metadata = vec![
-            (keys::FORMAT_VERSION.to_owned(), ringscope_ring::record::FORMAT_VERSION.to_string()),
-            (keys::RUN_ID.to_owned(), self.run_id.clone()),
-            (keys::FILE_ROWS.to_owned(), events.len().to_string()),
-        ];
         let file = self
             .format
-            .write(file, &events_batch(events), metadata)
+            .write(file, &events_batch(events), self.metadata(events))
             .map_err(|source| FileError::Write { path: tmp.to_owned(), source })?;
         let bytes = file
             .sync_all()

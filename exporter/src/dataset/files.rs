@@ -1,7 +1,9 @@
 //! File sinks: one writer per hookpoint partition, size-based rotation, and commit by rename.
 //!
 //! A file is written under a hidden in-progress name and renamed to `part-NNNNN.<ext>` only after its footer is
-//! written and its bytes are synced, so a reader never sees a half-written file under a final name. The receipts of
+//! written and its bytes are synced, so a reader never sees a half-written file under a final name. On object
+//! storage a file is a multipart upload to its final name, completed after its footer is written (an upload not
+//! completed is never listed). The receipts of
 //! a file's records are held until that rename: a file that fails to commit turns its records into counted drops
 //! (`sink_error`) and leaves every file already committed untouched and readable.
 
@@ -22,6 +24,7 @@ use crate::dataset::{
 use crate::routing::catalog::CatalogEntry;
 use crate::routing::record::{Receipt, Record};
 use crate::routing::sink::{Sink, SinkError};
+use crate::storage::ObjectStorage;
 
 /// A file format a [`FileSink`] can write: how the bytes of one file are laid out. The sink decides which records go
 /// into which file, names and commits files, and accounts for their records.
@@ -34,19 +37,54 @@ pub trait FileFormat: Send + 'static {
     const NAME: &'static str;
     /// Subdirectory of the run directory holding this format's partitions (empty: the run directory itself).
     const SUBDIR: &'static str;
-    /// Starts a file at `path` (created new), with `options.direct_io`, for batches of about `options.batch_bytes`.
-    fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError>;
+    /// Starts a file at `to` (created new), with `options.direct_io`, for batches of about `options.batch_bytes`.
+    fn create(
+        &self,
+        to: Destination<'_>,
+        options: &DatasetOptions,
+        schema: &SchemaRef,
+    ) -> Result<Self::Writer, FormatError>;
     /// Appends a batch of one hookpoint's records (the Parquet format writes each batch as one row group).
     fn write(&self, writer: &mut Self::Writer, batch: &Batch<'_>) -> Result<(), FormatError>;
     /// Writes the footer with `metadata` and returns the file, flushed.
     fn finish(&self, writer: Self::Writer, metadata: Vec<(String, String)>) -> Result<FinishedFile, FormatError>;
 }
 
-/// A file whose footer is written, not yet synced or renamed.
+/// Where a new file of the dataset is written.
+#[derive(Debug, Clone, Copy)]
+pub enum Destination<'a> {
+    /// A local file, created at this (in-progress) path.
+    File(&'a Path),
+    /// An object of this storage, uploaded to this (final) path.
+    Object(&'a ObjectStorage, &'a Path),
+}
+
+impl Destination<'_> {
+    /// The path written to (in progress, for a local file).
+    pub fn path(&self) -> &Path {
+        match self {
+            Destination::File(path) | Destination::Object(_, path) => path,
+        }
+    }
+}
+
+/// Where a finished file's bytes are.
+#[derive(Debug)]
+pub enum Stored {
+    /// In a local file, not yet synced or renamed.
+    File(File),
+    /// In an object whose upload was completed: the object is there, whole, under its final name.
+    Object {
+        /// Its size.
+        bytes: u64,
+    },
+}
+
+/// A file whose footer is written (a local file not yet synced or renamed).
 #[derive(Debug)]
 pub struct FinishedFile {
     /// The file.
-    pub file: File,
+    pub file: Stored,
     /// Whether every byte of it was written with `O_DIRECT`.
     pub direct_io: bool,
 }
@@ -132,6 +170,12 @@ impl<F: FileFormat> FileSink<F> {
     fn setup(options: &DatasetOptions) -> Result<(), FileError> {
         options.validate()?;
         let run = options.run_dir().join(F::SUBDIR);
+        if let Some(storage) = &options.storage {
+            // No directories on object storage; the run lock (`RunLock::acquire_object`) checks the rank's files too.
+            let written = super::lock::object_rank_written(storage, &options.run_dir(), options.rank)
+                .map_err(|source| FileError::CreateDir { dir: run.clone(), source })?;
+            return if written { Err(FileError::RunDirInUse(run)) } else { Ok(()) };
+        }
         // A run directory belongs to one run: never mix two runs' files (or overwrite one) by reusing it. The ranks
         // of one run share it (each writes its own `rank=<r>` partitions): what must not exist yet is this rank's.
         if super::lock::partitions_hold_rank(&run, options.rank) {
@@ -152,12 +196,23 @@ impl<F: FileFormat> FileSink<F> {
                 // Downcast rows: a series of their own, so that no file mixes row sizes (see the module docs).
                 dir = dir.join(dtype_subdir(dtype));
             }
-            if let Err(source) = std::fs::create_dir_all(&dir) {
-                return Err(Self::error(FileError::CreateDir { dir, source }));
-            }
             // Continue numbering after files already there (a run directory reused), never overwrite one.
             let shard = self.options.file_shard;
-            let next_index = (0u32..).find(|&i| !dir.join(part_name(i, shard, F::EXT)).exists()).unwrap_or(u32::MAX);
+            let next_index = match &self.options.storage {
+                Some(storage) => {
+                    let names = match storage.list_names(&dir) {
+                        Ok(names) => names,
+                        Err(source) => return Err(Self::error(FileError::CreateDir { dir, source })),
+                    };
+                    (0u32..).find(|&i| !names.contains(&part_name(i, shard, F::EXT))).unwrap_or(u32::MAX)
+                }
+                None => {
+                    if let Err(source) = std::fs::create_dir_all(&dir) {
+                        return Err(Self::error(FileError::CreateDir { dir, source }));
+                    }
+                    (0u32..).find(|&i| !dir.join(part_name(i, shard, F::EXT)).exists()).unwrap_or(u32::MAX)
+                }
+            };
             self.partitions.insert(
                 key,
                 Partition {
@@ -225,10 +280,17 @@ impl<F: FileFormat> FileSink<F> {
                 for r in &open.receipts {
                     r.fail(DropReason::SinkError);
                 }
-                let _ = std::fs::remove_file(&open.tmp);
+                discard(&self.options, &open.tmp);
             }
         }
         result
+    }
+}
+
+/// Removes what a failed file left: its in-progress local file (a failed upload leaves nothing: it is aborted).
+fn discard(options: &DatasetOptions, tmp: &Path) {
+    if options.storage.is_none() {
+        let _ = std::fs::remove_file(tmp);
     }
 }
 
@@ -243,8 +305,16 @@ fn flush_partition<F: FileFormat>(
         if part.open.is_none() {
             let index = part.next_index;
             part.next_index += 1;
-            let tmp = in_progress_path(&part.dir, index, options.file_shard, F::EXT);
-            let writer = match format.create(&tmp, options, &part.schema) {
+            let to = match &options.storage {
+                Some(_) => part.dir.join(part_name(index, options.file_shard, F::EXT)),
+                None => in_progress_path(&part.dir, index, options.file_shard, F::EXT),
+            };
+            let destination = match &options.storage {
+                Some(storage) => Destination::Object(storage, &to),
+                None => Destination::File(&to),
+            };
+            let tmp = to.clone();
+            let writer = match format.create(destination, options, &part.schema) {
                 Ok(w) => w,
                 Err(source) => return Err(FileError::Create { path: tmp, source }),
             };
@@ -281,14 +351,18 @@ fn flush_partition<F: FileFormat>(
                 // The caller's cleanup fails the partition's records; fail this file's here.
                 part.open = None;
                 open.receipts.iter().for_each(|r| r.fail(DropReason::SinkError));
-                let _ = std::fs::remove_file(&tmp);
+                discard(options, &tmp);
                 return Err(FileError::Finish { path: tmp, source });
             }
         };
-        let file = finished.file;
-        let synced = file.sync_all().and_then(|()| file.metadata().map(|m| m.len()));
         let path = part.dir.join(part_name(open.index, options.file_shard, F::EXT));
-        let renamed = synced.and_then(|len| std::fs::rename(&tmp, &path).map(|()| len));
+        let renamed = match finished.file {
+            Stored::File(file) => file
+                .sync_all()
+                .and_then(|()| file.metadata().map(|m| m.len()))
+                .and_then(|len| std::fs::rename(&tmp, &path).map(|()| len)),
+            Stored::Object { bytes } => Ok(bytes), // the upload completed: the object is there, whole
+        };
         match renamed {
             Ok(len) => {
                 committed.lock().push(CommittedFile {
@@ -305,7 +379,7 @@ fn flush_partition<F: FileFormat>(
             }
             Err(source) => {
                 open.receipts.iter().for_each(|r| r.fail(DropReason::SinkError));
-                let _ = std::fs::remove_file(&tmp);
+                discard(options, &tmp);
                 return Err(FileError::Commit { path, source });
             }
         }

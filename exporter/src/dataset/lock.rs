@@ -7,11 +7,19 @@
 //! written.
 //! The operating system drops the lock when its holder exits, however it exits: a crashed writer leaves no stale
 //! lock behind (its files, if any, still make the rank "already written").
+//!
+//! **On object storage** there is no lock to hold: a writer claims the rank by writing an object of its own,
+//! `<run_dir>/_ringscope.rank=<rank>.lock/<writer>` (a name no other writer uses: host, process and clock), and then
+//! lists that prefix. It goes on only if its claim is the only one there; otherwise it deletes its claim and is
+//! refused. With the read-after-write listing S3, GCS and Azure give, two writers can never both go on: the one that
+//! lists second sees the other's claim. (Both may be refused when they start at the same moment: nothing is written,
+//! and either can start again.) A claim stays after its run, like the lock file: the rank is written.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
 
 use super::FileError;
+use crate::storage::ObjectStorage;
 
 /// The lock file's name for `rank`; the leading `_` keeps dataset readers from taking it for data.
 pub fn lock_file_name(rank: u32) -> String {
@@ -21,7 +29,7 @@ pub fn lock_file_name(rank: u32) -> String {
 /// An exclusive hold on one rank of a run directory (see the module docs); released when dropped.
 #[derive(Debug)]
 pub struct RunLock {
-    _file: File,
+    _file: Option<File>,
     path: PathBuf,
 }
 
@@ -49,7 +57,37 @@ impl RunLock {
         if run_dir.join(manifest).exists() || holds_rank_files(run_dir, rank) {
             return Err(FileError::RunDirInUse(run_dir.to_owned()));
         }
-        Ok(RunLock { _file: file, path })
+        Ok(RunLock { _file: Some(file), path })
+    }
+
+    /// [`acquire`](Self::acquire) for a run on object storage (see the module docs): fails with
+    /// [`FileError::RunLocked`] when another writer claims the rank, and with [`FileError::RunDirInUse`] when its
+    /// manifest or files are there.
+    pub fn acquire_object(
+        storage: &ObjectStorage,
+        run_dir: &Path,
+        rank: u32,
+        manifest: &str,
+    ) -> Result<RunLock, FileError> {
+        let claims = run_dir.join(lock_file_name(rank));
+        let lock_error = |source| FileError::Lock { path: claims.clone(), source };
+        let others = storage.list(&claims).map_err(lock_error)?;
+        if !others.is_empty() || storage.exists(&run_dir.join(manifest)).map_err(lock_error)? {
+            return Err(FileError::RunDirInUse(run_dir.to_owned()));
+        }
+        if object_rank_written(storage, run_dir, rank).map_err(lock_error)? {
+            return Err(FileError::RunDirInUse(run_dir.to_owned()));
+        }
+        let path = claims.join(writer_name());
+        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let claim = serde_json::json!({ "pid": std::process::id(), "started_unix_s": started.as_secs_f64() });
+        storage.put(&path, claim.to_string().into()).map_err(lock_error)?;
+        let claimed = storage.list(&claims).map_err(lock_error)?;
+        if claimed != [path.clone()] {
+            let _ = storage.delete(&path);
+            return Err(FileError::RunLocked { dir: run_dir.to_owned(), rank });
+        }
+        Ok(RunLock { _file: None, path })
     }
 
     /// The lock file.
@@ -61,6 +99,32 @@ impl RunLock {
 /// Whether a partition of the run (Parquet at the top, Arrow IPC under `_arrow_ipc`) has a `rank=<rank>` directory.
 fn holds_rank_files(run_dir: &Path, rank: u32) -> bool {
     [run_dir.to_owned(), run_dir.join("_arrow_ipc")].iter().any(|dir| partitions_hold_rank(dir, rank))
+}
+
+/// A name for this writer no other uses: host, process, the clock's nanoseconds.
+fn writer_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').collect::<String>())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".into());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    format!("{host}-{}-{nanos}", std::process::id())
+}
+
+/// [`holds_rank_files`] on object storage: whether a partition of the run (Parquet or Arrow IPC) has an object
+/// under `rank=<rank>/`.
+pub(super) fn object_rank_written(storage: &ObjectStorage, run_dir: &Path, rank: u32) -> std::io::Result<bool> {
+    let rank_dir = format!("rank={rank}");
+    for dir in [run_dir.to_owned(), run_dir.join("_arrow_ipc")] {
+        for name in storage.list_names(&dir)? {
+            if name.starts_with("hookpoint=") && !storage.list(&dir.join(&name).join(&rank_dir))?.is_empty() {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
 }
 
 /// Whether a `hookpoint=…` partition directly under `dir` has a `rank=<rank>` directory.
@@ -114,5 +178,30 @@ mod tests {
         assert!(matches!(err, FileError::RunDirInUse(_)), "{err}");
         RunLock::acquire(&dir, 3, "_ringscope_run.rank=3.json").unwrap();
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn on_object_storage_a_rank_has_one_writer_and_is_written_once() {
+        let storage = crate::testing::memory_storage();
+        let run = storage.root().join("run-1");
+        let first = RunLock::acquire_object(&storage, &run, 0, "_ringscope_run.json").unwrap();
+        assert!(first.path().starts_with(run.join("_ringscope.rank=0.lock")), "{}", first.path().display());
+        let err = RunLock::acquire_object(&storage, &run, 0, "_ringscope_run.json").unwrap_err();
+        assert!(matches!(err, FileError::RunDirInUse(_)), "{err}");
+        assert!(err.to_string().contains("memory://bucket/dumps/run-1"), "{err}");
+        // Two claims at once (the second writer's put landed before the first listed): both are refused.
+        let other = RunLock::acquire_object(&storage, &run, 1, "_ringscope_run.rank=1.json").unwrap();
+        let racing = run.join(lock_file_name(2)).join("other-writer");
+        storage.put(&racing, "{}".into()).unwrap();
+        // (acquire_object lists first and sees the racing claim: refused as in use.)
+        assert!(RunLock::acquire_object(&storage, &run, 2, "_ringscope_run.rank=2.json").is_err());
+        drop(other);
+        // A rank whose files are there (a writer that crashed before its manifest) is written.
+        storage.put(&run.join("hookpoint=h/rank=5/part-00000.parquet"), "x".into()).unwrap();
+        let err = RunLock::acquire_object(&storage, &run, 5, "_ringscope_run.rank=5.json").unwrap_err();
+        assert!(matches!(err, FileError::RunDirInUse(_)), "{err}");
+        storage.put(&run.join("_ringscope_run.rank=6.json"), "{}".into()).unwrap();
+        assert!(RunLock::acquire_object(&storage, &run, 6, "_ringscope_run.rank=6.json").is_err());
+        RunLock::acquire_object(&storage, &run, 7, "_ringscope_run.rank=7.json").unwrap();
     }
 }

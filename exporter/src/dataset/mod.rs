@@ -49,6 +49,7 @@ use serde::Deserialize;
 
 use crate::routing::catalog::CatalogEntry;
 use crate::routing::record::Record;
+use crate::storage::ObjectStorage;
 
 mod error;
 pub mod events;
@@ -57,7 +58,7 @@ mod lock;
 
 pub use error::{FileError, FormatError, OptionsError};
 pub use events::{read_events, EventRecorder, EventsFile, EventsReport, EventsTable, TableFormat, EVENTS_DIR};
-pub use files::{CommittedFile, CommittedFiles, FileFormat, FileSink, FinishedFile};
+pub use files::{CommittedFile, CommittedFiles, Destination, FileFormat, FileSink, FinishedFile, Stored};
 pub use lock::{lock_file_name, RunLock};
 
 /// How a file sink writes its files (`export.direct_io` in a session config: `"auto"`, `"on"` or `"off"`).
@@ -112,6 +113,9 @@ pub struct DatasetOptions {
     /// and is not memory-backed. Each open file has a writer thread and up to three buffers of about `batch_bytes`
     /// (or, through the page cache, records lent to it: Arrow IPC batches written from the ring's memory).
     pub direct_io: DirectIo,
+    /// Object storage the run is written to instead of a local directory ([`DatasetOptions::on_storage`]): `root`
+    /// is then the storage's URL as a path, and every file a multipart upload to its final name.
+    pub storage: Option<ObjectStorage>,
 }
 
 impl DatasetOptions {
@@ -126,7 +130,14 @@ impl DatasetOptions {
             max_pending_bytes: 64 << 20,
             file_shard: None,
             direct_io: DirectIo::Auto,
+            storage: None,
         }
+    }
+
+    /// Options for a run on object storage (`root` is its URL, `s3://bucket/prefix`), otherwise the defaults of
+    /// [`new`](Self::new).
+    pub fn on_storage(storage: ObjectStorage) -> Self {
+        DatasetOptions { storage: Some(storage.clone()), ..DatasetOptions::new(storage.root()) }
     }
 
     /// The run's directory.

@@ -30,11 +30,12 @@ pub(crate) mod pages;
 
 use crate::dataset::keys;
 use crate::dataset::{
-    Batch, CommittedFiles, DatasetOptions, EventRecorder, EventsTable, FileFormat, FileSink, FinishedFile, FormatError,
-    OptionsError, TableFormat,
+    Batch, CommittedFiles, DatasetOptions, Destination, EventRecorder, EventsTable, FileFormat, FileSink, FinishedFile,
+    FormatError, OptionsError, TableFormat,
 };
 use crate::routing::record::Record;
 use crate::routing::sink::SinkError;
+use crate::storage::ObjectStorage;
 pub use checksums::{check_ipc_footer, FOOTER_CRC_PLACEHOLDER};
 use checksums::{BatchCrcs, ChunkPageWriter, PageBlobs};
 use constants::constant_chunk;
@@ -43,9 +44,12 @@ use pages::{ActivationPages, Placeholder, SpliceWriter};
 
 /// Opens the output of a new file: its buffers hold a whole batch, so the Parquet sink can compress a row group's
 /// activation column into one.
-fn open(path: &Path, options: &DatasetOptions) -> std::io::Result<Output> {
+fn open(to: Destination<'_>, options: &DatasetOptions) -> std::io::Result<Output> {
     let buffer_bytes = options.batch_bytes + options.batch_bytes / 8 + (64 << 10);
-    Output::create(path, options.direct_io, buffer_bytes)
+    match to {
+        Destination::File(path) => Output::create(path, options.direct_io, buffer_bytes),
+        Destination::Object(storage, path) => Output::upload(storage.upload(path)?, path, buffer_bytes),
+    }
 }
 
 /// Finishes `out` and says whether every byte went out with `O_DIRECT` (read after the last write: with `auto`, a
@@ -159,8 +163,13 @@ impl FileFormat for Parquet {
     const NAME: &'static str = "parquet";
     const SUBDIR: &'static str = "";
 
-    fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError> {
-        let out = open(path, options)?;
+    fn create(
+        &self,
+        to: Destination<'_>,
+        options: &DatasetOptions,
+        schema: &SchemaRef,
+    ) -> Result<Self::Writer, FormatError> {
+        let out = open(to, options)?;
         // The Arrow writer sets up the file exactly as it would (Parquet schema from the Arrow one, the Arrow schema
         // in the footer for readers); its lower-level halves then let each batch be written column after column.
         let blobs = PageBlobs::default();
@@ -328,8 +337,13 @@ impl FileFormat for ArrowIpc {
     const NAME: &'static str = "arrow_ipc";
     const SUBDIR: &'static str = "_arrow_ipc";
 
-    fn create(&self, path: &Path, options: &DatasetOptions, schema: &SchemaRef) -> Result<Self::Writer, FormatError> {
-        Ok(FileWriter::try_new(BatchCrcs::new(open(path, options)?), schema)?)
+    fn create(
+        &self,
+        to: Destination<'_>,
+        options: &DatasetOptions,
+        schema: &SchemaRef,
+    ) -> Result<Self::Writer, FormatError> {
+        Ok(FileWriter::try_new(BatchCrcs::new(open(to, options)?), schema)?)
     }
 
     /// A record of at least [`OWN_IPC_BATCH_BYTES`] is an IPC batch of its own, its activation column the record's
@@ -375,12 +389,12 @@ pub struct ParquetTable;
 impl TableFormat for ParquetTable {
     const EXT: &'static str = "parquet";
 
-    fn write(
+    fn write<W: std::io::Write + Send>(
         &self,
-        file: std::fs::File,
+        file: W,
         batch: &RecordBatch,
         metadata: Vec<(String, String)>,
-    ) -> Result<std::fs::File, FormatError> {
+    ) -> Result<W, FormatError> {
         let blobs = PageBlobs::default();
         let options = ArrowWriterOptions::new()
             .with_properties(WriterProperties::builder().set_compression(Compression::UNCOMPRESSED).build())
@@ -412,13 +426,15 @@ impl TableFormat for ParquetTable {
 }
 
 /// The thread that writes `log` into the events table of `run_dir` as it happens (see [`EventRecorder`]), as rank
-/// `rank`'s files.
+/// `rank`'s files; on `storage` when the run is on object storage.
 pub fn event_recorder(
     run_dir: &Path,
     rank: u32,
+    storage: Option<ObjectStorage>,
     log: Arc<ringscope_policy::EventLog>,
 ) -> Result<EventRecorder, crate::ExporterError> {
-    EventRecorder::spawn(log, EventsTable::with_rank(ParquetTable, run_dir, rank), EventRecorder::EVERY)
+    let table = EventsTable::with_rank(ParquetTable, run_dir, rank).on_storage(storage);
+    EventRecorder::spawn(log, table, EventRecorder::EVERY)
 }
 
 /// A Parquet dataset sink.
@@ -443,7 +459,9 @@ mod tests {
     use super::*;
     use crate::dataset::{schema, DirectIo};
     use crate::testing::TestCatalog;
+    use crate::Sink;
     use arrow::array::{Array, FixedSizeBinaryArray};
+    use ringscope_policy::DropReason;
     use ringscope_ring::record::{encode_record, RecordMeta, RecordView, RowMeta};
 
     #[test]
@@ -471,7 +489,7 @@ mod tests {
             let path = dir.join("part.arrow");
             let mut options = DatasetOptions::new(&dir);
             options.direct_io = direct_io;
-            let mut writer = ArrowIpc.create(&path, &options, &schema).unwrap();
+            let mut writer = ArrowIpc.create(Destination::File(&path), &options, &schema).unwrap();
             let batch = Batch { schema: &schema, hookpoint: &entry, run_id: "r", rank: 0, records: &records };
             ArrowIpc.write(&mut writer, &batch).unwrap();
             let out = writer.get_ref().inner();
@@ -497,5 +515,159 @@ mod tests {
             assert!(read == all_rows, "{direct_io:?}: every row, in order, as captured");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Records of hookpoint `hp` of `catalog`, each `rows` rows of a pattern that names the record (`first`).
+    fn records_of(catalog: &TestCatalog, hp: u32, count: u32, rows: u32) -> Vec<Record> {
+        let entry = catalog.entry(hp);
+        let row_bytes = entry.spec().row_bytes();
+        (0..count)
+            .map(|k| {
+                let first = k * rows;
+                let meta = RecordMeta {
+                    step: u64::from(k),
+                    hookpoint: hp,
+                    rows,
+                    row_bytes,
+                    dtype: entry.spec().dtype,
+                    flags: 0,
+                };
+                let metas: Vec<RowMeta> = (first..first + rows)
+                    .map(|i| RowMeta { request_id: u64::from(i), position: i, batch_row: i - first })
+                    .collect();
+                let data: Vec<u8> = (0..rows * row_bytes).map(|i| ((i / 2 + first * 7 + hp) % 251) as u8).collect();
+                let bytes = encode_record(0, &meta, &metas, &data);
+                Record::copy_from(&RecordView::decode(&bytes).unwrap().0, entry.clone()).unwrap()
+            })
+            .collect()
+    }
+
+    /// The activation rows of a Parquet or Arrow IPC file's bytes.
+    fn rows_of(bytes: Bytes, ext: &str) -> Vec<Vec<u8>> {
+        let batches: Vec<RecordBatch> = match ext {
+            "parquet" => parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(bytes)
+                .unwrap()
+                .build()
+                .unwrap()
+                .map(Result::unwrap)
+                .collect(),
+            _ => arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(bytes), None)
+                .unwrap()
+                .map(Result::unwrap)
+                .collect(),
+        };
+        batches
+            .iter()
+            .flat_map(|b| {
+                let act =
+                    b.column_by_name("activation").unwrap().as_any().downcast_ref::<FixedSizeBinaryArray>().unwrap();
+                (0..act.len()).map(|i| act.value(i).to_vec()).collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_dump_on_object_storage_is_streamed_in_parts_and_reads_back_bit_for_bit() {
+        let catalog = TestCatalog::layers(2, 4096); // f16: 8 KiB rows
+        let records: Vec<Record> =
+            records_of(&catalog, 0, 12, 128).into_iter().chain(records_of(&catalog, 1, 3, 64)).collect();
+        let storage = crate::testing::memory_storage();
+        for ext in ["parquet", "arrow"] {
+            let mut options = DatasetOptions::on_storage(storage.clone());
+            options.run_id = format!("run-{ext}");
+            options.batch_bytes = 2 << 20;
+            options.max_file_bytes = 7 << 20; // rotates: files of 8 MiB of rows, more than a part (5 MiB)
+            let (mut sink, committed): (Box<dyn Sink>, _) = match ext {
+                "parquet" => {
+                    let (s, c) = parquet_sink(options.clone(), Codec::Uncompressed).unwrap();
+                    (Box::new(s), c)
+                }
+                _ => {
+                    let (s, c) = arrow_ipc_sink(options.clone()).unwrap();
+                    (Box::new(s), c)
+                }
+            };
+            for r in &records {
+                sink.write(r).unwrap();
+            }
+            sink.close().unwrap();
+            let files = committed.lock().clone();
+            let run = storage.root().join(&options.run_id);
+            let sub = if ext == "arrow" { "_arrow_ipc/" } else { "" };
+            let listed = storage.list(&run).unwrap();
+            assert_eq!(listed.len(), files.len(), "{ext}: every object listed is a committed file: {listed:?}");
+            for hp in 0..2u32 {
+                let mine: Vec<_> = files.iter().filter(|f| f.hookpoint == format!("layers.{hp}.resid")).collect();
+                let mut rows = Vec::new();
+                for (i, f) in mine.iter().enumerate() {
+                    let want = run.join(format!("{sub}hookpoint=layers.{hp}.resid/rank=0/part-{i:05}.{ext}"));
+                    assert_eq!(f.path, want, "{ext}: the layout on disk, under the storage's URL");
+                    assert!(f.path.display().to_string().starts_with("memory://bucket/dumps/"), "{}", f.path.display());
+                    let bytes = storage.get(&f.path).unwrap();
+                    assert_eq!(bytes.len() as u64, f.bytes);
+                    rows.extend(rows_of(bytes, ext));
+                }
+                let want: Vec<Vec<u8>> = records
+                    .iter()
+                    .filter(|r| r.header().meta.hookpoint == hp)
+                    .flat_map(|r| (0..r.rows()).map(|i| r.row(i).to_vec()))
+                    .collect();
+                assert_eq!(rows.len(), want.len(), "{ext}: layer {hp}");
+                assert!(rows == want, "{ext}: layer {hp}: every row, in order, bit for bit");
+            }
+            assert!(files.iter().filter(|f| f.hookpoint == "layers.0.resid").count() >= 2, "{ext}: rotated");
+        }
+        // A second sink of the same run and rank is refused: its files are there.
+        let mut options = DatasetOptions::on_storage(storage.clone());
+        options.run_id = "run-parquet".into();
+        let e = parquet_sink(options, Codec::Uncompressed).err().unwrap().to_string();
+        assert!(e.contains("already holds a dump") && e.contains("memory://bucket/dumps/run-parquet"), "{e}");
+    }
+
+    #[test]
+    fn a_store_that_goes_away_fails_its_files_records_as_sink_errors_and_leaves_only_whole_objects() {
+        let catalog = TestCatalog::layers(1, 4096);
+        let entry = catalog.entry(0);
+        let flaky = Arc::new(crate::testing::FlakyStore::default());
+        let failing = flaky.failing.clone();
+        let options =
+            crate::storage::StorageOptions { part_bytes: crate::storage::MIN_PART_BYTES, ..Default::default() };
+        let storage = crate::storage::ObjectStorage::with_store(flaky, "memory://flaky", "", options);
+        let mut options = DatasetOptions::on_storage(storage.clone());
+        options.run_id = "r".into();
+        options.batch_bytes = 1 << 20;
+        options.max_file_bytes = 6 << 20;
+        let (mut sink, committed) = parquet_sink(options, Codec::Uncompressed).unwrap();
+        let records = records_of(&catalog, 0, 30, 128); // 1 MiB each
+        let mut errors = 0;
+        for (k, r) in records.iter().enumerate() {
+            // The server is away for records 8..16: the open file (its first parts uploaded) fails, and so do
+            // the files started while it is away.
+            failing.store((8..16).contains(&k), std::sync::atomic::Ordering::SeqCst);
+            if let Err(e) = sink.write(r) {
+                let e = e.to_string();
+                assert!(e.contains("memory://flaky/r/hookpoint=layers.0.resid/rank=0/part-"), "{e}");
+                assert!(e.contains("connection refused"), "{e}");
+                errors += 1;
+            }
+        }
+        drop(records);
+        failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        sink.close().unwrap();
+        drop(sink);
+        assert!(errors >= 1, "the failure was reported while it happened");
+        let files = committed.lock().clone();
+        let acc = entry.accounting();
+        let lost = acc.dropped_for(DropReason::SinkError);
+        let kept: u64 = files.iter().map(|f| f.rows).sum();
+        assert!(lost.rows >= 8 * 128, "{lost:?}");
+        assert_eq!(kept + lost.rows, 30 * 128, "every row exported or counted as a sink error");
+        assert_eq!(acc.exported.rows, kept);
+        // Only whole objects: each listed object is a committed file, and reads as Parquet.
+        let listed = storage.list(&storage.root().join("r")).unwrap();
+        assert_eq!(listed.len(), files.len(), "{listed:?}");
+        for f in &files {
+            assert_eq!(rows_of(storage.get(&f.path).unwrap(), "parquet").len() as u64, f.rows);
+        }
     }
 }

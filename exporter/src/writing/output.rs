@@ -28,7 +28,8 @@ use bytes::Bytes;
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 
-use crate::dataset::DirectIo;
+use crate::dataset::{DirectIo, Stored};
+use crate::storage::Upload;
 
 /// Alignment of direct writes: file offsets, lengths and memory. 4096 covers devices with 512-byte and 4 KiB logical
 /// blocks.
@@ -179,6 +180,20 @@ enum Job {
     Buffer(Buffer, usize),
     /// Lent bytes (page-cache files only), released once written.
     Lent(Bytes),
+    /// Every byte was sent: the file is finished (an upload is completed). A thread whose jobs end without this
+    /// was abandoned (its file failed): an upload is then aborted.
+    End,
+}
+
+/// Where an I/O thread puts the bytes.
+enum Target {
+    /// A local file, opened with `O_DIRECT` if `direct`; `offset` bytes written so far. With `fallback`
+    /// (`DirectIo::Auto` on a file opened with `O_DIRECT`: the output's [`Output::is_direct`] flag), a file system that
+    /// opened the file with `O_DIRECT` but rejects a direct write as invalid gets the file reopened without it (the
+    /// flag cleared), and the write is retried from where it stopped.
+    File { file: File, direct: bool, fallback: Option<Arc<AtomicBool>>, offset: u64 },
+    /// A multipart upload: parts go out as they fill.
+    Object(Upload),
 }
 
 /// Where the bytes go: the file's I/O thread, or nowhere after a failure.
@@ -186,7 +201,7 @@ enum Writer {
     Thread {
         jobs: Sender<Job>,
         done: Receiver<Buffer>,
-        thread: JoinHandle<io::Result<File>>,
+        thread: JoinHandle<io::Result<Stored>>,
     },
     /// A write failed; every later call reports this.
     Failed(String),
@@ -198,6 +213,8 @@ pub struct Output {
     path: PathBuf,
     /// Opened with `O_DIRECT`: writes are aligned and the last block padded.
     direct: bool,
+    /// Takes lent memory ([`lend`](Self::lend)): a file written through the page cache.
+    lendable: bool,
     /// Still written with `O_DIRECT`: cleared by the I/O thread when `auto` falls back to the page cache.
     direct_writes: Arc<AtomicBool>,
     buffer_bytes: usize,
@@ -240,22 +257,36 @@ impl Output {
                 Err(e) => return Err(e),
             },
         };
-        let buffer_bytes = buffer_bytes.max(ALIGN).next_multiple_of(ALIGN);
         let direct_writes = Arc::new(AtomicBool::new(direct));
-        // Writes wait for the device (direct I/O) or copy into the page cache: either way on a thread of the file's
-        // own, while the sink fills the next buffer.
+        let fallback = (direct && direct_io == DirectIo::Auto).then(|| direct_writes.clone());
+        Self::start(path, Target::File { file, direct, fallback, offset: 0 }, direct_writes, buffer_bytes)
+    }
+
+    /// An output whose bytes go to `upload` (shown as `path`): through our buffers like a page-cache file (lent
+    /// memory is uploaded from where it lies), the upload completed by [`finish`](Self::finish) and aborted when
+    /// the output is dropped unfinished.
+    pub fn upload(upload: Upload, path: &Path, buffer_bytes: usize) -> io::Result<Output> {
+        Self::start(path, Target::Object(upload), Arc::new(AtomicBool::new(false)), buffer_bytes)
+    }
+
+    fn start(path: &Path, target: Target, direct_writes: Arc<AtomicBool>, buffer_bytes: usize) -> io::Result<Output> {
+        let direct = matches!(target, Target::File { direct: true, .. });
+        let lendable = matches!(target, Target::File { direct: false, .. });
+        let buffer_bytes = buffer_bytes.max(ALIGN).next_multiple_of(ALIGN);
+        // Writes wait for the device (direct I/O), copy into the page cache or wait for the network: on a thread of
+        // the file's own, while the sink fills the next buffer.
         let (jobs, job_rx) = bounded::<Job>(DIRECT_BUFFERS);
         let (done_tx, done) = unbounded(); // never blocks the I/O thread: buffers are few anyway
-        let fallback = (direct && direct_io == DirectIo::Auto).then(|| direct_writes.clone());
         let thread = {
             let path = path.to_owned();
             std::thread::Builder::new()
                 .name("ringscope-io".into())
-                .spawn(move || write_jobs(file, &path, direct, fallback, &job_rx, &done_tx))?
+                .spawn(move || write_jobs(target, &path, &job_rx, &done_tx))?
         };
         Ok(Output {
             path: path.to_owned(),
             direct,
+            lendable,
             direct_writes,
             buffer_bytes,
             current: spare_buffer(buffer_bytes)?,
@@ -344,33 +375,38 @@ impl Output {
 
     /// Lets the next writes of `bytes`' memory (any part of it, [`LENT_WRITE_MIN`] bytes or more) go to the file from
     /// where they lie, until the next call (`None`: none). Only a file written through the page cache takes them so
-    /// (a direct write needs aligned memory); the I/O thread holds a clone of `bytes` until it has written them.
+    /// (a direct write needs aligned memory; an upload would hold them — ring memory — until a whole part is
+    /// uploaded, which may need more of the ring than there is); the I/O thread holds a clone of `bytes` until it
+    /// has written them.
     pub(crate) fn lend(&mut self, bytes: Option<Bytes>) {
-        self.lent = bytes.filter(|_| !self.direct);
+        self.lent = bytes.filter(|_| self.lendable);
     }
 
     /// Writes everything and returns the file, truncated to the stream's length (a direct write pads its last
-    /// block). The caller syncs it.
-    pub fn finish(mut self) -> io::Result<File> {
+    /// block; the caller syncs it), or the completed upload's object.
+    pub fn finish(mut self) -> io::Result<Stored> {
         let len = self.position();
         let filled = self.current.len();
         let total = if self.direct { filled.next_multiple_of(ALIGN) } else { filled };
         self.current.extend(&[0; ALIGN][..total - filled])?;
         let last = std::mem::replace(&mut self.current, Buffer::NONE);
         self.send(last, total)?;
-        let file = match std::mem::replace(&mut self.writer, Writer::Failed("finished".into())) {
+        self.queue(Job::End)?;
+        let stored = match std::mem::replace(&mut self.writer, Writer::Failed("finished".into())) {
             Writer::Thread { jobs, thread, done } => {
                 drop(jobs); // the thread ends after the last job
-                let file = join(thread, &self.path)?;
+                let stored = join(thread, &self.path)?;
                 self.pool.extend(done.try_iter());
-                file
+                stored
             }
             Writer::Failed(message) => return Err(io::Error::other(message)),
         };
-        if total != filled {
-            file.set_len(len)?;
+        if let Stored::File(file) = &stored {
+            if total != filled {
+                file.set_len(len)?;
+            }
         }
-        Ok(file)
+        Ok(stored)
     }
 
     /// Sends the first `n` bytes of `buffer` (a multiple of [`ALIGN`] unless it is the last) to the file; `shipped`
@@ -391,6 +427,7 @@ impl Output {
         let n = match &job {
             Job::Buffer(_, n) => *n,
             Job::Lent(bytes) => bytes.len(),
+            Job::End => 0,
         };
         let sent = match &self.writer {
             Writer::Thread { jobs, .. } => jobs.send(job).is_ok(),
@@ -508,49 +545,60 @@ fn open_direct(path: &Path) -> io::Result<File> {
     ))
 }
 
-/// The I/O thread: writes each job's bytes in order (to `file`, opened with `O_DIRECT` if `direct`) and hands
-/// buffers back; stops at the first error. With `fallback` (`DirectIo::Auto` on a file opened with `O_DIRECT`: the file's [`Output::is_direct`] flag), a file
-/// system that opened the file with `O_DIRECT` but rejects a direct write as invalid gets the file reopened without
-/// it (the flag cleared), and the write is retried from where it stopped.
-fn write_jobs(
-    mut file: File,
-    path: &Path,
-    mut direct: bool,
-    mut fallback: Option<Arc<AtomicBool>>,
-    jobs: &Receiver<Job>,
-    done: &Sender<Buffer>,
-) -> io::Result<File> {
-    let mut offset = 0u64;
+/// The I/O thread: writes each job's bytes in order to `target` and hands buffers back; stops at the first error.
+/// Returns the file, or the object of the upload it completed at [`Job::End`] (an upload whose jobs end without it
+/// is aborted, and is an error).
+fn write_jobs(mut target: Target, path: &Path, jobs: &Receiver<Job>, done: &Sender<Buffer>) -> io::Result<Stored> {
+    let mut ended = false;
     for job in jobs {
-        let mut bytes = match &job {
-            Job::Buffer(buffer, n) => &buffer.bytes()[..*n],
-            Job::Lent(bytes) => &bytes[..],
+        match job {
+            Job::Buffer(buffer, n) => {
+                target.write(&buffer.bytes()[..n], path)?;
+                let _ = done.send(buffer); // the file may be finishing and no longer take buffers back
+            }
+            Job::Lent(bytes) => target.write(&bytes, path)?,
+            Job::End => ended = true,
+        }
+    }
+    match target {
+        Target::File { file, .. } => Ok(Stored::File(file)),
+        Target::Object(upload) if ended => Ok(Stored::Object { bytes: upload.complete()? }),
+        Target::Object(upload) => {
+            drop(upload); // aborted: no object appears
+            Err(io::Error::other(format!("{}: the upload was abandoned (its file failed)", path.display())))
+        }
+    }
+}
+
+impl Target {
+    /// Writes all of `bytes`.
+    fn write(&mut self, mut bytes: &[u8], path: &Path) -> io::Result<()> {
+        let (file, direct, fallback, offset) = match self {
+            Target::Object(upload) => return upload.write(bytes),
+            Target::File { file, direct, fallback, offset } => (file, direct, fallback, offset),
         };
         while !bytes.is_empty() {
             match file.write(bytes) {
                 Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, format!("writing {}", path.display()))),
                 Ok(k) => {
                     bytes = &bytes[k..];
-                    offset += k as u64;
+                    *offset += k as u64;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::InvalidInput && fallback.is_some() => {
                     fallback.take().into_iter().for_each(|direct| direct.store(false, Ordering::Relaxed));
-                    direct = false;
-                    file = OpenOptions::new().write(true).open(path)?;
-                    io::Seek::seek(&mut file, io::SeekFrom::Start(offset))?;
+                    *direct = false;
+                    *file = OpenOptions::new().write(true).open(path)?;
+                    io::Seek::seek(file, io::SeekFrom::Start(*offset))?;
                 }
                 Err(e) => {
-                    let how = if direct { " (O_DIRECT)" } else { "" };
+                    let how = if *direct { " (O_DIRECT)" } else { "" };
                     return Err(io::Error::new(e.kind(), format!("writing {}{how}: {e}", path.display())));
                 }
             }
         }
-        if let Job::Buffer(buffer, _) = job {
-            let _ = done.send(buffer); // the file may be finishing and no longer take buffers back
-        }
+        Ok(())
     }
-    Ok(file)
 }
 
 /// Whether the file system that would hold `path` keeps files in memory (tmpfs, ramfs): there the kernel copies a
@@ -573,7 +621,7 @@ fn memory_backed(_: &Path) -> bool {
     false
 }
 
-fn join(thread: JoinHandle<io::Result<File>>, path: &Path) -> io::Result<File> {
+fn join(thread: JoinHandle<io::Result<Stored>>, path: &Path) -> io::Result<Stored> {
     thread.join().unwrap_or_else(|_| Err(io::Error::other(format!("{}: the I/O thread panicked", path.display()))))
 }
 
@@ -721,7 +769,8 @@ mod tests {
             jobs.send(Job::Buffer(aligned, ALIGN)).unwrap();
             jobs.send(Job::Buffer(odd, 100)).unwrap();
             drop(jobs);
-            match write_jobs(file, &path, true, fallback.then(|| direct.clone()), &job_rx, &done_tx) {
+            let target = Target::File { file, direct: true, fallback: fallback.then(|| direct.clone()), offset: 0 };
+            match write_jobs(target, &path, &job_rx, &done_tx) {
                 Ok(_) => {
                     assert!(fallback, "the unaligned direct write was accepted only through the fallback");
                     assert!(!direct.load(Ordering::Relaxed), "the file says it fell back");
