@@ -149,7 +149,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         toml += &format!("run_id = {id:?}\n");
     }
     toml += &residual_hookpoints_toml(engine.layers, engine.hidden);
-    let session = Session::new(Config::from_toml(&toml)?)?;
+    let config = Config::from_toml(&toml)?;
+    let session = Session::new(config.clone())?;
 
     let steps = pregenerate(engine);
     let show_progress = !args.no_progress && (args.progress || std::io::stderr().is_terminal());
@@ -158,7 +159,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         if show_progress {
             scope.spawn(|| report_progress(&session, &done));
         }
-        let result = dump(&session, &steps, &engine);
+        let result = dump(&session, &config, &steps, &engine);
         done.store(true, Ordering::Relaxed);
         result
     })
@@ -167,6 +168,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 /// Runs the engine's steps through `session`, shuts it down and prints the summary.
 fn dump(
     session: &Session,
+    config: &Config,
     steps: &[(ringscope::synthetic::EngineStep, Vec<Vec<u8>>)],
     engine: &EngineConfig,
 ) -> Result<(), Box<dyn std::error::Error>> {
@@ -192,18 +194,20 @@ fn dump(
     let total_s = started.elapsed().as_secs_f64();
     let run_dir = report.run_dir.clone().expect("a Parquet sink is configured");
 
-    // What the Python test needs to regenerate every row: the engine's parameters.
-    std::fs::write(
-        run_dir.join("_synthetic_engine.json"),
-        format!(
-            "{{\"layers\": {}, \"hidden\": {}, \"requests\": {}, \"seed\": {}, \"steps\": {}}}\n",
-            engine.layers,
-            engine.hidden,
-            engine.requests,
-            engine.seed,
-            steps.len()
-        ),
-    )?;
+    // What the Python test needs to regenerate every row: the engine's parameters (next to the run's files, on object
+    // storage too).
+    let parameters = format!(
+        "{{\"layers\": {}, \"hidden\": {}, \"requests\": {}, \"seed\": {}, \"steps\": {}}}\n",
+        engine.layers,
+        engine.hidden,
+        engine.requests,
+        engine.seed,
+        steps.len()
+    );
+    match config.export.open_storage()? {
+        Some(storage) => storage.put(&run_dir.join("_synthetic_engine.json"), parameters.into()).map(drop)?,
+        None => std::fs::write(run_dir.join("_synthetic_engine.json"), parameters)?,
+    }
 
     let t = report.accounting.total();
     let data_bytes = report.drain.data_bytes as f64;

@@ -423,7 +423,8 @@ pub struct ExportConfig {
     /// Write an Arrow IPC dataset.
     #[serde(default)]
     pub arrow_ipc: bool,
-    /// Root directory of dumps; each run writes `dir/run_id/`.
+    /// Root directory of dumps; each run writes `dir/run_id/`. An object storage URL (`s3://bucket/prefix`) here is
+    /// taken as `url`.
     #[serde(default = "default_dir")]
     pub dir: String,
     /// Run id (a directory name); default `run-<UTC time>-<pid>`.
@@ -590,9 +591,18 @@ impl ExportConfig {
     /// The object storage `url` names (`None` for a local directory, `file://` included), opened and checked: a
     /// missing bucket or refused credentials is an error here, naming the URL and never a secret.
     pub fn open_storage(&self) -> Result<Option<ringscope_exporter::ObjectStorage>, Error> {
-        let Some(url) = self.url.as_deref().filter(|u| !u.starts_with("file://")) else { return Ok(None) };
         let setting = |source: Box<dyn std::error::Error + Send + Sync>| Error::Setting { key: "export.url", source };
-        if self.dir != default_dir() {
+        // `export.dir` may name object storage too (`dir = "s3://bucket/prefix"`): a program that takes a directory
+        // takes a bucket as well.
+        let url = match self.url.as_deref() {
+            Some(url) => url,
+            None if ringscope_exporter::is_object_url(&self.dir) => &self.dir,
+            None => return Ok(None),
+        };
+        if url.starts_with("file://") {
+            return Ok(None);
+        }
+        if self.url.is_some() && self.dir != default_dir() {
             let shown = ringscope_exporter::redact_url(url);
             return Err(setting(
                 format!("both export.dir ({:?}) and export.url ({shown}) are set: give one", self.dir).into(),

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
-from typing import Optional, Sequence
+import tempfile
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -68,6 +70,75 @@ def _activation_bytes(t) -> np.ndarray:
     return raw[: t.num_rows * width].reshape(t.num_rows, width)
 
 
+def _object_url(path: "str | os.PathLike") -> Optional[str]:
+    """``path`` when it names object storage (``s3://bucket/prefix/run``, ``gs://``, ``az://``, ...), else None."""
+    if not isinstance(path, str) or "://" not in path:
+        return None
+    scheme = path.split("://", 1)[0]
+    return path if scheme and scheme != "file" and all(c.isalnum() or c in "+-." for c in scheme) else None
+
+
+@contextlib.contextmanager
+def _fetched(url: str, subdirs: Sequence[str]) -> Iterator[pathlib.Path]:
+    """A local copy of the run at ``url`` (object storage, through pyarrow's file systems: credentials and endpoint
+    from the standard environment, e.g. ``AWS_ENDPOINT_URL``): its manifests, and of its directories only
+    ``subdirs`` (those that exist), in a temporary directory removed afterwards."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, base = pafs.FileSystem.from_uri(url.rstrip("/"))
+        listing = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except (OSError, ValueError) as e:
+        raise RingscopeError("RS_ERR_IO", f"cannot read {url}: {e}") from e
+    if not listing:
+        raise RingscopeError("RS_ERR_IO", f"{url} does not exist (no object under it): give the run's URL "
+                                          "(<export.url>/<run_id>)")
+    names = {pathlib.PurePosixPath(i.path).name: i for i in listing}
+    with tempfile.TemporaryDirectory(prefix="ringscope-fetch-") as tmp:
+        local = pathlib.Path(tmp) / pathlib.PurePosixPath(base).name
+        local.mkdir()
+        try:
+            for name, info in names.items():
+                wanted = any(name == d or d.startswith(name + "/") for d in subdirs)
+                if info.type == pafs.FileType.File and name.startswith("_ringscope_run") and name.endswith(".json"):
+                    pafs.copy_files(info.path, str(local / name), source_filesystem=fs)
+                elif info.type == pafs.FileType.Directory and wanted:
+                    for d in subdirs:
+                        if d == name or d.startswith(name + "/"):
+                            src = f"{base}/{d}"
+                            if fs.get_file_info(src).type == pafs.FileType.Directory:
+                                (local / d).parent.mkdir(parents=True, exist_ok=True)
+                                pafs.copy_files(src, str(local / d), source_filesystem=fs)
+        except OSError as e:
+            raise RingscopeError("RS_ERR_IO", f"cannot read {url}: {e}") from e
+        yield local
+
+
+def _run_subdirs(url: str, hookpoint: Optional[str]) -> list:
+    """The directories of a run read_dump needs: every hookpoint's partitions (Parquet and Arrow IPC), or one's."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, base = pafs.FileSystem.from_uri(url.rstrip("/"))
+    except (OSError, ValueError) as e:
+        raise RingscopeError("RS_ERR_IO", f"cannot read {url}: {e}") from e
+    out = []
+    for sub in ("", "_arrow_ipc/"):
+        try:
+            listed = fs.get_file_info(pafs.FileSelector(f"{base}/{sub}".rstrip("/"), allow_not_found=True))
+        except OSError as e:
+            raise RingscopeError("RS_ERR_IO", f"cannot read {url}: {e}") from e
+        out += [sub + pathlib.PurePosixPath(i.path).name for i in listed
+                if i.type == pafs.FileType.Directory and pathlib.PurePosixPath(i.path).name.startswith("hookpoint=")]
+    if hookpoint is not None:
+        names = sorted({d.rsplit("hookpoint=", 1)[1] for d in out})
+        if names and hookpoint not in names:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"hookpoint {hookpoint!r} is not in {url}; it holds {', '.join(map(repr, names))}")
+        out = [d for d in out if d.endswith(f"hookpoint={hookpoint}")]
+    return out
+
+
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
     """Reads a dump (a run directory: its Parquet files, or its Arrow IPC files when it has no Parquet) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
@@ -83,7 +154,19 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
     file's bytes are not as written — every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
     is read; a file cut short is found too — or when a file does not belong in its partition (another hookpoint's
-    file, or rows of another width or dtype). Needs pyarrow."""
+    file, or rows of another width or dtype). ``path`` may be a run on object storage (``s3://bucket/prefix/run``,
+    ``gs://``, ``az://``; credentials and endpoint from the environment, as pyarrow takes them: ``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ...): its files (those of ``hookpoint`` only, when given) are downloaded into a temporary
+    directory, read as above, and removed. Needs pyarrow."""
+    url = _object_url(path)
+    if url is not None:
+        if hookpoint is not None:
+            _text("hookpoint", hookpoint)
+        with _fetched(url, _run_subdirs(url, hookpoint)) as local:
+            try:
+                return read_dump(local, hookpoint, as_torch)
+            except RingscopeError as e:
+                raise RingscopeError(e.status, str(e.message).replace(str(local), url)) from e
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     if hookpoint is not None:
         _text("hookpoint", hookpoint)
@@ -213,9 +296,15 @@ def read_events(path: "str | os.PathLike") -> list:
     the order they were logged (file by file, in commit order). After a run has shut down, ``rows_lost`` summed per
     (hookpoint, reason) over the drops equals the manifest's dropped rows. A run that never lost anything has no
     events directory: that reads as ``[]``. Every Parquet page's CRC is checked (``RS_ERR_IO`` naming a corrupt
-    file). Raises :class:`RingscopeError` when ``path`` is not a directory. Needs pyarrow."""
+    file). Raises :class:`RingscopeError` when ``path`` is not a directory. ``path`` may be a run on object storage,
+    as for :func:`read_dump`. Needs pyarrow."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    url = _object_url(path)
+    if url is not None:
+        with _fetched(url, [EVENTS_DIR]) as local:
+            return read_events(local)
 
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     if not root.is_dir():
