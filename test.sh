@@ -4,9 +4,10 @@
 #   ./test.sh           everything: Rust unit, integration and doc tests; the loom model check of the ring protocol;
 #                       Miri on the host ring's and the leases' unsafe code; the main example dumping to Parquet and
 #                       Arrow IPC, checked by `inspect`; the C ABI example compiled with the system C compiler against
-#                       libringscope, both ways, and its dump; the Python package's tests (pyarrow, DuckDB, Polars)
-#                       and mypy on it; its PyTorch / Hugging Face tests (eager, CUDA-graph and torch.compile paths);
-#                       the vLLM and SGLang plugins against real engines on CPU (tests/engine.sh).
+#                       libringscope, both ways, and its dump; the Python package's tests (pyarrow, DuckDB, Polars;
+#                       dumps to a real S3 server on loopback, SeaweedFS, read back there and by Ray Data) and mypy on
+#                       it; its PyTorch / Hugging Face tests (eager, CUDA-graph and torch.compile paths); the vLLM
+#                       and SGLang plugins against real engines on CPU (tests/engine.sh).
 #   ./test.sh --quick   for iteration: the Rust tests, the example and inspect, the C example, the torch-free Python
 #                       tests (a few minutes once built).
 #
@@ -182,8 +183,11 @@ LD_LIBRARY_PATH="$bin" "$bin/c_engine" ringscope-out c-engine
 "$bin/c_engine_static" ringscope-out c-engine-static
 "$bin/inspect" ringscope-out/c-engine
 
-# --- Python: the package from the source tree with the library built above, reading back both dumps.
+# --- Python: the package from the source tree with the library built above, reading back both dumps; the object
+# storage tests run the example and the C example against a real S3 server (SeaweedFS, from that environment).
 export RINGSCOPE_RUN_DIR=ringscope-out/ci RINGSCOPE_C_RUN_DIR=ringscope-out/c-engine
+export RINGSCOPE_EXAMPLE="$PWD/$bin/examples/dump_parquet" RINGSCOPE_C_ENGINE="$PWD/$bin/c_engine"
+export RINGSCOPE_REQUIRE_S3=1
 stage "python tests (torch-free)"
 PYTHONPATH="$PWD/ffi/python" "$py" -m pytest -q -p no:cacheprovider tests/python -m "not torch"
 [ $quick = 1 ] && exit 0

@@ -107,7 +107,7 @@ def _fetched(url: str, subdirs: Sequence[str]) -> Iterator[pathlib.Path]:
                         if d == name or d.startswith(name + "/"):
                             src = f"{base}/{d}"
                             if fs.get_file_info(src).type == pafs.FileType.Directory:
-                                (local / d).parent.mkdir(parents=True, exist_ok=True)
+                                (local / d).mkdir(parents=True, exist_ok=True)
                                 pafs.copy_files(src, str(local / d), source_filesystem=fs)
         except OSError as e:
             raise RingscopeError("RS_ERR_IO", f"cannot read {url}: {e}") from e

