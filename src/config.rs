@@ -1206,4 +1206,31 @@ mod tests {
         let err = Config::from_file("/nonexistent/ringscope.toml").unwrap_err().to_string();
         assert!(err.contains("/nonexistent/ringscope.toml"), "{err}");
     }
+
+    #[test]
+    fn object_storage_urls_are_checked_before_any_request_and_never_show_secrets() {
+        let export = |text: &str| Config::from_toml(&format!("[export]\nparquet = true\n{text}")).unwrap().export;
+        // A local directory, also as a file:// URL: no object storage.
+        assert!(export("").open_storage().unwrap().is_none());
+        let local = export("url = \"file:///data/dumps\"");
+        assert!(local.open_storage().unwrap().is_none());
+        assert_eq!(local.dataset_options().root, std::path::PathBuf::from("/data/dumps"));
+        // Both a directory and a URL: which one is meant?
+        let e = export("dir = \"/data\"\nurl = \"s3://b/p\"").open_storage().unwrap_err().to_string();
+        assert!(e.contains("export.dir") && e.contains("s3://b/p"), "{e}");
+        // A bucket given as the directory is taken as the URL; settings S3 cannot take are refused by name, before
+        // anything is sent.
+        let e = export("dir = \"s3://b/p\"\nupload_part_size = \"1 MiB\"").open_storage().unwrap_err().to_string();
+        assert!(e.contains("s3://b/p") && e.contains("5 MiB"), "{e}");
+        let e = export("url = \"s3://b/p\"\nupload_retry_timeout_s = -1").open_storage().unwrap_err().to_string();
+        assert!(e.contains("upload_retry_timeout_s"), "{e}");
+        let e = export("url = \"s3://b/p\"\nstorage_options = { aws_colour = \"x\" }").open_storage().unwrap_err();
+        assert!(e.to_string().contains("aws_colour"), "{e}");
+        let e = export("url = \"ftp://host/p\"").open_storage().unwrap_err().to_string();
+        assert!(e.contains("ftp://host/p") && e.contains("scheme"), "{e}");
+        // A secret in the config is never printed.
+        let c = export("url = \"s3://b/p\"\nstorage_options = { aws_secret_access_key = \"hunter2\" }");
+        assert!(!format!("{c:?}").contains("hunter2"), "{c:?}");
+        assert!(format!("{c:?}").contains("aws_secret_access_key"));
+    }
 }

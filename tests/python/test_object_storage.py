@@ -11,6 +11,7 @@ RINGSCOPE_EXAMPLE / RINGSCOPE_C_ENGINE (the binaries it built).
 import json
 import os
 import pathlib
+import re
 import subprocess
 import time
 
@@ -311,3 +312,43 @@ def test_ray_data_reads_a_run_on_s3_with_the_rows_read_dump_gives(s3env):
     raw = np.frombuffer(table.column("activation").combine_chunks().buffers()[1], dtype=np.uint16)
     assert np.array_equal(raw[: rows.size].reshape(rows.shape), rows)
     assert table.column("step").to_pylist() == [k // 3 for k in range(300)]
+
+
+DOC_SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "object-storage.md").read_text(), flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def doc_run():
+    """The URL of a run the doc snippets read (made on first use, by the first snippet's test)."""
+    return {}
+
+
+@pytest.mark.parametrize("code", DOC_SNIPPETS, ids=[f"snippet{k}" for k in range(len(DOC_SNIPPETS))])
+def test_the_docs_snippets_run_as_shown(s3env, doc_run, code):
+    if not doc_run:
+        bucket = s3env.bucket("docs")
+        s, hp = _session(f"s3://{bucket}/dumps", "run-1")
+        _capture(s, hp, _rows(7, 60), per_step=3)
+        s.close()
+        doc_run["url"] = f"s3://{bucket}/dumps/run-1"
+    ns = {"run_url": doc_run["url"]}
+    ray = None
+    if "import ray" in code:
+        try:
+            import ray
+        except ImportError:
+            _missing("no ray (pip install 'ray[data]': tests/python/requirements.txt)")
+        ray.init(num_cpus=1, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    try:
+        exec(compile(code, "docs/object-storage.md", "exec"), ns)
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    for name in ("dump", "table", "frame", "rows"):
+        if name in ns:
+            value = ns[name]
+            count = len(value) if not hasattr(value, "num_rows") else value.num_rows
+            assert count > 0 if name != "dump" else list(value) == ["layers.0.resid"], name
+            if name in ("table", "frame"):
+                assert count == 60, name
