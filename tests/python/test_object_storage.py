@@ -102,6 +102,27 @@ def test_the_rust_example_dumps_to_s3_and_every_reader_reads_it_bit_for_bit(s3en
     _same_dumps(ringscope.read_dump(url), ringscope.read_dump(tmp_path / "r1"))
     one = ringscope.read_dump(url, hookpoint="layers.2.resid")
     assert list(one) == ["layers.2.resid"]
+    # The streaming reader, file by file (Arrow IPC: the run has it), with and without a shuffle.
+    from ringscope.stream import iter_batches
+
+    for kwargs in ({}, {"shuffle_buffer": 500, "seed": 3}, {"format": "parquet", "drop_last": True}):
+        remote = list(iter_batches(url, hookpoints=["layers.1.resid"], batch_size=256, with_meta=True, **kwargs))
+        here = list(iter_batches(str(tmp_path / "r1"), hookpoints=["layers.1.resid"], batch_size=256, with_meta=True,
+                                 **kwargs))
+        assert len(remote) == len(here) > 1, kwargs
+
+        def rows(batches):
+            cat = {k: np.concatenate([b[k] for b in batches]) for k in ("activation", "step", "request_id", "position")}
+            order = np.lexsort((cat["position"], cat["request_id"], cat["step"]))
+            return {k: v[order] for k, v in cat.items()}
+
+        # (Two runs of the example hold the same rows, though not necessarily in the same record batches: a shuffle
+        # of each is compared by its rows.)
+        a, b = rows(remote), rows(here)
+        assert all(np.array_equal(a[k], b[k]) for k in a), kwargs
+    with pytest.raises(ringscope.RingscopeError) as e:
+        list(iter_batches(url, hookpoints=["nope"]))
+    assert url in str(e.value) and "tmp" not in str(e.value), e.value
 
     # The manifest (written last) lists every data object, with its size; nothing else is there.
     manifest = _manifest(s3env, f"{bucket}/dumps/r1")

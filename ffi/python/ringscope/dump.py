@@ -14,6 +14,7 @@ import numpy as np
 from .errors import RingscopeError
 from ._args import _path, _text
 from .dtypes import _as_float32, dequantize_rowscaled, _NUMPY_FOR_DTYPE, ROWSCALED
+from .stream import _object_url
 
 
 _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or when the session is closed, so read "
@@ -68,14 +69,6 @@ def _activation_bytes(t) -> np.ndarray:
     width = flat.type.byte_width
     raw = np.frombuffer(flat.buffers()[1], dtype=np.uint8)[flat.offset * width:]
     return raw[: t.num_rows * width].reshape(t.num_rows, width)
-
-
-def _object_url(path: "str | os.PathLike") -> Optional[str]:
-    """``path`` when it names object storage (``s3://bucket/prefix/run``, ``gs://``, ``az://``, ...), else None."""
-    if not isinstance(path, str) or "://" not in path:
-        return None
-    scheme = path.split("://", 1)[0]
-    return path if scheme and scheme != "file" and all(c.isalnum() or c in "+-." for c in scheme) else None
 
 
 @contextlib.contextmanager

@@ -11,11 +11,16 @@ dequantized to float32 (E4M3 × the row's scale), with ``downcast`` True. Needs 
 Arrow IPC files are read with plain reads, a record batch at a time, never memory-mapped: a mapped file that
 another process truncates kills the reading process with SIGBUS, while a read past a file's new end is a
 :class:`RingscopeError` naming the file.
+
+A run on object storage (``s3://bucket/prefix/run``, ``gs://``, ``az://``: pyarrow's file systems, credentials and
+endpoint from the environment) is read the same way, each file downloaded into a temporary directory just before it
+is read and deleted once read: local disk holds one file at a time.
 """
 import json
 import os
 import pathlib
 import struct
+import tempfile
 import zlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,6 +41,63 @@ class Batch(dict):
     (rows, row_width), ``downcast`` (the rows were downcast on capture: ``dtype`` is ``f8e4m3_rowscaled`` and
     ``activation`` holds their float32 values, dequantized) and, with ``with_meta``, ``step``, ``request_id``,
     ``position`` (numpy arrays, one value per row)."""
+
+
+def _object_url(path) -> Optional[str]:
+    """``path`` when it names object storage (``s3://bucket/prefix/run``, ``gs://``, ``az://``, ...), else None."""
+    if not isinstance(path, str) or "://" not in path:
+        return None
+    scheme = path.split("://", 1)[0]
+    return path if scheme and scheme != "file" and all(c.isalnum() or c in "+-." for c in scheme) else None
+
+
+class _Remote:
+    """A run on object storage, read file by file: a local tree of empty placeholders with the run's layout (its
+    partitions' files), each filled just before it is read (:meth:`fetch`) and emptied after (:meth:`release`)."""
+
+    def __init__(self, url: str):
+        import pyarrow.fs as pafs
+
+        self.url = url.rstrip("/")
+        try:
+            self.fs, self.base = pafs.FileSystem.from_uri(self.url)
+            infos = self.fs.get_file_info(pafs.FileSelector(self.base, recursive=True, allow_not_found=True))
+        except (OSError, ValueError) as e:
+            raise RingscopeError("RS_ERR_IO", f"cannot read {self.url}: {e}") from e
+        if not infos:
+            raise RingscopeError("RS_ERR_IO", f"{self.url} does not exist (no object under it): give the run's URL "
+                                              "(<export.url>/<run_id>)")
+        self._tmp = tempfile.TemporaryDirectory(prefix="ringscope-stream-")
+        self.root = pathlib.Path(self._tmp.name) / pathlib.PurePosixPath(self.base).name
+        self.root.mkdir()
+        for info in infos:
+            rel = info.path[len(self.base):].lstrip("/")
+            if rel.startswith(("hookpoint=", "_arrow_ipc/hookpoint=")):
+                local = self.root / rel
+                if info.type == pafs.FileType.Directory:
+                    local.mkdir(parents=True, exist_ok=True)
+                elif info.type == pafs.FileType.File:
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    local.touch()
+
+    def fetch(self, path: pathlib.Path) -> None:
+        import pyarrow.fs as pafs
+
+        rel = path.relative_to(self.root).as_posix()
+        try:
+            pafs.copy_files(f"{self.base}/{rel}", str(path), source_filesystem=self.fs)
+        except OSError as e:
+            raise RingscopeError("RS_ERR_IO", f"cannot read {self.url}/{rel}: {e}") from e
+
+    def release(self, path: pathlib.Path) -> None:
+        path.write_bytes(b"")
+
+    def shown(self, e: RingscopeError) -> RingscopeError:
+        """``e`` naming the object's URL instead of its local copy."""
+        return RingscopeError(e.status, str(e.message).replace(str(self.root), self.url))
+
+    def close(self) -> None:
+        self._tmp.cleanup()
 
 
 def _part_files(part: pathlib.Path, ext: str) -> Tuple[List[pathlib.Path], List[pathlib.Path]]:
@@ -393,8 +455,9 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
     every Arrow IPC batch's CRC-32 (a file changed after it was written raises :class:`RingscopeError` naming it,
     never yields changed values); ``False`` skips the checks for speed. Only committed files are read. A file cut
     short, even while it is read, or another hookpoint's file put into a partition is a :class:`RingscopeError`
-    naming the file."""
-    root = pathlib.Path(os.fsdecode(_path("path", path)))
+    naming the file. ``path`` may be a run on object storage (``s3://bucket/prefix/run``; see the module docs)."""
+    url = _object_url(path)
+    root = pathlib.Path(os.fsdecode(_path("path", path))) if url is None else pathlib.Path()
     batch_size = _int("batch_size", batch_size, 1, 1 << 31)
     shuffle_buffer = _int("shuffle_buffer", shuffle_buffer, 0, 1 << 40)
     seed = _int("seed", seed, 0, (1 << 64) - 1)
@@ -414,28 +477,42 @@ def iter_batches(path: "str | os.PathLike", hookpoints: Optional[Sequence[str]] 
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"shard: {shard!r} is not (index, count)")
     count = _int("shard count", shard[1], 1, 1 << 20)
     index = _int("shard index", shard[0], 0, count - 1)
-    fmt, files = _files(root, format, hookpoints)
-    columns = ["activation", *META_COLUMNS] if with_meta else ["activation"]
-    rng = np.random.default_rng(seed)
-    shards = _Shard(index, count)
-    by_series: Dict[Tuple[str, bool], List[pathlib.Path]] = {}
-    for name, f in files:
-        # A hookpoint's downcast rows have another row size: they are batched apart from its full-precision rows.
-        by_series.setdefault((name, f.parent.name == f"_{ROWSCALED}"), []).append(f)
-    for (name, downcast), paths in by_series.items():
-        series = _Series(name, downcast)
-        chunks = _chunks(series, fmt, paths, columns, verify, with_meta, shards)
-        if shuffle_buffer:
-            chunks = _shuffled(chunks, shuffle_buffer, batch_size, rng)
-        yield from _batched(series, chunks, batch_size, drop_last, with_meta)
+    remote = _Remote(url) if url is not None else None
+    try:
+        fmt, files = _files(remote.root if remote is not None else root, format, hookpoints)
+        columns = ["activation", *META_COLUMNS] if with_meta else ["activation"]
+        rng = np.random.default_rng(seed)
+        shards = _Shard(index, count)
+        by_series: Dict[Tuple[str, bool], List[pathlib.Path]] = {}
+        for name, f in files:
+            # A hookpoint's downcast rows have another row size: they are batched apart from its full-precision rows.
+            by_series.setdefault((name, f.parent.name == f"_{ROWSCALED}"), []).append(f)
+        for (name, downcast), paths in by_series.items():
+            series = _Series(name, downcast)
+            chunks = _chunks(series, fmt, paths, columns, verify, with_meta, shards, remote)
+            if shuffle_buffer:
+                chunks = _shuffled(chunks, shuffle_buffer, batch_size, rng)
+            yield from _batched(series, chunks, batch_size, drop_last, with_meta)
+    except RingscopeError as e:
+        if remote is None:
+            raise
+        raise remote.shown(e) from e
+    finally:
+        if remote is not None:
+            remote.close()
 
 
-def _chunks(series: _Series, fmt, paths, columns, verify, with_meta, shards: _Shard):
-    """(activation uint8 rows, meta) of each non-empty record batch of the series this shard reads, in file order."""
+def _chunks(series: _Series, fmt, paths, columns, verify, with_meta, shards: _Shard, remote: Optional[_Remote] = None):
+    """(activation uint8 rows, meta) of each non-empty record batch of the series this shard reads, in file order (a
+    run on object storage: each file fetched just before it is read, and released after)."""
     for path in paths:
+        if remote is not None:
+            remote.fetch(path)
         for rb in _record_batches(fmt, path, columns, verify, shards.pick, lambda m, s: series.check(path, m, s)):
             if rb.num_rows:
                 yield _rows(rb, with_meta)
+        if remote is not None:
+            remote.release(path)
 
 
 def _shuffled(chunks, capacity: int, batch_size: int, rng):
