@@ -1,19 +1,21 @@
 //! # ringscope-exporter
 //!
-//! Where records leave. Three layers, each in its own module, each using only the ones before it:
+//! Where records leave. Four modules, each using only the ones before it:
 //!
 //! * [`routing`] — a [`Drain`] thread copies each published record out of the ring (releasing its space at once)
 //!   and offers it to every sink and consumer whose [`Filter`] matches, through one bounded queue each. Sinks run on
 //!   their own threads; consumers read a [`Subscription`]. A [`Record`] is counted — exported, or dropped with the
 //!   reason — when its last holder lets go of it and of its [`Receipt`]. Hookpoint ids resolve through the
 //!   [`Catalog`] the session hands over: this crate does not know the capture side.
-//! * [`dataset`] — what a dump is on disk: Hive-partitioned directories, the Arrow schema, batches, and the
-//!   [`FileSink`] that writes, rotates and commits files. It meets routing at the [`Sink`] trait. Next to the data,
-//!   the [`EventRecorder`] writes the session's event log (what was lost, when and why) as the run's events table.
-//! * [`storage`] — object storage (S3 and compatibles, GCS, Azure) through the `object_store` crate: a run written
-//!   to a bucket has the layout it has on disk; files are streamed as multipart uploads completed at commit.
-//! * [`writing`] — how one file's bytes are laid out and reach the disk: [`Parquet`] (our own zstd pages) and
-//!   [`ArrowIpc`], files written with `O_DIRECT` where possible. It meets the dataset at the [`FileFormat`] trait.
+//! * [`storage`] — object storage (S3 and compatibles, GCS, Azure) through the `object_store` crate: puts, listings,
+//!   and multipart [`Upload`]s that make an object only when completed.
+//! * [`dataset`] — what a dump is on disk (or in a bucket, with the same layout): Hive-partitioned directories, the
+//!   Arrow schema, batches, and the [`FileSink`] that writes, rotates and commits files (a rename, or a completed
+//!   upload). It meets routing at the [`Sink`] trait. Next to the data, the [`EventRecorder`] writes the session's
+//!   event log (what was lost, when and why) as the run's events table.
+//! * [`writing`] — how one file's bytes are laid out and reach the disk or the store: [`Parquet`] (our own zstd
+//!   pages) and [`ArrowIpc`], files written with `O_DIRECT` where possible, uploads streamed part by part. It meets
+//!   the dataset at the [`FileFormat`] trait.
 //!
 //! Other sinks: [`SummarySink`] (per-hookpoint tallies) and [`CallbackSink`] (a closure per record).
 #![deny(unsafe_op_in_unsafe_fn)]
