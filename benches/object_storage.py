@@ -3,7 +3,9 @@ decoder's residual stream through a full-mode session into Parquet) dumps the sa
 real S3 server on loopback (SeaweedFS, tests/python/s3server.py), in alternating rounds so that a noisy machine's slow
 and fast spells hit both alike. Prints each round's "capture → files closed" time (the example's own measure: from the
 first capture until every file is committed — uploaded and completed, for S3), the medians, and the ratio of the S3
-rate to the local one (goal: at least 0.9).
+rate to the local one (goal: at least 0.9). As the server's own ceiling, each round also uploads the local run's files
+to the same server with pyarrow's S3 client (the AWS C++ SDK, several files at once) and times it: on a machine whose
+cores the server shares, that ceiling — not the sink — can be what bounds the S3 rate.
 
     cargo build --release --example dump_parquet
     python benches/object_storage.py [--rounds 5] [--example target/release/examples/dump_parquet] [--dir DIR]
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -52,6 +55,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="sink threads (export.threads)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     base = pathlib.Path(a.dir or tempfile.mkdtemp(prefix="ringscope-object-bench-", dir="."))
@@ -60,31 +64,51 @@ def main() -> None:
     server.start()
     try:
         bucket = server.bucket("bench")
-        args = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--requests", str(a.requests)]
+        args = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--requests", str(a.requests),
+                "--threads", str(a.threads)]
         data_bytes = 2 * a.hidden * a.layers  # per row; rows counted below from a local run's manifest
-        local_s, s3_s = [], []
+        local_s, s3_s, copy_s = [], [], []
+        import pyarrow.fs as pafs
+
+        fs = server.filesystem()
         for r in range(a.rounds):
             order = [("local", str(base / "local")), ("s3", f"s3://{bucket}/runs")]
             for kind, out in (order if r % 2 == 0 else order[::-1]):
                 seconds = dump(a.example, out, f"r{r}", args, server.env())
                 (local_s if kind == "local" else s3_s).append(seconds)
                 print(f"round {r}: {kind:5} {seconds:.3f} s", flush=True)
+            started = time.perf_counter()
+            pafs.copy_files(str(base / "local" / f"r{r}"), f"{bucket}/copies/r{r}", destination_filesystem=fs,
+                            use_threads=True)
+            copy_s.append(time.perf_counter() - started)
+            print(f"round {r}: the local run's files uploaded by pyarrow {copy_s[-1]:.3f} s", flush=True)
+            fs.delete_dir(f"{bucket}/copies/r{r}")
             shutil.rmtree(base / "local" / f"r{r}", ignore_errors=True)
         with server.filesystem().open_input_file(f"{bucket}/runs/r0/_ringscope_run.json") as f:
             manifest = json.loads(f.read())
         rows = sum(h["accounting"]["exported"]["rows"] for h in manifest["hookpoints"]) // a.layers
         mib = rows * data_bytes / 2**20
-        lm, sm = statistics.median(local_s), statistics.median(s3_s)
+        lm, sm, cm = statistics.median(local_s), statistics.median(s3_s), statistics.median(copy_s)
+        file_mib = sum(f["bytes"] for f in manifest["files"]) / 2**20
         result = {
+            "args": vars(a),
             "activations_mib": round(mib, 1),
             "local_s": local_s, "s3_s": s3_s,
             "local_median_s": lm, "s3_median_s": sm,
             "local_mib_per_s": round(mib / lm, 1), "s3_mib_per_s": round(mib / sm, 1),
             "ratio_s3_to_local": round(lm / sm, 3),
+            "file_mib": round(file_mib, 1),
+            "pyarrow_upload_s": copy_s, "pyarrow_upload_median_s": cm,
+            "server_ceiling_file_mib_per_s": round(file_mib / cm, 1),
+            "sink_file_mib_per_s": round(file_mib / sm, 1),
+            "ratio_s3_to_server_ceiling": round(cm / sm, 3),
         }
         print(f"{mib:.0f} MiB of activations per run; median capture → files closed: local {lm:.3f} s "
               f"({mib / lm:.0f} MiB/s), S3 {sm:.3f} s ({mib / sm:.0f} MiB/s); S3 rate / local rate = {lm / sm:.3f} "
               f"(goal >= 0.9)")
+        print(f"files: {file_mib:.0f} MiB per run; the sink put them on the server at {file_mib / sm:.0f} MiB/s "
+              f"(capture and compression included); pyarrow uploads the same files to it at {file_mib / cm:.0f} MiB/s "
+              f"(the server's ceiling here); sink / ceiling = {cm / sm:.3f}")
         if a.json:
             pathlib.Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     finally:

@@ -2,6 +2,8 @@
 
     python benches/prefill_capture.py --out results.json [--dir /data/dumps]   # needs CUDA, torch, transformers,
                                                                              # libringscope + NVRTC
+    python benches/prefill_capture.py --s3 --only S3 ...   # also: to a SeaweedFS S3 server on loopback (its data on
+                                                           # --dir's disk; needs the `weed` binary, RINGSCOPE_WEED)
 
 A 1B-shaped Llama (16 layers, hidden 2048, bf16, random weights: no download, see hf_overhead.py), prefill of
 8 x 2048 tokens, `ringscope.torch.attach(model, session, sites=["residual"])`, `ring.backend = "cuda"`,
@@ -41,7 +43,15 @@ def variants(args):
         "Parquet zstd(1) (memory), 1 thread": files(parquet=True, threads=1, dir=args.shm),
         "Parquet zstd(1) (memory), 8 threads": files(parquet=True, threads=8, dir=args.shm),
         "Parquet lz4 (memory), 8 threads": files(parquet=True, threads=8, compression="lz4", dir=args.shm),
+        # Object storage (docs/object-storage.md): an S3 server on loopback (--s3), its data on --dir's disk.
+        "Parquet zstd(1) (disk), 8 threads": files(parquet=True, threads=8),
+        "Parquet zstd(1) (S3 on loopback), 8 threads": files(parquet=True, threads=8, dir=S3_URL),
+        "Arrow IPC (S3 on loopback), 8 threads": files(arrow_ipc=True, threads=8, dir=S3_URL),
     }
+
+
+#: Where the S3 variants write (the bucket main() makes on the loopback server; credentials in the environment).
+S3_URL = "s3://prefill/runs"
 
 
 def run_variant(name, config):
@@ -77,8 +87,15 @@ def run_variant(name, config):
         out["dropped_rows"] = totals["dropped_rows"]
         if "export" in config:
             root = config["export"]["dir"]
-            out["file_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs
-                                    if f.endswith((".parquet", ".arrow")))
+            if root.startswith("s3://"):
+                import pyarrow.fs as pafs
+
+                fs, base = pafs.FileSystem.from_uri(root)
+                infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+                out["file_bytes"] = sum(i.size for i in infos if i.path.endswith((".parquet", ".arrow")))
+            else:
+                out["file_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root)
+                                        for f in fs if f.endswith((".parquet", ".arrow")))
     total_s = time.perf_counter() - t0
     out["total_s"] = total_s
     out["gb_per_s"] = BYTES / total_s / 1e9
@@ -96,12 +113,25 @@ def main():
     p.add_argument("--only", default=None, help="variants to run: names or parts of names, separated by ';'")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up run (the in-memory Arrow IPC variant once, not counted, before the others)")
+    p.add_argument("--s3", action="store_true", help="start an S3 server on loopback for the S3 variants")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     vs = variants(args)
     if args.variant is not None:
         run_variant(args.variant, vs[args.variant])
         return
+    server = None
+    if args.s3:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+        from s3server import S3Server
+
+        os.makedirs(args.dir, exist_ok=True)
+        server = S3Server(__import__("pathlib").Path(args.dir + "-s3"))
+        server.start()
+        server.bucket("prefill")
+        os.environ.update(server.env())
+    else:
+        vs = {k: v for k, v in vs.items() if not (v and v.get("export", {}).get("dir") == S3_URL)}
 
     def run(name):
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", name, "--dir", args.dir, "--shm", args.shm]
@@ -109,6 +139,8 @@ def main():
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         for d in (args.dir, args.shm):
             subprocess.run(["rm", "-rf", d])
+        if server is not None:
+            server.filesystem().delete_dir_contents("prefill", missing_dir_ok=True)
         if line is None:
             return {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
         return json.loads(line[len("RESULT "):])
@@ -137,6 +169,8 @@ def main():
               f"| {r['peak_rss_mib']:.0f} | {rows} |")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    if server is not None:
+        server.stop()
 
 
 if __name__ == "__main__":
