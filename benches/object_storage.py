@@ -57,6 +57,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="sink threads (export.threads)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--raw-streams", type=int, default=0,
+                   help="also time N parallel pyarrow streams of 8 MiB writes of random bytes (a run's file bytes in "
+                        "all): the server's raw ingest rate")
     a = p.parse_args()
     base = pathlib.Path(a.dir or tempfile.mkdtemp(prefix="ringscope-object-bench-", dir="."))
     base.mkdir(parents=True, exist_ok=True)
@@ -88,6 +91,24 @@ def main() -> None:
             manifest = json.loads(f.read())
         rows = sum(h["accounting"]["exported"]["rows"] for h in manifest["hookpoints"]) // a.layers
         mib = rows * data_bytes / 2**20
+        raw = None
+        if a.raw_streams:
+            import concurrent.futures
+
+            chunk = os.urandom(8 << 20)
+            total = sum(f["bytes"] for f in manifest["files"])
+            per_stream = max(1, total // (8 << 20) // a.raw_streams)
+
+            def stream(k):
+                with fs.open_output_stream(f"{bucket}/raw/{k}.bin") as f:
+                    for _ in range(per_stream):
+                        f.write(chunk)
+
+            started = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(a.raw_streams) as pool:
+                list(pool.map(stream, range(a.raw_streams)))
+            raw = a.raw_streams * per_stream * 8 / (time.perf_counter() - started)
+            print(f"raw: {a.raw_streams} pyarrow streams of 8 MiB writes: {raw:.0f} MiB/s", flush=True)
         lm, sm, cm = statistics.median(local_s), statistics.median(s3_s), statistics.median(copy_s)
         file_mib = sum(f["bytes"] for f in manifest["files"]) / 2**20
         result = {
@@ -102,6 +123,7 @@ def main() -> None:
             "server_ceiling_file_mib_per_s": round(file_mib / cm, 1),
             "sink_file_mib_per_s": round(file_mib / sm, 1),
             "ratio_s3_to_server_ceiling": round(cm / sm, 3),
+            "raw_streams_mib_per_s": raw,
         }
         print(f"{mib:.0f} MiB of activations per run; median capture → files closed: local {lm:.3f} s "
               f"({mib / lm:.0f} MiB/s), S3 {sm:.3f} s ({mib / sm:.0f} MiB/s); S3 rate / local rate = {lm / sm:.3f} "

@@ -19,7 +19,10 @@
 //! - `parquet_sink_page_cache`: the same with `direct_io = off`;
 //! - `arrow_writer_generic`: the same batches through parquet's generic `ArrowWriter` with the properties the sink
 //!   used then (the sink's previous path);
-//! - `parquet_sink_uncompressed`: the same sink with compression off.
+//! - `parquet_sink_uncompressed`: the same sink with compression off;
+//! - `parquet_sink_object_memory`: the sink writing to object storage (`export.url`) held in memory
+//!   (`object_store`'s `InMemory`): the upload path — parts, multipart uploads completed at commit — without a
+//!   server's costs (docs/object-storage.md; `benches/object_storage.py` times a real server).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -28,7 +31,9 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use ringscope::synthetic::fill_layer;
 use ringscope_exporter::dataset::Batch;
-use ringscope_exporter::{CatalogEntry, DatasetOptions, DirectIo, FileSink, Parquet, Record, Sink};
+use ringscope_exporter::{
+    CatalogEntry, DatasetOptions, DirectIo, FileSink, ObjectStorage, Parquet, Record, Sink, StorageOptions,
+};
 use ringscope_hookpoint::{HookPointSpec, Registry, SiteKind};
 use ringscope_ring::record::{encode_record, RecordMeta, RowMeta};
 use ringscope_ring::{DType, RecordView};
@@ -148,6 +153,21 @@ fn sink_run<F: ringscope_exporter::FileFormat>(
     size
 }
 
+/// [`sink_run`] to object storage in memory (a store of its own per run); returns the object's size.
+fn object_sink_run(n: usize, records: &[Record]) -> usize {
+    let store = Arc::new(object_store::memory::InMemory::new());
+    let storage = ObjectStorage::with_store(store, "memory://bench", "", StorageOptions::default());
+    let mut options = DatasetOptions::on_storage(storage);
+    options.run_id = format!("bench-{n}");
+    let (mut sink, files) = FileSink::create(Parquet::with_zstd_level(1).unwrap(), options).unwrap();
+    for r in records {
+        sink.write(r).unwrap();
+    }
+    sink.close().unwrap();
+    let size = files.lock()[0].bytes as usize;
+    size
+}
+
 type Variant<'a> = (&'static str, Box<dyn FnMut(usize) -> usize + 'a>);
 
 /// Every variant compared, on the same bytes; each call does the whole 32 MiB once (`n` numbers its files).
@@ -213,6 +233,7 @@ fn variants<'a>(records: &'a [Record], bytes: &'a [u8], dir: &'a Path) -> Vec<Va
                 sink_run(Parquet::with_properties(uncompressed.clone()), DirectIo::Auto, dir, n + (1 << 30), records)
             }),
         ),
+        ("parquet_sink_object_memory", Box::new(move |n| object_sink_run(n, records))),
     ]
 }
 

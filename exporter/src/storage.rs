@@ -153,6 +153,26 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// Whether S3 requests go with `UNSIGNED-PAYLOAD` when nothing says otherwise: over HTTPS (AWS's own endpoints, or an
+/// `https://` endpoint), as the AWS SDKs send uploads — TLS protects the bytes in transit, and every page and batch of
+/// our files carries its own CRC — which spares the client a SHA-256 pass over every byte it uploads; over plain
+/// HTTP the payload is signed. `aws_unsigned_payload` (in the options or `AWS_UNSIGNED_PAYLOAD`) decides otherwise.
+fn unsigned_payload_by_default(options: &BTreeMap<String, String>) -> bool {
+    let given = |names: &[&str]| -> Option<String> {
+        options.iter().find(|(k, _)| names.iter().any(|n| k.eq_ignore_ascii_case(n))).map(|(_, v)| v.clone()).or_else(
+            || {
+                let env = names.iter().filter(|n| n.starts_with("aws_"));
+                env.into_iter().find_map(|n| std::env::var(n.to_ascii_uppercase()).ok())
+            },
+        )
+    };
+    if given(&["aws_unsigned_payload", "unsigned_payload"]).is_some() {
+        return false; // the builder takes the given value
+    }
+    let endpoint = given(&["aws_endpoint_url", "aws_endpoint", "endpoint_url", "endpoint"]);
+    endpoint.is_none_or(|e| !e.trim().to_ascii_lowercase().starts_with("http://"))
+}
+
 /// `url` as it may be shown: without user information, query or fragment.
 pub fn redact_url(url: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
@@ -227,6 +247,9 @@ impl ObjectStorage {
                 let mut builder = object_store::aws::AmazonS3Builder::from_env().with_url(url).with_retry(retry);
                 for (key, value) in crate::storage::profile::s3_settings(&options.options) {
                     builder = builder.with_config(key, value);
+                }
+                if unsigned_payload_by_default(&options.options) {
+                    builder = builder.with_unsigned_payload(true);
                 }
                 for (key, value) in &options.options {
                     let key = key.parse().map_err(|_| StorageError::Options {
@@ -645,6 +668,20 @@ mod tests {
         s.delete(&run.join("_m.json")).unwrap();
         s.delete(&run.join("_m.json")).unwrap();
         assert!(!s.exists(&run.join("_m.json")).unwrap());
+    }
+
+    #[test]
+    fn payloads_are_unsigned_by_default_only_over_https() {
+        let opts = |kv: &[(&str, &str)]| kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        if std::env::var_os("AWS_ENDPOINT_URL").is_none()
+            && std::env::var_os("AWS_ENDPOINT").is_none()
+            && std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_none()
+        {
+            assert!(unsigned_payload_by_default(&opts(&[])), "AWS's own (https) endpoints");
+        }
+        assert!(unsigned_payload_by_default(&opts(&[("aws_endpoint", "https://minio.internal:9000")])));
+        assert!(!unsigned_payload_by_default(&opts(&[("aws_endpoint", "http://127.0.0.1:9000")])));
+        assert!(!unsigned_payload_by_default(&opts(&[("aws_unsigned_payload", "false")])), "given: the builder's");
     }
 
     #[test]
