@@ -144,7 +144,8 @@ pub enum Error {
     /// already committed stay readable; the run's final accounting is in `report` only.
     #[error(
         "could not write the run manifest {}: {source}; the committed data files are intact, but the run's final \
-         accounting is only in this report (free space in the run directory, or check its permissions)",
+         accounting is only in this report (free space in the run directory, or check its permissions; on object \
+         storage, that the store is reachable and the credentials allow writing)",
         .path.display()
     )]
     Manifest {

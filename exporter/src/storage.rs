@@ -153,6 +153,22 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
+/// Runs `future` to completion on the storage runtime. From a thread inside some tokio runtime (an async program
+/// calling a session's `shutdown`, say), where blocking on another runtime would panic, it runs on a thread of its own
+/// meanwhile.
+fn block_on<F>(future: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    if tokio::runtime::Handle::try_current().is_err() {
+        return runtime().block_on(future);
+    }
+    std::thread::scope(|scope| {
+        scope.spawn(|| runtime().block_on(future)).join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
 /// Whether S3 requests go with `UNSIGNED-PAYLOAD` when nothing says otherwise: over HTTPS (AWS's own endpoints, or an
 /// `https://` endpoint), as the AWS SDKs send uploads — TLS protects the bytes in transit, and every page and batch of
 /// our files carries its own CRC — which spares the client a SHA-256 pass over every byte it uploads; over plain
@@ -378,7 +394,7 @@ impl ObjectStorage {
     pub fn check(&self) -> Result<(), StorageError> {
         let prefix = (!self.inner.prefix.is_empty()).then(|| ObjectPath::from(self.inner.prefix.as_str()));
         let store = self.inner.store.clone();
-        let listed = runtime().block_on(async move { store.list_with_delimiter(prefix.as_ref()).await });
+        let listed = block_on(async move { store.list_with_delimiter(prefix.as_ref()).await });
         listed.map(drop).map_err(|source| StorageError::Store {
             url: self.inner.url.clone(),
             what: "cannot list the bucket (does it exist, and do the credentials allow listing and writing it?)".into(),
@@ -391,8 +407,7 @@ impl ObjectStorage {
         let key = self.key(path)?;
         let len = bytes.len() as u64;
         let store = self.inner.store.clone();
-        runtime()
-            .block_on(async move { store.put(&key, PutPayload::from(bytes)).await })
+        block_on(async move { store.put(&key, PutPayload::from(bytes)).await })
             .map(|_| len)
             .map_err(|e| Self::io_error(path, "cannot write", e))
     }
@@ -401,8 +416,7 @@ impl ObjectStorage {
     pub fn get(&self, path: &Path) -> io::Result<Bytes> {
         let key = self.key(path)?;
         let store = self.inner.store.clone();
-        runtime()
-            .block_on(async move { store.get(&key).await?.bytes().await })
+        block_on(async move { store.get(&key).await?.bytes().await })
             .map_err(|e| Self::io_error(path, "cannot read", e))
     }
 
@@ -410,7 +424,7 @@ impl ObjectStorage {
     pub fn exists(&self, path: &Path) -> io::Result<bool> {
         let key = self.key(path)?;
         let store = self.inner.store.clone();
-        match runtime().block_on(async move { store.head(&key).await }) {
+        match block_on(async move { store.head(&key).await }) {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
             Err(e) => Err(Self::io_error(path, "cannot look up", e)),
@@ -421,7 +435,7 @@ impl ObjectStorage {
     pub fn delete(&self, path: &Path) -> io::Result<()> {
         let key = self.key(path)?;
         let store = self.inner.store.clone();
-        match runtime().block_on(async move { store.delete(&key).await }) {
+        match block_on(async move { store.delete(&key).await }) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(Self::io_error(path, "cannot delete", e)),
         }
@@ -432,7 +446,7 @@ impl ObjectStorage {
         let key = self.key(dir)?;
         let store = self.inner.store.clone();
         let metas: Result<Vec<_>, _> =
-            runtime().block_on(async move { store.list(Some(&key)).collect::<Vec<_>>().await.into_iter().collect() });
+            block_on(async move { store.list(Some(&key)).collect::<Vec<_>>().await.into_iter().collect() });
         let metas = metas.map_err(|e| Self::io_error(dir, "cannot list", e))?;
         Ok(metas.iter().map(|m| self.path_of(&m.location)).collect())
     }
@@ -441,7 +455,7 @@ impl ObjectStorage {
     pub fn list_names(&self, dir: &Path) -> io::Result<Vec<String>> {
         let key = self.key(dir)?;
         let store = self.inner.store.clone();
-        let listed = runtime().block_on(async move { store.list_with_delimiter(Some(&key)).await });
+        let listed = block_on(async move { store.list_with_delimiter(Some(&key)).await });
         let listed = listed.map_err(|e| Self::io_error(dir, "cannot list", e))?;
         let names = listed.common_prefixes.iter().chain(listed.objects.iter().map(|m| &m.location));
         Ok(names.filter_map(|p| p.filename().map(str::to_owned)).collect())
@@ -452,7 +466,7 @@ impl ObjectStorage {
     pub fn upload(&self, path: &Path) -> io::Result<Upload> {
         let key = self.key(path)?;
         let store = self.inner.store.clone();
-        let started = runtime().block_on(async move { store.put_multipart(&key).await });
+        let started = block_on(async move { store.put_multipart(&key).await });
         let upload = started.map_err(|e| Self::io_error(path, "cannot start the upload of", e))?;
         Ok(Upload {
             writer: Some(WriteMultipart::new_with_chunk_size(upload, self.inner.options.part_bytes)),
@@ -479,41 +493,59 @@ impl std::fmt::Debug for Upload {
 }
 
 impl Upload {
-    /// Waits until fewer than `concurrency` parts are in flight (so that memory stays bounded); the first error of a
-    /// part that failed (after its retries) is returned here.
-    fn make_room(&mut self) -> io::Result<&mut WriteMultipart> {
+    /// Waits until fewer than `concurrency` parts are in flight (so that memory stays bounded), then hands `data` to
+    /// the upload (which starts a part on the runtime once one is full); the first error of a part that failed
+    /// (after its retries) is returned here.
+    fn append(&mut self, data: Data<'_>) -> io::Result<()> {
         let concurrency = self.concurrency;
         let writer = self.writer.as_mut().ok_or_else(|| io::Error::other("the upload has ended"))?;
-        match runtime().block_on(writer.wait_for_capacity(concurrency)) {
-            Ok(()) => Ok(writer),
-            Err(e) => Err(ObjectStorage::io_error(&self.path, "cannot upload a part of", e)),
-        }
+        let n = data.len() as u64;
+        let appended = block_on(async move {
+            writer.wait_for_capacity(concurrency).await?;
+            match data {
+                Data::Copied(bytes) => writer.write(bytes),
+                Data::Owned(bytes) => writer.put(bytes),
+            }
+            Ok::<(), object_store::Error>(())
+        });
+        appended.map_err(|e| ObjectStorage::io_error(&self.path, "cannot upload a part of", e))?;
+        self.bytes += n;
+        Ok(())
     }
 
     /// Appends a copy of `data`.
     pub fn write(&mut self, data: &[u8]) -> io::Result<()> {
-        let _runtime = runtime().enter(); // parts start on the runtime as they fill
-        self.make_room()?.write(data);
-        self.bytes += data.len() as u64;
-        Ok(())
+        self.append(Data::Copied(data))
     }
 
     /// Appends `data` without copying it (it is held until its part is uploaded).
     pub fn put(&mut self, data: Bytes) -> io::Result<()> {
-        let _runtime = runtime().enter();
-        let n = data.len() as u64;
-        self.make_room()?.put(data);
-        self.bytes += n;
-        Ok(())
+        self.append(Data::Owned(data))
     }
 
     /// Uploads what is left and completes the upload: the object is there, whole. Returns its size.
     pub fn complete(mut self) -> io::Result<u64> {
         let writer = self.writer.take().ok_or_else(|| io::Error::other("the upload has ended"))?;
-        let _runtime = runtime().enter();
-        match runtime().block_on(writer.finish()) {
+        match block_on(writer.finish()) {
             Ok(_) => Ok(self.bytes),
             Err(e) => Err(ObjectStorage::io_error(&self.path, "cannot complete the upload of", e)),
+        }
+    }
+}
+
+/// Bytes appended to an [`Upload`].
+enum Data<'a> {
+    /// Copied into the part being filled.
+    Copied(&'a [u8]),
+    /// Held as they are until their part is uploaded.
+    Owned(Bytes),
+}
+
+impl Data<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Data::Copied(bytes) => bytes.len(),
+            Data::Owned(bytes) => bytes.len(),
         }
     }
 }
@@ -522,7 +554,7 @@ impl Drop for Upload {
     /// An upload not completed is aborted: its parts are deleted where the store allows, and no object appears.
     fn drop(&mut self) {
         if let Some(writer) = self.writer.take() {
-            let _ = runtime().block_on(writer.abort());
+            let _ = block_on(writer.abort());
         }
     }
 }
@@ -668,6 +700,21 @@ mod tests {
         s.delete(&run.join("_m.json")).unwrap();
         s.delete(&run.join("_m.json")).unwrap();
         assert!(!s.exists(&run.join("_m.json")).unwrap());
+    }
+
+    #[test]
+    fn storage_calls_work_from_inside_another_tokio_runtime() {
+        let s = memory();
+        let path = s.root().join("run/_m.json");
+        let other = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        // An async program calling in (shutdown writes the manifest, say): no "runtime within a runtime" panic.
+        other.block_on(async {
+            s.put(&path, Bytes::from_static(b"{}")).unwrap();
+            assert!(s.exists(&path).unwrap());
+            let mut up = s.upload(&s.root().join("run/x")).unwrap();
+            up.write(&[1; 100]).unwrap();
+            assert_eq!(up.complete().unwrap(), 100);
+        });
     }
 
     #[test]
