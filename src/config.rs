@@ -574,7 +574,11 @@ impl ExportConfig {
 
     /// The dataset options these settings describe (for the file sinks).
     pub fn dataset_options(&self) -> ringscope_exporter::DatasetOptions {
-        let dir = match self.url.as_deref().and_then(|u| u.strip_prefix("file://")) {
+        // `file://localhost/x` and `file:///x` both name `/x`.
+        fn local(u: &str) -> Option<&str> {
+            u.strip_prefix("file://").map(|p| p.strip_prefix("localhost").unwrap_or(p))
+        }
+        let dir = match self.url.as_deref().and_then(local) {
             Some(path) => path,
             None => &self.dir,
         };
@@ -599,13 +603,25 @@ impl ExportConfig {
             None if ringscope_exporter::is_object_url(&self.dir) => &self.dir,
             None => return Ok(None),
         };
-        if url.starts_with("file://") {
-            return Ok(None);
-        }
         if self.url.is_some() && self.dir != default_dir() {
             let shown = ringscope_exporter::redact_url(url);
             return Err(setting(
                 format!("both export.dir ({:?}) and export.url ({shown}) are set: give one", self.dir).into(),
+            ));
+        }
+        if url.starts_with("file://") {
+            return Ok(None);
+        }
+        // S3 takes at most 10,000 parts per object: a file must fit in them.
+        let part = self.upload_part_size.0.max(1);
+        if self.max_file_size.0 / part >= 9_000 || part > 5 << 30 {
+            return Err(setting(
+                format!(
+                    "export.max_file_size ({} bytes) in parts of export.upload_part_size ({part} bytes): S3 takes at \
+                     most 10,000 parts of at most 5 GiB per object; raise upload_part_size or lower max_file_size",
+                    self.max_file_size.0
+                )
+                .into(),
             ));
         }
         let timeout = self.upload_retry_timeout_s;
@@ -1215,6 +1231,12 @@ mod tests {
         let local = export("url = \"file:///data/dumps\"");
         assert!(local.open_storage().unwrap().is_none());
         assert_eq!(local.dataset_options().root, std::path::PathBuf::from("/data/dumps"));
+        let host = export("url = \"file://localhost/data/dumps\"");
+        assert_eq!(host.dataset_options().root, std::path::PathBuf::from("/data/dumps"));
+        let e = export("dir = \"/x\"\nurl = \"file:///y\"").open_storage().unwrap_err().to_string();
+        assert!(e.contains("both export.dir"), "{e}");
+        let e = export("url = \"s3://b/p\"\nmax_file_size = \"100 GiB\"").open_storage().unwrap_err().to_string();
+        assert!(e.contains("10,000 parts"), "{e}");
         // Both a directory and a URL: which one is meant?
         let e = export("dir = \"/data\"\nurl = \"s3://b/p\"").open_storage().unwrap_err().to_string();
         assert!(e.contains("export.dir") && e.contains("s3://b/p"), "{e}");

@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -140,17 +140,27 @@ impl std::fmt::Debug for ObjectStorage {
     }
 }
 
-/// The runtime every upload of the process runs on: two threads, named `ringscope-object`, started on first use.
+/// The runtime every upload of the process runs on: two threads, named `ringscope-object`, started on first use — and
+/// again in a child process that a fork made after (the parent's threads are not in the child).
 fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("ringscope-object")
-            .enable_all()
-            .build()
-            .expect("a tokio runtime of two threads (the process is out of threads or memory)")
-    })
+    static RUNTIME: parking_lot::Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = parking_lot::Mutex::new(None);
+    let pid = std::process::id();
+    let mut current = RUNTIME.lock();
+    match *current {
+        Some((owner, runtime)) if owner == pid => runtime,
+        _ => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("ringscope-object")
+                .enable_all()
+                .build()
+                .expect("a tokio runtime of two threads (the process is out of threads or memory)");
+            // Kept for the life of the process (a forked parent's, unusable here, is left alone).
+            let runtime: &'static tokio::runtime::Runtime = Box::leak(Box::new(runtime));
+            *current = Some((pid, runtime));
+            runtime
+        }
+    }
 }
 
 /// Runs `future` to completion on the storage runtime. From a thread inside some tokio runtime (an async program
@@ -189,19 +199,23 @@ fn unsigned_payload_by_default(options: &BTreeMap<String, String>) -> bool {
     endpoint.is_none_or(|e| !e.trim().to_ascii_lowercase().starts_with("http://"))
 }
 
-/// `url` as it may be shown: without user information, query or fragment.
+/// `url` as it may be shown: without user information (all before the last `@`, which may hide a secret holding
+/// `/`), query or fragment. `abfs[s]://container@account…` keeps its container: it names the container, not a user.
 pub fn redact_url(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let rest = rest.split(['?', '#']).next().unwrap_or_default();
-    let rest = match rest.split_once('/') {
-        Some((authority, path)) => format!("{}/{path}", authority.rsplit('@').next().unwrap_or_default()),
-        None => rest.rsplit('@').next().unwrap_or_default().to_owned(),
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.split(['?', '#']).next().unwrap_or_default().to_owned();
     };
-    if scheme.is_empty() {
-        rest
-    } else {
-        format!("{scheme}://{rest}")
-    }
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
+    let rest = match rest.rfind('@') {
+        Some(at) if !names_container(scheme) => &rest[at + 1..],
+        _ => rest,
+    };
+    format!("{scheme}://{rest}")
+}
+
+/// Whether `scheme`'s URLs put the container before an `@` (`abfs[s]://container@account.dfs.core.windows.net/…`).
+fn names_container(scheme: &str) -> bool {
+    scheme.eq_ignore_ascii_case("abfs") || scheme.eq_ignore_ascii_case("abfss")
 }
 
 /// Whether `dir` names object storage (`scheme://…` with a scheme other than `file`) rather than a local directory.
@@ -239,6 +253,14 @@ impl ObjectStorage {
         }
         if url.contains('?') || url.contains('#') {
             return Err(bad("a query or fragment is not taken: give settings in export.storage_options".into()));
+        }
+        let scheme_of = url.split_once("://").map_or("", |(scheme, _)| scheme);
+        if url.split_once("://").is_some_and(|(_, rest)| rest.contains('@')) && !names_container(scheme_of) {
+            return Err(bad(
+                "credentials in the URL are not taken (a URL is shown and logged): give them in the environment \
+                 (AWS_ACCESS_KEY_ID, ...) or export.storage_options"
+                    .into(),
+            ));
         }
         let Some((scheme, rest)) = url.split_once("://") else {
             return Err(bad("not a URL (scheme://bucket/prefix)".into()));
@@ -471,6 +493,7 @@ impl ObjectStorage {
         Ok(Upload {
             writer: Some(WriteMultipart::new_with_chunk_size(upload, self.inner.options.part_bytes)),
             concurrency: self.inner.options.concurrency,
+            part_bytes: self.inner.options.part_bytes,
             path: path.to_owned(),
             bytes: 0,
         })
@@ -482,6 +505,7 @@ impl ObjectStorage {
 pub struct Upload {
     writer: Option<WriteMultipart>,
     concurrency: usize,
+    part_bytes: usize,
     path: PathBuf,
     bytes: u64,
 }
@@ -497,6 +521,22 @@ impl Upload {
     /// the upload (which starts a part on the runtime once one is full); the first error of a part that failed
     /// (after its retries) is returned here.
     fn append(&mut self, data: Data<'_>) -> io::Result<()> {
+        // In pieces of at most a part: each can start at most one part, so no more than `concurrency` are ever in
+        // flight, whatever the size of what is appended (the memory bound of the module docs).
+        let part = self.part_bytes;
+        match data {
+            Data::Copied(bytes) => bytes.chunks(part).try_for_each(|piece| self.append_piece(Data::Copied(piece))),
+            Data::Owned(mut bytes) => {
+                while !bytes.is_empty() {
+                    let piece = bytes.split_to(part.min(bytes.len()));
+                    self.append_piece(Data::Owned(piece))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn append_piece(&mut self, data: Data<'_>) -> io::Result<()> {
         let concurrency = self.concurrency;
         let writer = self.writer.as_mut().ok_or_else(|| io::Error::other("the upload has ended"))?;
         let n = data.len() as u64;
@@ -643,6 +683,12 @@ mod tests {
         assert_eq!(redact_url("s3://KEY:SECRET@bucket/p?X-Amz-Signature=abc"), "s3://bucket/p");
         assert_eq!(redact_url("s3://bucket/prefix/"), "s3://bucket/prefix/");
         assert_eq!(redact_url("https://u:p@acct.blob.core.windows.net/c"), "https://acct.blob.core.windows.net/c");
+        // A secret holding `/` (AWS's often do) is still cut; an abfs container is kept.
+        assert_eq!(redact_url("s3://AKIA:ab/cd@bucket/p"), "s3://bucket/p");
+        assert_eq!(redact_url("abfss://box@acct.dfs.core.windows.net/p"), "abfss://box@acct.dfs.core.windows.net/p");
+        let e = ObjectStorage::connect("s3://AKIA:se/cret@bucket/p", StorageOptions::default()).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("s3://bucket/p") && e.contains("credentials in the URL") && !e.contains("cret"), "{e}");
         assert!(is_object_url("s3://b/p") && is_object_url("gs://b") && is_object_url("az://c/p"));
         assert!(!is_object_url("file:///tmp/x") && !is_object_url("/tmp/x") && !is_object_url("ringscope-out"));
         let opts = StorageOptions {

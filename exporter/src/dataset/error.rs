@@ -40,7 +40,9 @@ pub enum FileError {
     /// Another session holds this rank of the run directory (see [`RunLock`](super::RunLock)).
     #[error(
         "run directory {} is being written by another session (rank {rank}): two writers of one run and rank would \
-         overwrite each other's files; give this session another export.run_id (or export.rank)",
+         overwrite each other's files; give this session another export.run_id (or export.rank). (On object storage \
+         a writer that crashed leaves its claim, `_ringscope.rank={rank}.lock/<writer>`: delete it once no writer of \
+         the rank is alive.)",
         .dir.display()
     )]
     RunLocked {

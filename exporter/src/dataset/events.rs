@@ -94,6 +94,11 @@ pub fn events_batch(events: &[Event]) -> RecordBatch {
 /// within each file. A run directory without an events directory had no events: that reads as none.
 pub fn read_events(run_dir: &Path) -> Result<Vec<Event>, FileError> {
     let dir = run_dir.join(EVENTS_DIR);
+    if crate::storage::is_object_url(&run_dir.to_string_lossy()) {
+        // Not a local directory: "no events" would be a wrong answer, not an empty one.
+        let why = "a run on object storage: read its events with ringscope.read_events (Python) or download the run";
+        return Err(FileError::Read { path: dir, source: FormatError::Io(std::io::Error::other(why)) });
+    }
     let entries = match std::fs::read_dir(&dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

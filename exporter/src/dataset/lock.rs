@@ -13,7 +13,10 @@
 //! lists that prefix. It goes on only if its claim is the only one there; otherwise it deletes its claim and is
 //! refused. With the read-after-write listing S3, GCS and Azure give, two writers can never both go on: the one that
 //! lists second sees the other's claim. (Both may be refused when they start at the same moment: nothing is written,
-//! and either can start again.) A claim stays after its run, like the lock file: the rank is written.
+//! and either can start again.) A claim is removed when its holder lets go of it — at shutdown, once the manifest is
+//! written, or when the session fails to start — so, as on disk, what marks a rank written is its manifest or its
+//! files. A writer that crashed leaves its claim: the rank stays refused until the claim object is deleted by hand
+//! (with no writer of the rank alive).
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
@@ -31,6 +34,8 @@ pub fn lock_file_name(rank: u32) -> String {
 pub struct RunLock {
     _file: Option<File>,
     path: PathBuf,
+    /// On object storage: the store holding the claim `path`, deleted on drop.
+    claim: Option<ObjectStorage>,
 }
 
 impl RunLock {
@@ -57,7 +62,7 @@ impl RunLock {
         if run_dir.join(manifest).exists() || holds_rank_files(run_dir, rank) {
             return Err(FileError::RunDirInUse(run_dir.to_owned()));
         }
-        Ok(RunLock { _file: Some(file), path })
+        Ok(RunLock { _file: Some(file), path, claim: None })
     }
 
     /// [`acquire`](Self::acquire) for a run on object storage (see the module docs): fails with
@@ -71,28 +76,41 @@ impl RunLock {
     ) -> Result<RunLock, FileError> {
         let claims = run_dir.join(lock_file_name(rank));
         let lock_error = |source| FileError::Lock { path: claims.clone(), source };
-        let others = storage.list(&claims).map_err(lock_error)?;
-        if !others.is_empty() || storage.exists(&run_dir.join(manifest)).map_err(lock_error)? {
+        if storage.exists(&run_dir.join(manifest)).map_err(lock_error)?
+            || object_rank_written(storage, run_dir, rank).map_err(lock_error)?
+        {
             return Err(FileError::RunDirInUse(run_dir.to_owned()));
         }
-        if object_rank_written(storage, run_dir, rank).map_err(lock_error)? {
-            return Err(FileError::RunDirInUse(run_dir.to_owned()));
+        if !storage.list(&claims).map_err(lock_error)?.is_empty() {
+            return Err(FileError::RunLocked { dir: run_dir.to_owned(), rank });
         }
         let path = claims.join(writer_name());
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let claim = serde_json::json!({ "pid": std::process::id(), "started_unix_s": started.as_secs_f64() });
+        // From here on the claim may be in the store (a PUT that timed out may still have landed): held by `lock`,
+        // whose drop deletes it, whatever happens next.
+        let lock = RunLock { _file: None, path: path.clone(), claim: Some(storage.clone()) };
         storage.put(&path, claim.to_string().into()).map_err(lock_error)?;
         let claimed = storage.list(&claims).map_err(lock_error)?;
-        if claimed != [path.clone()] {
-            let _ = storage.delete(&path);
+        if claimed != [path] {
             return Err(FileError::RunLocked { dir: run_dir.to_owned(), rank });
         }
-        Ok(RunLock { _file: None, path })
+        Ok(lock)
     }
 
     /// The lock file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+impl Drop for RunLock {
+    /// Lets go of the rank: the lock file's lock goes with the file handle; a claim object is deleted (a failure is
+    /// only logged by its absence of effect: the claim then stays, as a crashed writer's would).
+    fn drop(&mut self) {
+        if let Some(storage) = &self.claim {
+            let _ = storage.delete(&self.path);
+        }
     }
 }
 
@@ -187,21 +205,27 @@ mod tests {
         let first = RunLock::acquire_object(&storage, &run, 0, "_ringscope_run.json").unwrap();
         assert!(first.path().starts_with(run.join("_ringscope.rank=0.lock")), "{}", first.path().display());
         let err = RunLock::acquire_object(&storage, &run, 0, "_ringscope_run.json").unwrap_err();
-        assert!(matches!(err, FileError::RunDirInUse(_)), "{err}");
+        assert!(matches!(err, FileError::RunLocked { rank: 0, .. }), "{err}");
         assert!(err.to_string().contains("memory://bucket/dumps/run-1"), "{err}");
-        // Two claims at once (the second writer's put landed before the first listed): both are refused.
+        // Let go of (a session that failed to start, or shut down): the claim is gone, the rank free again
+        // (nothing was written).
+        drop(first);
+        assert!(storage.list(&run.join(lock_file_name(0))).unwrap().is_empty());
+        let again = RunLock::acquire_object(&storage, &run, 0, "_ringscope_run.json").unwrap();
+        // Another rank of the same run is another writer's.
         let other = RunLock::acquire_object(&storage, &run, 1, "_ringscope_run.rank=1.json").unwrap();
-        let racing = run.join(lock_file_name(2)).join("other-writer");
-        storage.put(&racing, "{}".into()).unwrap();
-        // (acquire_object lists first and sees the racing claim: refused as in use.)
-        assert!(RunLock::acquire_object(&storage, &run, 2, "_ringscope_run.rank=2.json").is_err());
-        drop(other);
+        drop((again, other));
+        // A claim left by a crashed writer (or one that raced this one): refused.
+        storage.put(&run.join(lock_file_name(2)).join("crashed-writer"), "{}".into()).unwrap();
+        let err = RunLock::acquire_object(&storage, &run, 2, "_ringscope_run.rank=2.json").unwrap_err();
+        assert!(matches!(err, FileError::RunLocked { rank: 2, .. }), "{err}");
         // A rank whose files are there (a writer that crashed before its manifest) is written.
         storage.put(&run.join("hookpoint=h/rank=5/part-00000.parquet"), "x".into()).unwrap();
         let err = RunLock::acquire_object(&storage, &run, 5, "_ringscope_run.rank=5.json").unwrap_err();
         assert!(matches!(err, FileError::RunDirInUse(_)), "{err}");
         storage.put(&run.join("_ringscope_run.rank=6.json"), "{}".into()).unwrap();
-        assert!(RunLock::acquire_object(&storage, &run, 6, "_ringscope_run.rank=6.json").is_err());
+        let err = RunLock::acquire_object(&storage, &run, 6, "_ringscope_run.rank=6.json").unwrap_err();
+        assert!(matches!(err, FileError::RunDirInUse(_)), "{err}");
         RunLock::acquire_object(&storage, &run, 7, "_ringscope_run.rank=7.json").unwrap();
     }
 }

@@ -129,7 +129,9 @@ def _run_subdirs(url: str, hookpoint: Optional[str]) -> list:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"hookpoint {hookpoint!r} is not in {url}; it holds {', '.join(map(repr, names))}")
         out = [d for d in out if d.endswith(f"hookpoint={hookpoint}")]
-    return out
+    # read_dump reads the Parquet files, or the Arrow IPC ones of a run that has no Parquet: only those are fetched.
+    parquet = [d for d in out if not d.startswith("_arrow_ipc/")]
+    return parquet or out
 
 
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
@@ -297,7 +299,10 @@ def read_events(path: "str | os.PathLike") -> list:
     url = _object_url(path)
     if url is not None:
         with _fetched(url, [EVENTS_DIR]) as local:
-            return read_events(local)
+            try:
+                return read_events(local)
+            except RingscopeError as e:
+                raise RingscopeError(e.status, str(e.message).replace(str(local), url)) from e
 
     root = pathlib.Path(os.fsdecode(_path("path", path)))
     if not root.is_dir():

@@ -44,11 +44,16 @@ class Batch(dict):
 
 
 def _object_url(path) -> Optional[str]:
-    """``path`` when it names object storage (``s3://bucket/prefix/run``, ``gs://``, ``az://``, ...), else None."""
+    """``path`` when it names object storage (``s3://bucket/prefix/run``, ``gs://``, ``abfss://``, ...) — without a
+    trailing ``/``, and ``s3a://`` (which the writer takes) as ``s3://`` (which pyarrow takes) — else None."""
     if not isinstance(path, str) or "://" not in path:
         return None
-    scheme = path.split("://", 1)[0]
-    return path if scheme and scheme != "file" and all(c.isalnum() or c in "+-." for c in scheme) else None
+    scheme, rest = path.split("://", 1)
+    if not scheme or scheme == "file" or not all(c.isalnum() or c in "+-." for c in scheme):
+        return None
+    if scheme.lower() == "s3a":
+        scheme = "s3"
+    return f"{scheme}://{rest}".rstrip("/")
 
 
 class _Remote:
@@ -68,17 +73,21 @@ class _Remote:
             raise RingscopeError("RS_ERR_IO", f"{self.url} does not exist (no object under it): give the run's URL "
                                               "(<export.url>/<run_id>)")
         self._tmp = tempfile.TemporaryDirectory(prefix="ringscope-stream-")
-        self.root = pathlib.Path(self._tmp.name) / pathlib.PurePosixPath(self.base).name
-        self.root.mkdir()
-        for info in infos:
-            rel = info.path[len(self.base):].lstrip("/")
-            if rel.startswith(("hookpoint=", "_arrow_ipc/hookpoint=")):
-                local = self.root / rel
-                if info.type == pafs.FileType.Directory:
-                    local.mkdir(parents=True, exist_ok=True)
-                elif info.type == pafs.FileType.File:
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    local.touch()
+        try:
+            self.root = pathlib.Path(self._tmp.name) / pathlib.PurePosixPath(self.base).name
+            self.root.mkdir()
+            for info in infos:
+                rel = info.path[len(self.base):].lstrip("/")
+                if rel.startswith(("hookpoint=", "_arrow_ipc/hookpoint=")):
+                    local = self.root / rel
+                    if info.type == pafs.FileType.Directory:
+                        local.mkdir(parents=True, exist_ok=True)
+                    elif info.type == pafs.FileType.File:
+                        local.parent.mkdir(parents=True, exist_ok=True)
+                        local.touch()
+        except BaseException:
+            self._tmp.cleanup()
+            raise
 
     def fetch(self, path: pathlib.Path) -> None:
         import pyarrow.fs as pafs
