@@ -277,6 +277,8 @@ def test_a_server_killed_mid_run_leaves_whole_objects_and_every_row_counted(s3en
 
 @pytest.mark.parametrize("mode", ["full", "best_effort"])
 def test_a_slow_server_makes_full_mode_wait_and_best_effort_drop_and_count(s3env, monkeypatch, mode):
+    """Behaviour, not speed (no timed assertions): full mode loses nothing however slow the server is; best effort
+    drops what its backlog cannot hold, counts it, and keeps whole steps exact."""
     bucket = s3env.bucket(f"slow-{mode.replace('_', '-')}")
     throttle = Throttle(s3env.port, bytes_per_s=4e6)
     try:
@@ -286,9 +288,7 @@ def test_a_slow_server_makes_full_mode_wait_and_best_effort_drop_and_count(s3env
         s, hp = _session(f"s3://{bucket}/s", "run", mode=mode, ring="2 MiB", max_file_size="8 MiB", backlog="2 MiB",
                          upload_part_size="5 MiB", upload_concurrency=1)
         rows = _rows(5, 8000)  # 15.6 MiB of rows, a few seconds at 4 MB/s
-        started = time.monotonic()
         _capture(s, hp, rows, per_step=8)
-        capture_s = time.monotonic() - started
         totals = s.close()
     finally:
         throttle.close()
@@ -299,11 +299,9 @@ def test_a_slow_server_makes_full_mode_wait_and_best_effort_drop_and_count(s3env
     assert len(dump["step"]) == totals["exported_rows"]
     if mode == "full":
         assert totals["dropped_rows"] == 0, totals
-        assert capture_s > 2, f"full mode waited for the slow server ({capture_s:.1f} s)"
         assert np.array_equal(dump["activation"], rows), "lossless: every row, in order"
     else:
         assert totals["dropped_rows"] > 0, totals
-        assert capture_s < 3, f"best effort never waits for the server ({capture_s:.1f} s)"
         kept = rows.reshape(1000, 8, -1)[np.unique(dump["step"])].reshape(-1, rows.shape[1])
         assert np.array_equal(dump["activation"], kept), "the rows kept are whole steps' rows, exact"
 
