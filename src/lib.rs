@@ -89,6 +89,9 @@ pub use ringscope_ring::{DType, HookPointSpec, RecordHeader, RecordView, RowMeta
 // What a reader of a run's events table uses (`_ringscope_events/`: what was lost, when and why).
 pub use ringscope_exporter::read_events;
 
+// Object storage a run is written to (`export.url`, or `SessionBuilder::storage` with a store set up in code).
+pub use ringscope_exporter::{ObjectStorage, StorageError, StorageOptions};
+
 // What a consumer or a sink of their own sees: records, filters, subscriptions, the sink seam and the built-in sinks.
 pub use ringscope_exporter::{
     arrow_ipc_sink, parquet_sink, ArrowIpc, BoxError, CallbackSink, CatalogEntry, CommittedFile, DatasetOptions,
