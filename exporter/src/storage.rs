@@ -163,6 +163,22 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     }
 }
 
+/// `options`' settings as the keys of one store's builder (`K`: its config key type), each an error naming it when
+/// that builder has no such setting (`what` says what it should have been).
+fn config_keys<'a, K: std::str::FromStr>(
+    options: &'a StorageOptions,
+    url: &str,
+    what: &str,
+) -> Result<Vec<(K, &'a String)>, StorageError> {
+    let parse = |(key, value): (&String, &'a String)| match key.parse() {
+        Ok(key) => Ok((key, value)),
+        Err(_) => {
+            Err(StorageError::Options { url: url.to_owned(), why: format!("storage_options: {key:?} is not {what}") })
+        }
+    };
+    options.options.iter().map(parse).collect()
+}
+
 /// Runs `future` to completion on the storage runtime. From a thread inside some tokio runtime (an async program
 /// calling a session's `shutdown`, say), where blocking on another runtime would panic, it runs on a thread of its own
 /// meanwhile.
@@ -289,11 +305,7 @@ impl ObjectStorage {
                 if unsigned_payload_by_default(&options.options) {
                     builder = builder.with_unsigned_payload(true);
                 }
-                for (key, value) in &options.options {
-                    let key = key.parse().map_err(|_| StorageError::Options {
-                        url: shown.clone(),
-                        why: format!("storage_options: {key:?} is not an S3 setting (aws_endpoint, aws_region, …)"),
-                    })?;
+                for (key, value) in config_keys(&options, &shown, "an S3 setting (aws_endpoint, aws_region, …)")? {
                     builder = builder.with_config(key, value);
                 }
                 Arc::new(builder.build().map_err(store_error)?)
@@ -301,11 +313,7 @@ impl ObjectStorage {
             "gs" => {
                 let mut builder =
                     object_store::gcp::GoogleCloudStorageBuilder::from_env().with_url(url).with_retry(retry);
-                for (key, value) in &options.options {
-                    let key = key.parse().map_err(|_| StorageError::Options {
-                        url: shown.clone(),
-                        why: format!("storage_options: {key:?} is not a Google Cloud Storage setting"),
-                    })?;
+                for (key, value) in config_keys(&options, &shown, "a Google Cloud Storage setting")? {
                     builder = builder.with_config(key, value);
                 }
                 Arc::new(builder.build().map_err(store_error)?)
@@ -313,11 +321,7 @@ impl ObjectStorage {
             "az" | "adl" | "azure" | "abfs" | "abfss" => {
                 let mut builder =
                     object_store::azure::MicrosoftAzureBuilder::from_env().with_url(url).with_retry(retry);
-                for (key, value) in &options.options {
-                    let key = key.parse().map_err(|_| StorageError::Options {
-                        url: shown.clone(),
-                        why: format!("storage_options: {key:?} is not an Azure setting"),
-                    })?;
+                for (key, value) in config_keys(&options, &shown, "an Azure setting")? {
                     builder = builder.with_config(key, value);
                 }
                 Arc::new(builder.build().map_err(store_error)?)
