@@ -371,3 +371,14 @@ def test_the_docs_snippets_run_as_shown(s3env, doc_run, code):
             assert count > 0 if name != "dump" else list(value) == ["layers.0.resid"], name
             if name in ("table", "frame"):
                 assert count == 60, name
+
+
+def test_readers_given_a_url_with_no_run_say_so_naming_the_url(s3env):
+    from ringscope.stream import iter_batches
+
+    bucket = s3env.bucket("empty")
+    url = f"s3://{bucket}/no-such-run"
+    for read in (ringscope.read_dump, ringscope.read_events, lambda u: list(iter_batches(u))):
+        with pytest.raises(ringscope.RingscopeError) as e:
+            read(url)
+        assert url in str(e.value) and "does not exist" in str(e.value) and "ringscope-" not in str(e.value), e.value
