@@ -73,7 +73,7 @@ fn step_name(step: u64) -> String {
         step.to_string()
     }
 }
-pub use session::{Report, Session, SessionBuilder};
+pub use session::{Report, Session, SessionBuilder, METADATA_ENTRIES_MAX, METADATA_KEY_MAX, METADATA_VALUE_MAX};
 pub use stats::{
     rung_label, DestinationKind, DestinationStats, DrainStats, HookPointStats, RingStats, SessionStats, STEP_WINDOW,
 };

@@ -14,6 +14,9 @@
 //! `events` lists the files of the events table (`_ringscope_events/`: what was lost, when and why), each with its
 //! events and rows lost; over all of them, rows lost per (hookpoint, reason) equal the accounting's dropped rows.
 //!
+//! `metadata` holds what the session was told to keep for readers ([`Session::set_metadata`](crate::Session::set_metadata)):
+//! `attach` and the engine plugins put the per-layer attention parameters there as `attention`.
+//!
 //! A manifest that cannot be written leaves nothing behind (its temporary file is removed). On object storage it is
 //! one `PUT`, after every data and events object of the rank is complete: a reader that finds the manifest finds a
 //! whole run (rank).
@@ -95,6 +98,7 @@ pub(crate) fn write(
     storage: Option<&ringscope_exporter::ObjectStorage>,
     registry: &Registry,
     report: &Report,
+    metadata: &BTreeMap<String, Value>,
 ) -> std::io::Result<()> {
     let hookpoints: Vec<Value> = registry
         .all()
@@ -157,6 +161,8 @@ pub(crate) fn write(
             "seconds": report.drain.elapsed.as_secs_f64(),
         },
         "errors": report.drain.errors,
+        // What readers need that the rows do not say (Session::set_metadata), e.g. `attention`.
+        "metadata": metadata,
     });
     let name = file_name(rank);
     let text = serde_json::to_string_pretty(&manifest).expect("plain JSON values");

@@ -131,6 +131,8 @@ pub struct Session {
     recorder: Mutex<Option<EventRecorder>>,
     /// The probes (`[[probes]]`), when any.
     probes: Option<crate::probes::Probes>,
+    /// Entries of the manifest's `metadata` object ([`set_metadata`](Session::set_metadata)).
+    metadata: Mutex<std::collections::BTreeMap<String, serde_json::Value>>,
 }
 
 /// Steps begun and what their batches held.
@@ -149,6 +151,24 @@ impl StepTally {
         self.requests.fetch_add(batch.last_per_request().len() as u64, Ordering::Relaxed);
         self.last.store(batch.step(), Ordering::Relaxed);
     }
+}
+
+/// The longest key of the manifest's `metadata` object ([`Session::set_metadata`]).
+pub const METADATA_KEY_MAX: usize = 64;
+/// The most bytes of JSON one `metadata` value may take ([`Session::set_metadata`]).
+pub const METADATA_VALUE_MAX: usize = 4 << 20;
+/// The most entries the manifest's `metadata` object may hold ([`Session::set_metadata`]).
+pub const METADATA_ENTRIES_MAX: usize = 64;
+
+fn check_metadata_key(key: &str) -> Result<(), Error> {
+    let ok = (1..=METADATA_KEY_MAX).contains(&key.chars().count())
+        && key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+    if ok {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "set_metadata: key {key:?} is not 1 to {METADATA_KEY_MAX} characters of A-Z a-z 0-9 _ . -"
+    )))
 }
 
 /// Builds a [`Session`]: the config plus the sinks its drain writes to.
@@ -367,6 +387,7 @@ impl SessionBuilder {
             cached_rows: AtomicU64::new(0),
             recorder: Mutex::new(recorder),
             probes,
+            metadata: Mutex::new(Default::default()),
         })
     }
 }
@@ -631,6 +652,39 @@ impl Session {
             end_position: Some(end),
         });
         Ok(())
+    }
+
+    /// Sets entry `key` of the run manifest's `metadata` object to `value` (replacing an earlier value of the key):
+    /// what a reader of the run needs that the rows do not say — `attach` and the engine plugins write the
+    /// `attention` entry (per layer: heads, head size, softmax scale, window, ...) that rebuilding attention patterns
+    /// from `attn_q`/`attn_k` rows needs. Keys are 1 to [`METADATA_KEY_MAX`] characters of `A-Z a-z 0-9 _ . -`; a
+    /// value's JSON text is at most [`METADATA_VALUE_MAX`] bytes. Written with the manifest when the session shuts
+    /// down (`Error::Closed` after that).
+    pub fn set_metadata(&self, key: &str, value: serde_json::Value) -> Result<(), Error> {
+        check_metadata_key(key)?;
+        let size = serde_json::to_string(&value).map_or(usize::MAX, |t| t.len());
+        if size > METADATA_VALUE_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "set_metadata: the value of `{key}` is {size} bytes of JSON; at most {METADATA_VALUE_MAX}"
+            )));
+        }
+        if self.capture.lock().is_none() {
+            return Err(Error::Closed);
+        }
+        let mut entries = self.metadata.lock();
+        if !entries.contains_key(key) && entries.len() >= METADATA_ENTRIES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "set_metadata: `{key}` would be entry {} of the manifest's metadata; at most {METADATA_ENTRIES_MAX}",
+                entries.len() + 1
+            )));
+        }
+        entries.insert(key.to_owned(), value);
+        Ok(())
+    }
+
+    /// The manifest's `metadata` entries set so far ([`set_metadata`](Self::set_metadata)).
+    pub fn metadata(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
+        self.metadata.lock().clone()
     }
 
     /// Token rows the engine took from its prefix cache, over the session ([`note_cached`](Self::note_cached)).
@@ -960,7 +1014,9 @@ impl Session {
             events,
         };
         if let Some(dir) = &report.run_dir {
-            let written = crate::manifest::write(dir, self.rank, self.storage.as_ref(), &self.registry, &report);
+            let metadata = std::mem::take(&mut *self.metadata.lock());
+            let written =
+                crate::manifest::write(dir, self.rank, self.storage.as_ref(), &self.registry, &report, &metadata);
             // The run's files are final: another session may now look (and will find this rank written).
             self.run_lock.lock().take();
             if let Err(source) = written {

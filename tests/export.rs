@@ -674,3 +674,38 @@ fn flush_commits_the_files_sinks_hold_and_capture_goes_on_into_new_files() {
     assert_eq!(after.len(), before.len(), "shutdown committed files the flush had not");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `Session::set_metadata` entries land in the manifest's `metadata` object, the last value of a key wins, and bad
+/// keys, oversized values, too many keys and a closed session are errors naming what was wrong.
+#[test]
+fn metadata_entries_are_written_into_the_manifest_and_bad_ones_refused() {
+    let dir = tempdir("metadata");
+    let session = Session::new(config(&dir, 1, 8, "")).unwrap();
+    session.set_metadata("attention", serde_json::json!({"layers": [1]})).unwrap();
+    session.set_metadata("attention", serde_json::json!({"layers": [{"layer": 0, "scale": 0.125}]})).unwrap();
+    session.set_metadata("model.name-v2", serde_json::json!("tiny")).unwrap();
+    for bad in ["", "a b", "ключ", &"k".repeat(65), "a/b"] {
+        let e = session.set_metadata(bad, serde_json::json!(1)).unwrap_err().to_string();
+        assert!(e.contains("set_metadata: key") && e.contains("A-Z a-z 0-9 _ . -"), "{bad:?}: {e}");
+    }
+    let big = serde_json::Value::String("x".repeat(ringscope::METADATA_VALUE_MAX));
+    let e = session.set_metadata("big", big).unwrap_err().to_string();
+    assert!(e.contains("value of `big`") && e.contains("at most"), "{e}");
+    for i in 2..ringscope::METADATA_ENTRIES_MAX {
+        session.set_metadata(&format!("k{i}"), serde_json::json!(i)).unwrap();
+    }
+    let e = session.set_metadata("one_more", serde_json::json!(0)).unwrap_err().to_string();
+    assert!(e.contains("`one_more` would be entry 65"), "{e}");
+    session.set_metadata("k2", serde_json::json!("replaced")).unwrap(); // an existing key is not a new entry
+    session.shutdown().unwrap();
+    assert!(matches!(session.set_metadata("late", serde_json::json!(0)), Err(Error::Closed)));
+
+    let text = std::fs::read_to_string(dir.join("r").join(ringscope::manifest::MANIFEST)).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let md = &manifest["metadata"];
+    assert_eq!(md["attention"], serde_json::json!({"layers": [{"layer": 0, "scale": 0.125}]}));
+    assert_eq!(md["model.name-v2"], "tiny");
+    assert_eq!(md["k2"], "replaced");
+    assert_eq!(md.as_object().unwrap().len(), ringscope::METADATA_ENTRIES_MAX);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

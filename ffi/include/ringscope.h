@@ -7,7 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 7 added `rs_admit_graph_step` (full mode for steps
+// The version of this C ABI, as [`rs_abi_version`] returns it: 8 added `rs_session_set_metadata` (entries of the
+// run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
 // begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
 // `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
 // `rs_probe_snapshot` and `cached` at the end of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
@@ -19,7 +20,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 7
+#define RS_ABI_VERSION 8
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -862,6 +863,19 @@ rs_status rs_note_cached(uint64_t session_handle,
                          uint64_t request_id,
                          uint32_t first_position,
                          uint64_t rows);
+
+// Sets entry `key` of the run manifest's `metadata` object to the JSON value `json` (replacing an earlier value
+// of the key); written with the manifest when the session closes. What readers of the run need that the rows do not
+// say: the Python `attach` and engine plugins write `attention` (the per-layer parameters that rebuilding attention
+// patterns needs). `RS_ERR_INVALID_ARGUMENT` for a key that is not 1 to 64 characters of `A-Z a-z 0-9 _ . -`, text
+// that is not one JSON value (the message says where), a value over 4 MiB of JSON or a 65th key; `RS_ERR_CLOSED`
+// once the session is shut down.
+//
+// # Safety
+// `key` and `json` are NUL-terminated.
+rs_status rs_session_set_metadata(uint64_t session_handle,
+                                  const char *key,
+                                  const char *json);
 
 // The engine has finished request `request_id`: every probe forgets it (its last report is gone: read it with
 // [`rs_probe_request`] first, after [`rs_probes_wait`] so that every row counts) and its stop flag is lowered.

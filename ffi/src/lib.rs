@@ -152,7 +152,8 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 7 added `rs_admit_graph_step` (full mode for steps
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 8 added `rs_session_set_metadata` (entries of the
+/// run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
 /// begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
 /// `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
 /// `rs_probe_snapshot` and `cached` at the end of `rs_probe_report`; 4 added the probes (`rs_alert_poll`,
@@ -164,7 +165,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 7;
+pub const RS_ABI_VERSION: u32 = 8;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -2131,6 +2132,33 @@ pub extern "C" fn rs_note_cached(
     rows: u64,
 ) -> RsStatus {
     ffi(|| Ok(session(session_handle)?.note_cached(step, request_id, first_position, rows)?))
+}
+
+/// Sets entry `key` of the run manifest's `metadata` object to the JSON value `json` (replacing an earlier value
+/// of the key); written with the manifest when the session closes. What readers of the run need that the rows do not
+/// say: the Python `attach` and engine plugins write `attention` (the per-layer parameters that rebuilding attention
+/// patterns needs). `RS_ERR_INVALID_ARGUMENT` for a key that is not 1 to 64 characters of `A-Z a-z 0-9 _ . -`, text
+/// that is not one JSON value (the message says where), a value over 4 MiB of JSON or a 65th key; `RS_ERR_CLOSED`
+/// once the session is shut down.
+///
+/// # Safety
+/// `key` and `json` are NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn rs_session_set_metadata(
+    session_handle: u64,
+    key: *const c_char,
+    json: *const c_char,
+) -> RsStatus {
+    ffi(|| {
+        let s = session(session_handle)?;
+        // SAFETY: per the function's contract.
+        let key = unsafe { str_arg(key, "key") }?;
+        // SAFETY: per the function's contract.
+        let text = unsafe { str_arg(json, "json") }?;
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| invalid(format!("set_metadata: the value of `{key}` is not one JSON value: {e}")))?;
+        Ok(s.set_metadata(key, value)?)
+    })
 }
 
 /// The engine has finished request `request_id`: every probe forgets it (its last report is gone: read it with

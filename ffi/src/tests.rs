@@ -1110,3 +1110,41 @@ fn rs_metrics_port_answers_and_refuses_bad_input() {
     // SAFETY: null totals are allowed.
     unsafe { rs_session_close(plain, std::ptr::null_mut()) };
 }
+
+/// `rs_session_set_metadata`: a JSON value lands in the manifest's `metadata`; null pointers, text that is not one
+/// JSON value, bad keys, an unknown handle and a closed session are the documented errors, each with a message.
+#[test]
+fn rs_session_set_metadata_writes_the_manifest_and_refuses_bad_input() {
+    let dir = std::env::temp_dir().join(format!("ringscope-ffi-metadata-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = open(&format!("[export]\nparquet = true\ndir = {:?}\nrun_id = \"r\"\n", dir.display().to_string()));
+    let set = |h: u64, key: &CString, json: &CString| {
+        // SAFETY: valid NUL-terminated strings.
+        unsafe { rs_session_set_metadata(h, key.as_ptr(), json.as_ptr()) }
+    };
+    assert_eq!(set(s, &c("attention"), &c(r#"{"layers": [{"layer": 0, "scale": 0.5}]}"#)), RsStatus::RsOk);
+    for (key, json, says) in [
+        ("attention", "{\"layers\": [", "not one JSON value"),
+        ("attention", "1 2", "not one JSON value"),
+        ("", "1", "key \"\""),
+        ("a b", "1", "A-Z a-z 0-9"),
+    ] {
+        assert_eq!(set(s, &c(key), &c(json)), RsStatus::RsErrInvalidArgument, "{key:?} {json:?}");
+        assert!(last_error().contains(says), "{key:?} {json:?}: {}", last_error());
+    }
+    let k = c("k");
+    // SAFETY: null is the bad input under test.
+    assert_eq!(unsafe { rs_session_set_metadata(s, k.as_ptr(), std::ptr::null()) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("json is a null pointer"), "{}", last_error());
+    // SAFETY: null is the bad input under test.
+    assert_eq!(unsafe { rs_session_set_metadata(s, std::ptr::null(), k.as_ptr()) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("key is a null pointer"), "{}", last_error());
+    assert_eq!(set(0xdead, &c("k"), &c("1")), RsStatus::RsErrInvalidHandle);
+    // SAFETY: null totals are allowed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+    assert_eq!(set(s, &c("k"), &c("1")), RsStatus::RsErrClosed);
+    let text = std::fs::read_to_string(dir.join("r").join("_ringscope_run.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(manifest["metadata"], serde_json::json!({"attention": {"layers": [{"layer": 0, "scale": 0.5}]}}));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

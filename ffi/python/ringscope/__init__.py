@@ -22,11 +22,12 @@ be C-contiguous and little-endian (or single-byte), of the hookpoint's dtype, wi
 
 # The package's floors (each module's docstring says what it holds): errors.py (RingscopeError and one subclass per
 # status), _abi.py (the C ABI: structs, signatures, loading; with session.py the only caller of rs_*), _args.py (value
-# checks), dtypes.py, session.py (Session, subscriptions, alerts, TOML), dump.py (read_dump, read_events), probe.py
+# checks), dtypes.py, session.py (Session, subscriptions, alerts, TOML), dump.py (read_dump, read_events), attention.py (attention_pattern), probe.py
 # (probe files, calibration retention), stream.py, torch.py (PyTorch / Hugging Face), _engine.py with vllm.py and
 # sglang.py (the engine plugins). This file only re-exports.
 
 from ._abi import PROBE_MAX_OUTPUTS, library_path
+from .attention import AttentionPattern, attention_metadata, attention_pattern
 from ._args import MAX_TIMEOUT_S
 from .dtypes import DTYPE_CODES, ROWSCALED, as_float32, dequantize_rowscaled
 from .dump import EVENT_COLUMNS, EVENTS_DIR, read_dump, read_events
@@ -39,7 +40,8 @@ from .session import Alert, Record, Session, Subscription
 from ._abi import _load  # noqa: F401
 from .session import _current_stream, _toml  # noqa: F401
 
-__all__ = ["Session", "Subscription", "Record", "Alert", "read_dump", "read_events", "save_probe",
+__all__ = ["Session", "Subscription", "Record", "Alert", "read_dump", "read_events", "attention_pattern",
+           "attention_metadata", "AttentionPattern", "save_probe",
            "calibration_retention", "as_float32", "dequantize_rowscaled", "library_path", "EVENTS_DIR",
            "EVENT_COLUMNS", "DTYPE_CODES", "ROWSCALED", "MAX_TIMEOUT_S", "PROBE_MAX_OUTPUTS",
            "RingscopeError", "InvalidArgumentError", "InvalidHandleError", "ConfigError", "ClosedError", "StepError",

@@ -178,6 +178,8 @@ SIGNATURES: Dict[str, Tuple[int, List, type]] = {
     "rs_probe_stats": (4, [_u64, _u32, _p(_ProbeSnapshot), ctypes.c_char_p, _sz], _i32),
     # ABI 7: full mode for steps begun inside CUDA graphs.
     "rs_admit_graph_step": (7, [_u64, _u32, _u64], _i32),
+    # ABI 8: the manifest's metadata.
+    "rs_session_set_metadata": (8, [_u64, _cp, _cp], _i32),
 }
 
 #: The header's struct name of each ctypes struct.

@@ -547,6 +547,29 @@ class Session:
         _check(_load().rs_note_cached(self._h, _u64("step", step), _u64("request_id", request_id),
                                       _u32("first_position", first_position), _u64("rows", rows)))
 
+    def set_metadata(self, key: str, value) -> None:
+        """Sets entry ``key`` of the run manifest's ``metadata`` object to ``value`` (anything ``json.dumps`` takes:
+        dicts, lists, strings, numbers, booleans, None; NaN and infinities are refused), replacing an earlier value of
+        the key; written with the manifest when the session closes. :func:`ringscope.torch.attach` and the engine
+        plugins write ``attention`` there (what :func:`ringscope.attention_pattern` needs). Keys: 1 to 64 characters
+        of ``A-Z a-z 0-9 _ . -``; a value: at most 4 MiB of JSON; at most 64 keys."""
+        import json
+
+        if not isinstance(key, str):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: key must be a str, not {type(key).__name__}")
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: the value of {key!r} is not JSON: {e}") \
+                from None
+        try:
+            k = key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: key {key!r} is not valid UTF-8") from None
+        if b"\0" in k:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: key {key!r} contains a NUL character")
+        _check(_lib_with("rs_session_set_metadata").rs_session_set_metadata(self._h, k, text.encode("utf-8")))
+
     def finish_request(self, request_id: int) -> dict:
         """The engine has finished request ``request_id``: returns each probe's last report on it (``{probe name:
         report}`` as :meth:`probe_request` gives them; probes that never saw it are left out), then every probe

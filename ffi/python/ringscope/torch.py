@@ -121,7 +121,7 @@ def _decoder(model):
     """(layers, final_norm, lm_head, family) of a Hugging Face decoder, found by attribute, not by forking code."""
     mt = getattr(getattr(model, "config", None), "model_type", None)
     base = getattr(model, "model", None)
-    if mt in ("llama", "qwen2", "qwen3", "mistral") and base is not None and hasattr(base, "layers"):
+    if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma2") and base is not None and hasattr(base, "layers"):
         return list(base.layers), base.norm, getattr(model, "lm_head", None), "llama"
     tr = getattr(model, "transformer", None)
     if mt == "gpt2" and tr is not None and hasattr(tr, "h"):
@@ -130,8 +130,12 @@ def _decoder(model):
                          f"attach: model type {mt!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
-_SITES = ("residual", "attention_output", "mlp_output", "final_norm", "logits", "tokens")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2")
+# Query, key and value of each head (attention's inputs: q and k after RoPE): see _AttentionTap.
+_ATTN_SITES = ("attn_q", "attn_k", "attn_v")
+_SITES = ("residual", "attention_output", "mlp_output", "final_norm", "logits", "tokens") + _ATTN_SITES
+#: Model types whose attention ``attach`` can capture as ``attn_q`` / ``attn_k`` / ``attn_v`` (and rebuild).
+ATTENTION_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
 # The token ids of each step's rows (int64, one per row): what joins captured rows to text.
 _TOKENS = "tokens"
 
@@ -609,30 +613,34 @@ class Attachment:
 
     def _hook(self, name: str, width: int, pick=_first):
         hp = self.hookpoints[name]
-        handle = self.session._h
 
         def hook(module, args, output):
-            x = pick(output).contiguous()
-            if torch.compiler.is_compiling():
-                self._keep.append(x)
-                self._keep_hp.append(hp)  # captured by the step op at the end of the forward pass
-                return
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                self._keep.append(x)
-                capture(x, self.sink(x.device), handle, hp, width)
-                return
-            batch, seq = self._step_shape
-            rows = x.numel() // width
-            if seq > 1 and rows == batch:
-                # The model computed this site for each row's last token only (logits at a `generate` prefill).
-                self._capture_last_tokens(x, hp, width)
-                return
-            x = self._keep_rows(x.reshape(-1, width))
-            self._keep.append(x)
-            if x.shape[0]:
-                capture(x, self.sink(x.device), handle, hp, width)
+            self._capture(pick(output).contiguous(), hp, width)
 
         return hook
+
+    def _capture(self, x: torch.Tensor, hp: int, width: int) -> None:
+        """Captures ``x`` (contiguous; ``[..., width]``, the step's rows in order) into hookpoint ``hp`` the way the
+        forward pass runs: noted for the step op while torch.compile traces, recorded while a CUDA graph is, else
+        eagerly (padding and ended rows left out)."""
+        if torch.compiler.is_compiling():
+            self._keep.append(x)
+            self._keep_hp.append(hp)  # captured by the step op at the end of the forward pass
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._keep.append(x)
+            capture(x, self.sink(x.device), self.session._h, hp, width)
+            return
+        batch, seq = self._step_shape
+        rows = x.numel() // width
+        if seq > 1 and rows == batch:
+            # The model computed this site for each row's last token only (logits at a `generate` prefill).
+            self._capture_last_tokens(x, hp, width)
+            return
+        x = self._keep_rows(x.reshape(-1, width))
+        self._keep.append(x)
+        if x.shape[0]:
+            capture(x, self.sink(x.device), self.session._h, hp, width)
 
     def _capture_last_tokens(self, x: torch.Tensor, hp: int, width: int) -> None:
         """Captures ``x`` — one row per batch row, its last token's — as those tokens' rows, not the step's first
@@ -668,6 +676,117 @@ class Attachment:
             capture(rows, self.sink(rows.device), self.session._h, hp, width)
         finally:
             self.session.set_rows(hp, self._rows_setting)
+
+
+class _AttentionTap:
+    """The ``attn_q`` / ``attn_k`` / ``attn_v`` captures of one Hugging Face attention module (Llama, Qwen2/3,
+    Mistral, Gemma2): what the attention function receives for the step's new tokens, without forking model code.
+
+    Forward hooks on the query and key sources (``q_norm`` / ``k_norm`` where the model normalises heads before RoPE,
+    else ``q_proj`` / ``k_proj``) keep their outputs; a forward hook on the attention module (which the decoder layer
+    calls with keywords) applies the model's own ``apply_rotary_pos_emb`` to them with the ``position_embeddings``
+    the module was given — the same element-wise formula, on the same ``cos``/``sin``, in the same dtype, so the rows
+    are the model's post-RoPE query and key (bit for bit in eager mode) — and captures them as ``[tokens, heads ×
+    head_dim]`` rows. ``v_proj``'s output is the value as the model uses it. Only device tensor ops of static shapes:
+    recordable into CUDA graphs and traceable by torch.compile like every other site. The cost: one more RoPE of the
+    layer's query and key, and the copies."""
+
+    def __init__(self, att: "Attachment", attn, rope, heads: int, kv_heads: int, head_dim: int,
+                 q: Optional[Tuple[int, int]], k: Optional[Tuple[int, int]]):
+        self.att, self.rope = att, rope
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_hp, self.k_hp = q, k  # (hookpoint, row width) or None
+        self.q: Optional[torch.Tensor] = None
+        self.k: Optional[torch.Tensor] = None
+        q_src = attn.q_norm if getattr(attn, "q_norm", None) is not None else attn.q_proj
+        k_src = attn.k_norm if getattr(attn, "k_norm", None) is not None else attn.k_proj
+        att._handles.append(q_src.register_forward_hook(self._keep_q))
+        att._handles.append(k_src.register_forward_hook(self._keep_k))
+        att._handles.append(attn.register_forward_hook(self._after, with_kwargs=True))
+
+    def _keep_q(self, module, args, output):
+        self.q = _first(output)
+
+    def _keep_k(self, module, args, output):
+        self.k = _first(output)
+
+    def _after(self, module, args, kwargs, output):
+        q, k, self.q, self.k = self.q, self.k, None, None
+        pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+        if q is None or k is None or pe is None:
+            return  # not called as the decoder calls it (no position_embeddings): nothing that can be rotated
+        cos, sin = pe
+        b, s = q.shape[0], q.shape[1]
+        q, k = self.rope(q.reshape(b, s, self.heads, self.head_dim), k.reshape(b, s, self.kv_heads, self.head_dim),
+                         cos, sin, unsqueeze_dim=2)
+        if self.q_hp is not None:
+            self.att._capture(q.reshape(b, s, -1).contiguous(), *self.q_hp)
+        if self.k_hp is not None:
+            self.att._capture(k.reshape(b, s, -1).contiguous(), *self.k_hp)
+
+
+def _json_safe(value):
+    """``value`` (a config entry) as plain JSON values: numbers, strings, booleans, None, lists and dicts (keys as
+    strings); NaN and infinities as None; anything else as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    return str(value)
+
+
+def _attention_module(model, layer, index: int, family: str):
+    """The attention module of decoder layer ``index``, its RoPE function, and its layer's attention metadata
+    (see :func:`ringscope.attention.attention_pattern`) — or a RingscopeError naming why its attention cannot be
+    captured for an exact rebuild."""
+    import inspect
+    import sys
+
+    mt = model.config.model_type
+    if family != "llama" or mt not in ATTENTION_MODEL_TYPES:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"attach: sites {', '.join(_ATTN_SITES)} are not supported for model type {mt!r} "
+                             f"(supported: {', '.join(ATTENTION_MODEL_TYPES)})")
+    attn = layer.self_attn
+    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if rope is None or "unsqueeze_dim" not in inspect.signature(rope).parameters:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"attach: layer {index}'s attention ({type(attn).__qualname__}) has no "
+                             "apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim) in its module: its query and key "
+                             "after RoPE cannot be captured")
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = attn.head_dim
+    if not getattr(attn, "is_causal", True):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"attach: layer {index}'s attention is bidirectional: attn sites capture causal "
+                             "decoders only")
+    if getattr(attn, "sinks", None) is not None:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"attach: layer {index}'s attention has sinks, which attn sites do not support yet")
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window  # per layer (Qwen2/3, Gemma2: None on full-attention layers)
+    else:
+        window = getattr(cfg, "sliding_window", None)  # Mistral: every layer
+    softcap = getattr(attn, "attn_logit_softcapping", None)
+    rope_params = getattr(cfg, "rope_parameters", None)
+    if rope_params is None:
+        rope_params = {"rope_theta": getattr(cfg, "rope_theta", None), "rope_scaling": getattr(cfg, "rope_scaling", None)}
+    meta = {
+        "layer": index, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+        "q_head_offset": 0, "kv_head_offset": 0, "total_num_heads": heads, "total_num_kv_heads": kv_heads,
+        "scale": float(attn.scaling), "causal": True,
+        "sliding_window": int(window) if window is not None else None,
+        "softcap": float(softcap) if softcap else None, "sinks": None, "alibi_slopes": None,
+        "rope": _json_safe(rope_params), "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
+        "module": type(attn).__qualname__,
+    }
+    return attn, rope, meta
 
 
 def _hookpoint(session: Session, name: str, site: str, layer: Optional[int], dtype: str, width: int) -> int:
@@ -759,8 +878,9 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"attach: parameters of dtype {dtype} are not supported")
     dt = _TORCH_DTYPES[dtype]
     hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
-    # What will be captured: (name, site, layer, row width, module, pick).
+    # What will be captured: (name, site, layer, row width, module, pick); module None: an _AttentionTap's.
     planned: List[Tuple[str, str, Optional[int], int, Any, Callable[[Any], Any]]] = []
+    attention: List[Tuple[int, Any, Any, dict]] = []  # (layer, attention module, its RoPE, metadata) for attn sites
     for i in chosen:
         layer = decoder_layers[i]
         if "residual" in sites:
@@ -770,6 +890,16 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
             planned.append((f"layers.{i}.attn_out", "attention_output", i, hidden, attn, _first))
         if "mlp_output" in sites:
             planned.append((f"layers.{i}.mlp_out", "mlp_output", i, hidden, layer.mlp, _first))
+        if any(s in sites for s in _ATTN_SITES):
+            attn, rope, meta = _attention_module(model, layer, i, family)
+            q_w, kv_w = meta["num_heads"] * meta["head_dim"], meta["num_kv_heads"] * meta["head_dim"]
+            meta["hookpoints"] = {}
+            # q and k: captured by the layer's _AttentionTap (module None here); v: v_proj's output as it is.
+            for site, width, module in (("attn_q", q_w, None), ("attn_k", kv_w, None), ("attn_v", kv_w, attn.v_proj)):
+                if site in sites:
+                    planned.append((f"layers.{i}.{site}", site, i, width, module, _first))
+                    meta["hookpoints"][site[-1]] = f"layers.{i}.{site}"
+            attention.append((i, attn, rope, meta))
     if "final_norm" in sites:
         planned.append(("final_norm", "final_norm", None, hidden, final_norm, _first))
     if "logits" in sites:
@@ -796,7 +926,18 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         att._widths[att.hookpoints[name]] = width
         if rows != "all":
             session.set_rows(att.hookpoints[name], rows)
-        att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
+        if module is not None:
+            att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
+    for i, attn, rope, meta in attention:
+        q, k = (f"layers.{i}.attn_q", f"layers.{i}.attn_k")
+        if q in att.hookpoints or k in att.hookpoints:
+            _AttentionTap(att, attn, rope, meta["num_heads"], meta["num_kv_heads"], meta["head_dim"],
+                          (att.hookpoints[q], att._widths[att.hookpoints[q]]) if q in att.hookpoints else None,
+                          (att.hookpoints[k], att._widths[att.hookpoints[k]]) if k in att.hookpoints else None)
+    if attention:
+        # What rebuilding the layers' attention patterns from the rows needs (ringscope.attention_pattern).
+        session.set_metadata("attention", {"format": 1, "source": "transformers", "model_type": model.config.model_type,
+                                           "layers": [meta for *_, meta in attention]})
     # After the last captured module, the step's deferred captures can be copied while the rest of the forward pass
     # runs (a side stream; joined when the step ends). A no-op without deferred captures.
     last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \

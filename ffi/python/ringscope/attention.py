@@ -1,0 +1,287 @@
+"""Attention patterns rebuilt from captured rows: :func:`attention_pattern` and :func:`attention_metadata`.
+
+The ``attn_q`` / ``attn_k`` / ``attn_v`` sites (``ringscope.torch.attach``, the vLLM and SGLang plugins) capture
+what a layer's attention receives for each new token: its query and key after RoPE and its value, ``heads ×
+head_dim`` per row. A token's key and value are its KV-cache fragment. The run's manifest holds, under
+``metadata.attention``, what a rebuild needs per layer (heads, head size, softmax scale, causal, sliding window,
+logit soft-cap, sinks; RoPE parameters for information), as the engine ran it. From them the weights are rebuilt in
+float32 the way the engines compute them::
+
+    s[h, i, j] = scale · q[i, h] · k[j, h // (H / KV)]           (query head h reads KV head h // (H / KV))
+    s = softcap · tanh(s / softcap)                                (when the layer soft-caps its logits)
+    key j visible to query i  ⇔  pos[j] ≤ pos[i]  and, with a window W,  pos[j] > pos[i] − W
+    w[h, i, :] = softmax over the visible keys (with sinks: one more logit per head in the denominator)
+
+Needs numpy and, to read the rows, pyarrow (as :func:`ringscope.read_dump`); no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ._args import _int, _path, _u64, _U32_MAX
+from .errors import RingscopeError
+
+__all__ = ["AttentionPattern", "attention_pattern", "attention_metadata"]
+
+#: The ``format`` of ``metadata.attention`` this reader understands.
+ATTENTION_FORMAT = 1
+
+
+@dataclass
+class AttentionPattern:
+    """The attention weights of one request in one layer, rebuilt from captured rows.
+
+    ``weights``: float32 ``[heads, queries, keys]`` (``[queries, keys]`` when one head was asked for); row ``i`` is
+    the query at ``query_positions[i]``, column ``j`` the key at ``key_positions[j]``; keys a query does not see
+    (later positions, outside its window) weigh 0. ``heads``: the (model-wide) query head of each entry of the first
+    axis. ``missing_key_positions``: key positions the queries needed but no row holds (only with
+    ``allow_missing=True``; their columns are NaN, every row is a softmax over the keys that were captured, and
+    ``exact`` is False). ``metadata``: the layer's entry of ``metadata.attention`` (rank 0's)."""
+
+    weights: np.ndarray
+    query_positions: np.ndarray
+    key_positions: np.ndarray
+    heads: List[int]
+    layer: int
+    request: int
+    missing_key_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    exact: bool = True
+    metadata: dict = field(default_factory=dict)
+
+
+def _manifests(root: pathlib.Path) -> Dict[int, dict]:
+    """The run's manifests by rank (``_ringscope_run.json``, ``_ringscope_run.rank=R.json``)."""
+    out = {}
+    for p in sorted(root.glob("_ringscope_run*.json")):
+        try:
+            m = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise RingscopeError("RS_ERR_IO", f"cannot read the run manifest {p}: {e}") from e
+        if isinstance(m, dict):
+            out[int(m.get("rank", 0) or 0)] = m
+    return out
+
+
+def _root(run) -> pathlib.Path:
+    root = pathlib.Path(os.fsdecode(_path("run", run)))
+    if not root.is_dir():
+        raise RingscopeError("RS_ERR_IO", f"{root} is not a run directory (<export.dir>/<run_id>)")
+    return root
+
+
+def attention_metadata(run: "str | os.PathLike") -> Dict[int, dict]:
+    """The run's attention metadata by rank: ``{rank: {layer: entry}}``, each entry as the engine ran the layer —
+    ``num_heads`` / ``num_kv_heads`` (this rank's), ``q_head_offset`` / ``kv_head_offset`` (its first heads in the
+    model), ``head_dim``, ``scale``, ``causal``, ``sliding_window`` (keys a query sees, itself included; None: all),
+    ``softcap``, ``sinks``, ``alibi_slopes``, ``rope`` (information: the rows are after RoPE), ``hookpoints`` (``q`` /
+    ``k`` / ``v``: the names of its captured sites). Ranks whose manifest has none are left out; ``{}`` when no rank
+    has any. Manifests are written when a session closes."""
+    from .dump import _fetched
+    from .stream import _object_url
+
+    url = _object_url(run)
+    if url is not None:
+        with _fetched(url, []) as local:
+            return attention_metadata(local)
+    out: Dict[int, dict] = {}
+    for rank, m in _manifests(_root(run)).items():
+        entry = (m.get("metadata") or {}).get("attention")
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("format") != ATTENTION_FORMAT:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"rank {rank}'s attention metadata is format {entry.get('format')!r}; this ringscope "
+                                 f"reads format {ATTENTION_FORMAT}: upgrade ringscope")
+        out[rank] = {int(e["layer"]): e for e in entry.get("layers", [])}
+    return out
+
+
+def _ranges(positions: np.ndarray) -> str:
+    """Sorted positions as ``a..b`` ranges (``b`` included), the first few."""
+    parts, i = [], 0
+    while i < len(positions) and len(parts) < 8:
+        j = i
+        while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
+            j += 1
+        parts.append(f"{positions[i]}" if i == j else f"{positions[i]}..{positions[j]}")
+        i = j + 1
+    return ", ".join(parts) + (", ..." if i < len(positions) else "")
+
+
+def _rows(dump: dict, name: str, rank: int, request: int, width: int):
+    """(positions, float32 rows) of ``request`` in hookpoint ``name`` on ``rank``: one row per position, the one of the
+    latest step where a position was computed more than once (recomputation after preemption)."""
+    from .dtypes import _as_float32
+
+    cols = dump[name]
+    if cols["downcast"].any():
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"rows of {name} were downcast to E4M3 on capture: too coarse to rebuild attention; "
+                             "capture attention sites without downcast")
+    act = cols["activation"]
+    if act.shape[1] != width:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"{name} has rows of {act.shape[1]} elements but its layer's attention metadata says "
+                             f"{width}: the run's files and manifest disagree")
+    keep = cols["request_id"] == np.uint64(request)
+    if "rank" in cols:
+        keep &= cols["rank"] == rank
+    pos, step = cols["position"][keep].astype(np.int64), cols["step"][keep]
+    order = np.lexsort((-step.astype(np.float64), pos))  # by position, latest step first
+    pos, idx = pos[order], np.flatnonzero(keep)[order]
+    first = np.ones(len(pos), dtype=bool)
+    first[1:] = pos[1:] != pos[:-1]
+    return pos[first], _as_float32(act[idx[first]], cols["dtype"]).astype(np.float32)
+
+
+def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: Optional[int] = None, *,
+                      allow_missing: bool = False) -> AttentionPattern:
+    """Rebuilds the attention weights of request ``request`` in layer ``layer`` from the run's captured ``attn_q`` and
+    ``attn_k`` rows and the layer's attention metadata (see the module's docstring for the formula): every query the
+    run holds for the request — from the first position computed on (a prefix-cache hit's positions were not
+    computed, so they have no query) — against every key it sees. ``head``: one query head (model-wide index), else
+    all. Tensor-parallel ranks each hold their own heads: they are put together.
+
+    A key a query needs that no row holds (positions taken from a prefix cache, rows not selected or sampled, rows
+    dropped) makes the softmax's denominator unknown: a RingscopeError naming the positions, unless
+    ``allow_missing=True`` (see :class:`AttentionPattern`). Clear errors also for a run without attention metadata,
+    a layer without it or without both sites, a request with no query rows, a head out of range, downcast rows and
+    variants the rebuild does not implement (ALiBi). ``run`` may be on object storage (``s3://…``): the manifests and
+    the two hookpoints' files are downloaded into a temporary directory. Needs pyarrow."""
+    from .dump import _fetched, _run_subdirs, read_dump
+    from .stream import _object_url
+
+    request = _u64("request", request)
+    layer = _int("layer", layer, 0, _U32_MAX)
+    if head is not None:
+        head = _int("head", head, 0, _U32_MAX)
+    url = _object_url(run)
+    if url is not None:
+        with _fetched(url, []) as local:
+            meta = attention_metadata(local)
+        names = sorted({n for by_layer in meta.values() if layer in by_layer
+                        for k, n in by_layer[layer].get("hookpoints", {}).items() if k in ("q", "k")})
+        subdirs = [d for n in names for d in _run_subdirs(url, n)]
+        with _fetched(url, subdirs) as local:
+            try:
+                return attention_pattern(local, request, layer, head, allow_missing=allow_missing)
+            except RingscopeError as e:
+                raise RingscopeError(e.status, str(e.message).replace(str(local), url)) from e
+    root = _root(run)
+    meta = attention_metadata(root)
+    if not meta:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"{root} has no attention metadata (or no manifest yet: it is written when the session "
+                             "closes): capture sites attn_q and attn_k (ringscope.torch.attach(..., sites=[\"attn_q\", "
+                             "\"attn_k\"]), or the vLLM / SGLang plugin's sites)")
+    ranks = sorted(r for r, by_layer in meta.items() if layer in by_layer)
+    if not ranks:
+        have = sorted({i for by_layer in meta.values() for i in by_layer})
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"layer {layer} has no attention metadata in {root}: its attention sites were not "
+                             f"captured (layers with them: {have})")
+    entries = sorted(((meta[r][layer], r) for r in ranks), key=lambda er: er[0].get("q_head_offset", 0))
+    for e, r in entries:
+        hps = e.get("hookpoints", {})
+        lacking = [f"attn_{k}" for k in ("q", "k") if not hps.get(k)]
+        if lacking:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"layer {layer} of {root} was captured without {' and '.join(lacking)}: rebuilding "
+                                 "its attention needs both attn_q and attn_k")
+        if e.get("alibi_slopes") is not None:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"layer {layer} uses ALiBi, which attention_pattern does not rebuild")
+    total = int(entries[0][0].get("total_num_heads", sum(e["num_heads"] for e, _ in entries)))
+    if head is not None and head >= total:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"head {head} is out of range: layer {layer} has {total} query heads (0..{total - 1})")
+
+    dumps: Dict[str, dict] = {}
+    for e, _ in entries:
+        for k in ("q", "k"):
+            name = e["hookpoints"][k]
+            if name not in dumps:
+                dumps.update(read_dump(root, name))
+                if name not in dumps:
+                    raise RingscopeError("RS_ERR_IO", f"{name} holds no rows in {root}")
+
+    weights, heads, qpos_all, kpos_all, missing_all = [], [], None, None, np.zeros(0, dtype=np.int64)
+    for e, rank in entries:
+        nh, nkv, d = int(e["num_heads"]), int(e["num_kv_heads"]), int(e["head_dim"])
+        qpos, q = _rows(dumps, e["hookpoints"]["q"], rank, request, nh * d)
+        kpos, k = _rows(dumps, e["hookpoints"]["k"], rank, request, nkv * d)
+        if len(qpos) == 0:
+            ids = np.unique(dumps[e["hookpoints"]["q"]]["request_id"])
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"request {request} has no {e['hookpoints']['q']} rows"
+                                 f"{f' on rank {rank}' if len(entries) > 1 else ''} in {root} (requests there: "
+                                 f"{', '.join(map(str, ids[:8]))}{', ...' if len(ids) > 8 else ''})")
+        if qpos_all is not None and not np.array_equal(qpos, qpos_all):
+            raise RingscopeError("RS_ERR_IO",
+                                 f"the ranks of layer {layer} hold request {request}'s queries at different positions "
+                                 "(rows dropped on one rank): its heads cannot be put together")
+        window = e.get("sliding_window")
+        lo = np.maximum(qpos - int(window) + 1, 0) if window else np.zeros_like(qpos)
+        needed = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, qpos)]))
+        missing = np.setdiff1d(needed, kpos)
+        if len(missing) and not allow_missing:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"request {request}'s queries in layer {layer} see key positions with no "
+                                 f"{e['hookpoints']['k']} row: {_ranges(missing)} (taken from a prefix cache — see "
+                                 "read_events' 'cached' rows; serve without prefix caching to study attention —, not "
+                                 "selected or sampled, or dropped); allow_missing=True rebuilds over the captured keys "
+                                 "only")
+        if len(missing):
+            missing_all = np.union1d(missing_all, missing)
+        cols = needed  # key positions of the output, captured or not
+        have = np.isin(cols, kpos)
+        kmat = np.zeros((len(cols), nkv, d), dtype=np.float32)
+        kmat[have] = k[np.searchsorted(kpos, cols[have])].reshape(-1, nkv, d)
+        qmat = q.reshape(len(qpos), nh, d)
+        group = nh // nkv
+        # [nh, Nq, Nk]: query head h reads kv head h // group.
+        s = np.einsum("qhd,khd->hqk", qmat, np.repeat(kmat, group, axis=1), dtype=np.float32,
+                      optimize=True) * np.float32(e["scale"])
+        if e.get("softcap"):
+            c = np.float32(e["softcap"])
+            s = c * np.tanh(s / c)
+        visible = (cols[None, :] <= qpos[:, None]) & have[None, :]
+        if window:
+            visible &= cols[None, :] > qpos[:, None] - int(window)
+        s = np.where(visible[None], s, -np.inf)
+        m = s.max(axis=2, keepdims=True)
+        m = np.where(np.isfinite(m), m, np.float32(0))  # a query that sees no captured key: all weights NaN below
+        sinks = e.get("sinks")
+        if sinks is not None:
+            sink = np.asarray(sinks, dtype=np.float32).reshape(nh, 1, 1)
+            m = np.maximum(m, sink)
+        ex = np.exp(s - m)
+        denom = ex.sum(axis=2, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(sink - m)
+        w = ex / denom
+        if len(missing):
+            w[:, :, ~have] = np.nan
+            w = np.where(visible[None] | ~have[None, None, :], w, 0.0)
+        weights.append(w.astype(np.float32))
+        off = int(e.get("q_head_offset", 0))
+        heads += list(range(off, off + nh))
+        qpos_all, kpos_all = qpos, cols
+    out = np.concatenate(weights, axis=0)
+    if head is not None:
+        if head not in heads:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"head {head} of layer {layer} is on no rank of {root} (ranks hold heads "
+                                 f"{_ranges(np.array(sorted(heads)))})")
+        out = out[heads.index(head)]
+    return AttentionPattern(weights=out, query_positions=qpos_all, key_positions=kpos_all,
+                            heads=[head] if head is not None else heads, layer=layer, request=request,
+                            missing_key_positions=missing_all, exact=len(missing_all) == 0,
+                            metadata=entries[0][0])

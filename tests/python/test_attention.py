@@ -1,0 +1,295 @@
+"""Attention sites (issue 40): `attach`'s `attn_q` / `attn_k` / `attn_v` rows are the query and key after RoPE and the
+value each layer's attention receives, bit for bit; the run's manifest says how each layer attends; and
+`ringscope.attention_pattern` rebuilds from them the weights Hugging Face eager attention returns
+(`output_attentions=True`) within 1e-3 — GQA and MQA, a sliding window on some layers or all, q/k norms before RoPE,
+logit soft-capping — for several left-padded requests in one batch, and over a prefill plus decode steps. Bad input
+(a model whose attention is not supported, a layer or head or request that is not there, keys that were not captured)
+is a clear error. Random tiny models built from configs (no download), weights scaled up so that attention is far
+from uniform (a mask or head-mapping mistake would not hide in near-equal weights).
+
+Runnable as a script on a GPU too (`python tests/python/test_attention.py`): the same checks on the CUDA backend.
+Skipped when torch or transformers is missing, unless RINGSCOPE_REQUIRE_TORCH is set (.ci/run sets it).
+"""
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.torch
+
+if os.environ.get("RINGSCOPE_REQUIRE_TORCH"):
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+import ringscope
+import ringscope.torch as rt
+
+PAD = 0
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
+              pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.35)
+
+
+def model_of(kind, device="cpu"):
+    """A tiny random model of ``kind`` (eager attention, float32) and what its layers should say about themselves."""
+    torch.manual_seed(0)
+    if kind == "llama":  # GQA: 4 query heads over 2 KV heads
+        cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **COMMON)
+        windows = [None, None]
+    elif kind == "qwen2":  # MQA, layer 0 full, layer 1 a window of 4 keys
+        cfg = transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=1, use_sliding_window=True,
+                                       sliding_window=4, max_window_layers=1, **COMMON)
+        windows = [None, 4]
+    elif kind == "qwen3":  # q_norm / k_norm between the projections and RoPE
+        cfg = transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **COMMON)
+        windows = [None, None]
+    elif kind == "mistral":  # a window of 3 keys on every layer
+        cfg = transformers.MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=3, **COMMON)
+        windows = [3, 3]
+    elif kind == "gemma2":  # logits soft-capped, query_pre_attn_scalar, sliding layers alternating
+        cfg = transformers.Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                        attn_logit_softcapping=2.0, query_pre_attn_scalar=8, **COMMON)
+        windows = [4, None]
+    else:
+        raise ValueError(kind)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    return model.eval().to(device), windows
+
+
+def session_for(tmp_path, device, run="r"):
+    ring = {"backend": "cuda"} if device == "cuda" else {}
+    return ringscope.Session({"ring": ring, "policy": {"mode": "full"},
+                              "export": {"parquet": True, "dir": str(tmp_path), "run_id": run}})
+
+
+def batch(device, lengths=(9, 6, 11)):
+    """Left-padded prompts of ``lengths`` tokens (all longer than the windows above)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return prompts, ids, mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma2"])
+def test_rebuilt_patterns_equal_eager_attention_weights(tmp_path, device, kind):
+    model, windows = model_of(kind, device)
+    session = session_for(tmp_path, device)
+    att = rt.attach(model, session, sites=("attn_q", "attn_k", "attn_v"))
+    prompts, ids, mask = batch(device)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True, use_cache=False)
+    session.close()
+    run = tmp_path / "r"
+    meta = ringscope.attention_metadata(run)[0]
+    assert [meta[i]["sliding_window"] for i in range(2)] == windows
+    for i in range(2):
+        attn = model.model.layers[i].self_attn
+        assert meta[i]["scale"] == pytest.approx(attn.scaling)
+        assert (meta[i]["num_heads"], meta[i]["num_kv_heads"], meta[i]["head_dim"]) == \
+            (model.config.num_attention_heads, model.config.num_key_value_heads, attn.head_dim)
+        assert meta[i]["softcap"] == (2.0 if kind == "gemma2" else None)
+        assert meta[i]["hookpoints"] == {"q": f"layers.{i}.attn_q", "k": f"layers.{i}.attn_k",
+                                         "v": f"layers.{i}.attn_v"}
+    ids_of_rows = att.current_request_ids(len(prompts))
+    width = ids.shape[1]
+    for b, p in enumerate(prompts):
+        pad = width - len(p)
+        for i in range(2):
+            ref = out.attentions[i][b, :, pad:, pad:].float().cpu().numpy()
+            got = ringscope.attention_pattern(run, ids_of_rows[b], i)
+            assert got.exact and got.heads == [0, 1, 2, 3]
+            np.testing.assert_array_equal(got.query_positions, np.arange(len(p)))
+            np.testing.assert_array_equal(got.key_positions, np.arange(len(p)))
+            np.testing.assert_allclose(got.weights, ref, atol=1e-3, rtol=0)
+            # Far from uniform: a mistake in the mask or the head mapping would show.
+            assert ref.max() > 0.6, ref.max()
+            one = ringscope.attention_pattern(run, ids_of_rows[b], i, head=3)
+            np.testing.assert_array_equal(one.weights, got.weights[3])
+
+
+def test_rows_are_the_tensors_the_attention_function_receives(tmp_path, monkeypatch):
+    """q and k after RoPE, v as the model computed them: bit for bit what eager attention is called with."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    model, _ = model_of("qwen3")
+    seen = []
+    original = modeling_qwen3.eager_attention_forward
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((module.layer_idx, query.detach().clone(), key.detach().clone(), value.detach().clone()))
+        return original(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3, "eager_attention_forward", spy)
+    session = session_for(tmp_path, "cpu")
+    rt.attach(model, session, sites=("attn_q", "attn_k", "attn_v"), layers=[1])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    session.close()
+    dump = ringscope.read_dump(tmp_path / "r")
+    _, q, k, v = next(s for s in seen if s[0] == 1)  # [1, heads, seq, dim]
+    for name, ref in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+        rows = dump[f"layers.1.{name}"]["activation"]
+        want = ref[0].transpose(0, 1).reshape(ids.shape[1], -1).numpy()
+        np.testing.assert_array_equal(rows, want)
+    assert set(dump) == {"layers.1.attn_q", "layers.1.attn_k", "layers.1.attn_v"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefill_and_decode_steps_rebuild_the_whole_sequence(tmp_path, device):
+    """Keys gathered over steps (the prompt's prefill, then one token per decode step) give the weights a single
+    forward pass over the final sequence gives."""
+    model, _ = model_of("qwen2", device)
+    session = session_for(tmp_path, device)
+    att = rt.attach(model, session, sites=("attn_q", "attn_k"))
+    prompts, ids, mask = batch(device, (7, 5))
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                             pad_token_id=PAD)
+    rids = att.current_request_ids(2)
+    session.close()
+    att.detach()
+    fed = gen[:, :-1]  # the last generated token was never fed back
+    full_mask = torch.cat([mask, torch.ones_like(fed[:, mask.shape[1]:])], dim=1)
+    with torch.no_grad():
+        ref = model(fed, attention_mask=full_mask, output_attentions=True, use_cache=False).attentions
+    for b, p in enumerate(prompts):
+        pad = ids.shape[1] - len(p)
+        n = len(p) + 4
+        for i in range(2):
+            got = ringscope.attention_pattern(tmp_path / "r", rids[b], i)
+            np.testing.assert_array_equal(got.query_positions, np.arange(n))
+            np.testing.assert_allclose(got.weights, ref[i][b, :, pad:, pad:].float().cpu().numpy(), atol=1e-3, rtol=0)
+
+
+def test_a_compiled_static_cache_generate_captures_q_k_v_without_graph_breaks(tmp_path):
+    """`generate` with a static cache, its decode step compiled by inductor with fullgraph=True (a graph break would
+    fail it): the attention hooks are traced into the graph, and the rows rebuild the eager weights. (Llama: a static
+    cache of a sliding-window model recompiles as it fills, whatever is attached.)"""
+    from torch._dynamo.utils import counters
+
+    model, _ = model_of("llama")
+    session = session_for(tmp_path, "cpu")
+    att = rt.attach(model, session, sites=("attn_q", "attn_k", "attn_v"))
+    att.set_request_ids([41, 42])
+    prompt = torch.tensor([[5, 6, 7, 8, 9], [9, 10, 11, 12, 13]])
+    gc = transformers.GenerationConfig(
+        max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=PAD, cache_implementation="static",
+        compile_config=transformers.CompileConfig(fullgraph=True, backend="inductor", mode="default"))
+    gc.compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+    assert counters["stats"]["unique_graphs"] - graphs == 1 and not counters["graph_break"]
+    stats = session.close()
+    att.detach()
+    assert stats["dropped_rows"] == 0
+    with torch.no_grad():
+        ref = model(gen[:, :-1], output_attentions=True, use_cache=False).attentions
+    for b, rid in enumerate([41, 42]):
+        for i in range(2):
+            got = ringscope.attention_pattern(tmp_path / "r", rid, i)
+            np.testing.assert_array_equal(got.query_positions, np.arange(9))
+            np.testing.assert_allclose(got.weights, ref[i][b].float().numpy(), atol=1e-3, rtol=0)
+    v = ringscope.read_dump(tmp_path / "r", "layers.1.attn_v")["layers.1.attn_v"]
+    assert v["activation"].shape == (2 * 9, 2 * 16)  # 2 KV heads of 16
+
+
+def test_keys_not_captured_are_named_or_left_out_when_allowed(tmp_path):
+    """A step whose key rows were not captured: the rebuild names the positions; with allow_missing their columns
+    are NaN, every row sums to 1 over the captured keys, and the pattern says it is not exact."""
+    model, _ = model_of("llama")
+    session = session_for(tmp_path, "cpu")
+    att = rt.attach(model, session, sites=("attn_q", "attn_k"))
+    k0 = att.hookpoints["layers.0.attn_k"]
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        session.set_enabled(k0, False)  # the prefill's keys of layer 0 are not captured
+        out = model(ids, use_cache=True)
+        session.set_enabled(k0, True)
+        model(torch.tensor([[10]]), past_key_values=out.past_key_values, use_cache=True)
+    rid = att.current_request_ids(1)[0]
+    session.close()
+    with pytest.raises(ringscope.RingscopeError, match=r"key positions with no layers\.0\.attn_k row: 0\.\.4"):
+        ringscope.attention_pattern(tmp_path / "r", rid, 0)
+    got = ringscope.attention_pattern(tmp_path / "r", rid, 0, allow_missing=True)
+    assert not got.exact
+    np.testing.assert_array_equal(got.missing_key_positions, np.arange(5))
+    assert np.isnan(got.weights[:, :, :5]).all()
+    # Queries at 0..4 see only missing keys; the one at 5 sees itself: weight 1.
+    np.testing.assert_allclose(got.weights[:, 5, 5], 1.0)
+    assert ringscope.attention_pattern(tmp_path / "r", rid, 1).exact  # layer 1 lost nothing
+
+
+def test_bad_requests_are_clear_errors(tmp_path):
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ringscope.RingscopeError, match=r"attn_q, attn_k, attn_v are not supported for model type "
+                                                        r"'gpt2' \(supported: llama, qwen2, qwen3, mistral, gemma2\)"):
+        rt.attach(gpt2, session_for(tmp_path, "cpu", "g"), sites=("attn_q",))
+
+    model, _ = model_of("llama")
+    session = session_for(tmp_path, "cpu")
+    att = rt.attach(model, session, sites=("attn_q", "attn_k", "residual"), layers=[1])
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    rid = att.current_request_ids(1)[0]
+    session.close()
+    run = tmp_path / "r"
+    with pytest.raises(ringscope.RingscopeError, match=r"layer 0 has no attention metadata .* \(layers with them: \[1\]\)"):
+        ringscope.attention_pattern(run, rid, 0)
+    with pytest.raises(ringscope.RingscopeError, match=r"head 4 is out of range: layer 1 has 4 query heads \(0\.\.3\)"):
+        ringscope.attention_pattern(run, rid, 1, head=4)
+    with pytest.raises(ringscope.RingscopeError, match=rf"request {rid + 7} has no layers\.1\.attn_q rows .*requests "
+                                                        rf"there: {rid}\)"):
+        ringscope.attention_pattern(run, rid + 7, 1)
+    for bad in (-1, 1.5, "1", None):
+        with pytest.raises(ringscope.RingscopeError, match="request"):
+            ringscope.attention_pattern(run, bad, 1)
+    with pytest.raises(ringscope.RingscopeError, match="layer"):
+        ringscope.attention_pattern(run, rid, -1)
+    with pytest.raises(ringscope.RingscopeError, match="is not a run directory"):
+        ringscope.attention_pattern(tmp_path / "nope", rid, 1)
+
+    # A run without attention sites: no metadata to rebuild from.
+    plain = session_for(tmp_path, "cpu", "plain")
+    rt.attach(model, plain, sites=("residual",))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    plain.close()
+    with pytest.raises(ringscope.RingscopeError, match="has no attention metadata .*capture sites attn_q and attn_k"):
+        ringscope.attention_pattern(tmp_path / "plain", 0, 0)
+
+    # Only attn_q: the rebuild says what is lacking.
+    only_q = session_for(tmp_path, "cpu", "q")
+    rt.attach(model, only_q, sites=("attn_q",))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    only_q.close()
+    with pytest.raises(ringscope.RingscopeError, match="captured without attn_k: rebuilding its attention needs both"):
+        ringscope.attention_pattern(tmp_path / "q", 0, 0)
+
+
+def test_set_metadata_refuses_what_is_not_json(tmp_path):
+    session = session_for(tmp_path, "cpu")
+    for key, value, says in ((1, 1, "key must be a str"), ("k", object(), "is not JSON"),
+                             ("k", float("nan"), "is not JSON"), ("a b", 1, "A-Z a-z 0-9"), ("k\0", 1, "NUL")):
+        with pytest.raises(ringscope.RingscopeError, match=says):
+            session.set_metadata(key, value)
+    session.set_metadata("k", {"a": [1, 2.5, None, "x"]})
+    session.close()
+    with pytest.raises(ringscope.ClosedError):
+        session.set_metadata("k", 1)
+    import json
+    manifest = json.loads((tmp_path / "r" / "_ringscope_run.json").read_text())
+    assert manifest["metadata"] == {"k": {"a": [1, 2.5, None, "x"]}}
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
