@@ -47,10 +47,11 @@ def build_model(layers):
 class Decoder:
     """A decode step recorded as a CUDA graph over a StaticCache, with static inputs updated between replays."""
 
-    def __init__(self, model, batch, max_len, before_record=None, after_record=None, record=True):
+    def __init__(self, model, batch, max_len, before_record=None, after_record=None, record=True,
+                 advance_warmup=False):
         self.model, self.batch = model, batch
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
+        ids = self.prompt_ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
         with torch.no_grad():
             model(input_ids=ids, past_key_values=self.cache, cache_position=torch.arange(PROMPT, device=DEV),
                   use_cache=True)
@@ -63,6 +64,10 @@ class Decoder:
         with torch.cuda.stream(s), torch.no_grad():
             for _ in range(3):
                 self._forward()
+                if advance_warmup:
+                    # Each warm-up step at the next position: HF's StaticCache writes every call at its own next
+                    # slot (a device counter), so positions that repeat would disagree with the cache.
+                    self.advance()
         torch.cuda.current_stream().wait_stream(s)
         if not record:
             return

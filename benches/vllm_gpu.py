@@ -7,6 +7,8 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
                                                   # and full engines interleaved, three of each
     python benches/vllm_gpu.py host OUT_DIR       # the plugin's host time per forward pass, full and best-effort
     python benches/vllm_gpu.py parts OUT_DIR      # the same, split into its parts (no prefill phase)
+    python benches/vllm_gpu.py attention OUT_DIR  # attn_q/k/v: rebuilt patterns against Hugging Face (f32), then
+                                                  # q/k/v of 4 layers against plain vLLM, interleaved
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -113,7 +115,10 @@ def engine_facts(llm) -> dict:
 
 # -- correctness -------------------------------------------------------------------------------------------------
 
-def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False) -> None:
+ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
+
+
+def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
@@ -121,6 +126,7 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     make_checkpoint(model_dir, family)
     result["dtype"] = dtype
     result["mode"] = "full" if full else "best_effort"
+    result["attention"] = attn
     # Full mode: every forward pass admitted, and no row lost. The run's rows (~21.5k hookpoint rows of 512 B, ~11 MB)
     # pass through a 1 MiB ring (a pass is at most 12 hookpoints x 64 rows, ~0.4 MB): the ring laps about ten times
     # and passes wait for the exporter to make room.
@@ -137,7 +143,7 @@ run_id = "run"
 {policy}[ring]
 capacity = "{ring}"
 [vllm]
-sites = ["residual", "attention_output", "mlp_output"]
+sites = {ATTN_SITES if attn else '["residual", "attention_output", "mlp_output"]'}
 layers = "all"
 """)
     register_plugin()
@@ -259,6 +265,81 @@ def check_correct(out: str, result: dict) -> dict:
             "ok": not bad}
 
 
+def check_attention(out: str, result: dict) -> dict:
+    """The attention sites' run ("correct-*-attn"): ``ringscope.attention_pattern`` of every request and layer
+    against Hugging Face eager attention (float32, CPU) over the same tokens — from the request's first computed
+    position (a prefix-cache hit's positions have no query), the cached key positions named and their columns left
+    out (``allow_missing``) — and every ``attn_v`` row against Hugging Face's ``v_proj`` output."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import ringscope
+
+    run = result["run_dir"]
+    by_ext = {}
+    for line in open(os.path.join(run, "_ringscope_vllm", "requests.jsonl")):
+        x = json.loads(line)
+        by_ext[x["external_request_id"]] = x
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    meta = ringscope.attention_metadata(run)
+    layers = len(model.model.layers)
+    vs = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.v_proj.register_forward_hook(
+            lambda mod, a, o, i=i: vs.__setitem__(i, o[0].detach().float().numpy().copy()))
+    dump = ringscope.read_dump(run)
+    worst_exact = worst_cached = worst_v = 0.0
+    bad, exact_n, cached_n = [], 0, 0
+    for k, r in enumerate(result["requests"]):
+        rid = by_ext[r["request_id"]]["request_id"]
+        seq = r["prompt"] + r["tokens"][:-1]
+        c = r["cached"]
+        with torch.no_grad():
+            ref = model(torch.tensor([seq]), output_attentions=True).attentions
+        for i in range(layers):
+            want = ref[i][0].float().numpy()[:, c:, :]
+            try:
+                got = ringscope.attention_pattern(run, rid, i, allow_missing=bool(c))
+            except ringscope.RingscopeError as e:
+                bad.append(f"request {k} layer {i}: {e}")
+                continue
+            if list(got.query_positions) != list(range(c, len(seq))):
+                bad.append(f"request {k} layer {i}: query positions {got.query_positions[:4]}... not {c}..")
+                continue
+            if c:
+                # Keys 0..c-1 were never computed for this request: named, and the rebuild over the rest is a
+                # softmax over fewer keys — compare it with eager's weights renormalised over the same keys.
+                if list(got.missing_key_positions) != list(range(c)):
+                    bad.append(f"request {k} layer {i}: missing keys {got.missing_key_positions[:4]}... not 0..{c - 1}")
+                sub = want[:, :, c:]
+                sub = sub / sub.sum(axis=2, keepdims=True)
+                worst_cached = max(worst_cached, float(np.abs(got.weights[:, :, c:] - sub).max()))
+                cached_n += 1
+            else:
+                err = float(np.abs(got.weights - want).max())
+                worst_exact = max(worst_exact, err)
+                exact_n += 1
+                if err > 1e-3:
+                    bad.append(f"request {k} layer {i}: attention weights differ by {err:.3g}")
+            cols = dump[f"layers.{i}.attn_v"]
+            sel = cols["request_id"].astype(np.uint64) == np.uint64(rid)
+            v = np.asarray(cols["activation"][sel][np.argsort(cols["position"][sel])], dtype=np.float32)
+            b = vs[i][c:]
+            worst_v = max(worst_v, float((np.linalg.norm(v - b, axis=1) / np.linalg.norm(b, axis=1)).max()))
+    summary = json.load(open(os.path.join(run, "_ringscope_vllm", "summary.json")))
+    s = summary["session"]
+    if s["dropped_rows"]:
+        bad.append(f"{s['dropped_rows']} rows dropped")
+    if not cached_n:
+        bad.append("no prefix-cache hit: the scenario does not test missing keys")
+    return {"requests_layers_exact": exact_n, "requests_layers_cached": cached_n,
+            "worst_abs_diff_exact": worst_exact, "worst_abs_diff_cached_renormalised": worst_cached,
+            "worst_relative_v": worst_v, "metadata_rank0": meta.get(0, {}).get(0), "session": s,
+            "problems": bad, "ok": not bad}
+
+
 # -- cost --------------------------------------------------------------------------------------------------------
 
 BENCH_CONFIGS = {
@@ -269,6 +350,8 @@ BENCH_CONFIGS = {
     # of residuals waits for the drain instead of being degraded.
     "full_resid": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
+    # Issue 40: the query and key after RoPE and the value of 4 of the 16 layers.
+    "attn4": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n',
     "probes16": None,  # written by bench_config (weights files)
     "eager_hooks": None,
 }
@@ -278,7 +361,7 @@ def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
     if kind == "full_resid":
         head = head.replace("[ring]", "threads = 8\n[ring]")
-    if kind in ("resid", "full_resid", "resid_attn_mlp"):
+    if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4"):
         return head + BENCH_CONFIGS[kind]
     if kind == "probes16":
         import numpy as np
@@ -452,7 +535,7 @@ def child(out: str, what: str) -> None:
         if what.startswith("correct-"):
             parts = what.split("#")[0].split("-")
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
-                        full=len(parts) > 3 and parts[3] == "full")
+                        full=len(parts) > 3 and parts[3] == "full", attn=len(parts) > 3 and parts[3] == "attn")
         else:
             run_bench(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
     except Exception as e:
@@ -505,7 +588,10 @@ def main(cmd: str, root: str) -> None:
     todo = {"all": correct[:1] + bench[:5] + correct[1:2] + bench[5:] + correct[2:], "correct": correct,
             "bench": bench, "full": full, "host": host, "fullcorrect": full[:1],
             # The same, with the plugin's host time split into its parts and no prefill phase (BENCH_HOST_PARTS=1).
-            "parts": ["bench-full_resid#5", "bench-resid#5"]}[cmd]
+            "parts": ["bench-full_resid#5", "bench-resid#5"],
+            # Issue 40: attention sites against Hugging Face (f32), then their cost with plain recordings around.
+            "attention": ["correct-llama-f32-attn", "bench-plain#1", "bench-attn4#1", "bench-plain#2",
+                          "bench-attn4#2", "bench-plain#3"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
@@ -514,7 +600,7 @@ def main(cmd: str, root: str) -> None:
         res = run_child(root, what)
         if what.startswith("correct-") and not res.get("error"):
             try:
-                res["check"] = check_correct(res["out"], res)
+                res["check"] = (check_attention if res.get("attention") else check_correct)(res["out"], res)
             except Exception as e:
                 res["check"] = {"ok": False, "problems": [f"{type(e).__name__}: {e}"],
                                 "traceback": traceback.format_exc()}

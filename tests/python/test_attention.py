@@ -290,6 +290,22 @@ def test_set_metadata_refuses_what_is_not_json(tmp_path):
     assert manifest["metadata"] == {"k": {"a": [1, 2.5, None, "x"]}}
 
 
+
+def test_the_example_draws_a_head_that_equals_eager_attention(tmp_path, capsys):
+    """examples/attention_pattern.py, as the README runs it: the drawn pattern is the eager one."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "attention_pattern.py"
+    spec = importlib.util.spec_from_file_location("attention_pattern_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--out", str(tmp_path), "--layer", "1", "--head", "2"]) < 1e-6
+    text = capsys.readouterr().out
+    assert "layer 1, head 2 of request 0" in text and "largest difference" in text
+    assert text.count("|") >= 2 * 16  # one drawn row per query
+
+
 if __name__ == "__main__":
     import sys
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

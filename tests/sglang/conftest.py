@@ -14,7 +14,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from engine_reference import assert_rows_match, mixed_step, reference  # noqa: E402,F401
+from engine_reference import assert_rows_match, hf_model, mixed_step, reference  # noqa: E402,F401
 #: "cpu", or "cuda" (tests/sglang/run_cuda.sh): the engine's device; see engine.py.
 DEVICE = os.environ.get("RINGSCOPE_SGLANG_TEST_DEVICE", "cpu")
 #: On CUDA the plugin records its steps into SGLang's CUDA graphs: best-effort mode (full mode is refused there).

@@ -47,7 +47,9 @@ def _weights(tmp_path_factory, w) -> str:
 @pytest.fixture(scope="module")
 def main(engines, tmp_path_factory):
     w = np.random.default_rng(3).standard_normal((1, 64))
-    return engines("main", "main", extra=PROBE.format(weights=_weights(tmp_path_factory, w)))
+    # The attention sites too (test_attention_rebuilds_hf_eager_and_names_the_keys_of_a_cached_prefix).
+    config = CONFIG.replace('"mlp_output"]', '"mlp_output", "attn_q", "attn_k", "attn_v"]')
+    return engines("main", "main", config=config, extra=PROBE.format(weights=_weights(tmp_path_factory, w)))
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +72,59 @@ def test_rows_equal_the_reference_with_mixed_prefill_and_decode_batches(main):
     assert rid[1] == 7 and None not in rid, rid
     cached = [r["cached_tokens"] for r in reqs]
     dump = ringscope.read_dump(main["run_dir"])
-    assert sorted(dump) == sorted(f"layers.{i}.{s}" for i in range(2) for s in ("resid", "attn_out", "mlp_out"))
+    assert sorted(dump) == sorted(f"layers.{i}.{s}" for i in range(2)
+                                  for s in ("resid", "attn_out", "mlp_out", "attn_q", "attn_k", "attn_v"))
+    dump = {k: v for k, v in dump.items() if not k.endswith(("attn_q", "attn_k", "attn_v"))}
     check_rows(main, dump, rid, cached)
     lens = {rid[k]: len(r["prompt"]) for k, r in enumerate(reqs)}
     assert mixed_step(dump, lens), "no forward pass mixed a prefill and a decode: the scenario does not test batching"
+
+
+def test_attention_rebuilds_hf_eager_and_names_the_keys_of_a_cached_prefix(main):
+    """attn_q / attn_k / attn_v from SGLang's RadixAttention inputs: the manifest says how SGLang ran each layer; a
+    request computed from position 0 rebuilds the weights of Hugging Face eager attention on the same checkpoint; one
+    whose prefix came from the radix cache names the key positions no pass of it computed."""
+    import torch
+
+    import ringscope
+    from conftest import TOLERANCE, hf_model
+
+    reqs = main["requests"]
+    rid = request_ids(main)
+    run = main["run_dir"]
+    meta = ringscope.attention_metadata(run)[0]
+    for i in (0, 1):
+        assert (meta[i]["num_heads"], meta[i]["num_kv_heads"], meta[i]["head_dim"]) == (4, 2, 16)
+        assert meta[i]["scale"] == pytest.approx(16 ** -0.5) and meta[i]["sliding_window"] is None
+    model = hf_model(pathlib.Path(main["out"]) / "model")
+    dump = ringscope.read_dump(run, "layers.1.attn_v")["layers.1.attn_v"]
+    checked = cached_seen = 0
+    for k, r in enumerate(reqs):
+        seq = r["prompt"] + r["tokens"][:-1]
+        if r["cached_tokens"]:
+            c = r["cached_tokens"]
+            with pytest.raises(ringscope.RingscopeError, match=rf"key positions with no layers\.0\.attn_k row: 0\.\.{c - 1} "):
+                ringscope.attention_pattern(run, rid[k], 0)
+            got = ringscope.attention_pattern(run, rid[k], 0, allow_missing=True)
+            np.testing.assert_array_equal(got.missing_key_positions, np.arange(c))
+            cached_seen += 1
+            continue
+        vs = {}
+        h = model.model.layers[1].self_attn.v_proj.register_forward_hook(
+            lambda mod, a, out: vs.__setitem__("v", out[0].detach().numpy().copy()))
+        with torch.no_grad():
+            ref = model(torch.tensor([seq]), output_attentions=True).attentions
+        h.remove()
+        for i in (0, 1):
+            got = ringscope.attention_pattern(run, rid[k], i)
+            np.testing.assert_array_equal(got.query_positions, np.arange(len(seq)))
+            np.testing.assert_allclose(got.weights, ref[i][0].numpy(), atol=1e-3 if TOLERANCE < 1e-3 else 5e-3,
+                                       rtol=0)
+        rows = dump["request_id"] == rid[k]
+        v = dump["activation"][rows][np.argsort(dump["position"][rows])]
+        np.testing.assert_allclose(v, vs["v"], rtol=TOLERANCE, atol=TOLERANCE)
+        checked += 1
+    assert checked >= 3 and cached_seen >= 1, (checked, cached_seen)
 
 
 def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main):

@@ -2,7 +2,7 @@
 ``<out>/result.json``: the requests' prompts and generated tokens, and — when the ringscope plugin is active in this
 process — its counters, the session's totals. Run by the tests in a subprocess per engine (a vLLM engine per process), so that each test module starts
 one engine. Usage: python engine.py OUT_DIR MODE SCENARIO (MODE: eager | compiled; SCENARIO: see REQUESTS, or
-"multiprocess", or "tp": two tensor-parallel ranks, each in a worker process of its own)."""
+"attention" (the "all" requests on a model whose attention is far from uniform), "multiprocess", or "tp": two tensor-parallel ranks, each in a worker process of its own)."""
 
 import json
 import os
@@ -32,16 +32,17 @@ REQUESTS = {
 }
 
 
-def make_model(path: str) -> None:
+def make_model(path: str, initializer_range: float = 0.02) -> None:
     """A tiny random Llama checkpoint (seeded: every engine of the tests loads the same weights), saved as
-    safetensors: the engine loads it, and the tests' reference loads the same file into Hugging Face's model."""
+    safetensors: the engine loads it, and the tests' reference loads the same file into Hugging Face's model.
+    ``initializer_range``: larger weights make attention far from uniform (the "attention" scenario)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      architectures=["LlamaForCausalLM"])
+                      architectures=["LlamaForCausalLM"], initializer_range=initializer_range)
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
@@ -62,7 +63,7 @@ def run(out, mode, scenario, result):
     from vllm import LLM, SamplingParams
 
     model_dir = os.path.join(out, "model")
-    make_model(model_dir)
+    make_model(model_dir, 0.3 if scenario == "attention" else 0.02)
     if TP:
         return run_tp(model_dir, mode, result)
     if scenario == "prefix":
@@ -85,7 +86,7 @@ def run(out, mode, scenario, result):
     result["additional_config"] = dict(runner.vllm_config.additional_config) \
         if isinstance(runner.vllm_config.additional_config, dict) else None
 
-    reqs = REQUESTS["opt_in" if scenario == "opt_in" else "all"]
+    reqs = REQUESTS["opt_in" if scenario == "opt_in" else "all"]  # "attention" too: the "all" requests
     prompts = [{"prompt_token_ids": [(7 * k + 3 * i) % 500 + 1 for i in range(n)]} for k, (n, _, _) in enumerate(reqs)]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, extra_args=x) for _, m, x in reqs]
     outs = llm.generate(prompts, params, use_tqdm=False)

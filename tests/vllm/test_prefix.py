@@ -9,7 +9,7 @@ import pytest
 
 from conftest import CONFIG, assert_rows_match, reference, request_ids
 
-PREFIX_CONFIG = CONFIG + """
+PREFIX_CONFIG = CONFIG.replace('"mlp_output"]', '"mlp_output", "attn_q", "attn_k"]') + """
 [[probes]]
 name = "p"
 hookpoint = "layers.1.resid"
@@ -43,6 +43,8 @@ def test_cached_rows_are_counted_never_captured_and_the_rest_is_exact(prefix):
     seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
     ref = reference(pathlib.Path(prefix["out"]) / "model", seqs)
     for name, cols in dump.items():
+        if name.endswith(("attn_q", "attn_k")):
+            continue  # test_attention_of_a_cached_prefix_names_the_keys_not_computed
         req, pos, act = cols["request_id"], cols["position"], cols["activation"]
         for k, r in enumerate(reqs):
             rows = req == rid[k]
@@ -58,3 +60,34 @@ def test_cached_rows_are_counted_never_captured_and_the_rest_is_exact(prefix):
         cov = prefix["coverage"][r["vllm_request_id"]]
         assert cov["cached"] == cached[k], (k, cov)
         assert cov["scored"] == cov["expected"] == len(seqs[k]) - cached[k], (k, cov)
+
+
+def test_attention_of_a_cached_prefix_names_the_keys_not_computed(prefix):
+    """The queries of a request whose first 64 tokens came from the prefix cache see keys no pass of it computed: the
+    rebuild names them (or, allowed, leaves their columns NaN); a request without a cache hit rebuilds exactly what
+    Hugging Face eager attention gives."""
+    import torch
+
+    import ringscope
+    from conftest import hf_model
+
+    reqs = prefix["requests"]
+    rid = request_ids(prefix)
+    run = prefix["run_dir"]
+    with pytest.raises(ringscope.RingscopeError, match=r"see key positions with no layers\.1\.attn_k row: 0\.\.63 "
+                                                        r"\(taken from a prefix cache"):
+        ringscope.attention_pattern(run, rid[1], 1)
+    got = ringscope.attention_pattern(run, rid[1], 1, allow_missing=True)
+    n = len(reqs[1]["prompt"]) + len(reqs[1]["tokens"]) - 1
+    assert not got.exact
+    np.testing.assert_array_equal(got.missing_key_positions, np.arange(64))
+    np.testing.assert_array_equal(got.query_positions, np.arange(64, n))
+    assert np.isnan(got.weights[:, :, :64]).all()
+    np.testing.assert_allclose(got.weights[:, :, 64:].sum(axis=2), 1.0, atol=1e-5)
+
+    seq = reqs[0]["prompt"] + reqs[0]["tokens"][:-1]
+    with torch.no_grad():
+        ref = hf_model(pathlib.Path(prefix["out"]) / "model")(torch.tensor([seq]), output_attentions=True).attentions
+    for i in (0, 1):
+        exact = ringscope.attention_pattern(run, rid[0], i)
+        np.testing.assert_allclose(exact.weights, ref[i][0].numpy(), atol=1e-3, rtol=0)

@@ -28,8 +28,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 #: Sites an engine plugin captures, and the hookpoint name suffix of each (as :func:`ringscope.torch.attach` names
-#: them: ``layers.{i}.resid``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``).
-SITES = {"residual": "resid", "attention_output": "attn_out", "mlp_output": "mlp_out"}
+#: them: ``layers.{i}.resid``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``, ``layers.{i}.attn_q`` ...).
+SITES = {"residual": "resid", "attention_output": "attn_out", "mlp_output": "mlp_out",
+         "attn_q": "attn_q", "attn_k": "attn_k", "attn_v": "attn_v"}
+#: The attention sites (query and key after RoPE, value; rows of heads × head_dim): ``{ custom = "attn_q" }`` ...
+ATTN_SITES = ("attn_q", "attn_k", "attn_v")
 _TABLE_KEYS = {"sites", "layers", "requests"}
 
 _CAPTURES: "weakref.WeakValueDictionary[int, EngineCapture]" = weakref.WeakValueDictionary()
@@ -243,7 +246,7 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
 
 
 def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
-                   max_rows: int = 0, full_on_cuda: bool = False) -> dict:
+                   max_rows: int = 0, full_on_cuda: bool = False, widths: Optional[Dict[str, int]] = None) -> dict:
     """The session's configuration: the user's, with the planned hookpoints declared (the user's entries for the
     same names are kept after checking their dtype and width). ``cuda``: the model is on a CUDA device, where the
     capture ops are recorded into the engine's CUDA graphs (steps begun on the device, :meth:`Session.begin_step_graph`):
@@ -252,7 +255,8 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
     :meth:`Session.admit_graph_step`), with ``policy.on_deadline`` defaulting to ``"degrade"`` there (a pass that found
     no room in time has its captures dropped on the device and counted as ``deadline``; the engine is never stopped);
     other values are refused. ``ring.max_batch_rows`` defaults to ``max_rows`` (the most token rows of one forward
-    pass), and a smaller value is refused (a larger pass would switch capture off)."""
+    pass), and a smaller value is refused (a larger pass would switch capture off). Rows are ``hidden`` wide unless
+    ``widths`` says otherwise for a hookpoint (the attention sites: heads × head_dim)."""
     cfg = json.loads(json.dumps(pc.session_config))  # deep copy
     if cuda:
         ring = cfg.setdefault("ring", {})
@@ -282,14 +286,16 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
     declared = {h.get("name"): h for h in cfg.get("hookpoints", []) if isinstance(h, dict)}
     for name, site, i in planned:
         h = declared.get(name)
-        entry = {"name": name, "site": site, "layer": i, "dtype": dt, "row_width": hidden}
+        width = (widths or {}).get(name, hidden)
+        entry = {"name": name, "site": {"custom": site} if site in ATTN_SITES else site, "layer": i, "dtype": dt,
+                 "row_width": width}
         if h is None:
             cfg.setdefault("hookpoints", []).append(entry)
             continue
         if any(h.get(k) not in (None, entry[k]) for k in ("dtype", "row_width")):
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"{pc.source}: hookpoint {name!r} is configured with {h.get('dtype')} rows of "
-                                 f"{h.get('row_width')} elements, but the model's are {dt} rows of {hidden}")
+                                 f"{h.get('row_width')} elements, but the model's are {dt} rows of {width}")
         # The user's entry (enabled = false, a sampling rule, ...) with what the model says filled in.
         for k, v in entry.items():
             h.setdefault(k, v)

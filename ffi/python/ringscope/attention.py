@@ -56,6 +56,20 @@ class AttentionPattern:
     metadata: dict = field(default_factory=dict)
 
 
+def _json_safe(value):
+    """``value`` (a config entry) as plain JSON values: numbers, strings, booleans, None, lists and dicts (keys as
+    strings); NaN and infinities as None; anything else as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    return str(value)
+
+
 def _manifests(root: pathlib.Path) -> Dict[int, dict]:
     """The run's manifests by rank (``_ringscope_run.json``, ``_ringscope_run.rank=R.json``)."""
     out = {}
@@ -105,7 +119,8 @@ def attention_metadata(run: "str | os.PathLike") -> Dict[int, dict]:
 
 def _ranges(positions: np.ndarray) -> str:
     """Sorted positions as ``a..b`` ranges (``b`` included), the first few."""
-    parts, i = [], 0
+    parts: List[str] = []
+    i = 0
     while i < len(positions) and len(parts) < 8:
         j = i
         while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
@@ -172,8 +187,8 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         with _fetched(url, subdirs) as local:
             try:
                 return attention_pattern(local, request, layer, head, allow_missing=allow_missing)
-            except RingscopeError as e:
-                raise RingscopeError(e.status, str(e.message).replace(str(local), url)) from e
+            except RingscopeError as err:
+                raise RingscopeError(err.status, str(err.message).replace(str(local), url)) from err
     root = _root(run)
     meta = attention_metadata(root)
     if not meta:
@@ -183,19 +198,19 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
                              "\"attn_k\"]), or the vLLM / SGLang plugin's sites)")
     ranks = sorted(r for r, by_layer in meta.items() if layer in by_layer)
     if not ranks:
-        have = sorted({i for by_layer in meta.values() for i in by_layer})
+        layers_with = sorted({i for by_layer in meta.values() for i in by_layer})
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"layer {layer} has no attention metadata in {root}: its attention sites were not "
-                             f"captured (layers with them: {have})")
+                             f"captured (layers with them: {layers_with})")
     entries = sorted(((meta[r][layer], r) for r in ranks), key=lambda er: er[0].get("q_head_offset", 0))
-    for e, r in entries:
-        hps = e.get("hookpoints", {})
+    for entry, _ in entries:
+        hps = entry.get("hookpoints", {})
         lacking = [f"attn_{k}" for k in ("q", "k") if not hps.get(k)]
         if lacking:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"layer {layer} of {root} was captured without {' and '.join(lacking)}: rebuilding "
                                  "its attention needs both attn_q and attn_k")
-        if e.get("alibi_slopes") is not None:
+        if entry.get("alibi_slopes") is not None:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"layer {layer} uses ALiBi, which attention_pattern does not rebuild")
     total = int(entries[0][0].get("total_num_heads", sum(e["num_heads"] for e, _ in entries)))
@@ -204,15 +219,19 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
                              f"head {head} is out of range: layer {layer} has {total} query heads (0..{total - 1})")
 
     dumps: Dict[str, dict] = {}
-    for e, _ in entries:
+    for entry, _ in entries:
         for k in ("q", "k"):
-            name = e["hookpoints"][k]
+            name = entry["hookpoints"][k]
             if name not in dumps:
                 dumps.update(read_dump(root, name))
                 if name not in dumps:
                     raise RingscopeError("RS_ERR_IO", f"{name} holds no rows in {root}")
 
-    weights, heads, qpos_all, kpos_all, missing_all = [], [], None, None, np.zeros(0, dtype=np.int64)
+    weights: List[np.ndarray] = []
+    heads: List[int] = []
+    qpos_all: Optional[np.ndarray] = None
+    kpos_all: Optional[np.ndarray] = None
+    missing_all = np.zeros(0, dtype=np.int64)
     for e, rank in entries:
         nh, nkv, d = int(e["num_heads"]), int(e["num_kv_heads"]), int(e["head_dim"])
         qpos, q = _rows(dumps, e["hookpoints"]["q"], rank, request, nh * d)
@@ -256,17 +275,18 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         if window:
             visible &= cols[None, :] > qpos[:, None] - int(window)
         s = np.where(visible[None], s, -np.inf)
-        m = s.max(axis=2, keepdims=True)
-        m = np.where(np.isfinite(m), m, np.float32(0))  # a query that sees no captured key: all weights NaN below
-        sinks = e.get("sinks")
-        if sinks is not None:
-            sink = np.asarray(sinks, dtype=np.float32).reshape(nh, 1, 1)
-            m = np.maximum(m, sink)
-        ex = np.exp(s - m)
-        denom = ex.sum(axis=2, keepdims=True)
-        if sinks is not None:
-            denom = denom + np.exp(sink - m)
-        w = ex / denom
+        with np.errstate(invalid="ignore", divide="ignore"):  # queries that see no captured key: NaN rows
+            m = s.max(axis=2, keepdims=True)
+            m = np.where(np.isfinite(m), m, np.float32(0))  # a query that sees no captured key: all weights NaN below
+            sinks = e.get("sinks")
+            if sinks is not None:
+                sink = np.asarray(sinks, dtype=np.float32).reshape(nh, 1, 1)
+                m = np.maximum(m, sink)
+            ex = np.exp(s - m)
+            denom = ex.sum(axis=2, keepdims=True)
+            if sinks is not None:
+                denom = denom + np.exp(sink - m)
+            w = ex / denom
         if len(missing):
             w[:, :, ~have] = np.nan
             w = np.where(visible[None] | ~have[None, None, :], w, 0.0)
@@ -274,6 +294,7 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         off = int(e.get("q_head_offset", 0))
         heads += list(range(off, off + nh))
         qpos_all, kpos_all = qpos, cols
+    assert qpos_all is not None and kpos_all is not None  # entries is not empty
     out = np.concatenate(weights, axis=0)
     if head is not None:
         if head not in heads:

@@ -10,7 +10,7 @@ table::
     dir = "ringscope-out"
 
     [sglang]
-    sites = ["residual"]          # residual | attention_output | mlp_output
+    sites = ["residual"]          # residual | attention_output | mlp_output | attn_q | attn_k | attn_v
     layers = "all"                # or a list of decoder layer indices
     requests = "all"              # or "opt_in": only requests with sampling_params
                                   #   {"custom_params": {"ringscope": True}}
@@ -84,7 +84,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 from .errors import RingscopeError
 from . import _engine
@@ -362,6 +362,47 @@ def _default_run_id() -> str:
     return time.strftime("sglang-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
 
 
+
+def _attention_entry(model, layer, index: int) -> dict:
+    """The attention metadata of decoder layer ``index`` as SGLang runs it (see :func:`ringscope.attention_metadata`),
+    or a RingscopeError naming why its attention cannot be captured for an exact rebuild: SGLang's ``RadixAttention``
+    of a causal decoder with keys and values of one head size. SGLang's window counts the keys before the query
+    (``sliding_window_size = W - 1``); the metadata says keys seen, itself included (W)."""
+    self_attn = getattr(layer, "self_attn", None)
+    attn: Any = getattr(self_attn, "attn", None)
+    why = None
+    if attn is None or type(attn).__name__ != "RadixAttention":
+        why = f"uses {type(attn).__name__}, not SGLang's RadixAttention"
+    elif getattr(attn, "is_cross_attention", False):
+        why = "is cross-attention"
+    elif "decoder" not in str(getattr(attn, "attn_type", "decoder")).lower():
+        why = f"is {attn.attn_type} attention, not a causal decoder's"
+    elif getattr(attn, "v_head_dim", attn.head_dim) not in (attn.head_dim, -1):
+        why = "has values of another head size than its keys"
+    elif getattr(attn, "use_irope", False):
+        why = "uses chunked local attention (iRoPE)"
+    if why is not None:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.sglang: sites {', '.join(_engine.ATTN_SITES)}: layer {index} of "
+                             f"{type(model).__name__} {why}, which the attention sites do not capture")
+    from .attention import _json_safe
+
+    cfg = model.config
+    heads, kv_heads = int(attn.tp_q_head_num), int(attn.tp_k_head_num)
+    window = int(getattr(attn, "sliding_window_size", -1) or -1)
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
+                                                     "rope_scaling": getattr(cfg, "rope_scaling", None)}
+    return {
+        "layer": index, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": int(attn.head_dim),
+        "q_head_offset": 0, "kv_head_offset": 0, "total_num_heads": heads, "total_num_kv_heads": kv_heads,
+        "scale": float(attn.scaling), "causal": True, "sliding_window": window + 1 if window >= 0 else None,
+        "softcap": float(attn.logit_cap) if getattr(attn, "logit_cap", 0) else None, "sinks": None,
+        "alibi_slopes": None, "rope": _json_safe(rope),
+        "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
+        "module": f"{type(self_attn).__name__}.attn (RadixAttention)",
+    }
+
+
 class SglangCapture(EngineCapture):
     """What the plugin installed into one SGLang model runner: the session, the hookpoints, the hooks, the
     counters."""
@@ -414,6 +455,10 @@ class SglangCapture(EngineCapture):
         # Captured requests, for the probes' reports at close: ringscope id -> SGLang rid (bounded, oldest dropped).
         self._captured: Dict[int, str] = {}
         planned = _engine.planned_hookpoints(chosen, pc.sites)
+        attention = {i: _attention_entry(model, layers[i], i) for i in chosen} \
+            if any(s in _engine.ATTN_SITES for s in pc.sites) else {}
+        widths = {name: (attention[i]["num_heads"] if site == "attn_q" else attention[i]["num_kv_heads"])
+                  * attention[i]["head_dim"] for name, site, i in planned if site in _engine.ATTN_SITES}
         cuda = next(model.parameters()).device.type == "cuda"
         sa = runner.server_args
         # The most token rows of one forward pass (a prefill chunk with decodes beside it), and then some.
@@ -432,12 +477,22 @@ class SglangCapture(EngineCapture):
                                      f"{pc.source}: sglang.requests = \"opt_in\" is not supported on CUDA yet: there "
                                      "the rows of requests not captured would be exported as rows of no request "
                                      "(unattributed, but in the files); use \"all\", or serve on CPU")
-        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_rows if cuda else 0)
+        cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_rows if cuda else 0,
+                                      widths=widths)
         export = cfg.setdefault("export", {})
         if export.get("parquet") or export.get("arrow_ipc"):
             export.setdefault("run_id", _default_run_id())
         super().__init__(pc, cfg, planned, 0, SIDE_DIR, logger, cuda=cuda)
         _LIVE.append(self)
+        if attention:
+            for name, site, i in planned:
+                if site in _engine.ATTN_SITES:
+                    attention[i].setdefault("hookpoints", {})[site[-1]] = name
+            # What rebuilding the layers' attention patterns needs (ringscope.attention_pattern), as SGLang runs them.
+            self.session.set_metadata("attention", {
+                "format": 1, "source": "sglang",
+                "model_type": str(getattr(model.config, "model_type", type(model).__name__)),
+                "layers": [attention[i] for i in sorted(attention)]})
         # Probes with action = "stop": after each forward pass the plugin waits for the probes to score its rows and
         # ends the requests they flagged (SGLang keeps the token just generated and finishes the request).
         self._stops = any(isinstance(p, dict) and p.get("action") == "stop" for p in cfg.get("probes", []) or [])
@@ -497,8 +552,31 @@ class SglangCapture(EngineCapture):
             fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
             return residual_batch.snapshot(output, fb)
 
+        def attention_hook(i):
+            # RadixAttention.forward(q, k, v, forward_batch, ...): [tokens, heads × head_dim] (or [tokens, heads,
+            # head_dim]), q and k after RoPE. Captured before the attention kernel runs.
+            sites = [(j, self.hookpoints[name], widths[name]) for j, s in enumerate(("attn_q", "attn_k", "attn_v"))
+                     for name, site, li in planned if li == i and site == s]
+
+            def hook(module, args, kwargs):
+                if not self._open or not self.live():
+                    return
+                try:
+                    qkv = [kwargs.get(n, args[j] if len(args) > j else None) for j, n in enumerate(("q", "k", "v"))]
+                    for j, hp, width in sites:
+                        x = qkv[j].reshape(-1, width).contiguous()
+                        keep.append(x)
+                        capture_op(x, decoder._ringscope_sink, hp, key)
+                except Exception as e:
+                    self._fail(e, f"capturing layer {i}'s attention", self._rows)
+            return hook
+
+        for i in sorted(attention):
+            self._handles.append(layers[i].self_attn.attn.register_forward_pre_hook(attention_hook(i), with_kwargs=True))
         for name, site, i in planned:
             layer = layers[i]
+            if site in _engine.ATTN_SITES:
+                continue  # attention_hook above
             if site == "residual":
                 target, pick = layer, residual
             elif site == "attention_output":

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ._args import _int, _int_array, _timeout_ms, _u32, _U32_MAX, _u64
+from .attention import _json_safe
 from .errors import RingscopeError
 from .session import Session, _capture_device_raw, _capture_host_raw, _submit_captures_raw
 
@@ -723,20 +724,6 @@ class _AttentionTap:
             self.att._capture(q.reshape(b, s, -1).contiguous(), *self.q_hp)
         if self.k_hp is not None:
             self.att._capture(k.reshape(b, s, -1).contiguous(), *self.k_hp)
-
-
-def _json_safe(value):
-    """``value`` (a config entry) as plain JSON values: numbers, strings, booleans, None, lists and dicts (keys as
-    strings); NaN and infinities as None; anything else as its ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        return value if np.isfinite(value) else None
-    return str(value)
 
 
 def _attention_module(model, layer, index: int, family: str):

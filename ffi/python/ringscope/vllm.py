@@ -8,7 +8,7 @@ Enable it by pointing ``RINGSCOPE_VLLM_CONFIG`` at a ringscope TOML file (the sa
     dir = "ringscope-out"
 
     [vllm]
-    sites = ["residual"]          # residual | attention_output | mlp_output
+    sites = ["residual"]          # residual | attention_output | mlp_output | attn_q | attn_k | attn_v
     layers = "all"                # or a list of decoder layer indices
     requests = "all"              # or "opt_in": only requests with SamplingParams(extra_args={"ringscope": True})
     ranks = [0]                   # tensor-parallel ranks that capture ("all": every rank, its own session)
@@ -81,7 +81,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .errors import RingscopeError
 from . import _engine
@@ -303,6 +303,76 @@ def _check_cuda_engine(runner) -> None:
                              f"draft tokens that may be rejected): serve without it, or unset {ENV_CONFIG}")
 
 
+# -- attention sites -----------------------------------------------------------------------------------------------
+
+def arch_of(model) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+
+
+def _attention_width(entry: dict, site: str) -> int:
+    return (entry["num_heads"] if site == "attn_q" else entry["num_kv_heads"]) * entry["head_dim"]
+
+
+def _scalar(x) -> Optional[float]:
+    """A float setting of an attention backend, None for "none" (vLLM says 0 or None for no soft-cap)."""
+    return float(x) if x else None
+
+
+def _attention_entry(model, layer, index: int, rank: int) -> dict:
+    """The attention metadata of decoder layer ``index`` as this rank runs it (see
+    :func:`ringscope.attention_metadata`), or a RingscopeError naming why its attention cannot be captured for an
+    exact rebuild: only vLLM's plain ``Attention`` of a causal decoder (not MLA, chunked-local, encoder-only,
+    static-sink, cross-layer KV sharing, ALiBi, a value head size of its own, sinks)."""
+    self_attn = getattr(layer, "self_attn", None)
+    attn: Any = getattr(self_attn, "attn", None)
+    kind = type(attn).__name__
+    why = None
+    if attn is None:
+        why = "has no self_attn.attn"
+    elif kind != "Attention":
+        why = f"uses {kind}, not vLLM's plain Attention"
+    elif "decoder" not in str(getattr(attn, "attn_type", "decoder")).lower():
+        why = f"is {attn.attn_type} attention, not a causal decoder's"
+    elif getattr(attn, "kv_sharing_target_layer_name", None):
+        why = f"shares its KV cache with {attn.kv_sharing_target_layer_name} (no keys of its own)"
+    elif getattr(attn, "head_size_v", attn.head_size) != attn.head_size:
+        why = "has values of another head size than its keys"
+    impl = getattr(attn, "impl", None)
+    if why is None and getattr(impl, "alibi_slopes", None) is not None:
+        why = "uses ALiBi"
+    if why is None and (getattr(impl, "sinks", None) is not None or getattr(attn, "has_sink", False)):
+        why = "has attention sinks"
+    if why is None and not hasattr(attn, "sliding_window"):
+        why = "does not say its sliding window (attn.sliding_window; another vLLM release?)"
+    if why is not None:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.vllm: sites {', '.join(_engine.ATTN_SITES)}: layer {index} of "
+                             f"{type(model).__name__} {why}, which the attention sites do not capture")
+    cfg = model.config
+    heads, kv_heads = int(attn.num_heads), int(attn.num_kv_heads)
+    total = int(getattr(cfg, "num_attention_heads", heads))
+    total_kv = int(getattr(cfg, "num_key_value_heads", None) or total)
+    # Tensor parallelism: rank r holds query heads [r·H/tp, (r+1)·H/tp) and KV heads split the same way, or, when
+    # there are fewer KV heads than ranks, KV head r·KV/tp replicated.
+    tp = max(total // max(heads, 1), 1)
+    window = attn.sliding_window
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
+                                                     "rope_scaling": getattr(cfg, "rope_scaling", None)}
+    from .attention import _json_safe
+
+    return {
+        "layer": index, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": int(attn.head_size),
+        "q_head_offset": rank % tp * heads,
+        "kv_head_offset": rank % tp * kv_heads if total_kv >= tp else rank % tp * total_kv // tp,
+        "total_num_heads": total, "total_num_kv_heads": total_kv,
+        "scale": float(impl.scale if impl is not None and hasattr(impl, "scale") else attn.scale),
+        "causal": True, "sliding_window": int(window) if window else None,
+        "softcap": _scalar(getattr(impl, "logits_soft_cap", None)), "sinks": None, "alibi_slopes": None,
+        "rope": _json_safe(rope), "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
+        "module": f"{type(self_attn).__name__}.attn ({type(impl).__name__})",
+    }
+
+
 class VllmCapture(EngineCapture):
     """What the plugin installed into one model runner: the session, the hookpoints, the hooks, the counters."""
 
@@ -338,9 +408,12 @@ class VllmCapture(EngineCapture):
             _check_cuda_engine(runner)
         dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
-        return cls(runner, model, decoder, layers, start, end, chosen, pc, dt, hidden, rank)
+        attention = {i: _attention_entry(model, layers[i], i, rank) for i in chosen} \
+            if any(s in _engine.ATTN_SITES for s in pc.sites) else {}
+        return cls(runner, model, decoder, layers, start, end, chosen, pc, dt, hidden, rank, attention)
 
-    def __init__(self, runner, model, decoder, layers, start, end, chosen, pc: PluginConfig, dt, hidden, rank):
+    def __init__(self, runner, model, decoder, layers, start, end, chosen, pc: PluginConfig, dt, hidden, rank,
+                 attention: Optional[Dict[int, dict]] = None):
         import torch
 
         begin_op, capture_op, end_op = _engine.ops()
@@ -348,11 +421,13 @@ class VllmCapture(EngineCapture):
         # The previous pass's (request ids, query start offsets) and its rows' request ids (_prepare).
         self._last_batch: tuple = (None, None)
         planned = _engine.planned_hookpoints(chosen, pc.sites)
+        attention = attention or {}
+        widths = {name: _attention_width(attention[i], site) for name, site, i in planned if site in _engine.ATTN_SITES}
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0,
-                                      full_on_cuda=True)
+                                      full_on_cuda=True, widths=widths)
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
@@ -362,7 +437,7 @@ class VllmCapture(EngineCapture):
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
         salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/2", "hookpoints": planned, "dtype": dt,
-                                          "hidden": hidden}, sort_keys=True).encode()).hexdigest()[:16]
+                                          "hidden": hidden, "widths": widths}, sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
         if isinstance(add, dict):
             add["ringscope"] = salt
@@ -372,6 +447,13 @@ class VllmCapture(EngineCapture):
                                  "salt the compile-cache key with its capture set")
         super().__init__(pc, cfg, planned, rank, "_ringscope_vllm", logger, cuda=cuda)
         _LIVE.append(self)
+        if attention:
+            for name, site, i in planned:
+                if site in _engine.ATTN_SITES:
+                    attention[i].setdefault("hookpoints", {})[site[-1]] = name
+            # What rebuilding the layers' attention patterns needs (ringscope.attention_pattern), as vLLM runs them.
+            self.session.set_metadata("attention", {"format": 1, "source": "vllm", "model_type": arch_of(model),
+                                                    "layers": [attention[i] for i in sorted(attention)]})
 
         # Buffers of the decoder model: static inputs of the compiled graph (and, on CUDA, read by the recorded CUDA
         # graphs at fixed addresses), updated in place before every forward pass; sized once for the largest pass
@@ -400,8 +482,27 @@ class VllmCapture(EngineCapture):
                 capture_op(x, decoder._ringscope_sink, hp, key)
             return hook
 
+        def attention_hook(i):
+            # Attention.forward(query, key, value, ...): flat [tokens, heads × head_dim] views of the layer's qkv
+            # projection, q and k after RoPE (the model applied it before the call). Captured before the attention
+            # op (in compiled models: in the piece of the graph before it).
+            sites = [(j, self.hookpoints[name], widths[name]) for j, s in enumerate(("attn_q", "attn_k", "attn_v"))
+                     for name, site, li in planned if li == i and site == s]
+
+            def hook(module, args, kwargs):
+                qkv = [kwargs.get(n, args[j] if len(args) > j else None) for j, n in enumerate(("query", "key", "value"))]
+                for j, hp, width in sites:
+                    x = qkv[j].reshape(-1, width).contiguous()
+                    keep.append(x)
+                    capture_op(x, decoder._ringscope_sink, hp, key)
+            return hook
+
+        for i in sorted(attention):
+            self._handles.append(layers[i].self_attn.attn.register_forward_pre_hook(attention_hook(i), with_kwargs=True))
         for name, site, i in planned:
             layer = layers[i]
+            if site in _engine.ATTN_SITES:
+                continue  # attention_hook above
             if site == "residual":
                 # vLLM's layers return (mlp output, residual before it): the stream after the layer is their sum
                 # (the next layer's fused add-norm computes it again).

@@ -1,0 +1,72 @@
+"""Attention sites in a compiled vLLM engine (issue 40): `attn_q` / `attn_k` / `attn_v` captured from vLLM's
+`Attention` inputs (q and k after RoPE) while it serves several requests with chunked prefill and continuous
+batching; `ringscope.attention_pattern` rebuilds from them the weights Hugging Face eager attention gives on the same
+checkpoint (`output_attentions=True`) within 1e-3; the values equal Hugging Face's `v_proj` outputs; the manifest says
+how vLLM ran each layer. With prefix caching, the rebuild names the key positions no pass computed."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import CONFIG, hf_model, request_ids
+
+ATTN_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]',
+                             'sites = ["attn_q", "attn_k", "attn_v"]')
+
+
+@pytest.fixture(scope="module")
+def attention(engines):
+    return engines("attention", "compiled", "attention", config=ATTN_CONFIG)
+
+
+def eager_reference(model_dir, seq):
+    """Hugging Face's own attention weights and v_proj outputs over ``seq``: ({layer: [heads, n, n]}, {layer: [n, kv·d]})."""
+    import torch
+
+    m = hf_model(model_dir)
+    vs = {}
+    for i, layer in enumerate(m.model.layers):
+        layer.self_attn.v_proj.register_forward_hook(
+            lambda mod, a, out, i=i: vs.__setitem__(i, out[0].detach().numpy().copy()))
+    with torch.no_grad():
+        out = m(torch.tensor([seq]), output_attentions=True)
+    return {i: a[0].numpy() for i, a in enumerate(out.attentions)}, vs
+
+
+def test_vllm_attention_rows_rebuild_hf_eager_attention(attention):
+    import ringscope
+
+    assert attention.get("error") is None, attention.get("traceback")
+    assert attention["compiled"], attention["compilation_mode"]
+    run = pathlib.Path(attention["run_dir"])
+    meta = ringscope.attention_metadata(run)[0]
+    manifest = json.loads((run / "_ringscope_run.json").read_text())
+    assert manifest["metadata"]["attention"]["source"] == "vllm"
+    for i in (0, 1):
+        e = meta[i]
+        assert (e["num_heads"], e["num_kv_heads"], e["head_dim"], e["q_head_offset"]) == (4, 2, 32, 0)
+        assert e["scale"] == pytest.approx(32 ** -0.5) and e["sliding_window"] is None and e["softcap"] is None
+        assert e["hookpoints"] == {"q": f"layers.{i}.attn_q", "k": f"layers.{i}.attn_k", "v": f"layers.{i}.attn_v"}
+    dump = ringscope.read_dump(run)
+    assert dump["layers.0.attn_q"]["activation"].shape[1] == 4 * 32
+    assert dump["layers.0.attn_k"]["activation"].shape[1] == 2 * 32
+    rids = request_ids(attention)
+    (closed,) = attention["closed"]
+    assert closed["session"]["dropped_rows"] == 0 and closed["plugin"]["lost_rows"] == 0
+    peak = 0.0
+    for k, r in enumerate(attention["requests"]):
+        seq = r["prompt"] + r["tokens"][:-1]
+        weights, vs = eager_reference(pathlib.Path(attention["out"]) / "model", seq)
+        for i in (0, 1):
+            got = ringscope.attention_pattern(run, rids[k], i)
+            assert got.exact
+            np.testing.assert_array_equal(got.query_positions, np.arange(len(seq)))
+            np.testing.assert_allclose(got.weights, weights[i], atol=1e-3, rtol=0)
+            peak = max(peak, float(weights[i].max()))
+            v = dump[f"layers.{i}.attn_v"]
+            rows = v["request_id"] == rids[k]
+            got_v = v["activation"][rows][np.argsort(v["position"][rows])]
+            np.testing.assert_allclose(got_v, vs[i], rtol=1e-4, atol=1e-5)
+    assert peak > 0.6, "attention nearly uniform: the check could not see a wrong mask or head mapping"
