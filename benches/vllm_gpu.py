@@ -591,7 +591,10 @@ def main(cmd: str, root: str) -> None:
             "parts": ["bench-full_resid#5", "bench-resid#5"],
             # Issue 40: attention sites against Hugging Face (f32), then their cost with plain recordings around.
             "attention": ["correct-llama-f32-attn", "bench-plain#1", "bench-attn4#1", "bench-plain#2",
-                          "bench-attn4#2", "bench-plain#3"]}[cmd]
+                          "bench-attn4#2", "bench-plain#3"],
+            # The correctness run alone, again (run with NVIDIA_TF32_OVERRIDE=0: vLLM's float32 GEMMs then run in full
+            # float32 on the GPU, as Hugging Face's reference on the CPU does, instead of TF32).
+            "attention_correct": ["correct-llama-f32-attn#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:

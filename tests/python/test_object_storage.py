@@ -382,3 +382,20 @@ def test_readers_given_a_url_with_no_run_say_so_naming_the_url(s3env):
         with pytest.raises(ringscope.RingscopeError) as e:
             read(url)
         assert url in str(e.value) and "does not exist" in str(e.value) and "ringscope-" not in str(e.value), e.value
+
+
+def test_attention_pattern_reads_a_run_on_s3(s3env, tmp_path):
+    """Attention rows and metadata of two ranks written to S3, rebuilt there as from a local copy of the run."""
+    from test_attention_rebuild import D, H, KV, N, write_run
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((N, H, D)).astype(np.float32)
+    k = rng.standard_normal((N, KV, D)).astype(np.float32)
+    meta = {"scale": 0.5, "sliding_window": 4, "softcap": None, "sinks": None, "alibi_slopes": None}
+    remote = write_run(None, q, k, meta, url=f"s3://{s3env.bucket('attention')}/runs")
+    local = write_run(tmp_path, q, k, meta)
+    got, want = ringscope.attention_pattern(remote, 5, 0), ringscope.attention_pattern(local, 5, 0)
+    np.testing.assert_array_equal(got.weights, want.weights)
+    assert got.heads == want.heads and ringscope.attention_metadata(remote)[1][0]["q_head_offset"] == H // 2
+    with pytest.raises(ringscope.RingscopeError, match=rf"request 99 has no layers\.0\.attn_q rows .* in {remote}"):
+        ringscope.attention_pattern(remote, 99, 0)
