@@ -131,8 +131,9 @@ pub struct Session {
     recorder: Mutex<Option<EventRecorder>>,
     /// The probes (`[[probes]]`), when any.
     probes: Option<crate::probes::Probes>,
-    /// Entries of the manifest's `metadata` object ([`set_metadata`](Session::set_metadata)).
-    metadata: Mutex<std::collections::BTreeMap<String, serde_json::Value>>,
+    /// Entries of the manifest's `metadata` object ([`set_metadata`](Session::set_metadata)); `None` once shutdown
+    /// has taken them for the manifest (later entries could not be written: `Error::Closed`).
+    metadata: Mutex<Option<std::collections::BTreeMap<String, serde_json::Value>>>,
 }
 
 /// Steps begun and what their batches held.
@@ -387,7 +388,7 @@ impl SessionBuilder {
             cached_rows: AtomicU64::new(0),
             recorder: Mutex::new(recorder),
             probes,
-            metadata: Mutex::new(Default::default()),
+            metadata: Mutex::new(Some(Default::default())),
         })
     }
 }
@@ -668,10 +669,10 @@ impl Session {
                 "set_metadata: the value of `{key}` is {size} bytes of JSON; at most {METADATA_VALUE_MAX}"
             )));
         }
-        if self.capture.lock().is_none() {
-            return Err(Error::Closed);
-        }
-        let mut entries = self.metadata.lock();
+        // Checked under the map's own lock: shutdown takes the map (for the manifest) under it, so an entry is either
+        // in the manifest or refused, never accepted and lost.
+        let mut guard = self.metadata.lock();
+        let entries = guard.as_mut().ok_or(Error::Closed)?;
         if !entries.contains_key(key) && entries.len() >= METADATA_ENTRIES_MAX {
             return Err(Error::InvalidArgument(format!(
                 "set_metadata: `{key}` would be entry {} of the manifest's metadata; at most {METADATA_ENTRIES_MAX}",
@@ -684,7 +685,7 @@ impl Session {
 
     /// The manifest's `metadata` entries set so far ([`set_metadata`](Self::set_metadata)).
     pub fn metadata(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
-        self.metadata.lock().clone()
+        self.metadata.lock().clone().unwrap_or_default()
     }
 
     /// Token rows the engine took from its prefix cache, over the session ([`note_cached`](Self::note_cached)).
@@ -981,6 +982,8 @@ impl Session {
     /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
     pub fn shutdown(&self) -> Result<Report, Error> {
         let mut capture = self.capture.lock().take().ok_or(Error::Closed)?;
+        // From here `set_metadata` is refused (Closed): what it accepted before is in the manifest.
+        let metadata = self.metadata.lock().take().unwrap_or_default();
         if let Some(mut server) = self.metrics.lock().take() {
             server.stop();
         }
@@ -1014,7 +1017,6 @@ impl Session {
             events,
         };
         if let Some(dir) = &report.run_dir {
-            let metadata = std::mem::take(&mut *self.metadata.lock());
             let written =
                 crate::manifest::write(dir, self.rank, self.storage.as_ref(), &self.registry, &report, &metadata);
             // The run's files are final: another session may now look (and will find this rank written).

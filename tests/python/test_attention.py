@@ -306,6 +306,94 @@ def test_the_example_draws_a_head_that_equals_eager_attention(tmp_path, capsys):
     assert text.count("|") >= 2 * 16  # one drawn row per query
 
 
+def test_the_metadata_says_what_ran_not_what_the_config_carries(tmp_path):
+    """Gemma2 under SDPA (its default) runs without its soft-cap: refused (load it with eager); a Llama checkpoint
+    whose config carries a `sliding_window` Llama never applies: no window; a second attach on the session adds
+    its layers."""
+    cfg = transformers.Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                    attn_logit_softcapping=2.0, **COMMON)
+    sdpa = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with pytest.raises(ringscope.RingscopeError, match="soft-caps its attention logits, which the attention "
+                                                        "implementation 'sdpa' does not apply"):
+        rt.attach(sdpa, session_for(tmp_path, "cpu", "g"), sites=("attn_q",))
+
+    torch.manual_seed(0)
+    llama = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=3, **COMMON),
+        attn_implementation="eager").eval()
+    session = session_for(tmp_path, "cpu")
+    a0 = rt.attach(llama, session, sites=("attn_q", "attn_k"), layers=[0])
+    a0.detach()
+    rt.attach(llama, session, sites=("attn_q", "attn_k"), layers=[1])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ref = llama(ids, output_attentions=True).attentions
+    session.close()
+    meta = ringscope.attention_metadata(tmp_path / "r")[0]
+    assert sorted(meta) == [0, 1] and meta[1]["sliding_window"] is None and meta[1]["attn_implementation"] == "eager"
+    got = ringscope.attention_pattern(tmp_path / "r", 0, 1)
+    np.testing.assert_allclose(got.weights, ref[1][0].numpy(), atol=1e-3, rtol=0)  # all 6 keys, no window
+
+
+def test_engine_attention_that_cannot_be_rebuilt_is_refused_by_name():
+    """The vLLM and SGLang plugins read their metadata from the engine's attention modules: variants whose rows
+    would not be what the engine attends over are refused at load, naming why (stand-ins for the engines' modules)."""
+    import types
+
+    from ringscope import sglang as rsg
+    from ringscope import vllm as rv
+
+    class Attention:  # vLLM's plain attention layer, as far as the plugin reads it
+        def __init__(self, **kw):
+            self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window = 4, 1, 16, None  # tp = 2
+            self.attn_type, self.kv_cache_dtype, self.query_quant = "decoder", "auto", None
+            self.impl = types.SimpleNamespace(scale=0.25, logits_soft_cap=0, alibi_slopes=None, sinks=None)
+            self.__dict__.update(kw)
+
+    def vllm_layer(**kw):
+        return types.SimpleNamespace(self_attn=types.SimpleNamespace(attn=Attention(**kw)))
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=8, num_key_value_heads=2))
+    ok = rv._attention_entry(model, vllm_layer(sliding_window=4096), 3, rank=1)
+    assert (ok["q_head_offset"], ok["kv_head_offset"], ok["sliding_window"], ok["softcap"], ok["scale"]) == \
+        (4, 1, 4096, None, 0.25)
+    replicated = rv._attention_entry(model, vllm_layer(num_heads=2, num_kv_heads=1), 0, rank=3)  # tp = 4 > 2 KV heads
+    assert (replicated["q_head_offset"], replicated["kv_head_offset"]) == (6, 1)
+    for kw, says in (({"kv_cache_dtype": "fp8_e4m3"}, "keeps its KV cache as fp8_e4m3"),
+                     ({"query_quant": object()}, "quantises its queries"),
+                     ({"attn_type": "encoder_decoder"}, "is encoder_decoder attention"),
+                     ({"head_size_v": 8}, "has values of another head size"),
+                     ({"impl": types.SimpleNamespace(scale=1.0, alibi_slopes=[1.0])}, "uses ALiBi"),
+                     ({"impl": types.SimpleNamespace(scale=1.0, sinks=[0.0])}, "has attention sinks"),
+                     ({"kv_sharing_target_layer_name": "model.layers.0"}, "shares its KV cache")):
+        with pytest.raises(ringscope.RingscopeError, match=rf"layer 3 of SimpleNamespace {says}"):
+            rv._attention_entry(model, vllm_layer(**kw), 3, rank=0)
+
+    class MLAAttention(Attention):
+        pass
+
+    mla = types.SimpleNamespace(self_attn=types.SimpleNamespace(attn=MLAAttention()))
+    with pytest.raises(ringscope.RingscopeError, match="uses MLAAttention, not vLLM's plain Attention"):
+        rv._attention_entry(model, mla, 3, rank=0)
+
+    class RadixAttention:
+        def __init__(self, **kw):
+            self.tp_q_head_num, self.tp_k_head_num, self.head_dim, self.v_head_dim = 4, 2, 16, 16
+            self.scaling, self.logit_cap, self.sliding_window_size = 0.25, 0.0, 3
+            self.__dict__.update(kw)
+
+    def sglang_layer(**kw):
+        return types.SimpleNamespace(self_attn=types.SimpleNamespace(attn=RadixAttention(**kw)))
+
+    e = rsg._attention_entry(model, sglang_layer(), 0)
+    assert (e["sliding_window"], e["softcap"], e["scale"]) == (4, None, 0.25)  # SGLang's W - 1, stored as W
+    assert rsg._attention_entry(model, sglang_layer(sliding_window_size=-1), 0)["sliding_window"] is None
+    for kw, says in (({"is_cross_attention": True}, "is cross-attention"), ({"v_head_dim": 8}, "another head size"),
+                     ({"use_irope": True}, "chunked local attention")):
+        with pytest.raises(ringscope.RingscopeError, match=says):
+            rsg._attention_entry(model, sglang_layer(**kw), 0)
+
+
 if __name__ == "__main__":
     import sys
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

@@ -6,6 +6,7 @@ a position computed twice (the later row wins). Bad metadata and rows that disag
 """
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def reference(q, k, scale, window=None, softcap=None, sinks=None):
     return out
 
 
-def write_run(root, q, k, layer_meta, extra_rows=True, url=None):
+def write_run(root, q, k, layer_meta, extra_rows=True, url=None, skip_k_step=None):
     """Two ranks, each a Session with its half of the heads; request 5 (N tokens) is prefilled in two steps and
     request 6 beside it; request 5's position 3 is computed again in a last step (recomputation after preemption),
     with other values (×1.25): the rebuild must use those."""
@@ -59,7 +60,8 @@ def write_run(root, q, k, layer_meta, extra_rows=True, url=None):
         for step, (rids, pos, qs, kks) in enumerate(steps):
             s.begin_step(step, rids, pos)
             s.capture(qh, np.ascontiguousarray(np.concatenate(qs)[:, hs].reshape(len(rids), -1)))
-            s.capture(kh, np.ascontiguousarray(np.concatenate(kks)[:, ks].reshape(len(rids), -1)))
+            if step != skip_k_step:
+                s.capture(kh, np.ascontiguousarray(np.concatenate(kks)[:, ks].reshape(len(rids), -1)))
             s.end_step()
         entry = dict(layer_meta, layer=0, num_heads=H // 2, num_kv_heads=KV // 2, head_dim=D,
                      q_head_offset=rank * H // 2, kv_head_offset=rank * KV // 2, total_num_heads=H,
@@ -122,3 +124,44 @@ def test_bad_metadata_and_rows_that_disagree_are_clear_errors(tmp_path):
     (run / "_ringscope_run.json").write_text(json.dumps(m))
     with pytest.raises(ringscope.RingscopeError, match="attention metadata is format 99; this ringscope reads format 1"):
         ringscope.attention_metadata(run)
+
+
+def test_keys_not_captured_are_nan_only_where_a_query_sees_them(tmp_path):
+    """Request 5's keys at positions 5..8 are not captured (the second step's attn_k): queries 0..4 never see them
+    (weight 0, exact for those rows), queries 5..8 do (NaN there, the rest a softmax over the captured keys)."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((N, H, D)).astype(np.float32)
+    k = rng.standard_normal((N, KV, D)).astype(np.float32)
+    run = write_run(tmp_path, q, k, {"scale": 0.5}, extra_rows=False, skip_k_step=1)
+    with pytest.raises(ringscope.RingscopeError, match=r"key positions with no layers\.0\.attn_k row: 5\.\.8 "):
+        ringscope.attention_pattern(run, 5, 0)
+    got = ringscope.attention_pattern(run, 5, 0, allow_missing=True)
+    assert not got.exact and list(got.missing_key_positions) == [5, 6, 7, 8]
+    want = reference(q, k, 0.5)
+    np.testing.assert_allclose(got.weights[:, :5], want[:, :5], atol=1e-6, rtol=0)  # untouched by the missing keys
+    assert np.isnan(got.weights[:, 5:, 5:]).sum() == H * (1 + 2 + 3 + 4)  # exactly the (query, key) pairs seen
+    np.testing.assert_allclose(np.nansum(got.weights[:, 5:], axis=2), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"num_kv_heads": 0}, "num_kv_heads = 0; give an integer >= 1"),
+    ({"num_kv_heads": 3}, "num_heads = 4 is not a multiple of num_kv_heads = 3"),
+    ({"scale": None}, "scale = None; give a positive number"),
+    ({"scale": float("inf")}, "scale = inf; give a positive number"),
+    ({"sliding_window": -2}, "sliding_window = -2; give an integer >= 1"),
+    ({"softcap": "big"}, "softcap = 'big'; give a positive number or null"),
+    ({"sinks": [1.0]}, "sinks must be null or 4 numbers"),
+    ({"head_dim": True}, "head_dim = True; give an integer >= 1"),
+])
+def test_malformed_metadata_is_named(tmp_path, bad, says):
+    """Metadata a C engine wrote wrongly (rs_session_set_metadata takes any JSON): the key is named."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((N, H, D)).astype(np.float32)
+    k = rng.standard_normal((N, KV, D)).astype(np.float32)
+    run = write_run(tmp_path, q, k, {"scale": 0.5})
+    for name in ("_ringscope_run.json", "_ringscope_run.rank=1.json"):
+        m = json.loads((run / name).read_text())
+        m["metadata"]["attention"]["layers"][0].update(bad)
+        (run / name).write_text(json.dumps(m, allow_nan=True))
+    with pytest.raises(ringscope.RingscopeError, match=re.escape(says)):
+        ringscope.attention_pattern(run, 5, 0)

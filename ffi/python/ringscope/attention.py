@@ -18,6 +18,7 @@ Needs numpy and, to read the rows, pyarrow (as :func:`ringscope.read_dump`); no 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass, field
@@ -41,9 +42,10 @@ class AttentionPattern:
     ``weights``: float32 ``[heads, queries, keys]`` (``[queries, keys]`` when one head was asked for); row ``i`` is
     the query at ``query_positions[i]``, column ``j`` the key at ``key_positions[j]``; keys a query does not see
     (later positions, outside its window) weigh 0. ``heads``: the (model-wide) query head of each entry of the first
-    axis. ``missing_key_positions``: key positions the queries needed but no row holds (only with
-    ``allow_missing=True``; their columns are NaN, every row is a softmax over the keys that were captured, and
-    ``exact`` is False). ``metadata``: the layer's entry of ``metadata.attention`` (rank 0's)."""
+    axis. ``missing_key_positions``: key positions some query sees but no row holds (only with
+    ``allow_missing=True``; the weight of a query on such a key is NaN — queries that do not see it keep 0 there —,
+    every query's row is a softmax over the captured keys it sees, and ``exact`` is False: rows of queries that see
+    no missing key are still exact). ``metadata``: the layer's entry of ``metadata.attention`` (rank 0's)."""
 
     weights: np.ndarray
     query_positions: np.ndarray
@@ -156,6 +158,58 @@ def _rows(dump: dict, name: str, rank: int, request: int, width: int):
     return pos[first], _as_float32(act[idx[first]], cols["dtype"]).astype(np.float32)
 
 
+def _checked(e, layer: int, rank: int) -> dict:
+    """A layer's metadata entry with its numbers checked (an engine writing it through ``rs_session_set_metadata``
+    may get it wrong): a RingscopeError naming the key, not a numpy error later."""
+    where = f"layer {layer}'s attention metadata (rank {rank})"
+    if not isinstance(e, dict):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{where} is not an object")
+
+    def integer(key, lo, default=None):
+        v = e.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{where}: {key} = {v!r}; give an integer >= {lo}")
+        return v
+
+    out = dict(e)
+    out["num_heads"], out["num_kv_heads"], out["head_dim"] = (integer("num_heads", 1), integer("num_kv_heads", 1),
+                                                              integer("head_dim", 1))
+    if out["num_heads"] % out["num_kv_heads"]:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"{where}: num_heads = {out['num_heads']} is not a multiple of num_kv_heads = "
+                             f"{out['num_kv_heads']}")
+    out["q_head_offset"] = integer("q_head_offset", 0, 0)
+    scale = e.get("scale")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{where}: scale = {scale!r}; give a positive number")
+    window = e.get("sliding_window")
+    out["sliding_window"] = None if window is None else integer("sliding_window", 1)
+    cap = e.get("softcap")
+    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not math.isfinite(cap)
+                            or cap <= 0):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{where}: softcap = {cap!r}; give a positive number or null")
+    sinks = e.get("sinks")
+    if sinks is not None and (not isinstance(sinks, list) or len(sinks) != out["num_heads"]
+                              or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in sinks)):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"{where}: sinks must be null or {out['num_heads']} numbers (one per query head)")
+    return out
+
+
+def _keys_seen(qpos: np.ndarray, window: Optional[int]) -> np.ndarray:
+    """The sorted key positions any query at ``qpos`` (sorted) sees: the union of ``[max(0, p - W + 1), p]``
+    (``[0, p]`` without a window), built from the merged intervals."""
+    lo = np.maximum(qpos - window + 1, 0) if window else np.zeros_like(qpos)
+    parts, start, end = [], int(lo[0]), int(qpos[0])
+    for a, b in zip(lo[1:].tolist(), qpos[1:].tolist()):
+        if a > end + 1:
+            parts.append(np.arange(start, end + 1))
+            start = a
+        end = max(end, b)
+    parts.append(np.arange(start, end + 1))
+    return np.concatenate(parts).astype(np.int64)
+
+
 def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: Optional[int] = None, *,
                       allow_missing: bool = False) -> AttentionPattern:
     """Rebuilds the attention weights of request ``request`` in layer ``layer`` from the run's captured ``attn_q`` and
@@ -202,7 +256,7 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"layer {layer} has no attention metadata in {root}: its attention sites were not "
                              f"captured (layers with them: {layers_with})")
-    entries = sorted(((meta[r][layer], r) for r in ranks), key=lambda er: er[0].get("q_head_offset", 0))
+    entries = sorted(((_checked(meta[r][layer], layer, r), r) for r in ranks), key=lambda er: er[0]["q_head_offset"])
     for entry, _ in entries:
         hps = entry.get("hookpoints", {})
         lacking = [f"attn_{k}" for k in ("q", "k") if not hps.get(k)]
@@ -213,10 +267,19 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         if entry.get("alibi_slopes") is not None:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"layer {layer} uses ALiBi, which attention_pattern does not rebuild")
-    total = int(entries[0][0].get("total_num_heads", sum(e["num_heads"] for e, _ in entries)))
+    total = int(entries[0][0].get("total_num_heads") or sum(e["num_heads"] for e, _ in entries))
     if head is not None and head >= total:
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"head {head} is out of range: layer {layer} has {total} query heads (0..{total - 1})")
+    if head is not None:
+        # Only the rank that holds the head is read and computed.
+        holding = [(e, r) for e, r in entries if e["q_head_offset"] <= head < e["q_head_offset"] + e["num_heads"]]
+        if not holding:
+            held = sorted(h for e, _ in entries for h in range(e["q_head_offset"], e["q_head_offset"] + e["num_heads"]))
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"head {head} of layer {layer} is on no rank of {root} (ranks hold heads "
+                                 f"{_ranges(np.array(held))})")
+        entries = holding[:1]
 
     dumps: Dict[str, dict] = {}
     for entry, _ in entries:
@@ -233,7 +296,7 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
     kpos_all: Optional[np.ndarray] = None
     missing_all = np.zeros(0, dtype=np.int64)
     for e, rank in entries:
-        nh, nkv, d = int(e["num_heads"]), int(e["num_kv_heads"]), int(e["head_dim"])
+        nh, nkv, d = e["num_heads"], e["num_kv_heads"], e["head_dim"]
         qpos, q = _rows(dumps, e["hookpoints"]["q"], rank, request, nh * d)
         kpos, k = _rows(dumps, e["hookpoints"]["k"], rank, request, nkv * d)
         if len(qpos) == 0:
@@ -246,10 +309,13 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
             raise RingscopeError("RS_ERR_IO",
                                  f"the ranks of layer {layer} hold request {request}'s queries at different positions "
                                  "(rows dropped on one rank): its heads cannot be put together")
-        window = e.get("sliding_window")
-        lo = np.maximum(qpos - int(window) + 1, 0) if window else np.zeros_like(qpos)
-        needed = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(lo, qpos)]))
-        missing = np.setdiff1d(needed, kpos)
+        window = e["sliding_window"]
+        cols = _keys_seen(qpos, window)  # key positions of the output, captured or not
+        have = np.isin(cols, kpos)
+        seen = cols[None, :] <= qpos[:, None]  # [Nq, Nk]: what each query attends to
+        if window:
+            seen &= cols[None, :] > qpos[:, None] - window
+        missing = np.unique(cols[(seen & ~have[None, :]).any(axis=0)])
         if len(missing) and not allow_missing:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"request {request}'s queries in layer {layer} see key positions with no "
@@ -259,50 +325,41 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
                                  "only")
         if len(missing):
             missing_all = np.union1d(missing_all, missing)
-        cols = needed  # key positions of the output, captured or not
-        have = np.isin(cols, kpos)
         kmat = np.zeros((len(cols), nkv, d), dtype=np.float32)
         kmat[have] = k[np.searchsorted(kpos, cols[have])].reshape(-1, nkv, d)
         qmat = q.reshape(len(qpos), nh, d)
         group = nh // nkv
-        # [nh, Nq, Nk]: query head h reads kv head h // group.
-        s = np.einsum("qhd,khd->hqk", qmat, np.repeat(kmat, group, axis=1), dtype=np.float32,
-                      optimize=True) * np.float32(e["scale"])
-        if e.get("softcap"):
-            c = np.float32(e["softcap"])
-            s = c * np.tanh(s / c)
-        visible = (cols[None, :] <= qpos[:, None]) & have[None, :]
-        if window:
-            visible &= cols[None, :] > qpos[:, None] - int(window)
-        s = np.where(visible[None], s, -np.inf)
-        with np.errstate(invalid="ignore", divide="ignore"):  # queries that see no captured key: NaN rows
-            m = s.max(axis=2, keepdims=True)
-            m = np.where(np.isfinite(m), m, np.float32(0))  # a query that sees no captured key: all weights NaN below
-            sinks = e.get("sinks")
-            if sinks is not None:
-                sink = np.asarray(sinks, dtype=np.float32).reshape(nh, 1, 1)
-                m = np.maximum(m, sink)
-            ex = np.exp(s - m)
-            denom = ex.sum(axis=2, keepdims=True)
-            if sinks is not None:
-                denom = denom + np.exp(sink - m)
-            w = ex / denom
-        if len(missing):
-            w[:, :, ~have] = np.nan
-            w = np.where(visible[None] | ~have[None, None, :], w, 0.0)
-        weights.append(w.astype(np.float32))
-        off = int(e.get("q_head_offset", 0))
-        heads += list(range(off, off + nh))
+        chosen = range(nh) if head is None else [head - e["q_head_offset"]]
+        visible = seen & have[None, :]
+        w = np.empty((len(chosen), len(qpos), len(cols)), dtype=np.float32)
+        for out_i, h in enumerate(chosen):
+            # Query head h reads KV head h // group.
+            s = (qmat[:, h] @ kmat[:, h // group].T) * np.float32(e["scale"])  # [Nq, Nk]
+            if e.get("softcap"):
+                c = np.float32(e["softcap"])
+                s = c * np.tanh(s / c)
+            s = np.where(visible, s, -np.inf)
+            with np.errstate(invalid="ignore", divide="ignore"):  # a query that sees no captured key: a NaN row
+                m = s.max(axis=1, keepdims=True)
+                m = np.where(np.isfinite(m), m, np.float32(0))
+                sinks = e.get("sinks")
+                if sinks is not None:
+                    sink = np.float32(sinks[h])
+                    m = np.maximum(m, sink)
+                ex = np.exp(s - m)
+                denom = ex.sum(axis=1, keepdims=True)
+                if sinks is not None:
+                    denom = denom + np.exp(sink - m)
+                w[out_i] = ex / denom
+            if len(missing):
+                w[out_i][seen & ~have[None, :]] = np.nan  # seen by the query but not captured
+        weights.append(w)
+        heads += [e["q_head_offset"] + h for h in chosen]
         qpos_all, kpos_all = qpos, cols
     assert qpos_all is not None and kpos_all is not None  # entries is not empty
     out = np.concatenate(weights, axis=0)
     if head is not None:
-        if head not in heads:
-            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                 f"head {head} of layer {layer} is on no rank of {root} (ranks hold heads "
-                                 f"{_ranges(np.array(sorted(heads)))})")
-        out = out[heads.index(head)]
-    return AttentionPattern(weights=out, query_positions=qpos_all, key_positions=kpos_all,
-                            heads=[head] if head is not None else heads, layer=layer, request=request,
-                            missing_key_positions=missing_all, exact=len(missing_all) == 0,
+        out = out[0]
+    return AttentionPattern(weights=out, query_positions=qpos_all, key_positions=kpos_all, heads=heads, layer=layer,
+                            request=request, missing_key_positions=missing_all, exact=len(missing_all) == 0,
                             metadata=entries[0][0])

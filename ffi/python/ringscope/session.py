@@ -559,9 +559,9 @@ class Session:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: key must be a str, not {type(key).__name__}")
         try:
             text = json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: the value of {key!r} is not JSON: {e}") \
-                from None
+        except (TypeError, ValueError, RecursionError) as e:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"set_metadata: the value of {key!r} is not JSON: "
+                                                            f"{type(e).__name__}: {e}") from None
         try:
             k = key.encode("utf-8")
         except UnicodeEncodeError:

@@ -375,7 +375,8 @@ def _attention_entry(model, layer, index: int) -> dict:
         why = f"uses {type(attn).__name__}, not SGLang's RadixAttention"
     elif getattr(attn, "is_cross_attention", False):
         why = "is cross-attention"
-    elif "decoder" not in str(getattr(attn, "attn_type", "decoder")).lower():
+    elif str(getattr(getattr(attn, "attn_type", None), "value", getattr(attn, "attn_type", "decoder"))).lower() \
+            != "decoder":
         why = f"is {attn.attn_type} attention, not a causal decoder's"
     elif getattr(attn, "v_head_dim", attn.head_dim) not in (attn.head_dim, -1):
         why = "has values of another head size than its keys"
@@ -461,6 +462,11 @@ class SglangCapture(EngineCapture):
                   * attention[i]["head_dim"] for name, site, i in planned if site in _engine.ATTN_SITES}
         cuda = next(model.parameters()).device.type == "cuda"
         sa = runner.server_args
+        if attention and str(getattr(sa, "kv_cache_dtype", "auto") or "auto") != "auto":
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"ringscope.sglang: sites {', '.join(_engine.ATTN_SITES)}: kv_cache_dtype = "
+                                 f"{sa.kv_cache_dtype!r} quantises the keys and values attention reads, so the captured "
+                                 "rows would not be what it attends over: serve with kv_cache_dtype=\"auto\"")
         # The most token rows of one forward pass (a prefill chunk with decodes beside it), and then some.
         max_rows = max(int(getattr(sa, "max_prefill_tokens", 0) or 0),
                        int(getattr(sa, "chunked_prefill_size", 0) or 0), 8192)

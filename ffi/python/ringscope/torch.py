@@ -758,9 +758,19 @@ def _attention_module(model, layer, index: int, family: str):
                              f"attach: layer {index}'s attention has sinks, which attn sites do not support yet")
     if hasattr(attn, "sliding_window"):
         window = attn.sliding_window  # per layer (Qwen2/3, Gemma2: None on full-attention layers)
+    elif mt == "mistral":
+        window = getattr(cfg, "sliding_window", None)  # Mistral: every layer, from the config
     else:
-        window = getattr(cfg, "sliding_window", None)  # Mistral: every layer
+        window = None  # Llama: a `sliding_window` a checkpoint's config.json carries is not applied
+    impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
     softcap = getattr(attn, "attn_logit_softcapping", None)
+    if softcap and not impl.startswith(("eager", "flex_attention", "flash_attention")):
+        # SDPA (Gemma2's default) has no soft-cap: Hugging Face drops the model's `softcap` there.
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"attach: layer {index} soft-caps its attention logits, which the attention "
+                             f"implementation {impl!r} does not apply (transformers passes the cap only to eager, "
+                             "flex and flash attention): load the model with attn_implementation=\"eager\" (or flex / "
+                             "flash) to capture its attention sites, so that what is rebuilt is what ran")
     rope_params = getattr(cfg, "rope_parameters", None)
     if rope_params is None:
         rope_params = {"rope_theta": getattr(cfg, "rope_theta", None), "rope_scaling": getattr(cfg, "rope_scaling", None)}
@@ -771,7 +781,7 @@ def _attention_module(model, layer, index: int, family: str):
         "sliding_window": int(window) if window is not None else None,
         "softcap": float(softcap) if softcap else None, "sinks": None, "alibi_slopes": None,
         "rope": _json_safe(rope_params), "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
-        "module": type(attn).__qualname__,
+        "module": type(attn).__qualname__, "attn_implementation": impl,
     }
     return attn, rope, meta
 
@@ -922,9 +932,13 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                           (att.hookpoints[q], att._widths[att.hookpoints[q]]) if q in att.hookpoints else None,
                           (att.hookpoints[k], att._widths[att.hookpoints[k]]) if k in att.hookpoints else None)
     if attention:
-        # What rebuilding the layers' attention patterns from the rows needs (ringscope.attention_pattern).
+        # What rebuilding the layers' attention patterns from the rows needs (ringscope.attention_pattern); a second
+        # attach on the session adds its layers (a layer attached again: its latest entry).
+        layers_meta = dict(getattr(session, "_attention_layers", {}))
+        layers_meta.update({meta["layer"]: meta for *_, meta in attention})
         session.set_metadata("attention", {"format": 1, "source": "transformers", "model_type": model.config.model_type,
-                                           "layers": [meta for *_, meta in attention]})
+                                           "layers": [layers_meta[i] for i in sorted(layers_meta)]})
+        setattr(session, "_attention_layers", layers_meta)
     # After the last captured module, the step's deferred captures can be copied while the rest of the forward pass
     # runs (a side stream; joined when the step ends). A no-op without deferred captures.
     last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \

@@ -331,12 +331,17 @@ def _attention_entry(model, layer, index: int, rank: int) -> dict:
         why = "has no self_attn.attn"
     elif kind != "Attention":
         why = f"uses {kind}, not vLLM's plain Attention"
-    elif "decoder" not in str(getattr(attn, "attn_type", "decoder")).lower():
+    elif getattr(attn, "attn_type", "decoder") != "decoder":  # AttentionType is a str enum
         why = f"is {attn.attn_type} attention, not a causal decoder's"
     elif getattr(attn, "kv_sharing_target_layer_name", None):
         why = f"shares its KV cache with {attn.kv_sharing_target_layer_name} (no keys of its own)"
     elif getattr(attn, "head_size_v", attn.head_size) != attn.head_size:
         why = "has values of another head size than its keys"
+    elif str(getattr(attn, "kv_cache_dtype", "auto") or "auto") != "auto":
+        # Keys and values quantised into the cache (fp8, ...): attention reads other values than the rows hold.
+        why = f"keeps its KV cache as {attn.kv_cache_dtype} (serve with kv_cache_dtype=\"auto\")"
+    elif getattr(attn, "query_quant", None) is not None:
+        why = "quantises its queries before attention"
     impl = getattr(attn, "impl", None)
     if why is None and getattr(impl, "alibi_slopes", None) is not None:
         why = "uses ALiBi"
