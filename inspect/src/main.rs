@@ -172,6 +172,14 @@ fn merge_manifest(out: &mut Value, m: Value) {
             a.extend(b.iter().cloned());
         }
     }
+    // Each rank's attention metadata describes its own heads: the entries of every rank, listed together.
+    if let Some(theirs) = m["metadata"]["attention"]["layers"].as_array() {
+        if let Some(ours) = out["metadata"]["attention"]["layers"].as_array_mut() {
+            ours.extend(theirs.iter().cloned());
+        } else if out.is_object() {
+            out["metadata"]["attention"] = m["metadata"]["attention"].clone();
+        }
+    }
     for (list, key) in [("hookpoints", "accounting"), ("sinks", "committed")] {
         let Some(theirs) = m[list].as_array() else { continue };
         let Some(ours) = out[list].as_array_mut() else {
@@ -194,6 +202,40 @@ fn merge_manifest(out: &mut Value, m: Value) {
             }
         }
     }
+}
+
+/// One line on the run's attention metadata (the `attn_q` / `attn_k` / `attn_v` sites): which layers can be rebuilt
+/// with `ringscope.attention_pattern`, their heads, and windows / soft-caps; `None` without any.
+fn attention_summary(manifest: &Value) -> Option<String> {
+    let attention = &manifest["metadata"]["attention"];
+    let entries = attention["layers"].as_array()?;
+    let mut layers: BTreeSet<u64> = BTreeSet::new();
+    let (mut heads, mut kv) = (BTreeSet::new(), BTreeSet::new());
+    let mut notes: BTreeSet<String> = BTreeSet::new();
+    for e in entries {
+        layers.insert(e["layer"].as_u64()?);
+        heads.insert(e["total_num_heads"].as_u64().or(e["num_heads"].as_u64())?);
+        kv.insert(e["total_num_kv_heads"].as_u64().or(e["num_kv_heads"].as_u64())?);
+        if let Some(w) = e["sliding_window"].as_u64() {
+            notes.insert(format!("window {w}"));
+        }
+        if let Some(c) = e["softcap"].as_f64() {
+            notes.insert(format!("softcap {c}"));
+        }
+    }
+    let list = |s: &BTreeSet<u64>| s.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+    Some(format!(
+        "attention: layers [{}] from {} ({} query / {} KV heads{}): ringscope.attention_pattern rebuilds them",
+        list(&layers),
+        attention["source"].as_str().unwrap_or("?"),
+        list(&heads),
+        list(&kv),
+        if notes.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", notes.into_iter().collect::<Vec<_>>().join(", "))
+        },
+    ))
 }
 
 /// Adds the numbers of `b` into `a`, key by key (objects) — counts of records, rows and bytes.
@@ -449,6 +491,9 @@ fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
     }
 
     events.print();
+    if let Some(line) = attention_summary(&manifest) {
+        println!("{line}");
+    }
     if let Some(listed) = manifest["events"].as_array() {
         // The manifest lists the events table (it predates it otherwise): its files are the ones on disk, and, checked
         // with --verify, they account for every drop the manifest counts.

@@ -99,6 +99,17 @@ def test_two_ranks_rebuild_attention_by_its_definition(tmp_path, case):
     np.testing.assert_array_equal(one.weights, got.weights[6])
     meta_by_rank = ringscope.attention_metadata(run)
     assert sorted(meta_by_rank) == [0, 1] and meta_by_rank[1][0]["q_head_offset"] == H // 2
+    # inspect merges the ranks' manifests and says what can be rebuilt.
+    import subprocess
+
+    from test_retention import inspect_binary
+
+    out = subprocess.run([inspect_binary(), "--verify", str(run)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    notes = [f"window {case['sliding_window']}"] if "sliding_window" in case else []
+    notes += [f"softcap {case['softcap']}"] if "softcap" in case else []
+    assert f"attention: layers [0] from test ({H} query / {KV} KV heads{'; ' + ', '.join(notes) if notes else ''})" \
+        in out.stdout, out.stdout
 
 
 def test_bad_metadata_and_rows_that_disagree_are_clear_errors(tmp_path):
