@@ -2,7 +2,8 @@
 ``<out>/result.json``: the requests' prompts and generated tokens, and — when the ringscope plugin is active in this
 process — its counters, the session's totals. Run by the tests in a subprocess per engine (a vLLM engine per process), so that each test module starts
 one engine. Usage: python engine.py OUT_DIR MODE SCENARIO (MODE: eager | compiled; SCENARIO: see REQUESTS, or
-"attention" (the "all" requests on a model whose attention is far from uniform), "multiprocess", or "tp": two tensor-parallel ranks, each in a worker process of its own)."""
+"attention" (the "all" requests on a model whose attention is far from uniform; "attention_window": the same on a
+Mistral attending to 8 keys), "multiprocess", or "tp": two tensor-parallel ranks, each in a worker process of its own)."""
 
 import json
 import os
@@ -32,17 +33,22 @@ REQUESTS = {
 }
 
 
-def make_model(path: str, initializer_range: float = 0.02) -> None:
+def make_model(path: str, initializer_range: float = 0.02, sliding_window: "int | None" = None) -> None:
     """A tiny random Llama checkpoint (seeded: every engine of the tests loads the same weights), saved as
     safetensors: the engine loads it, and the tests' reference loads the same file into Hugging Face's model.
-    ``initializer_range``: larger weights make attention far from uniform (the "attention" scenario)."""
+    ``initializer_range``: larger weights make attention far from uniform (the "attention" scenarios);
+    ``sliding_window``: a Mistral instead, every layer attending to that many keys (the "attention_window" scenario)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      architectures=["LlamaForCausalLM"], initializer_range=initializer_range)
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=initializer_range)
+    if sliding_window:
+        cfg = MistralConfig(architectures=["MistralForCausalLM"], sliding_window=sliding_window, **common)
+        MistralForCausalLM(cfg).save_pretrained(path)
+        return
+    cfg = LlamaConfig(architectures=["LlamaForCausalLM"], **common)
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
@@ -63,7 +69,8 @@ def run(out, mode, scenario, result):
     from vllm import LLM, SamplingParams
 
     model_dir = os.path.join(out, "model")
-    make_model(model_dir, 0.3 if scenario == "attention" else 0.02)
+    make_model(model_dir, 0.3 if scenario.startswith("attention") else 0.02,
+               sliding_window=8 if scenario == "attention_window" else None)
     if TP:
         return run_tp(model_dir, mode, result)
     if scenario == "prefix":

@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from conftest import CONFIG, hf_model, request_ids
+from conftest import CONFIG, request_ids
 
 ATTN_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]',
                              'sites = ["attn_q", "attn_k", "attn_v"]')
@@ -21,11 +21,18 @@ def attention(engines):
     return engines("attention", "compiled", "attention", config=ATTN_CONFIG)
 
 
+@pytest.fixture(scope="module")
+def attention_window(engines):
+    """A Mistral with an 8-key sliding window on every layer (prompts up to 40 tokens)."""
+    return engines("attention_window", "compiled", "attention_window", config=ATTN_CONFIG)
+
+
 def eager_reference(model_dir, seq):
     """Hugging Face's own attention weights and v_proj outputs over ``seq``: ({layer: [heads, n, n]}, {layer: [n, kv·d]})."""
     import torch
+    from transformers import AutoModelForCausalLM
 
-    m = hf_model(model_dir)
+    m = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype="float32").eval()
     vs = {}
     for i, layer in enumerate(m.model.layers):
         layer.self_attn.v_proj.register_forward_hook(
@@ -70,3 +77,28 @@ def test_vllm_attention_rows_rebuild_hf_eager_attention(attention):
             got_v = v["activation"][rows][np.argsort(v["position"][rows])]
             np.testing.assert_allclose(got_v, vs[i], rtol=1e-4, atol=1e-5)
     assert peak > 0.6, "attention nearly uniform: the check could not see a wrong mask or head mapping"
+
+
+def test_a_sliding_window_is_read_from_vllm_and_rebuilt(attention_window):
+    """vLLM's own window (Attention.sliding_window, from the checkpoint's config) in the manifest, and patterns that
+    see only the last 8 keys, as Hugging Face eager Mistral does."""
+    import ringscope
+
+    res = attention_window
+    assert res.get("error") is None, res.get("traceback")
+    run = pathlib.Path(res["run_dir"])
+    meta = ringscope.attention_metadata(run)[0]
+    assert [meta[i]["sliding_window"] for i in (0, 1)] == [8, 8]
+    rids = request_ids(res)
+    longest = 0
+    for k, r in enumerate(res["requests"]):
+        seq = r["prompt"] + r["tokens"][:-1]
+        weights, _ = eager_reference(pathlib.Path(res["out"]) / "model", seq)
+        for i in (0, 1):
+            got = ringscope.attention_pattern(run, rids[k], i)
+            np.testing.assert_allclose(got.weights, weights[i], atol=1e-3, rtol=0)
+            # Nothing beyond the window: every query's weights on keys 8 or more before it are 0.
+            q, kk = np.meshgrid(got.query_positions, got.key_positions, indexing="ij")
+            assert (got.weights[:, kk <= q - 8] == 0).all()
+        longest = max(longest, len(seq))
+    assert longest > 16, "no request longer than twice the window"
