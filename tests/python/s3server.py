@@ -77,7 +77,11 @@ class S3Server:
                      f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
                      f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
                      f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                     f"-s3.config={self.config}", "-master.volumeSizeLimitMB=256", "-volume.max=0",
+                     f"-s3.config={self.config}", "-master.volumeSizeLimitMB=256",
+                     # A fixed volume count: with 0 ("auto") SeaweedFS allows free disk / volume size volumes, and each
+                     # bucket takes several, so on a disk with ~11 GB free the tests' 15 buckets ran out of writable
+                     # volumes (PUTs answered 500 InternalError). Volumes are not preallocated: unused ones cost nothing.
+                     "-volume.max=500",
                      "-master.telemetry=false"]
         self.log = workdir / "weed.log"
         self.proc: Optional[subprocess.Popen] = None
