@@ -33,7 +33,7 @@ import ringscope
 import ringscope.torch as rt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import DEV, PROMPT, Decoder, build_model, interleaved, replay  # noqa: E402
+from hf_overhead import DEV, PROMPT, Decoder, build_model, interleaved, recorded_with, replay  # noqa: E402
 
 LAYERS = [0, 5, 10, 15]
 
@@ -52,17 +52,12 @@ def run_batch(model, batch, steps, rounds, out_dir, results):
     for key, sites, layers in (("q_attn_qkv_4_layers", ["attn_q", "attn_k", "attn_v"], LAYERS),
                                ("r_residual_16_layers", ["residual"], None)):
         sessions[key] = session(out_dir, f"{key}-b{batch}")
-        att = rt.attach(model, sessions[key], sites=sites, layers=layers)
-        try:
-            variants[key] = replay(Decoder(model, batch, max_len))
-        finally:
-            att.detach()
+        variants[key] = replay(recorded_with(model, sessions[key], batch, max_len, sites=sites, layers=layers))
     variants["a_graph_2"] = replay(Decoder(model, batch, max_len))
     row = interleaved(variants, steps, rounds)
     for key, s in sessions.items():
         totals = s.close()
         row[key]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
-        row[key]["bytes_exported"] = totals.get("exported_bytes")
     base = row["a_graph"]
     for v in row.values():
         for m in ("median_ms", "p99_ms", "pipelined_ms"):

@@ -89,6 +89,17 @@ class Decoder:
         self.pos += 1
 
 
+def recorded_with(model, session, batch, max_len, **attach):
+    """A :class:`Decoder` whose step was recorded with ringscope attached to ``session`` (``attach``'s keywords;
+    ``sites=["residual"]`` unless given). The graph keeps what the hooks recorded, so they are removed once it is."""
+    attach.setdefault("sites", ["residual"])
+    att = rt.attach(model, session, **attach)
+    try:
+        return Decoder(model, batch, max_len)
+    finally:
+        att.detach()
+
+
 def time_steps(step_fn, n, warm=10, raw=False):
     """Per-step time of `step_fn` (which replays one step): n steps each followed by a sync ("synced"), then n steps
     and one sync ("pipelined")."""
@@ -177,11 +188,7 @@ def run_batch(model, batch, steps, rounds, results):
     # needed while recording: they are removed afterwards (the graph keeps what they recorded).
     for key, defer in (("b_ringscope", True), ("b1_graph_step_per_layer_kernels", False)):
         sessions[key] = cuda_session(capacity="1 GiB", defer_captures=defer)
-        att = rt.attach(model, sessions[key], sites=["residual"])
-        try:
-            variants[key] = replay(Decoder(model, batch, max_len))
-        finally:
-            att.detach()
+        variants[key] = replay(recorded_with(model, sessions[key], batch, max_len))
 
     # (b2) the first design: full mode, begin_step from Python before each replay, one capture kernel per layer.
     sessions["b2_host_step_full"] = cuda_session(capacity="1 GiB", mode="full")

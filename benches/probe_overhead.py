@@ -25,10 +25,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import Decoder, build_model, interleaved, replay, run_parts  # noqa: E402
+from hf_overhead import Decoder, build_model, interleaved, recorded_with, replay, run_parts  # noqa: E402
 
 import ringscope  # noqa: E402
-import ringscope.torch as rt  # noqa: E402
 
 H = 2048
 
@@ -57,11 +56,7 @@ def run_batch(model, batch, steps, rounds, weights, results):
                              ("c_fused_k1", probes_config(L, weights[1]), False),
                              ("d_fused_k16", probes_config(L, weights[16]), False)):
         s = sessions[key] = session(L, probes, raw)
-        att = rt.attach(model, s, sites=["residual"])
-        try:
-            variants[key] = replay(Decoder(model, batch, max_len))
-        finally:
-            att.detach()
+        variants[key] = replay(recorded_with(model, s, batch, max_len))
     variants["a_graph_2"] = replay(Decoder(model, batch, max_len))
     row = interleaved(variants, steps, rounds)
     base = row["a_graph"]
@@ -87,11 +82,7 @@ def agreement(model, weights, results, replays=20):
     L = model.config.num_hidden_layers
     batch = 8
     s = session(L, probes_config(L, weights[16], "fused", "f") + probes_config(L, weights[16], "consumer", "c"))
-    att = rt.attach(model, s, sites=["residual"])
-    try:
-        d = Decoder(model, batch, 16 + replays + 16)
-    finally:
-        att.detach()
+    d = recorded_with(model, s, batch, 16 + replays + 16)
     for _ in range(replays):
         d.graph.replay()
         d.advance()

@@ -253,6 +253,10 @@ def test_bad_requests_are_clear_errors(tmp_path):
             ringscope.attention_pattern(run, bad, 1)
     with pytest.raises(ringscope.RingscopeError, match="layer"):
         ringscope.attention_pattern(run, rid, -1)
+    with pytest.raises(ringscope.RingscopeError, match="head"):
+        ringscope.attention_pattern(run, rid, 1, head=-1)
+    with pytest.raises(ringscope.RingscopeError, match="allow_missing"):
+        ringscope.attention_pattern(run, rid, 1, allow_missing="yes")
     with pytest.raises(ringscope.RingscopeError, match="is not a run directory"):
         ringscope.attention_pattern(tmp_path / "nope", rid, 1)
 
@@ -392,6 +396,24 @@ def test_engine_attention_that_cannot_be_rebuilt_is_refused_by_name():
                      ({"use_irope": True}, "chunked local attention")):
         with pytest.raises(ringscope.RingscopeError, match=says):
             rsg._attention_entry(model, sglang_layer(**kw), 0)
+
+
+def test_gemma2_sites_other_than_attention_are_the_models_own_tensors(tmp_path):
+    """Gemma2 came to `attach` with the attention sites: its residual rows are output_hidden_states (every layer but
+    the last, whose entry is after the final norm) and its attention_output rows the attention module's output."""
+    model, _ = model_of("gemma2")
+    session = session_for(tmp_path, "cpu")
+    rt.attach(model, session, sites=("residual", "attention_output"))
+    attn_out = []
+    h = model.model.layers[1].self_attn.register_forward_hook(lambda m, a, out: attn_out.append(out[0][0].detach()))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    h.remove()
+    session.close()
+    dump = ringscope.read_dump(tmp_path / "r")
+    np.testing.assert_array_equal(dump["layers.0.resid"]["activation"], hs[1][0].numpy())
+    np.testing.assert_array_equal(dump["layers.1.attn_out"]["activation"], attn_out[0].numpy())
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ._args import _int, _path, _u64, _U32_MAX
+from ._args import _flag, _int, _path, _u64, _U32_MAX
 from .errors import RingscopeError
 
 __all__ = ["AttentionPattern", "attention_pattern", "attention_metadata"]
@@ -70,6 +70,27 @@ def _json_safe(value):
     if isinstance(value, float):
         return value if np.isfinite(value) else None
     return str(value)
+
+
+def layer_entry(config, layer: int, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                sliding_window: Optional[int], softcap: Optional[float], module: str, q_head_offset: int = 0,
+                kv_head_offset: int = 0, total_num_heads: Optional[int] = None,
+                total_num_kv_heads: Optional[int] = None, **extra) -> dict:
+    """One layer's entry of ``metadata.attention`` (the layout :func:`attention_metadata` reads), from what the
+    capturing side read off the engine's modules; the RoPE parameters (information only) from the model's
+    ``config``. ``sliding_window``: keys a query sees, itself included (falsy: none); ``softcap``: falsy: none."""
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", None),
+                                                         "rope_scaling": getattr(config, "rope_scaling", None)}
+    return {
+        "layer": layer, "num_heads": int(num_heads), "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim),
+        "q_head_offset": q_head_offset, "kv_head_offset": kv_head_offset,
+        "total_num_heads": int(total_num_heads if total_num_heads is not None else num_heads),
+        "total_num_kv_heads": int(total_num_kv_heads if total_num_kv_heads is not None else num_kv_heads),
+        "scale": float(scale), "causal": True, "sliding_window": int(sliding_window) if sliding_window else None,
+        "softcap": float(softcap) if softcap else None, "sinks": None, "alibi_slopes": None,
+        "rope": _json_safe(rope), "partial_rotary_factor": getattr(config, "partial_rotary_factor", None),
+        "module": module, **extra,
+    }
 
 
 def _manifests(root: pathlib.Path) -> Dict[int, dict]:
@@ -222,7 +243,8 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
     dropped) makes the softmax's denominator unknown: a RingscopeError naming the positions, unless
     ``allow_missing=True`` (see :class:`AttentionPattern`). Clear errors also for a run without attention metadata,
     a layer without it or without both sites, a request with no query rows, a head out of range, downcast rows and
-    variants the rebuild does not implement (ALiBi). ``run`` may be on object storage (``s3://…``): the manifests and
+    variants the rebuild does not implement (ALiBi). Each call reads the layer's ``attn_q`` / ``attn_k`` hookpoints whole
+    (every request's rows), so in a run of many requests it costs a read of those files. ``run`` may be on object storage (``s3://…``): the manifests and
     the two hookpoints' files are downloaded into a temporary directory. Needs pyarrow."""
     from .dump import _fetched, _run_subdirs, read_dump
     from .stream import _object_url
@@ -231,6 +253,7 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
     layer = _int("layer", layer, 0, _U32_MAX)
     if head is not None:
         head = _int("head", head, 0, _U32_MAX)
+    allow_missing = _flag("allow_missing", allow_missing)
     url = _object_url(run)
     if url is not None:
         with _fetched(url, []) as local:

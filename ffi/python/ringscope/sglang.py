@@ -386,22 +386,13 @@ def _attention_entry(model, layer, index: int) -> dict:
         raise RingscopeError("RS_ERR_CONFIG",
                              f"ringscope.sglang: sites {', '.join(_engine.ATTN_SITES)}: layer {index} of "
                              f"{type(model).__name__} {why}, which the attention sites do not capture")
-    from .attention import _json_safe
+    from .attention import layer_entry
 
-    cfg = model.config
-    heads, kv_heads = int(attn.tp_q_head_num), int(attn.tp_k_head_num)
-    window = int(getattr(attn, "sliding_window_size", -1) or -1)
-    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
-                                                     "rope_scaling": getattr(cfg, "rope_scaling", None)}
-    return {
-        "layer": index, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": int(attn.head_dim),
-        "q_head_offset": 0, "kv_head_offset": 0, "total_num_heads": heads, "total_num_kv_heads": kv_heads,
-        "scale": float(attn.scaling), "causal": True, "sliding_window": window + 1 if window >= 0 else None,
-        "softcap": float(attn.logit_cap) if getattr(attn, "logit_cap", 0) else None, "sinks": None,
-        "alibi_slopes": None, "rope": _json_safe(rope),
-        "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
-        "module": f"{type(self_attn).__name__}.attn (RadixAttention)",
-    }
+    window = int(getattr(attn, "sliding_window_size", -1) or -1)  # SGLang keeps W - 1 (-1: none)
+    return layer_entry(model.config, index, num_heads=attn.tp_q_head_num, num_kv_heads=attn.tp_k_head_num,
+                       head_dim=attn.head_dim, scale=attn.scaling,
+                       sliding_window=window + 1 if window >= 0 else None, softcap=getattr(attn, "logit_cap", 0),
+                       module=f"{type(self_attn).__name__}.attn (RadixAttention)")
 
 
 class SglangCapture(EngineCapture):

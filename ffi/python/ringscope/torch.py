@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ._args import _int, _int_array, _timeout_ms, _u32, _U32_MAX, _u64
-from .attention import _json_safe
+from .attention import layer_entry
 from .errors import RingscopeError
 from .session import Session, _capture_device_raw, _capture_host_raw, _submit_captures_raw
 
@@ -771,18 +771,9 @@ def _attention_module(model, layer, index: int, family: str):
                              f"implementation {impl!r} does not apply (transformers passes the cap only to eager, "
                              "flex and flash attention): load the model with attn_implementation=\"eager\" (or flex / "
                              "flash) to capture its attention sites, so that what is rebuilt is what ran")
-    rope_params = getattr(cfg, "rope_parameters", None)
-    if rope_params is None:
-        rope_params = {"rope_theta": getattr(cfg, "rope_theta", None), "rope_scaling": getattr(cfg, "rope_scaling", None)}
-    meta = {
-        "layer": index, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
-        "q_head_offset": 0, "kv_head_offset": 0, "total_num_heads": heads, "total_num_kv_heads": kv_heads,
-        "scale": float(attn.scaling), "causal": True,
-        "sliding_window": int(window) if window is not None else None,
-        "softcap": float(softcap) if softcap else None, "sinks": None, "alibi_slopes": None,
-        "rope": _json_safe(rope_params), "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
-        "module": type(attn).__qualname__, "attn_implementation": impl,
-    }
+    meta = layer_entry(cfg, index, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scale=attn.scaling,
+                       sliding_window=window, softcap=softcap, module=type(attn).__qualname__,
+                       attn_implementation=impl)
     return attn, rope, meta
 
 

@@ -313,11 +313,6 @@ def _attention_width(entry: dict, site: str) -> int:
     return (entry["num_heads"] if site == "attn_q" else entry["num_kv_heads"]) * entry["head_dim"]
 
 
-def _scalar(x) -> Optional[float]:
-    """A float setting of an attention backend, None for "none" (vLLM says 0 or None for no soft-cap)."""
-    return float(x) if x else None
-
-
 def _attention_entry(model, layer, index: int, rank: int) -> dict:
     """The attention metadata of decoder layer ``index`` as this rank runs it (see
     :func:`ringscope.attention_metadata`), or a RingscopeError naming why its attention cannot be captured for an
@@ -360,22 +355,15 @@ def _attention_entry(model, layer, index: int, rank: int) -> dict:
     # Tensor parallelism: rank r holds query heads [r·H/tp, (r+1)·H/tp) and KV heads split the same way, or, when
     # there are fewer KV heads than ranks, KV head r·KV/tp replicated.
     tp = max(total // max(heads, 1), 1)
-    window = attn.sliding_window
-    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
-                                                     "rope_scaling": getattr(cfg, "rope_scaling", None)}
-    from .attention import _json_safe
+    from .attention import layer_entry
 
-    return {
-        "layer": index, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": int(attn.head_size),
-        "q_head_offset": rank % tp * heads,
-        "kv_head_offset": rank % tp * kv_heads if total_kv >= tp else rank % tp * total_kv // tp,
-        "total_num_heads": total, "total_num_kv_heads": total_kv,
-        "scale": float(impl.scale if impl is not None and hasattr(impl, "scale") else attn.scale),
-        "causal": True, "sliding_window": int(window) if window else None,
-        "softcap": _scalar(getattr(impl, "logits_soft_cap", None)), "sinks": None, "alibi_slopes": None,
-        "rope": _json_safe(rope), "partial_rotary_factor": getattr(cfg, "partial_rotary_factor", None),
-        "module": f"{type(self_attn).__name__}.attn ({type(impl).__name__})",
-    }
+    return layer_entry(
+        cfg, index, num_heads=heads, num_kv_heads=kv_heads, head_dim=attn.head_size,
+        scale=impl.scale if impl is not None and hasattr(impl, "scale") else attn.scale,
+        sliding_window=attn.sliding_window, softcap=getattr(impl, "logits_soft_cap", None),  # vLLM: 0 = none
+        module=f"{type(self_attn).__name__}.attn ({type(impl).__name__})", q_head_offset=rank % tp * heads,
+        kv_head_offset=rank % tp * kv_heads if total_kv >= tp else rank % tp * total_kv // tp,
+        total_num_heads=total, total_num_kv_heads=total_kv)
 
 
 class VllmCapture(EngineCapture):
