@@ -7,7 +7,7 @@ Cost: the 1B-shaped Llama of benches/hf_overhead.py (16 layers, hidden 2048, 32 
 random weights), decode over HF's StaticCache, each step recorded once as a CUDA graph and replayed (no host call per
 step). Variants, interleaved in rounds in this one process: (a) no capture, twice (two recordings of the plain step:
 the comparison's resolution); (q) ``attach(sites=["attn_q", "attn_k", "attn_v"], layers=LAYERS)`` — the query and
-key after RoPE (one more RoPE of the layer's q and k, recorded in the graph) and the value of 4 layers; (r) the
+key after RoPE (the outputs of the model's own apply_rotary_pos_emb, nothing recomputed) and the value of 4 layers; (r) the
 residual stream of all 16 layers, for scale. Both capture variants: CUDA ring (2 GiB, best-effort,
 ``defer_captures``), Parquet files written by the exporter as the steps run. Per batch size (1, 8, 64): median and
 p99 of the per-step time synchronised every step, and the pipelined mean. Bytes per token are printed: q/k/v are the

@@ -141,6 +141,88 @@ def test_rows_are_the_tensors_the_attention_function_receives(tmp_path, monkeypa
     assert set(dump) == {"layers.1.attn_q", "layers.1.attn_k", "layers.1.attn_v"}
 
 
+def test_the_rows_come_from_the_models_own_rope_wrapped_only_while_attached(tmp_path):
+    """Nothing is computed again: the rows are the outputs of the model's apply_rotary_pos_emb, wrapped while an
+    attachment needs it. A model of the same family that is not attached runs as before and adds no rows; two
+    models attached at once each get their own rows; detaching the last puts the original function back."""
+    from transformers.models.llama import modeling_llama
+
+    def users():  # taps using the wrapper (attachments of earlier tests that were never detached count too)
+        patch = rt._RotaryPatch._by_module.get(modeling_llama.__name__)
+        return patch.users if patch is not None else 0
+
+    before = users()
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__", modeling_llama.apply_rotary_pos_emb)
+    (a, _), (b, _), (plain, _) = model_of("llama"), model_of("llama"), model_of("llama")
+    with torch.no_grad():
+        for p in b.parameters():  # b differs from a: rows swapped between the two would show
+            p.mul_(0.5)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        want = plain(ids).logits
+    one, two = session_for(tmp_path, "cpu", "one"), session_for(tmp_path, "cpu", "two")
+    att_a = rt.attach(a, one, sites=("attn_q", "attn_k"))
+    att_b = rt.attach(b, two, sites=("attn_k",), layers=[1])
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is original and users() == before + 3
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, want, rtol=0, atol=0)  # not attached: not captured
+        a(ids)
+        b(ids)
+    att_b.detach()
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is original and users() == before + 2  # a needs it
+    with torch.no_grad():
+        a(ids[:1])
+    att_a.detach()
+    assert users() == before
+    if before == 0:
+        assert modeling_llama.apply_rotary_pos_emb is original
+    assert one.close()["dropped_rows"] == 0 and two.close()["dropped_rows"] == 0
+    d1, d2 = ringscope.read_dump(tmp_path / "one"), ringscope.read_dump(tmp_path / "two")
+    assert sorted(d1) == ["layers.0.attn_k", "layers.0.attn_q", "layers.1.attn_k", "layers.1.attn_q"]
+    assert list(d2) == ["layers.1.attn_k"]
+    for name in d1:
+        assert d1[name]["activation"].shape[0] == 8 + 4, name  # two steps: 2 x 4 tokens, then 1 x 4
+    assert d2["layers.1.attn_k"]["activation"].shape[0] == 8
+
+    def keys(model, layer):  # the keys the model's cache holds: what its attention used
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+        k = out.past_key_values.layers[layer].keys  # [batch, kv heads, seq, head_dim], post-RoPE
+        return k.transpose(1, 2).reshape(8, -1).numpy()
+
+    np.testing.assert_array_equal(d1["layers.1.attn_k"]["activation"][:8], keys(a, 1))
+    np.testing.assert_array_equal(d2["layers.1.attn_k"]["activation"], keys(b, 1))
+    assert not np.array_equal(keys(a, 1), keys(b, 1))
+    with torch.no_grad():  # detached: the model runs without ringscope
+        torch.testing.assert_close(a(ids).logits, want, rtol=0, atol=0)
+
+
+def test_attention_that_does_not_call_its_rope_is_a_clear_error(tmp_path, monkeypatch):
+    """An attention module whose forward calls no apply_rotary_pos_emb of its module is refused at attach; one whose
+    function was replaced after attach (a kernel library patching the model) fails its first forward pass, naming the
+    layer, instead of capturing nothing."""
+    from transformers.models.llama import modeling_llama
+
+    class OwnAttention(modeling_llama.LlamaAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model, _ = model_of("llama")
+    model.model.layers[1].self_attn.__class__ = OwnAttention
+    with pytest.raises(ringscope.RingscopeError, match=r"layer 1's attention \(.*OwnAttention\) does not call an "
+                                                        r"apply_rotary_pos_emb"):
+        rt.attach(model, session_for(tmp_path, "cpu", "own"), sites=("attn_k",))
+    session = session_for(tmp_path, "cpu")
+    att = rt.attach(model, session, sites=("attn_q",), layers=[0])
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, unsqueeze_dim=1: (q, k))
+    with pytest.raises(ringscope.RingscopeError, match=r"returned without calling its modeling module's "
+                                                        r"apply_rotary_pos_emb.* \(layer 0\)"):
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7]]))
+    att.detach()
+    session.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_prefill_and_decode_steps_rebuild_the_whole_sequence(tmp_path, device):
     """Keys gathered over steps (the prompt's prefill, then one token per decode step) give the weights a single

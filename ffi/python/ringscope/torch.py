@@ -679,51 +679,140 @@ class Attachment:
             self.session.set_rows(hp, self._rows_setting)
 
 
+_NO_ROTARY = ("attach: an attention module with attn_q / attn_k attached returned without calling its modeling module's "
+              "apply_rotary_pos_emb, whose outputs those sites capture (an attention forward replaced, or RoPE "
+              "applied another way): its query and key rows cannot be captured")
+_NO_ROTARY_TRACED = _NO_ROTARY + " [RS_ERR_INVALID_ARGUMENT]"
+
+
+class _RotaryPatch:
+    """The ``apply_rotary_pos_emb`` of one Hugging Face modeling module, replaced while attention sites are attached
+    by a wrapper that calls the original and hands its outputs — the rotated query and key the attention function
+    then receives — to the :class:`_AttentionTap` s of the attention module that is running (``active``: set by their
+    pre-forward hooks, cleared by their forward hooks; several when several attachments capture one module). With no
+    tap active the wrapper only calls the original. One per modeling module, shared by every attachment that uses it;
+    the original is put back when the last one detaches.
+
+    The attention modules' ``forward`` look the function up in their module's globals at each call, so the wrapper
+    is what runs (and what torch.compile traces; a compiled graph guards on the global and recompiles after a
+    change). Forward passes of two models of one family in two threads at once are not supported while attached
+    (what is active is per modeling module, not per thread); a tap that gets no rotated tensors says so."""
+
+    _by_module: Dict[str, "_RotaryPatch"] = {}
+
+    def __init__(self, module, original) -> None:
+        import inspect
+
+        self.module, self.original = module, original
+        self.active: Optional[List["_AttentionTap"]] = None
+        # The taps of each attention module (one list per module, shared by its taps: what `active` is set to).
+        self.taps: "weakref.WeakKeyDictionary[Any, List[_AttentionTap]]" = weakref.WeakKeyDictionary()
+        self.users = 0
+        default = inspect.signature(original).parameters["unsqueeze_dim"].default
+        patch = self
+
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            out = original(q, k, cos, sin, *args, **kwargs)
+            taps = patch.active
+            if taps is not None:
+                rotated = (out[0], out[1], kwargs.get("unsqueeze_dim", args[0] if args else default))
+                for tap in taps:
+                    tap.rotated = rotated
+            return out
+
+        apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
+        self.wrapper = apply_rotary_pos_emb
+
+    @classmethod
+    def of(cls, module) -> "_RotaryPatch":
+        """The patch of ``module`` (a modeling module), made on first use."""
+        patch = cls._by_module.get(module.__name__)
+        if patch is None or patch.module is not module:
+            patch = cls._by_module[module.__name__] = cls(module, module.apply_rotary_pos_emb)
+        return patch
+
+    def add(self, attn, tap: "_AttentionTap") -> "_RotaryPatch._Added":
+        """Installs the wrapper (if it is not there) and adds ``tap`` to ``attn``'s taps: the list its hooks make
+        active. The handle's ``remove`` undoes both."""
+        if self.module.apply_rotary_pos_emb is not self.wrapper:
+            self.module.apply_rotary_pos_emb = self.wrapper
+        self.users += 1
+        peers = self.taps.setdefault(attn, [])
+        peers.append(tap)
+        return _RotaryPatch._Added(self, peers, tap)
+
+    class _Added:
+        def __init__(self, patch: "_RotaryPatch", peers: List["_AttentionTap"], tap: "_AttentionTap") -> None:
+            self.patch: Optional[_RotaryPatch] = patch
+            self.peers, self.tap = peers, tap
+
+        def remove(self) -> None:
+            patch, self.patch = self.patch, None
+            if patch is None:
+                return
+            self.peers.remove(self.tap)
+            self.tap.rotated = None
+            patch.users -= 1
+            if patch.users == 0:
+                patch.active = None
+                if patch.module.apply_rotary_pos_emb is patch.wrapper:
+                    patch.module.apply_rotary_pos_emb = patch.original
+                if _RotaryPatch._by_module.get(patch.module.__name__) is patch:
+                    del _RotaryPatch._by_module[patch.module.__name__]
+
+
 class _AttentionTap:
-    """The ``attn_q`` / ``attn_k`` / ``attn_v`` captures of one Hugging Face attention module (Llama, Qwen2/3,
-    Mistral, Gemma2): what the attention function receives for the step's new tokens, without forking model code.
+    """The ``attn_q`` / ``attn_k`` captures of one Hugging Face attention module (Llama, Qwen2/3, Mistral, Gemma2)
+    for one attachment: the query and key after RoPE exactly as the attention function receives them for the step's
+    new tokens, without forking model code and without computing anything again.
 
-    Forward hooks on the query and key sources (``q_norm`` / ``k_norm`` where the model normalises heads before RoPE,
-    else ``q_proj`` / ``k_proj``) keep their outputs; a forward hook on the attention module (which the decoder layer
-    calls with keywords) applies the model's own ``apply_rotary_pos_emb`` to them with the ``position_embeddings``
-    the module was given — the same element-wise formula, on the same ``cos``/``sin``, in the same dtype, so the rows
-    are the model's post-RoPE query and key (bit for bit in eager mode) — and captures them as ``[tokens, heads ×
-    head_dim]`` rows. ``v_proj``'s output is the value as the model uses it. Only device tensor ops of static shapes:
-    recordable into CUDA graphs and traceable by torch.compile like every other site. The cost: one more RoPE of the
-    layer's query and key, and the copies."""
+    A pre-forward hook on the attention module makes its taps the active ones of its modeling module's
+    :class:`_RotaryPatch`; the patched ``apply_rotary_pos_emb`` hands them the tensors the model just rotated
+    (``[batch, heads, seq, head_dim]``); the module's forward hook captures them as ``[tokens, heads × head_dim]``
+    rows — the model's own tensors, so bit for bit what attention used, whatever the dtype or device. (``attn_v`` is
+    ``v_proj``'s output as it is, captured by an ordinary hook.) Device tensor ops of static shapes only: recordable
+    into CUDA graphs and traceable by torch.compile like every other site. The cost: the captures, plus a copy of q
+    and of k into token-major rows where their memory is head-major and a step has more than one token."""
 
-    def __init__(self, att: "Attachment", attn, rope, heads: int, kv_heads: int, head_dim: int,
-                 q: Optional[Tuple[int, int]], k: Optional[Tuple[int, int]]):
-        self.att, self.rope = att, rope
+    def __init__(self, att: "Attachment", attn, patch: _RotaryPatch, layer: int, heads: int, kv_heads: int,
+                 head_dim: int, q: Optional[Tuple[int, int]], k: Optional[Tuple[int, int]]):
+        self.att, self.patch, self.layer = att, patch, layer
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_hp, self.k_hp = q, k  # (hookpoint, row width) or None
-        self.q: Optional[torch.Tensor] = None
-        self.k: Optional[torch.Tensor] = None
-        q_src = attn.q_norm if getattr(attn, "q_norm", None) is not None else attn.q_proj
-        k_src = attn.k_norm if getattr(attn, "k_norm", None) is not None else attn.k_proj
-        att._handles.append(q_src.register_forward_hook(self._keep_q))
-        att._handles.append(k_src.register_forward_hook(self._keep_k))
-        att._handles.append(attn.register_forward_hook(self._after, with_kwargs=True))
+        self.rotated: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
+        self.peers = patch.taps.setdefault(attn, [])
+        att._handles.append(patch.add(attn, self))
+        att._handles.append(attn.register_forward_pre_hook(self._before))
+        att._handles.append(attn.register_forward_hook(self._after))
 
-    def _keep_q(self, module, args, output):
-        self.q = _first(output)
+    def _before(self, module, args):
+        self.rotated = None
+        self.patch.active = self.peers
 
-    def _keep_k(self, module, args, output):
-        self.k = _first(output)
-
-    def _after(self, module, args, kwargs, output):
-        q, k, self.q, self.k = self.q, self.k, None, None
-        pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-        if q is None or k is None or pe is None:
-            return  # not called as the decoder calls it (no position_embeddings): nothing that can be rotated
-        cos, sin = pe
-        b, s = q.shape[0], q.shape[1]
-        q, k = self.rope(q.reshape(b, s, self.heads, self.head_dim), k.reshape(b, s, self.kv_heads, self.head_dim),
-                         cos, sin, unsqueeze_dim=2)
+    def _after(self, module, args, output):
+        rotated, self.rotated = self.rotated, None
+        self.patch.active = None
+        if rotated is None:
+            if torch.compiler.is_compiling():
+                torch._check(False, lambda: _NO_ROTARY_TRACED)
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_NO_ROTARY} (layer {self.layer})")
+        q, k, unsqueeze_dim = rotated
         if self.q_hp is not None:
-            self.att._capture(q.reshape(b, s, -1).contiguous(), *self.q_hp)
+            self.att._capture(self._rows(q, unsqueeze_dim, self.heads), *self.q_hp)
         if self.k_hp is not None:
-            self.att._capture(k.reshape(b, s, -1).contiguous(), *self.k_hp)
+            self.att._capture(self._rows(k, unsqueeze_dim, self.kv_heads), *self.k_hp)
+
+    def _rows(self, x: torch.Tensor, unsqueeze_dim: int, heads: int) -> torch.Tensor:
+        """``x`` (``[batch, heads, seq, head_dim]``, or ``[batch, seq, heads, head_dim]`` when the model rotated with
+        ``unsqueeze_dim=2``) as contiguous ``[batch, seq, heads × head_dim]`` rows."""
+        if unsqueeze_dim == 1:
+            x = x.transpose(1, 2)
+        if x.dim() != 4 or x.shape[2] != heads or x.shape[3] != self.head_dim:
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"attach: layer {self.layer}'s apply_rotary_pos_emb returned a tensor of shape "
+                                 f"{tuple(x.shape)} (unsqueeze_dim={unsqueeze_dim}), not [batch, seq, {heads}, "
+                                 f"{self.head_dim}] as the layer's heads and head_dim say")
+        return x.reshape(x.shape[0], x.shape[1], heads * self.head_dim).contiguous()
 
 
 def _attention_module(model, layer, index: int, family: str):
@@ -739,11 +828,17 @@ def _attention_module(model, layer, index: int, family: str):
                              f"attach: sites {', '.join(_ATTN_SITES)} are not supported for model type {mt!r} "
                              f"(supported: {', '.join(ATTENTION_MODEL_TYPES)})")
     attn = layer.self_attn
-    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-    if rope is None or "unsqueeze_dim" not in inspect.signature(rope).parameters:
+    modeling = sys.modules.get(type(attn).__module__)
+    rope = getattr(modeling, "apply_rotary_pos_emb", None)
+    try:
+        calls = "apply_rotary_pos_emb(" in inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        calls = True  # no source to read (a frozen build): the tap says so at the first forward pass if not
+    # (signature() reads through the wrapper of an attachment already there: it sets __wrapped__)
+    if rope is None or "unsqueeze_dim" not in inspect.signature(rope).parameters or not calls:
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                             f"attach: layer {index}'s attention ({type(attn).__qualname__}) has no "
-                             "apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim) in its module: its query and key "
+                             f"attach: layer {index}'s attention ({type(attn).__qualname__}) does not call an "
+                             "apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim) of its module: its query and key "
                              "after RoPE cannot be captured")
     cfg = model.config
     heads = cfg.num_attention_heads
@@ -774,7 +869,7 @@ def _attention_module(model, layer, index: int, family: str):
     meta = layer_entry(cfg, index, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scale=attn.scaling,
                        sliding_window=window, softcap=softcap, module=type(attn).__qualname__,
                        attn_implementation=impl)
-    return attn, rope, meta
+    return attn, modeling, meta
 
 
 def _hookpoint(session: Session, name: str, site: str, layer: Optional[int], dtype: str, width: int) -> int:
@@ -868,7 +963,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
     # What will be captured: (name, site, layer, row width, module, pick); module None: an _AttentionTap's.
     planned: List[Tuple[str, str, Optional[int], int, Any, Callable[[Any], Any]]] = []
-    attention: List[Tuple[int, Any, Any, dict]] = []  # (layer, attention module, its RoPE, metadata) for attn sites
+    attention: List[Tuple[int, Any, Any, dict]] = []  # (layer, attention module, its modeling module, metadata)
     for i in chosen:
         layer = decoder_layers[i]
         if "residual" in sites:
@@ -879,7 +974,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         if "mlp_output" in sites:
             planned.append((f"layers.{i}.mlp_out", "mlp_output", i, hidden, layer.mlp, _first))
         if any(s in sites for s in _ATTN_SITES):
-            attn, rope, meta = _attention_module(model, layer, i, family)
+            attn, modeling, meta = _attention_module(model, layer, i, family)
             q_w, kv_w = meta["num_heads"] * meta["head_dim"], meta["num_kv_heads"] * meta["head_dim"]
             meta["hookpoints"] = {}
             # q and k: captured by the layer's _AttentionTap (module None here); v: v_proj's output as it is.
@@ -887,7 +982,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                 if site in sites:
                     planned.append((f"layers.{i}.{site}", site, i, width, module, _first))
                     meta["hookpoints"][site[-1]] = f"layers.{i}.{site}"
-            attention.append((i, attn, rope, meta))
+            attention.append((i, attn, modeling, meta))
     if "final_norm" in sites:
         planned.append(("final_norm", "final_norm", None, hidden, final_norm, _first))
     if "logits" in sites:
@@ -916,10 +1011,11 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
             session.set_rows(att.hookpoints[name], rows)
         if module is not None:
             att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
-    for i, attn, rope, meta in attention:
+    for i, attn, modeling, meta in attention:
         q, k = (f"layers.{i}.attn_q", f"layers.{i}.attn_k")
         if q in att.hookpoints or k in att.hookpoints:
-            _AttentionTap(att, attn, rope, meta["num_heads"], meta["num_kv_heads"], meta["head_dim"],
+            _AttentionTap(att, attn, _RotaryPatch.of(modeling), i, meta["num_heads"], meta["num_kv_heads"],
+                          meta["head_dim"],
                           (att.hookpoints[q], att._widths[att.hookpoints[q]]) if q in att.hookpoints else None,
                           (att.hookpoints[k], att._widths[att.hookpoints[k]]) if k in att.hookpoints else None)
     if attention:
