@@ -87,6 +87,28 @@ def test_a_run_dumped_to_arrow_ipc_only_reads_the_same_rows(ipc_only_run):
         ringscope.read_dump(ipc, hookpoint="nope")
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_read_dump_of_one_request_gives_exactly_its_rows(ipc_only_run, fmt):
+    """read_dump(..., request=R): the rows of R that a whole read holds, in the same order, nothing else; a request
+    with no rows leaves the hookpoints out; a request id that is not one is a clear error."""
+    run = ipc_only_run[0] if fmt == "parquet" else ipc_only_run[1]
+    whole = ringscope.read_dump(run)
+    for request in (3, 5, 8):
+        got = ringscope.read_dump(run, request=request)
+        assert sorted(got) == sorted(whole)
+        for name, cols in whole.items():
+            keep = cols["request_id"] == request
+            assert keep.sum() == 60
+            for column in ("step", "request_id", "position", "layer", "rank", "activation", "downcast"):
+                np.testing.assert_array_equal(got[name][column], cols[column][keep], err_msg=f"{name} {column}")
+            assert got[name]["dtype"] == "bf16"
+    assert ringscope.read_dump(run, request=4) == {}
+    assert list(ringscope.read_dump(run, "layers.1.resid", request=5)) == ["layers.1.resid"]
+    for bad in (-1, 2**64, 1.0, "3"):
+        with pytest.raises(ringscope.RingscopeError, match="request"):
+            ringscope.read_dump(run, request=bad)
+
+
 def test_a_flipped_byte_in_an_arrow_ipc_batch_is_an_error_naming_the_file(ipc_only_run):
     import json
 

@@ -80,6 +80,16 @@ def test_read_dump_dequantizes_and_marks_downcast_rows(run):
     assert t["dtype"] == "i32" and not t["downcast"].any()
 
 
+def test_read_dump_of_one_request_reads_its_downcast_and_full_rows(run):
+    run_dir, sent = run
+    whole = ringscope.read_dump(run_dir, hookpoint="layers.0.resid")["layers.0.resid"]
+    d = ringscope.read_dump(run_dir, hookpoint="layers.0.resid", request=11)["layers.0.resid"]
+    keep = whole["request_id"] == 11
+    assert d["dtype"] == "f32" and d["downcast"].any() and not d["downcast"].all()
+    for column in ("step", "request_id", "position", "activation", "downcast"):
+        np.testing.assert_array_equal(d[column], whole[column][keep], err_msg=column)
+
+
 @pytest.mark.parametrize("fmt", ["arrow", "parquet"])
 def test_iter_batches_yields_downcast_rows_as_floats_in_batches_of_their_own(run, fmt):
     run_dir, sent = run

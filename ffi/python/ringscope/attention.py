@@ -155,10 +155,13 @@ def _ranges(positions: np.ndarray) -> str:
 
 def _rows(dump: dict, name: str, rank: int, request: int, width: int):
     """(positions, float32 rows) of ``request`` in hookpoint ``name`` on ``rank``: one row per position, the one of the
-    latest step where a position was computed more than once (recomputation after preemption)."""
+    latest step where a position was computed more than once (recomputation after preemption). ``dump[name]`` None:
+    the request has no rows there."""
     from .dtypes import _as_float32
 
     cols = dump[name]
+    if cols is None:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.float32)
     if cols["downcast"].any():
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                              f"rows of {name} were downcast to E4M3 on capture: too coarse to rebuild attention; "
@@ -243,8 +246,8 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
     dropped) makes the softmax's denominator unknown: a RingscopeError naming the positions, unless
     ``allow_missing=True`` (see :class:`AttentionPattern`). Clear errors also for a run without attention metadata,
     a layer without it or without both sites, a request with no query rows, a head out of range, downcast rows and
-    variants the rebuild does not implement (ALiBi). Each call reads the layer's ``attn_q`` / ``attn_k`` hookpoints whole
-    (every request's rows), so in a run of many requests it costs a read of those files. ``run`` may be on object storage (``s3://…``): the manifests and
+    variants the rebuild does not implement (ALiBi). Each call reads the request's rows of the layer's ``attn_q`` /
+    ``attn_k`` hookpoints (``read_dump(..., request=)``: Parquet row groups that cannot hold them are skipped). ``run`` may be on object storage (``s3://…``): the manifests and
     the two hookpoints' files are downloaded into a temporary directory. Needs pyarrow."""
     from .dump import _fetched, _run_subdirs, read_dump
     from .stream import _object_url
@@ -304,14 +307,13 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
                                  f"{_ranges(np.array(held))})")
         entries = holding[:1]
 
-    dumps: Dict[str, dict] = {}
+    # Only the request's rows are read (Parquet row groups that cannot hold them are skipped); None: it has none.
+    dumps: Dict[str, Optional[dict]] = {}
     for entry, _ in entries:
         for k in ("q", "k"):
             name = entry["hookpoints"][k]
             if name not in dumps:
-                dumps.update(read_dump(root, name))
-                if name not in dumps:
-                    raise RingscopeError("RS_ERR_IO", f"{name} holds no rows in {root}")
+                dumps[name] = read_dump(root, name, request=request).get(name)
 
     weights: List[np.ndarray] = []
     heads: List[int] = []
@@ -323,7 +325,7 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         qpos, q = _rows(dumps, e["hookpoints"]["q"], rank, request, nh * d)
         kpos, k = _rows(dumps, e["hookpoints"]["k"], rank, request, nkv * d)
         if len(qpos) == 0:
-            ids = np.unique(dumps[e["hookpoints"]["q"]]["request_id"])
+            ids = np.unique(read_dump(root, e["hookpoints"]["q"])[e["hookpoints"]["q"]]["request_id"])
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"request {request} has no {e['hookpoints']['q']} rows"
                                  f"{f' on rank {rank}' if len(entries) > 1 else ''} in {root} (requests there: "

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from .errors import RingscopeError
-from ._args import _path, _text
+from ._args import _path, _text, _u64
 from .dtypes import _as_float32, dequantize_rowscaled, _NUMPY_FOR_DTYPE, ROWSCALED
 from .stream import _object_url
 
@@ -21,10 +21,19 @@ _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or whe
                 "after Session.close()")
 
 
-def _read_checked(part: "pathlib.Path | list"):
+def _request_filter(request: Optional[int]):
+    """The pyarrow expression selecting the rows of ``request`` (None: every row)."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    return None if request is None else ds.field("request_id") == pa.scalar(request, pa.uint64())
+
+
+def _read_checked(part: "pathlib.Path | list", request: Optional[int] = None):
     """The table of one hookpoint's Parquet files (its partition directory, whose `_`-prefixed downcast series pyarrow
     skips; or a list of files), each page's CRC checked (the writer puts one in every page header); a file whose bytes
-    are not as written is a RingscopeError naming it."""
+    are not as written is a RingscopeError naming it. ``request``: only that request's rows (row groups whose
+    request-id statistics exclude it are not read)."""
     import pyarrow as pa
     import pyarrow.dataset as ds
 
@@ -35,7 +44,7 @@ def _read_checked(part: "pathlib.Path | list"):
     else:
         dataset = ds.dataset(str(part), format=checked, partitioning="hive")
     try:
-        return dataset.to_table()
+        return dataset.to_table(filter=_request_filter(request))
     except (OSError, pa.ArrowException) as e:
         failure = e
     # pyarrow does not say which file failed: read them one by one to name it.
@@ -47,17 +56,22 @@ def _read_checked(part: "pathlib.Path | list"):
     raise RingscopeError("RS_ERR_IO", f"cannot read {part}: {failure}") from failure
 
 
-def _read_ipc_checked(files: list):
+def _read_ipc_checked(files: list, request: Optional[int] = None):
     """The table of Arrow IPC files (read, not memory-mapped), every record batch checked against its CRC-32 in the file's
-    footer; a file whose bytes are not as written is a RingscopeError naming it."""
+    footer; a file whose bytes are not as written is a RingscopeError naming it. ``request``: only that request's
+    rows are kept (every batch is still read and checked)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     from .stream import _record_batches
 
     batches = []
     for f in files:
         try:
-            batches += list(_record_batches("arrow", f, None, verify=True))
+            for b in _record_batches("arrow", f, None, verify=True):
+                if request is not None:
+                    b = b.filter(pc.equal(b.column("request_id"), pa.scalar(request, pa.uint64())))
+                batches.append(b)
         except (OSError, pa.ArrowInvalid) as e:
             raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
     return pa.Table.from_batches(batches)
@@ -134,7 +148,8 @@ def _run_subdirs(url: str, hookpoint: Optional[str]) -> list:
     return parquet or out
 
 
-def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False) -> dict:
+def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False,
+              request: Optional[int] = None) -> dict:
     """Reads a dump (a run directory: its Parquet files, or its Arrow IPC files when it has no Parquet) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
     ``position``, ``layer``, ``rank`` as numpy arrays, and ``activation`` as an array of shape (rows, row_width)
     with the right dtype — bf16 as ``torch.bfloat16`` when ``as_torch`` (every column becomes a torch tensor then;
@@ -144,7 +159,9 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     ``downcast`` (bool per row) marks rows that were downcast on capture (``Session.set_downcast``): a hookpoint
     with any has its ``activation`` as float32 for every row (full-precision rows converted exactly, downcast rows
     dequantized: E4M3 × the row's scale), and ``dtype`` ``"f32"``; ``source_dtype`` is the hookpoint's own dtype.
-    Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one. Raises
+    Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one.
+    ``request``: only the rows of that request id (a hookpoint without any is left out); Parquet row groups whose
+    request-id statistics rule it out are skipped, the rest are read and checked as always. Raises
     :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
     run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
     file's bytes are not as written — every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
@@ -153,13 +170,15 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     ``gs://``, ``az://``; credentials and endpoint from the environment, as pyarrow takes them: ``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID``, ...): its files (those of ``hookpoint`` only, when given) are downloaded into a temporary
     directory, read as above, and removed. Needs pyarrow."""
+    if request is not None:
+        request = _u64("request", request)
     url = _object_url(path)
     if url is not None:
         if hookpoint is not None:
             _text("hookpoint", hookpoint)
         with _fetched(url, _run_subdirs(url, hookpoint)) as local:
             try:
-                return read_dump(local, hookpoint, as_torch)
+                return read_dump(local, hookpoint, as_torch, request)
             except RingscopeError as e:
                 raise RingscopeError(e.status, str(e.message).replace(str(local), url)) from e
     root = pathlib.Path(os.fsdecode(_path("path", path)))
@@ -209,11 +228,13 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         _Series(name, True).check_files(ext, downcast_files)
         pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
         if full_files:
-            t = _read_checked(part) if ext == "parquet" else _read_ipc_checked(full_files)
+            t = _read_checked(part, request) if ext == "parquet" else _read_ipc_checked(full_files, request)
             meta = t.schema.field("activation").metadata or {}
-            pieces.append((t, meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()))
+            if t.num_rows:  # (none: a request's rows asked for, and none here)
+                pieces.append((t, meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()))
         if downcast_files:
-            t = _read_checked(downcast_files) if ext == "parquet" else _read_ipc_checked(downcast_files)
+            t = (_read_checked(downcast_files, request) if ext == "parquet"
+                 else _read_ipc_checked(downcast_files, request))
             pieces.append((t, ROWSCALED))
         pieces = [(t, d) for t, d in pieces if t.num_rows > 0]
         if not pieces:
