@@ -196,6 +196,47 @@ def test_a_python_session_dumps_to_s3_and_reads_back_exactly(s3env):
     assert len(_objects(s3env, f"{bucket}/runs/p1", ".parquet")) >= 2, "rotated into several objects"
 
 
+def test_one_requests_rows_are_read_in_place_from_s3(s3env, monkeypatch):
+    """read_dump(url, request=R) of a Parquet run on S3 reads the objects in place — their footers and the row groups
+    that may hold R, nothing downloaded — and gives the rows of R a whole read gives; a changed object is an error
+    naming its URL."""
+    from ringscope import dump as dump_module
+
+    bucket = s3env.bucket("request")
+    s, hp = _session(f"s3://{bucket}/runs", "rq", max_file_size="1 MiB")
+    _capture(s, hp, _rows(2, 600), per_step=3)
+    s.close()
+    url = f"s3://{bucket}/runs/rq"
+    whole = ringscope.read_dump(url)["layers.0.resid"]
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("read_dump(request=) downloaded the run")
+
+    monkeypatch.setattr(dump_module, "_fetched", no_download)
+    for request in (1, 2, 3):
+        got = ringscope.read_dump(url, request=request)["layers.0.resid"]
+        keep = whole["request_id"] == request
+        assert keep.sum() == 200
+        for column in ("step", "request_id", "position", "rank", "activation", "downcast"):
+            np.testing.assert_array_equal(got[column], whole[column][keep], err_msg=column)
+    assert ringscope.read_dump(url, request=9) == {}
+    with pytest.raises(ringscope.RingscopeError, match=rf"'nope' is not in {url}; it holds 'layers.0.resid'"):
+        ringscope.read_dump(url, "nope", request=1)
+    # A changed byte in the middle of an object (a data page): the read names the object's URL.
+    fs = s3env.filesystem()
+    victim = sorted(_objects(s3env, f"{bucket}/runs/rq", ".parquet"))[0]
+    path = f"{bucket}/runs/rq/{victim}"
+    with fs.open_input_file(path) as f:
+        data = bytearray(f.read())
+    data[len(data) // 3] ^= 0x10
+    with fs.open_output_stream(path) as f:
+        f.write(bytes(data))
+    with pytest.raises(ringscope.RingscopeError, match=rf"s3://{path} is corrupt") as e:
+        for request in (1, 2, 3):
+            ringscope.read_dump(url, request=request)
+    assert e.value.status == "RS_ERR_IO"
+
+
 def test_ranks_share_one_run_and_a_second_writer_of_a_rank_is_refused(s3env):
     bucket = s3env.bucket("ranks")
     url = f"s3://{bucket}/tp"

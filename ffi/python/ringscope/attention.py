@@ -247,9 +247,11 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
     ``allow_missing=True`` (see :class:`AttentionPattern`). Clear errors also for a run without attention metadata,
     a layer without it or without both sites, a request with no query rows, a head out of range, downcast rows and
     variants the rebuild does not implement (ALiBi). Each call reads the request's rows of the layer's ``attn_q`` /
-    ``attn_k`` hookpoints (``read_dump(..., request=)``: Parquet row groups that cannot hold them are skipped). ``run`` may be on object storage (``s3://…``): the manifests and
-    the two hookpoints' files are downloaded into a temporary directory. Needs pyarrow."""
-    from .dump import _fetched, _run_subdirs, read_dump
+    ``attn_k`` hookpoints (``read_dump(..., request=)``: Parquet row groups that cannot hold them are skipped).
+    ``run`` may be on object storage (``s3://…``): the manifests are fetched, and the rows of a Parquet run read in
+    place (footers and the row groups that may hold the request), those of an Arrow IPC run downloaded. Needs
+    pyarrow."""
+    from .dump import _request_ids, read_dump
     from .stream import _object_url
 
     request = _u64("request", request)
@@ -257,19 +259,10 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
     if head is not None:
         head = _int("head", head, 0, _U32_MAX)
     allow_missing = _flag("allow_missing", allow_missing)
+    # On object storage the manifests are fetched, and the rows read in place (a Parquet run: only the row groups
+    # that may hold the request).
     url = _object_url(run)
-    if url is not None:
-        with _fetched(url, []) as local:
-            meta = attention_metadata(local)
-        names = sorted({n for by_layer in meta.values() if layer in by_layer
-                        for k, n in by_layer[layer].get("hookpoints", {}).items() if k in ("q", "k")})
-        subdirs = [d for n in names for d in _run_subdirs(url, n)]
-        with _fetched(url, subdirs) as local:
-            try:
-                return attention_pattern(local, request, layer, head, allow_missing=allow_missing)
-            except RingscopeError as err:
-                raise RingscopeError(err.status, str(err.message).replace(str(local), url)) from err
-    root = _root(run)
+    root: "str | pathlib.Path" = url if url is not None else _root(run)
     meta = attention_metadata(root)
     if not meta:
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
@@ -325,7 +318,7 @@ def attention_pattern(run: "str | os.PathLike", request: int, layer: int, head: 
         qpos, q = _rows(dumps, e["hookpoints"]["q"], rank, request, nh * d)
         kpos, k = _rows(dumps, e["hookpoints"]["k"], rank, request, nkv * d)
         if len(qpos) == 0:
-            ids = np.unique(read_dump(root, e["hookpoints"]["q"])[e["hookpoints"]["q"]]["request_id"])
+            ids = _request_ids(root, e["hookpoints"]["q"])
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"request {request} has no {e['hookpoints']['q']} rows"
                                  f"{f' on rank {rank}' if len(entries) > 1 else ''} in {root} (requests there: "

@@ -14,7 +14,7 @@ import numpy as np
 from .errors import RingscopeError
 from ._args import _path, _text, _u64
 from .dtypes import _as_float32, dequantize_rowscaled, _NUMPY_FOR_DTYPE, ROWSCALED
-from .stream import _object_url
+from .stream import _object_url, _Series
 
 
 _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or when the session is closed, so read "
@@ -29,20 +29,34 @@ def _request_filter(request: Optional[int]):
     return None if request is None else ds.field("request_id") == pa.scalar(request, pa.uint64())
 
 
-def _read_checked(part: "pathlib.Path | list", request: Optional[int] = None):
+def _read_checked(part: "pathlib.Path | list", request: Optional[int] = None, filesystem=None, scheme: str = "",
+                  series: "Optional[_Series]" = None):
     """The table of one hookpoint's Parquet files (its partition directory, whose `_`-prefixed downcast series pyarrow
     skips; or a list of files), each page's CRC checked (the writer puts one in every page header); a file whose bytes
     are not as written is a RingscopeError naming it. ``request``: only that request's rows (row groups whose
-    request-id statistics exclude it are not read)."""
+    request-id statistics exclude it are not read). ``filesystem``: where the files are (object storage: read in
+    place, only the row groups needed; ``scheme`` — ``s3://`` say — makes their paths URLs in errors); ``series``:
+    each file's footer is checked to belong to it first."""
     import pyarrow as pa
     import pyarrow.dataset as ds
 
     checked = ds.ParquetFileFormat(
         default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True))
-    if isinstance(part, list):
-        dataset = ds.dataset([str(p) for p in part], format=checked)
-    else:
-        dataset = ds.dataset(str(part), format=checked, partitioning="hive")
+    try:
+        if isinstance(part, list):
+            dataset = ds.dataset([str(p) for p in part], format=checked, filesystem=filesystem)
+        else:
+            dataset = ds.dataset(str(part), format=checked, partitioning="hive")
+    except (OSError, pa.ArrowException) as e:
+        raise RingscopeError("RS_ERR_IO", f"cannot read {scheme}{part}: {e}") from e
+    if series is not None:
+        for fragment in dataset.get_fragments():
+            try:
+                meta, schema = fragment.metadata.metadata or {}, fragment.physical_schema
+            except (OSError, pa.ArrowException) as e:
+                raise RingscopeError("RS_ERR_IO", f"{scheme}{fragment.path} is corrupt (its bytes are not as "
+                                                  f"written): {e}") from e
+            series.check(scheme + fragment.path, meta, schema)
     try:
         return dataset.to_table(filter=_request_filter(request))
     except (OSError, pa.ArrowException) as e:
@@ -52,8 +66,9 @@ def _read_checked(part: "pathlib.Path | list", request: Optional[int] = None):
         try:
             fragment.to_table()
         except (OSError, pa.ArrowException) as e:
-            raise RingscopeError("RS_ERR_IO", f"{fragment.path} is corrupt (its bytes are not as written): {e}") from e
-    raise RingscopeError("RS_ERR_IO", f"cannot read {part}: {failure}") from failure
+            raise RingscopeError("RS_ERR_IO", f"{scheme}{fragment.path} is corrupt (its bytes are not as written): "
+                                              f"{e}") from e
+    raise RingscopeError("RS_ERR_IO", f"cannot read {scheme}{part}: {failure}") from failure
 
 
 def _read_ipc_checked(files: list, request: Optional[int] = None):
@@ -148,6 +163,125 @@ def _run_subdirs(url: str, hookpoint: Optional[str]) -> list:
     return parquet or out
 
 
+def _columns(pieces: list, as_torch: bool) -> dict:
+    """One hookpoint's columns as read_dump gives them, from its tables: ``pieces``, (table, dtype name) of its
+    full-precision rows and of its downcast rows (``ROWSCALED``), at least one with rows."""
+    names = ("step", "request_id", "position", "layer", "rank")
+    if len(pieces) == 1 and pieces[0][1] != ROWSCALED:
+        t, dtype_name = pieces[0]
+        t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
+        np_dtype = _NUMPY_FOR_DTYPE[dtype_name]
+        raw = _activation_bytes(t)
+        act = raw.reshape(-1).view(np_dtype).reshape(t.num_rows, raw.shape[1] // np_dtype.itemsize)
+        cols = {c: t.column(c).to_numpy() for c in names if c in t.column_names}
+        cols["downcast"] = np.zeros(t.num_rows, dtype=bool)
+        source = dtype_name
+    else:
+        # Downcast rows: every row as float32, sorted together.
+        source = next((d for _, d in pieces if d != ROWSCALED), None)
+        acts, flags = [], []
+        for t, d in pieces:
+            raw = _activation_bytes(t)
+            if d == ROWSCALED:
+                acts.append(dequantize_rowscaled(raw))
+            else:
+                np_dtype = _NUMPY_FOR_DTYPE[d]
+                acts.append(_as_float32(raw.reshape(-1).view(np_dtype).reshape(t.num_rows, -1), d))
+            flags.append(np.full(t.num_rows, d == ROWSCALED))
+        cols = {c: np.concatenate([t.column(c).to_numpy() for t, _ in pieces]) for c in names
+                if all(c in t.column_names for t, _ in pieces)}
+        order = np.lexsort((cols["position"], cols["request_id"], cols["step"]))
+        cols = {c: v[order] for c, v in cols.items()}
+        act = np.concatenate(acts)[order]
+        cols["downcast"] = np.concatenate(flags)[order]
+        dtype_name = "f32"
+    if as_torch:
+        import torch
+
+        from .stream import _int64
+
+        act_t = torch.from_numpy(act.copy())
+        if dtype_name == "bf16":
+            act_t = act_t.view(torch.bfloat16)
+        # Own, writable copies; unsigned id columns as int64, what torch indexes and counts with (ids above
+        # 2**63-1 are refused, not wrapped).
+        cols = {k: torch.from_numpy(np.array(_int64(k, v) if v.dtype.kind == "u" else v)) for k, v in cols.items()}
+        cols["activation"] = act_t
+    else:
+        cols["activation"] = act
+    cols["dtype"] = dtype_name
+    # The hookpoint's own dtype (None when every row read was downcast: the downcast files do not say it).
+    cols["source_dtype"] = source
+    return cols
+
+
+def _table_dtype(t) -> str:
+    """The ringscope dtype of a table's full-precision rows (its activation field's metadata, else its column)."""
+    meta = t.schema.field("activation").metadata or {}
+    return meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()
+
+
+def _remote_parquet(url: str):
+    """(file system, scheme prefix, {hookpoint: (full-precision files, downcast files)}) of the committed Parquet files
+    of a run on object storage — listed, not downloaded; the dict is empty for a run without Parquet (Arrow IPC
+    only)."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, base = pafs.FileSystem.from_uri(url)
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    except (OSError, ValueError) as e:
+        raise RingscopeError("RS_ERR_IO", f"cannot read {url}: {e}") from e
+    if not infos:
+        raise RingscopeError("RS_ERR_IO", f"{url} does not exist (no object under it): give the run's URL "
+                                          "(<export.url>/<run_id>)")
+    found: dict = {}
+    for info in infos:
+        parts = info.path[len(base):].lstrip("/").split("/")
+        # hookpoint=NAME/rank=R/part-*.parquet, or hookpoint=NAME/rank=R/_f8e4m3_rowscaled/part-*.parquet (in-progress
+        # files are hidden: .part-*)
+        if (info.type != pafs.FileType.File or not parts[0].startswith("hookpoint=") or len(parts) not in (3, 4)
+                or not parts[1].startswith("rank=") or not parts[-1].startswith("part-")
+                or not parts[-1].endswith(".parquet") or (len(parts) == 4 and parts[2] != f"_{ROWSCALED}")):
+            continue
+        found.setdefault(parts[0][len("hookpoint="):], ([], []))[len(parts) == 4].append(info.path)
+    return fs, url.split("://", 1)[0] + "://", {n: (sorted(f), sorted(d)) for n, (f, d) in found.items()}
+
+
+def _read_remote(url: str, listed, hookpoint: Optional[str], as_torch: bool, request: int) -> dict:
+    """read_dump of one request's rows of a Parquet run on object storage, read in place: footers, then only the row
+    groups whose request-id statistics do not rule the request out (every page read is CRC-checked)."""
+    fs, scheme, series = listed
+    if hookpoint is not None and hookpoint not in series:
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                             f"hookpoint {hookpoint!r} is not in {url}; it holds {', '.join(map(repr, sorted(series)))}")
+    out = {}
+    for name in sorted(series) if hookpoint is None else [hookpoint]:
+        pieces = []
+        for files, downcast in zip(series[name], (False, True)):
+            if files:
+                t = _read_checked(files, request, fs, scheme, _Series(name, downcast))
+                if t.num_rows:
+                    pieces.append((t, ROWSCALED if downcast else _table_dtype(t)))
+        if pieces:
+            out[name] = _columns(pieces, as_torch)
+    return out
+
+
+def _request_ids(run: "str | os.PathLike", hookpoint: str) -> np.ndarray:
+    """The request ids that have rows in ``hookpoint`` of ``run`` (sorted, unique; only that column is read)."""
+    import pyarrow.dataset as ds
+
+    url = _object_url(run)
+    if url is not None:
+        fs, _, series = _remote_parquet(url)
+        if hookpoint in series:
+            files = series[hookpoint][0] + series[hookpoint][1]
+            return np.unique(ds.dataset(files, filesystem=fs, format="parquet").to_table(
+                columns=["request_id"]).column("request_id").to_numpy())
+    return np.unique(read_dump(run, hookpoint)[hookpoint]["request_id"])
+
+
 def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_torch: bool = False,
               request: Optional[int] = None) -> dict:
     """Reads a dump (a run directory: its Parquet files, or its Arrow IPC files when it has no Parquet) into ``{hookpoint name: {column: array}}``: ``step``, ``request_id``,
@@ -161,7 +295,8 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     dequantized: E4M3 × the row's scale), and ``dtype`` ``"f32"``; ``source_dtype`` is the hookpoint's own dtype.
     Only committed files are read; hookpoints without one yet are left out. ``hookpoint``: read only that one.
     ``request``: only the rows of that request id (a hookpoint without any is left out); Parquet row groups whose
-    request-id statistics rule it out are skipped, the rest are read and checked as always. Raises
+    request-id statistics rule it out are skipped, the rest are read and checked as always (on object storage such
+    a read of a Parquet run reads the files in place: their footers and those row groups only). Raises
     :class:`RingscopeError` when ``path`` does not exist or is not a run directory, when ``hookpoint`` is not in the
     run, when the run (or that hookpoint) holds no committed file yet, and (``RS_ERR_IO``, naming the file) when a
     file's bytes are not as written — every Parquet page's CRC, every Arrow IPC record batch's CRC-32 is checked as it
@@ -176,6 +311,10 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
     if url is not None:
         if hookpoint is not None:
             _text("hookpoint", hookpoint)
+        if request is not None:
+            listed = _remote_parquet(url)
+            if listed[2]:  # a Parquet run: read in place, only the row groups that may hold the request
+                return _read_remote(url, listed, hookpoint, as_torch, request)
         with _fetched(url, _run_subdirs(url, hookpoint)) as local:
             try:
                 return read_dump(local, hookpoint, as_torch, request)
@@ -229,9 +368,8 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
         if full_files:
             t = _read_checked(part, request) if ext == "parquet" else _read_ipc_checked(full_files, request)
-            meta = t.schema.field("activation").metadata or {}
             if t.num_rows:  # (none: a request's rows asked for, and none here)
-                pieces.append((t, meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()))
+                pieces.append((t, _table_dtype(t)))
         if downcast_files:
             t = (_read_checked(downcast_files, request) if ext == "parquet"
                  else _read_ipc_checked(downcast_files, request))
@@ -239,53 +377,7 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         pieces = [(t, d) for t, d in pieces if t.num_rows > 0]
         if not pieces:
             continue
-        names = ("step", "request_id", "position", "layer", "rank")
-        if len(pieces) == 1 and pieces[0][1] != ROWSCALED:
-            t, dtype_name = pieces[0]
-            t = t.sort_by([("step", "ascending"), ("request_id", "ascending"), ("position", "ascending")])
-            np_dtype = _NUMPY_FOR_DTYPE[dtype_name]
-            raw = _activation_bytes(t)
-            act = raw.reshape(-1).view(np_dtype).reshape(t.num_rows, raw.shape[1] // np_dtype.itemsize)
-            cols = {c: t.column(c).to_numpy() for c in names if c in t.column_names}
-            cols["downcast"] = np.zeros(t.num_rows, dtype=bool)
-            source = dtype_name
-        else:
-            # Downcast rows: every row as float32, sorted together.
-            source = next((d for _, d in pieces if d != ROWSCALED), None)
-            acts, flags = [], []
-            for t, d in pieces:
-                raw = _activation_bytes(t)
-                if d == ROWSCALED:
-                    acts.append(dequantize_rowscaled(raw))
-                else:
-                    np_dtype = _NUMPY_FOR_DTYPE[d]
-                    acts.append(_as_float32(raw.reshape(-1).view(np_dtype).reshape(t.num_rows, -1), d))
-                flags.append(np.full(t.num_rows, d == ROWSCALED))
-            cols = {c: np.concatenate([t.column(c).to_numpy() for t, _ in pieces]) for c in names
-                    if all(c in t.column_names for t, _ in pieces)}
-            order = np.lexsort((cols["position"], cols["request_id"], cols["step"]))
-            cols = {c: v[order] for c, v in cols.items()}
-            act = np.concatenate(acts)[order]
-            cols["downcast"] = np.concatenate(flags)[order]
-            dtype_name = "f32"
-        if as_torch:
-            import torch
-
-            from .stream import _int64
-
-            act_t = torch.from_numpy(act.copy())
-            if dtype_name == "bf16":
-                act_t = act_t.view(torch.bfloat16)
-            # Own, writable copies; unsigned id columns as int64, what torch indexes and counts with (ids above
-            # 2**63-1 are refused, not wrapped).
-            cols = {k: torch.from_numpy(np.array(_int64(k, v) if v.dtype.kind == "u" else v)) for k, v in cols.items()}
-            cols["activation"] = act_t
-        else:
-            cols["activation"] = act
-        cols["dtype"] = dtype_name
-        # The hookpoint's own dtype (None when every row read was downcast: the downcast files do not say it).
-        cols["source_dtype"] = source
-        out[name] = cols
+        out[name] = _columns(pieces, as_torch)
     return out
 
 
