@@ -219,8 +219,53 @@ def test_attention_that_does_not_call_its_rope_is_a_clear_error(tmp_path, monkey
                                                         r"apply_rotary_pos_emb.* \(layer 0\)"):
         with torch.no_grad():
             model(torch.tensor([[5, 6, 7]]))
+    # Attaching another model of the family now would install the wrapper over the replacement: refused.
+    other, _ = model_of("llama")
+    with pytest.raises(ringscope.RingscopeError, match=r"modeling_llama\.apply_rotary_pos_emb was replaced while"):
+        rt.attach(other, session_for(tmp_path, "cpu", "other"), sites=("attn_q",))
+    monkeypatch.undo()  # the wrapper back in place, then removed by the detach
     att.detach()
     session.close()
+    # Put back, unless attachments of earlier tests (never detached) still use the wrapper.
+    assert (modeling_llama.__name__ in rt._RotaryPatch._by_module
+            or not hasattr(modeling_llama.apply_rotary_pos_emb, "__wrapped__"))
+
+
+def test_a_model_of_the_family_in_another_thread_is_not_captured_and_models_are_freed(tmp_path):
+    """While an attached model's attention runs, a model of the same family running in another thread (not attached)
+    neither is captured nor changes the attached model's rows; and an attached model dropped without detach() is
+    freed (the wrapper holds no tap)."""
+    import gc
+    import threading
+    import weakref
+
+    model, _ = model_of("llama")
+    other, _ = model_of("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    session = session_for(tmp_path, "cpu")
+    att = rt.attach(model, session, sites=("attn_k",), layers=[0])
+
+    def run_other(module, args):  # inside layer 0's attention, after its RoPE, before its taps capture
+        t = threading.Thread(target=lambda: other(ids))
+        t.start()
+        t.join()
+
+    handle = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(run_other)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    handle.remove()
+    want = out.past_key_values.layers[0].keys.transpose(1, 2).reshape(4, -1).numpy()
+    assert session.close()["dropped_rows"] == 0
+    rows = ringscope.read_dump(tmp_path / "r", "layers.0.attn_k")["layers.0.attn_k"]["activation"]
+    np.testing.assert_array_equal(rows, want)
+
+    ref = weakref.ref(model)
+    del model, att, out
+    gc.collect()
+    assert ref() is None, "an attached model dropped without detach() is still alive"
 
 
 @pytest.mark.parametrize("device", DEVICES)

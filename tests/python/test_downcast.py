@@ -90,6 +90,35 @@ def test_read_dump_of_one_request_reads_its_downcast_and_full_rows(run):
         np.testing.assert_array_equal(d[column], whole[column][keep], err_msg=column)
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_one_requests_rows_read_as_float32_when_the_hookpoint_has_downcast_rows_elsewhere(tmp_path, fmt):
+    """The type of read_dump's rows is the hookpoint's, not the request's: request 1 captured only at full precision,
+    request 2 only downcast — both read as float32 with source_dtype bf16, as the whole hookpoint does."""
+    import shutil
+
+    config = {"policy": {"mode": "full"}, "export": {"parquet": True, "arrow_ipc": True, "dir": str(tmp_path),
+                                                      "run_id": "two"}}
+    x = bf16_bits(np.random.default_rng(3).standard_normal((6, WIDTH)))
+    with ringscope.Session(config) as s:
+        hp = s.register("layers.0.resid", site="residual", layer=0, dtype="bf16", row_width=WIDTH)
+        for step in range(6):
+            s.set_downcast(hp, step >= 3)
+            s.begin_step(step, [1 if step < 3 else 2], [step])
+            s.capture(hp, x[step:step + 1])
+            s.end_step()
+        s.close()
+    run = tmp_path / "two"
+    if fmt == "arrow":
+        for part in run.glob("hookpoint=*"):
+            shutil.rmtree(part)
+    whole = ringscope.read_dump(run)["layers.0.resid"]
+    for request, rows in ((1, slice(0, 3)), (2, slice(3, 6))):
+        got = ringscope.read_dump(run, request=request)["layers.0.resid"]
+        assert (got["dtype"], got["source_dtype"]) == (whole["dtype"], whole["source_dtype"]) == ("f32", "bf16")
+        np.testing.assert_array_equal(got["activation"], whole["activation"][rows])
+        assert got["downcast"].tolist() == [request == 2] * 3
+
+
 @pytest.mark.parametrize("fmt", ["arrow", "parquet"])
 def test_iter_batches_yields_downcast_rows_as_floats_in_batches_of_their_own(run, fmt):
     run_dir, sent = run

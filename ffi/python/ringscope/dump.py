@@ -40,6 +40,14 @@ def _read_checked(part: "pathlib.Path | list", request: Optional[int] = None, fi
     import pyarrow as pa
     import pyarrow.dataset as ds
 
+    def broken(path, e) -> RingscopeError:
+        # On object storage a read can also fail for want of the server: only a checksum failure is named corruption.
+        local = not scheme or "crc" in str(e).lower() or "checksum" in str(e).lower()
+        return RingscopeError("RS_ERR_IO", f"{scheme}{path} " + ("is corrupt (its bytes are not as written)" if local
+                                                                  else "cannot be read") + f": {e}")
+
+    where = f"{scheme}{part[0]} and {len(part) - 1} more" if isinstance(part, list) and len(part) > 1 else \
+        f"{scheme}{part[0]}" if isinstance(part, list) and part else str(part)
     checked = ds.ParquetFileFormat(
         default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True))
     try:
@@ -48,27 +56,25 @@ def _read_checked(part: "pathlib.Path | list", request: Optional[int] = None, fi
         else:
             dataset = ds.dataset(str(part), format=checked, partitioning="hive")
     except (OSError, pa.ArrowException) as e:
-        raise RingscopeError("RS_ERR_IO", f"cannot read {scheme}{part}: {e}") from e
+        raise RingscopeError("RS_ERR_IO", f"cannot read {where}: {e}") from e
     if series is not None:
         for fragment in dataset.get_fragments():
             try:
                 meta, schema = fragment.metadata.metadata or {}, fragment.physical_schema
             except (OSError, pa.ArrowException) as e:
-                raise RingscopeError("RS_ERR_IO", f"{scheme}{fragment.path} is corrupt (its bytes are not as "
-                                                  f"written): {e}") from e
+                raise broken(fragment.path, e) from e
             series.check(scheme + fragment.path, meta, schema)
     try:
         return dataset.to_table(filter=_request_filter(request))
     except (OSError, pa.ArrowException) as e:
         failure = e
-    # pyarrow does not say which file failed: read them one by one to name it.
+    # pyarrow does not say which file failed: read them one by one (what was asked of each) to name it.
     for fragment in dataset.get_fragments():
         try:
-            fragment.to_table()
+            fragment.to_table(filter=_request_filter(request))
         except (OSError, pa.ArrowException) as e:
-            raise RingscopeError("RS_ERR_IO", f"{scheme}{fragment.path} is corrupt (its bytes are not as written): "
-                                              f"{e}") from e
-    raise RingscopeError("RS_ERR_IO", f"cannot read {scheme}{part}: {failure}") from failure
+            raise broken(fragment.path, e) from e
+    raise RingscopeError("RS_ERR_IO", f"cannot read {where}: {failure}") from failure
 
 
 def _read_ipc_checked(files: list, request: Optional[int] = None):
@@ -163,9 +169,13 @@ def _run_subdirs(url: str, hookpoint: Optional[str]) -> list:
     return parquet or out
 
 
-def _columns(pieces: list, as_torch: bool) -> dict:
-    """One hookpoint's columns as read_dump gives them, from its tables: ``pieces``, (table, dtype name) of its
-    full-precision rows and of its downcast rows (``ROWSCALED``), at least one with rows."""
+def _columns(pieces: list, as_torch: bool) -> Optional[dict]:
+    """One hookpoint's columns as read_dump gives them, from its tables: ``pieces``, (table, dtype name) of each of
+    its series that has committed files — its full-precision rows, its downcast rows (``ROWSCALED``) —, whether or
+    not the rows read from them (one request's) are any: a hookpoint with downcast files reads as float32, whichever
+    rows are asked for. None when no row was read."""
+    if not any(t.num_rows for t, _ in pieces):
+        return None
     names = ("step", "request_id", "position", "layer", "rank")
     if len(pieces) == 1 and pieces[0][1] != ROWSCALED:
         t, dtype_name = pieces[0]
@@ -179,6 +189,7 @@ def _columns(pieces: list, as_torch: bool) -> dict:
     else:
         # Downcast rows: every row as float32, sorted together.
         source = next((d for _, d in pieces if d != ROWSCALED), None)
+        pieces = [(t, d) for t, d in pieces if t.num_rows]
         acts, flags = [], []
         for t, d in pieces:
             raw = _activation_bytes(t)
@@ -215,16 +226,17 @@ def _columns(pieces: list, as_torch: bool) -> dict:
     return cols
 
 
-def _table_dtype(t) -> str:
-    """The ringscope dtype of a table's full-precision rows (its activation field's metadata, else its column)."""
+def _table_dtype(t) -> Optional[str]:
+    """The ringscope dtype of a table's full-precision rows (its activation field's metadata, else its column; None
+    for a table without rows or metadata saying it)."""
     meta = t.schema.field("activation").metadata or {}
-    return meta.get(b"ringscope.dtype", b"").decode() or t.column("dtype")[0].as_py()
+    return meta.get(b"ringscope.dtype", b"").decode() or (t.column("dtype")[0].as_py() if t.num_rows else None)
 
 
 def _remote_parquet(url: str):
-    """(file system, scheme prefix, {hookpoint: (full-precision files, downcast files)}) of the committed Parquet files
-    of a run on object storage — listed, not downloaded; the dict is empty for a run without Parquet (Arrow IPC
-    only)."""
+    """(file system, scheme prefix, {hookpoint: (full-precision files, downcast files)}, every hookpoint with a
+    Parquet partition) of the committed Parquet files of a run on object storage — listed, not downloaded; empty for a
+    run without Parquet (Arrow IPC only)."""
     import pyarrow.fs as pafs
 
     try:
@@ -236,8 +248,11 @@ def _remote_parquet(url: str):
         raise RingscopeError("RS_ERR_IO", f"{url} does not exist (no object under it): give the run's URL "
                                           "(<export.url>/<run_id>)")
     found: dict = {}
+    seen = set()  # every hookpoint with a Parquet partition, committed files or not
     for info in infos:
         parts = info.path[len(base):].lstrip("/").split("/")
+        if parts[0].startswith("hookpoint="):
+            seen.add(parts[0][len("hookpoint="):])
         # hookpoint=NAME/rank=R/part-*.parquet, or hookpoint=NAME/rank=R/_f8e4m3_rowscaled/part-*.parquet (in-progress
         # files are hidden: .part-*)
         if (info.type != pafs.FileType.File or not parts[0].startswith("hookpoint=") or len(parts) not in (3, 4)
@@ -245,40 +260,56 @@ def _remote_parquet(url: str):
                 or not parts[-1].endswith(".parquet") or (len(parts) == 4 and parts[2] != f"_{ROWSCALED}")):
             continue
         found.setdefault(parts[0][len("hookpoint="):], ([], []))[len(parts) == 4].append(info.path)
-    return fs, url.split("://", 1)[0] + "://", {n: (sorted(f), sorted(d)) for n, (f, d) in found.items()}
+    return fs, url.split("://", 1)[0] + "://", {n: (sorted(f), sorted(d)) for n, (f, d) in found.items()}, seen
 
 
 def _read_remote(url: str, listed, hookpoint: Optional[str], as_torch: bool, request: int) -> dict:
     """read_dump of one request's rows of a Parquet run on object storage, read in place: footers, then only the row
     groups whose request-id statistics do not rule the request out (every page read is CRC-checked)."""
-    fs, scheme, series = listed
+    fs, scheme, series, seen = listed
     if hookpoint is not None and hookpoint not in series:
+        if hookpoint in seen:
+            raise RingscopeError("RS_ERR_IO", f"hookpoint {hookpoint!r} of {url} holds no committed files yet: "
+                                              f"{_COMMIT_HINT}")
         raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                             f"hookpoint {hookpoint!r} is not in {url}; it holds {', '.join(map(repr, sorted(series)))}")
+                             f"hookpoint {hookpoint!r} is not in {url}; it holds {', '.join(map(repr, sorted(seen)))}")
+    if not series:
+        raise RingscopeError("RS_ERR_IO", f"the run {url} holds no committed files yet: {_COMMIT_HINT}")
     out = {}
     for name in sorted(series) if hookpoint is None else [hookpoint]:
         pieces = []
         for files, downcast in zip(series[name], (False, True)):
             if files:
                 t = _read_checked(files, request, fs, scheme, _Series(name, downcast))
-                if t.num_rows:
-                    pieces.append((t, ROWSCALED if downcast else _table_dtype(t)))
-        if pieces:
-            out[name] = _columns(pieces, as_torch)
+                pieces.append((t, ROWSCALED if downcast else _table_dtype(t)))
+        cols = _columns(pieces, as_torch)
+        if cols is not None:
+            out[name] = cols
     return out
 
 
 def _request_ids(run: "str | os.PathLike", hookpoint: str) -> np.ndarray:
-    """The request ids that have rows in ``hookpoint`` of ``run`` (sorted, unique; only that column is read)."""
+    """The request ids that have rows in ``hookpoint`` of ``run`` (sorted, unique): of a Parquet run only that column
+    is read (in place on object storage); an Arrow IPC run is read as read_dump reads it."""
+    import pyarrow as pa
     import pyarrow.dataset as ds
+
+    from .stream import _part_files
 
     url = _object_url(run)
     if url is not None:
-        fs, _, series = _remote_parquet(url)
-        if hookpoint in series:
-            files = series[hookpoint][0] + series[hookpoint][1]
-            return np.unique(ds.dataset(files, filesystem=fs, format="parquet").to_table(
-                columns=["request_id"]).column("request_id").to_numpy())
+        fs, _, series, _ = _remote_parquet(url)
+        files = series.get(hookpoint, ([], []))
+    else:
+        part = pathlib.Path(os.fsdecode(run)) / f"hookpoint={hookpoint}"
+        fs, files = None, _part_files(part, "parquet") if part.is_dir() else ([], [])
+    if files[0] or files[1]:
+        try:
+            table = ds.dataset([str(f) for f in files[0] + files[1]], filesystem=fs, format="parquet").to_table(
+                columns=["request_id"])
+            return np.unique(table.column("request_id").to_numpy())
+        except (OSError, pa.ArrowException):
+            pass  # read_dump names what cannot be read
     return np.unique(read_dump(run, hookpoint)[hookpoint]["request_id"])
 
 
@@ -313,7 +344,7 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
             _text("hookpoint", hookpoint)
         if request is not None:
             listed = _remote_parquet(url)
-            if listed[2]:  # a Parquet run: read in place, only the row groups that may hold the request
+            if listed[3]:  # a Parquet run: read in place, only the row groups that may hold the request
                 return _read_remote(url, listed, hookpoint, as_torch, request)
         with _fetched(url, _run_subdirs(url, hookpoint)) as local:
             try:
@@ -368,16 +399,14 @@ def read_dump(path: "str | os.PathLike", hookpoint: Optional[str] = None, as_tor
         pieces = []  # (table, dtype name) of the full-precision rows, then of the downcast rows
         if full_files:
             t = _read_checked(part, request) if ext == "parquet" else _read_ipc_checked(full_files, request)
-            if t.num_rows:  # (none: a request's rows asked for, and none here)
-                pieces.append((t, _table_dtype(t)))
+            pieces.append((t, _table_dtype(t)))
         if downcast_files:
             t = (_read_checked(downcast_files, request) if ext == "parquet"
                  else _read_ipc_checked(downcast_files, request))
             pieces.append((t, ROWSCALED))
-        pieces = [(t, d) for t, d in pieces if t.num_rows > 0]
-        if not pieces:
-            continue
-        out[name] = _columns(pieces, as_torch)
+        cols = _columns(pieces, as_torch)
+        if cols is not None:  # (None: no rows — of the request asked for, or at all)
+            out[name] = cols
     return out
 
 

@@ -21,6 +21,7 @@ probe of the session (``[[probes]]`` with ``action = "stop"``, on hookpoints ``a
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
@@ -680,8 +681,10 @@ class Attachment:
 
 
 _NO_ROTARY = ("attach: an attention module with attn_q / attn_k attached returned without calling its modeling module's "
-              "apply_rotary_pos_emb, whose outputs those sites capture (an attention forward replaced, or RoPE "
-              "applied another way): its query and key rows cannot be captured")
+              "apply_rotary_pos_emb in this thread, whose outputs those sites capture (an attention forward replaced, "
+              "RoPE applied another way, or a forward pass of another model of the same family running in another "
+              "thread at the same time, which is not supported while attached): its query and key rows cannot be "
+              "captured")
 _NO_ROTARY_TRACED = _NO_ROTARY + " [RS_ERR_INVALID_ARGUMENT]"
 
 
@@ -695,8 +698,11 @@ class _RotaryPatch:
 
     The attention modules' ``forward`` look the function up in their module's globals at each call, so the wrapper
     is what runs (and what torch.compile traces; a compiled graph guards on the global and recompiles after a
-    change). Forward passes of two models of one family in two threads at once are not supported while attached
-    (what is active is per modeling module, not per thread); a tap that gets no rotated tensors says so."""
+    change). What is active is per modeling module: in eager mode the wrapper hands its outputs over only in the
+    thread whose attention module made them active, so a model of the same family running in another thread is never
+    captured by mistake — but two attached models of one family running forward passes in two threads at once are
+    not supported (a tap that gets no rotated tensors raises). The patch holds no tap (the taps' lists live on their
+    attention modules): a model dropped without ``detach()`` is freed as before."""
 
     _by_module: Dict[str, "_RotaryPatch"] = {}
 
@@ -705,17 +711,18 @@ class _RotaryPatch:
 
         self.module, self.original = module, original
         self.active: Optional[List["_AttentionTap"]] = None
-        # The taps of each attention module (one list per module, shared by its taps: what `active` is set to).
-        self.taps: "weakref.WeakKeyDictionary[Any, List[_AttentionTap]]" = weakref.WeakKeyDictionary()
+        self.thread = 0  # eager mode: the thread whose attention module made `active` active
         self.users = 0
-        default = inspect.signature(original).parameters["unsqueeze_dim"].default
+        params = list(inspect.signature(original).parameters.values())
+        at = [p.name for p in params].index("unsqueeze_dim") - 4  # its index among the arguments after q, k, cos, sin
+        default = params[at + 4].default
         patch = self
 
         def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
             out = original(q, k, cos, sin, *args, **kwargs)
             taps = patch.active
-            if taps is not None:
-                rotated = (out[0], out[1], kwargs.get("unsqueeze_dim", args[0] if args else default))
+            if taps is not None and (torch.compiler.is_compiling() or patch.thread == threading.get_ident()):
+                rotated = (out[0], out[1], kwargs.get("unsqueeze_dim", args[at] if len(args) > at else default))
                 for tap in taps:
                     tap.rotated = rotated
             return out
@@ -725,34 +732,48 @@ class _RotaryPatch:
 
     @classmethod
     def of(cls, module) -> "_RotaryPatch":
-        """The patch of ``module`` (a modeling module), made on first use."""
+        """The patch of ``module`` (a modeling module), made on first use; a RingscopeError when the module's function
+        was replaced by something else while an earlier attachment's wrapper was installed (installing it again would
+        undo that replacement)."""
         patch = cls._by_module.get(module.__name__)
-        if patch is None or patch.module is not module:
-            patch = cls._by_module[module.__name__] = cls(module, module.apply_rotary_pos_emb)
+        if patch is not None and patch.module is module:
+            if module.apply_rotary_pos_emb not in (patch.wrapper, patch.original):
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"attach: {module.__name__}.apply_rotary_pos_emb was replaced while an attachment "
+                                     "with attention sites was installed (a kernel library patching the model?): "
+                                     "detach() every attachment of this model family, then attach again")
+            return patch
+        patch = cls._by_module[module.__name__] = cls(module, module.apply_rotary_pos_emb)
         return patch
 
     def add(self, attn, tap: "_AttentionTap") -> "_RotaryPatch._Added":
-        """Installs the wrapper (if it is not there) and adds ``tap`` to ``attn``'s taps: the list its hooks make
-        active. The handle's ``remove`` undoes both."""
+        """Installs the wrapper (if it is not there) and adds ``tap`` to ``attn``'s taps (a list kept on ``attn``: what
+        its taps' hooks make active). The handle's ``remove`` undoes both."""
         if self.module.apply_rotary_pos_emb is not self.wrapper:
             self.module.apply_rotary_pos_emb = self.wrapper
         self.users += 1
-        peers = self.taps.setdefault(attn, [])
+        peers = attn.__dict__.setdefault("_ringscope_taps", [])
         peers.append(tap)
-        return _RotaryPatch._Added(self, peers, tap)
+        return _RotaryPatch._Added(self, attn, tap)
 
     class _Added:
-        def __init__(self, patch: "_RotaryPatch", peers: List["_AttentionTap"], tap: "_AttentionTap") -> None:
+        def __init__(self, patch: "_RotaryPatch", attn, tap: "_AttentionTap") -> None:
             self.patch: Optional[_RotaryPatch] = patch
-            self.peers, self.tap = peers, tap
+            self.attn, self.tap = attn, tap
 
         def remove(self) -> None:
             patch, self.patch = self.patch, None
             if patch is None:
                 return
-            self.peers.remove(self.tap)
+            peers = self.attn.__dict__.get("_ringscope_taps", [])
+            if self.tap in peers:
+                peers.remove(self.tap)
+            if not peers:
+                self.attn.__dict__.pop("_ringscope_taps", None)
             self.tap.rotated = None
             patch.users -= 1
+            if patch.active is self.tap.peers:
+                patch.active = None
             if patch.users == 0:
                 patch.active = None
                 if patch.module.apply_rotary_pos_emb is patch.wrapper:
@@ -780,16 +801,18 @@ class _AttentionTap:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_hp, self.k_hp = q, k  # (hookpoint, row width) or None
         self.rotated: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
-        self.peers = patch.taps.setdefault(attn, [])
         att._handles.append(patch.add(attn, self))
+        self.peers: List[_AttentionTap] = attn.__dict__["_ringscope_taps"]
         att._handles.append(attn.register_forward_pre_hook(self._before))
-        att._handles.append(attn.register_forward_hook(self._after))
+        att._handles.append(attn.register_forward_hook(self._after, with_kwargs=True))
 
     def _before(self, module, args):
         self.rotated = None
         self.patch.active = self.peers
+        if not torch.compiler.is_compiling():
+            self.patch.thread = threading.get_ident()
 
-    def _after(self, module, args, output):
+    def _after(self, module, args, kwargs, output):
         rotated, self.rotated = self.rotated, None
         self.patch.active = None
         if rotated is None:
@@ -797,21 +820,26 @@ class _AttentionTap:
                 torch._check(False, lambda: _NO_ROTARY_TRACED)
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{_NO_ROTARY} (layer {self.layer})")
         q, k, unsqueeze_dim = rotated
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        tokens = tuple(hidden.shape[:2]) if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
         if self.q_hp is not None:
-            self.att._capture(self._rows(q, unsqueeze_dim, self.heads), *self.q_hp)
+            self.att._capture(self._rows(q, unsqueeze_dim, self.heads, tokens), *self.q_hp)
         if self.k_hp is not None:
-            self.att._capture(self._rows(k, unsqueeze_dim, self.kv_heads), *self.k_hp)
+            self.att._capture(self._rows(k, unsqueeze_dim, self.kv_heads, tokens), *self.k_hp)
 
-    def _rows(self, x: torch.Tensor, unsqueeze_dim: int, heads: int) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor, unsqueeze_dim: int, heads: int, tokens) -> torch.Tensor:
         """``x`` (``[batch, heads, seq, head_dim]``, or ``[batch, seq, heads, head_dim]`` when the model rotated with
-        ``unsqueeze_dim=2``) as contiguous ``[batch, seq, heads × head_dim]`` rows."""
+        ``unsqueeze_dim=2``) as contiguous ``[batch, seq, heads × head_dim]`` rows; ``tokens``: the module's
+        ``(batch, seq)``, which they must match."""
         if unsqueeze_dim == 1:
             x = x.transpose(1, 2)
-        if x.dim() != 4 or x.shape[2] != heads or x.shape[3] != self.head_dim:
+        if (x.dim() != 4 or x.shape[2] != heads or x.shape[3] != self.head_dim
+                or (tokens is not None and tuple(x.shape[:2]) != tokens)):
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"attach: layer {self.layer}'s apply_rotary_pos_emb returned a tensor of shape "
-                                 f"{tuple(x.shape)} (unsqueeze_dim={unsqueeze_dim}), not [batch, seq, {heads}, "
-                                 f"{self.head_dim}] as the layer's heads and head_dim say")
+                                 f"{tuple(x.shape)} (unsqueeze_dim={unsqueeze_dim}), not "
+                                 f"[{', '.join(map(str, tokens)) if tokens else 'batch, seq'}, "
+                                 f"{heads}, {self.head_dim}] as the layer's input, heads and head_dim say")
         return x.reshape(x.shape[0], x.shape[1], heads * self.head_dim).contiguous()
 
 
