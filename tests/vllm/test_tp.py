@@ -148,3 +148,45 @@ def test_default_ranks_only_rank_0(tp_default):
     assert sorted(p.name for p in (run / "_ringscope_vllm").iterdir()) == ["requests.jsonl", "summary.json"]
     check_reference(res, dump, ranks=[0])
     verify(run)
+
+
+@pytest.fixture(scope="module")
+def tp_attention(engines):
+    return served(engines, "tp_attention", ["attn_q", "attn_k", "attn_v"], 'ranks = "all"', run_id="attn")
+
+
+def test_attention_heads_of_both_ranks_rebuild_hf_eager_attention(tp_attention):
+    """Attention sites under tensor parallelism (issue 40): each rank captures its own heads — rank 0 query heads 0-1
+    and KV head 0, rank 1 query heads 2-3 and KV head 1 (the model has 4 over 2) — and says so in its manifest;
+    attention_pattern puts the ranks' heads together: every head of every request within 1e-3 of Hugging Face eager
+    attention's weights on the same checkpoint, one head read from its rank alone; each rank's value rows are its KV
+    head's part of v_proj's output."""
+    from test_attention import eager_reference
+
+    res, run = tp_attention
+    meta = ringscope.attention_metadata(run)
+    assert sorted(meta) == [0, 1]
+    for rank in (0, 1):
+        for i in (0, 1):
+            e = meta[rank][i]
+            assert (e["num_heads"], e["num_kv_heads"], e["head_dim"]) == (2, 1, 32), (rank, i)
+            assert (e["q_head_offset"], e["kv_head_offset"], e["total_num_heads"]) == (2 * rank, rank, 4), (rank, i)
+    dump = ringscope.read_dump(run)
+    assert dump["layers.0.attn_q"]["activation"].shape[1] == 2 * 32  # a rank's 2 query heads
+    rid = request_ids(res)
+    for k, r in enumerate(res["requests"]):
+        seq = r["prompt"] + r["tokens"][:-1]
+        weights, vs = eager_reference(pathlib.Path(res["out"]) / "model", seq)
+        for i in (0, 1):
+            got = ringscope.attention_pattern(run, rid[k], i)
+            assert got.exact and got.heads == [0, 1, 2, 3]
+            np.testing.assert_array_equal(got.query_positions, np.arange(len(seq)))
+            np.testing.assert_allclose(got.weights, weights[i], atol=1e-3, rtol=0)
+            one = ringscope.attention_pattern(run, rid[k], i, head=3)  # rank 1's second head
+            np.testing.assert_array_equal(one.weights, got.weights[3])
+            v = dump[f"layers.{i}.attn_v"]
+            for rank in (0, 1):
+                rows = (v["request_id"] == rid[k]) & (v["rank"] == rank)
+                got_v = v["activation"][rows][np.argsort(v["position"][rows])]
+                np.testing.assert_allclose(got_v, vs[i][:, 32 * rank:32 * (rank + 1)], rtol=1e-4, atol=1e-5)
+    verify(run)
