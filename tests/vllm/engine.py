@@ -20,7 +20,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if MULTIPROCESS else "0"
 # "tp": tensor_parallel_size=2 with the multiprocessing executor (the engine core stays in this process, each rank is a
 # worker process, and the ranks all-reduce over gloo / shared memory). vLLM binds each worker's OpenMP threads to the
 # CPUs of a NUMA node of its own unless told which CPUs each rank gets: one CPU each ("0|1") fits a 2-CPU machine.
-TP = len(sys.argv) > 3 and sys.argv[3] == "tp"
+# "tp_attention" / "tp_attention_mqa": the same with attention far from uniform, the latter with one KV head (fewer than
+# the ranks: each rank holds a copy of it).
+TP = len(sys.argv) > 3 and sys.argv[3] in ("tp", "tp_attention", "tp_attention_mqa")
 if TP:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
@@ -33,17 +35,19 @@ REQUESTS = {
 }
 
 
-def make_model(path: str, initializer_range: float = 0.02, sliding_window: "int | None" = None) -> None:
+def make_model(path: str, initializer_range: float = 0.02, sliding_window: "int | None" = None,
+               kv_heads: int = 2) -> None:
     """A tiny random Llama checkpoint (seeded: every engine of the tests loads the same weights), saved as
     safetensors: the engine loads it, and the tests' reference loads the same file into Hugging Face's model.
     ``initializer_range``: larger weights make attention far from uniform (the "attention" scenarios);
-    ``sliding_window``: a Mistral instead, every layer attending to that many keys (the "attention_window" scenario)."""
+    ``sliding_window``: a Mistral instead, every layer attending to that many keys (the "attention_window" scenario);
+    ``kv_heads``: of the 4 query heads' keys and values (1: MQA)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=initializer_range)
+                  num_key_value_heads=kv_heads, max_position_embeddings=256, initializer_range=initializer_range)
     if sliding_window:
         cfg = MistralConfig(architectures=["MistralForCausalLM"], sliding_window=sliding_window, **common)
         MistralForCausalLM(cfg).save_pretrained(path)
@@ -69,8 +73,9 @@ def run(out, mode, scenario, result):
     from vllm import LLM, SamplingParams
 
     model_dir = os.path.join(out, "model")
-    make_model(model_dir, 0.3 if scenario.startswith("attention") else 0.02,
-               sliding_window=8 if scenario == "attention_window" else None)
+    make_model(model_dir, 0.3 if scenario.startswith(("attention", "tp_attention")) else 0.02,
+               sliding_window=8 if scenario == "attention_window" else None,
+               kv_heads=1 if scenario == "tp_attention_mqa" else 2)
     if TP:
         return run_tp(model_dir, mode, result)
     if scenario == "prefix":
