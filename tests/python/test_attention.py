@@ -268,6 +268,36 @@ def test_a_model_of_the_family_in_another_thread_is_not_captured_and_models_are_
     assert ref() is None, "an attached model dropped without detach() is still alive"
 
 
+def test_an_attach_that_fails_part_way_leaves_nothing_installed(tmp_path, monkeypatch):
+    """A failure after the hooks went in (here: the session refusing the attention metadata) takes them out again —
+    hooks, the RoPE wrapper, the taps' lists, the sink buffer — and a later attach works."""
+    from transformers.models.llama import modeling_llama
+
+    model, _ = model_of("llama")
+
+    def hooks():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    before, rope = hooks(), modeling_llama.apply_rotary_pos_emb
+    session = session_for(tmp_path, "cpu")
+
+    def refuse(key, value):
+        raise ringscope.RingscopeError("RS_ERR_INVALID_ARGUMENT", "refused for the test")
+
+    monkeypatch.setattr(session, "set_metadata", refuse)
+    with pytest.raises(ringscope.RingscopeError, match="refused for the test"):
+        rt.attach(model, session, sites=("attn_q", "attn_k", "residual"))
+    assert hooks() == before and modeling_llama.apply_rotary_pos_emb is rope
+    assert not hasattr(model, "_ringscope_sink")
+    assert not any("_ringscope_taps" in m.__dict__ for m in model.modules())
+    monkeypatch.undo()
+    att = rt.attach(model, session, sites=("attn_q", "attn_k"))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    att.detach()
+    assert session.close()["exported_rows"] == 2 * 2 * 3
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_prefill_and_decode_steps_rebuild_the_whole_sequence(tmp_path, device):
     """Keys gathered over steps (the prompt's prefill, then one token per decode step) give the weights a single

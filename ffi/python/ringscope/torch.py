@@ -680,8 +680,8 @@ class Attachment:
             self.session.set_rows(hp, self._rows_setting)
 
 
-_NO_ROTARY = ("attach: an attention module with attn_q / attn_k attached returned without calling its modeling module's "
-              "apply_rotary_pos_emb in this thread, whose outputs those sites capture (an attention forward replaced, "
+_NO_ROTARY = ("attach: an attention module with attn_q / attn_k attached returned without calling its modeling "
+              "module's apply_rotary_pos_emb in this thread, whose outputs those sites capture (an attention forward replaced, "
               "RoPE applied another way, or a forward pass of another model of the same family running in another "
               "thread at the same time, which is not supported while attached): its query and key rows cannot be "
               "captured")
@@ -1023,57 +1023,62 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         # them (probes bind to configured hookpoints when the session starts).
         session = Session(_declare_hookpoints(session, declared, dt))
     att = Attachment(session, model)
-    param_device = next(model.parameters()).device
-    model.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device),
-                          persistent=False)
-    att._request_id_tensor(param_device, 1)
-    att._rows_setting = rows
-    if _TOKENS in sites:
-        att._tokens_hp = att.hookpoints[_TOKENS] = _hookpoint(session, _TOKENS, _TOKENS, None, "i64", 1)
-        att._widths[att._tokens_hp] = 1
+    try:
+        param_device = next(model.parameters()).device
+        model.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device),
+                              persistent=False)
+        att._request_id_tensor(param_device, 1)
+        att._rows_setting = rows
+        if _TOKENS in sites:
+            att._tokens_hp = att.hookpoints[_TOKENS] = _hookpoint(session, _TOKENS, _TOKENS, None, "i64", 1)
+            att._widths[att._tokens_hp] = 1
 
-    for name, site, layer_index, width, module, pick in planned:
-        att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
-        att._widths[att.hookpoints[name]] = width
-        if rows != "all":
-            session.set_rows(att.hookpoints[name], rows)
-        if module is not None:
-            att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
-    for i, attn, modeling, meta in attention:
-        q, k = (f"layers.{i}.attn_q", f"layers.{i}.attn_k")
-        if q in att.hookpoints or k in att.hookpoints:
-            _AttentionTap(att, attn, _RotaryPatch.of(modeling), i, meta["num_heads"], meta["num_kv_heads"],
-                          meta["head_dim"],
-                          (att.hookpoints[q], att._widths[att.hookpoints[q]]) if q in att.hookpoints else None,
-                          (att.hookpoints[k], att._widths[att.hookpoints[k]]) if k in att.hookpoints else None)
-    if attention:
-        # What rebuilding the layers' attention patterns from the rows needs (ringscope.attention_pattern); a second
-        # attach on the session adds its layers (a layer attached again: its latest entry).
-        layers_meta = dict(getattr(session, "_attention_layers", {}))
-        layers_meta.update({meta["layer"]: meta for *_, meta in attention})
-        session.set_metadata("attention", {"format": 1, "source": "transformers", "model_type": model.config.model_type,
-                                           "layers": [layers_meta[i] for i in sorted(layers_meta)]})
-        setattr(session, "_attention_layers", layers_meta)
-    # After the last captured module, the step's deferred captures can be copied while the rest of the forward pass
-    # runs (a side stream; joined when the step ends). A no-op without deferred captures.
-    last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \
-        if chosen else None
-    if last is not None:
-        # Compiled, the step ends inside the graph right after the last capture, on the engine's stream: no side
-        # stream is forked (inductor may split the graph into several CUDA graphs around the custom ops, and a fork
-        # left open at the end of one would be unjoined work in its recording).
-        def submit_hook(module, args, output):
-            if torch.compiler.is_compiling():
-                att._end_compiled(_first(output).device)
-            elif att._open:
-                submit(att.sink(_first(output).device), session._h)
-        att._handles.append(last.register_forward_hook(submit_hook))
-        att._handles.append(decoder_layers[0].register_forward_pre_hook(att._begin_compiled, with_kwargs=True))
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if att._tokens_hp is not None and embed is not None:
-            att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
-    att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
-    att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
+        for name, site, layer_index, width, module, pick in planned:
+            att.hookpoints[name] = _hookpoint(session, name, site, layer_index, dt, width)
+            att._widths[att.hookpoints[name]] = width
+            if rows != "all":
+                session.set_rows(att.hookpoints[name], rows)
+            if module is not None:
+                att._handles.append(module.register_forward_hook(att._hook(name, width, pick)))
+        for i, attn, modeling, meta in attention:
+            q, k = (f"layers.{i}.attn_q", f"layers.{i}.attn_k")
+            if q in att.hookpoints or k in att.hookpoints:
+                _AttentionTap(att, attn, _RotaryPatch.of(modeling), i, meta["num_heads"], meta["num_kv_heads"],
+                              meta["head_dim"],
+                              (att.hookpoints[q], att._widths[att.hookpoints[q]]) if q in att.hookpoints else None,
+                              (att.hookpoints[k], att._widths[att.hookpoints[k]]) if k in att.hookpoints else None)
+        if attention:
+            # What rebuilding the layers' attention patterns from the rows needs (ringscope.attention_pattern); a second
+            # attach on the session adds its layers (a layer attached again: its latest entry).
+            layers_meta = dict(getattr(session, "_attention_layers", {}))
+            layers_meta.update({meta["layer"]: meta for *_, meta in attention})
+            session.set_metadata("attention", {"format": 1, "source": "transformers",
+                                               "model_type": model.config.model_type,
+                                               "layers": [layers_meta[i] for i in sorted(layers_meta)]})
+            setattr(session, "_attention_layers", layers_meta)
+        # After the last captured module, the step's deferred captures can be copied while the rest of the forward pass
+        # runs (a side stream; joined when the step ends). A no-op without deferred captures.
+        last = lm_head if "logits" in sites else final_norm if "final_norm" in sites else decoder_layers[max(chosen)] \
+            if chosen else None
+        if last is not None:
+            # Compiled, the step ends inside the graph right after the last capture, on the engine's stream: no side
+            # stream is forked (inductor may split the graph into several CUDA graphs around the custom ops, and a fork
+            # left open at the end of one would be unjoined work in its recording).
+            def submit_hook(module, args, output):
+                if torch.compiler.is_compiling():
+                    att._end_compiled(_first(output).device)
+                elif att._open:
+                    submit(att.sink(_first(output).device), session._h)
+            att._handles.append(last.register_forward_hook(submit_hook))
+            att._handles.append(decoder_layers[0].register_forward_pre_hook(att._begin_compiled, with_kwargs=True))
+            embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            if att._tokens_hp is not None and embed is not None:
+                att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
+        att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
+        att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
+    except BaseException:
+        att.detach()  # nothing half-installed stays on the model (hooks, the RoPE wrapper, the sink buffer)
+        raise
     return att
 
 
