@@ -9,6 +9,8 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
     python benches/vllm_gpu.py parts OUT_DIR      # the same, split into its parts (no prefill phase)
     python benches/vllm_gpu.py attention OUT_DIR  # attn_q/k/v: rebuilt patterns against Hugging Face (f32), then
                                                   # q/k/v of 4 layers against plain vLLM, interleaved
+    python benches/vllm_gpu.py profile OUT_DIR    # each engine step on the GPU's clock (PyTorch profiler): plain,
+                                                  # q/k/v of 4 layers, residual of 16 (benches/gpu_trace.py)
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -527,6 +529,43 @@ def run_bench(out: str, kind: str, result: dict) -> None:
         result["closed"] = rv.close_all()
 
 
+def run_profile(out: str, kind: str, result: dict) -> None:
+    """One engine (``kind`` as in the bench runs), each decode batch size profiled with the PyTorch profiler (CUPTI):
+    per engine step, what ran on the GPU and for how long (benches/gpu_trace.py), so that configurations compare on
+    the GPU's own clock instead of host-bound step times that differ by 15-90% between processes."""
+    import gpu_trace
+    from vllm import LLM, SamplingParams
+
+    model_dir = os.path.join(out, "model")
+    make_1b(model_dir)
+    cfg = bench_config(out, kind)
+    if cfg is not None:
+        os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
+        register_plugin()
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=64, seed=0, gpu_memory_utilization=0.5, max_num_batched_tokens=8192)
+    result["engine"] = engine_facts(llm)
+    runner = runner_of(llm)
+    runner.execute_model = gpu_trace.marked(runner.execute_model)  # one trace step per engine step
+    result["profile"] = {}
+    for b in BATCHES:
+        prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 30000 + 10 for j in range(16)]} for i in range(b)]
+        for n in (8, 48):  # warm: this batch size's graphs, then a whole call
+            llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+        events = gpu_trace.profiled(lambda: llm.generate(
+            prompts, SamplingParams(max_tokens=72, temperature=0, ignore_eos=True), use_tqdm=False))
+        # The prefill and the first decode steps left out (the same cut as decode_step_ms).
+        result["profile"][b] = gpu_trace.summary(gpu_trace.steps_of(events, skip_first=8))
+    if cfg is not None:
+        import ringscope.vllm as rv
+
+        cap = rv.captures()[0]
+        cap.session.flush()
+        result["dropped_rows"] = sum(cap.session.stats(h)["dropped_rows"] for h in cap.hookpoints.values())
+        result["counters"] = cap.counters()
+        result["closed"] = rv.close_all()
+
+
 # -- driver ------------------------------------------------------------------------------------------------------
 
 def child(out: str, what: str) -> None:
@@ -536,6 +575,8 @@ def child(out: str, what: str) -> None:
             parts = what.split("#")[0].split("-")
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
                         full=len(parts) > 3 and parts[3] == "full", attn=len(parts) > 3 and parts[3] == "attn")
+        elif what.startswith("prof-"):
+            run_profile(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
         else:
             run_bench(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
     except Exception as e:
@@ -594,7 +635,9 @@ def main(cmd: str, root: str) -> None:
                           "bench-attn4#2", "bench-plain#3"],
             # The correctness run alone, again (run with NVIDIA_TF32_OVERRIDE=0: vLLM's float32 GEMMs then run in full
             # float32 on the GPU, as Hugging Face's reference on the CPU does, instead of TF32).
-            "attention_correct": ["correct-llama-f32-attn#2"]}[cmd]
+            "attention_correct": ["correct-llama-f32-attn#2"],
+            # Per engine step on the GPU's clock (PyTorch profiler): plain, q/k/v of 4 layers, the residual of all 16.
+            "profile": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-plain#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
@@ -609,6 +652,8 @@ def main(cmd: str, root: str) -> None:
                                 "traceback": traceback.format_exc()}
         report[what] = {k: v for k, v in res.items() if k not in ("requests",)}
         brief = dict(res.get("check", {}), stalls=res.get("stalls")) if what.startswith("correct-") else \
+            {b: {k: p.get(k) for k in ("wall_us", "busy_us", "kernel_us", "n", "other_us")}
+             for b, p in res.get("profile", {}).items()} if what.startswith("prof-") else \
             {k: res.get(k) for k in ("decode_ms", "prefill_s", "start_s", "engine")}
         print(f"== {what} ({res['seconds']:.0f} s): {json.dumps(brief, default=str)[:1500]}", flush=True)
         summarize(report, quiet=True)
@@ -617,7 +662,28 @@ def main(cmd: str, root: str) -> None:
     summarize(report)
 
 
+def summarize_profiles(report: dict, quiet: bool = False) -> None:
+    """Each profiled configuration against the first plain one, per batch size: the medians' differences per engine
+    step (wall, GPU busy, kernel time, activity count) and the kernels it adds (benches/gpu_trace.py)."""
+    import gpu_trace
+
+    base = report.get("prof-plain#1", {}).get("profile")
+    if not base:
+        return
+    out = {}
+    for k, v in report.items():
+        if k.startswith("prof-") and k != "prof-plain#1" and isinstance(v, dict) and v.get("profile"):
+            out[k] = {b: gpu_trace.diff(base[b], v["profile"][b]) for b in base if b in v["profile"]}
+    report["profile_diff"] = out
+    for k, per_b in ({} if quiet else out).items():
+        for b, d in per_b.items():
+            print(f"{k} B={b}: " + ", ".join(f"{m} {d[m]:+.1f}" for m in ("wall_us", "busy_us", "kernel_us", "n",
+                                                                          "other_us") if m in d)
+                  + "; added: " + json.dumps(dict(list(d["by_name"].items())[:8]))[:1200], flush=True)
+
+
 def summarize(report: dict, quiet: bool = False) -> None:
+    summarize_profiles(report, quiet)
     plains = [v for k, v in report.items() if k.startswith("bench-plain") and isinstance(v, dict) and "decode_ms" in v]
     if not plains:
         return

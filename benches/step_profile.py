@@ -1,0 +1,150 @@
+"""Where a capture's cost goes, measured on the GPU's own clock: the PyTorch profiler's trace (CUPTI) of Hugging Face
+decode steps recorded as CUDA graphs, with and without ringscope, cut into steps (benches/gpu_trace.py).
+
+    python benches/step_profile.py --out profile.json   # needs CUDA, torch, transformers, libringscope + NVRTC
+
+Comparing step times between variants resolves ~0.1–2% (docs/gpu-benchmarks.md: two recordings of the same plain
+step differ that much). The GPU's own record of each step does not drift with the host: per step, the GPU time of
+the step's kernels (``kernel_us``), the union of their intervals (``busy_us``), the first start to the last end
+(``span_us``) and the host's wall time of the step (``wall_us``, synchronised every step), and per kernel name what
+a variant adds to the plain step. So a capture's cost splits into what it adds on the GPU (its kernels, and whether
+the model's own kernels got slower beside the drain's copies) and what it adds elsewhere (host, driver).
+
+Decode (1B-shape Llama of hf_overhead.py, 16 layers, bf16, StaticCache, one step recorded as a CUDA graph; batch 1, 8,
+64): (plain) no capture; (resid) the residual of all 16 layers, best-effort, Parquet; (full) the same in full mode,
+``admit_graph_step`` before every replay; (attn) q/k/v of layers 0, 5, 10, 15, best-effort, Parquet. CUDA ring 2 GiB,
+``defer_captures``. Prefill (eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads):
+plain, best-effort into Parquet, best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the
+GPU (its kernels slower) or on the host (the GPU waiting for launches).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_trace  # noqa: E402
+from hf_overhead import DEV, Decoder, build_model  # noqa: E402
+
+import ringscope  # noqa: E402
+import ringscope.torch as rt  # noqa: E402
+
+ATTN_LAYERS = [0, 5, 10, 15]
+
+
+def session(root, name, mode="best_effort", export="parquet", capacity="2 GiB"):
+    policy = {"mode": mode, "full_deadline_ms": 20000} if mode == "full" else {"mode": mode}
+    d = os.path.join(root, name)
+    shutil.rmtree(d, ignore_errors=True)
+    return ringscope.Session({"ring": {"backend": "cuda", "capacity": capacity, "max_batch_rows": 4096,
+                                       "defer_captures": True},
+                              "policy": policy, "export": {"dir": d, export: True, "threads": 8}})
+
+
+def decoder_with(model, s, batch, max_len, **attach):
+    att = rt.attach(model, s, **attach)
+    try:
+        return Decoder(model, batch, max_len)
+    finally:
+        att.detach()
+
+
+def profile_steps(step, n, warm=10):
+    """``n`` steps of ``step`` (each synchronised) under the profiler; the summary of the trace's steps."""
+    for _ in range(warm):
+        step()
+    torch.cuda.synchronize()
+
+    def one():
+        step()
+        torch.cuda.synchronize()
+    marked = gpu_trace.marked(one)
+
+    def run():
+        for _ in range(n + 2):
+            marked()
+    return gpu_trace.summary(gpu_trace.steps_of(gpu_trace.profiled(run)))
+
+
+def decode(model, batch, steps, root, results):
+    max_len = 16 + 4 * (steps + 20) + 16
+    sessions = {"resid": session(root, f"b{batch}-resid"), "full": session(root, f"b{batch}-full", mode="full"),
+                "attn": session(root, f"b{batch}-attn")}
+    decs = {"plain": Decoder(model, batch, max_len),
+            "resid": decoder_with(model, sessions["resid"], batch, max_len, sites=["residual"]),
+            "full": decoder_with(model, sessions["full"], batch, max_len, sites=["residual"]),
+            "attn": decoder_with(model, sessions["attn"], batch, max_len, sites=["attn_q", "attn_k", "attn_v"],
+                                 layers=ATTN_LAYERS),
+            "plain_2": Decoder(model, batch, max_len)}
+
+    def stepper(name):
+        d = decs[name]
+        admit = sessions["full"].admit_graph_step if name == "full" else None
+
+        def step():
+            if admit is not None:
+                admit()
+            d.graph.replay()
+            d.advance()
+        return step
+    row = {name: profile_steps(stepper(name), steps) for name in decs}
+    for name, s in sessions.items():
+        s.flush(timeout=600)
+        totals = s.close()
+        row[name]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+    row["diff"] = {name: gpu_trace.diff(row["plain"], row[name]) for name in decs if name != "plain"}
+    results[f"decode_b{batch}"] = row
+    brief = {name: {k: round(v, 2) for k, v in d.items() if k != "by_name"} for name, d in row["diff"].items()}
+    print(json.dumps({f"decode_b{batch}": {"plain": {k: row["plain"][k] for k in ("wall_us", "busy_us", "n")},
+                                          "diff_p50": brief}}, indent=1), flush=True)
+
+
+def prefill(model, root, results, batch=8, tokens=512, n=8):
+    ids = torch.randint(0, 1000, (batch, tokens), device=DEV)
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    row = {}
+    for name, fmt in (("plain", None), ("parquet", "parquet"), ("arrow_ipc", "arrow_ipc"), ("plain_2", None)):
+        s = session(root, f"prefill-{name}", export=fmt, capacity="8 GiB") if fmt else None
+        att = rt.attach(model, s, sites=["residual"]) if s is not None else None
+        row[name] = profile_steps(run, n, warm=2)
+        if s is not None:
+            att.detach()
+            s.flush(timeout=600)
+            totals = s.close()
+            row[name]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+    row["diff"] = {name: gpu_trace.diff(row["plain"], row[name]) for name in ("parquet", "arrow_ipc", "plain_2")}
+    results["prefill"] = row
+    brief = {name: {k: round(v, 1) for k, v in d.items() if k != "by_name"} for name, d in row["diff"].items()}
+    print(json.dumps({"prefill": {"plain": {k: row["plain"][k] for k in ("wall_us", "busy_us", "n")},
+                                  "diff_p50": brief}}, indent=1), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="step_profile.json")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "step-profile"))
+    ap.add_argument("--no-prefill", action="store_true")
+    args = ap.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    model = build_model(16)
+    for b in (int(x) for x in args.batches.split(",")):
+        decode(model, b, args.steps, args.dir, results)
+        shutil.rmtree(args.dir, ignore_errors=True)
+    if not args.no_prefill:
+        prefill(model, args.dir, results)
+        shutil.rmtree(args.dir, ignore_errors=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
