@@ -14,7 +14,7 @@ import numpy as np
 from .errors import RingscopeError
 from ._args import _path, _text, _u64
 from .dtypes import _as_float32, dequantize_rowscaled, _NUMPY_FOR_DTYPE, ROWSCALED
-from .stream import _object_url, _Series
+from .stream import _object_url, _part_kind, _Series
 
 
 _COMMIT_HINT = ("a file is committed when it reaches export.max_file_size or when the session is closed, so read "
@@ -82,20 +82,19 @@ def _read_ipc_checked(files: list, request: Optional[int] = None):
     footer; a file whose bytes are not as written is a RingscopeError naming it. ``request``: only that request's
     rows are kept (every batch is still read and checked)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     from .stream import _record_batches
 
-    batches = []
+    keep = _request_filter(request)
+    tables = []
     for f in files:
         try:
-            for b in _record_batches("arrow", f, None, verify=True):
-                if request is not None:
-                    b = b.filter(pc.equal(b.column("request_id"), pa.scalar(request, pa.uint64())))
-                batches.append(b)
+            batches = list(_record_batches("arrow", f, None, verify=True))
         except (OSError, pa.ArrowInvalid) as e:
             raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
-    return pa.Table.from_batches(batches)
+        if batches:  # one file's rows at a time: a request's rows are kept, the rest let go file by file
+            tables.append(pa.Table.from_batches(batches) if keep is None else pa.Table.from_batches(batches).filter(keep))
+    return pa.concat_tables(tables) if tables else pa.Table.from_batches([])
 
 
 def _activation_bytes(t) -> np.ndarray:
@@ -253,13 +252,10 @@ def _remote_parquet(url: str):
         parts = info.path[len(base):].lstrip("/").split("/")
         if parts[0].startswith("hookpoint="):
             seen.add(parts[0][len("hookpoint="):])
-        # hookpoint=NAME/rank=R/part-*.parquet, or hookpoint=NAME/rank=R/_f8e4m3_rowscaled/part-*.parquet (in-progress
-        # files are hidden: .part-*)
-        if (info.type != pafs.FileType.File or not parts[0].startswith("hookpoint=") or len(parts) not in (3, 4)
-                or not parts[1].startswith("rank=") or not parts[-1].startswith("part-")
-                or not parts[-1].endswith(".parquet") or (len(parts) == 4 and parts[2] != f"_{ROWSCALED}")):
+        kind = _part_kind(parts[1:], "parquet") if parts[0].startswith("hookpoint=") else None
+        if info.type != pafs.FileType.File or kind is None:
             continue
-        found.setdefault(parts[0][len("hookpoint="):], ([], []))[len(parts) == 4].append(info.path)
+        found.setdefault(parts[0][len("hookpoint="):], ([], []))[kind].append(info.path)
     return fs, url.split("://", 1)[0] + "://", {n: (sorted(f), sorted(d)) for n, (f, d) in found.items()}, seen
 
 

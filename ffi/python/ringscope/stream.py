@@ -109,16 +109,34 @@ class _Remote:
         self._tmp.cleanup()
 
 
+def _part_kind(rel: Sequence[str], ext: str) -> Optional[int]:
+    """Where a path lies in a hookpoint partition (``rel``: its components below ``hookpoint=NAME/``): 0 for a
+    committed file of full-precision rows (``rank=R/part-*.EXT``), 1 for one of downcast rows
+    (``rank=R/_f8e4m3_rowscaled/part-*.EXT``), None for anything else (files still being written are hidden,
+    ``.part-*``). The one statement of a run's layout, for local directories and object-store listings alike."""
+    if len(rel) not in (2, 3) or not rel[0].startswith("rank="):
+        return None
+    if not (rel[-1].startswith("part-") and rel[-1].endswith(f".{ext}")):
+        return None
+    if len(rel) == 3 and rel[1] != f"_{ROWSCALED}":
+        return None
+    return len(rel) - 2
+
+
 def _part_files(part: pathlib.Path, ext: str) -> Tuple[List[pathlib.Path], List[pathlib.Path]]:
-    """The committed files of one hookpoint partition, in name order: its full-precision rows
-    (``rank=*/part-*.EXT``) and its downcast rows (``rank=*/_f8e4m3_rowscaled/part-*.EXT``). Something named like a
-    part file that is not a file (a directory) is a :class:`RingscopeError` naming it."""
-    found = (sorted(part.glob(f"rank=*/part-*.{ext}")), sorted(part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}")))
-    for f in found[0] + found[1]:
+    """The committed files of one hookpoint partition (:func:`_part_kind`), in name order: its full-precision rows
+    and its downcast rows. Something named like a part file that is not a file (a directory) is a
+    :class:`RingscopeError` naming it."""
+    found: Tuple[List[pathlib.Path], List[pathlib.Path]] = ([], [])
+    for f in part.glob(f"rank=*/**/part-*.{ext}"):
+        kind = _part_kind(f.relative_to(part).parts, ext)
+        if kind is None:
+            continue
         if not f.is_file():
             raise RingscopeError("RS_ERR_IO", f"{f} is named like a committed part file but is not a file; a run "
                                               "directory holds only the files ringscope wrote there")
-    return found
+        found[kind].append(f)
+    return sorted(found[0]), sorted(found[1])
 
 
 def _files(root: pathlib.Path, fmt: str, hookpoints: Optional[Sequence[str]]) -> Tuple[str, List[Tuple[str, pathlib.Path]]]:
