@@ -120,7 +120,8 @@ def engine_facts(llm) -> dict:
 ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
 
 
-def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False) -> None:
+def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False,
+                eager: bool = False) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
@@ -129,6 +130,9 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     result["dtype"] = dtype
     result["mode"] = "full" if full else "best_effort"
     result["attention"] = attn
+    # Eager (enforce_eager): vLLM's own CUDA kernels instead of compiled code — its fused add-norm overwrites the
+    # attention and MLP outputs in place, which deferred captures must not see.
+    result["eager"] = eager
     # Full mode: every forward pass admitted, and no row lost. The run's rows (~21.5k hookpoint rows of 512 B, ~11 MB)
     # pass through a 1 MiB ring (a pass is at most 12 hookpoints x 64 rows, ~0.4 MB): the ring laps about ten times
     # and passes wait for the exporter to make room.
@@ -151,7 +155,7 @@ layers = "all"
     register_plugin()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16" if dtype == "bf16" else "float32",
               max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=64, enable_chunked_prefill=True,
-              enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.3, **extra)
+              enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.3, enforce_eager=eager, **extra)
     result["engine"] = engine_facts(llm)
     import random
 
@@ -574,7 +578,8 @@ def child(out: str, what: str) -> None:
         if what.startswith("correct-"):
             parts = what.split("#")[0].split("-")
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
-                        full=len(parts) > 3 and parts[3] == "full", attn=len(parts) > 3 and parts[3] == "attn")
+                        full=len(parts) > 3 and parts[3] == "full", attn=len(parts) > 3 and parts[3] == "attn",
+                        eager=len(parts) > 3 and parts[3] == "eager")
         elif what.startswith("prof-"):
             run_profile(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
         else:
@@ -637,7 +642,13 @@ def main(cmd: str, root: str) -> None:
             # float32 on the GPU, as Hugging Face's reference on the CPU does, instead of TF32).
             "attention_correct": ["correct-llama-f32-attn#2"],
             # Per engine step on the GPU's clock (PyTorch profiler): plain, q/k/v of 4 layers, the residual of all 16.
-            "profile": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-plain#2"]}[cmd]
+            "profile": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-plain#2"],
+            # Deferred captures (one copy kernel per pass): correctness with every kind of site (attention / MLP
+            # outputs captured from a copy; q/k/v rebuilt against Hugging Face; full mode with a ring that laps),
+            # then the profiles.
+            "deferred": ["correct-llama", "correct-llama-bf16-eager", "correct-llama-f32-attn",
+                         "correct-llama-bf16-full", "prof-plain#1",
+                         "prof-attn4", "prof-resid", "prof-resid_attn_mlp"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:

@@ -131,6 +131,27 @@ def test_full_mode_on_cuda_is_taken_with_admission_and_degrade_by_default():
         _engine.session_config(parse_config({"policy": {"mode": "full"}}), planned, "bf16", 64, cuda=True)
 
 
+def test_captures_are_deferred_on_cuda_unless_the_configuration_says_otherwise():
+    """On CUDA the vLLM plugin asks for deferred captures (one copy kernel per forward pass instead of one per
+    hookpoint); a user's ``ring.defer_captures = false`` is kept, a value that is not a boolean is refused by name,
+    and the CPU path (host ring, immediate copies) is left alone."""
+    from ringscope import RingscopeError, _engine
+    from ringscope.vllm import parse_config
+
+    planned = [("layers.0.resid", "residual", 0)]
+    cfg = _engine.session_config(parse_config({}), planned, "bf16", 64, cuda=True, full_on_cuda=True, defer=True)
+    assert cfg["ring"]["defer_captures"] is True
+    cfg = _engine.session_config(parse_config({"ring": {"defer_captures": False}}), planned, "bf16", 64, cuda=True,
+                                 full_on_cuda=True, defer=True)
+    assert cfg["ring"]["defer_captures"] is False
+    with pytest.raises(RingscopeError, match="ring.defer_captures must be true or false .got 'yes'"):
+        _engine.session_config(parse_config({"ring": {"defer_captures": "yes"}}), planned, "bf16", 64, cuda=True,
+                               full_on_cuda=True, defer=True)
+    cfg = _engine.session_config(parse_config({}), planned, "bf16", 64, cuda=False, defer=True)
+    assert "defer_captures" not in cfg.get("ring", {})
+    cfg = _engine.session_config(parse_config({}), planned, "bf16", 64, cuda=True, full_on_cuda=True)
+    assert "defer_captures" not in cfg["ring"]  # the SGLang plugin's CUDA path: immediate captures
+
 
 def test_the_v2_model_runner_is_refused_by_name(monkeypatch, tmp_path):
     """vLLM's V2 model runner (its own load_model and forward path) is not supported: loading a model with it while

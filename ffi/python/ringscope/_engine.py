@@ -246,7 +246,8 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
 
 
 def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
-                   max_rows: int = 0, full_on_cuda: bool = False, widths: Optional[Dict[str, int]] = None) -> dict:
+                   max_rows: int = 0, full_on_cuda: bool = False, widths: Optional[Dict[str, int]] = None,
+                   defer: bool = False) -> dict:
     """The session's configuration: the user's, with the planned hookpoints declared (the user's entries for the
     same names are kept after checking their dtype and width). ``cuda``: the model is on a CUDA device, where the
     capture ops are recorded into the engine's CUDA graphs (steps begun on the device, :meth:`Session.begin_step_graph`):
@@ -256,7 +257,9 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
     no room in time has its captures dropped on the device and counted as ``deadline``; the engine is never stopped);
     other values are refused. ``ring.max_batch_rows`` defaults to ``max_rows`` (the most token rows of one forward
     pass), and a smaller value is refused (a larger pass would switch capture off). Rows are ``hidden`` wide unless
-    ``widths`` says otherwise for a hookpoint (the attention sites: heads × head_dim)."""
+    ``widths`` says otherwise for a hookpoint (the attention sites: heads × head_dim). ``defer``: on CUDA,
+    ``ring.defer_captures`` defaults to true — a step's captures are copied by one kernel when it ends instead of one
+    kernel each (the plugin keeps every captured tensor unchanged until then); a user's ``false`` is kept."""
     cfg = json.loads(json.dumps(pc.session_config))  # deep copy
     if cuda:
         ring = cfg.setdefault("ring", {})
@@ -277,6 +280,11 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
                                  f"them out for \"cuda\" and \"best_effort\")")
         if policy["mode"] == "full":
             policy.setdefault("on_deadline", "degrade")
+        if defer:
+            ring.setdefault("defer_captures", True)
+            if not isinstance(ring["defer_captures"], bool):
+                raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: ring.defer_captures must be true or false (got "
+                                                      f"{ring['defer_captures']!r})")
         if max_rows:
             ring.setdefault("max_batch_rows", max_rows)
             if not isinstance(ring["max_batch_rows"], int) or ring["max_batch_rows"] < max_rows:

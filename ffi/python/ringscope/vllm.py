@@ -37,7 +37,11 @@ they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's ful
 the graph, in order, with no graph break: they run at every step, compiled or eager. ``begin`` (a pre-hook of the
 first decoder layer) reads the step's rows from the request-id buffer and the layer's ``positions`` tensor and begins
 a ringscope step with the exported rows only; ``capture`` copies those rows of a site; ``end`` (after the last
-decoder layer) ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
+decoder layer) ends the step. On CUDA the captures are deferred (``ring.defer_captures``, on unless the configuration
+says ``false``): ``capture`` only notes its tensor and ``end`` copies all of the pass's captures with one kernel —
+one graph node per pass instead of one per hookpoint; ``end`` takes every captured tensor as an input, so they are
+alive (and, in recorded graphs, at fixed addresses) until then, and the attention and MLP outputs, which vLLM's
+fused add-norm overwrites in place in the next layer, are captured from a copy. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
 the dataset is the session's own (its configured sinks).
 
@@ -420,7 +424,12 @@ class VllmCapture(EngineCapture):
         cuda = device.type == "cuda"
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0,
-                                      full_on_cuda=True, widths=widths)
+                                      full_on_cuda=True, widths=widths, defer=True)
+        # Deferred captures (CUDA): one copy kernel per forward pass, at its end, reads every captured tensor then. The
+        # residual (a sum made here) and q/k/v (the qkv projection's output, rotated; nothing writes it after
+        # attention reads it) stay as they are until then; the attention and MLP outputs do not — the next fused
+        # add-norm overwrites them in place (vLLM's CUDA kernel in eager mode) — so those are copied first.
+        deferred = cuda and cfg.get("ring", {}).get("defer_captures") is True
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
@@ -466,11 +475,13 @@ class VllmCapture(EngineCapture):
 
         self._handles.append(layers[start].register_forward_pre_hook(begin_hook, with_kwargs=True))
 
-        def site_hook(name, pick):
+        def site_hook(name, pick, overwritten=False):
             hp = self.hookpoints[name]
+            copy = overwritten and deferred
 
             def hook(module, args, output):
-                x = pick(output).reshape(-1, hidden).contiguous()
+                x = pick(output).reshape(-1, hidden)
+                x = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
                 keep.append(x)
                 capture_op(x, decoder._ringscope_sink, hp, key)
             return hook
@@ -501,9 +512,9 @@ class VllmCapture(EngineCapture):
                 # (the next layer's fused add-norm computes it again).
                 self._handles.append(layer.register_forward_hook(site_hook(name, lambda out: out[0] + out[1])))
             elif site == "attention_output":
-                self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first)))
+                self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first, overwritten=True)))
             else:
-                self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
+                self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first, overwritten=True)))
 
         def end_hook(module, args, output):
             end_op(decoder._ringscope_sink, list(keep), key)
