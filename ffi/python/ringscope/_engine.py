@@ -314,7 +314,7 @@ class EngineCapture:
     """The host side of one engine worker's capture: its session and hookpoints, the request map file
     (``<run dir>/<side dir>/requests<suffix>.jsonl``), the counters, and the bodies of the capture ops. A plugin
     fills ``_req`` — the request id of each token row of the next forward pass, ``-1`` for rows never exported —
-    before the forward pass (:meth:`_armed`), and calls :meth:`_finish` after it."""
+    before the forward pass (:meth:`_arm`), and calls :meth:`_finish` after it."""
 
     COUNTERS: Tuple[str, ...] = ("steps", "steps_captured", "rows_exported_requested", "padding_rows",
                                  "opted_out_rows", "lost_steps", "lost_rows", "bad_extra_args", "cached_requests",
@@ -330,6 +330,7 @@ class EngineCapture:
         self.step = 0  # forward passes of real batches so far (the ringscope step)
         self.disabled: Optional[str] = None
         self._counters = {k: 0 for k in self.COUNTERS}
+        self._armed: tuple = (None, 0)  # the last pass's row ids (_arm) and how many of them are -1
         self._active = False
         self._open = False
         self._sel: Optional["np.ndarray"] = None  # indices of the exported rows of the open step (None: all)
@@ -404,7 +405,10 @@ class EngineCapture:
         """Before a forward pass of ``padded`` token rows: ``tok``, the request id of each of its first ``n`` rows
         (``-1``: a request not captured), and ``-1`` for the rest (padding), into the request-id buffer; the
         capture ops are live for the pass."""
-        opted_out = int((tok < 0).sum())
+        if tok is not self._armed[0]:
+            # Rows of requests that did not opt in: counted once per batch (a steady batch's passes reuse `tok`).
+            self._armed = (tok, int((tok < 0).sum()))
+        opted_out = self._armed[1]
         self._counters["opted_out_rows"] += opted_out
         self._counters["padding_rows"] += max(padded - n, 0)
         if padded > self._req_size:
