@@ -6,9 +6,10 @@ A step is the time from one ``MARKER`` annotation's start (``torch.profiler.reco
 GPU activity whose launching runtime call (matched by CUPTI's correlation id) lies in that window belongs to the step,
 wherever on the GPU's timeline it ran. Per step: ``wall_us`` (start to next start, host clock), ``busy_us`` (union of
 the step's GPU activity intervals), ``kernel_us`` (sum of their durations), ``span_us`` (first start to last end on
-the GPU), ``n`` (activities), ``other_us`` (GPU time of activities launched by other threads — ringscope's drain
-copies — that ran inside the step's window). Only activities launched from the thread that marks the steps count as
-the step's. Per activity name: mean count and microseconds per step, so that two variants' traces
+the GPU), ``n`` (activities), ``other_us`` / ``other_n`` (GPU time and number of activities that ran inside the
+step's window but were launched by another thread — ringscope's drain — or by a call the trace does not record: the
+profiler keeps the driver API's kernel launches only, and ringscope copies through the driver API). Only activities
+launched from the thread that marks the steps count as the step's. Per activity name: mean count and microseconds per step, so that two variants' traces
 show what one adds to the other.
 """
 import bisect
@@ -76,14 +77,14 @@ def steps_of(events, marker=MARKER, skip_first=1):
         if e.get("cat") not in GPU_CATS:
             continue
         t, ours = launches.get(e.get("args", {}).get("correlation"), (None, False))
-        if t is None:
-            continue
-        if ours:
+        if t is not None and ours:
             k = bisect.bisect_right(starts, t) - 1
             if 0 <= k < len(steps):
                 steps[k]["acts"].append(e)
         else:
-            # Launched by another thread (ringscope's drain): what ran on the GPU beside the step, by when it ran.
+            # Launched by another thread (ringscope's drain), or by a call the profiler does not record (it keeps
+            # the driver API's kernel launches only, not its copies — ringscope's own copies go through the driver
+            # API): what ran on the GPU beside the step, by when it ran.
             k = bisect.bisect_right(starts, e["ts"]) - 1
             if 0 <= k < len(steps):
                 steps[k]["other"].append(e)
@@ -97,7 +98,8 @@ def steps_of(events, marker=MARKER, skip_first=1):
         out.append({"wall_us": st["end"] - st["start"], "busy_us": _union(iv),
                     "kernel_us": sum(a.get("dur", 0) for a in acts),
                     "span_us": max(e for _, e in iv) - min(s for s, _ in iv), "n": len(acts),
-                    "other_us": _union([iv_ for iv_ in other if iv_[1] > iv_[0]]), "acts": acts})
+                    "other_us": _union([iv_ for iv_ in other if iv_[1] > iv_[0]]), "other_n": len(st["other"]),
+                    "acts": acts})
     return out
 
 
@@ -106,7 +108,7 @@ def summary(steps, top=30):
     if not steps:
         return {"steps": 0}
     res = {"steps": len(steps)}
-    for k in ("wall_us", "busy_us", "kernel_us", "span_us", "n", "other_us"):
+    for k in ("wall_us", "busy_us", "kernel_us", "span_us", "n", "other_us", "other_n"):
         xs = sorted(s[k] for s in steps)
         res[k] = {"p50": statistics.median(xs), "p10": xs[len(xs) // 10], "p90": xs[(9 * len(xs)) // 10]}
     by = {}

@@ -131,7 +131,7 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     result["mode"] = "full" if full else "best_effort"
     result["attention"] = attn
     # Eager (enforce_eager): vLLM's own CUDA kernels instead of compiled code — its fused add-norm overwrites the
-    # attention and MLP outputs in place, which deferred captures must not see.
+    # attention and MLP outputs in place (which is why the plugin does not defer captures of those sites).
     result["eager"] = eager
     # Full mode: every forward pass admitted, and no row lost. The run's rows (~21.5k hookpoint rows of 512 B, ~11 MB)
     # pass through a 1 MiB ring (a pass is at most 12 hookpoints x 64 rows, ~0.4 MB): the ring laps about ten times
@@ -643,12 +643,12 @@ def main(cmd: str, root: str) -> None:
             "attention_correct": ["correct-llama-f32-attn#2"],
             # Per engine step on the GPU's clock (PyTorch profiler): plain, q/k/v of 4 layers, the residual of all 16.
             "profile": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-plain#2"],
-            # Deferred captures (one copy kernel per pass): correctness with every kind of site (attention / MLP
-            # outputs captured from a copy; q/k/v rebuilt against Hugging Face; full mode with a ring that laps),
-            # then the profiles.
+            # Deferred captures (one copy kernel per pass): correctness (compiled, eager, q/k/v rebuilt against
+            # Hugging Face, full mode with a ring that laps), then the profiles with a second plain engine (the GPU
+            # clock's resolution).
             "deferred": ["correct-llama", "correct-llama-bf16-eager", "correct-llama-f32-attn",
                          "correct-llama-bf16-full", "prof-plain#1",
-                         "prof-attn4", "prof-resid", "prof-resid_attn_mlp"]}[cmd]
+                         "prof-attn4", "prof-resid", "prof-resid_attn_mlp", "prof-plain#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:

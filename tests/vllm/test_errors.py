@@ -153,6 +153,25 @@ def test_captures_are_deferred_on_cuda_unless_the_configuration_says_otherwise()
     assert "defer_captures" not in cfg["ring"]  # the SGLang plugin's CUDA path: immediate captures
 
 
+def test_captures_are_deferred_only_for_sites_vllm_leaves_unchanged_until_the_pass_ends():
+    """The attention and MLP outputs are overwritten in place by vLLM's next fused add-norm: with either site the
+    plugin copies every capture at once (no deferral), and a configuration that asks for deferral with them is refused
+    naming the sites; the residual and q/k/v are deferred; the CPU path never defers."""
+    from ringscope import RingscopeError
+    from ringscope.vllm import deferrable, parse_config
+
+    resid = [("layers.0.resid", "residual", 0), ("layers.0.attn_q", "attn_q", 0), ("layers.0.attn_v", "attn_v", 0)]
+    mixed = resid + [("layers.0.attn_out", "attention_output", 0), ("layers.0.mlp_out", "mlp_output", 0)]
+    assert deferrable(parse_config({}), resid, cuda=True)
+    assert not deferrable(parse_config({}), resid, cuda=False)
+    assert not deferrable(parse_config({}), mixed, cuda=True)
+    assert not deferrable(parse_config({"ring": {"defer_captures": False}}), mixed, cuda=True)
+    with pytest.raises(RingscopeError, match="ring.defer_captures = true with the site.s. attention_output, "
+                                             "mlp_output: vLLM overwrites those outputs in place"):
+        deferrable(parse_config({"ring": {"defer_captures": True}}), mixed, cuda=True)
+    assert not deferrable(parse_config({"ring": {"defer_captures": True}}), mixed, cuda=False)  # CPU: host ring
+
+
 def test_the_v2_model_runner_is_refused_by_name(monkeypatch, tmp_path):
     """vLLM's V2 model runner (its own load_model and forward path) is not supported: loading a model with it while
     the plugin is configured is a clear error naming the way out, never a silent engine without capture."""

@@ -89,11 +89,11 @@ def _read_ipc_checked(files: list, request: Optional[int] = None):
     tables = []
     for f in files:
         try:
-            batches = list(_record_batches("arrow", f, None, verify=True))
+            for b in _record_batches("arrow", f, None, verify=True):
+                # A request's rows kept batch by batch, the rest let go as they are read.
+                tables.append(pa.Table.from_batches([b]) if keep is None else pa.Table.from_batches([b]).filter(keep))
         except (OSError, pa.ArrowInvalid) as e:
             raise RingscopeError("RS_ERR_IO", f"{f} is corrupt (its bytes are not as written): {e}") from e
-        if batches:  # one file's rows at a time: a request's rows are kept, the rest let go file by file
-            tables.append(pa.Table.from_batches(batches) if keep is None else pa.Table.from_batches(batches).filter(keep))
     return pa.concat_tables(tables) if tables else pa.Table.from_batches([])
 
 

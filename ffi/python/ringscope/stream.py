@@ -128,7 +128,7 @@ def _part_files(part: pathlib.Path, ext: str) -> Tuple[List[pathlib.Path], List[
     and its downcast rows. Something named like a part file that is not a file (a directory) is a
     :class:`RingscopeError` naming it."""
     found: Tuple[List[pathlib.Path], List[pathlib.Path]] = ([], [])
-    for f in part.glob(f"rank=*/**/part-*.{ext}"):
+    for f in [*part.glob(f"rank=*/part-*.{ext}"), *part.glob(f"rank=*/_{ROWSCALED}/part-*.{ext}")]:
         kind = _part_kind(f.relative_to(part).parts, ext)
         if kind is None:
             continue

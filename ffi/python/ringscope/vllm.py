@@ -38,10 +38,11 @@ the graph, in order, with no graph break: they run at every step, compiled or ea
 first decoder layer) reads the step's rows from the request-id buffer and the layer's ``positions`` tensor and begins
 a ringscope step with the exported rows only; ``capture`` copies those rows of a site; ``end`` (after the last
 decoder layer) ends the step. On CUDA the captures are deferred (``ring.defer_captures``, on unless the configuration
-says ``false``): ``capture`` only notes its tensor and ``end`` copies all of the pass's captures with one kernel —
-one graph node per pass instead of one per hookpoint; ``end`` takes every captured tensor as an input, so they are
-alive (and, in recorded graphs, at fixed addresses) until then, and the attention and MLP outputs, which vLLM's
-fused add-norm overwrites in place in the next layer, are captured from a copy. Hookpoints are named as :func:`ringscope.torch.attach` names them
+says ``false``) when every site allows it — ``residual`` and ``attn_q`` / ``attn_k`` / ``attn_v``: ``capture`` only
+notes its tensor and ``end`` copies all of the pass's captures with one kernel (up to 48 captures a kernel) — one
+graph node per pass instead of one per hookpoint; ``end`` takes every captured tensor as an input, so they are alive
+(and, in recorded graphs, at fixed addresses) until then. With ``attention_output`` or ``mlp_output``, which vLLM's
+fused add-norm overwrites in place in the next layer, each capture copies at once (one kernel each). Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
 the dataset is the session's own (its configured sinks).
 
@@ -313,6 +314,23 @@ def arch_of(model) -> str:
     return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
 
 
+def deferrable(pc: PluginConfig, planned: list, cuda: bool) -> bool:
+    """Whether the plugin defers its captures (CUDA: one copy kernel per forward pass, at its end, reading every
+    captured tensor then). The residual (a sum the plugin makes) and q/k/v (the qkv projection's output, rotated;
+    nothing writes it after attention reads it) stay as they are until then. The attention and MLP outputs do not:
+    the next layer's fused add-norm overwrites them in place (vLLM's CUDA kernel — in eager mode, and in compiled
+    graphs with ``custom_ops = ["+rms_norm"]``, where the compiler would also drop a copy made by the hook as a no-op),
+    so with those sites every capture copies at once; a configuration asking for deferral with them is refused."""
+    overwritten = sorted({site for _, site, _ in planned if site in ("attention_output", "mlp_output")})
+    ring = pc.session_config.get("ring")
+    if cuda and overwritten and isinstance(ring, dict) and ring.get("defer_captures") is True:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"{pc.source}: ring.defer_captures = true with the site(s) {', '.join(overwritten)}: "
+                             "vLLM overwrites those outputs in place before a deferred copy would read them; leave "
+                             "ring.defer_captures out (the plugin defers captures when every site allows it)")
+    return cuda and not overwritten
+
+
 def _attention_width(entry: dict, site: str) -> int:
     return (entry["num_heads"] if site == "attn_q" else entry["num_kv_heads"]) * entry["head_dim"]
 
@@ -424,12 +442,7 @@ class VllmCapture(EngineCapture):
         cuda = device.type == "cuda"
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0,
-                                      full_on_cuda=True, widths=widths, defer=True)
-        # Deferred captures (CUDA): one copy kernel per forward pass, at its end, reads every captured tensor then. The
-        # residual (a sum made here) and q/k/v (the qkv projection's output, rotated; nothing writes it after
-        # attention reads it) stay as they are until then; the attention and MLP outputs do not — the next fused
-        # add-norm overwrites them in place (vLLM's CUDA kernel in eager mode) — so those are copied first.
-        deferred = cuda and cfg.get("ring", {}).get("defer_captures") is True
+                                      full_on_cuda=True, widths=widths, defer=deferrable(pc, planned, cuda))
         export = cfg.setdefault("export", {})
         export.setdefault("rank", rank)
         if export.get("parquet") or export.get("arrow_ipc"):
@@ -475,13 +488,11 @@ class VllmCapture(EngineCapture):
 
         self._handles.append(layers[start].register_forward_pre_hook(begin_hook, with_kwargs=True))
 
-        def site_hook(name, pick, overwritten=False):
+        def site_hook(name, pick):
             hp = self.hookpoints[name]
-            copy = overwritten and deferred
 
             def hook(module, args, output):
-                x = pick(output).reshape(-1, hidden)
-                x = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
+                x = pick(output).reshape(-1, hidden).contiguous()
                 keep.append(x)
                 capture_op(x, decoder._ringscope_sink, hp, key)
             return hook
@@ -512,9 +523,9 @@ class VllmCapture(EngineCapture):
                 # (the next layer's fused add-norm computes it again).
                 self._handles.append(layer.register_forward_hook(site_hook(name, lambda out: out[0] + out[1])))
             elif site == "attention_output":
-                self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first, overwritten=True)))
+                self._handles.append(layer.self_attn.register_forward_hook(site_hook(name, _first)))
             else:
-                self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first, overwritten=True)))
+                self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
 
         def end_hook(module, args, output):
             end_op(decoder._ringscope_sink, list(keep), key)
