@@ -101,6 +101,13 @@ def test_devices_and_cuda_engine_settings_are_checked_with_clear_errors():
             parallel_config=types.SimpleNamespace(data_parallel_size=dp), speculative_config=spec))
 
     plugin._check_cuda_engine(runner())
+    # Pipeline parallelism (any device): its stages share tensor-parallel rank numbers, so their files would collide.
+    plugin._check_parallel(runner())
+    plugin._check_parallel(types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))))
+    with pytest.raises(RingscopeError, match="pipeline_parallel_size = 2 is not supported .the stages would write"):
+        plugin._check_parallel(types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=2))))
     with pytest.raises(RingscopeError, match="data_parallel_size = 2 is not supported on CUDA"):
         plugin._check_cuda_engine(runner(dp=2))
     with pytest.raises(RingscopeError, match="speculative decoding is not supported on CUDA"):

@@ -293,6 +293,18 @@ def _check_device(device) -> None:
         _engine.check_cpu(device, "ringscope.vllm", "vLLM", ENV_CONFIG)
 
 
+def _check_parallel(runner) -> None:
+    """Pipeline parallelism is refused at load, naming it: its stages share tensor-parallel rank numbers, so they would
+    write the same rank's request map, summary and manifest of one run."""
+    pcfg = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    pp = int(getattr(pcfg, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"ringscope.vllm: pipeline_parallel_size = {pp} is not supported (the stages would write "
+                             "the same tensor-parallel rank's files of one run): serve with pipeline_parallel_size=1, "
+                             f"or unset {ENV_CONFIG}")
+
+
 def _check_cuda_engine(runner) -> None:
     """What the CUDA path cannot capture faithfully is refused at load, naming it."""
     cfg = runner.vllm_config
@@ -412,11 +424,12 @@ class VllmCapture(EngineCapture):
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"{pc.source}: vllm.layers names layer(s) {bad} but {arch} has {n} decoder layers "
                                  f"(0..{n - 1})")
+        _check_parallel(runner)
         rank = _tp_rank()
         if pc.ranks is not None and rank not in pc.ranks:
             logger.info("ringscope: tensor-parallel rank %d is not in vllm.ranks %s: no capture here", rank, pc.ranks)
             return None
-        chosen = [i for i in chosen if start <= i < end]  # pipeline parallel: this rank's layers
+        chosen = [i for i in chosen if start <= i < end]  # the layers this worker holds
         param = next(model.parameters())
         _check_device(param.device)
         if param.device.type == "cuda":
