@@ -11,7 +11,8 @@ a variant adds to the plain step. So a capture's cost splits into what it adds o
 the model's own kernels got slower beside the drain's copies) and what it adds elsewhere (host, driver).
 
 Decode (1B-shape Llama of hf_overhead.py, 16 layers, bf16, StaticCache, one step recorded as a CUDA graph; batch 1, 8,
-64): (plain) no capture; (resid) the residual of all 16 layers, best-effort, Parquet; (full) the same in full mode,
+64): (plain) no capture; (resid) the residual of all 16 layers, best-effort, Parquet; (resid_copy_at_end) the same
+with the step's copy at its end instead of beside the LM head on a side stream; (full) the same in full mode,
 ``admit_graph_step`` before every replay; (attn) q/k/v of layers 0, 5, 10, 15, best-effort, Parquet. CUDA ring 2 GiB,
 ``defer_captures``. Prefill (eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads):
 plain, best-effort into Parquet, best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the
@@ -45,11 +46,18 @@ def session(root, name, mode="best_effort", export="parquet", capacity="2 GiB"):
                               "policy": policy, "export": {"dir": d, export: True, "threads": 8}})
 
 
-def decoder_with(model, s, batch, max_len, **attach):
+def decoder_with(model, s, batch, max_len, early_copy=True, **attach):
+    """A Decoder recorded with ``attach(model, s, **attach)``; ``early_copy=False``: the step's deferred copy at the
+    step's end on the engine's stream instead of early on a side stream (``attach`` submits it after the last captured
+    layer, so it runs beside the LM head)."""
     att = rt.attach(model, s, **attach)
+    submit = rt.submit
+    if not early_copy:
+        rt.submit = lambda *args: None
     try:
         return Decoder(model, batch, max_len)
     finally:
+        rt.submit = submit
         att.detach()
 
 
@@ -73,9 +81,11 @@ def profile_steps(step, n, warm=10):
 def decode(model, batch, steps, root, results):
     max_len = 16 + 4 * (steps + 20) + 16
     sessions = {"resid": session(root, f"b{batch}-resid"), "full": session(root, f"b{batch}-full", mode="full"),
-                "attn": session(root, f"b{batch}-attn")}
+                "attn": session(root, f"b{batch}-attn"), "resid_copy_at_end": session(root, f"b{batch}-resid-end")}
     decs = {"plain": Decoder(model, batch, max_len),
             "resid": decoder_with(model, sessions["resid"], batch, max_len, sites=["residual"]),
+            "resid_copy_at_end": decoder_with(model, sessions["resid_copy_at_end"], batch, max_len, early_copy=False,
+                                              sites=["residual"]),
             "full": decoder_with(model, sessions["full"], batch, max_len, sites=["residual"]),
             "attn": decoder_with(model, sessions["attn"], batch, max_len, sites=["attn_q", "attn_k", "attn_v"],
                                  layers=ATTN_LAYERS),
