@@ -29,21 +29,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_trace  # noqa: E402
+from full_mode_decode import session as full_mode_session  # noqa: E402
 from hf_overhead import DEV, Decoder, build_model  # noqa: E402
 
-import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
 
 ATTN_LAYERS = [0, 5, 10, 15]
 
 
 def session(root, name, mode="best_effort", export="parquet", capacity="2 GiB"):
-    policy = {"mode": mode, "full_deadline_ms": 20000} if mode == "full" else {"mode": mode}
-    d = os.path.join(root, name)
-    shutil.rmtree(d, ignore_errors=True)
-    return ringscope.Session({"ring": {"backend": "cuda", "capacity": capacity, "max_batch_rows": 4096,
-                                       "defer_captures": True},
-                              "policy": policy, "export": {"dir": d, export: True, "threads": 8}})
+    """full_mode_decode.py's session (CUDA ring, deferred captures, 8 sink threads), best-effort unless said."""
+    return full_mode_session(root, name, mode, export=export, capacity=capacity)
 
 
 def decoder_with(model, s, batch, max_len, early_copy=True, **attach):

@@ -386,6 +386,51 @@ def bench_config(out: str, kind: str) -> "str | None":
     return None
 
 
+def bench_engine(out: str, kind: str):
+    """The cost runs' engine: the Llama-3.2-1B shape with dummy weights, the plugin configured for ``kind`` (none for
+    "plain"). Returns ``(llm, capture or None)``."""
+    from vllm import LLM
+
+    model_dir = os.path.join(out, "model")
+    make_1b(model_dir)
+    cfg = bench_config(out, kind)
+    if cfg is not None:
+        os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
+        register_plugin()
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=64, seed=0, gpu_memory_utilization=0.5, enforce_eager=(kind == "eager_hooks"),
+              max_num_batched_tokens=8192)
+    if cfg is None:
+        return llm, None
+    import ringscope.vllm as rv
+
+    return llm, rv.captures()[0]
+
+
+def decode_prompts(batch: int) -> list:
+    """B 16-token prompts, different from each other."""
+    return [{"prompt_token_ids": [(31 * b + 7 * i) % 30000 + 10 for i in range(16)]} for b in range(batch)]
+
+
+def dropped_rows(cap) -> int:
+    """Rows the capture dropped so far (every hookpoint; the session flushed first, so that nothing is still on its
+    way); 0 without one."""
+    if cap is None:
+        return 0
+    cap.session.flush()
+    return sum(cap.session.stats(h)["dropped_rows"] for h in cap.hookpoints.values())
+
+
+def close_capture(cap, result: dict) -> None:
+    """The plugin's counters and the closed sessions' totals into ``result``."""
+    if cap is None:
+        return
+    import ringscope.vllm as rv
+
+    result["counters"] = cap.counters()
+    result["closed"] = rv.close_all()
+
+
 def step_clock(llm) -> list:
     """The start time of every ``execute_model`` call of the engine's model runner from now on (the list returned):
     in a decode-only stretch the time between two starts is one whole engine step — scheduling, the forward pass,
@@ -410,7 +455,7 @@ def decode_step_ms(llm, batch: int) -> dict:
     of each call, the prefill and the batch filling up, left out)."""
     from vllm import SamplingParams
 
-    prompts = [{"prompt_token_ids": [(31 * b + 7 * i) % 30000 + 10 for i in range(16)]} for b in range(batch)]
+    prompts = decode_prompts(batch)
     starts = step_clock(llm)
     steps = []
 
@@ -455,18 +500,8 @@ def timed_into(fn, into: list):
 
 
 def run_bench(out: str, kind: str, result: dict) -> None:
-    from vllm import LLM
-
-    model_dir = os.path.join(out, "model")
-    make_1b(model_dir)
-    cfg = bench_config(out, kind)
-    if cfg is not None:
-        os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
-        register_plugin()
     t0 = time.time()
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=64, seed=0, gpu_memory_utilization=0.5, enforce_eager=(kind == "eager_hooks"),
-              max_num_batched_tokens=8192)
+    llm, cap = bench_engine(out, kind)
     result["start_s"] = time.time() - t0
     result["engine"] = engine_facts(llm)
     if kind == "eager_hooks":
@@ -479,19 +514,6 @@ def run_bench(out: str, kind: str, result: dict) -> None:
                 sink.clear()
         for layer in model.model.layers:
             layer.register_forward_hook(hook)
-    cap = None
-    if cfg is not None:
-        import ringscope.vllm as rv
-
-        cap = rv.captures()[0]
-
-    def dropped_rows() -> int:
-        """Rows dropped so far (every hookpoint; the session flushed first, so that nothing is still on its way)."""
-        if cap is None:
-            return 0
-        cap.session.flush()
-        return sum(cap.session.stats(h)["dropped_rows"] for h in cap.hookpoints.values())
-
     # The plugin's host work before each forward pass (request map, request-id upload, and in full mode the
     # admission), timed in this process: vLLM's decode is host-bound here, so this is on every step's critical path,
     # and unlike a comparison between processes it is measured to the microsecond.
@@ -511,7 +533,7 @@ def run_bench(out: str, kind: str, result: dict) -> None:
     # Each phase's drops on their own (the goal is zero at batch 1 and 8).
     result["decode_ms"], result["step_ms"], result["dropped_rows"] = {}, {}, {}
     for b in BATCHES:
-        before = dropped_rows()
+        before = dropped_rows(cap)
         for xs in host.values():
             xs.clear()
         d = decode_step_ms(llm, b)
@@ -521,16 +543,11 @@ def run_bench(out: str, kind: str, result: dict) -> None:
         xs = sorted(d["steps"])
         result["step_ms"][b] = {"p50": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
                                 "mean": statistics.fmean(xs), "n": len(xs), "all": [round(x, 4) for x in d["steps"]]}
-        result["dropped_rows"][f"decode B={b}"] = dropped_rows() - before
-    before = dropped_rows()
+        result["dropped_rows"][f"decode B={b}"] = dropped_rows(cap) - before
+    before = dropped_rows(cap)
     result["prefill_s"] = prefill_s(llm) if not os.environ.get("BENCH_HOST_PARTS") else [float("nan")]
-    result["dropped_rows"]["prefill"] = dropped_rows() - before
-    if cfg is not None:
-        import ringscope.vllm as rv
-
-        cap = rv.captures()[0]
-        result["counters"] = cap.counters()
-        result["closed"] = rv.close_all()
+    result["dropped_rows"]["prefill"] = dropped_rows(cap) - before
+    close_capture(cap, result)
 
 
 def run_profile(out: str, kind: str, result: dict) -> None:
@@ -538,36 +555,23 @@ def run_profile(out: str, kind: str, result: dict) -> None:
     per engine step, what ran on the GPU and for how long (benches/gpu_trace.py), so that configurations compare on
     the GPU's own clock instead of host-bound step times that differ by 15-90% between processes."""
     import gpu_trace
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    model_dir = os.path.join(out, "model")
-    make_1b(model_dir)
-    cfg = bench_config(out, kind)
-    if cfg is not None:
-        os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
-        register_plugin()
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=64, seed=0, gpu_memory_utilization=0.5, max_num_batched_tokens=8192)
+    llm, cap = bench_engine(out, kind)
     result["engine"] = engine_facts(llm)
     runner = runner_of(llm)
     runner.execute_model = gpu_trace.marked(runner.execute_model)  # one trace step per engine step
     result["profile"] = {}
     for b in BATCHES:
-        prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 30000 + 10 for j in range(16)]} for i in range(b)]
+        prompts = decode_prompts(b)
         for n in (8, 48):  # warm: this batch size's graphs, then a whole call
             llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
         events = gpu_trace.profiled(lambda: llm.generate(
             prompts, SamplingParams(max_tokens=72, temperature=0, ignore_eos=True), use_tqdm=False))
         # The prefill and the first decode steps left out (the same cut as decode_step_ms).
         result["profile"][b] = gpu_trace.summary(gpu_trace.steps_of(events, skip_first=8))
-    if cfg is not None:
-        import ringscope.vllm as rv
-
-        cap = rv.captures()[0]
-        cap.session.flush()
-        result["dropped_rows"] = sum(cap.session.stats(h)["dropped_rows"] for h in cap.hookpoints.values())
-        result["counters"] = cap.counters()
-        result["closed"] = rv.close_all()
+    result["dropped_rows"] = dropped_rows(cap)
+    close_capture(cap, result)
 
 
 # -- driver ------------------------------------------------------------------------------------------------------
