@@ -24,12 +24,34 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def profiled(fn):
     """Runs ``fn()`` under the PyTorch profiler (CPU + CUDA activities) and returns the trace's events."""
-    import torch
+    prof = start()
+    try:
+        fn()
+    except BaseException:
+        prof.__exit__(None, None, None)
+        raise
+    return stop(prof)
+
+
+def start():
+    """The PyTorch profiler (CPU + CUDA activities), started; :func:`stop` ends it and returns the trace's events (for
+    what cannot be one call, such as the worker processes of a tensor-parallel engine)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+def stop(prof):
+    """Waits for the GPU, ends ``prof`` (from :func:`start`) and returns its trace's events."""
+    import torch
+
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        prof.__exit__(None, None, None)
     fd, path = tempfile.mkstemp(suffix=".json", prefix="trace-")
     os.close(fd)
     try:

@@ -123,7 +123,7 @@ ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
 def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False,
                 eager: bool = False) -> None:
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     model_dir = os.path.join(out, "model")
     make_checkpoint(model_dir, family)
@@ -157,23 +157,7 @@ layers = "all"
               max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=64, enable_chunked_prefill=True,
               enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.3, enforce_eager=eager, **extra)
     result["engine"] = engine_facts(llm)
-    import random
-
-    rng = random.Random(1 if family == "llama" else 2)
-    reqs = [([rng.randrange(3, 1000) for _ in range(rng.randrange(3, 200))], rng.randrange(2, 24))
-            for _ in range(14)]
-    # A prefix of whole KV-cache blocks (16 tokens on the GPU, 128 on vLLM's CPU build), shared by later requests.
-    prefix = [rng.randrange(3, 1000) for _ in range(256)]
-    phases = [reqs, [(prefix + [5], 3)], [(prefix + [6 + i] * (i + 1), 4 + i) for i in range(4)]]
-    result["requests"] = []
-    for phase in phases:
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in phase],
-                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in phase],
-                            use_tqdm=False)
-        for o in outs:
-            result["requests"].append({"request_id": o.request_id, "prompt": list(o.prompt_token_ids),
-                                       "tokens": list(o.outputs[0].token_ids),
-                                       "cached": int(o.num_cached_tokens or 0)})
+    result["requests"] = serve_correctness_requests(llm, family)
     import ringscope.vllm as rv
 
     # Full mode's waits for room (how often a pass found the ring full and waited for the exporter), read before close.
@@ -183,8 +167,40 @@ layers = "all"
     result["run_dir"] = os.path.join(out, "dump", "run")
 
 
-def check_correct(out: str, result: dict) -> dict:
-    """Every exported row against the Hugging Face reference; returns what was found."""
+def serve_correctness_requests(llm, family: str) -> list:
+    """The correctness scenario's requests, served by ``llm``: 14 requests of different lengths at once (continuous
+    batching, chunked prefill), then requests sharing a 256-token prefix (prefix-cache hits). Returns each request's
+    vLLM id, prompt, generated tokens and cached prompt tokens."""
+    import random
+
+    from vllm import SamplingParams
+
+    rng = random.Random(1 if family == "llama" else 2)
+    reqs = [([rng.randrange(3, 1000) for _ in range(rng.randrange(3, 200))], rng.randrange(2, 24))
+            for _ in range(14)]
+    # A prefix of whole KV-cache blocks (16 tokens on the GPU, 128 on vLLM's CPU build), shared by later requests.
+    prefix = [rng.randrange(3, 1000) for _ in range(256)]
+    phases = [reqs, [(prefix + [5], 3)], [(prefix + [6 + i] * (i + 1), 4 + i) for i in range(4)]]
+    served = []
+    for phase in phases:
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in phase],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in phase],
+                            use_tqdm=False)
+        for o in outs:
+            served.append({"request_id": o.request_id, "prompt": list(o.prompt_token_ids),
+                           "tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
+    return served
+
+
+def side_file(run: str, name: str, ext: str, rank: int = 0) -> str:
+    """The plugin's side file ``name`` of tensor-parallel ``rank`` in ``run`` (rank 0: ``requests.jsonl``, rank R:
+    ``requests.rank=R.jsonl``)."""
+    return os.path.join(run, "_ringscope_vllm", f"{name}.{ext}" if rank == 0 else f"{name}.rank={rank}.{ext}")
+
+
+def check_correct(out: str, result: dict, rank: int = 0) -> dict:
+    """Every exported row (of tensor-parallel ``rank``: its request map, summary and rows) against the Hugging Face
+    reference; returns what was found."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -192,12 +208,11 @@ def check_correct(out: str, result: dict) -> dict:
     import ringscope
 
     run = result["run_dir"]
-    side = os.path.join(run, "_ringscope_vllm")
     by_ext = {}
-    for line in open(os.path.join(side, "requests.jsonl")):
+    for line in open(side_file(run, "requests", "jsonl", rank)):
         x = json.loads(line)
         by_ext[x["external_request_id"]] = x
-    summary = json.load(open(os.path.join(side, "summary.json")))
+    summary = json.load(open(side_file(run, "summary", "json", rank)))
     dump = ringscope.read_dump(run)
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
@@ -224,10 +239,11 @@ def check_correct(out: str, result: dict) -> dict:
     bad = []
     tol = TOLERANCE[result["dtype"]]
     for name, cols in dump.items():
-        act = cols["activation"]
+        mine = cols["rank"] == rank
+        act = cols["activation"][mine]
         act = ringscope.as_float32(act) if cols["dtype"] == "bf16" else np.asarray(act, dtype=np.float32)
-        req = cols["request_id"].astype(np.uint64)
-        pos = cols["position"].astype(np.int64)
+        req = cols["request_id"][mine].astype(np.uint64)
+        pos = cols["position"][mine].astype(np.int64)
         none = req == np.uint64(NO_REQUEST)
         none_rows += int(none.sum())
         act, req, pos = act[~none], req[~none], pos[~none]
