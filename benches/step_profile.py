@@ -12,7 +12,9 @@ the model's own kernels got slower beside the drain's copies) and what it adds e
 
 Decode (1B-shape Llama of hf_overhead.py, 16 layers, bf16, StaticCache, one step recorded as a CUDA graph; batch 1, 8,
 64): (plain) no capture; (resid) the residual of all 16 layers, best-effort, Parquet; (resid_copy_at_end) the same
-with the step's copy at its end instead of beside the LM head on a side stream; (full) the same in full mode,
+with the step's copy at its end instead of beside the LM head on a side stream; (plain_keep) no capture, but the
+recording keeps every layer's output alive to its end as deferred captures do (the graph's memory layout alone);
+(full) the same as resid in full mode,
 ``admit_graph_step`` before every replay; (attn) q/k/v of layers 0, 5, 10, 15, best-effort, Parquet. CUDA ring 2 GiB,
 ``defer_captures``. Prefill (eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads):
 plain, best-effort into Parquet, best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the
@@ -57,6 +59,21 @@ def decoder_with(model, s, batch, max_len, early_copy=True, **attach):
         att.detach()
 
 
+def decoder_keeping(model, batch, max_len):
+    """A plain Decoder (no capture) whose recording keeps every decoder layer's output alive until it ends, as deferred
+    captures keep the tensors their copy reads at the step's end: whether the model's own kernels run slower in the
+    capture graphs because of the graph's memory layout alone."""
+    kept = []
+    hooks = [layer.register_forward_hook(lambda m, a, o: kept.append(o[0] if isinstance(o, tuple) else o))
+             for layer in model.model.layers]
+    try:
+        return Decoder(model, batch, max_len)
+    finally:
+        for h in hooks:
+            h.remove()
+        kept.clear()
+
+
 def profile_steps(step, n, warm=10):
     """``n`` steps of ``step`` (each synchronised) under the profiler; the summary of the trace's steps."""
     for _ in range(warm):
@@ -85,6 +102,7 @@ def decode(model, batch, steps, root, results):
             "full": decoder_with(model, sessions["full"], batch, max_len, sites=["residual"]),
             "attn": decoder_with(model, sessions["attn"], batch, max_len, sites=["attn_q", "attn_k", "attn_v"],
                                  layers=ATTN_LAYERS),
+            "plain_keep": decoder_keeping(model, batch, max_len),
             "plain_2": Decoder(model, batch, max_len)}
 
     def stepper(name):
