@@ -2,7 +2,11 @@
 //!
 //! ```text
 //! cargo run --release -p ringscope-inspect -- ringscope-out/<run id> [--verify]
+//! cargo run --release -p ringscope-inspect -- s3://bucket/prefix/<run id> [--verify] [--storage-option KEY=VALUE]
 //! ```
+//!
+//! A run on object storage is copied into a temporary directory (removed afterwards) and checked as a local run, each
+//! file named by its URL.
 //!
 //! Prints, per format and hookpoint: files, layer, step range, distinct requests, rows (and of them, rows downcast to
 //! `f8e4m3_rowscaled`, from the `_f8e4m3_rowscaled/` file series), activation bytes, and the run's accounting
@@ -78,6 +82,11 @@ struct Args {
     /// Also decode every value and check every checksum (slower; proves every byte is as written).
     #[arg(long)]
     verify: bool,
+    /// A run on object storage (`s3://bucket/prefix/<run id>`, `gs://…`, `az://…`): a builder option of the store,
+    /// as `export.storage_options` takes them (`aws_endpoint=http://…`, `aws_allow_http=true`, …), after the
+    /// environment's (`AWS_*`, `GOOGLE_*`, `AZURE_*`). Repeat for several.
+    #[arg(long = "storage-option", value_name = "KEY=VALUE")]
+    storage_options: Vec<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -122,7 +131,118 @@ fn main() -> ExitCode {
         return retention::run(r);
     }
     let run_dir = args.run_dir.expect("clap requires the run directory without a subcommand");
+    let url = run_dir.to_string_lossy().into_owned();
+    if ringscope_exporter::is_object_url(&url) {
+        return summarise_remote(&url, &args.storage_options, args.verify);
+    }
+    if !args.storage_options.is_empty() {
+        eprintln!("inspect: --storage-option is for a run on object storage (s3://…, gs://…, az://…), not {url}");
+        return ExitCode::from(EXIT_NOT_A_RUN);
+    }
     summarise(&run_dir, args.verify)
+}
+
+/// Where a run on object storage was copied to, and its URL: paths under the copy are shown as the URL's objects
+/// ([`shown`]). Set once, by [`summarise_remote`].
+static REMOTE: std::sync::OnceLock<(PathBuf, String)> = std::sync::OnceLock::new();
+
+/// `path` as the user knows it: under a run copied from object storage, the object's URL; else the path.
+fn shown(path: &Path) -> String {
+    if let Some((local, url)) = REMOTE.get() {
+        if let Ok(rel) = path.strip_prefix(local) {
+            let rel = rel.to_string_lossy();
+            return if rel.is_empty() { url.clone() } else { format!("{url}/{rel}") };
+        }
+    }
+    path.display().to_string()
+}
+
+/// A temporary directory, removed with everything in it when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A run on object storage: its objects are copied into a temporary directory (removed afterwards; it needs as much
+/// local disk as the run holds), which is then summarised and checked as a local run, every path shown as its URL.
+fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
+    let shown_url = ringscope_exporter::redact_url(url).trim_end_matches('/').to_owned();
+    let mut opts = ringscope_exporter::StorageOptions::default();
+    for o in options {
+        let Some((k, v)) = o.split_once('=').filter(|(k, _)| !k.is_empty()) else {
+            eprintln!("inspect: --storage-option {:?} is not KEY=VALUE", o.split('=').next().unwrap_or_default());
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        };
+        opts.options.insert(k.to_owned(), v.to_owned());
+    }
+    let storage = match ringscope_exporter::ObjectStorage::open(url, opts) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("inspect: {}", e.to_string().replacen("export.url", "the run URL", 1));
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+    };
+    let root = storage.root();
+    // Not a run (an export directory of runs, say): said before anything is copied.
+    let run_like =
+        |names: &[String]| names.iter().any(|n| is_manifest(n) || n.starts_with("hookpoint=") || n == "_arrow_ipc");
+    match storage.list_names(&root) {
+        Ok(names) if names.is_empty() => {
+            eprintln!("inspect: {shown_url} does not exist (no object under it): not a run");
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+        Ok(names) if !run_like(&names) => {
+            let mut runs: Vec<&String> = names
+                .iter()
+                .take(64)
+                .filter(|n| storage.list_names(&root.join(n)).is_ok_and(|inner| run_like(&inner)))
+                .collect();
+            runs.sort();
+            eprintln!(
+                "inspect: {shown_url} is not a run (no manifest, no hookpoint=… partition){}",
+                runs.first().map_or(String::new(), |r| format!(
+                    " but holds runs ({}): give one, e.g. `inspect {shown_url}/{r}`",
+                    runs.iter().take(8).map(|r| r.as_str()).collect::<Vec<_>>().join(", ")
+                ))
+            );
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("inspect: cannot list {shown_url}: {e}");
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+    }
+    let objects = match storage.list(&root) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("inspect: cannot list {shown_url}: {e}");
+            return ExitCode::from(EXIT_NOT_A_RUN);
+        }
+    };
+    if objects.is_empty() {
+        eprintln!("inspect: {shown_url} does not exist (no object under it): not a run");
+        return ExitCode::from(EXIT_NOT_A_RUN);
+    }
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let tmp = TempDir(std::env::temp_dir().join(format!("ringscope-inspect-{}-{stamp}", std::process::id())));
+    for object in &objects {
+        let Ok(rel) = object.strip_prefix(&root) else { continue };
+        let local = tmp.0.join(rel);
+        let copied = storage.get(object).and_then(|bytes| {
+            std::fs::create_dir_all(local.parent().unwrap_or(&tmp.0))?;
+            std::fs::write(&local, &bytes)
+        });
+        if let Err(e) = copied {
+            eprintln!("inspect: cannot copy {shown_url}/{} to {}: {e}", rel.display(), local.display());
+            return ExitCode::from(EXIT_PROBLEM);
+        }
+    }
+    let _ = REMOTE.set((tmp.0.clone(), shown_url));
+    summarise(&tmp.0, verify)
 }
 
 /// Whether `name` is a manifest of a run: rank 0's [`MANIFEST`], or another rank's `_ringscope_run.rank=<r>.json`
@@ -140,10 +260,10 @@ fn is_manifest(name: &str) -> bool {
 /// accounting and each sink's committed rows summed over the ranks (a hookpoint's rows of every rank are in its
 /// `hookpoint=<name>` directory, one `rank=<r>` partition each), a sink failed if it failed on any rank.
 fn read_manifests(run_dir: &Path) -> Result<Option<Value>, String> {
-    let entries = std::fs::read_dir(run_dir).map_err(|e| format!("{}: unreadable: {e}", run_dir.display()))?;
+    let entries = std::fs::read_dir(run_dir).map_err(|e| format!("{}: unreadable: {e}", shown(run_dir)))?;
     let mut paths: Vec<PathBuf> = Vec::new();
     for entry in entries {
-        let path = entry.map_err(|e| format!("{}: unreadable: {e}", run_dir.display()))?.path();
+        let path = entry.map_err(|e| format!("{}: unreadable: {e}", shown(run_dir)))?.path();
         if path.file_name().and_then(|n| n.to_str()).is_some_and(is_manifest) {
             paths.push(path);
         }
@@ -151,10 +271,9 @@ fn read_manifests(run_dir: &Path) -> Result<Option<Value>, String> {
     paths.sort();
     let mut manifests = Vec::with_capacity(paths.len());
     for path in &paths {
-        let bytes = std::fs::read(path).map_err(|e| format!("{} unreadable: {e}", path.display()))?;
+        let bytes = std::fs::read(path).map_err(|e| format!("{} unreadable: {e}", shown(path)))?;
         manifests.push(
-            serde_json::from_slice::<Value>(&bytes)
-                .map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?,
+            serde_json::from_slice::<Value>(&bytes).map_err(|e| format!("{} is not valid JSON: {e}", shown(path)))?,
         );
     }
     let mut merged = manifests.pop();
@@ -290,9 +409,9 @@ fn not_a_run_hint(dir: &Path) -> Option<String> {
     if let Some(run) = abs.ancestors().skip(1).take(5).find(|a| !inside(a) && looks_like_run(a)) {
         return Some(format!(
             "{} is inside the run {}: give the run directory, e.g. `inspect {}`",
-            dir.display(),
-            run.display(),
-            run.display()
+            shown(dir),
+            shown(run),
+            shown(run)
         ));
     }
     // The export directory: runs below it.
@@ -304,18 +423,18 @@ fn not_a_run_hint(dir: &Path) -> Option<String> {
         .collect();
     runs.sort();
     let first = runs.first()?;
-    let shown =
+    let listed =
         if runs.len() > 8 { format!("{}, ... ({} runs)", runs[..8].join(", "), runs.len()) } else { runs.join(", ") };
     Some(format!(
-        "{} is not a run directory but holds runs ({shown}): give one, e.g. `inspect {}`",
-        dir.display(),
-        dir.join(first).display()
+        "{} is not a run directory but holds runs ({listed}): give one, e.g. `inspect {}`",
+        shown(dir),
+        shown(&dir.join(first))
     ))
 }
 
 fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
     if !run_dir.is_dir() {
-        eprintln!("inspect: {} is not a directory", run_dir.display());
+        eprintln!("inspect: {} is not a directory", shown(run_dir));
         return ExitCode::from(EXIT_NOT_A_RUN);
     }
     // An export directory or a partition would otherwise read as an interrupted run (its files, no manifest).
@@ -335,13 +454,13 @@ fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
             eprintln!(
                 "inspect: no {MANIFEST} and no part-*.parquet or part-*.arrow files under {}: not a run directory, \
                  or a run that committed nothing",
-                run_dir.display()
+                shown(run_dir)
             );
             return ExitCode::from(EXIT_NOT_A_RUN);
         }
         Ok(f) => f,
         Err(e) => {
-            eprintln!("inspect: cannot list {}: {e}", run_dir.display());
+            eprintln!("inspect: cannot list {}: {e}", shown(run_dir));
             return ExitCode::from(EXIT_NOT_A_RUN);
         }
     };
@@ -374,13 +493,13 @@ fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
                 if summary.rows != summary.file_rows {
                     problems.push(format!(
                         "{}: {} rows, but its metadata says {}",
-                        path.display(),
+                        shown(path),
                         summary.rows,
                         summary.file_rows
                     ));
                 }
             }
-            Err(e) => problems.push(format!("{}: unreadable: {e}", path.display())),
+            Err(e) => problems.push(format!("{}: unreadable: {e}", shown(path))),
         }
     }
 
@@ -392,7 +511,7 @@ fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
         }
     };
 
-    println!("run {}: {} files", run_dir.display(), files.len());
+    println!("run {}: {} files", shown(run_dir), files.len());
     let Some(manifest) = manifest else {
         events.print();
         return interrupted(&parts, &problems);
@@ -500,10 +619,10 @@ fn summarise(run_dir: &Path, verify: bool) -> ExitCode {
         let listed: BTreeSet<PathBuf> = listed.iter().filter_map(|f| Some(run_dir.join(f["path"].as_str()?))).collect();
         let on_disk: BTreeSet<PathBuf> = events.files.iter().cloned().collect();
         for missing in listed.difference(&on_disk) {
-            problems.push(format!("{}: listed in the manifest's events but not on disk", missing.display()));
+            problems.push(format!("{}: listed in the manifest's events but not on disk", shown(missing)));
         }
         for extra in on_disk.difference(&listed) {
-            problems.push(format!("{}: an events file the manifest does not list", extra.display()));
+            problems.push(format!("{}: an events file the manifest does not list", shown(extra)));
         }
         if verify {
             problems.extend(events.check_against(&accounting));
@@ -838,10 +957,10 @@ fn read_events(run_dir: &Path, verify: bool) -> Result<Events, String> {
     let entries = match std::fs::read_dir(&dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(events),
-        Err(e) => return Err(format!("{}: unreadable: {e}", dir.display())),
+        Err(e) => return Err(format!("{}: unreadable: {e}", shown(&dir))),
     };
     for entry in entries {
-        let path = entry.map_err(|e| format!("{}: unreadable: {e}", dir.display()))?.path();
+        let path = entry.map_err(|e| format!("{}: unreadable: {e}", shown(&dir)))?.path();
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         if name.starts_with("part-") && name.ends_with(".parquet") {
             events.files.push(path);
@@ -849,7 +968,7 @@ fn read_events(run_dir: &Path, verify: bool) -> Result<Events, String> {
     }
     events.files.sort();
     for path in events.files.clone() {
-        read_events_file(&path, verify, &mut events).map_err(|e| format!("{}: unreadable: {e}", path.display()))?;
+        read_events_file(&path, verify, &mut events).map_err(|e| format!("{}: unreadable: {e}", shown(&path)))?;
     }
     Ok(events)
 }

@@ -153,6 +153,53 @@ def test_the_rust_example_dumps_to_s3_and_every_reader_reads_it_bit_for_bit(s3en
     assert ringscope.read_events(url) == []
 
 
+def _inspect(*args):
+    inspect = _binary("RINGSCOPE_INSPECT", "target/debug/inspect")
+    return subprocess.run([inspect, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_inspect_verifies_a_run_on_s3_as_it_verifies_the_same_run_on_disk(s3env, tmp_path):
+    """``inspect --verify s3://…/<run>``: the run's objects copied to a temporary directory (removed after) and checked
+    as a local run, every path shown as its URL; the same report as for the same dump on disk; a corrupted object
+    found and named by its URL; a URL with no run, a bad option and a wrong secret are clear errors (exit 2)."""
+    example = _binary("RINGSCOPE_EXAMPLE", "target/debug/examples/dump_parquet")
+    bucket = s3env.bucket("inspect")
+    args = ["--layers", "3", "--hidden", "256", "--requests", "24", "--run-id", "r1", "--arrow-ipc", "--no-progress"]
+    _run([example, "--out", f"s3://{bucket}/dumps", *args])
+    _run([example, "--out", tmp_path, *args])
+    url = f"s3://{bucket}/dumps/r1"
+    remote, local = _inspect("--verify", url), _inspect("--verify", tmp_path / "r1")
+    assert remote.returncode == local.returncode == 0, remote.stdout + remote.stderr
+    files = local.stdout.splitlines()[0].rsplit(": ", 1)[1]
+    assert files == "6 files" and remote.stdout.splitlines()[0] == f"run {url}: {files}", (remote.stdout, local.stdout)
+    # Everything but the first line (the run's name) is the local run's report.
+    assert remote.stdout.splitlines()[1:] == local.stdout.splitlines()[1:], (remote.stdout, local.stdout)
+    assert "ringscope-inspect-" not in remote.stdout + remote.stderr
+    assert not [p for p in pathlib.Path(os.environ.get("TMPDIR", "/tmp")).glob(f"ringscope-inspect-{os.getpid()}*")]
+
+    # One byte of one Parquet object flipped: found by --verify, named by its URL.
+    key = sorted(k for k in _objects(s3env, f"{bucket}/dumps/r1", ".parquet") if k.startswith("hookpoint="))[0]
+    fs = s3env.filesystem()
+    with fs.open_input_file(f"{bucket}/dumps/r1/{key}") as f:
+        data = bytearray(f.read())
+    data[len(data) // 3] ^= 0xFF
+    with fs.open_output_stream(f"{bucket}/dumps/r1/{key}") as f:
+        f.write(bytes(data))
+    bad = _inspect("--verify", url)
+    assert bad.returncode == 1 and f"PROBLEM: {url}/{key}" in bad.stdout, bad.stdout + bad.stderr
+
+    missing = _inspect(f"s3://{bucket}/dumps/no-such-run")
+    assert missing.returncode == 2 and f"s3://{bucket}/dumps/no-such-run does not exist" in missing.stderr, missing
+    export_dir = _inspect(f"s3://{bucket}/dumps")
+    assert export_dir.returncode == 2 and f"inspect s3://{bucket}/dumps/r1" in export_dir.stderr, export_dir
+    option = _inspect("--storage-option", "aws_region", url)
+    assert option.returncode == 2 and "aws_region" in option.stderr and "KEY=VALUE" in option.stderr, option
+    local_option = _inspect("--storage-option", "aws_region=x", tmp_path / "r1")
+    assert local_option.returncode == 2 and "not " in local_option.stderr, local_option
+    wrong = _inspect("--storage-option", "aws_secret_access_key=not-the-secret-42", url)
+    assert wrong.returncode == 2 and url in wrong.stderr and "not-the-secret-42" not in wrong.stderr, wrong
+
+
 def test_the_c_example_dumps_to_s3(s3env, tmp_path):
     c_engine = _binary("RINGSCOPE_C_ENGINE", "target/debug/c_engine")
     lib_dir = str(pathlib.Path(os.environ.get("RINGSCOPE_LIB") or ROOT / "target/debug/libringscope.so").parent)
