@@ -1,7 +1,7 @@
 //! The crate graph is one-way and matches the design (docs/architecture.md): policy and ring at the bottom,
 //! hookpoint above ring, exporter above ring and policy without hookpoint, the facade wiring them, ffi and inspect on
 //! top (inspect also uses the probe crate, for `inspect retention`, and the exporter's check of the Arrow IPC footer
-//! checksum the exporter writes). A dependency outside this table — a new edge
+//! checksum the exporter writes and its object storage, for runs there). A dependency outside this table — a new edge
 //! between member crates — fails here, with `cargo metadata` as the source of truth.
 
 use std::collections::{BTreeMap, BTreeSet};
