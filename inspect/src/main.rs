@@ -5,8 +5,8 @@
 //! cargo run --release -p ringscope-inspect -- s3://bucket/prefix/<run id> [--verify] [--storage-option KEY=VALUE]
 //! ```
 //!
-//! A run on object storage is copied into a temporary directory (removed afterwards) and checked as a local run, each
-//! file named by its URL.
+//! A run on object storage is copied, one object at a time, into a private temporary directory (removed when inspect
+//! ends, unless it is killed) and checked as a local run, each file named by its URL.
 //!
 //! Prints, per format and hookpoint: files, layer, step range, distinct requests, rows (and of them, rows downcast to
 //! `f8e4m3_rowscaled`, from the `_f8e4m3_rowscaled/` file series), activation bytes, and the run's accounting
@@ -21,8 +21,9 @@
 //! * 0 — every file readable, the files hold what the manifest says was committed, the accounting adds up, and no
 //!   sink failed;
 //! * 1 — a problem: a file unreadable, a file's rows disagree with its metadata, the files on disk are not what the
-//!   manifest says was committed, or the accounting does not add up;
-//! * 2 — the path is not a run directory (no manifest and no data files);
+//!   manifest says was committed, or the accounting does not add up (for a URL also: an object could not be copied);
+//! * 2 — the path is not a run directory (no manifest and no data files); for a URL also: the object store could not
+//!   be opened or listed (credentials, endpoint, bucket), or the URL names no run;
 //! * 3 — the run was interrupted: no manifest (the process was killed, or could not write it); the committed files are
 //!   summarised (each is complete: files are committed by rename after they are synced), but nothing says what was
 //!   lost;
@@ -70,7 +71,8 @@ const EXIT_SINK_FAILED: u8 = 4;
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true,
     after_help = "Exit status: 0 ok; 1 a problem (unreadable file, rows that disagree with the metadata or the \
-                  manifest, accounting that does not add up); 2 not a run directory; 3 interrupted run (no \
+                  manifest, accounting that does not add up; for a URL, an object that could not be copied); 2 not a \
+                  run directory (for a URL also: the store could not be opened or listed); 3 interrupted run (no \
                   manifest: the committed files are summarised); 4 a sink failed during the run (records lost to \
                   sink_error; the files are consistent). `inspect retention --help` lists its own exit statuses."
 )]
@@ -157,23 +159,15 @@ fn shown(path: &Path) -> String {
     path.display().to_string()
 }
 
-/// A temporary directory, removed with everything in it when dropped.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A run on object storage: its objects are copied into a temporary directory (removed afterwards; it needs as much
 /// local disk as the run holds), which is then summarised and checked as a local run, every path shown as its URL.
 fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
     let shown_url = ringscope_exporter::redact_url(url).trim_end_matches('/').to_owned();
     let mut opts = ringscope_exporter::StorageOptions::default();
     for o in options {
+        // The value may be a secret: never shown.
         let Some((k, v)) = o.split_once('=').filter(|(k, _)| !k.is_empty()) else {
-            eprintln!("inspect: --storage-option {:?} is not KEY=VALUE", o.split('=').next().unwrap_or_default());
+            eprintln!("inspect: a --storage-option is not KEY=VALUE (its text is not shown: it may hold a secret)");
             return ExitCode::from(EXIT_NOT_A_RUN);
         };
         opts.options.insert(k.to_owned(), v.to_owned());
@@ -186,6 +180,25 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
         }
     };
     let root = storage.root();
+    // A partition, file series or events table of a run: the run is the URL above them.
+    let inside = |name: &str| {
+        name.starts_with("hookpoint=")
+            || name.starts_with("rank=")
+            || name == "_arrow_ipc"
+            || name == EVENTS_DIR
+            || name.starts_with("_f8e4m3")
+    };
+    let mut run_url = shown_url.as_str();
+    while let Some((parent, last)) = run_url.rsplit_once('/').filter(|(p, _)| p.contains("://") && !p.ends_with(':')) {
+        if !inside(last) {
+            break;
+        }
+        run_url = parent;
+    }
+    if run_url != shown_url {
+        eprintln!("inspect: {shown_url} is inside the run {run_url}: give the run, e.g. `inspect {run_url}`");
+        return ExitCode::from(EXIT_NOT_A_RUN);
+    }
     // Not a run (an export directory of runs, say): said before anything is copied.
     let run_like =
         |names: &[String]| names.iter().any(|n| is_manifest(n) || n.starts_with("hookpoint=") || n == "_arrow_ipc");
@@ -195,17 +208,26 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
             return ExitCode::from(EXIT_NOT_A_RUN);
         }
         Ok(names) if !run_like(&names) => {
+            // Runs one level below (the first 64 names looked at: each is a listing).
             let mut runs: Vec<&String> = names
                 .iter()
                 .take(64)
                 .filter(|n| storage.list_names(&root.join(n)).is_ok_and(|inner| run_like(&inner)))
                 .collect();
             runs.sort();
+            let listed = if runs.len() > 8 {
+                format!(
+                    "{}, ... ({} runs)",
+                    runs[..8].iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", "),
+                    runs.len()
+                )
+            } else {
+                runs.iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", ")
+            };
             eprintln!(
                 "inspect: {shown_url} is not a run (no manifest, no hookpoint=… partition){}",
                 runs.first().map_or(String::new(), |r| format!(
-                    " but holds runs ({}): give one, e.g. `inspect {shown_url}/{r}`",
-                    runs.iter().take(8).map(|r| r.as_str()).collect::<Vec<_>>().join(", ")
+                    " but holds runs ({listed}): give one, e.g. `inspect {shown_url}/{r}`"
                 ))
             );
             return ExitCode::from(EXIT_NOT_A_RUN);
@@ -227,22 +249,29 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
         eprintln!("inspect: {shown_url} does not exist (no object under it): not a run");
         return ExitCode::from(EXIT_NOT_A_RUN);
     }
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let tmp = TempDir(std::env::temp_dir().join(format!("ringscope-inspect-{}-{stamp}", std::process::id())));
+    // Private (0700), made exclusively, removed when dropped.
+    let tmp = match tempfile::Builder::new().prefix("ringscope-inspect-").tempdir() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("inspect: cannot make a temporary directory for the copy of {shown_url}: {e}");
+            return ExitCode::from(EXIT_PROBLEM);
+        }
+    };
     for object in &objects {
         let Ok(rel) = object.strip_prefix(&root) else { continue };
-        let local = tmp.0.join(rel);
+        let local = tmp.path().join(rel);
+        // One object at a time: the largest file of the run in memory (export.max_file_size, 256 MiB by default).
         let copied = storage.get(object).and_then(|bytes| {
-            std::fs::create_dir_all(local.parent().unwrap_or(&tmp.0))?;
+            std::fs::create_dir_all(local.parent().unwrap_or(tmp.path()))?;
             std::fs::write(&local, &bytes)
         });
         if let Err(e) = copied {
-            eprintln!("inspect: cannot copy {shown_url}/{} to {}: {e}", rel.display(), local.display());
+            eprintln!("inspect: cannot copy {shown_url}/{} into a temporary directory: {e}", rel.display());
             return ExitCode::from(EXIT_PROBLEM);
         }
     }
-    let _ = REMOTE.set((tmp.0.clone(), shown_url));
-    summarise(&tmp.0, verify)
+    let _ = REMOTE.set((tmp.path().to_path_buf(), shown_url));
+    summarise(tmp.path(), verify)
 }
 
 /// Whether `name` is a manifest of a run: rank 0's [`MANIFEST`], or another rank's `_ringscope_run.rank=<r>.json`

@@ -153,9 +153,10 @@ def test_the_rust_example_dumps_to_s3_and_every_reader_reads_it_bit_for_bit(s3en
     assert ringscope.read_events(url) == []
 
 
-def _inspect(*args):
+def _inspect(*args, tmp=None):
     inspect = _binary("RINGSCOPE_INSPECT", "target/debug/inspect")
-    return subprocess.run([inspect, *map(str, args)], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, **({"TMPDIR": str(tmp)} if tmp else {})}
+    return subprocess.run([inspect, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_inspect_verifies_a_run_on_s3_as_it_verifies_the_same_run_on_disk(s3env, tmp_path):
@@ -168,14 +169,16 @@ def test_inspect_verifies_a_run_on_s3_as_it_verifies_the_same_run_on_disk(s3env,
     _run([example, "--out", f"s3://{bucket}/dumps", *args])
     _run([example, "--out", tmp_path, *args])
     url = f"s3://{bucket}/dumps/r1"
-    remote, local = _inspect("--verify", url), _inspect("--verify", tmp_path / "r1")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    remote, local = _inspect("--verify", url, tmp=scratch), _inspect("--verify", tmp_path / "r1")
     assert remote.returncode == local.returncode == 0, remote.stdout + remote.stderr
+    assert not list(scratch.iterdir()), "the copy is removed when inspect ends"
     files = local.stdout.splitlines()[0].rsplit(": ", 1)[1]
     assert files == "6 files" and remote.stdout.splitlines()[0] == f"run {url}: {files}", (remote.stdout, local.stdout)
     # Everything but the first line (the run's name) is the local run's report.
     assert remote.stdout.splitlines()[1:] == local.stdout.splitlines()[1:], (remote.stdout, local.stdout)
-    assert "ringscope-inspect-" not in remote.stdout + remote.stderr
-    assert not [p for p in pathlib.Path(os.environ.get("TMPDIR", "/tmp")).glob(f"ringscope-inspect-{os.getpid()}*")]
+    assert "ringscope-inspect-" not in remote.stdout + remote.stderr and str(scratch) not in remote.stdout
 
     # One byte of one Parquet object flipped: found by --verify, named by its URL.
     key = sorted(k for k in _objects(s3env, f"{bucket}/dumps/r1", ".parquet") if k.startswith("hookpoint="))[0]
@@ -192,8 +195,11 @@ def test_inspect_verifies_a_run_on_s3_as_it_verifies_the_same_run_on_disk(s3env,
     assert missing.returncode == 2 and f"s3://{bucket}/dumps/no-such-run does not exist" in missing.stderr, missing
     export_dir = _inspect(f"s3://{bucket}/dumps")
     assert export_dir.returncode == 2 and f"inspect s3://{bucket}/dumps/r1" in export_dir.stderr, export_dir
-    option = _inspect("--storage-option", "aws_region", url)
-    assert option.returncode == 2 and "aws_region" in option.stderr and "KEY=VALUE" in option.stderr, option
+    for inside in ("_arrow_ipc", "hookpoint=layers.0.resid/rank=0", "_arrow_ipc/hookpoint=layers.0.resid/"):
+        part = _inspect(f"{url}/{inside}", tmp=scratch)
+        assert part.returncode == 2 and f"inside the run {url}" in part.stderr, part
+    option = _inspect("--storage-option", "aws_secret_access_key:not-the-secret-42", url)
+    assert option.returncode == 2 and "KEY=VALUE" in option.stderr and "not-the-secret-42" not in option.stderr, option
     local_option = _inspect("--storage-option", "aws_region=x", tmp_path / "r1")
     assert local_option.returncode == 2 and "not " in local_option.stderr, local_option
     wrong = _inspect("--storage-option", "aws_secret_access_key=not-the-secret-42", url)
