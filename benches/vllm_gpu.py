@@ -611,22 +611,26 @@ def child(out: str, what: str) -> None:
         json.dump(result, f, indent=1, default=str)
 
 
-def run_child(root: str, what: str, timeout: int = 900) -> dict:
+def run_child(root: str, what: str, timeout: int = 900, script: str = __file__, env: "dict | None" = None,
+              extra_args: tuple = (), drop_dump: str = "bench-") -> dict:
+    """Runs ``script child OUT WHAT`` (this file's, or another bench script's) in a process of its own with an
+    in-process engine core (``env``: the environment, default this one's), its output in ``ROOT/WHAT/engine.log``;
+    returns its ``result.json``. The dump of a run whose name starts with ``drop_dump`` is removed after it."""
     out = os.path.join(root, what.replace("#", "_"))
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("RINGSCOPE_VLLM_CONFIG", None)
     with open(os.path.join(out, "engine.log"), "w") as log:
-        p = subprocess.run([sys.executable, __file__, "child", out, what], stdout=log, stderr=subprocess.STDOUT,
-                           env=env, timeout=timeout)
+        p = subprocess.run([sys.executable, script, "child", out, what, *extra_args], stdout=log,
+                           stderr=subprocess.STDOUT, env=env, timeout=timeout)
     try:
         res = json.load(open(os.path.join(out, "result.json")))
     except OSError:
         res = {"error": f"no result (exit {p.returncode})"}
     res["seconds"] = time.time() - t0
     res["out"] = out
-    if what.startswith("bench-"):
+    if what.startswith(drop_dump):
         import shutil
 
         shutil.rmtree(os.path.join(out, "dump"), ignore_errors=True)  # gigabytes of rows nobody reads

@@ -307,11 +307,10 @@ def plugin_entry_point(root: str) -> "str | None":
     return d
 
 
-def run_child(root: str, what: str, timeout: int = 900) -> dict:
-    out = os.path.join(root, what.replace("#", "_"))
-    os.makedirs(out, exist_ok=True)
-    t0 = time.time()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+def run_child(root: str, what: str) -> dict:
+    """One engine in a process of its own (vllm_gpu.run_child), with the plugin's entry point on the workers' path and
+    NVLink multicast off."""
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     for k, v in NCCL_NO_MULTICAST.items():
         env.setdefault(k, v)
     paths = [os.path.join(ROOT, "ffi", "python"), HERE]
@@ -319,27 +318,11 @@ def run_child(root: str, what: str, timeout: int = 900) -> dict:
     if ep:
         paths.append(ep)
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
-    env.pop("RINGSCOPE_VLLM_CONFIG", None)
     if CPU_CHECK:
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
-    args = [sys.executable, __file__, "child", out, what] + (["--cpu-check"] if CPU_CHECK else [])
-    with open(os.path.join(out, "engine.log"), "w") as log:
-        p = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    try:
-        res = json.load(open(os.path.join(out, "result.json")))
-    except OSError:
-        res = {"error": f"no result (exit {p.returncode})"}
-    res["seconds"] = time.time() - t0
-    res["out"] = out
-    if what.startswith("cost-"):
-        import shutil
-
-        shutil.rmtree(os.path.join(out, "dump"), ignore_errors=True)  # gigabytes of rows nobody reads
-    if res.get("error"):
-        print(f"== {what}: ERROR {res['error']}\n{res.get('traceback', '')[-3000:]}", flush=True)
-        print(open(os.path.join(out, "engine.log")).read()[-4000:], flush=True)
-    return res
+    return vllm_gpu.run_child(root, what, script=__file__, env=env,
+                              extra_args=("--cpu-check",) if CPU_CHECK else (), drop_dump="cost-")
 
 
 def summarize(report: dict) -> dict:
