@@ -452,16 +452,21 @@ def step_clock(llm) -> list:
     in a decode-only stretch the time between two starts is one whole engine step — scheduling, the forward pass,
     sampling and output processing — so each decode step is timed on its own (median and p99), not only a
     generate call's average."""
-    runner = runner_of(llm)
-    starts = getattr(runner, "_bench_starts", None)
+    return start_times(runner_of(llm))
+
+
+def start_times(obj) -> list:
+    """The start time of every call of ``obj.execute_model`` from now on (the list returned; the same list for every
+    call on one object)."""
+    starts = getattr(obj, "_bench_starts", None)
     if starts is None:
-        starts = runner._bench_starts = []
-        inner = runner.execute_model
+        starts = obj._bench_starts = []
+        inner = obj.execute_model
 
         def timed(*args, **kwargs):
             starts.append(time.perf_counter())
             return inner(*args, **kwargs)
-        runner.execute_model = timed  # the instance's attribute: what the worker calls
+        obj.execute_model = timed  # the instance's attribute: what its caller calls
     return starts
 
 

@@ -216,17 +216,7 @@ def check_tp(out: str, ranks: str, result: dict) -> dict:
 def step_clock(llm) -> list:
     """The start time of every ``execute_model`` call of the engine core's executor from now on: in a decode-only
     stretch the time between two starts is one whole engine step (both ranks' forward passes, sampling, output)."""
-    ex = llm.llm_engine.engine_core.engine_core.model_executor
-    starts = getattr(ex, "_bench_starts", None)
-    if starts is None:
-        starts = ex._bench_starts = []
-        inner = ex.execute_model
-
-        def timed(*args, **kwargs):
-            starts.append(time.perf_counter())
-            return inner(*args, **kwargs)
-        ex.execute_model = timed
-    return starts
+    return vllm_gpu.start_times(llm.llm_engine.engine_core.engine_core.model_executor)
 
 
 def run_cost(out: str, kind: str, result: dict) -> None:
