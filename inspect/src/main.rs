@@ -181,16 +181,9 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
     };
     let root = storage.root();
     // A partition, file series or events table of a run: the run is the URL above them.
-    let inside = |name: &str| {
-        name.starts_with("hookpoint=")
-            || name.starts_with("rank=")
-            || name == "_arrow_ipc"
-            || name == EVENTS_DIR
-            || name.starts_with("_f8e4m3")
-    };
     let mut run_url = shown_url.as_str();
     while let Some((parent, last)) = run_url.rsplit_once('/').filter(|(p, _)| p.contains("://") && !p.ends_with(':')) {
-        if !inside(last) {
+        if !is_inside_run(last) {
             break;
         }
         run_url = parent;
@@ -200,8 +193,7 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
         return ExitCode::from(EXIT_NOT_A_RUN);
     }
     // Not a run (an export directory of runs, say): said before anything is copied.
-    let run_like =
-        |names: &[String]| names.iter().any(|n| is_manifest(n) || n.starts_with("hookpoint=") || n == "_arrow_ipc");
+    let run_like = |names: &[String]| names.iter().any(|n| is_run_entry(n));
     match storage.list_names(&root) {
         Ok(names) if names.is_empty() => {
             eprintln!("inspect: {shown_url} does not exist (no object under it): not a run");
@@ -209,25 +201,18 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
         }
         Ok(names) if !run_like(&names) => {
             // Runs one level below (the first 64 names looked at: each is a listing).
-            let mut runs: Vec<&String> = names
+            let mut runs: Vec<&str> = names
                 .iter()
                 .take(64)
                 .filter(|n| storage.list_names(&root.join(n)).is_ok_and(|inner| run_like(&inner)))
+                .map(String::as_str)
                 .collect();
             runs.sort();
-            let listed = if runs.len() > 8 {
-                format!(
-                    "{}, ... ({} runs)",
-                    runs[..8].iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", "),
-                    runs.len()
-                )
-            } else {
-                runs.iter().map(|r| r.as_str()).collect::<Vec<_>>().join(", ")
-            };
             eprintln!(
                 "inspect: {shown_url} is not a run (no manifest, no hookpoint=… partition){}",
                 runs.first().map_or(String::new(), |r| format!(
-                    " but holds runs ({listed}): give one, e.g. `inspect {shown_url}/{r}`"
+                    " but holds runs ({}): give one, e.g. `inspect {shown_url}/{r}`",
+                    runs_listed(&runs)
                 ))
             );
             return ExitCode::from(EXIT_NOT_A_RUN);
@@ -245,10 +230,6 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
             return ExitCode::from(EXIT_NOT_A_RUN);
         }
     };
-    if objects.is_empty() {
-        eprintln!("inspect: {shown_url} does not exist (no object under it): not a run");
-        return ExitCode::from(EXIT_NOT_A_RUN);
-    }
     // Private (0700), made exclusively, removed when dropped.
     let tmp = match tempfile::Builder::new().prefix("ringscope-inspect-").tempdir() {
         Ok(t) => t,
@@ -412,26 +393,38 @@ fn add_numbers(a: &mut Value, b: &Value) {
 /// Whether `dir` looks like a run directory: a manifest, or a partition of one of the file sinks.
 fn looks_like_run(dir: &Path) -> bool {
     let Ok(entries) = std::fs::read_dir(dir) else { return false };
-    entries.flatten().any(|e| {
-        let name = e.file_name().to_string_lossy().into_owned();
-        is_manifest(&name) || name.starts_with("hookpoint=") || name == "_arrow_ipc"
-    })
+    entries.flatten().any(|e| is_run_entry(&e.file_name().to_string_lossy()))
+}
+
+/// Whether a run holds an entry named `name` directly: a manifest, or a partition of one of the file sinks.
+fn is_run_entry(name: &str) -> bool {
+    is_manifest(name) || name.starts_with("hookpoint=") || name == "_arrow_ipc"
+}
+
+/// Whether `name` is something that lives inside a run: `hookpoint=…`, `rank=…`, `_arrow_ipc`, a downcast series,
+/// the events table.
+fn is_inside_run(name: &str) -> bool {
+    name.starts_with("hookpoint=")
+        || name.starts_with("rank=")
+        || name == "_arrow_ipc"
+        || name == EVENTS_DIR
+        || name.starts_with("_f8e4m3")
+}
+
+/// The runs an export directory holds, for a hint: up to eight names, and how many there are beyond.
+fn runs_listed(runs: &[&str]) -> String {
+    if runs.len() > 8 {
+        format!("{}, ... ({} runs)", runs[..8].join(", "), runs.len())
+    } else {
+        runs.join(", ")
+    }
 }
 
 /// When `dir` is no run directory but next to one — a partition (or file series) inside a run, or the export
 /// directory that holds runs —, what to give instead.
 fn not_a_run_hint(dir: &Path) -> Option<String> {
     let abs = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    // What lives inside a run: `hookpoint=…`, `rank=…`, `_arrow_ipc`, a downcast series, the events table.
-    let inside = |p: &Path| {
-        p.file_name().map(|n| n.to_string_lossy()).is_some_and(|n| {
-            n.starts_with("hookpoint=")
-                || n.starts_with("rank=")
-                || n == "_arrow_ipc"
-                || n == "_ringscope_events"
-                || n.starts_with("_f8e4m3")
-        })
-    };
+    let inside = |p: &Path| p.file_name().is_some_and(|n| is_inside_run(&n.to_string_lossy()));
     if !inside(&abs) && looks_like_run(dir) {
         return None;
     }
@@ -452,8 +445,7 @@ fn not_a_run_hint(dir: &Path) -> Option<String> {
         .collect();
     runs.sort();
     let first = runs.first()?;
-    let listed =
-        if runs.len() > 8 { format!("{}, ... ({} runs)", runs[..8].join(", "), runs.len()) } else { runs.join(", ") };
+    let listed = runs_listed(&runs.iter().map(String::as_str).collect::<Vec<_>>());
     Some(format!(
         "{} is not a run directory but holds runs ({listed}): give one, e.g. `inspect {}`",
         shown(dir),
