@@ -315,9 +315,15 @@ def run_child(root: str, what: str) -> dict:
                               extra_args=("--cpu-check",) if CPU_CHECK else (), drop_dump="cost-")
 
 
+def _mean(xs):
+    """The mean of the values that are there (None: a run with no GPU activity, as on a CPU), else None."""
+    xs = [x for x in xs if x is not None]
+    return statistics.mean(xs) if xs else None
+
+
 def summarize(report: dict) -> dict:
-    """Per batch size: each configuration's step p50 and each rank's GPU busy per step, against the plain engines'
-    (their mean; and their spread, the comparison's resolution)."""
+    """Per batch size: each configuration's step p50 (per engine) and each rank's GPU busy time per step, beside the
+    plain engines' own (their spread is the comparison's resolution) and against their mean."""
     rows = {}
     for what, res in report.items():
         if not what.startswith("cost-") or not isinstance(res, dict) or res.get("error"):
@@ -334,8 +340,7 @@ def summarize(report: dict) -> dict:
         if not plain:
             continue
         base = statistics.mean(plain["step_ms"])
-        gbase = [statistics.mean(v[i] for v in plain["gpu_busy_us"] if v[i] is not None)
-                 for i in range(len(plain["gpu_busy_us"][0]))] if all(None not in v for v in plain["gpu_busy_us"]) else None
+        gbase = [_mean(busy) for busy in zip(*plain["gpu_busy_us"])]  # per rank
         out[b] = {"plain_step_ms": plain["step_ms"], "plain_gpu_busy_us": plain["gpu_busy_us"]}
         for kind, r in kinds.items():
             if kind == "plain":
@@ -343,8 +348,8 @@ def summarize(report: dict) -> dict:
             out[b][kind] = {
                 "step_ms": r["step_ms"], "step_vs_plain_mean": [round(x / base - 1, 4) for x in r["step_ms"]],
                 "gpu_busy_us": r["gpu_busy_us"],
-                "gpu_busy_vs_plain_mean": None if gbase is None else
-                [[round(v[i] - gbase[i], 2) for i in range(len(gbase))] for v in r["gpu_busy_us"]],
+                "gpu_busy_vs_plain_mean": [[None if v is None or g is None else round(v - g, 2)
+                                            for v, g in zip(busy, gbase)] for busy in r["gpu_busy_us"]],
                 "dropped_rows_per_rank": r["dropped"]}
     return out
 
