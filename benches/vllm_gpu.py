@@ -300,7 +300,7 @@ def check_attention(out: str, result: dict) -> dict:
 
     run = result["run_dir"]
     by_ext = {}
-    for line in open(os.path.join(run, "_ringscope_vllm", "requests.jsonl")):
+    for line in open(side_file(run, "requests", "jsonl")):
         x = json.loads(line)
         by_ext[x["external_request_id"]] = x
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32,
@@ -350,7 +350,7 @@ def check_attention(out: str, result: dict) -> dict:
             v = np.asarray(cols["activation"][sel][np.argsort(cols["position"][sel])], dtype=np.float32)
             b = vs[i][c:]
             worst_v = max(worst_v, float((np.linalg.norm(v - b, axis=1) / np.linalg.norm(b, axis=1)).max()))
-    summary = json.load(open(os.path.join(run, "_ringscope_vllm", "summary.json")))
+    summary = json.load(open(side_file(run, "summary", "json")))
     s = summary["session"]
     if s["dropped_rows"]:
         bad.append(f"{s['dropped_rows']} rows dropped")

@@ -124,11 +124,9 @@ def _w_dropped(worker) -> dict:
     caps = rv.captures()
     if not caps:
         return {"rank": worker.rank, "capturing": False}
-    s = caps[0].session
-    s.flush()
-    per = [s.stats(h) for h in caps[0].hookpoints.values()]
-    return {"rank": worker.rank, "capturing": True, "dropped_rows": sum(p["dropped_rows"] for p in per),
-            "exported_rows": sum(p["exported_rows"] for p in per)}
+    dropped = vllm_gpu.dropped_rows(caps[0])  # flushes first
+    exported = sum(caps[0].session.stats(h)["exported_rows"] for h in caps[0].hookpoints.values())
+    return {"rank": worker.rank, "capturing": True, "dropped_rows": dropped, "exported_rows": exported}
 
 
 # -- correctness ---------------------------------------------------------------------------------------------------
