@@ -74,10 +74,7 @@ ensure_cached_venv "$engine" "$override" "$install" "${pins[@]}"
 if [ -n "${RINGSCOPE_LIB:-}" ]; then
   ep=$(mktemp -d)
   trap 'rm -rf "$ep"' EXIT
-  dist="$ep/ringscope_${engine}_tests-0.dist-info"
-  mkdir -p "$dist"
-  printf 'Metadata-Version: 2.1\nName: ringscope-%s-tests\nVersion: 0\n' "$engine" > "$dist/METADATA"
-  printf '[%s]\nringscope = ringscope.%s:register\n' "$entry_group" "$engine" > "$dist/entry_points.txt"
+  plugin_entry_point "$ep" "$engine" "$entry_group"
   export PYTHONPATH="$PWD/ffi/python:$ep${stub:+:$stub}${PYTHONPATH:+:$PYTHONPATH}"
 else
   "$py" "${pip[@]}" ./ffi/python

@@ -1,4 +1,4 @@
-# Sourced by test.sh and tests/engine.sh: the tests' Python environments, each exactly what its requirement files pin —
+# Sourced by test.sh, tests/engine.sh and tests/sglang/run_cuda.sh: the tests' Python environments, each exactly what its requirement files pin —
 # never a leftover of an earlier run that happens to work.
 #
 #   ensure_cached_venv NAME OVERRIDE INSTALL_FUNCTION FILE...
@@ -106,4 +106,16 @@ ensure_venv() {
   rm -f "$dir/.ringscope-building"
   _ringscope_built=1
   echo "== $dir installed in $(( $(date +%s) - start )) s"
+}
+
+#   plugin_entry_point DIR ENGINE GROUP
+#
+# declares the ringscope plugin of ENGINE (vllm, sglang) under the entry-point GROUP the engine loads plugins from, by a
+# distribution's metadata written into DIR: DIR on PYTHONPATH (also in the engine's worker processes, which inherit it)
+# makes the engine load the plugin of a checkout that is not pip-installed.
+plugin_entry_point() {
+  local dist="$1/ringscope_${2}_tests-0.dist-info"
+  mkdir -p "$dist"
+  printf 'Metadata-Version: 2.1\nName: ringscope-%s-tests\nVersion: 0\n' "$2" > "$dist/METADATA"
+  printf '[%s]\nringscope = ringscope.%s:register\n' "$3" "$2" > "$dist/entry_points.txt"
 }

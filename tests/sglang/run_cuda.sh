@@ -21,10 +21,9 @@ if ! "$py" -c 'import sgl_kernel' 2>/dev/null; then
 fi
 ep=$(mktemp -d)
 trap 'rm -rf "$ep"' EXIT
-mkdir -p "$ep/ringscope_sglang_tests-0.dist-info"
-printf 'Metadata-Version: 2.1\nName: ringscope-sglang-tests\nVersion: 0\n' > "$ep/ringscope_sglang_tests-0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\nringscope = ringscope.sglang:register\n' \
-  > "$ep/ringscope_sglang_tests-0.dist-info/entry_points.txt"
+# shellcheck source=tests/venv.sh
+. tests/venv.sh
+plugin_entry_point "$ep" sglang sglang.srt.plugins
 # SGLang imports IPython.display somewhere on its path: the stand-in of tests/sglang/stub where IPython is missing.
 "$py" -c 'import IPython' 2>/dev/null || cp -r tests/sglang/stub/IPython "$ep/"
 export PYTHONPATH="$PWD/ffi/python:$ep${PYTHONPATH:+:$PYTHONPATH}"
