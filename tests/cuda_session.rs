@@ -53,6 +53,7 @@ fn decode_batch(batch: u32, ids: &DeviceBuffer, positions: &DeviceBuffer) -> rin
         request_ids: ids.ptr(),
         positions: positions.ptr(),
         positions_batch_stride: 1,
+        ended: None,
     }
 }
 

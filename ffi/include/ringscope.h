@@ -7,7 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 8 added `rs_session_set_metadata` (entries of the
+// The version of this C ABI, as [`rs_abi_version`] returns it: 9 added `rs_begin_step_graph_ended` (rows of ended
+// sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
 // run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
 // begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
 // `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
@@ -20,7 +21,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 8
+#define RS_ABI_VERSION 9
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -125,6 +126,9 @@
 // A row downcast to OCP FP8 E4M3 with one scale per row: a little-endian `f32` scale, then `row_width` E4M3 bytes
 // (records of a hookpoint whose downcast is on, see `rs_set_downcast`).
 #define RS_DTYPE_F8E4M3_ROWSCALED 12
+
+// Most token ids `rs_begin_step_graph_ended` takes as marking an ended sequence.
+#define RS_MAX_ENDED_TOKENS 8
 
 // Bytes of `rs_alert.probe` and `rs_alert.label`, their NUL included. A longer name or label is cut to fit (at a
 // UTF-8 character boundary, so what is there is valid text); `probe_len` / `label_len` give its whole length, so a
@@ -602,6 +606,28 @@ rs_status rs_begin_step_graph(uint64_t session_handle,
                               uint32_t seq,
                               uint32_t positions_batch_stride,
                               uint64_t cuda_stream);
+
+// As `rs_begin_step_graph`, for an engine that keeps finished sequences in its fixed-shape batch (Hugging Face
+// `generate` feeds a finished row its end-of-sequence or padding token): at every replay, batch row `b` whose token —
+// element `b * tokens_batch_stride` of `tokens_ptr` (`int64`, the step's input tokens) — is one of the `n_ended`
+// ids at `ended_tokens` (1 to `RS_MAX_ENDED_TOKENS`; copied at this call) belongs to no request: its rows are
+// exported with the request id `2^64 - 1` ("no request"), as rows of request id -1 in `request_ids_ptr` are. Decided
+// by ringscope's own kernels on the device, so the engine launches nothing for it.
+//
+// # Safety
+// As `rs_begin_step_graph`; `tokens_ptr` is device memory like `request_ids_ptr` (it stays allocated and holds the
+// step's tokens for as long as the graph may be replayed); `ended_tokens` is valid for `n_ended` reads.
+rs_status rs_begin_step_graph_ended(uint64_t session_handle,
+                                    uint64_t request_ids_ptr,
+                                    uint64_t positions_ptr,
+                                    uint32_t batch,
+                                    uint32_t seq,
+                                    uint32_t positions_batch_stride,
+                                    uint64_t tokens_ptr,
+                                    uint32_t tokens_batch_stride,
+                                    const int64_t *ended_tokens,
+                                    uint32_t n_ended,
+                                    uint64_t cuda_stream);
 
 // Full mode (CUDA backend): admits the next replay of a CUDA graph whose step is begun inside it
 // (`rs_begin_step_graph`). Call it on the engine's stream before every replay, outside graph recording: it waits (up

@@ -27,7 +27,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use ringscope_api::cuda::{DevicePtr, GraphBatch, StreamRef};
+use ringscope_api::cuda::{DevicePtr, EndedRows, GraphBatch, StreamRef};
 use ringscope_api::probe::{Action, AlertReceiver, Flags, ProbeStats, RequestReport};
 use ringscope_api::{
     CaptureOutcome, Config, CounterSnapshot, DestinationKind, DropReason, Error, Filter, HookPointSpec, Mode, Record,
@@ -152,7 +152,8 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 8 added `rs_session_set_metadata` (entries of the
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 9 added `rs_begin_step_graph_ended` (rows of ended
+/// sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
 /// run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
 /// begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
 /// `rs_capture_device_last_rows`, `rs_note_cached`, `rs_metrics_port`, `no_request_rows` at the end of
@@ -165,7 +166,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 8;
+pub const RS_ABI_VERSION: u32 = 9;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -981,7 +982,53 @@ pub unsafe extern "C" fn rs_begin_step_graph(
         let (request_ids, positions, stream) = unsafe {
             (DevicePtr::from_raw(request_ids_ptr), DevicePtr::from_raw(positions_ptr), StreamRef::from_raw(cuda_stream))
         };
-        let batch = GraphBatch { batch, seq, request_ids, positions, positions_batch_stride };
+        let batch = GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: None };
+        Ok(s.begin_step_graph(&batch, stream)?)
+    })
+}
+
+/// Most token ids `rs_begin_step_graph_ended` takes as marking an ended sequence.
+pub const RS_MAX_ENDED_TOKENS: u32 = 8;
+
+/// As `rs_begin_step_graph`, for an engine that keeps finished sequences in its fixed-shape batch (Hugging Face
+/// `generate` feeds a finished row its end-of-sequence or padding token): at every replay, batch row `b` whose token —
+/// element `b * tokens_batch_stride` of `tokens_ptr` (`int64`, the step's input tokens) — is one of the `n_ended`
+/// ids at `ended_tokens` (1 to `RS_MAX_ENDED_TOKENS`; copied at this call) belongs to no request: its rows are
+/// exported with the request id `2^64 - 1` ("no request"), as rows of request id -1 in `request_ids_ptr` are. Decided
+/// by ringscope's own kernels on the device, so the engine launches nothing for it.
+///
+/// # Safety
+/// As `rs_begin_step_graph`; `tokens_ptr` is device memory like `request_ids_ptr` (it stays allocated and holds the
+/// step's tokens for as long as the graph may be replayed); `ended_tokens` is valid for `n_ended` reads.
+#[no_mangle]
+pub unsafe extern "C" fn rs_begin_step_graph_ended(
+    session_handle: u64,
+    request_ids_ptr: u64,
+    positions_ptr: u64,
+    batch: u32,
+    seq: u32,
+    positions_batch_stride: u32,
+    tokens_ptr: u64,
+    tokens_batch_stride: u32,
+    ended_tokens: *const i64,
+    n_ended: u32,
+    cuda_stream: u64,
+) -> RsStatus {
+    ffi(|| {
+        let s = session(session_handle)?;
+        // SAFETY: per this function's contract: `ended_tokens` is valid for `n_ended` reads (null is refused).
+        let ids = unsafe { slice_arg(ended_tokens, n_ended as usize, "ended_tokens") }?;
+        // SAFETY: as `rs_begin_step_graph`, with the token tensor under the same promise as the batch tensors.
+        let (request_ids, positions, tokens, stream) = unsafe {
+            (
+                DevicePtr::from_raw(request_ids_ptr),
+                DevicePtr::from_raw(positions_ptr),
+                DevicePtr::from_raw(tokens_ptr),
+                StreamRef::from_raw(cuda_stream),
+            )
+        };
+        let ended = EndedRows::new(tokens, tokens_batch_stride, ids).map_err(invalid)?;
+        let batch = GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: Some(ended) };
         Ok(s.begin_step_graph(&batch, stream)?)
     })
 }

@@ -164,6 +164,23 @@ fn bad_input_gets_the_documented_status_and_a_message() {
         "host session"
     );
     assert!(last_error().contains("host backend"), "{}", last_error());
+    // Ended-sequence tokens: the ids are checked (count, null) before the backend is asked.
+    let ended = [2i64, 128_009, -1, 4, 5, 6, 7, 8, 9];
+    for (ptr, n, want) in [
+        (std::ptr::null(), 1, "ended_tokens is a null pointer but 1 elements were announced"),
+        (ended.as_ptr(), 0, "0 ended-sequence token ids: give 1 to 8"),
+        (ended.as_ptr(), 9, "9 ended-sequence token ids: give 1 to 8"),
+        (ended.as_ptr(), 2, "host backend"),
+    ] {
+        // SAFETY: `ptr` is null or valid for `n` reads; a host session touches no device address.
+        let status = unsafe { rs_begin_step_graph_ended(s, 0x1000, 0x2000, 1, 1, 1, 0x3000, 1, ptr, n, 0) };
+        assert_eq!(status, RsStatus::RsErrInvalidArgument, "{want}");
+        assert!(last_error().contains(want), "{}", last_error());
+    }
+    // SAFETY: valid ids; a null token tensor is refused before the backend is asked.
+    let status = unsafe { rs_begin_step_graph_ended(s, 0x1000, 0x2000, 1, 1, 1, 0, 1, ended.as_ptr(), 1, 0) };
+    assert_eq!(status, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("ended-sequence tokens: null device pointer"), "{}", last_error());
     // SAFETY: stream 0 is always valid.
     assert_eq!(unsafe { rs_apply_controls(s, 0) }, RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
@@ -321,6 +338,11 @@ fn drop_reason_and_dtype_constants_are_the_library_numbering_and_names() {
         assert_eq!(u32::from(dtype.code()), code, "{constant}");
         assert_eq!(constant, format!("RS_DTYPE_{}", dtype.name().to_uppercase()));
     }
+}
+
+#[test]
+fn the_ended_token_limit_is_the_kernels() {
+    assert_eq!(RS_MAX_ENDED_TOKENS as usize, ringscope_api::cuda::MAX_ENDED_TOKENS);
 }
 
 #[test]

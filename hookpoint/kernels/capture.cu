@@ -366,11 +366,28 @@ struct GraphBatch {
     u32 on;  // GB_OFF: the batch is the descriptor's; GB_FIRST: from here, and this kernel numbers the step (the
              // first of the step); GB_LATER: from here, in a step an earlier kernel numbered (a step's captures
              // copied in two parts)
+    // Rows of ended sequences (n_ended > 0): batch row b fed one of the tokens ended[0..n_ended) — its token is
+    // tokens[b * tokens_stride] — is no request's at this replay: its rows carry NO_REQUEST.
+    const long long* tokens;
+    u32 tokens_stride;
+    u32 n_ended;
+    long long ended[MAX_ENDED_TOKENS];
 };
+
+// The request of batch row b of a graph batch (NO_REQUEST for a row of a sequence that ended).
+__device__ __forceinline__ u64 graph_request(const GraphBatch& g, u32 b) {
+    const u64 req = (u64)g.request_ids[b];
+    if (g.n_ended == 0) return req;
+    const long long t = g.tokens[(u64)b * g.tokens_stride];
+    bool ended = false;
+#pragma unroll
+    for (int k = 0; k < MAX_ENDED_TOKENS; k++) ended |= k < (int)g.n_ended && t == g.ended[k];
+    return ended ? NO_REQUEST : req;
+}
 
 __device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
     const u32 b = r / g.seq, s = r - b * g.seq;
-    const u64 req = (u64)g.request_ids[b];
+    const u64 req = graph_request(g, b);
     const u32 pos = (u32)g.positions[(u64)b * g.pos_stride + s];
     return make_uint4((u32)req, (u32)(req >> 32), pos, r);
 }

@@ -1,5 +1,5 @@
 // ringscope fused linear probes. Compiled in the same NVRTC module as capture.cu, after it (it uses its Control,
-// GraphBatch, graph_meta and rs_load); the shared numbers (PROBE_MAX_K, PROBE_CHUNK, THREADS, DESC_*, ...) come from
+// GraphBatch, graph_request and rs_load); the shared numbers (PROBE_MAX_K, PROBE_CHUNK, THREADS, DESC_*, ...) come from
 // the generated prelude (hookpoint/src/cuda/kernels.rs).
 //
 // A probe turns each captured row x (d elements of bf16 / f16 / f32) into K scores s_k = W_k . x + b_k (f32
@@ -23,7 +23,7 @@ __device__ __forceinline__ u32 probe_bound(const Control& c, const u8* desc, con
 
 // The request of batch row r: from the engine's tensors in steps begun inside a graph, from the descriptor otherwise.
 __device__ __forceinline__ u64 probe_request(const u8* desc, const GraphBatch& g, u32 r) {
-    if (g.on) return (u64)g.request_ids[r / g.seq];
+    if (g.on) return graph_request(g, r / g.seq);
     return *(const u64*)(desc + DESC_HEADER_BYTES + META_BYTES * r);
 }
 

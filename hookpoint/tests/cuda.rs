@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ringscope_hookpoint::cuda::{
-    pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, DeviceFlags, DeviceProbe, GraphBatch,
+    pattern_word, DeviceCapture, DeviceCaptureError, DeviceCaptureOptions, DeviceFlags, DeviceProbe, EndedRows,
+    GraphBatch,
 };
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, RowSelection, SiteKind, StepBatch};
 use ringscope_ring::cuda::{
@@ -454,7 +455,14 @@ fn graph_steps_and_deferred_captures_reject_bad_input() {
     let req = DeviceBuffer::zeroed(&gpu, 8 * 8).unwrap(); // room for 8 batch rows' ids
     let pos = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap(); // 4 positions
     let src = DeviceBuffer::zeroed(&gpu, 16 * 128).unwrap();
-    let good = GraphBatch { batch: 4, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let good = GraphBatch {
+        batch: 4,
+        seq: 1,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: 1,
+        ended: None,
+    };
     let msg = |r: Result<(), DeviceCaptureError>| r.unwrap_err().to_string();
     cap.apply_controls(&reg, stream.handle()).unwrap();
 
@@ -542,6 +550,7 @@ fn graph_begun_steps(defer: bool) {
         request_ids: req.ptr(),
         positions: pos.ptr(),
         positions_batch_stride: SEQ,
+        ended: None,
     };
 
     // Misuse first: a stride shorter than a row, full mode, controls changed since they were applied.
@@ -689,8 +698,14 @@ fn full_mode_graph_begun_steps_lose_nothing_with(defer: bool) {
     let src = DeviceBuffer::zeroed(&gpu, 2 * 4 * 4096).unwrap();
     let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
     let pos = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
-    let gb =
-        GraphBatch { batch: BATCH, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let gb = GraphBatch {
+        batch: BATCH,
+        seq: 1,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: 1,
+        ended: None,
+    };
     let step_body = |cap: &mut DeviceCapture| -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
         for (k, hp) in hps.iter().enumerate() {
@@ -740,6 +755,82 @@ fn full_mode_graph_begun_steps_lose_nothing_with(defer: bool) {
     assert_eq!(total.published.records, STEPS * 2);
 }
 
+/// Rows of ended sequences in graph-begun steps ([`EndedRows`]): at every replay, a batch row whose token (read
+/// through a row stride) is one of the ended ids is captured with request id `NO_REQUEST`, the others keep theirs —
+/// decided by the begin kernel (immediate captures) or the deferred captures' one kernel, as the tokens change
+/// between replays; also for a step of two tokens per row (each of its rows follows its batch row's token).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on one"]
+fn graph_begun_steps_mark_rows_of_ended_sequences_as_no_request() {
+    for defer in [false, true] {
+        for seq in [1u32, 2] {
+            graph_begun_ended_rows_with(defer, seq);
+        }
+    }
+}
+
+fn graph_begun_ended_rows_with(defer: bool, seq: u32) {
+    let gpu = gpu();
+    const BATCH: u32 = 4;
+    const ENDED: [i64; 3] = [2, 128_009, -5];
+    let ring = DeviceRing::new(&gpu, 1 << 20).unwrap();
+    let options = DeviceCaptureOptions { max_batch_rows: 64, defer, ..Default::default() };
+    let mut cap = DeviceCapture::new(&ring, options).unwrap();
+    let consumer = DeviceConsumer::new(&ring, DrainTuning::default()).unwrap();
+    let reg = Registry::new();
+    let stream = Stream::new(&gpu).unwrap();
+    let hp = register(&reg, "h", DType::BF16, 8);
+    cap.apply_controls(&reg, stream.handle()).unwrap();
+    let rows = (BATCH * seq) as usize;
+    let src = DeviceBuffer::zeroed(&gpu, rows * 16).unwrap();
+    let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
+    let pos = DeviceBuffer::zeroed(&gpu, rows * 8).unwrap();
+    // The tokens as a [BATCH, 3] tensor whose column 1 is the step's token: a row stride of 3, an offset of 1.
+    let tok = DeviceBuffer::zeroed(&gpu, BATCH as usize * 3 * 8).unwrap();
+    let ended = EndedRows::new(tok.ptr_at(8), 3, &ENDED).unwrap();
+    let gb = GraphBatch {
+        batch: BATCH,
+        seq,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: seq,
+        ended: Some(ended),
+    };
+    let drain = spawn_drain(consumer, Duration::ZERO);
+    let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
+        cap.begin_step_graph(&reg, &gb, stream.handle())?;
+        cap.capture(&hp, src.ptr(), BATCH * seq, stream.handle())?;
+        cap.end_step()
+    })
+    .unwrap();
+    // Per replay, the token of each batch row (column 1; columns 0 and 2 hold ended ids, never read).
+    let tokens: [[i64; BATCH as usize]; 4] = [[7, 8, 9, 10], [2, 8, 9, 10], [2, 128_009, 9, -5], [11, 12, 13, 14]];
+    for (step, t) in tokens.iter().enumerate() {
+        let ids: Vec<u8> = (0..BATCH as u64).flat_map(|b| (500 + b).to_le_bytes()).collect();
+        let p: Vec<u8> = (0..rows as i64).flat_map(|r| (step as i64 * 10 + r).to_le_bytes()).collect();
+        let tk: Vec<u8> = t.iter().flat_map(|&x| [2i64, x, 128_009].into_iter().flat_map(i64::to_le_bytes)).collect();
+        req.copy_from_host_async(0, &ids, stream.handle()).unwrap();
+        pos.copy_from_host_async(0, &p, stream.handle()).unwrap();
+        tok.copy_from_host_async(0, &tk, stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+    }
+    stream.synchronize().unwrap();
+    ring.close_producer();
+    let got = drain.join().unwrap();
+    assert_eq!(ring.error_bits(), 0, "{}", errors::describe(ring.error_bits()));
+    assert_eq!(got.len(), tokens.len(), "defer {defer}, seq {seq}");
+    for (step, (g, t)) in got.iter().zip(&tokens).enumerate() {
+        let metas: Vec<RowMeta> = (0..rows as u32)
+            .map(|r| {
+                let b = r / seq;
+                let request_id = if ENDED.contains(&t[b as usize]) { RowMeta::NO_REQUEST } else { 500 + b as u64 };
+                RowMeta { request_id, position: step as u32 * 10 + r, batch_row: r }
+            })
+            .collect();
+        assert_eq!(g.metas, metas, "defer {defer}, seq {seq}, replay {step}");
+    }
+}
+
 /// Full mode, graph-begun steps, no drain for a while: admissions past the deadline return `Deadline`, and exactly
 /// those replays' captures are dropped and counted as `deadline` on the device; once the drain runs, admissions find
 /// room again and the replays after them are captured whole (the device's graph step flags follow each admission).
@@ -768,7 +859,14 @@ fn full_mode_graph_begun_deadline_with(defer: bool) {
     let src = DeviceBuffer::zeroed(&gpu, 4 * 4096).unwrap();
     let req = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
     let pos = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
-    let gb = GraphBatch { batch: 4, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let gb = GraphBatch {
+        batch: 4,
+        seq: 1,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: 1,
+        ended: None,
+    };
     let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
         cap.capture(&hp, src.ptr(), 4, stream.handle())?;
@@ -1139,8 +1237,14 @@ fn probe_case(gpu: &Arc<Gpu>, graph_steps: bool, dtype: DType, k: u32, rows: u32
     let src = DeviceBuffer::zeroed(gpu, rows as usize * d * dtype.size()).unwrap();
     let req = DeviceBuffer::zeroed(gpu, rows as usize * 8).unwrap();
     let pos = DeviceBuffer::zeroed(gpu, rows as usize * 8).unwrap();
-    let gb =
-        GraphBatch { batch: rows, seq: 1, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: 1 };
+    let gb = GraphBatch {
+        batch: rows,
+        seq: 1,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: 1,
+        ended: None,
+    };
     let host_batch =
         |step: u64| StepBatch::new(step, (0..rows).map(|r| (probe_request(step, r), step as u32 * 10 + r))).unwrap();
 

@@ -1,5 +1,6 @@
 """The Python package's copies of the C ABI's numbers equal the header's: status codes (`enum rs_status`), drop
-reasons (`RS_DROP_*`, indices into `rs_counts.dropped_by_reason`) and dtype codes (`RS_DTYPE_*`).
+reasons (`RS_DROP_*`, indices into `rs_counts.dropped_by_reason`), dtype codes (`RS_DTYPE_*`) and limits
+(`RS_RUNG_LEN`, `RS_MAX_ENDED_TOKENS`).
 
 ffi/python re-types them by hand for ctypes; ffi/include/ringscope.h is generated from ffi/src/lib.rs, whose tests tie
 the constants to the Rust enums (and fail when the committed header is stale). Needs no built library: the header is
@@ -94,3 +95,8 @@ def test_dtype_codes_are_the_headers(header, package):
     assert {code: name for code, (name, _) in package.DTYPE_CODES.items()} == from_header
     assert list(package.DTYPE_CODES) == list(from_header), "DTYPE_CODES is not in code order"
 
+
+
+def test_limits_are_the_headers(header, package):
+    assert package._RUNG_LEN == defines(header, "RS_RUNG_LEN")["RS_RUNG_LEN"]
+    assert package.MAX_ENDED_TOKENS == defines(header, "RS_MAX_ENDED_TOKENS")["RS_MAX_ENDED_TOKENS"]

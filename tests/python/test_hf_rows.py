@@ -179,15 +179,26 @@ def test_rows_of_a_sequence_a_stopping_criterion_ended_are_not_captured(device):
     assert PAD not in [int(row.view(np.int64)[0]) for _, _, _, row in got["tokens"]]
 
 
-def test_graph_recorded_decode_steps_mark_rows_of_ended_sequences_as_no_request():
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("where", ["kernels", "torch"])
+def test_graph_recorded_decode_steps_mark_rows_of_ended_sequences_as_no_request(monkeypatch, where, defer):
     """A decode step recorded as a CUDA graph has a fixed batch and runs no Python at replay: a row fed its EOS or
-    the pad token is captured with request id NO_REQUEST (2**64-1), computed on the device at every replay; the other
-    rows keep their requests, and a probe scores no row of no request."""
+    the pad token is captured with request id NO_REQUEST (2**64-1), decided on the device at every replay — by
+    ringscope's own recorded kernels from the step's tokens (the begin kernel, or the deferred captures' one kernel),
+    or, where those cannot (more ended tokens than they take, an older library), by torch kernels recorded before
+    the step begins; the other rows keep their requests."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU (CUDA graphs)")
+    if where == "kernels":
+        def refuse(self, req, ids):
+            raise AssertionError("recorded torch kernels for ended rows: ringscope's kernels should decide them")
+        monkeypatch.setattr(rt.Attachment, "_live_request_ids", refuse)
+    else:
+        monkeypatch.setattr(rt.Attachment, "_ended_on_device", lambda self, req, ids: None)
     model = tiny("cuda")
     # Best-effort: replays need no host call (full mode would call session.admit_graph_step() before each replay).
-    session = ringscope.Session({"ring": {"backend": "cuda"}, "policy": {"mode": "best_effort"}})
+    session = ringscope.Session({"ring": {"backend": "cuda", "defer_captures": defer},
+                                 "policy": {"mode": "best_effort"}})
     att = rt.attach(model, session, sites=("residual", "tokens"))
     sub = session.subscribe("check")
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)

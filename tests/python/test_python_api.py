@@ -83,6 +83,19 @@ def test_bad_input_raises_clear_errors(tmp_path):
     assert s.capture(hb, np.zeros((2, 4), dtype=np.uint16)) == "published"
     with pytest.raises(ringscope.RingscopeError, match="int64 CUDA tensor"):
         s.begin_step_graph(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), stream=0)
+    # Ended-sequence tokens: checked before the tensors, each mistake named.
+    z = np.zeros(2, dtype=np.int64)
+    for kwargs, want in [({"tokens": z}, "give tokens and ended_tokens together"),
+                         ({"ended_tokens": [2]}, "give tokens and ended_tokens together"),
+                         ({"tokens": z, "ended_tokens": "2"}, "ended_tokens must be a sequence of token ids"),
+                         ({"tokens": z, "ended_tokens": 2}, "ended_tokens must be a sequence of token ids"),
+                         ({"tokens": z, "ended_tokens": [2.0]}, "ended_tokens must be an integer"),
+                         ({"tokens": z, "ended_tokens": [2**63]}, "ended_tokens must be an integer"),
+                         ({"tokens": z, "ended_tokens": list(range(9))}, "9 ended_tokens, at most 8"),
+                         ({"tokens": z, "ended_tokens": [2, -1]}, "request_ids must be a contiguous int64 CUDA tensor")]:
+        with pytest.raises(ringscope.RingscopeError, match=want) as e:
+            s.begin_step_graph(z, z, stream=0, **kwargs)
+        assert e.value.status == "RS_ERR_INVALID_ARGUMENT"
     with pytest.raises(ringscope.RingscopeError) as e:
         s.apply_controls(stream=0)
     assert "host backend" in e.value.message

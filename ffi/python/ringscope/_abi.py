@@ -77,6 +77,8 @@ class _SessionSnapshot(ctypes.Structure):
 
 
 _RUNG_LEN = 32
+#: Most token ids ``rs_begin_step_graph_ended`` takes (``RS_MAX_ENDED_TOKENS``).
+MAX_ENDED_TOKENS = 8
 
 
 class _HookPointSnapshot(ctypes.Structure):
@@ -180,6 +182,8 @@ SIGNATURES: Dict[str, Tuple[int, List, type]] = {
     "rs_admit_graph_step": (7, [_u64, _u32, _u64], _i32),
     # ABI 8: the manifest's metadata.
     "rs_session_set_metadata": (8, [_u64, _cp, _cp], _i32),
+    # ABI 9: rows of ended sequences in steps begun inside CUDA graphs.
+    "rs_begin_step_graph_ended": (9, [_u64, _u64, _u64, _u32, _u32, _u32, _u64, _u32, _p(_i64), _u32, _u64], _i32),
 }
 
 #: The header's struct name of each ctypes struct.
@@ -241,6 +245,11 @@ def _lib_with(call: str):
         raise RingscopeError("RS_ERR_CONFIG", f"{library_path()} predates {call} (C ABI {SIGNATURES[call][0]}): rebuild "
                                               "it with `cargo build --release -p ringscope-ffi`")
     return lib
+
+
+def _has_call(call: str) -> bool:
+    """Whether the library has ``call`` (one built before the C ABI version that added it does not)."""
+    return hasattr(_load(), call)
 
 
 def _stats_lib():

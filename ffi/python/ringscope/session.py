@@ -10,8 +10,8 @@ from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ._abi import (_Alert, _check, _CODE, _Counts, _DestinationSnapshot, _HookPointSnapshot, _lib_with, _load,
-                   _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES, _PROBE_NAME_LEN, _ProbeReport, _probes_lib,
+from ._abi import (MAX_ENDED_TOKENS, _Alert, _check, _CODE, _Counts, _DestinationSnapshot, _HookPointSnapshot,
+                   _lib_with, _load, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES, _PROBE_NAME_LEN, _ProbeReport, _probes_lib,
                    _ProbeSnapshot, _RecordInfo, _SessionSnapshot, _SinkFailureInfo, _SinkHealth, _sized, _stats_lib)
 from .errors import RingscopeError
 from ._args import (_flag, _host_array, _int, _int_array, _invalid, _no_nul, _path, _show, _text, _timeout_ms, _u32,
@@ -247,21 +247,43 @@ class Session:
         else:
             _check(lib.rs_begin_step_on_stream(self._h, step, pids, ppos, ids.size, stream))
 
-    def begin_step_graph(self, request_ids, positions, stream: Optional[int] = None) -> None:
+    def begin_step_graph(self, request_ids, positions, stream: Optional[int] = None, tokens=None,
+                         ended_tokens: Sequence[int] = ()) -> None:
         """CUDA backend: starts a step from inside a CUDA graph being recorded (or eagerly). The recorded kernel reads
         the batch from the engine's own device tensors at every replay, so best-effort replays need no Python call:
         ``request_ids`` is an int64 CUDA tensor ``[batch]`` (one request per batch row), ``positions`` an int64 CUDA
         tensor ``[batch, seq]`` (e.g. ``position_ids``) or ``[seq]`` shared by every row (e.g. ``cache_position``).
         Their addresses are fixed into the graph: update them in place. Record the step's captures and
-        :meth:`end_step` in the same graph. Full mode: call :meth:`admit_graph_step` before every replay."""
-        def check(t, what):
-            if not (hasattr(t, "is_cuda") and t.is_cuda and str(t.dtype) == "torch.int64" and t.is_contiguous()):
+        :meth:`end_step` in the same graph. Full mode: call :meth:`admit_graph_step` before every replay.
+
+        ``tokens`` and ``ended_tokens`` (1 to 8 token ids: end-of-sequence and padding tokens): a batch row whose
+        token — ``tokens[b]``, an int64 CUDA tensor ``[batch]`` (e.g. ``input_ids[:, -1]`` of a decode step; any row
+        stride) — is one of ``ended_tokens`` at a replay belongs to no request then (its rows carry request id -1,
+        :data:`ringscope.torch.NO_REQUEST`), decided by ringscope's kernels on the device."""
+        def check(t, what, contiguous=True):
+            if not (hasattr(t, "is_cuda") and t.is_cuda and str(t.dtype) == "torch.int64"
+                    and (t.is_contiguous() or not contiguous)):
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"begin_step_graph: {what} must be a contiguous int64 CUDA tensor; got "
-                                     f"{getattr(t, 'dtype', type(t).__name__)} on "
+                                     f"begin_step_graph: {what} must be a {'contiguous ' if contiguous else ''}int64 "
+                                     f"CUDA tensor; got {getattr(t, 'dtype', type(t).__name__)} on "
                                      f"{getattr(t, 'device', 'the host')}")
+        if isinstance(ended_tokens, (str, bytes)) or not isinstance(ended_tokens, Iterable):
+            raise _invalid(f"begin_step_graph: ended_tokens must be a sequence of token ids, got {_show(ended_tokens)}")
+        ended = [_int("begin_step_graph: ended_tokens", t, -2**63, 2**63 - 1) for t in ended_tokens]
+        if (tokens is None) != (not ended):
+            raise _invalid("begin_step_graph: give tokens and ended_tokens together (the token each batch row is fed "
+                           "and the ids that mark an ended sequence), or neither")
+        if len(ended) > MAX_ENDED_TOKENS:
+            raise _invalid(f"begin_step_graph: {len(ended)} ended_tokens, at most {MAX_ENDED_TOKENS} (end-of-sequence "
+                           "and padding tokens)")
         check(request_ids, "request_ids")
         check(positions, "positions")
+        if tokens is not None:
+            check(tokens, "tokens", contiguous=False)
+            if tokens.dim() != 1 or tokens.shape[0] != request_ids.shape[0]:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"begin_step_graph: tokens must be [batch] ({request_ids.shape[0]} rows), one token "
+                                     f"per batch row; got {tuple(tokens.shape)}")
         if request_ids.dim() != 1 or positions.dim() not in (1, 2):
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                  f"begin_step_graph: request_ids must be [batch] and positions [batch, seq] or [seq]; "
@@ -275,9 +297,16 @@ class Session:
         if stream is None:
             import torch
             stream = torch.cuda.current_stream(request_ids.device).cuda_stream
-        _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(),
-                                           _u32("the batch size", batch), _u32("the sequence length", seq),
-                                           _u32("the positions' row stride", stride), _u64("stream", stream)))
+        if tokens is None:
+            _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(),
+                                               _u32("the batch size", batch), _u32("the sequence length", seq),
+                                               _u32("the positions' row stride", stride), _u64("stream", stream)))
+            return
+        ids = (ctypes.c_int64 * len(ended))(*ended)
+        _check(_lib_with("rs_begin_step_graph_ended").rs_begin_step_graph_ended(
+            self._h, request_ids.data_ptr(), positions.data_ptr(), _u32("the batch size", batch),
+            _u32("the sequence length", seq), _u32("the positions' row stride", stride), tokens.data_ptr(),
+            _u32("the tokens' row stride", tokens.stride(0)), ids, len(ended), _u64("stream", stream)))
 
     def admit_graph_step(self, rows: Optional[int] = None, stream: Optional[int] = None) -> None:
         """Full mode (CUDA backend): admits the next replay of a CUDA graph whose step begins inside it

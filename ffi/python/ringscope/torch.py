@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
+from ._abi import MAX_ENDED_TOKENS, _has_call
 from ._args import _int, _int_array, _timeout_ms, _u32, _U32_MAX, _u64
 from .attention import layer_entry
 from .errors import RingscopeError
@@ -408,7 +409,11 @@ class Attachment:
                                      "tensors in the forward call (the step's token positions are read from them at "
                                      "every replay), or begin_step by hand before recording and before each replay")
             ids_in = kwargs.get("input_ids", args[0] if args else None)
-            self._begin_tensors(self._live_request_ids(self._request_id_tensor(device, batch), ids_in), pos)
+            req = self._request_id_tensor(device, batch)
+            tokens = self._ended_on_device(req, ids_in)
+            if tokens is None:
+                req = self._live_request_ids(req, ids_in)
+            self._begin_tensors(req, pos, tokens)
             if self._tokens_hp is not None and isinstance(ids_in, torch.Tensor) and ids_in.is_cuda:
                 # The static input tensor: every replay captures the tokens it then holds.
                 capture(ids_in.reshape(-1, 1), self.sink(ids_in.device), self.session._h, self._tokens_hp, 1)
@@ -463,9 +468,12 @@ class Attachment:
                 self._keep.append(tokens)  # alive until the step's (possibly deferred) capture has read it
                 capture(tokens, self.sink(tokens.device), self.session._h, self._tokens_hp, 1)
 
-    def _begin_tensors(self, request_ids: torch.Tensor, pos: torch.Tensor) -> None:
+    def _begin_tensors(self, request_ids: torch.Tensor, pos: torch.Tensor,
+                       tokens: Optional[torch.Tensor] = None) -> None:
         """Begins a step from a request-id tensor ``[batch]`` and a positions tensor (``[batch, seq]``, ``[1, seq]``
-        or ``[seq]``): recorded into the CUDA graph being captured, else eagerly."""
+        or ``[seq]``): recorded into the CUDA graph being captured, else eagerly. ``tokens`` (recording only, from
+        :meth:`_ended_on_device`): each batch row's token, for the recorded kernels to leave out rows of ended
+        sequences."""
         batch = request_ids.shape[0]
         if pos.dim() == 2 and pos.shape[0] == 1 and batch > 1:
             pos = pos[0]  # one row of positions broadcast over the batch
@@ -477,7 +485,8 @@ class Attachment:
             if self._open:
                 return  # a step begun by hand before recording
             self.session.begin_step_graph(request_ids, pos.to(torch.int64),
-                                          stream=torch.cuda.current_stream(pos.device).cuda_stream)
+                                          stream=torch.cuda.current_stream(pos.device).cuda_stream, tokens=tokens,
+                                          ended_tokens=self._ended_tokens if tokens is not None else ())
             self._open = True
             return
         req = request_ids.detach().to("cpu", torch.int64).numpy()
@@ -515,6 +524,18 @@ class Attachment:
         self.session.begin_step(self.step, reqs, positions, stream=stream)
         self._open = True
 
+    def _ended_on_device(self, req: torch.Tensor, ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Recording a decode step as a CUDA graph: the tokens ``[batch]`` (a view of ``input_ids``) from which
+        ringscope's own recorded kernels tell the rows of ended sequences at every replay — no kernel of the model's
+        for it (what :meth:`_live_request_ids` launches otherwise). ``None`` where that does not apply: no ended
+        tokens, not a one-token decode step of int64 CUDA tokens, more ended tokens than the kernels take, or a
+        library older than it."""
+        if not self._ended_tokens or len(self._ended_tokens) > MAX_ENDED_TOKENS or not isinstance(ids, torch.Tensor) \
+                or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] != req.shape[0] or not ids.is_cuda \
+                or ids.dtype != torch.int64 or not _has_call("rs_begin_step_graph_ended"):
+            return None
+        return ids[:, -1]
+
     def _live_request_ids(self, req: torch.Tensor, ids: Optional[torch.Tensor]) -> torch.Tensor:
         """Steps recorded as CUDA graphs or compiled (fixed shape, no host code at replay): ``req`` with -1 (no
         request, :data:`NO_REQUEST`) for the rows of a decode step fed an end-of-sequence or pad token — what
@@ -526,7 +547,7 @@ class Attachment:
         ended = last == self._ended_tokens[0]
         for t in self._ended_tokens[1:]:
             ended = ended | (last == t)
-        live = torch.where(ended, torch.full_like(req, -1), req)
+        live = req.masked_fill(ended, -1)
         if not torch.compiler.is_compiling():
             self._keep.append(live)  # read by the step's kernels until it ends (recorded graphs: at every replay)
         return live

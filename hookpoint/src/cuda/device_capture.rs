@@ -282,6 +282,10 @@ impl DeviceCapture {
         )?;
         let pos_elems = (batch.batch as usize - 1) * batch.positions_batch_stride as usize + batch.seq as usize;
         self.gpu.check_device_range("positions (i64)", batch.positions, pos_elems * 8, 8)?;
+        if let Some(ended) = &batch.ended {
+            let elems = (batch.batch as usize - 1) * ended.batch_stride() as usize + 1;
+            self.gpu.check_device_range("ended-sequence tokens (i64 per batch row)", ended.tokens(), elems * 8, 8)?;
+        }
         if !self.controls.in_sync(registry) {
             if self.gpu.is_capturing(&stream)? {
                 return Err(DeviceCaptureError::Usage(

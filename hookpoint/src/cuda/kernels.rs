@@ -41,6 +41,9 @@ pub(super) const THREADS: u32 = 256;
 /// Deferred captures one `ringscope_capture_many` kernel takes.
 pub(super) const MAX_MANY: usize = 48;
 
+/// End-of-sequence (and padding) token ids a graph-begun step's batch can name ([`EndedRows`]).
+pub const MAX_ENDED_TOKENS: usize = 8;
+
 /// Deferred fused probes one `ringscope_probe_scores_many` kernel takes.
 pub(super) const MAX_PROBE_MANY: usize = 32;
 
@@ -73,13 +76,18 @@ mod probe_many {
 
 /// Layout of the kernels' `GraphBatch` parameter (byte offsets; see [`GraphBatch::param`]).
 mod graph_batch {
+    use super::MAX_ENDED_TOKENS;
     pub const REQUEST_IDS: usize = 0;
     pub const POSITIONS: usize = 8;
     pub const BATCH: usize = 16;
     pub const SEQ: usize = 20;
     pub const POS_STRIDE: usize = 24;
     pub const ROLE: usize = 28;
-    pub const BYTES: usize = 32;
+    pub const TOKENS: usize = 32;
+    pub const TOKENS_STRIDE: usize = 40;
+    pub const N_ENDED: usize = 44;
+    pub const ENDED: usize = 48;
+    pub const BYTES: usize = ENDED + 8 * MAX_ENDED_TOKENS;
 }
 
 /// Layout of one deferred capture (`struct Entry`).
@@ -203,6 +211,7 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("THREADS", THREADS as u64, Int),
         ("MAX_MANY", n(MAX_MANY), Int),
         ("GRAPH_BATCH_BYTES", n(graph_batch::BYTES), Int),
+        ("MAX_ENDED_TOKENS", n(MAX_ENDED_TOKENS), Int),
         ("ENTRY_BYTES", n(entry::BYTES), Int),
         ("MANY_BYTES", n(many::BYTES), Int),
         ("MAX_PROBE_MANY", n(MAX_PROBE_MANY), Int),
@@ -274,6 +283,10 @@ pub fn layout_checks() -> String {
     check("GraphBatch", Some("seq"), graph_batch::SEQ);
     check("GraphBatch", Some("pos_stride"), graph_batch::POS_STRIDE);
     check("GraphBatch", Some("on"), graph_batch::ROLE);
+    check("GraphBatch", Some("tokens"), graph_batch::TOKENS);
+    check("GraphBatch", Some("tokens_stride"), graph_batch::TOKENS_STRIDE);
+    check("GraphBatch", Some("n_ended"), graph_batch::N_ENDED);
+    check("GraphBatch", Some("ended"), graph_batch::ENDED);
     check("Entry", None, entry::BYTES);
     check("Entry", Some("src"), entry::SRC);
     check("Entry", Some("hookpoint"), entry::HOOKPOINT);
@@ -347,6 +360,54 @@ pub struct GraphBatch {
     /// Elements between batch rows in `positions`: `seq` for a contiguous `[batch, seq]` tensor (`position_ids`),
     /// 0 when every row shares one `[seq]` vector (`cache_position`).
     pub positions_batch_stride: u32,
+    /// Rows of sequences that ended: a batch row fed one of these tokens is no request's at that replay (its rows are
+    /// attributed to [`RowMeta::NO_REQUEST`]), decided on the device from the engine's token tensor — what an engine
+    /// that keeps finished sequences in a fixed-shape batch (Hugging Face `generate`) needs, without kernels of its own.
+    pub ended: Option<EndedRows>,
+}
+
+/// The rows of a graph-begun step that belong to no request because their sequence ended: batch row `b` whose token
+/// (`tokens[b * batch_stride]`, device `i64`, read at every replay) is one of up to [`MAX_ENDED_TOKENS`] ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndedRows {
+    tokens: DevicePtr,
+    batch_stride: u32,
+    ids: [i64; MAX_ENDED_TOKENS],
+    len: u32,
+}
+
+impl EndedRows {
+    /// `tokens`: device `i64`, the token batch row `b` is fed at element `b * batch_stride`; `ids`: 1 to
+    /// [`MAX_ENDED_TOKENS`] token ids that mark an ended sequence (end-of-sequence and padding tokens).
+    pub fn new(tokens: DevicePtr, batch_stride: u32, ids: &[i64]) -> Result<EndedRows, String> {
+        if ids.is_empty() || ids.len() > MAX_ENDED_TOKENS {
+            return Err(format!(
+                "{} ended-sequence token ids: give 1 to {MAX_ENDED_TOKENS} (end-of-sequence and padding tokens)",
+                ids.len()
+            ));
+        }
+        if tokens.addr() == 0 {
+            return Err("ended-sequence tokens: null device pointer".into());
+        }
+        let mut all = [0i64; MAX_ENDED_TOKENS];
+        all[..ids.len()].copy_from_slice(ids);
+        Ok(EndedRows { tokens, batch_stride, ids: all, len: ids.len() as u32 })
+    }
+
+    /// Device `i64`: the token of batch row `b` is element `b * batch_stride`.
+    pub fn tokens(&self) -> DevicePtr {
+        self.tokens
+    }
+
+    /// Elements between batch rows in [`tokens`](Self::tokens).
+    pub fn batch_stride(&self) -> u32 {
+        self.batch_stride
+    }
+
+    /// The token ids that mark an ended sequence.
+    pub fn ids(&self) -> &[i64] {
+        &self.ids[..self.len as usize]
+    }
 }
 
 /// The kernels' `GraphBatch` parameter, as its bytes.
@@ -364,6 +425,14 @@ impl GraphBatch {
             p[SEQ..SEQ + 4].copy_from_slice(&g.seq.to_le_bytes());
             p[POS_STRIDE..POS_STRIDE + 4].copy_from_slice(&g.positions_batch_stride.to_le_bytes());
             p[ROLE..ROLE + 4].copy_from_slice(&(role as u32).to_le_bytes());
+            if let Some(e) = &g.ended {
+                p[TOKENS..TOKENS + 8].copy_from_slice(&e.tokens.addr().to_le_bytes());
+                p[TOKENS_STRIDE..TOKENS_STRIDE + 4].copy_from_slice(&e.batch_stride.to_le_bytes());
+                p[N_ENDED..N_ENDED + 4].copy_from_slice(&e.len.to_le_bytes());
+                for (k, id) in e.ids().iter().enumerate() {
+                    p[ENDED + 8 * k..ENDED + 8 * k + 8].copy_from_slice(&id.to_le_bytes());
+                }
+            }
         }
         p
     }
@@ -668,7 +737,7 @@ impl Kernels {
             (&mut flag_slots as *mut u32).cast(),
         ];
         // SAFETY: the parameter list matches `ringscope_probe_scores` in number, order and size (the `GraphBatch`
-        // struct as its 32 bytes, checked by `layout_checks`); the addresses are valid per the caller.
+        // struct as its bytes, checked by `layout_checks`); the addresses are valid per the caller.
         unsafe { self.probe.launch(grid, THREADS, stream, &mut params) }
     }
 
@@ -743,7 +812,7 @@ impl Kernels {
             (&mut desc as *mut u64).cast(),
             batch.as_mut_ptr().cast(),
         ];
-        // SAFETY: the parameter list matches `ringscope_begin_step_graph` (the struct as its 32 bytes); the
+        // SAFETY: the parameter list matches `ringscope_begin_step_graph` (the struct as its bytes); the
         // addresses are valid per the caller.
         unsafe { self.begin_graph.launch(1, THREADS, stream, &mut params) }
     }
@@ -994,13 +1063,50 @@ mod tests {
         };
         let last = CaptureEntry { last_rows: true, ..e };
         let p = ManyParam::new(GraphBatch::param(None, GraphRole::Off), &[e, last], true);
-        assert_eq!(&p.0[32..40], &[2, 0, 0, 0, 1, 0, 0, 0]);
-        assert_eq!(&p.0[64..72], &0x1122_3344_5566_7788u64.to_le_bytes());
-        assert_eq!(&p.0[72..76], &7u32.to_le_bytes());
+        assert_eq!(&p.0[112..120], &[2, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(&p.0[120..128], &0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(&p.0[128..132], &7u32.to_le_bytes());
         let at = |i: usize| many::ENTRIES + i * entry::BYTES + entry::SRC_ROWS;
         let rows = |i: usize| &p.0[at(i)..at(i) + 4];
         assert_eq!(rows(0), &9u32.to_le_bytes());
         assert_eq!(rows(1), &(9 | SRC_LAST_ROWS).to_le_bytes(), "a last-rows source is marked in its row count");
-        assert_eq!(p.0.len(), 40 + 48 * 24);
+        assert_eq!(p.0.len(), 120 + 48 * 24);
+    }
+
+    #[test]
+    fn graph_batch_param_carries_the_ended_rows_as_the_kernels_read_them() {
+        // SAFETY: never dereferenced (only encoded).
+        let (req, pos, tok) =
+            unsafe { (DevicePtr::from_raw(0x1000), DevicePtr::from_raw(0x2000), DevicePtr::from_raw(0x3000)) };
+        let plain =
+            GraphBatch { batch: 3, seq: 1, request_ids: req, positions: pos, positions_batch_stride: 1, ended: None };
+        let p = GraphBatch::param(Some(&plain), GraphRole::First);
+        assert_eq!(&p[0..8], &0x1000u64.to_le_bytes());
+        assert_eq!(&p[8..16], &0x2000u64.to_le_bytes());
+        assert_eq!(&p[16..32], &[3, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]);
+        assert!(p[32..].iter().all(|&b| b == 0), "no ended rows: no token tensor, no ids");
+        let ended = EndedRows::new(tok, 2, &[2, -7, 128_009]).unwrap();
+        assert_eq!(ended.ids(), &[2, -7, 128_009]);
+        let p = GraphBatch::param(Some(&GraphBatch { ended: Some(ended), ..plain }), GraphRole::Later);
+        assert_eq!(&p[28..32], &2u32.to_le_bytes());
+        assert_eq!(&p[32..40], &0x3000u64.to_le_bytes());
+        assert_eq!(&p[40..44], &2u32.to_le_bytes());
+        assert_eq!(&p[44..48], &3u32.to_le_bytes());
+        assert_eq!(&p[48..56], &2i64.to_le_bytes());
+        assert_eq!(&p[56..64], &(-7i64).to_le_bytes());
+        assert_eq!(&p[64..72], &128_009i64.to_le_bytes());
+        assert!(p[72..].iter().all(|&b| b == 0));
+        assert_eq!(p.len(), 112);
+        assert!(GraphBatch::param(None, GraphRole::Off).iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn ended_rows_take_one_to_eight_ids_and_a_device_pointer() {
+        // SAFETY: never dereferenced.
+        let tok = unsafe { DevicePtr::from_raw(0x3000) };
+        assert!(EndedRows::new(tok, 1, &[]).unwrap_err().contains("0 ended-sequence token ids"));
+        assert!(EndedRows::new(tok, 1, &[1; 9]).unwrap_err().contains("9 ended-sequence token ids: give 1 to 8"));
+        assert!(EndedRows::new(DevicePtr::NULL, 1, &[1]).unwrap_err().contains("null device pointer"));
+        assert_eq!(EndedRows::new(tok, 1, &[5; 8]).unwrap().ids().len(), 8);
     }
 }
