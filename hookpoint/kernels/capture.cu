@@ -474,6 +474,17 @@ __device__ __forceinline__ u32 many_row(const Control& c, const u8* desc, u32 n_
     return ((const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows))[k];
 }
 
+// Inclusive sum over the lanes of a warp, in lane order (every lane of the warp calls it).
+__device__ __forceinline__ u64 rs_warp_inclusive(u64 v) {
+    const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u64 t = __shfl_up_sync(0xFFFFFFFFu, v, o);
+        if (lane >= o) v += t;
+    }
+    return v;
+}
+
 // The entry whose range [first[i], first[i + 1]) holds unit u (first[] ascending, first[n] = total).
 __device__ __forceinline__ u32 find_entry(const u64* first, u32 n, u64 u) {
     u32 lo = 0, hi = n;  // first[lo] <= u < first[hi]
@@ -569,36 +580,82 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         p.unit0 = p.dc ? 0 : p.vec ? (u64)p.rows * (rb / 16) : (u64)p.rows * rb;
     }
     __syncthreads();
-    // 3. Placement, in order.
-    if (threadIdx.x == 0) {
-        u64 head = head0, seq = seq0, offset = s_off0, units = 0, metas = 0, drows = 0;
-        for (u32 i = 0; i < n; i++) {
-            Plan& p = plan[i];
-            s_unit[i] = units;
-            s_meta[i] = metas;
-            s_drow[i] = drows;
-            if (p.status != -1) continue;
-            const u64 pad = p.footprint <= capacity - offset ? 0 : capacity - offset;
-            if (pad + p.footprint > capacity - (head - tail)) {
-                p.status = C_FULL_REC;
-                continue;
+    // 3. Placement, in order. Usually every record the step publishes fits after the head without wrapping: then
+    // each starts where the ones before it end, and one warp places them all with prefix sums (two entries per
+    // lane). Otherwise (a record needs padding to wrap, or does not fit while a later, smaller one may) one thread
+    // places them one by one.
+    static_assert(MAX_MANY <= 64, "the placement's prefix sums cover two entries per lane");
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        u64 x[2][5], before[2][5], total[5] = {0, 0, 0, 0, 0};  // footprint, units, metadata units, downcast rows, records
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 i = lane + 32u * h;
+            const bool live = i < n && plan[i].status == -1;
+            x[h][0] = live ? plan[i].footprint : 0;
+            x[h][1] = live ? plan[i].unit0 : 0;
+            x[h][2] = live ? plan[i].meta_bytes / 16 : 0;
+            x[h][3] = live && plan[i].dc ? plan[i].rows : 0;
+            x[h][4] = live ? 1 : 0;
+#pragma unroll
+            for (int q = 0; q < 5; q++) {
+                const u64 incl = rs_warp_inclusive(x[h][q]);
+                before[h][q] = total[q] + incl - x[h][q];
+                total[q] += __shfl_sync(0xFFFFFFFFu, incl, 31);
             }
-            p.pad = pad;
-            p.pad_at = offset;
-            p.start = pad ? 0 : offset;
-            p.seq = seq++;
-            head += pad + p.footprint;
-            offset = p.start + p.footprint;
-            if (offset == capacity) offset = 0;
-            units += p.unit0;
-            metas += p.meta_bytes / 16;
-            if (p.dc) drows += p.rows;
         }
-        s_unit[n] = units;
-        s_meta[n] = metas;
-        s_drow[n] = drows;
-        s_head = head;
-        s_seq = seq;
+        if (s_off0 + total[0] <= capacity && total[0] <= capacity - (head0 - tail)) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 i = lane + 32u * h;
+                if (i >= n) continue;
+                s_unit[i] = before[h][1];
+                s_meta[i] = before[h][2];
+                s_drow[i] = before[h][3];
+                if (x[h][4]) {
+                    Plan& p = plan[i];
+                    p.pad = 0;
+                    p.pad_at = p.start = s_off0 + before[h][0];
+                    p.seq = seq0 + before[h][4];
+                }
+            }
+            if (lane == 0) {
+                s_unit[n] = total[1];
+                s_meta[n] = total[2];
+                s_drow[n] = total[3];
+                s_head = head0 + total[0];
+                s_seq = seq0 + total[4];
+            }
+        } else if (lane == 0) {
+            u64 head = head0, seq = seq0, offset = s_off0, units = 0, metas = 0, drows = 0;
+            for (u32 i = 0; i < n; i++) {
+                Plan& p = plan[i];
+                s_unit[i] = units;
+                s_meta[i] = metas;
+                s_drow[i] = drows;
+                if (p.status != -1) continue;
+                const u64 pad = p.footprint <= capacity - offset ? 0 : capacity - offset;
+                if (pad + p.footprint > capacity - (head - tail)) {
+                    p.status = C_FULL_REC;
+                    continue;
+                }
+                p.pad = pad;
+                p.pad_at = offset;
+                p.start = pad ? 0 : offset;
+                p.seq = seq++;
+                head += pad + p.footprint;
+                offset = p.start + p.footprint;
+                if (offset == capacity) offset = 0;
+                units += p.unit0;
+                metas += p.meta_bytes / 16;
+                if (p.dc) drows += p.rows;
+            }
+            s_unit[n] = units;
+            s_meta[n] = metas;
+            s_drow[n] = drows;
+            s_head = head;
+            s_seq = seq;
+        }
     }
     __syncthreads();
     if (lead && was_busy) set_error(host, ERR_CONCURRENT_PRODUCERS);
@@ -675,28 +732,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
                         ring + p.start + HEADER_BYTES + p.meta_bytes + (u64)j * p.orb);
     }
 
-    // 5. The last block to finish publishes everything at once and counts.
+    // 5. The last block to finish publishes everything at once (its first thread) and counts (its threads, one entry
+    // each).
+    __shared__ u32 s_last, s_overrun;
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    if (gridDim.x > 1) {
-        __threadfence();
-        if (atomicAdd((u32*)(state + ST_DONE_BLOCKS), 1u) != gridDim.x - 1) return;
-        *(volatile u32*)(state + ST_DONE_BLOCKS) = 0;
+    if (threadIdx.x == 0) {
+        u32 last = 1;
+        if (gridDim.x > 1) {
+            __threadfence();
+            last = atomicAdd((u32*)(state + ST_DONE_BLOCKS), 1u) == gridDim.x - 1;
+            if (last) *(volatile u32*)(state + ST_DONE_BLOCKS) = 0;
+        }
+        s_last = last;
+        s_overrun = 0;
     }
-    const u64 new_head = s_head;
-    st64(state + ST_HEAD, new_head);
-    st64(state + ST_SEQ, s_seq);
-    st64(state + ST_TAIL_SNAP, tail_now);
-    if (m.g.on == GB_FIRST) st64(state + ST_NEXT_STEP, step + 1);
-    if (new_head != head0) {
-        __threadfence_system();
-        st64(host + HS_HEAD, new_head);
+    __syncthreads();
+    if (!s_last) return;
+    if (threadIdx.x == 0) {
+        const u64 new_head = s_head;
+        st64(state + ST_HEAD, new_head);
+        st64(state + ST_SEQ, s_seq);
+        st64(state + ST_TAIL_SNAP, tail_now);
+        if (m.g.on == GB_FIRST) st64(state + ST_NEXT_STEP, step + 1);
+        if (new_head != head0) {
+            __threadfence_system();
+            st64(host + HS_HEAD, new_head);
+        }
+        // A lower bound of the snapshot the next capture decides on: full mode's admission of graph-begun steps,
+        // whose captures have no begin kernel of their own to refresh it, judges room against it.
+        st64(host + HS_TAIL_SNAP, tail_now);
+        if (m.g.on == GB_FIRST) rs_graph_step_begun(state, host);
     }
-    // A lower bound of the snapshot the next capture decides on: full mode's admission of graph-begun steps, whose
-    // captures have no begin kernel of their own to refresh it, judges room against it.
-    st64(host + HS_TAIL_SNAP, tail_now);
-    if (m.g.on == GB_FIRST) rs_graph_step_begun(state, host);
-    for (u32 i = 0; i < n; i++) {
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         const Plan& p = plan[i];
         if (p.status == -2) continue;
         u64* cnt = counters + COUNTER_WORDS * m.e[i].hookpoint;
@@ -705,9 +772,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         const int which = p.status == -1 ? C_PUBLISHED_REC : p.status;
         atomicAdd(cnt + which, 1ull);
         atomicAdd(cnt + which + 1, (u64)p.rows);
-        if (p.status == C_FULL_REC && m.full_mode) set_error(host, ERR_FULL_MODE_OVERRUN);
+        if (p.status == C_FULL_REC && m.full_mode) s_overrun = 1;
     }
-    *(volatile u32*)(state + ST_BUSY) = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (s_overrun) set_error(host, ERR_FULL_MODE_OVERRUN);
+        *(volatile u32*)(state + ST_BUSY) = 0;
+    }
 }
 
 // Test and benchmark helper: fills `rows x row_bytes` bytes with a pattern the host can recompute
