@@ -518,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
     if (lead) was_busy = atomicExch((u32*)(state + ST_BUSY), 1u);
 
     // 1. Per entry, one thread each: controls, rows (unless a list has to be scanned), sampling, sizes. (The
-    // placement below is the only serial part: it only adds and compares.)
+    // placement below is one warp's prefix sums, or, when a record wraps or does not fit, one thread's loop.)
     __shared__ u32 s_scan;
     __shared__ u64 s_off0;
     if (threadIdx.x == 0) s_scan = 0;

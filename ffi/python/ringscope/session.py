@@ -278,16 +278,16 @@ class Session:
                            "and padding tokens)")
         check(request_ids, "request_ids")
         check(positions, "positions")
+        if request_ids.dim() != 1 or positions.dim() not in (1, 2):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                 f"begin_step_graph: request_ids must be [batch] and positions [batch, seq] or [seq]; "
+                                 f"got {tuple(request_ids.shape)} and {tuple(positions.shape)}")
         if tokens is not None:
             check(tokens, "tokens", contiguous=False)
             if tokens.dim() != 1 or tokens.shape[0] != request_ids.shape[0]:
                 raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
                                      f"begin_step_graph: tokens must be [batch] ({request_ids.shape[0]} rows), one token "
                                      f"per batch row; got {tuple(tokens.shape)}")
-        if request_ids.dim() != 1 or positions.dim() not in (1, 2):
-            raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                 f"begin_step_graph: request_ids must be [batch] and positions [batch, seq] or [seq]; "
-                                 f"got {tuple(request_ids.shape)} and {tuple(positions.shape)}")
         batch = request_ids.shape[0]
         seq = positions.shape[-1]
         if positions.dim() == 2 and positions.shape[0] != batch:

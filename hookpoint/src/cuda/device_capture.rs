@@ -283,8 +283,18 @@ impl DeviceCapture {
         let pos_elems = (batch.batch as usize - 1) * batch.positions_batch_stride as usize + batch.seq as usize;
         self.gpu.check_device_range("positions (i64)", batch.positions, pos_elems * 8, 8)?;
         if let Some(ended) = &batch.ended {
-            let elems = (batch.batch as usize - 1) * ended.batch_stride() as usize + 1;
-            self.gpu.check_device_range("ended-sequence tokens (i64 per batch row)", ended.tokens(), elems * 8, 8)?;
+            let bytes = (batch.batch as usize - 1)
+                .checked_mul(ended.batch_stride() as usize)
+                .and_then(|e| e.checked_add(1))
+                .and_then(|e| e.checked_mul(8))
+                .ok_or_else(|| {
+                    DeviceCaptureError::Usage(format!(
+                        "ended-sequence tokens: {} rows {} elements apart do not fit in memory",
+                        batch.batch,
+                        ended.batch_stride()
+                    ))
+                })?;
+            self.gpu.check_device_range("ended-sequence tokens (i64 per batch row)", ended.tokens(), bytes, 8)?;
         }
         if !self.controls.in_sync(registry) {
             if self.gpu.is_capturing(&stream)? {
