@@ -446,6 +446,29 @@ impl ObjectStorage {
             .map_err(|e| Self::io_error(path, "cannot read", e))
     }
 
+    /// Copies the object at `path` into the local file `dst` (created, or truncated), chunk by chunk as the store
+    /// sends it: memory holds one chunk, never the whole object (a run's part files are up to
+    /// `export.max_file_size` each). Returns the bytes written. On an error `dst` may hold part of the object.
+    pub fn download(&self, path: &Path, dst: &Path) -> io::Result<u64> {
+        use std::io::Write;
+
+        let key = self.key(path)?;
+        let store = self.inner.store.clone();
+        let mut file = io::BufWriter::new(std::fs::File::create(dst)?);
+        let written = block_on(async move {
+            let mut chunks = store.get(&key).await.map_err(|e| Self::io_error(path, "cannot read", e))?.into_stream();
+            let mut n = 0u64;
+            while let Some(chunk) = chunks.next().await {
+                let chunk = chunk.map_err(|e| Self::io_error(path, "cannot read", e))?;
+                file.write_all(&chunk)?;
+                n += chunk.len() as u64;
+            }
+            file.flush()?;
+            Ok::<u64, io::Error>(n)
+        });
+        written.map_err(|e| io::Error::new(e.kind(), format!("{e} (into {})", dst.display())))
+    }
+
     /// Whether an object `path` exists.
     pub fn exists(&self, path: &Path) -> io::Result<bool> {
         let key = self.key(path)?;
@@ -737,6 +760,13 @@ mod tests {
         assert!(!s.exists(&path).unwrap(), "not before it completes");
         assert_eq!(up.complete().unwrap(), data.len() as u64);
         assert_eq!(s.get(&path).unwrap(), data);
+        let dir = tempfile::tempdir().unwrap();
+        let local = dir.path().join("copy.parquet");
+        assert_eq!(s.download(&path, &local).unwrap(), data.len() as u64);
+        assert_eq!(std::fs::read(&local).unwrap(), data);
+        let missing = s.download(&run.join("nothing.parquet"), &dir.path().join("nothing")).unwrap_err();
+        assert_eq!(missing.kind(), io::ErrorKind::NotFound, "{missing}");
+        assert!(missing.to_string().contains("nothing.parquet"), "{missing}");
         assert_eq!(s.list(&run).unwrap(), vec![path.clone()]);
         assert_eq!(s.list_names(&run).unwrap(), vec!["hookpoint=a".to_owned()]);
         // Dropped: aborted, nothing appears.

@@ -241,11 +241,9 @@ fn summarise_remote(url: &str, options: &[String], verify: bool) -> ExitCode {
     for object in &objects {
         let Ok(rel) = object.strip_prefix(&root) else { continue };
         let local = tmp.path().join(rel);
-        // One object at a time: the largest file of the run in memory (export.max_file_size, 256 MiB by default).
-        let copied = storage.get(object).and_then(|bytes| {
-            std::fs::create_dir_all(local.parent().unwrap_or(tmp.path()))?;
-            std::fs::write(&local, &bytes)
-        });
+        // Streamed to disk chunk by chunk: memory holds one chunk, not the object.
+        let copied = std::fs::create_dir_all(local.parent().unwrap_or(tmp.path()))
+            .and_then(|()| storage.download(object, &local));
         if let Err(e) = copied {
             eprintln!("inspect: cannot copy {shown_url}/{} into a temporary directory: {e}", rel.display());
             return ExitCode::from(EXIT_PROBLEM);
