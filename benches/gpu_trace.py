@@ -62,12 +62,14 @@ def stop(prof):
         os.unlink(path)
 
 
-def marked(fn, marker=MARKER):
-    """``fn`` wrapped so that each call is one step of the trace."""
+def marked(fn, marker=MARKER, label=None):
+    """``fn`` wrapped so that each call is one step of the trace (labelled ``label``: see :func:`steps_of`)."""
     from torch.profiler import record_function
 
+    name = marker if label is None else f"{marker}:{label}"
+
     def f(*args, **kwargs):
-        with record_function(marker):
+        with record_function(name):
             return fn(*args, **kwargs)
     return f
 
@@ -84,17 +86,22 @@ def _union(intervals):
     return total
 
 
-def steps_of(events, marker=MARKER, skip_first=1):
+def steps_of(events, marker=MARKER, skip_first=1, label=None):
     """The trace's steps (see the module's text); the first ``skip_first`` and the last (its window has no end) are
-    left out."""
-    marks = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == marker]
-    starts = sorted(e["ts"] for e in marks)
+    left out. Steps may be labelled (marked with ``marker + ":" + label``, :func:`marked`'s ``label``): every marked
+    step ends where the next one of any label starts, and ``label`` keeps only the steps of that label (the first
+    ``skip_first`` of them left out)."""
+    marks = [e for e in events if e.get("cat") == "user_annotation"
+             and (e.get("name") == marker or e.get("name", "").startswith(marker + ":"))]
+    marks.sort(key=lambda e: e["ts"])
+    starts = [e["ts"] for e in marks]
     tids = {e.get("tid") for e in marks}
     launches = {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (e["ts"], e.get("tid") in tids)
-    steps = [{"start": s, "end": n, "acts": [], "other": []} for s, n in zip(starts, starts[1:])]
+    steps = [{"start": s, "end": n, "acts": [], "other": [], "label": m["name"][len(marker) + 1:] or None}
+             for s, n, m in zip(starts, starts[1:], marks)]
     for e in events:
         if e.get("cat") not in GPU_CATS:
             continue
@@ -111,6 +118,8 @@ def steps_of(events, marker=MARKER, skip_first=1):
             if 0 <= k < len(steps):
                 steps[k]["other"].append(e)
     out = []
+    if label is not None:
+        steps = [st for st in steps if st["label"] == label]
     for st in steps[skip_first:]:
         acts = st["acts"]
         if not acts:

@@ -16,9 +16,10 @@ with the step's copy at its end instead of beside the LM head on a side stream; 
 recording keeps every layer's output alive to its end as deferred captures do (the graph's memory layout alone);
 (full) the same as resid in full mode,
 ``admit_graph_step`` before every replay; (attn) q/k/v of layers 0, 5, 10, 15, best-effort, Parquet. CUDA ring 2 GiB,
-``defer_captures``. Prefill (eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads):
-plain, best-effort into Parquet, best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the
-GPU (its kernels slower) or on the host (the GPU waiting for launches).
+``defer_captures``; the variants are profiled interleaved, in blocks of steps (``profile_interleaved``). Prefill
+(eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads): plain, best-effort into Parquet,
+best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the GPU (its kernels slower) or on the
+host (the GPU waiting for launches).
 """
 import argparse
 import json
@@ -91,6 +92,41 @@ def profile_steps(step, n, warm=10):
     return gpu_trace.summary(gpu_trace.steps_of(gpu_trace.profiled(run)))
 
 
+def profile_interleaved(steppers, n, block=5, warm=10):
+    """``n`` steps (at least) of each of ``steppers`` (name: step function; each step synchronised) in one profiler
+    trace: blocks of ``block`` steps per variant, the variants' order rotated every round, so that a drift of the GPU
+    or the host during the run falls on every variant alike. (Profiled one after another, session 31 saw every
+    variant after the first, a second plain recording included, run 20–29 µs slower per step at B = 1.) Each block's
+    first step is left out: the drain may still be copying the previous variant's captures. The summary of each
+    variant's steps, by name."""
+    for step in steppers.values():
+        for _ in range(warm):
+            step()
+    torch.cuda.synchronize()
+
+    def synced(step):
+        def one():
+            step()
+            torch.cuda.synchronize()
+        return one
+    names = list(steppers)
+    kept = {name: gpu_trace.marked(synced(steppers[name]), label=name) for name in names}
+    first = {name: gpu_trace.marked(synced(steppers[name]), label=name + "/first") for name in names}
+    end = gpu_trace.marked(lambda: None, label="end")  # the last step's window ends here
+    rounds = -(-n // (block - 1))
+
+    def run():
+        for r in range(rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                first[name]()
+                for _ in range(block - 1):
+                    kept[name]()
+        end()
+    events = gpu_trace.profiled(run)
+    return {name: gpu_trace.summary(gpu_trace.steps_of(events, skip_first=0, label=name)) for name in names}
+
+
 def decode(model, batch, steps, root, results):
     max_len = 16 + 4 * (steps + 20) + 16
     sessions = {"resid": session(root, f"b{batch}-resid"), "full": session(root, f"b{batch}-full", mode="full"),
@@ -115,7 +151,7 @@ def decode(model, batch, steps, root, results):
             d.graph.replay()
             d.advance()
         return step
-    row = {name: profile_steps(stepper(name), steps) for name in decs}
+    row = profile_interleaved({name: stepper(name) for name in decs}, steps)
     for name, s in sessions.items():
         s.flush(timeout=600)
         totals = s.close()
