@@ -576,3 +576,42 @@ def test_gemma2_sites_other_than_attention_are_the_models_own_tensors(tmp_path):
 if __name__ == "__main__":
     import sys
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_plan_states_each_sites_row_bytes_before_anything_is_attached(tmp_path, kind):
+    """`ringscope.torch.plan` says what `attach` would capture and its bytes per token without attaching; the rows a
+    run then holds are exactly that wide, and what attach refuses, plan refuses alike."""
+    model, _ = model_of(kind)
+    sites = ["attn_q", "attn_k", "attn_v", "residual", "tokens"]
+    p = rt.plan(model, sites=sites, layers=[1])
+    assert not any(getattr(m, "_forward_hooks", None) for m in model.modules()), "plan attached hooks"
+    heads, kv_heads, hd = model.config.num_attention_heads, model.config.num_key_value_heads, 16
+    want = {"layers.1.attn_q": heads * hd * 4, "layers.1.attn_k": kv_heads * hd * 4,
+            "layers.1.attn_v": kv_heads * hd * 4, "layers.1.resid": 64 * 4, "tokens": 8}
+    assert {h["name"]: h["row_bytes"] for h in p["hookpoints"]} == want
+    assert p["bytes_per_token"] == sum(want.values())
+    assert p["ring_bytes_per_token"] == sum(want.values()) + 16 * len(want)
+    # What a run holds: every hookpoint's rows exactly that wide, one row per token.
+    s = session_for(tmp_path, "cpu")
+    att = rt.attach(model, s, sites=sites, layers=[1])
+    prompts, ids, mask = batch("cpu")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    att.detach()
+    s.close()
+    dump = ringscope.read_dump(str(tmp_path / "r"))
+    tokens = sum(len(x) for x in prompts)
+    for name, row_bytes in want.items():
+        rows = dump[name]["activation"]
+        assert rows.shape[0] == tokens, name
+        assert rows.shape[1] * rows.dtype.itemsize == row_bytes, name
+    # Refused alike.
+    for k, bad in enumerate(({"sites": ["attn_z"]}, {"layers": [2]})):
+        with pytest.raises(ringscope.RingscopeError) as planned:
+            rt.plan(model, **{"sites": sites, **bad})
+        other = session_for(tmp_path, "cpu", run=f"bad{k}")
+        with pytest.raises(ringscope.RingscopeError) as attached:
+            rt.attach(model, other, **{"sites": sites, **bad})
+        other.close()
+        assert str(planned.value) == str(attached.value)

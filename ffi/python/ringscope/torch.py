@@ -965,36 +965,10 @@ def _declare_hookpoints(config, planned, dtype: str) -> str:
     return text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(extra)
 
 
-def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual", "tokens"),
-           layers: Optional[Iterable[int]] = None, rows: "str | Sequence[int]" = "all") -> Attachment:
-    """Attaches ringscope to a Hugging Face decoder (Llama, Qwen2/3, Mistral, GPT-2 families).
-
-    ``sites``: any of ``residual`` (the residual stream after each chosen layer: ``output_hidden_states[i + 1]`` for
-    every layer but the last, whose entry in ``output_hidden_states`` is taken after the final norm),
-    ``attention_output``, ``mlp_output`` (the blocks' outputs before they are added to the residual stream),
-    ``final_norm`` (``output_hidden_states[-1]``), ``logits`` (what the model computed: at a ``generate`` prefill,
-    each row's last token only), ``tokens`` (the input token id of every captured row, int64: joins rows to text).
-    ``layers``: which decoder layers (default all).
-    ``rows``: ``"all"``, ``"last_per_request"`` or a list of batch rows. ``session``: a :class:`Session`, or its
-    configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
-
-    Rows that are no request's tokens are not captured in eager steps: padding (``attention_mask`` 0: a left-padded
-    batch's pad tokens) and the rows of sequences that ended (fed their EOS token, or — fed the pad token — ended by
-    a stopping criterion such as :class:`ProbeStoppingCriteria`); positions are the tokens' real positions (from
-    ``attention_mask``). A step recorded as a CUDA graph (by hand or by ``torch.compile``'s ``reduce-overhead``)
-    has a fixed shape and runs no Python at replay: its decode rows fed an EOS or pad token are captured with the
-    request id of no request — :data:`NO_REQUEST`, ``2**64 - 1`` in the files, ``-1`` in int64 tensors — and
-    probes never score them into a request, flag or alert for them (``probe_stats()["no_request_rows"]`` counts
-    them). Compiled steps run without CUDA graphs leave them out, as eager steps do.
-    """
+def _plan(model, sites: Iterable[str], layers: Optional[Iterable[int]]) -> "_Planned":
+    """What :func:`attach` would capture of ``model`` (checked as attach checks it: the model, the sites, the layers,
+    whether each layer's attention can be rebuilt), without touching the model or a session."""
     decoder_layers, final_norm, lm_head, family = _decoder(model)
-    for prev in list(_ATTACHMENTS.values()):
-        if prev.model is model and prev._handles:
-            if prev.session.totals is None:
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     "attach: the model is attached already to an open session (detach() that "
-                                     "attachment first)")
-            prev.detach()  # its session is closed: its hooks could only fail
     sites = list(sites)
     bad = [s for s in sites if s not in _SITES]
     if bad:
@@ -1039,6 +1013,81 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", "attach: the model has no lm_head for the logits site")
         planned.append(("logits", "logits", None, lm_head.out_features, lm_head, _first))
     declared = list(planned) + ([(_TOKENS, _TOKENS, None, 1, None, None, "i64")] if _TOKENS in sites else [])
+    return _Planned(decoder_layers, final_norm, lm_head, chosen, dt, planned, attention, declared, sites)
+
+
+class _Planned:
+    """:func:`_plan`'s result: the model's parts attach hooks, and what it captures."""
+
+    def __init__(self, decoder_layers, final_norm, lm_head, chosen, dt, planned, attention, declared, sites):
+        self.decoder_layers, self.final_norm, self.lm_head = decoder_layers, final_norm, lm_head
+        self.chosen, self.dt, self.planned, self.attention, self.declared, self.sites = (
+            chosen, dt, planned, attention, declared, sites)
+
+
+def plan(model, *, sites: Iterable[str] = ("residual", "tokens"), layers: Optional[Iterable[int]] = None) -> dict:
+    """What :func:`attach` with these ``sites`` and ``layers`` would capture of ``model``, and how many bytes that is per
+    token — to see the rate before turning a site on (q/k/v rows are as large as the KV cache). Nothing is attached and
+    no session is needed; the arguments are checked as ``attach`` checks them, and what it would refuse (an unknown
+    site, a layer the model lacks, attention that cannot be rebuilt) raises the same error.
+
+    Returns ``{"hookpoints": [...], "bytes_per_token": N, "ring_bytes_per_token": M}``: per hookpoint its ``name``,
+    ``site``, ``layer`` (None for model-wide sites), ``dtype``, ``row_width`` and ``row_bytes``; ``bytes_per_token`` is
+    the rows' bytes one captured token adds (what the files hold before compression), ``ring_bytes_per_token`` adds
+    each row's request id and position (16 bytes a row) as the ring and the PCIe link carry them (plus, per hookpoint
+    and step, a 64-byte header and up to 126 bytes of alignment: docs/format.md). ``logits`` count as one row per
+    token, which they are in decode steps (a ``generate`` prefill captures only each row's last prompt token).
+    Multiply by tokens per second for the rate the policy manager's budgets (``[policy]``) weigh."""
+    p = _plan(model, sites, layers)
+    hookpoints = []
+    for name, site, layer, width, *rest in p.declared:
+        dtype = rest[-1] if len(rest) == 3 else p.dt  # the tokens entry carries its own dtype (i64)
+        size = _DTYPE_BYTES[dtype]
+        hookpoints.append({"name": name, "site": site, "layer": layer, "dtype": dtype, "row_width": width,
+                           "row_bytes": width * size})
+    total = sum(h["row_bytes"] for h in hookpoints)
+    return {"hookpoints": hookpoints, "bytes_per_token": total,
+            "ring_bytes_per_token": total + _META_BYTES * len(hookpoints)}
+
+
+#: Bytes of one element of each dtype ``attach`` captures in.
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "i32": 4, "i64": 8}
+#: A row's metadata in a record (request id and position: docs/format.md).
+_META_BYTES = 16
+
+
+def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual", "tokens"),
+           layers: Optional[Iterable[int]] = None, rows: "str | Sequence[int]" = "all") -> Attachment:
+    """Attaches ringscope to a Hugging Face decoder (Llama, Qwen2/3, Mistral, GPT-2 families).
+
+    ``sites``: any of ``residual`` (the residual stream after each chosen layer: ``output_hidden_states[i + 1]`` for
+    every layer but the last, whose entry in ``output_hidden_states`` is taken after the final norm),
+    ``attention_output``, ``mlp_output`` (the blocks' outputs before they are added to the residual stream),
+    ``final_norm`` (``output_hidden_states[-1]``), ``logits`` (what the model computed: at a ``generate`` prefill,
+    each row's last token only), ``tokens`` (the input token id of every captured row, int64: joins rows to text).
+    ``layers``: which decoder layers (default all).
+    ``rows``: ``"all"``, ``"last_per_request"`` or a list of batch rows. ``session``: a :class:`Session`, or its
+    configuration (TOML text or dict). Returns an :class:`Attachment`; every forward pass becomes one ringscope step.
+
+    Rows that are no request's tokens are not captured in eager steps: padding (``attention_mask`` 0: a left-padded
+    batch's pad tokens) and the rows of sequences that ended (fed their EOS token, or — fed the pad token — ended by
+    a stopping criterion such as :class:`ProbeStoppingCriteria`); positions are the tokens' real positions (from
+    ``attention_mask``). A step recorded as a CUDA graph (by hand or by ``torch.compile``'s ``reduce-overhead``)
+    has a fixed shape and runs no Python at replay: its decode rows fed an EOS or pad token are captured with the
+    request id of no request — :data:`NO_REQUEST`, ``2**64 - 1`` in the files, ``-1`` in int64 tensors — and
+    probes never score them into a request, flag or alert for them (``probe_stats()["no_request_rows"]`` counts
+    them). Compiled steps run without CUDA graphs leave them out, as eager steps do.
+    """
+    for prev in list(_ATTACHMENTS.values()):
+        if prev.model is model and prev._handles:
+            if prev.session.totals is None:
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     "attach: the model is attached already to an open session (detach() that "
+                                     "attachment first)")
+            prev.detach()  # its session is closed: its hooks could only fail
+    p = _plan(model, sites, layers)
+    decoder_layers, final_norm, lm_head = p.decoder_layers, p.final_norm, p.lm_head
+    chosen, dt, planned, attention, declared, sites = p.chosen, p.dt, p.planned, p.attention, p.declared, p.sites
     if not isinstance(session, Session):
         # A configuration: its hookpoints are declared before the session starts, so that its [[probes]] can read
         # them (probes bind to configured hookpoints when the session starts).
