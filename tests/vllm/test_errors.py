@@ -210,3 +210,18 @@ def test_the_v2_model_runner_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.delenv(rv.ENV_CONFIG)
     V2Runner().load_model()
     assert V2Runner.loaded
+
+
+def test_the_start_up_log_states_the_bytes_per_token_the_session_is_configured_for():
+    """The plugins log, when they install, what one captured token costs — computed from the hookpoints the session is
+    configured with (the attention sites' rows are heads × head_dim wide, the others the hidden size)."""
+    from ringscope import _engine
+    from ringscope.vllm import parse_config
+
+    planned = _engine.planned_hookpoints([0, 5], ["residual", "attn_q", "attn_k", "attn_v"])
+    widths = {name: 2048 if site == "attn_q" else 512 for name, site, _ in planned if site in _engine.ATTN_SITES}
+    cfg = _engine.session_config(parse_config({}), planned, "bf16", 2048, widths=widths)
+    rows = sum(h["row_width"] * 2 for h in cfg["hookpoints"])
+    assert rows == 2 * (2048 + 2048 + 512 + 512) * 2
+    assert _engine.capture_bytes(planned, "bf16", 2048, widths) == \
+        f"{rows:,} bytes of rows per token ({rows + 16 * len(planned):,} with their ids and positions)"

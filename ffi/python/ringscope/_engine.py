@@ -245,6 +245,15 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
     return [(f"layers.{i}.{SITES[site]}", site, i) for i in chosen for site in sites]
 
 
+def capture_bytes(planned: list, dt: str, hidden: int, widths: Optional[Dict[str, int]] = None) -> str:
+    """What one captured token costs, for the plugins' start-up log line: the rows' bytes, and with each row's request id
+    and position as the ring carries them (rows ``hidden`` wide unless ``widths`` says otherwise)."""
+    from .dtypes import ROW_META_BYTES, element_bytes
+
+    rows = sum((widths or {}).get(name, hidden) for name, _, _ in planned) * element_bytes(dt)
+    return f"{rows:,} bytes of rows per token ({rows + ROW_META_BYTES * len(planned):,} with their ids and positions)"
+
+
 def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
                    max_rows: int = 0, full_on_cuda: bool = False, widths: Optional[Dict[str, int]] = None,
                    defer: bool = False) -> dict:

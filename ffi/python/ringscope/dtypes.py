@@ -53,6 +53,15 @@ def dequantize_rowscaled(raw: np.ndarray) -> np.ndarray:
 _NUMPY_FOR_DTYPE: Dict[str, np.dtype] = {name: dt for name, dt in DTYPE_CODES.values()}
 
 
+def element_bytes(name: str) -> int:
+    """Bytes of one element of the record-format dtype ``name`` (``"bf16"``: 2)."""
+    return _NUMPY_FOR_DTYPE[name].itemsize
+
+
+#: A row's metadata in a record: its request id and position (docs/format.md, ``RowMeta``).
+ROW_META_BYTES = 16
+
+
 _ALIASES: Dict[str, str] = {"float32": "f32", "float16": "f16", "half": "f16", "bfloat16": "bf16", "float64": "f64",
                             "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64"}
 

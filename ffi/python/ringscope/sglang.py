@@ -596,8 +596,9 @@ class SglangCapture(EngineCapture):
             # The hookpoints' controls on the device before SGLang records its graphs (which read them at replay).
             self.session.apply_controls()
             torch.cuda.current_stream(self._device).synchronize()
-        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s", len(planned),
-                    ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers")
+        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s, %s", len(planned),
+                    ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers",
+                    _engine.capture_bytes(planned, dt, hidden, widths))
 
     def _remove_hooks(self) -> None:
         for h in self._handles:

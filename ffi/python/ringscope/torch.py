@@ -31,10 +31,11 @@ import torch
 from ._abi import MAX_ENDED_TOKENS, _has_call
 from ._args import _int, _int_array, _timeout_ms, _u32, _U32_MAX, _u64
 from .attention import layer_entry
+from .dtypes import ROW_META_BYTES, element_bytes
 from .errors import RingscopeError
 from .session import Session, _capture_device_raw, _capture_host_raw, _submit_captures_raw
 
-__all__ = ["capture", "submit", "step", "attach", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["capture", "submit", "step", "attach", "plan", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
 
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64",
                  torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
@@ -1042,18 +1043,12 @@ def plan(model, *, sites: Iterable[str] = ("residual", "tokens"), layers: Option
     hookpoints = []
     for name, site, layer, width, *rest in p.declared:
         dtype = rest[-1] if len(rest) == 3 else p.dt  # the tokens entry carries its own dtype (i64)
-        size = _DTYPE_BYTES[dtype]
+        size = element_bytes(dtype)
         hookpoints.append({"name": name, "site": site, "layer": layer, "dtype": dtype, "row_width": width,
                            "row_bytes": width * size})
     total = sum(h["row_bytes"] for h in hookpoints)
     return {"hookpoints": hookpoints, "bytes_per_token": total,
-            "ring_bytes_per_token": total + _META_BYTES * len(hookpoints)}
-
-
-#: Bytes of one element of each dtype ``attach`` captures in.
-_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i8": 1, "u8": 1, "i16": 2, "i32": 4, "i64": 8}
-#: A row's metadata in a record (request id and position: docs/format.md).
-_META_BYTES = 16
+            "ring_bytes_per_token": total + ROW_META_BYTES * len(hookpoints)}
 
 
 def attach(model, session: "Session | str | dict | None" = None, *, sites: Iterable[str] = ("residual", "tokens"),

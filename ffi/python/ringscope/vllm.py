@@ -549,8 +549,9 @@ class VllmCapture(EngineCapture):
             # The hookpoints' controls on the device before vLLM records its graphs (which read them at replay).
             self.session.apply_controls()
             torch.cuda.current_stream(device).synchronize()
-        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s; compile-cache salt %s",
-                    len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers", salt)
+        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s, %s; compile-cache salt %s",
+                    len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers",
+                    _engine.capture_bytes(planned, dt, hidden, widths), salt)
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
