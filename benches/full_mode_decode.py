@@ -17,8 +17,10 @@ order rotates every round, so drift of the machine falls on all of them alike):
 First, the host time of one ``admit_graph_step`` call and of its parts (``admit_cost_us``).
 Per batch size: per-step time synchronised every step (median, p99) and pipelined (many steps, one sync); for each
 ringscope variant the session's totals (rows produced / exported / dropped, full-mode waits); for ``full_graph`` the
-host time of each ``admit_graph_step`` during the run (``admit_host_us``: with the drain and the sinks busy, where
-``admit_cost_us`` has them idle — vLLM's in-process timing saw ~20 µs per call where the idle one is ~2 µs). Then prefill (8 × 512
+host time of each ``admit_graph_step`` during the run (``admit_host_us``: synchronised and pipelined steps together
+— in the pipelined ones the drain and the sinks work beside it, where ``admit_cost_us`` has them idle; vLLM's
+in-process timing saw ~20 µs per call where the idle one is ~2 µs). The timing adds two clock reads to each of
+``full_graph``'s steps (well under a microsecond, below the resolution). Then prefill (8 × 512
 tokens, eager) plain vs full mode with no sink, into Parquet and into Arrow IPC, and best-effort into Arrow IPC
 (``--only-prefill`` for that part alone).
 """

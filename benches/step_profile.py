@@ -99,6 +99,7 @@ def profile_interleaved(steppers, n, block=5, warm=10):
     variant after the first, a second plain recording included, run 20–29 µs slower per step at B = 1.) Each block's
     first step is left out: the drain may still be copying the previous variant's captures. The summary of each
     variant's steps, by name."""
+    assert block >= 2 and not any(n == "end" or n.endswith("/first") for n in steppers), "labels of its own"
     for step in steppers.values():
         for _ in range(warm):
             step()

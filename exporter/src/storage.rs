@@ -446,27 +446,29 @@ impl ObjectStorage {
             .map_err(|e| Self::io_error(path, "cannot read", e))
     }
 
-    /// Copies the object at `path` into the local file `dst` (created, or truncated), chunk by chunk as the store
-    /// sends it: memory holds one chunk, never the whole object (a run's part files are up to
-    /// `export.max_file_size` each). Returns the bytes written. On an error `dst` may hold part of the object.
+    /// Copies the object at `path` into the local file `dst` (created, or truncated, once the object is found),
+    /// chunk by chunk as the store sends it: memory holds one chunk, never the whole object (a run's part files are up
+    /// to `export.max_file_size` each). Returns the bytes written. On an error while copying `dst` may hold part of
+    /// the object; the error names the object (reading) or `dst` (writing).
     pub fn download(&self, path: &Path, dst: &Path) -> io::Result<u64> {
         use std::io::Write;
 
         let key = self.key(path)?;
         let store = self.inner.store.clone();
-        let mut file = io::BufWriter::new(std::fs::File::create(dst)?);
-        let written = block_on(async move {
-            let mut chunks = store.get(&key).await.map_err(|e| Self::io_error(path, "cannot read", e))?.into_stream();
+        let read = |e| Self::io_error(path, "cannot read", e);
+        let write = |e: io::Error| io::Error::new(e.kind(), format!("cannot write {}: {e}", dst.display()));
+        block_on(async move {
+            let mut chunks = store.get(&key).await.map_err(read)?.into_stream();
+            let mut file = io::BufWriter::new(std::fs::File::create(dst).map_err(write)?);
             let mut n = 0u64;
             while let Some(chunk) = chunks.next().await {
-                let chunk = chunk.map_err(|e| Self::io_error(path, "cannot read", e))?;
-                file.write_all(&chunk)?;
+                let chunk = chunk.map_err(read)?;
+                file.write_all(&chunk).map_err(write)?;
                 n += chunk.len() as u64;
             }
-            file.flush()?;
-            Ok::<u64, io::Error>(n)
-        });
-        written.map_err(|e| io::Error::new(e.kind(), format!("{e} (into {})", dst.display())))
+            file.flush().map_err(write)?;
+            Ok(n)
+        })
     }
 
     /// Whether an object `path` exists.
@@ -767,6 +769,9 @@ mod tests {
         let missing = s.download(&run.join("nothing.parquet"), &dir.path().join("nothing")).unwrap_err();
         assert_eq!(missing.kind(), io::ErrorKind::NotFound, "{missing}");
         assert!(missing.to_string().contains("nothing.parquet"), "{missing}");
+        assert!(!dir.path().join("nothing").exists(), "no file is made for an object that is not there");
+        let unwritable = s.download(&path, &dir.path().join("no-such-dir/copy")).unwrap_err();
+        assert!(unwritable.to_string().contains("cannot write") && unwritable.to_string().contains("no-such-dir"));
         assert_eq!(s.list(&run).unwrap(), vec![path.clone()]);
         assert_eq!(s.list_names(&run).unwrap(), vec!["hookpoint=a".to_owned()]);
         // Dropped: aborted, nothing appears.

@@ -573,11 +573,6 @@ def test_gemma2_sites_other_than_attention_are_the_models_own_tensors(tmp_path):
     np.testing.assert_array_equal(dump["layers.1.attn_out"]["activation"], attn_out[0].numpy())
 
 
-if __name__ == "__main__":
-    import sys
-    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_plan_states_each_sites_row_bytes_before_anything_is_attached(tmp_path, kind):
     """`ringscope.torch.plan` says what `attach` would capture and its bytes per token without attaching; the rows a
@@ -615,3 +610,8 @@ def test_plan_states_each_sites_row_bytes_before_anything_is_attached(tmp_path, 
             rt.attach(model, other, **{"sites": sites, **bad})
         other.close()
         assert str(planned.value) == str(attached.value)
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

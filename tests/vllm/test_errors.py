@@ -212,9 +212,10 @@ def test_the_v2_model_runner_is_refused_by_name(monkeypatch, tmp_path):
     assert V2Runner.loaded
 
 
-def test_the_start_up_log_states_the_bytes_per_token_the_session_is_configured_for():
-    """The plugins log, when they install, what one captured token costs — computed from the hookpoints the session is
-    configured with (the attention sites' rows are heads × head_dim wide, the others the hidden size)."""
+def test_the_bytes_per_token_the_plugins_log_are_those_of_the_hookpoints_the_session_is_configured_with():
+    """What the plugins log when they install as one captured token's cost (capture_bytes) is the bytes of the
+    hookpoints the session is configured with (the attention sites' rows are heads × head_dim wide, the others the
+    hidden size)."""
     from ringscope import _engine
     from ringscope.vllm import parse_config
 

@@ -247,7 +247,8 @@ def planned_hookpoints(chosen: List[int], sites: List[str]) -> list:
 
 def capture_bytes(planned: list, dt: str, hidden: int, widths: Optional[Dict[str, int]] = None) -> str:
     """What one captured token costs, for the plugins' start-up log line: the rows' bytes, and with each row's request id
-    and position as the ring carries them (rows ``hidden`` wide unless ``widths`` says otherwise)."""
+    and position as the ring carries them (rows ``hidden`` wide unless ``widths`` says otherwise; at full precision,
+    every planned hookpoint on: downcast or switched-off hookpoints take less)."""
     from .dtypes import ROW_META_BYTES, element_bytes
 
     rows = sum((widths or {}).get(name, hidden) for name, _, _ in planned) * element_bytes(dt)

@@ -1038,7 +1038,9 @@ def plan(model, *, sites: Iterable[str] = ("residual", "tokens"), layers: Option
     each row's request id and position (16 bytes a row) as the ring and the PCIe link carry them (plus, per hookpoint
     and step, a 64-byte header and up to 126 bytes of alignment: docs/format.md). ``logits`` count as one row per
     token, which they are in decode steps (a ``generate`` prefill captures only each row's last prompt token).
-    Multiply by tokens per second for the rate the policy manager's budgets (``[policy]``) weigh."""
+    Multiply by tokens per second for the rate the policy manager's budgets (``[policy]``) weigh. These are the rows
+    as captured at full precision: rows downcast on capture (``Session.set_downcast``) take 1 byte an element plus 4,
+    and a hookpoint switched off takes none."""
     p = _plan(model, sites, layers)
     hookpoints = []
     for name, site, layer, width, *rest in p.declared:
