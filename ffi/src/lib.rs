@@ -976,15 +976,31 @@ pub unsafe extern "C" fn rs_begin_step_graph(
 ) -> RsStatus {
     ffi(|| {
         let s = session(session_handle)?;
-        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_begin_step_graph`): the batch tensors
-        // stay allocated while the step's work can run, the stream stays live until the session closes; null,
-        // host or too-short memory and foreign streams are rejected at run time.
-        let (request_ids, positions, stream) = unsafe {
-            (DevicePtr::from_raw(request_ids_ptr), DevicePtr::from_raw(positions_ptr), StreamRef::from_raw(cuda_stream))
-        };
-        let batch = GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: None };
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_begin_step_graph`).
+        let (batch, stream) =
+            unsafe { graph_step(request_ids_ptr, positions_ptr, batch, seq, positions_batch_stride, cuda_stream) };
         Ok(s.begin_step_graph(&batch, stream)?)
     })
+}
+
+/// The batch and stream of `rs_begin_step_graph` (and of `rs_begin_step_graph_ended`, which adds its ended rows).
+///
+/// # Safety
+/// As `rs_begin_step_graph`: the batch tensors stay allocated while the step's work can run, the stream stays live
+/// until the session closes (null, host or too-short memory and foreign streams are rejected at run time).
+unsafe fn graph_step(
+    request_ids_ptr: u64,
+    positions_ptr: u64,
+    batch: u32,
+    seq: u32,
+    positions_batch_stride: u32,
+    cuda_stream: u64,
+) -> (GraphBatch, StreamRef) {
+    // SAFETY: per this function's contract.
+    let (request_ids, positions, stream) = unsafe {
+        (DevicePtr::from_raw(request_ids_ptr), DevicePtr::from_raw(positions_ptr), StreamRef::from_raw(cuda_stream))
+    };
+    (GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: None }, stream)
 }
 
 /// Most token ids `rs_begin_step_graph_ended` takes as marking an ended sequence.
@@ -1019,17 +1035,14 @@ pub unsafe extern "C" fn rs_begin_step_graph_ended(
         // SAFETY: per this function's contract: `ended_tokens` is valid for `n_ended` reads (null is refused).
         let ids = unsafe { slice_arg(ended_tokens, n_ended as usize, "ended_tokens") }?;
         // SAFETY: as `rs_begin_step_graph`, with the token tensor under the same promise as the batch tensors.
-        let (request_ids, positions, tokens, stream) = unsafe {
+        let ((batch, stream), tokens) = unsafe {
             (
-                DevicePtr::from_raw(request_ids_ptr),
-                DevicePtr::from_raw(positions_ptr),
+                graph_step(request_ids_ptr, positions_ptr, batch, seq, positions_batch_stride, cuda_stream),
                 DevicePtr::from_raw(tokens_ptr),
-                StreamRef::from_raw(cuda_stream),
             )
         };
         let ended = EndedRows::new(tokens, tokens_batch_stride, ids).map_err(invalid)?;
-        let batch = GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: Some(ended) };
-        Ok(s.begin_step_graph(&batch, stream)?)
+        Ok(s.begin_step_graph(&GraphBatch { ended: Some(ended), ..batch }, stream)?)
     })
 }
 

@@ -120,6 +120,11 @@ impl Source {
     }
 }
 
+/// A graph-begun step's batch from the device tensors `req` (request ids) and `pos` (positions, `seq` per batch row).
+fn graph_batch(req: &DeviceBuffer, pos: &DeviceBuffer, batch: u32, seq: u32) -> GraphBatch {
+    GraphBatch { batch, seq, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: seq, ended: None }
+}
+
 fn register(reg: &Registry, name: &str, dtype: DType, width: u32) -> Arc<HookPoint> {
     reg.register(HookPointSpec { name: name.into(), site: SiteKind::Residual, layer: Some(0), dtype, row_width: width })
         .unwrap()
@@ -455,14 +460,7 @@ fn graph_steps_and_deferred_captures_reject_bad_input() {
     let req = DeviceBuffer::zeroed(&gpu, 8 * 8).unwrap(); // room for 8 batch rows' ids
     let pos = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap(); // 4 positions
     let src = DeviceBuffer::zeroed(&gpu, 16 * 128).unwrap();
-    let good = GraphBatch {
-        batch: 4,
-        seq: 1,
-        request_ids: req.ptr(),
-        positions: pos.ptr(),
-        positions_batch_stride: 1,
-        ended: None,
-    };
+    let good = graph_batch(&req, &pos, 4, 1);
     let msg = |r: Result<(), DeviceCaptureError>| r.unwrap_err().to_string();
     cap.apply_controls(&reg, stream.handle()).unwrap();
 
@@ -544,14 +542,7 @@ fn graph_begun_steps(defer: bool) {
     cap.apply_controls(&reg, stream.handle()).unwrap();
     let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
     let pos = DeviceBuffer::zeroed(&gpu, rows as usize * 8).unwrap();
-    let gb = GraphBatch {
-        batch: BATCH,
-        seq: SEQ,
-        request_ids: req.ptr(),
-        positions: pos.ptr(),
-        positions_batch_stride: SEQ,
-        ended: None,
-    };
+    let gb = graph_batch(&req, &pos, BATCH, SEQ);
 
     // Misuse first: a stride shorter than a row, full mode, controls changed since they were applied.
     let bad = GraphBatch { positions_batch_stride: 1, ..gb };
@@ -698,14 +689,7 @@ fn full_mode_graph_begun_steps_lose_nothing_with(defer: bool) {
     let src = DeviceBuffer::zeroed(&gpu, 2 * 4 * 4096).unwrap();
     let req = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
     let pos = DeviceBuffer::zeroed(&gpu, BATCH as usize * 8).unwrap();
-    let gb = GraphBatch {
-        batch: BATCH,
-        seq: 1,
-        request_ids: req.ptr(),
-        positions: pos.ptr(),
-        positions_batch_stride: 1,
-        ended: None,
-    };
+    let gb = graph_batch(&req, &pos, BATCH, 1);
     let step_body = |cap: &mut DeviceCapture| -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
         for (k, hp) in hps.iter().enumerate() {
@@ -788,14 +772,7 @@ fn graph_begun_ended_rows_with(defer: bool, seq: u32) {
     // The tokens as a [BATCH, 3] tensor whose column 1 is the step's token: a row stride of 3, an offset of 1.
     let tok = DeviceBuffer::zeroed(&gpu, BATCH as usize * 3 * 8).unwrap();
     let ended = EndedRows::new(tok.ptr_at(8), 3, &ENDED).unwrap();
-    let gb = GraphBatch {
-        batch: BATCH,
-        seq,
-        request_ids: req.ptr(),
-        positions: pos.ptr(),
-        positions_batch_stride: seq,
-        ended: Some(ended),
-    };
+    let gb = GraphBatch { ended: Some(ended), ..graph_batch(&req, &pos, BATCH, seq) };
     let drain = spawn_drain(consumer, Duration::ZERO);
     let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
@@ -859,14 +836,7 @@ fn full_mode_graph_begun_deadline_with(defer: bool) {
     let src = DeviceBuffer::zeroed(&gpu, 4 * 4096).unwrap();
     let req = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
     let pos = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
-    let gb = GraphBatch {
-        batch: 4,
-        seq: 1,
-        request_ids: req.ptr(),
-        positions: pos.ptr(),
-        positions_batch_stride: 1,
-        ended: None,
-    };
+    let gb = graph_batch(&req, &pos, 4, 1);
     let graph = Graph::capture(&stream, || -> Result<(), DeviceCaptureError> {
         cap.begin_step_graph(&reg, &gb, stream.handle())?;
         cap.capture(&hp, src.ptr(), 4, stream.handle())?;
@@ -1237,14 +1207,7 @@ fn probe_case(gpu: &Arc<Gpu>, graph_steps: bool, dtype: DType, k: u32, rows: u32
     let src = DeviceBuffer::zeroed(gpu, rows as usize * d * dtype.size()).unwrap();
     let req = DeviceBuffer::zeroed(gpu, rows as usize * 8).unwrap();
     let pos = DeviceBuffer::zeroed(gpu, rows as usize * 8).unwrap();
-    let gb = GraphBatch {
-        batch: rows,
-        seq: 1,
-        request_ids: req.ptr(),
-        positions: pos.ptr(),
-        positions_batch_stride: 1,
-        ended: None,
-    };
+    let gb = graph_batch(&req, &pos, rows, 1);
     let host_batch =
         |step: u64| StepBatch::new(step, (0..rows).map(|r| (probe_request(step, r), step as u32 * 10 + r))).unwrap();
 
