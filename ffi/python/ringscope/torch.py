@@ -1043,11 +1043,10 @@ def plan(model, *, sites: Iterable[str] = ("residual", "tokens"), layers: Option
     and a hookpoint switched off takes none."""
     p = _plan(model, sites, layers)
     hookpoints = []
-    for name, site, layer, width, *rest in p.declared:
-        dtype = rest[-1] if len(rest) == 3 else p.dt  # the tokens entry carries its own dtype (i64)
-        size = element_bytes(dtype)
+    for name, site, layer, width, _module, _pick, *own_dtype in p.declared:  # as _declare_hookpoints reads them
+        dtype = own_dtype[0] if own_dtype else p.dt
         hookpoints.append({"name": name, "site": site, "layer": layer, "dtype": dtype, "row_width": width,
-                           "row_bytes": width * size})
+                           "row_bytes": width * element_bytes(dtype)})
     total = sum(h["row_bytes"] for h in hookpoints)
     return {"hookpoints": hookpoints, "bytes_per_token": total,
             "ring_bytes_per_token": total + ROW_META_BYTES * len(hookpoints)}
