@@ -197,7 +197,7 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--prefill-rounds", type=int, default=3)
+    ap.add_argument("--prefill-rounds", type=int, default=3, help="0: no prefill measurement")
     ap.add_argument("--only-prefill", action="store_true")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -209,7 +209,8 @@ def main():
         run_batch(model, b, args.steps, args.rounds, args.dir, results)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    prefill(model, args.dir, results, rounds=args.prefill_rounds)
+    if args.prefill_rounds > 0:  # --prefill-rounds 0: decode only
+        prefill(model, args.dir, results, rounds=args.prefill_rounds)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     shutil.rmtree(args.dir, ignore_errors=True)

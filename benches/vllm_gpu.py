@@ -677,7 +677,9 @@ def main(cmd: str, root: str) -> None:
             # clock's resolution).
             "deferred": ["correct-llama", "correct-llama-bf16-eager", "correct-llama-f32-attn",
                          "correct-llama-bf16-full", "prof-plain#1",
-                         "prof-attn4", "prof-resid", "prof-resid_attn_mlp", "prof-plain#2"]}[cmd]
+                         "prof-attn4", "prof-resid", "prof-resid_attn_mlp", "prof-plain#2"],
+            # The profiles alone, full mode included (issue 36): two plain engines around the captures.
+            "profiles": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-full_resid", "prof-plain#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
