@@ -549,6 +549,31 @@ def run_bench(out: str, kind: str, result: dict) -> None:
     if cap is not None:
         cap._prepare = timed_into(cap._prepare, host["prepare"])
         cap.session.admit_graph_step = timed_into(cap.session.admit_graph_step, host["admit"])
+    if os.environ.get("BENCH_HOST_PARTS") and cap is not None:
+        # Is the ~20 us of the admission / control call (1-2 us in an idle process) spent in the library, or in
+        # getting back into Python? The C calls alone (ctypes, without the Python wrapper around them), and before
+        # every pass a C call that does nothing (rs_abi_version) and a Python call that does nothing, in this thread.
+        import threading
+
+        from ringscope import _abi
+
+        lib = _abi._load()
+        host.update({"ffi_apply_controls": [], "ffi_admit": [], "ffi_noop": [], "py_noop": []})
+        lib.rs_apply_controls = timed_into(lib.rs_apply_controls, host["ffi_apply_controls"])
+        lib.rs_admit_graph_step = timed_into(lib.rs_admit_graph_step, host["ffi_admit"])
+        noop_c, noop_py, prepare = lib.rs_abi_version, (lambda: None), cap._prepare
+
+        def probed(*args, **kwargs):
+            t0 = time.perf_counter()
+            noop_c()
+            t1 = time.perf_counter()
+            noop_py()
+            host["py_noop"].append((time.perf_counter() - t1) * 1e6)
+            host["ffi_noop"].append((t1 - t0) * 1e6)
+            return prepare(*args, **kwargs)
+        cap._prepare = probed
+        result["python_threads"] = [t.name for t in threading.enumerate()]
+        result["switch_interval_s"] = sys.getswitchinterval()
     result["host_us"] = {}
 
     # Each phase's drops on their own (the goal is zero at batch 1 and 8).
