@@ -541,27 +541,24 @@ def run_bench(out: str, kind: str, result: dict) -> None:
     host = {"prepare": [], "admit": []}
     if os.environ.get("BENCH_HOST_PARTS") and cap is not None:
         # Where the plugin's host time goes, part by part (each wrapper adds ~0.5 us to its part).
-        host.update({"arm": [], "upload": [], "request": [], "apply_controls": []})
+        host.update({"arm": [], "upload": [], "request": []})
         cap._arm = timed_into(cap._arm, host["arm"])
         cap._upload = timed_into(cap._upload, host["upload"])
         cap._request = timed_into(cap._request, host["request"])
-        cap.session.apply_controls = timed_into(cap.session.apply_controls, host["apply_controls"])
     if cap is not None:
         cap._prepare = timed_into(cap._prepare, host["prepare"])
-        cap.session.admit_graph_step = timed_into(cap.session.admit_graph_step, host["admit"])
+        # The admission (full mode) or the control upload (best-effort: returns at once when nothing changed).
+        cap._before_pass = timed_into(cap._before_pass, host["admit"])
     if os.environ.get("BENCH_HOST_PARTS") and cap is not None:
-        # Is the ~20 us of the admission / control call (1-2 us in an idle process) spent in the library, or in
-        # getting back into Python? The C calls alone (ctypes, without the Python wrapper around them), and before
-        # every pass a C call that does nothing (rs_abi_version) and a Python call that does nothing, in this thread.
+        # What a call costs in this thread, at every pass, cold: before every pass a C call that does nothing
+        # (rs_abi_version) and a Python call that does nothing (the ~20 us of the admission / control call against
+        # 1-2 us in an idle process, session 25: the library's work, or the calls themselves?).
         import threading
 
         from ringscope import _abi
 
-        lib = _abi._load()
-        host.update({"ffi_apply_controls": [], "ffi_admit": [], "ffi_noop": [], "py_noop": []})
-        lib.rs_apply_controls = timed_into(lib.rs_apply_controls, host["ffi_apply_controls"])
-        lib.rs_admit_graph_step = timed_into(lib.rs_admit_graph_step, host["ffi_admit"])
-        noop_c, noop_py, prepare = lib.rs_abi_version, (lambda: None), cap._prepare
+        host.update({"ffi_noop": [], "py_noop": []})
+        noop_c, noop_py, prepare = _abi._load().rs_abi_version, (lambda: None), cap._prepare
 
         def probed(*args, **kwargs):
             t0 = time.perf_counter()

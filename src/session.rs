@@ -29,6 +29,9 @@ use crate::stats::{Observer, SessionStats, StepClock};
 use crate::step_policy::StepPolicy;
 use crate::Error;
 
+/// [`Session`]'s `controls_applied` when no upload is known to be current.
+const NOT_APPLIED: u64 = u64::MAX;
+
 /// What a finished session did: the drain's report, the files written and the final, checked accounting.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -117,6 +120,10 @@ pub struct Session {
     steps: StepTally,
     /// `policy.host_memory` (without it, the live destinations' backlogs together are the host budget).
     host_memory: Option<u64>,
+    /// The registry's change count ([`Registry::changes`]) as of the last [`apply_controls`](Self::apply_controls)
+    /// that uploaded, `NOT_APPLIED` when none did or something the count does not track changed since (a valid-rows
+    /// pointer, the session's close): with it unchanged and no policy manager, `apply_controls` has nothing to do.
+    controls_applied: AtomicU64,
     /// What `stats` reads (shared with the metrics endpoint's thread); outlives the drain.
     observer: Arc<Observer>,
     /// The Prometheus endpoint (`[metrics] listen`), stopped at shutdown.
@@ -381,6 +388,7 @@ impl SessionBuilder {
             ),
             steps: StepTally::default(),
             host_memory: config.policy.host_memory.map(|b| b.0),
+            controls_applied: AtomicU64::new(NOT_APPLIED),
             observer,
             metrics: Mutex::new(metrics),
             metrics_addr,
@@ -765,9 +773,22 @@ impl Session {
     ///
     /// With the policy manager on, this is also where it decides for graph-begun steps (counting them by the device's
     /// begin-step counter): call it between replays for its rung changes to reach the graph.
+    ///
+    /// Called before every replay by engines, so when no control changed since the last call that uploaded (and no
+    /// policy manager decides) it returns at once: no lock, no CUDA call — the stream is then not checked either.
     pub fn apply_controls(&self, stream: StreamRef) -> Result<(), Error> {
+        let changes = self.registry.changes();
+        if self.governor.is_none() && self.controls_applied.load(Ordering::Acquire) == changes {
+            return Ok(());
+        }
         self.govern();
-        self.with_capture(|c| c.backend.apply_controls(&self.registry, stream))
+        self.with_capture(|c| {
+            c.backend.apply_controls(&self.registry, stream)?;
+            // `changes` was read before the upload: a change made meanwhile makes the next call upload again. Stored
+            // under the capture lock, so that a close (which takes the capture, then resets this) is never undone.
+            self.controls_applied.store(changes, Ordering::Release);
+            Ok(())
+        })
     }
 
     /// CUDA backend with `ring.defer_captures`: starts copying the step's captures noted so far now, with one kernel
@@ -921,7 +942,12 @@ impl Session {
     /// replay time, for graphs captured at a padded batch size). `None` removes it. Takes effect at the next step.
     pub fn set_valid_rows_device(&self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
         self.registry.get(id)?;
-        self.with_capture(|c| c.backend.set_valid_rows_device(id, ptr))
+        self.with_capture(|c| {
+            c.backend.set_valid_rows_device(id, ptr)?;
+            // Not counted by the registry: the next apply_controls uploads it.
+            self.controls_applied.store(NOT_APPLIED, Ordering::Release);
+            Ok(())
+        })
     }
 
     /// Folds the device-side counters into the registry (CUDA backend; nothing to do on the host backend), unless
@@ -982,6 +1008,8 @@ impl Session {
     /// produced was exported, dropped or sampled out. Later calls (and captures) return [`Error::Closed`].
     pub fn shutdown(&self) -> Result<Report, Error> {
         let mut capture = self.capture.lock().take().ok_or(Error::Closed)?;
+        // apply_controls takes its slow path from here, which finds the session closed.
+        self.controls_applied.store(NOT_APPLIED, Ordering::Release);
         // From here `set_metadata` is refused (Closed): what it accepted before is in the manifest.
         let metadata = self.metadata.lock().take().unwrap_or_default();
         if let Some(mut server) = self.metrics.lock().take() {

@@ -201,7 +201,69 @@ fn device_calls_on_a_host_session_are_clear_errors() {
     let e = s.capture_device(0, ptr, 1, stream).unwrap_err().to_string();
     assert!(e.contains("host backend"), "{e}");
     s.end_step().unwrap();
+    // apply_controls returns at once when nothing changed since its last upload; a host session never uploaded, so
+    // every call is the same clear error.
+    for _ in 0..2 {
+        let e = s.apply_controls(ringscope::cuda::StreamRef::legacy_default()).unwrap_err().to_string();
+        assert!(e.contains("host backend"), "{e}");
+    }
     s.shutdown().unwrap();
+}
+
+/// Between replays of a graph-begun step, `apply_controls` uploads exactly what changed — and, when nothing did,
+/// returns without a lock or a CUDA call: every change still reaches the very next replay, and a closed session is
+/// still an error.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on one"]
+fn apply_controls_brings_every_change_to_the_next_replay_and_skips_when_nothing_changed() {
+    let _alone = alone();
+    let gpu = gpu();
+    let text = format!(
+        "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\n[policy]\nmode = \"best_effort\"\n{}",
+        ringscope::synthetic::residual_hookpoints_toml(2, 64)
+    );
+    let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+    let sub = session.subscribe("check", ringscope::Filter::all()).unwrap();
+    let stream = Stream::new(&gpu).unwrap();
+    let bytes = |v: Vec<i64>| v.into_iter().flat_map(i64::to_le_bytes).collect::<Vec<u8>>();
+    let ids = DeviceBuffer::from_host(&gpu, &bytes(vec![5, 6])).unwrap();
+    let positions = DeviceBuffer::from_host(&gpu, &bytes(vec![0, 0])).unwrap();
+    let layers: Vec<DeviceBuffer> = (0..2).map(|_| DeviceBuffer::zeroed(&gpu, 2 * 128).unwrap()).collect();
+    let graph = record_graph_step(&session, &stream, &decode_batch(2, &ids, &positions), &layers);
+    let layer1 = session.hookpoint("layers.1.resid").unwrap();
+    // (what changes before the replay, the hookpoints the replay captures)
+    let plan: [(Option<bool>, &[&str]); 6] = [
+        (None, &["layers.0.resid", "layers.1.resid"]),
+        (None, &["layers.0.resid", "layers.1.resid"]),
+        (Some(false), &["layers.0.resid"]),
+        (None, &["layers.0.resid"]),
+        (None, &["layers.0.resid"]),
+        (Some(true), &["layers.0.resid", "layers.1.resid"]),
+    ];
+    for (change, _) in &plan {
+        if let Some(on) = change {
+            layer1.control().set_enabled(*on);
+        }
+        session.apply_controls(stream.handle()).unwrap();
+        graph.launch(stream.handle()).unwrap();
+        stream.synchronize().unwrap();
+    }
+    session.shutdown().unwrap();
+    let e = session.apply_controls(stream.handle()).unwrap_err();
+    assert!(matches!(e, Error::Closed), "{e}");
+    let mut by_step: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+    while let Some(r) = sub.recv() {
+        by_step.entry(r.step()).or_default().push(r.hookpoint().name().to_owned());
+    }
+    let got: Vec<Vec<String>> = by_step
+        .into_values()
+        .map(|mut v| {
+            v.sort();
+            v
+        })
+        .collect();
+    let want: Vec<Vec<String>> = plan.iter().map(|(_, w)| w.iter().map(|s| s.to_string()).collect()).collect();
+    assert_eq!(got, want, "the hookpoints each replay captured");
 }
 
 #[test]

@@ -1066,7 +1066,9 @@ pub unsafe extern "C" fn rs_admit_graph_step(session_handle: u64, rows: u32, cud
 }
 
 /// Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
-/// begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays.
+/// begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays. When no
+/// control changed since its last upload and no policy manager runs, it returns `RS_OK` at once (no lock, no CUDA
+/// call, the stream not looked at).
 ///
 /// # Safety
 /// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.

@@ -99,6 +99,11 @@ def test_bad_input_raises_clear_errors(tmp_path):
     with pytest.raises(ringscope.RingscopeError) as e:
         s.apply_controls(stream=0)
     assert "host backend" in e.value.message
+    # What an engine plugin calls before every pass (the C call alone): the same errors, every time.
+    for full in (False, True, False):
+        with pytest.raises(ringscope.RingscopeError) as e:
+            s._before_pass(full)(4, 0)
+        assert "host backend" in e.value.message
     with pytest.raises(ringscope.RingscopeError):
         s.set_every_n_steps(hp, 0)
     s.end_step()

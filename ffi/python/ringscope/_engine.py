@@ -22,7 +22,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import RingscopeError
-from .session import _current_stream
+from .session import _stream_getter
 
 if TYPE_CHECKING:
     import numpy as np
@@ -320,6 +320,10 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
     return cfg
 
 
+def _host_pass(rows: int, stream: int) -> None:
+    raise RingscopeError("RS_ERR_STATE", "a host session has no device work before a forward pass")
+
+
 class EngineCapture:
     """The host side of one engine worker's capture: its session and hookpoints, the request map file
     (``<run dir>/<side dir>/requests<suffix>.jsonl``), the counters, and the bodies of the capture ops. A plugin
@@ -358,6 +362,8 @@ class EngineCapture:
         else:
             self.run_dir = None
         self.session = Session(cfg)
+        # CUDA: what every pass asks of the session first (admission in full mode, control changes otherwise).
+        self._before_pass: Callable[[int, int], None] = self.session._before_pass(self.full) if cuda else _host_pass
         self.hookpoints = {name: self.session.hookpoint_id(name) for name, _, _ in planned}
         self.key = next(_NEXT_KEY)  # never reused (id() would be): compiled graphs hold it as a constant
         _CAPTURES[self.key] = self
@@ -401,6 +407,8 @@ class EngineCapture:
         never attributed) — what the ``begin`` op reads. On CUDA it is read by recorded graphs at a fixed address:
         the plugin fills it before every forward pass on the engine's stream (:meth:`_arm`)."""
         self._device = device
+        if self.cuda:
+            self._stream_now = _stream_getter(device.index)
         self._decoder = weakref.ref(decoder)
         # CUDA: every request-id buffer a recorded graph may read (replays read them at fixed addresses), pinned
         # staging slots for their host-to-device updates, and how much of them holds ids (the rest holds -1).
@@ -424,18 +432,15 @@ class EngineCapture:
         if padded > self._req_size:
             self._grow(padded)
         if self.cuda:
-            stream = _current_stream(self._device.index)
-            if self.full:
-                # Full mode: room in the ring for everything a pass of `padded` rows can capture, reserved before it
-                # runs (a graph replay cannot wait by itself) — a host-side check of two counters when there is room;
-                # past the wait budget the pass's captures are dropped on the device and counted as `deadline`
-                # (policy.on_deadline = "degrade", the plugin's default). Also uploads control changes.
-                self.session.admit_graph_step(rows=padded, stream=stream)
-            else:
-                # Control changes (the policy manager's, set_enabled, ...) reach the recorded graphs between replays:
-                # a no-op unless one changed.
-                self.session.apply_controls(stream=stream)
-            self._upload(tok, n)
+            # Full mode: room in the ring for everything a pass of `padded` rows can capture, reserved before it runs
+            # (a graph replay cannot wait by itself) — a host-side check of two counters when there is room; past the
+            # wait budget the pass's captures are dropped on the device and counted as `deadline`
+            # (policy.on_deadline = "degrade", the plugin's default). Also uploads control changes, which is all
+            # best-effort mode does here (the policy manager's, set_enabled, ...: they reach the recorded graphs
+            # between replays), returning at once when none changed.
+            self._before_pass(padded, self._stream_now())
+            if tok is not self._uploaded or n != self._dirty:  # else already in every buffer: nothing to copy
+                self._upload(tok, n)
             # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's
             # step numbers follow self.step; rows of no request are exported as such, not attributed.
             self._counters["steps_captured"] += 1
@@ -473,13 +478,11 @@ class EngineCapture:
         after them as far as earlier ids went, on the engine's current stream (stream-ordered before the forward
         pass or graph replay). Through pinned staging slots, each reused only once its last copy has run.
 
-        The same ``tok`` object as the previous upload (a plugin's steady batch: every decode step of the same
-        requests) is already in every buffer — nothing else writes them, and a new buffer resets this — so nothing is
-        copied."""
+        Not called for the same ``tok`` object as the previous upload (a plugin's steady batch: every decode step of
+        the same requests, see :meth:`_arm`): those ids are already in every buffer — nothing else writes them, and a
+        new buffer resets ``_uploaded``."""
         import torch
 
-        if tok is self._uploaded and n == self._dirty:
-            return
         m = min(max(n, self._dirty), self._req_bufs[-1].shape[0])
         slot = self._stage[self._stage_next]
         self._stage_next = (self._stage_next + 1) % len(self._stage)

@@ -6,7 +6,7 @@ import ctypes
 import numbers
 import os
 from collections.abc import Mapping
-from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +41,20 @@ class Alert(NamedTuple):
 
     def to_dict(self) -> dict:
         return dict(self._asdict())
+
+
+def _stream_getter(device: Optional[int]) -> Callable[[], int]:
+    """A function of no arguments giving torch's current CUDA stream on ``device`` (an index; ``None``: the current
+    device at each call) as a ``CUstream``. Where torch has the raw-stream call, a ``functools.partial`` of it: no
+    Python frame per call (an engine plugin asks before every forward pass)."""
+    import functools
+
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and device is not None:
+        return functools.partial(raw, device)
+    return functools.partial(_current_stream, device)
 
 
 def _current_stream(device: Optional[int] = None) -> int:
@@ -325,10 +339,33 @@ class Session:
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """CUDA backend: uploads control changes (enable, every-N, rows) on ``stream`` (default: torch's current
         stream) for CUDA graphs whose steps begin inside them (:meth:`begin_step_graph`; their replays make no host
-        call). Call between replays."""
+        call). Call between replays. Returns at once when no control changed since its last upload (and no policy
+        manager runs)."""
         if stream is None:
             stream = _current_stream()
         _check(_load().rs_apply_controls(self._h, _u64("stream", stream)))
+
+    def _before_pass(self, full: bool) -> Callable[[int, int], None]:
+        """For an engine plugin, which calls it before every forward pass: ``call(rows, stream)`` admits the pass
+        (``full``: :meth:`admit_graph_step`) or uploads control changes (:meth:`apply_controls`) through the C call
+        alone — one Python frame and no argument checks (the plugin passes the ints it made), since at every pass,
+        cold, each Python frame counts."""
+        h = self._h
+        if full:
+            admit = _lib_with("rs_admit_graph_step").rs_admit_graph_step
+
+            def call(rows: int, stream: int) -> None:
+                st = admit(h, rows, stream)
+                if st:
+                    _check(st)
+        else:
+            apply = _load().rs_apply_controls
+
+            def call(rows: int, stream: int) -> None:
+                st = apply(h, stream)
+                if st:
+                    _check(st)
+        return call
 
     def submit_captures(self) -> None:
         """With ``ring.defer_captures`` (CUDA backend): starts copying the step's captures noted so far now, on a side
