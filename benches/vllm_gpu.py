@@ -548,7 +548,11 @@ def run_bench(out: str, kind: str, result: dict) -> None:
     if cap is not None:
         cap._prepare = timed_into(cap._prepare, host["prepare"])
         # The admission (full mode) or the control upload (best-effort: returns at once when nothing changed).
-        cap._before_pass = timed_into(cap._before_pass, host["admit"])
+        if hasattr(cap, "_before_pass"):
+            cap._before_pass = timed_into(cap._before_pass, host["admit"])
+        else:  # the plugin before session 32 (for a comparison in one machine): the Session methods
+            cap.session.admit_graph_step = timed_into(cap.session.admit_graph_step, host["admit"])
+            cap.session.apply_controls = timed_into(cap.session.apply_controls, host["admit"])
     if os.environ.get("BENCH_HOST_PARTS") and cap is not None:
         # What a call costs in this thread, at every pass, cold: before every pass a C call that does nothing
         # (rs_abi_version) and a Python call that does nothing (the ~20 us of the admission / control call against
