@@ -1,0 +1,111 @@
+"""The vLLM plugin's host work before each forward pass on its CUDA path (which CI's CPU engines never take): with a
+stand-in model runner and a recording stand-in for the session's per-pass call, what each pass asks of the session,
+when the request ids are uploaded, what is counted, and that an error there turns capture off without reaching the
+engine. (The GPU runs in benches/vllm_gpu.py check the rows themselves.)"""
+
+import logging
+import types
+
+import numpy as np
+import pytest
+
+from ringscope import _engine
+from ringscope import vllm as rv
+from ringscope.errors import RingscopeError
+
+
+class Runner:
+    """What the plugin reads of vLLM's model runner before a pass: the batch's request ids and query start offsets."""
+
+    def __init__(self):
+        self.requests = {}
+        self.input_batch = types.SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(64, np.int64))
+        self.query_start_loc = types.SimpleNamespace(np=np.zeros(65, np.int32))
+
+    def batch(self, tokens_per_request: dict):
+        ids = list(tokens_per_request)
+        for r in ids:
+            self.requests.setdefault(r, types.SimpleNamespace(sampling_params=None))
+        self.input_batch.num_reqs = len(ids)
+        self.input_batch.req_ids = ids
+        self.query_start_loc.np[:len(ids) + 1] = np.concatenate([[0], np.cumsum(list(tokens_per_request.values()))])
+
+
+def capture(calls, uploads, full=False):
+    """A VllmCapture on its CUDA path with everything below the per-pass host work stood in for."""
+    c = rv.VllmCapture.__new__(rv.VllmCapture)
+    c.pc = types.SimpleNamespace(requests="all")
+    c.logger = logging.getLogger("test")
+    c.step, c.disabled, c._closed, c._open, c._active, c._rows = 0, None, False, False, False, 0
+    c._counters = {k: 0 for k in _engine.EngineCapture.COUNTERS}
+    c._armed, c._ids, c._last_batch = (None, 0), {}, (None, None)
+    c.cuda, c.full = True, full
+    c.hookpoints = {"layers.0.resid": 0, "layers.1.resid": 1}
+    c._requests_file = None
+    c._req_size, c._uploaded, c._dirty = 64, None, 0
+    c._stream_now = lambda: 1234
+    c._before_pass = lambda rows, stream: calls.append((rows, stream))
+
+    def upload(tok, n):
+        uploads.append((list(tok[:n]), n))
+        c._uploaded, c._dirty = tok, n
+    c._upload = upload
+    c.session = types.SimpleNamespace(set_enabled=lambda *a: None, apply_controls=lambda *a: None,
+                                      end_step=lambda: None)
+    return c
+
+
+def test_each_pass_asks_the_session_once_and_uploads_ids_only_when_the_batch_changed():
+    r1, r2, r3 = (rv.request_id_of(f"req-{i}") for i in (1, 2, 3))
+    calls, uploads = [], []
+    c, runner = capture(calls, uploads), Runner()
+    padded = types.SimpleNamespace(shape=(8,))
+    runner.batch({"req-1": 3, "req-2": 1})  # a prefill chunk next to a decode
+    c._prepare(runner, padded)
+    c._finish()
+    assert calls == [(8, 1234)] and uploads == [([r1, r1, r1, r2], 4)]
+    runner.batch({"req-1": 1, "req-2": 1})  # both decode: new token counts, new rows
+    for _ in range(3):  # a steady batch: the same rows, nothing uploaded again
+        c._prepare(runner, padded)
+        c._finish()
+    assert calls == [(8, 1234)] * 4 and uploads == [([r1, r1, r1, r2], 4), ([r1, r2], 2)]
+    runner.batch({"req-2": 1, "req-3": 1})  # one left, one joined
+    c._prepare(runner, types.SimpleNamespace(shape=(2,)))
+    c._finish()
+    assert calls[-1] == (2, 1234) and uploads[-1] == ([r2, r3], 2)
+    k = c._counters
+    assert (k["steps"], k["steps_captured"], k["padding_rows"]) == (5, 5, 4 + 6 * 3)
+    assert k["rows_exported_requested"] == (4 + 2 * 3 + 2) * 2
+    assert c.step == 5 and c.disabled is None
+
+
+def test_an_error_before_a_pass_turns_capture_off_and_the_engine_goes_on(monkeypatch):
+    monkeypatch.setattr(_engine, "_recording", lambda: False)
+    uploads = []
+    c, runner = capture([], uploads), Runner()
+
+    def refuse(rows, stream):
+        raise RingscopeError("RS_ERR_DEADLINE", "no room in time")
+    c._before_pass = refuse
+    runner.batch({"req-1": 2})
+    c._prepare(runner, types.SimpleNamespace(shape=(2,)))  # does not raise
+    assert c.disabled and "no room in time" in c.disabled
+    assert not c.live() and uploads == []
+    c._finish()
+    c._prepare(runner, types.SimpleNamespace(shape=(2,)))  # later passes are counted as lost, not captured
+    assert c._counters["lost_steps"] == 2 and c._counters["steps_captured"] == 0
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_sessions_per_pass_call_is_the_c_call_and_its_errors(full):
+    """Session._before_pass against a real (host) session: the C call's error comes back as RingscopeError."""
+    import ringscope
+
+    mode = "full" if full else "best_effort"
+    s = ringscope.Session({"ring": {"capacity": "1 MiB"}, "policy": {"mode": mode}})
+    s.register("h", dtype="f32", row_width=4)
+    try:
+        with pytest.raises(RingscopeError, match="host backend"):
+            s._before_pass(full)(4, 0)
+    finally:
+        s.close()
