@@ -1,0 +1,109 @@
+"""What a call costs at every forward pass of a real vLLM engine, cold (between two passes vLLM runs far more code than
+the CPU's caches hold), against the same call in a loop: a Python call that does nothing, five nested Python calls,
+and a C call through ctypes that does nothing (``getpid``). Why the engine plugins' few lines per pass cost tens of
+microseconds under vLLM (docs/gpu-benchmarks.md, "Full (lossless) mode in vLLM", session 32).
+
+Runs vLLM's CPU build in-process on a tiny random Llama (tests/vllm/engine.py's); in the vLLM test environment:
+
+    tests/engine.sh vllm --setup
+    VENV/bin/python benches/vllm_cold_calls.py [--out cold.json]
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, its passes in this thread
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "vllm"))
+
+_getpid = ctypes.CDLL(None).getpid
+
+
+def _e():
+    return None
+
+
+def _d():
+    return _e()
+
+
+def _c():
+    return _d()
+
+
+def _b():
+    return _c()
+
+
+def _a():
+    return _b()
+
+
+def _noop():
+    return None
+
+
+def probe(into: dict) -> None:
+    t0 = time.perf_counter()
+    _noop()
+    t1 = time.perf_counter()
+    _a()
+    t2 = time.perf_counter()
+    _getpid()
+    t3 = time.perf_counter()
+    into["python_noop_us"].append((t1 - t0) * 1e6)
+    into["python_5_nested_us"].append((t2 - t1) * 1e6)
+    into["ctypes_noop_us"].append((t3 - t2) * 1e6)
+
+
+def summary(d: dict) -> dict:
+    return {k: {"p50": round(statistics.median(v), 3), "p90": round(sorted(v)[int(0.9 * len(v))], 3), "n": len(v)}
+            for k, v in d.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="vllm_cold_calls.json")
+    ap.add_argument("--tokens", type=int, default=200)
+    args = ap.parse_args()
+    keys = ("python_noop_us", "python_5_nested_us", "ctypes_noop_us")
+    loop = {k: [] for k in keys}
+    for _ in range(2000):
+        probe(loop)
+    import engine
+    from vllm import LLM, SamplingParams
+    from vllm.v1.worker import gpu_model_runner
+
+    inside = {k: [] for k in keys}
+    orig = gpu_model_runner.GPUModelRunner._model_forward
+
+    def model_forward(self, *a, **k):
+        probe(inside)
+        return orig(self, *a, **k)
+    gpu_model_runner.GPUModelRunner._model_forward = model_forward
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.make_model(os.path.join(tmp, "model"))
+        llm = LLM(model=os.path.join(tmp, "model"), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                  max_num_seqs=8)
+        prompts = [{"prompt_token_ids": [1, 2, 3, 4]}] * 4
+        llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+        for v in inside.values():
+            v.clear()
+        llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+    import vllm
+
+    out = {"vllm": vllm.__version__, "in_a_loop": summary(loop), "before_each_forward_pass": summary(inside)}
+    print(json.dumps(out, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
