@@ -775,7 +775,8 @@ impl Session {
     /// begin-step counter): call it between replays for its rung changes to reach the graph.
     ///
     /// Called before every replay by engines, so when no control changed since the last call that uploaded (and no
-    /// policy manager decides) it returns at once: no lock, no CUDA call — the stream is then not checked either.
+    /// policy manager decides) it returns at once: no capture lock, no CUDA call — the stream is then not checked
+    /// either, nor is a call during graph recording refused (it has nothing to record).
     pub fn apply_controls(&self, stream: StreamRef) -> Result<(), Error> {
         let changes = self.registry.changes();
         if self.governor.is_none() && self.controls_applied.load(Ordering::Acquire) == changes {

@@ -248,6 +248,16 @@ fn apply_controls_brings_every_change_to_the_next_replay_and_skips_when_nothing_
         graph.launch(stream.handle()).unwrap();
         stream.synchronize().unwrap();
     }
+    // Nothing changed since the last upload: the call does nothing at all — not even the check that refuses it while
+    // the stream records a graph (which a call with a change to upload still makes).
+    let idle = Graph::capture(&stream, || session.apply_controls(stream.handle()));
+    assert!(idle.is_ok(), "in sync, apply_controls returns at once: {:?}", idle.err());
+    layer1.control().set_every_n_steps(1).unwrap();
+    match Graph::capture(&stream, || session.apply_controls(stream.handle())) {
+        Err(e) => assert!(e.to_string().contains("capturing"), "{e}"),
+        Ok(_) => panic!("a change to upload is still checked: refused while the stream records a graph"),
+    }
+    stream.synchronize().unwrap();
     session.shutdown().unwrap();
     let e = session.apply_controls(stream.handle()).unwrap_err();
     assert!(matches!(e, Error::Closed), "{e}");

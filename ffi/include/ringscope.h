@@ -645,8 +645,8 @@ rs_status rs_admit_graph_step(uint64_t session_handle,
 
 // Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
 // begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays. When no
-// control changed since its last upload and no policy manager runs, it returns `RS_OK` at once (no lock, no CUDA
-// call, the stream not looked at).
+// control changed since its last upload and no policy manager runs, it returns `RS_OK` at once (no capture lock, no
+// CUDA call; the stream is not looked at, so a call during graph recording is then not refused either).
 //
 // # Safety
 // `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.

@@ -494,8 +494,13 @@ thread_local! {
 }
 
 fn set_last_error(msg: &str) {
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    LAST_ERROR.with(|e| {
+        // Every successful call clears it: nothing to allocate or free when it is clear already (the per-pass calls).
+        if msg.is_empty() && e.borrow().is_empty() {
+            return;
+        }
+        *e.borrow_mut() = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    });
 }
 
 /// Runs `f`, catching panics, and turns its result into a status (recording the message on failure).
@@ -1067,8 +1072,8 @@ pub unsafe extern "C" fn rs_admit_graph_step(session_handle: u64, rows: u32, cud
 
 /// Uploads control changes (enable, every-N, rows) on `cuda_stream`, in stream order, for graphs whose steps are
 /// begun inside them (`rs_begin_step_graph`; their replays make no host call). Call it between replays. When no
-/// control changed since its last upload and no policy manager runs, it returns `RS_OK` at once (no lock, no CUDA
-/// call, the stream not looked at).
+/// control changed since its last upload and no policy manager runs, it returns `RS_OK` at once (no capture lock, no
+/// CUDA call; the stream is not looked at, so a call during graph recording is then not refused either).
 ///
 /// # Safety
 /// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.

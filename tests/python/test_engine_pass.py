@@ -107,5 +107,8 @@ def test_the_sessions_per_pass_call_is_the_c_call_and_its_errors(full):
     try:
         with pytest.raises(RingscopeError, match="host backend"):
             s._before_pass(full)(4, 0)
+        if full:  # a pass of no rows is refused as admit_graph_step refuses it, not admitted as the largest step
+            with pytest.raises(RingscopeError, match="rows must be an integer in 1"):
+                s._before_pass(full)(0, 0)
     finally:
         s.close()

@@ -349,12 +349,16 @@ class Session:
         """For an engine plugin, which calls it before every forward pass: ``call(rows, stream)`` admits the pass
         (``full``: :meth:`admit_graph_step`) or uploads control changes (:meth:`apply_controls`) through the C call
         alone — one Python frame and no argument checks (the plugin passes the ints it made), since at every pass,
-        cold, each Python frame counts."""
+        cold, each Python frame counts. ``rows``: the pass's padded token rows, at least 1 (full mode).
+        A library that predates the admission fails the first call, naming what to do (as :meth:`admit_graph_step`)."""
         h = self._h
         if full:
-            admit = _lib_with("rs_admit_graph_step").rs_admit_graph_step
+            admit = getattr(_load(), "rs_admit_graph_step", None)
 
             def call(rows: int, stream: int) -> None:
+                if admit is None or rows < 1:
+                    self.admit_graph_step(rows, stream)  # the checks and their errors
+                    return
                 st = admit(h, rows, stream)
                 if st:
                     _check(st)
