@@ -588,8 +588,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
     if (threadIdx.x < 32) {
         const u32 lane = threadIdx.x;
         u64 x[2][5], before[2][5], total[5] = {0, 0, 0, 0, 0};  // footprint, units, metadata units, downcast rows, records
+        // The second half only when there are more than 32 entries (a warp-uniform branch; its values are read only
+        // for entries that exist): its shuffle chains are most of this phase's latency with few entries.
+        const int halves = n > 32 ? 2 : 1;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
+            if (h >= halves) {
+#pragma unroll
+                for (int q = 0; q < 5; q++) x[h][q] = before[h][q] = 0;
+                continue;
+            }
             const u32 i = lane + 32u * h;
             const bool live = i < n && plan[i].status == -1;
             x[h][0] = live ? plan[i].footprint : 0;
