@@ -11,15 +11,19 @@ order rotates every round, so drift of the machine falls on all of them alike):
   (full_graph) full mode, the step begun inside the graph (its batch from device tensors), deferred captures, and
       ``Session.admit_graph_step()`` before every replay: a host-side check that the ring has room for a whole step
       (it waits only when the drain is behind);
+  (full_ahead) the same, but each replay's admission made right after the previous replay is launched (the first
+      before the first replay): the order of an engine that prepares the next step while the GPU runs this one —
+      the admission's host time then overlaps the GPU's work instead of delaying the launch;
   (full_host) full mode as before: ``begin_step`` from Python before every replay (a host-written descriptor and a
       begin kernel per step), one capture kernel per layer;
   (best_effort) the step begun inside the graph, deferred captures, no host call per replay.
 First, the host time of one ``admit_graph_step`` call and of its parts (``admit_cost_us``).
 Per batch size: per-step time synchronised every step (median, p99) and pipelined (many steps, one sync); for each
 ringscope variant the session's totals (rows produced / exported / dropped, full-mode waits); for ``full_graph`` the
-host time of each ``admit_graph_step`` during the run (``admit_host_us``: synchronised and pipelined steps together
-— in the pipelined ones the drain and the sinks work beside it, where ``admit_cost_us`` has them idle; vLLM's
-in-process timing saw ~20 µs per call where the idle one is ~2 µs). The timing adds two clock reads to each of
+host time of each ``admit_graph_step`` during the run (``admit_host_us``: synchronised and pipelined steps together;
+``admit_host_us_by_phase``: apart — in synchronised steps the GPU waits for it, in pipelined ones it overlaps the
+GPU; in both the drain and the sinks work beside it, where ``admit_cost_us`` has them idle; vLLM's in-process timing
+saw ~20 µs per call where the idle one is ~2 µs), and the same for ``full_ahead``. The timing adds two clock reads to each of
 ``full_graph``'s steps (well under a microsecond, below the resolution). Then prefill (8 × 512
 tokens, eager) plain vs full mode with no sink, into Parquet and into Arrow IPC, and best-effort into Arrow IPC
 (``--only-prefill`` for that part alone).
@@ -60,25 +64,54 @@ def replay(d, before=None):
     return step
 
 
+def replay_admitting_ahead(d, admit):
+    """A step that replays the decoder's graph and then admits the *next* replay (the first step admits its own
+    first): every replay is still admitted before it runs — its admission is stream-ordered after the previous replay
+    — but the admission's host time overlaps that replay on the GPU."""
+    primed = []
+
+    def step():
+        if not primed:
+            admit()
+            primed.append(True)
+        d.graph.replay()
+        d.advance()
+        admit()
+    return step
+
+
 def run_batch(model, batch, steps, rounds, root, results):
     max_len = 16 + rounds * (10 + 2 * steps) + 16
     variants, sessions = {}, {}
     variants["a1"] = replay(Decoder(model, batch, max_len))
 
+    phase = {"now": "warm"}  # which part of time_steps runs (the admissions' host times are kept per part)
+    admit_ns = {"full_graph": {}, "full_ahead": {}}
+
+    def timed(admit, into, clock=time.perf_counter_ns):
+        def call():
+            # Timed while the drain and the sinks work on earlier steps (in the isolated admit_cost: idle).
+            t = clock()
+            admit()
+            into.setdefault(phase["now"], []).append(clock() - t)
+        return call
+
     s = sessions["full_graph"] = session(root, f"b{batch}_full_graph", "full")
     att = rt.attach(model, s, sites=["residual"])
-    admit_ns = []
-
-    def admit(admit=s.admit_graph_step, clock=time.perf_counter_ns, out=admit_ns.append):
-        # Timed while the drain and the sinks work on earlier steps (in the isolated admit_cost: idle).
-        t = clock()
-        admit()
-        out(clock() - t)
     try:
-        variants["full_graph"] = replay(Decoder(model, batch, max_len), before=admit)
+        variants["full_graph"] = replay(Decoder(model, batch, max_len),
+                                        before=timed(s.admit_graph_step, admit_ns["full_graph"]))
     finally:
         att.detach()
     variants["a2"] = replay(Decoder(model, batch, max_len))
+
+    s = sessions["full_ahead"] = session(root, f"b{batch}_full_ahead", "full")
+    att = rt.attach(model, s, sites=["residual"])
+    try:
+        variants["full_ahead"] = replay_admitting_ahead(Decoder(model, batch, max_len),
+                                                        timed(s.admit_graph_step, admit_ns["full_ahead"]))
+    finally:
+        att.detach()
 
     s = sessions["full_host"] = session(root, f"b{batch}_full_host", "full", defer=False)
     variants["full_host"] = host_begun_replay(model, s, batch, max_len)
@@ -92,18 +125,21 @@ def run_batch(model, batch, steps, rounds, root, results):
 
     variants["a3"] = replay(Decoder(model, batch, max_len))
 
-    row = interleaved(variants, steps, rounds)
+    row = interleaved(variants, steps, rounds, on_phase=lambda name: phase.__setitem__("now", name))
     for key, sess in sessions.items():
         sess.flush(timeout=600)
         stats = sess.stats_all()
         totals = sess.close()
         row[key]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
         row[key]["totals"].update(stalls=stats["stalls"], stall_time_s=stats["stall_time_s"])
-    if admit_ns:
-        q = sorted(admit_ns)
-        row["full_graph"]["admit_host_us"] = {
-            "p50": q[len(q) // 2] / 1e3, "p90": q[len(q) * 9 // 10] / 1e3, "p99": q[len(q) * 99 // 100] / 1e3,
-            "n": len(q)}
+    def quantiles(ns):
+        q = sorted(ns)
+        return {"p50": q[len(q) // 2] / 1e3, "p90": q[len(q) * 9 // 10] / 1e3, "p99": q[len(q) * 99 // 100] / 1e3,
+                "n": len(q)}
+    for key, by_phase in admit_ns.items():
+        if by_phase:
+            row[key]["admit_host_us"] = quantiles([t for ts in by_phase.values() for t in ts])
+            row[key]["admit_host_us_by_phase"] = {p: quantiles(ts) for p, ts in by_phase.items()}
     plain = ["a1", "a2", "a3"]
     for m in ("median_ms", "p99_ms", "pipelined_ms"):
         base = sorted(row[k][m] for k in plain)[1]  # the median of the three recordings

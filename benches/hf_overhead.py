@@ -100,18 +100,23 @@ def recorded_with(model, session, batch, max_len, **attach):
         att.detach()
 
 
-def time_steps(step_fn, n, warm=10, raw=False):
+def time_steps(step_fn, n, warm=10, raw=False, on_phase=None):
     """Per-step time of `step_fn` (which replays one step): n steps each followed by a sync ("synced"), then n steps
-    and one sync ("pipelined")."""
+    and one sync ("pipelined"). `on_phase`, if given, is called with "warm", "synced" and "pipelined" as each part
+    begins (for a step function that times parts of its own work per phase)."""
+    phase = on_phase or (lambda name: None)
+    phase("warm")
     for _ in range(warm):
         step_fn()
     torch.cuda.synchronize()
+    phase("synced")
     synced = []
     for _ in range(n):
         t = time.perf_counter()
         step_fn()
         torch.cuda.synchronize()
         synced.append((time.perf_counter() - t) * 1e3)
+    phase("pipelined")
     t = time.perf_counter()
     for _ in range(n):
         step_fn()
@@ -128,14 +133,14 @@ def summarize(synced, pipelined):
             "pipelined_ms": statistics.mean(pipelined), "synced_steps": len(synced)}
 
 
-def interleaved(variants, steps, rounds):
+def interleaved(variants, steps, rounds, on_phase=None):
     """Times every variant in `rounds` rounds, the order rotating each round, so that drift of the machine during
-    the run falls on all variants alike."""
+    the run falls on all variants alike. `on_phase`: as :func:`time_steps`'s."""
     samples = {k: ([], []) for k in variants}
     names = list(variants)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            synced, pipelined = time_steps(variants[k], steps, raw=True)
+            synced, pipelined = time_steps(variants[k], steps, raw=True, on_phase=on_phase)
             samples[k][0].extend(synced)
             samples[k][1].append(pipelined)
     return {k: summarize(*v) for k, v in samples.items()}

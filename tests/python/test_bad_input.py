@@ -212,6 +212,36 @@ def test_admit_graph_step_is_cuda_only_in_full_mode_and_nothing_to_do_in_best_ef
     assert e.value.status == "RS_ERR_CLOSED"
 
 
+def test_the_per_pass_calls_check_every_new_stream_and_every_row_count():
+    """The plugins' per-pass call and admit_graph_step skip ctypes' argument conversion: the stream is converted
+    once per new value. A bad stream or row count after good ones is still refused, every time; a row count past
+    the C int range goes through the typed call."""
+    with ringscope.Session({"policy": {"mode": "best_effort"}}) as s:
+        admit = s._before_pass(True)
+        for stream in (0, 0x1000, 0, 0x7FFF_FFFF_FFFF_F000, 0):
+            assert admit(8, stream) is None
+            assert s.admit_graph_step(8, stream=stream) is None
+        for stream in (-1, 2**64, 0.0, 1.0, True, "0"):
+            bad("stream must be an integer", lambda: admit(8, stream))
+            bad("stream must be an integer", lambda: s.admit_graph_step(8, stream=stream))
+        bad("stream must be an integer", lambda: admit(8, None))  # (admit_graph_step's default: torch's stream)
+        assert admit(8, np.uint64(0x1000)) is None  # an integer of another type is converted each time
+        for rows in (0, -1, 2**32, 1.5, "8", True):
+            bad("admit_graph_step: rows must be an integer", lambda: admit(rows, 0))
+        assert admit(np.uint32(8), 0) is None
+        assert admit(2**31, 0) is None and s.admit_graph_step(2**32 - 1, stream=0) is None  # past a C int: typed
+    with pytest.raises(RingscopeError) as e:
+        admit(8, 0)
+    assert e.value.status == "RS_ERR_CLOSED"
+    with ringscope.Session() as s:  # host backend: the control upload is CUDA only, refused at every call
+        apply = s._before_pass(False)
+        for stream in (0, 0, 0x1000):
+            with pytest.raises(RingscopeError) as e:
+                apply(1, stream)
+            assert "host backend" in e.value.message, e.value
+        bad("stream must be an integer", lambda: apply(1, -1))
+
+
 # -- timeouts -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("timeout", [-1, -0.001, math.nan, math.inf, 4294967.296, 10**400, "1", True, None])

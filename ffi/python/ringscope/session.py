@@ -11,8 +11,9 @@ from typing import Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Seq
 import numpy as np
 
 from ._abi import (MAX_ENDED_TOKENS, _Alert, _check, _CODE, _Counts, _DestinationSnapshot, _HookPointSnapshot,
-                   _lib_with, _load, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES, _PROBE_NAME_LEN, _ProbeReport, _probes_lib,
-                   _ProbeSnapshot, _RecordInfo, _SessionSnapshot, _SinkFailureInfo, _SinkHealth, _sized, _stats_lib)
+                   _I32_MAX, _lib_with, _load, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES, _PROBE_NAME_LEN, _ProbeReport, _probes_lib,
+                   _ProbeSnapshot, _RecordInfo, _SessionSnapshot, _SinkFailureInfo, _SinkHealth, _sized, _stats_lib,
+                   _untyped)
 from .errors import RingscopeError
 from ._args import (_flag, _host_array, _int, _int_array, _invalid, _no_nul, _path, _show, _text, _timeout_ms, _u32,
                     _U32_MAX, _u64)
@@ -192,6 +193,7 @@ class Session:
         h = ctypes.c_uint64(0)
         _check(getattr(lib, opener)(arg, ctypes.byref(h)))
         self._h = h.value
+        self._admit: Optional[Callable[[int, int], None]] = None  # admit_graph_step's C call (_hot_call), when first made
         self._row_bytes: Dict[int, tuple] = {}
         self.totals: Optional[dict] = None
 
@@ -332,9 +334,12 @@ class Session:
         deadline (nothing with ``policy.on_deadline = "degrade"``) and the replay's captures are dropped and counted
         as ``deadline``. Also uploads control changes, as :meth:`apply_controls` does. Best-effort sessions: returns
         at once."""
-        lib = _lib_with("rs_admit_graph_step")
-        n = 0 if rows is None else _u32("admit_graph_step: rows", rows, 1)
-        _check(lib.rs_admit_graph_step(self._h, n, _u64("stream", _current_stream() if stream is None else stream)))
+        admit = self._admit
+        if admit is None:
+            _lib_with("rs_admit_graph_step")  # names a library that predates it
+            admit = self._admit = self._hot_call("rs_admit_graph_step")
+        admit(0 if rows is None else _u32("admit_graph_step: rows", rows, 1),
+              _current_stream() if stream is None else stream)
 
     def apply_controls(self, stream: Optional[int] = None) -> None:
         """CUDA backend: uploads control changes (enable, every-N, rows) on ``stream`` (default: torch's current
@@ -345,31 +350,56 @@ class Session:
             stream = _current_stream()
         _check(_load().rs_apply_controls(self._h, _u64("stream", stream)))
 
+    def _hot_call(self, name: str, lo: int = 0) -> Callable[[int, int], None]:
+        """``call(n, stream)``: the C call ``name(handle, u32 n, u64 stream)`` (``rs_admit_graph_step``; without ``n``:
+        ``rs_apply_controls``) made the cheap way (:func:`_untyped`): the handle as a prebuilt ``c_uint64``, the stream
+        converted (and checked) only when it differs from the last call's, no other Python frame. ``lo = 0``
+        (:meth:`admit_graph_step`, which checked ``n``): an ``n`` past ``_I32_MAX`` goes through the typed call.
+        ``lo = 1`` (the plugins, which do not check): an ``n`` that is not an ``int`` in 1..=``_I32_MAX`` goes to
+        :meth:`admit_graph_step`, whose checks raise or which makes the call."""
+        f = _untyped(name)
+        typed = getattr(_load(), name)
+        h = self._h
+        hc = ctypes.c_uint64(h)
+        last: list = [None, None]  # the last stream given, and it as a c_uint64
+        if name == "rs_apply_controls":
+            def apply(n: int, stream: int) -> None:
+                if type(stream) is not int or stream != last[0]:
+                    last[1] = ctypes.c_uint64(_u64("stream", stream))
+                    last[0] = stream
+                st = f(hc, last[1])
+                if st:
+                    _check(st)
+            return apply
+
+        def admit(n: int, stream: int) -> None:
+            if type(n) is not int or not lo <= n <= _I32_MAX:
+                if lo:  # the plugins' call: admit_graph_step checks n (and comes back here with lo = 0)
+                    self.admit_graph_step(n, stream)
+                    return
+                st = typed(h, n, _u64("stream", stream))  # a checked u32 past the C int range
+            else:
+                if type(stream) is not int or stream != last[0]:
+                    last[1] = ctypes.c_uint64(_u64("stream", stream))
+                    last[0] = stream
+                st = f(hc, n, last[1])
+            if st:
+                _check(st)
+        return admit
+
     def _before_pass(self, full: bool) -> Callable[[int, int], None]:
         """For an engine plugin, which calls it before every forward pass: ``call(rows, stream)`` admits the pass
         (``full``: :meth:`admit_graph_step`) or uploads control changes (:meth:`apply_controls`) through the C call
-        alone — one Python frame and no argument checks (the plugin passes the ints it made), since at every pass,
-        cold, each Python frame counts. ``rows``: the pass's padded token rows, at least 1 (full mode).
-        A library that predates the admission fails the first call, naming what to do (as :meth:`admit_graph_step`)."""
-        h = self._h
-        if full:
-            admit = getattr(_load(), "rs_admit_graph_step", None)
-
-            def call(rows: int, stream: int) -> None:
-                if admit is None or rows < 1:
-                    self.admit_graph_step(rows, stream)  # the checks and their errors
-                    return
-                st = admit(h, rows, stream)
-                if st:
-                    _check(st)
-        else:
-            apply = _load().rs_apply_controls
-
-            def call(rows: int, stream: int) -> None:
-                st = apply(h, stream)
-                if st:
-                    _check(st)
-        return call
+        alone — one Python frame, the C call without ctypes' per-argument conversion (:meth:`_hot_call`), no argument
+        checks beyond the stream's when it changes (the plugin passes the ints it made), since at every pass, cold,
+        each Python frame counts. ``rows``: the pass's padded token rows, at least 1 (full mode; 0 is refused as
+        :meth:`admit_graph_step` refuses it). A library that predates the admission fails the first call, naming
+        what to do (as :meth:`admit_graph_step`)."""
+        if not full:
+            return self._hot_call("rs_apply_controls")
+        if _untyped("rs_admit_graph_step") is None:
+            return lambda rows, stream: self.admit_graph_step(rows, stream)  # raises, naming the library and the call
+        return self._hot_call("rs_admit_graph_step", lo=1)
 
     def submit_captures(self) -> None:
         """With ``ring.defer_captures`` (CUDA backend): starts copying the step's captures noted so far now, on a side
