@@ -242,6 +242,36 @@ def test_the_per_pass_calls_check_every_new_stream_and_every_row_count():
         bad("stream must be an integer", lambda: apply(1, -1))
 
 
+def test_the_per_pass_calls_hand_the_library_exactly_the_handle_rows_and_stream(monkeypatch):
+    """What the untyped C calls receive (a recorder in place of the library's functions): the whole 64-bit handle and
+    stream, the rows as given — after stream changes, and for a stream given as another integer type."""
+    import ringscope.session as rs_session
+
+    got = []
+
+    def recorder(name):
+        def call(*args):
+            got.append((name,) + tuple(a.value if hasattr(a, "value") else a for a in args))
+            return 0
+        return call
+    monkeypatch.setattr(rs_session, "_untyped", recorder)
+    with ringscope.Session({"policy": {"mode": "best_effort"}}) as s:
+        admit, apply = s._before_pass(True), s._before_pass(False)
+        streams = [0x7FFF_FFFF_FFFF_F000, 2**64 - 1, 0x7FFF_FFFF_FFFF_F000, np.uint64(2**63 + 5), 0x1000]
+        for k, stream in enumerate(streams):
+            admit(k + 1, stream)
+            apply(0, stream)
+            s.admit_graph_step(2**31 - 1, stream=stream)
+        s.admit_graph_step(stream=2**40)
+        h = s._h
+    want = []
+    for k, stream in enumerate(streams):
+        want += [("rs_admit_graph_step", h, k + 1, int(stream)), ("rs_apply_controls", h, int(stream)),
+                 ("rs_admit_graph_step", h, 2**31 - 1, int(stream))]
+    want.append(("rs_admit_graph_step", h, 0, 2**40))
+    assert got == want
+
+
 # -- timeouts -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("timeout", [-1, -0.001, math.nan, math.inf, 4294967.296, 10**400, "1", True, None])

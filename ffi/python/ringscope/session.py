@@ -10,8 +10,8 @@ from typing import Callable, Dict, Iterable, Iterator, NamedTuple, Optional, Seq
 
 import numpy as np
 
-from ._abi import (MAX_ENDED_TOKENS, _Alert, _check, _CODE, _Counts, _DestinationSnapshot, _HookPointSnapshot,
-                   _I32_MAX, _lib_with, _load, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES, _PROBE_NAME_LEN, _ProbeReport, _probes_lib,
+from ._abi import (MAX_ENDED_TOKENS, _Alert, _check, _CODE, _Counts, _DestinationSnapshot, _HookPointSnapshot, _I32_MAX,
+                   _lib_with, _load, _NO_HOOKPOINT, _PROBE_ACTIONS, _PROBE_MODES, _PROBE_NAME_LEN, _ProbeReport, _probes_lib,
                    _ProbeSnapshot, _RecordInfo, _SessionSnapshot, _SinkFailureInfo, _SinkHealth, _sized, _stats_lib,
                    _untyped)
 from .errors import RingscopeError
@@ -193,7 +193,7 @@ class Session:
         h = ctypes.c_uint64(0)
         _check(getattr(lib, opener)(arg, ctypes.byref(h)))
         self._h = h.value
-        self._admit: Optional[Callable[[int, int], None]] = None  # admit_graph_step's C call (_hot_call), when first made
+        self._admit: Optional[Callable[[int, int], None]] = None  # admit_graph_step's C call (_hot_call), once made
         self._row_bytes: Dict[int, tuple] = {}
         self.totals: Optional[dict] = None
 
@@ -352,22 +352,26 @@ class Session:
 
     def _hot_call(self, name: str, lo: int = 0) -> Callable[[int, int], None]:
         """``call(n, stream)``: the C call ``name(handle, u32 n, u64 stream)`` (``rs_admit_graph_step``; without ``n``:
-        ``rs_apply_controls``) made the cheap way (:func:`_untyped`): the handle as a prebuilt ``c_uint64``, the stream
-        converted (and checked) only when it differs from the last call's, no other Python frame. ``lo = 0``
-        (:meth:`admit_graph_step`, which checked ``n``): an ``n`` past ``_I32_MAX`` goes through the typed call.
-        ``lo = 1`` (the plugins, which do not check): an ``n`` that is not an ``int`` in 1..=``_I32_MAX`` goes to
-        :meth:`admit_graph_step`, whose checks raise or which makes the call."""
+        ``rs_apply_controls``) made the cheap way (:func:`_untyped`): the handle as a prebuilt ``c_uint64``; the stream
+        checked and converted only when it is not a plain ``int`` or differs from the last one converted; no other
+        Python frame. ``lo = 0`` (:meth:`admit_graph_step`, which checked ``n``): an ``n`` past ``_I32_MAX`` goes
+        through the typed call. ``lo = 1`` (the plugins, which do not check): an ``n`` that is not an ``int`` in
+        1..=``_I32_MAX`` goes to :meth:`admit_graph_step` (with the stream checked), whose checks raise or which makes
+        the call. Safe to call from several threads: the last stream and its conversion are one tuple, replaced
+        whole."""
         f = _untyped(name)
         typed = getattr(_load(), name)
         h = self._h
         hc = ctypes.c_uint64(h)
-        last: list = [None, None]  # the last stream given, and it as a c_uint64
+        # The last stream converted (an int), and it as a c_uint64.
+        last: "list[tuple[Optional[int], Optional[ctypes.c_uint64]]]" = [(None, None)]
         if name == "rs_apply_controls":
             def apply(n: int, stream: int) -> None:
-                if type(stream) is not int or stream != last[0]:
-                    last[1] = ctypes.c_uint64(_u64("stream", stream))
-                    last[0] = stream
-                st = f(hc, last[1])
+                c = last[0]
+                if type(stream) is not int or stream != c[0]:
+                    v = _u64("stream", stream)
+                    c = last[0] = (v, ctypes.c_uint64(v))
+                st = f(hc, c[1])
                 if st:
                     _check(st)
             return apply
@@ -375,14 +379,15 @@ class Session:
         def admit(n: int, stream: int) -> None:
             if type(n) is not int or not lo <= n <= _I32_MAX:
                 if lo:  # the plugins' call: admit_graph_step checks n (and comes back here with lo = 0)
-                    self.admit_graph_step(n, stream)
+                    self.admit_graph_step(n, _u64("stream", stream))
                     return
                 st = typed(h, n, _u64("stream", stream))  # a checked u32 past the C int range
             else:
-                if type(stream) is not int or stream != last[0]:
-                    last[1] = ctypes.c_uint64(_u64("stream", stream))
-                    last[0] = stream
-                st = f(hc, n, last[1])
+                c = last[0]
+                if type(stream) is not int or stream != c[0]:
+                    v = _u64("stream", stream)
+                    c = last[0] = (v, ctypes.c_uint64(v))
+                st = f(hc, n, c[1])
             if st:
                 _check(st)
         return admit
@@ -390,9 +395,9 @@ class Session:
     def _before_pass(self, full: bool) -> Callable[[int, int], None]:
         """For an engine plugin, which calls it before every forward pass: ``call(rows, stream)`` admits the pass
         (``full``: :meth:`admit_graph_step`) or uploads control changes (:meth:`apply_controls`) through the C call
-        alone — one Python frame, the C call without ctypes' per-argument conversion (:meth:`_hot_call`), no argument
-        checks beyond the stream's when it changes (the plugin passes the ints it made), since at every pass, cold,
-        each Python frame counts. ``rows``: the pass's padded token rows, at least 1 (full mode; 0 is refused as
+        alone — one Python frame, the C call without ctypes' per-argument conversion (:meth:`_hot_call`: the stream
+        checked when it changes, ``rows`` when it is not an int in 1..=2**31 - 1), since at every pass, cold, each
+        Python frame counts. ``rows``: the pass's padded token rows, at least 1 (full mode; 0 is refused as
         :meth:`admit_graph_step` refuses it). A library that predates the admission fails the first call, naming
         what to do (as :meth:`admit_graph_step`)."""
         if not full:
