@@ -262,12 +262,13 @@ def test_the_per_pass_calls_hand_the_library_exactly_the_handle_rows_and_stream(
             admit(k + 1, stream)
             apply(0, stream)
             s.admit_graph_step(2**31 - 1, stream=stream)
+            s.apply_controls(stream=stream)
         s.admit_graph_step(stream=2**40)
         h = s._h
     want = []
     for k, stream in enumerate(streams):
         want += [("rs_admit_graph_step", h, k + 1, int(stream)), ("rs_apply_controls", h, int(stream)),
-                 ("rs_admit_graph_step", h, 2**31 - 1, int(stream))]
+                 ("rs_admit_graph_step", h, 2**31 - 1, int(stream)), ("rs_apply_controls", h, int(stream))]
     want.append(("rs_admit_graph_step", h, 0, 2**40))
     assert got == want
 

@@ -193,7 +193,9 @@ class Session:
         h = ctypes.c_uint64(0)
         _check(getattr(lib, opener)(arg, ctypes.byref(h)))
         self._h = h.value
-        self._admit: Optional[Callable[[int, int], None]] = None  # admit_graph_step's C call (_hot_call), once made
+        # admit_graph_step's and apply_controls' C calls (_hot_call), once made: engines call them before every replay.
+        self._admit: Optional[Callable[[int, int], None]] = None
+        self._apply: Optional[Callable[[int, int], None]] = None
         self._row_bytes: Dict[int, tuple] = {}
         self.totals: Optional[dict] = None
 
@@ -346,9 +348,10 @@ class Session:
         stream) for CUDA graphs whose steps begin inside them (:meth:`begin_step_graph`; their replays make no host
         call). Call between replays. Returns at once when no control changed since its last upload (and no policy
         manager runs)."""
-        if stream is None:
-            stream = _current_stream()
-        _check(_load().rs_apply_controls(self._h, _u64("stream", stream)))
+        apply = self._apply
+        if apply is None:
+            apply = self._apply = self._hot_call("rs_apply_controls")
+        apply(0, _current_stream() if stream is None else stream)
 
     def _hot_call(self, name: str, lo: int = 0) -> Callable[[int, int], None]:
         """``call(n, stream)``: the C call ``name(handle, u32 n, u64 stream)`` (``rs_admit_graph_step``; without ``n``:
