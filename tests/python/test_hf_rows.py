@@ -287,6 +287,55 @@ def test_full_mode_graph_recorded_decode_steps_are_admitted_and_lose_nothing():
         assert np.array_equal(row.view(np.float32), reference[key]), key
 
 
+def test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing(tmp_path):
+    """Full mode, ``generate`` with a static cache on a GPU: transformers compiles the decode step with
+    ``reduce-overhead`` (CUDA graph trees), whose replays begin their steps on the device and cannot wait for ring
+    space; ``attach`` admits every call of the compiled step. The ring holds about four decode steps and the Parquet
+    sink is slower than the model, so the drain falls behind: admissions wait, and every row of every step
+    arrives — each (request, position) of each layer once, equal to an eager pass over the generated tokens — with
+    nothing dropped."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (CUDA graphs)")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=2048, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=128,
+                                   pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).eval().to("cuda")
+    batch, prompt, new = 64, 2, 32  # a decode step: 64 rows x 2 layers x 8 KiB = 1 MiB; the prefill 2 MiB
+    session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "4 MiB", "defer_captures": True},
+                                 "policy": {"mode": "full", "full_deadline_ms": 30000},
+                                 "export": {"parquet": True, "dir": str(tmp_path), "run_id": "compiled"}})
+    att = rt.attach(model, session, sites=("residual",))
+    ids = torch.randint(3, 128, (batch, prompt), device="cuda")
+    gc = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                                       cache_implementation="static",
+                                       compile_config=transformers.CompileConfig(mode="reduce-overhead"))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    torch.cuda.synchronize()
+    stats = session.stats_all()
+    totals = session.close()
+    assert att._recorded_graph, "the decode step was not recorded as a CUDA graph: nothing replayed"
+    att.detach()
+    assert totals["dropped_rows"] == 0 and totals["exported_rows"] == totals["produced_rows"], totals
+    print(f"full-mode waits: {stats['stalls']} ({stats['stall_time_s'] * 1e3:.1f} ms); rows {totals['exported_rows']}")
+    dump = ringscope.read_dump(tmp_path / "compiled")
+    want = {(r, p) for r in range(batch) for p in range(prompt + new - 1)}
+    with torch.no_grad():
+        hs = model(out[:, :-1], output_hidden_states=True).hidden_states
+    for layer in range(2):
+        d = dump[f"layers.{layer}.resid"]
+        got = list(zip(d["request_id"].tolist(), d["position"].tolist()))
+        assert len(got) == len(want) and set(got) == want, (layer, len(got), len(want))
+        if layer == 1:
+            continue  # the last layer's output_hidden_states entry is after the final norm
+        rows = torch.from_numpy(d["activation"]).to("cuda")
+        ref = hs[layer + 1][torch.from_numpy(d["request_id"].astype(np.int64)).to("cuda"),
+                            torch.from_numpy(d["position"].astype(np.int64)).to("cuda")]
+        err = ((rows - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+        assert err <= 1e-2, err  # compiled float32 (fused kernels) against eager
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(device):
     """A decode step fed only end-of-sequence tokens has no request's token: no step, no rows, no error."""

@@ -125,6 +125,44 @@ def test_torch_compile_of_the_model_keeps_the_step_in_the_graph():
     assert stats["exported_rows"] == 3 * 2 * 3 * 2  # steps × batch × tokens × layers
 
 
+def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cuda_graphs(monkeypatch):
+    """Full mode on the CUDA backend: a replayed CUDA graph begins its step on the device and cannot wait for ring
+    space, so ``attach`` wraps transformers' ``get_compiled_call`` and every call of a compiled step that replays
+    CUDA graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``, the ``cudagraphs`` backend) admits
+    its batch × tokens rows first. Here (no GPU) the CUDA session is stood in for by a host one whose
+    ``admit_graph_step`` is recorded, and transformers' compiler by a function that records its calls; the GPU
+    test is ``test_hf_rows.py``'s ``test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing``."""
+    model = tiny(layers=2)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    assert "get_compiled_call" not in vars(model), "a host session's steps are begun from the host: nothing to admit"
+    events = []
+    monkeypatch.setattr(session, "admit_graph_step", lambda rows=None, stream=None: events.append(("admit", rows)))
+
+    def fake_compiled_call(config):  # what transformers does: compile once, remember the config
+        model._last_compile_config = config
+        return lambda **kw: events.append(("step", tuple(kw["input_ids"].shape)))
+    model.get_compiled_call = fake_compiled_call  # an instance attribute over transformers' method
+    att._admit_compiled_steps()
+    ids = torch.zeros((3, 2), dtype=torch.int64)
+    graphs = [transformers.CompileConfig(mode="reduce-overhead"), transformers.CompileConfig(mode="max-autotune"),
+              transformers.CompileConfig(mode="default", options={"triton.cudagraphs": True}),
+              transformers.CompileConfig(backend="cudagraphs", mode=None)]
+    for config in graphs:
+        events.clear()
+        model.get_compiled_call(config)(input_ids=ids)
+        model.get_compiled_call(config)(input_ids=ids[:1, :1])
+        assert events == [("admit", 6), ("step", (3, 2)), ("admit", 1), ("step", (1, 1))], (config.to_dict(), events)
+    for config in (transformers.CompileConfig(mode="default"),
+                   transformers.CompileConfig(mode="max-autotune-no-cudagraphs")):
+        events.clear()
+        model.get_compiled_call(config)(input_ids=ids)
+        assert events == [("step", (3, 2))], "compiled without CUDA graphs: its steps are begun (and wait) on the host"
+    att.detach()
+    assert "get_compiled_call" not in vars(model), "detach() gives the model its own get_compiled_call back"
+    session.close()
+
+
 def test_compiled_bad_input_is_a_clear_error():
     model = tiny(layers=2)
     session = ringscope.Session("")

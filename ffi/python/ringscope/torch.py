@@ -252,6 +252,7 @@ class Attachment:
         self._rows_setting: "str | Sequence[int]" = "all"  # attach's `rows`, restored after a last-token capture
         self._duplicate_ids = False  # the open eager step names one request on several batch rows
         self._warned_last = False
+        self._admitting: Optional[Callable] = None  # full mode on CUDA: the model's wrapped get_compiled_call
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -349,12 +350,16 @@ class Attachment:
             self._finished |= np.asarray(rows, dtype=bool)
 
     def detach(self) -> None:
-        """Removes the hooks and the sink buffer :func:`attach` added to the model. When torch.compile recorded CUDA
-        graphs of this attachment's steps, also resets torch.compile (``torch._dynamo.reset()``): every compiled
-        graph of the process is dropped and recompiled on its next call."""
+        """Removes the hooks and the sink buffer :func:`attach` added to the model (and, full mode on CUDA, the
+        admission around ``generate``'s compiled step). When torch.compile recorded CUDA graphs of this attachment's
+        steps, also resets torch.compile (``torch._dynamo.reset()``): every compiled graph of the process is dropped
+        and recompiled on its next call."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._admitting is not None and vars(self.model).get("get_compiled_call") is self._admitting:
+            del self.model.get_compiled_call  # the class's own again
+        self._admitting = None
         if getattr(self.model, "_ringscope_sink", None) is not None:
             delattr(self.model, "_ringscope_sink")
         if self._recorded_graph:
@@ -363,6 +368,34 @@ class Attachment:
             # none can replay after the session is closed.
             torch._dynamo.reset()
             self._recorded_graph = False
+
+    def _admit_compiled_steps(self) -> None:
+        """Full mode on the CUDA backend. ``generate``'s compiled decode step (static cache; transformers compiles it
+        with ``mode="reduce-overhead"``) replays a CUDA graph that begins its step on the device, and a replay cannot
+        wait for ring space by itself: unadmitted, a replay that finds the ring full loses its rows (counted as
+        ``ring_full``). So the model's ``get_compiled_call`` (transformers' ``GenerationMixin``; nothing to wrap on
+        other models) is wrapped: every call of a compiled step that replays CUDA graphs first admits its rows —
+        :meth:`Session.admit_graph_step` for the call's batch × tokens, on the current stream: a check of two host
+        counters when the ring has room, a wait for the drain (up to the step's wait budget) when it has not."""
+        original = getattr(self.model, "get_compiled_call", None)
+        if not callable(original):
+            return
+        model, session = self.model, self.session
+
+        def get_compiled_call(compile_config=None):
+            compiled = original(compile_config)
+            config = getattr(model, "_last_compile_config", None) or compile_config
+            if compiled == model.__call__ or not _replays_cuda_graphs(config):
+                return compiled  # not compiled, or compiled without CUDA graphs: its steps are begun from the host
+
+            def admitted(*args, **kwargs):
+                if self._admitting is not None:  # still attached
+                    batch, seq, _ = self._inputs(args, kwargs)
+                    session.admit_graph_step(batch * seq)
+                return compiled(*args, **kwargs)
+            return admitted
+
+        self._admitting = model.get_compiled_call = get_compiled_call
 
     # -- the batch descriptor ------------------------------------------------------------------------------------
     def begin_step(self, request_ids: Sequence[int], positions, stream: Optional[int] = None) -> None:
@@ -1142,10 +1175,22 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                 att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
         att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
         att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
+        st = session.stats_all()
+        if st["mode"] == "full" and st["backend"] == "cuda":
+            att._admit_compiled_steps()
     except BaseException:
         att.detach()  # nothing half-installed stays on the model (hooks, the RoPE wrapper, the sink buffer)
         raise
     return att
+
+
+def _replays_cuda_graphs(config) -> bool:
+    """Whether a transformers ``CompileConfig`` compiles a step that replays CUDA graphs: torch.compile's modes
+    ``reduce-overhead`` and ``max-autotune``, inductor's ``triton.cudagraphs`` option, or the ``cudagraphs``
+    backend."""
+    options = getattr(config, "options", None) or {}
+    return (getattr(config, "mode", None) in ("reduce-overhead", "max-autotune")
+            or bool(options.get("triton.cudagraphs")) or getattr(config, "backend", None) == "cudagraphs")
 
 
 _ON_TIMEOUT = ("raise", "stop", "continue")
