@@ -16,7 +16,10 @@ order rotates every round, so drift of the machine falls on all of them alike):
       the admission's host time then overlaps the GPU's work instead of delaying the launch;
   (full_host) full mode as before: ``begin_step`` from Python before every replay (a host-written descriptor and a
       begin kernel per step), one capture kernel per layer;
-  (best_effort) the step begun inside the graph, deferred captures, no host call per replay.
+  (best_effort) the step begun inside the graph, deferred captures, no host call per replay;
+  (best_effort_probed) the same, with three calls timed where full_graph admits (``probe_host_us_by_phase``): a C
+      call that does nothing, a CUDA driver call (a stream query) and the session's control call (the C ABI's handle
+      lookup, no driver call) — which of them is as slow there as the synchronised admission says where its time goes.
 First, the host time of one ``admit_graph_step`` call and of its parts (``admit_cost_us``).
 Per batch size: per-step time synchronised every step (median, p99) and pipelined (many steps, one sync); for each
 ringscope variant the session's totals (rows produced / exported / dropped, full-mode waits); for ``full_graph`` the
@@ -124,6 +127,31 @@ def run_batch(model, batch, steps, rounds, root, results):
     finally:
         att3.detach()
 
+    # Best-effort again, with three calls timed where full_graph admits (after the previous step's synchronisation,
+    # while the drain and the sinks work on it): a C call that does nothing, a CUDA driver call (a stream query) and
+    # the session's control call (returns at once: the C ABI's handle lookup, no driver call). Which of them is as
+    # slow there as the admission says where its synchronised time goes.
+    s = sessions["best_effort_probed"] = session(root, f"b{batch}_best_effort_probed", "best_effort")
+    att4 = rt.attach(model, s, sites=["residual"])
+    lib, stream = ringscope._load(), torch.cuda.current_stream().cuda_stream
+
+    def probes(s=s, clock=time.perf_counter_ns):
+        t0 = clock()
+        lib.rs_abi_version()
+        t1 = clock()
+        torch.cuda.current_stream().query()
+        t2 = clock()
+        s.apply_controls(stream)
+        t3 = clock()
+        into = probe_ns.setdefault(phase["now"], {"noop_c_call": [], "stream_query": [], "apply_controls": []})
+        for name, ns in (("noop_c_call", t1 - t0), ("stream_query", t2 - t1), ("apply_controls", t3 - t2)):
+            into[name].append(ns)
+    probe_ns: dict = {}
+    try:
+        variants["best_effort_probed"] = replay(Decoder(model, batch, max_len), before=probes)
+    finally:
+        att4.detach()
+
     variants["a3"] = replay(Decoder(model, batch, max_len))
 
     row = interleaved(variants, steps, rounds, on_phase=lambda name: phase.__setitem__("now", name))
@@ -141,6 +169,8 @@ def run_batch(model, batch, steps, rounds, root, results):
         if by_phase:
             row[key]["admit_host_us"] = quantiles([t for p, ts in by_phase.items() if p != "warm" for t in ts])
             row[key]["admit_host_us_by_phase"] = {p: quantiles(ts) for p, ts in by_phase.items()}
+    row["best_effort_probed"]["probe_host_us_by_phase"] = {
+        p: {name: quantiles(ts) for name, ts in calls.items()} for p, calls in probe_ns.items()}
     plain = ["a1", "a2", "a3"]
     for m in ("median_ms", "p99_ms", "pipelined_ms"):
         base = sorted(row[k][m] for k in plain)[1]  # the median of the three recordings
