@@ -159,8 +159,8 @@ def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_
             if gpu_times is not None:
                 gpu_times.append(start.elapsed_time(end))
             return out
-        model.get_compiled_call = get_compiled_call
         snap = GRAPH_TREES.snapshot() if GRAPH_TREES is not None else None
+        model.get_compiled_call = get_compiled_call
         try:
             model.generate(ids, **kw, **_cache_kwargs(model, batch, new))
         finally:

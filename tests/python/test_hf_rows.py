@@ -307,8 +307,9 @@ def test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing(tmp_p
                                  "export": {"parquet": True, "dir": str(tmp_path), "run_id": "compiled"}})
     att = rt.attach(model, session, sites=("residual",))
     ids = torch.randint(3, 128, (batch, prompt), device="cuda")
+    # min_new_tokens keeps EOS out; the pad token is suppressed too (a replay feeding it would mark the row ended).
     gc = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=PAD,
-                                       cache_implementation="static",
+                                       suppress_tokens=[PAD], cache_implementation="static",
                                        compile_config=transformers.CompileConfig(mode="reduce-overhead"))
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
@@ -319,6 +320,7 @@ def test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing(tmp_p
     att.detach()
     assert totals["dropped_rows"] == 0 and totals["exported_rows"] == totals["produced_rows"], totals
     print(f"full-mode waits: {stats['stalls']} ({stats['stall_time_s'] * 1e3:.1f} ms); rows {totals['exported_rows']}")
+    assert stats["stalls"] > 0, "no admission waited: the drain kept up, so this run did not test what it is for"
     dump = ringscope.read_dump(tmp_path / "compiled")
     want = {(r, p) for r in range(batch) for p in range(prompt + new - 1)}
     with torch.no_grad():

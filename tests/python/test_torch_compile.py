@@ -128,38 +128,51 @@ def test_torch_compile_of_the_model_keeps_the_step_in_the_graph():
 def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cuda_graphs(monkeypatch):
     """Full mode on the CUDA backend: a replayed CUDA graph begins its step on the device and cannot wait for ring
     space, so ``attach`` wraps transformers' ``get_compiled_call`` and every call of a compiled step that replays
-    CUDA graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``, the ``cudagraphs`` backend) admits
-    its batch × tokens rows first. Here (no GPU) the CUDA session is stood in for by a host one whose
-    ``admit_graph_step`` is recorded, and transformers' compiler by a function that records its calls; the GPU
-    test is ``test_hf_rows.py``'s ``test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing``."""
+    CUDA graphs (inductor's ``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``; the ``cudagraphs``
+    backend) admits its batch × tokens rows first. Here (no GPU) the CUDA session is stood in for by a host one that
+    says it is a full-mode CUDA session and whose ``admit_graph_step`` is recorded, and transformers' compiler by a
+    function that records its calls; the GPU test is ``test_hf_rows.py``'s
+    ``test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing``."""
     model = tiny(layers=2)
     session = ringscope.Session({"policy": {"mode": "full"}})
     att = rt.attach(model, session, sites=("residual",))
     assert "get_compiled_call" not in vars(model), "a host session's steps are begun from the host: nothing to admit"
+    att.detach()
     events = []
-    monkeypatch.setattr(session, "admit_graph_step", lambda rows=None, stream=None: events.append(("admit", rows)))
 
-    def fake_compiled_call(config):  # what transformers does: compile once, remember the config
+    def users_own(config):  # an instance attribute that was there before attach: detach() puts it back
         model._last_compile_config = config
         return lambda **kw: events.append(("step", tuple(kw["input_ids"].shape)))
-    model.get_compiled_call = fake_compiled_call  # an instance attribute over transformers' method
-    att._admit_compiled_steps()
+    model.get_compiled_call = users_own
+    real_stats = ringscope.Session.stats_all
+    monkeypatch.setattr(ringscope.Session, "stats_all",
+                        lambda self: {**real_stats(self), "mode": "full", "backend": "cuda"})
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    assert vars(model)["get_compiled_call"] is not users_own, "a full-mode CUDA session wraps get_compiled_call"
+    monkeypatch.setattr(session, "admit_graph_step", lambda rows=None, stream=None: events.append(("admit", rows)))
     ids = torch.zeros((3, 2), dtype=torch.int64)
     graphs = [transformers.CompileConfig(mode="reduce-overhead"), transformers.CompileConfig(mode="max-autotune"),
-              transformers.CompileConfig(mode="default", options={"triton.cudagraphs": True}),
+              transformers.CompileConfig(mode=None, options={"triton.cudagraphs": True}),
               transformers.CompileConfig(backend="cudagraphs", mode=None)]
     for config in graphs:
         events.clear()
         model.get_compiled_call(config)(input_ids=ids)
         model.get_compiled_call(config)(input_ids=ids[:1, :1])
         assert events == [("admit", 6), ("step", (3, 2)), ("admit", 1), ("step", (1, 1))], (config.to_dict(), events)
-    for config in (transformers.CompileConfig(mode="default"),
-                   transformers.CompileConfig(mode="max-autotune-no-cudagraphs")):
+    no_graphs = [transformers.CompileConfig(mode="default"),
+                 transformers.CompileConfig(mode="max-autotune-no-cudagraphs"),
+                 transformers.CompileConfig(mode=None, options={"triton.cudagraphs": False}),
+                 transformers.CompileConfig(backend="eager"),  # its default mode, reduce-overhead, is ignored there
+                 transformers.CompileConfig(backend="aot_eager")]
+    for config in no_graphs:
         events.clear()
         model.get_compiled_call(config)(input_ids=ids)
-        assert events == [("step", (3, 2))], "compiled without CUDA graphs: its steps are begun (and wait) on the host"
+        assert events == [("step", (3, 2))], ("compiled without CUDA graphs: its steps are begun (and wait) on the "
+                                              "host", config.to_dict(), events)
     att.detach()
-    assert "get_compiled_call" not in vars(model), "detach() gives the model its own get_compiled_call back"
+    assert vars(model).get("get_compiled_call") is users_own, "detach() gives the model back what it had"
+    del model.get_compiled_call
     session.close()
 
 

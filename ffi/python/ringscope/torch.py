@@ -20,6 +20,7 @@ probe of the session (``[[probes]]`` with ``action = "stop"``, on hookpoints ``a
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import threading
 import weakref
@@ -253,6 +254,7 @@ class Attachment:
         self._duplicate_ids = False  # the open eager step names one request on several batch rows
         self._warned_last = False
         self._admitting: Optional[Callable] = None  # full mode on CUDA: the model's wrapped get_compiled_call
+        self._shadowed: Optional[Callable] = None  # the instance attribute it replaced, if any
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -358,8 +360,11 @@ class Attachment:
             h.remove()
         self._handles.clear()
         if self._admitting is not None and vars(self.model).get("get_compiled_call") is self._admitting:
-            del self.model.get_compiled_call  # the class's own again
-        self._admitting = None
+            if self._shadowed is None:
+                del self.model.get_compiled_call  # the class's own again
+            else:
+                self.model.get_compiled_call = self._shadowed
+        self._admitting = self._shadowed = None
         if getattr(self.model, "_ringscope_sink", None) is not None:
             delattr(self.model, "_ringscope_sink")
         if self._recorded_graph:
@@ -376,7 +381,9 @@ class Attachment:
         ``ring_full``). So the model's ``get_compiled_call`` (transformers' ``GenerationMixin``; nothing to wrap on
         other models) is wrapped: every call of a compiled step that replays CUDA graphs first admits its rows —
         :meth:`Session.admit_graph_step` for the call's batch × tokens, on the current stream: a check of two host
-        counters when the ring has room, a wait for the drain (up to the step's wait budget) when it has not."""
+        counters when the ring has room, a wait for the drain (up to the step's wait budget) when it has not. A call
+        that runs its step eagerly after all (CUDA graph trees' warm-up of a new shape) is admitted again from the
+        host; the reservation it leaves is released by a later admission, which may wait once for the stream."""
         original = getattr(self.model, "get_compiled_call", None)
         if not callable(original):
             return
@@ -385,16 +392,21 @@ class Attachment:
         def get_compiled_call(compile_config=None):
             compiled = original(compile_config)
             config = getattr(model, "_last_compile_config", None) or compile_config
+            if config is None and callable(getattr(model, "_default_compile_config", None)):
+                config = model._default_compile_config()
             if compiled == model.__call__ or not _replays_cuda_graphs(config):
                 return compiled  # not compiled, or compiled without CUDA graphs: its steps are begun from the host
 
             def admitted(*args, **kwargs):
                 if self._admitting is not None:  # still attached
-                    batch, seq, _ = self._inputs(args, kwargs)
-                    session.admit_graph_step(batch * seq)
+                    batch, seq, device = self._inputs(args, kwargs)
+                    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+                    session.admit_graph_step(batch * seq, stream)
                 return compiled(*args, **kwargs)
             return admitted
 
+        # An instance attribute of the same name (a user's own wrapper) is put back by detach().
+        self._shadowed = vars(model).get("get_compiled_call")
         self._admitting = model.get_compiled_call = get_compiled_call
 
     # -- the batch descriptor ------------------------------------------------------------------------------------
@@ -1175,8 +1187,8 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                 att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
         att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
         att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
-        st = session.stats_all()
-        if st["mode"] == "full" and st["backend"] == "cuda":
+        st = session.stats_all() if _has_call("rs_session_stats") else {}
+        if st.get("mode") == "full" and st.get("backend") == "cuda":
             att._admit_compiled_steps()
     except BaseException:
         att.detach()  # nothing half-installed stays on the model (hooks, the RoPE wrapper, the sink buffer)
@@ -1185,12 +1197,22 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
 
 
 def _replays_cuda_graphs(config) -> bool:
-    """Whether a transformers ``CompileConfig`` compiles a step that replays CUDA graphs: torch.compile's modes
-    ``reduce-overhead`` and ``max-autotune``, inductor's ``triton.cudagraphs`` option, or the ``cudagraphs``
-    backend."""
-    options = getattr(config, "options", None) or {}
-    return (getattr(config, "mode", None) in ("reduce-overhead", "max-autotune")
-            or bool(options.get("triton.cudagraphs")) or getattr(config, "backend", None) == "cudagraphs")
+    """Whether a transformers ``CompileConfig`` compiles a step that replays CUDA graphs: the ``cudagraphs`` backend,
+    or inductor with the mode ``reduce-overhead`` or ``max-autotune``, the option ``triton.cudagraphs``, or (no mode,
+    no such option) inductor's global ``triton.cudagraphs`` setting. Other backends ignore the mode."""
+    backend = getattr(config, "backend", "inductor")
+    if backend == "cudagraphs":
+        return True
+    if backend != "inductor":
+        return False
+    mode, options = getattr(config, "mode", None), getattr(config, "options", None) or {}
+    if mode in ("reduce-overhead", "max-autotune"):
+        return True
+    if "triton.cudagraphs" in options:
+        return bool(options["triton.cudagraphs"])
+    if mode not in (None, "default"):
+        return False  # max-autotune-no-cudagraphs
+    return bool(importlib.import_module("torch._inductor.config").triton.cudagraphs)
 
 
 _ON_TIMEOUT = ("raise", "stop", "continue")
