@@ -130,7 +130,7 @@ def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cud
     space, so ``attach`` wraps transformers' ``get_compiled_call`` and every call of a compiled step that replays
     CUDA graphs (inductor's ``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``; the ``cudagraphs``
     backend) admits its batch × tokens rows first. Here (no GPU) the CUDA session is stood in for by a host one that
-    says it is a full-mode CUDA session and whose ``admit_graph_step`` is recorded, and transformers' compiler by a
+    says it is a full-mode CUDA session and whose per-pass admission is recorded, and transformers' compiler by a
     function that records its calls; the GPU test is ``test_hf_rows.py``'s
     ``test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing``."""
     model = tiny(layers=2)
@@ -150,7 +150,10 @@ def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cud
     session = ringscope.Session({"policy": {"mode": "full"}})
     att = rt.attach(model, session, sites=("residual",))
     assert vars(model)["get_compiled_call"] is not users_own, "a full-mode CUDA session wraps get_compiled_call"
-    monkeypatch.setattr(session, "admit_graph_step", lambda rows=None, stream=None: events.append(("admit", rows)))
+    # The wrapper admits through the engine plugins' per-pass call (Session._before_pass(True): the C call alone).
+    monkeypatch.setattr(session, "_before_pass",
+                        lambda full: lambda rows, stream: events.append(("admit", rows) if full else ("controls",)))
+    monkeypatch.setattr(rt, "_current_stream", lambda device=None: 0)  # no CUDA here
     ids = torch.zeros((3, 2), dtype=torch.int64)
     graphs = [transformers.CompileConfig(mode="reduce-overhead"), transformers.CompileConfig(mode="max-autotune"),
               transformers.CompileConfig(mode=None, options={"triton.cudagraphs": True}),
@@ -165,6 +168,11 @@ def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cud
                  transformers.CompileConfig(mode=None, options={"triton.cudagraphs": False}),
                  transformers.CompileConfig(backend="eager"),  # its default mode, reduce-overhead, is ignored there
                  transformers.CompileConfig(backend="aot_eager")]
+    # A call that names no batch (neither input_ids nor inputs_embeds) is a clear error, before anything runs.
+    events.clear()
+    with pytest.raises(ringscope.RingscopeError, match="neither input_ids nor inputs_embeds"):
+        model.get_compiled_call(graphs[0])(attention_mask=ids)
+    assert events == []
     for config in no_graphs:
         events.clear()
         model.get_compiled_call(config)(input_ids=ids)

@@ -34,7 +34,7 @@ from ._args import _int, _int_array, _timeout_ms, _u32, _U32_MAX, _u64
 from .attention import layer_entry
 from .dtypes import ROW_META_BYTES, element_bytes
 from .errors import RingscopeError
-from .session import Session, _capture_device_raw, _capture_host_raw, _submit_captures_raw
+from .session import Session, _capture_device_raw, _capture_host_raw, _current_stream, _submit_captures_raw
 
 __all__ = ["capture", "submit", "step", "attach", "plan", "Attachment", "ProbeStoppingCriteria", "SUPPORTED_MODEL_TYPES"]
 
@@ -380,7 +380,8 @@ class Attachment:
         wait for ring space by itself: unadmitted, a replay that finds the ring full loses its rows (counted as
         ``ring_full``). So the model's ``get_compiled_call`` (transformers' ``GenerationMixin``; nothing to wrap on
         other models) is wrapped: every call of a compiled step that replays CUDA graphs first admits its rows —
-        :meth:`Session.admit_graph_step` for the call's batch × tokens, on the current stream: a check of two host
+        :meth:`Session.admit_graph_step` for the call's batch × tokens (made as the engine plugins make it before every
+        pass), on the current stream of the inputs' device: a check of two host
         counters when the ring has room, a wait for the drain (up to the step's wait budget) when it has not. A call
         that runs its step eagerly after all (CUDA graph trees' warm-up of a new shape) is admitted again from the
         host; the reservation it leaves is released by a later admission, which may wait once for the stream."""
@@ -397,11 +398,12 @@ class Attachment:
             if compiled == model.__call__ or not _replays_cuda_graphs(config):
                 return compiled  # not compiled, or compiled without CUDA graphs: its steps are begun from the host
 
+            admit = session._before_pass(True)  # the engine plugins' per-pass admission: the C call alone
+
             def admitted(*args, **kwargs):
                 if self._admitting is not None:  # still attached
                     batch, seq, device = self._inputs(args, kwargs)
-                    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-                    session.admit_graph_step(batch * seq, stream)
+                    admit(batch * seq, _current_stream(device.index if device.type == "cuda" else None))
                 return compiled(*args, **kwargs)
             return admitted
 
