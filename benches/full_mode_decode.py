@@ -28,9 +28,9 @@ host time of each ``admit_graph_step`` during the run (``admit_host_us``: synchr
 in pipelined ones it overlaps the GPU; in both the drain and the sinks work beside it, where ``admit_cost_us`` has
 them idle; vLLM's in-process timing saw ~20 µs per call where the idle one is ~2 µs), and the same for
 ``full_ahead``. The timing adds two clock reads to each of ``full_graph``'s and ``full_ahead``'s steps (well under a
-microsecond, below the resolution). Then prefill (8 × 512 tokens, eager) plain vs full mode with no sink, into
-Parquet and into Arrow IPC, and best-effort into Arrow IPC
-(``--only-prefill`` for that part alone).
+microsecond, below the resolution). Then prefill (8 × 512 tokens, eager) plain (recorded twice: the resolution) vs
+full mode with no sink, into Parquet and into Arrow IPC, and best-effort into Arrow IPC, each session flushed outside
+its timed block (``--only-prefill`` for that part alone).
 """
 import argparse
 import json
@@ -184,6 +184,10 @@ def run_batch(model, batch, steps, rounds, root, results):
 
 
 def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
+    """Eager prefill, plain against the capturing variants, interleaved (the order rotates every round). The plain
+    forward is recorded twice (``plain``, ``plain2``): how far those two differ is the resolution. After each timed
+    block the variant's session is flushed *outside* the timer, so that a sink still writing one variant's rows does
+    not run beside the next variant's block (a variant's own sink work during its block counts: that is its cost)."""
     ids = torch.randint(0, 1000, (batch, tokens), device=DEV)
 
     def run():
@@ -195,7 +199,9 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
         variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
     variants["best_effort_arrow_ipc"] = session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
                                                 capacity="8 GiB")
+    variants["plain2"] = None
     out = {k: [] for k in variants}
+    flush_s = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
@@ -210,6 +216,9 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
             out[k].append((time.perf_counter() - t) * 1e3 / n)
             if att is not None:
                 att.detach()
+                t = time.perf_counter()
+                s.flush(timeout=600)
+                flush_s[k].append(time.perf_counter() - t)
     row = {}
     for k, s in variants.items():
         row[k] = {"ms_per_prefill": sorted(out[k])[len(out[k]) // 2], "rounds_ms": out[k]}
@@ -217,11 +226,14 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
             t = time.perf_counter()
             s.flush(timeout=600)
             totals = s.close()
+            row[k]["flush_after_block_s"] = flush_s[k]
             row[k]["flush_and_close_s"] = time.perf_counter() - t
             row[k]["totals"] = {x: totals[x] for x in ("produced_rows", "exported_rows", "dropped_rows")}
-    base = row["plain"]["ms_per_prefill"]
+    plains = sorted(row[k]["ms_per_prefill"] for k in ("plain", "plain2"))
+    base = plains[0]
     for v in row.values():
         v["overhead"] = v["ms_per_prefill"] / base - 1
+    row["resolution"] = plains[1] / plains[0] - 1
     results[f"prefill_{batch}x{tokens}"] = row
     print(json.dumps({f"prefill_{batch}x{tokens}": row}, indent=1), flush=True)
 
@@ -264,7 +276,7 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--prefill-rounds", type=int, default=3, help="0: no prefill measurement")
+    ap.add_argument("--prefill-rounds", type=int, default=5, help="0: no prefill measurement")
     ap.add_argument("--only-prefill", action="store_true")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
