@@ -59,9 +59,10 @@ class GraphTreeCounters:
         def check_invariants(node_self, inputs):
             status, logger = check(node_self, inputs)
             counters_.checks[str(status).rsplit(".", 1)[-1]] += 1
-            if "Mismatch" in str(status):
+            # torch 2.11's statuses print as descriptions ("static input data pointer changed"), not their names
+            if getattr(status, "name", str(status)) != "SUCCESS":
                 try:
-                    counters_.reasons[" ".join(str(logger()).split())[:300]] += 1
+                    counters_.reasons[" ".join(str(logger()).split())[:700]] += 1
                 except Exception as e:  # a diagnostic: never fail the benchmark over it
                     counters_.reasons[f"(reason not available: {type(e).__name__})"] += 1
             return status, logger

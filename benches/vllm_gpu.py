@@ -705,7 +705,9 @@ def main(cmd: str, root: str) -> None:
                          "correct-llama-bf16-full", "prof-plain#1",
                          "prof-attn4", "prof-resid", "prof-resid_attn_mlp", "prof-plain#2"],
             # The profiles alone, full mode included (issue 36): two plain engines around the captures.
-            "profiles": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-full_resid", "prof-plain#2"]}[cmd]
+            "profiles": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-full_resid", "prof-plain#2"],
+            # The q/k/v profile alone between two plain engines (issue 40's cost, again).
+            "attn_profiles": ["prof-plain#1", "prof-attn4", "prof-plain#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
