@@ -310,8 +310,20 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     stats = session.close()
     results["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
     results["ringscope_accounting"] = {k: stats.get(k) for k in ("produced_rows", "exported_rows", "dropped_rows")}
+    # What the attached model's generate calls must have produced: 2 per round and batch (the recording one and the
+    # timed one), each the prefill's PROMPT positions and new - 1 compiled decode steps, per row and captured layer.
+    # Fewer than that is not a cost measurement of capturing (session 35: a graph compiled for the plain model was
+    # replayed for the attached one, capturing only the prefills' rows; attach now prevents that).
+    layers = len(attached_model.model.layers)
+    per_row = {"prefill_only": PROMPT * layers, "all_steps": (PROMPT + 64 - 1) * layers}
+    expected = {k: 2 * rounds * sum(batches) * v for k, v in per_row.items()}
+    results["ringscope_accounting"]["expected_rows"] = expected["all_steps"]
     print(json.dumps({"cudagraph_skips": results["cudagraph_skips"],
                       "ringscope_accounting": results["ringscope_accounting"]}), flush=True)
+    if (stats.get("produced_rows") or 0) <= expected["prefill_only"]:
+        raise RuntimeError(f"the attached model's compiled decode steps captured nothing: {stats.get('produced_rows')} "
+                           f"rows produced, {expected['prefill_only']} from the prefills alone, "
+                           f"{expected['all_steps']} expected: these timings are not of a capturing model")
 
 
 def main():

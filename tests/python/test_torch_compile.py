@@ -125,6 +125,72 @@ def test_torch_compile_of_the_model_keeps_the_step_in_the_graph():
     assert stats["exported_rows"] == 3 * 2 * 3 * 2  # steps × batch × tokens × layers
 
 
+def _static_generate(model, new=5, backend="eager"):
+    gc = transformers.GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, cache_implementation="static",
+        compile_config=transformers.CompileConfig(fullgraph=True, backend=backend, mode="default"))
+    gc.compile_config._compile_all_devices = True
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+
+
+@pytest.mark.parametrize("which", ["the same model", "another model of its class"])
+def test_a_graph_compiled_without_the_hooks_is_never_replayed_for_an_attached_model(which):
+    """torch.compile does not guard on a module's empty hook dicts (``skip_nnmodule_hook_guards``), so a graph compiled
+    before ``attach`` — of the same model, or of any model of its class — used to be replayed for the attached model,
+    hooks and all left out: the compiled decode steps captured nothing, silently (only the eager prefill's rows came
+    through). ``attach`` gives the hooked modules a class of their own while attached, which dynamo does guard."""
+    torch._dynamo.reset()
+    plain = tiny(layers=2)
+    before = _static_generate(plain)  # compiled and run without hooks first
+    model = plain if which == "the same model" else tiny(layers=2)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    assert type(model).__name__ == "LlamaForCausalLM" and isinstance(model, transformers.LlamaForCausalLM)
+    att.set_request_ids([41, 42])
+    out = _static_generate(model)
+    stats = session.close()
+    got = rows_by_key(list(sub), att)
+    # The prefill (eager in generate) and the 4 compiled decode steps, every row of both layers.
+    assert len(got) == (4 + 5 - 1) * 2 * 2, f"{len(got)} rows: the compiled decode steps were not captured"
+    assert {s for (_, s, _, _) in got} == set(range(5)) and stats["dropped_rows"] == 0
+    att.detach()
+    assert check_against_eager(model, att, got, out, [41, 42], first_new=4) == (4 + 5 - 1) * 2 * 1
+    assert type(model) is transformers.LlamaForCausalLM
+    assert all(type(m).__module__.startswith(("transformers.", "torch.")) and "_ringscope_unhooked_class" not in vars(type(m))
+               for m in model.modules()), "detach() gives every module its own class back"
+    # Detached, the model compiles and generates as before (and the plain model's tokens are untouched).
+    assert torch.equal(_static_generate(model), out)
+    if which == "the same model":
+        assert torch.equal(before, out)
+
+
+def test_an_attached_models_graph_is_never_replayed_for_a_plain_one():
+    """The other order: compiled while attached, then a model of the same class without hooks compiles its own graph
+    (dynamo guards non-empty hook dicts by their length) — it captures nothing into the attachment's session."""
+    torch._dynamo.reset()
+    model = tiny(layers=2)
+    session = ringscope.Session({})
+    att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    _static_generate(model)
+
+    def produced():
+        return sum(session.stats(hp)["produced_rows"] for hp in att.hookpoints.values())
+    n = produced()
+    assert n == (4 + 5 - 1) * 2 * 2
+    other = tiny(layers=2)
+    ref = other.generate(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), max_new_tokens=5, min_new_tokens=5,
+                         do_sample=False, pad_token_id=0)
+    assert torch.equal(_static_generate(other), ref)
+    assert produced() == n, "the plain model's steps went into the attached model's session"
+    session.close()
+    assert len(rows_by_key(list(sub), att)) == n
+    att.detach()
+
+
 def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cuda_graphs(monkeypatch):
     """Full mode on the CUDA backend: a replayed CUDA graph begins its step on the device and cannot wait for ring
     space, so ``attach`` wraps transformers' ``get_compiled_call`` and every call of a compiled step that replays

@@ -88,6 +88,24 @@ def _(sink, session):
 
 # Attachments by key, for the step ops below (custom ops take ints and tensors, not Python objects).
 _ATTACHMENTS: "weakref.WeakValueDictionary[int, Attachment]" = weakref.WeakValueDictionary()
+
+# For each module class that `attach` hooks: a subclass of it (same name, module and qualified name, nothing added)
+# that hooked modules take while attached (Attachment._distinguish).
+_HOOKED_CLASSES: Dict[type, type] = {}
+
+
+def _hooked_class(cls: type) -> type:
+    """The subclass hooked modules of class ``cls`` take while attached. torch.compile (dynamo) does not guard on a
+    module's *empty* hook dicts (``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default), so a graph it
+    compiled for a module without hooks — the same model before ``attach``, or any model of that class — would be
+    replayed for the attached one, without the hooks: nothing captured, silently. It does guard on each module's
+    type, so a module of another class never runs such a graph."""
+    sub = _HOOKED_CLASSES.get(cls)
+    if sub is None:
+        sub = _HOOKED_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+            "_ringscope_unhooked_class": cls})
+    return sub
 # Keys are never reused (id() would be, once an attachment is garbage-collected): a compiled graph guards on its
 # attachment's key, so a new attachment never passes the guards of an old one's graphs.
 _NEXT_KEY = itertools.count(1)
@@ -255,6 +273,7 @@ class Attachment:
         self._warned_last = False
         self._admitting: Optional[Callable] = None  # full mode on CUDA: the model's wrapped get_compiled_call
         self._shadowed: Optional[Callable] = None  # the instance attribute it replaced, if any
+        self._classes: List[Tuple[torch.nn.Module, type]] = []  # hooked modules and their own classes (_distinguish)
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -351,14 +370,37 @@ class Attachment:
         if self._finished is not None and len(self._finished) == len(rows):
             self._finished |= np.asarray(rows, dtype=bool)
 
+    def _distinguish(self) -> None:
+        """Gives every module this attachment hooked (the model included) a class of its own while attached
+        (:func:`_hooked_class`), so that torch.compile compiles the attached model anew instead of replaying a graph
+        it compiled without the hooks. ``detach()`` gives the modules their classes back. A module whose class cannot
+        be changed (a layout of its own, ``__slots__``) keeps it."""
+        hooked = {id(d) for d in (getattr(h, "hooks_dict_ref", lambda: None)() for h in self._handles) if d is not None}
+        for m in self.model.modules():
+            cls = type(m)
+            if "_ringscope_unhooked_class" in vars(cls) or not any(
+                    id(getattr(m, name, None)) in hooked for name in
+                    ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_pre_hooks_with_kwargs")):
+                continue
+            try:
+                m.__class__ = _hooked_class(cls)
+            except TypeError:
+                continue
+            self._classes.append((m, cls))
+
     def detach(self) -> None:
         """Removes the hooks and the sink buffer :func:`attach` added to the model (and, full mode on CUDA, the
-        admission around ``generate``'s compiled step). When torch.compile recorded CUDA graphs of this attachment's
-        steps, also resets torch.compile (``torch._dynamo.reset()``): every compiled graph of the process is dropped
-        and recompiled on its next call."""
+        admission around ``generate``'s compiled step) and gives the hooked modules their own classes back. When
+        torch.compile recorded CUDA graphs of this attachment's steps, also resets torch.compile
+        (``torch._dynamo.reset()``): every compiled graph of the process is dropped and recompiled on its next call."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for m, cls in self._classes:
+            if type(m) is _HOOKED_CLASSES.get(cls):
+                m.__class__ = cls
+        self._classes.clear()
         if self._admitting is not None and vars(self.model).get("get_compiled_call") is self._admitting:
             if self._shadowed is None:
                 del self.model.get_compiled_call  # the class's own again
@@ -1189,6 +1231,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                 att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
         att._handles.append(model.register_forward_pre_hook(att._begin, with_kwargs=True))
         att._handles.append(model.register_forward_hook(att._end, with_kwargs=True))
+        att._distinguish()
         st = session.stats_all() if _has_call("rs_session_stats") else {}
         if st.get("mode") == "full" and st.get("backend") == "cuda":
             att._admit_compiled_steps()
