@@ -111,7 +111,10 @@ def _cache_kwargs(model, batch, new):
     return {name: cache}
 
 
-def decode_step_times(model, batch, new=64, gpu_times=None, profiler=None, host_times=None, graph_stats=None):
+NEW = 64  # tokens each timed generate makes: the prefill's first and NEW - 1 compiled decode steps
+
+
+def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host_times=None, graph_stats=None):
     """Per decode step of `generate` with a static cache (see CACHE_MODE) as a user calls it: transformers compiles
     the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
     compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here).
@@ -286,20 +289,35 @@ def correctness(plain, attached_model, results, new=8):
 def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort"):
     session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
     att = rt.attach(attached_model, session, sites=["residual"])
+    layers = len(att.hookpoints)
+
+    def produced():
+        return sum(session.stats(hp)["produced_rows"] for hp in att.hookpoints.values())
     skips = counters["inductor"]["cudagraph_skips"]
     try:
         for batch in batches:
             t = {"plain": [], "ringscope": []}
             graphs = {"plain": [], "ringscope": []}
+            produced0 = produced()
             for r in range(rounds):  # interleaved, the order alternating, so that drift falls on both alike
                 order = (("plain", plain), ("ringscope", attached_model))
                 for name, model in (order if r % 2 == 0 else order[::-1]):
                     t[name].extend(decode_step_times(model, batch, graph_stats=graphs[name]))
+            # The attached model's 2 generates per round: PROMPT prefill positions and NEW - 1 decode steps per row and
+            # captured layer. Only the prefills' rows means its compiled steps ran a graph without the hooks (session
+            # 35: the plain model's, compiled first; attach now prevents that): these timings would not be of a
+            # capturing model. (A row fed the pad token is an ended sequence's and not captured: a few fewer is fine.)
+            rows = produced() - produced0
+            prefill_only, all_steps = (2 * rounds * batch * n * layers for n in (PROMPT, PROMPT + NEW - 1))
+            if rows <= prefill_only:
+                raise RuntimeError(f"batch {batch}: the attached model's compiled decode steps captured nothing "
+                                   f"({rows} rows produced, {prefill_only} from the prefills alone, {all_steps} "
+                                   "expected): these timings are not of a capturing model")
             a, b = statistics.median(t["plain"]), statistics.median(t["ringscope"])
             a_min, b_min = min(t["plain"]), min(t["ringscope"])
             res = {"plain_median_ms": a, "ringscope_median_ms": b, "overhead_median_pct": 100 * (b / a - 1),
                    "plain_min_ms": a_min, "ringscope_min_ms": b_min, "overhead_min_pct": 100 * (b_min / a_min - 1),
-                   "steps_timed": len(t["plain"]),
+                   "steps_timed": len(t["plain"]), "rows_produced": rows, "rows_expected": all_steps,
                    "steps_begun_in_python": att.step,
                    # per timed generate: graphs recorded, invariant checks per call of the compiled step
                    "graph_trees": {k: v for k, v in graphs.items() if v}}
@@ -310,20 +328,8 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     stats = session.close()
     results["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
     results["ringscope_accounting"] = {k: stats.get(k) for k in ("produced_rows", "exported_rows", "dropped_rows")}
-    # What the attached model's generate calls must have produced: 2 per round and batch (the recording one and the
-    # timed one), each the prefill's PROMPT positions and new - 1 compiled decode steps, per row and captured layer.
-    # Fewer than that is not a cost measurement of capturing (session 35: a graph compiled for the plain model was
-    # replayed for the attached one, capturing only the prefills' rows; attach now prevents that).
-    layers = len(attached_model.model.layers)
-    per_row = {"prefill_only": PROMPT * layers, "all_steps": (PROMPT + 64 - 1) * layers}
-    expected = {k: 2 * rounds * sum(batches) * v for k, v in per_row.items()}
-    results["ringscope_accounting"]["expected_rows"] = expected["all_steps"]
     print(json.dumps({"cudagraph_skips": results["cudagraph_skips"],
                       "ringscope_accounting": results["ringscope_accounting"]}), flush=True)
-    if (stats.get("produced_rows") or 0) <= expected["prefill_only"]:
-        raise RuntimeError(f"the attached model's compiled decode steps captured nothing: {stats.get('produced_rows')} "
-                           f"rows produced, {expected['prefill_only']} from the prefills alone, "
-                           f"{expected['all_steps']} expected: these timings are not of a capturing model")
 
 
 def main():

@@ -135,13 +135,20 @@ def _static_generate(model, new=5, backend="eager"):
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled graph of an earlier test in the process, and none of this one left for a later one."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("which", ["the same model", "another model of its class"])
-def test_a_graph_compiled_without_the_hooks_is_never_replayed_for_an_attached_model(which):
+def test_a_graph_compiled_without_the_hooks_is_never_replayed_for_an_attached_model(fresh_dynamo, which):
     """torch.compile does not guard on a module's empty hook dicts (``skip_nnmodule_hook_guards``), so a graph compiled
     before ``attach`` — of the same model, or of any model of its class — used to be replayed for the attached model,
     hooks and all left out: the compiled decode steps captured nothing, silently (only the eager prefill's rows came
     through). ``attach`` gives the hooked modules a class of their own while attached, which dynamo does guard."""
-    torch._dynamo.reset()
     plain = tiny(layers=2)
     before = _static_generate(plain)  # compiled and run without hooks first
     model = plain if which == "the same model" else tiny(layers=2)
@@ -167,10 +174,10 @@ def test_a_graph_compiled_without_the_hooks_is_never_replayed_for_an_attached_mo
         assert torch.equal(before, out)
 
 
-def test_an_attached_models_graph_is_never_replayed_for_a_plain_one():
-    """The other order: compiled while attached, then a model of the same class without hooks compiles its own graph
-    (dynamo guards non-empty hook dicts by their length) — it captures nothing into the attachment's session."""
-    torch._dynamo.reset()
+def test_an_attached_models_graph_is_never_replayed_for_a_plain_one(fresh_dynamo):
+    """The other order, which held before the classes too (dynamo guards non-empty hook dicts by their length) and
+    must go on holding: compiled while attached, then a model of the same class without hooks compiles its own graph
+    and captures nothing into the attachment's session."""
     model = tiny(layers=2)
     session = ringscope.Session({})
     att = rt.attach(model, session, sites=("residual",))

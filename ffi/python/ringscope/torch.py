@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
@@ -102,9 +103,9 @@ def _hooked_class(cls: type) -> type:
     type, so a module of another class never runs such a graph."""
     sub = _HOOKED_CLASSES.get(cls)
     if sub is None:
-        sub = _HOOKED_CLASSES[cls] = type(cls.__name__, (cls,), {
+        sub = _HOOKED_CLASSES.setdefault(cls, type(cls.__name__, (cls,), {
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-            "_ringscope_unhooked_class": cls})
+            "_ringscope_unhooked_class": cls}))
     return sub
 # Keys are never reused (id() would be, once an attachment is garbage-collected): a compiled graph guards on its
 # attachment's key, so a new attachment never passes the guards of an old one's graphs.
@@ -273,7 +274,8 @@ class Attachment:
         self._warned_last = False
         self._admitting: Optional[Callable] = None  # full mode on CUDA: the model's wrapped get_compiled_call
         self._shadowed: Optional[Callable] = None  # the instance attribute it replaced, if any
-        self._classes: List[Tuple[torch.nn.Module, type]] = []  # hooked modules and their own classes (_distinguish)
+        # Hooked modules, their own classes and the classes they took (_distinguish).
+        self._classes: List[Tuple[torch.nn.Module, type, type]] = []
         _ATTACHMENTS[self._key] = self
 
     def sink(self, device) -> torch.Tensor:
@@ -374,7 +376,7 @@ class Attachment:
         """Gives every module this attachment hooked (the model included) a class of its own while attached
         (:func:`_hooked_class`), so that torch.compile compiles the attached model anew instead of replaying a graph
         it compiled without the hooks. ``detach()`` gives the modules their classes back. A module whose class cannot
-        be changed (a layout of its own, ``__slots__``) keeps it."""
+        be changed (a layout of its own, ``__slots__``) keeps it, with a warning."""
         hooked = {id(d) for d in (getattr(h, "hooks_dict_ref", lambda: None)() for h in self._handles) if d is not None}
         for m in self.model.modules():
             cls = type(m)
@@ -383,11 +385,15 @@ class Attachment:
                     ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                      "_forward_pre_hooks_with_kwargs")):
                 continue
+            sub = _hooked_class(cls)
             try:
-                m.__class__ = _hooked_class(cls)
-            except TypeError:
+                m.__class__ = sub
+            except TypeError as e:
+                warnings.warn(f"ringscope.torch.attach: the class of a hooked {cls.__qualname__} cannot be changed "
+                              f"({e}): a graph torch.compile compiled for it without hooks could still be replayed "
+                              "for it (compile the model after attach)", RuntimeWarning, stacklevel=3)
                 continue
-            self._classes.append((m, cls))
+            self._classes.append((m, cls, sub))
 
     def detach(self) -> None:
         """Removes the hooks and the sink buffer :func:`attach` added to the model (and, full mode on CUDA, the
@@ -397,8 +403,8 @@ class Attachment:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for m, cls in self._classes:
-            if type(m) is _HOOKED_CLASSES.get(cls):
+        for m, cls, sub in self._classes:
+            if type(m) is sub:  # (a class changed since by someone else is left as it is)
                 m.__class__ = cls
         self._classes.clear()
         if self._admitting is not None and vars(self.model).get("get_compiled_call") is self._admitting:
