@@ -287,15 +287,19 @@ def test_full_mode_graph_recorded_decode_steps_are_admitted_and_lose_nothing():
         assert np.array_equal(row.view(np.float32), reference[key]), key
 
 
-def test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize("compiled_before", [False, True], ids=["attached first", "compiled and run before attach"])
+def test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing(tmp_path, compiled_before):
     """Full mode, ``generate`` with a static cache on a GPU: transformers compiles the decode step with
     ``reduce-overhead`` (CUDA graph trees), whose replays begin their steps on the device and cannot wait for ring
     space; ``attach`` admits every call of the compiled step. The ring holds about four decode steps and the Parquet
     sink is slower than the model, so the drain falls behind: admissions wait, and every row of every step
     arrives — each (request, position) of each layer once, equal to an eager pass over the generated tokens — with
-    nothing dropped."""
+    nothing dropped. Also when the model was compiled and run (its graphs recorded) before ``attach``: torch.compile
+    does not notice hooks added to modules that had none, and until session 35 replayed those hook-free graphs for the
+    attached model (its decode steps captured nothing; ``attach`` now gives the hooked modules classes of their own)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU (CUDA graphs)")
+    torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=2048, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=128,
@@ -305,12 +309,15 @@ def test_full_mode_compiled_generate_admits_every_replay_and_loses_nothing(tmp_p
     session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "4 MiB", "defer_captures": True},
                                  "policy": {"mode": "full", "full_deadline_ms": 30000},
                                  "export": {"parquet": True, "dir": str(tmp_path), "run_id": "compiled"}})
-    att = rt.attach(model, session, sites=("residual",))
     ids = torch.randint(3, 128, (batch, prompt), device="cuda")
     # min_new_tokens keeps EOS out; the pad token is suppressed too (a replay feeding it would mark the row ended).
     gc = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=PAD,
                                        suppress_tokens=[PAD], cache_implementation="static",
                                        compile_config=transformers.CompileConfig(mode="reduce-overhead"))
+    if compiled_before:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    att = rt.attach(model, session, sites=("residual",))
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     torch.cuda.synchronize()
