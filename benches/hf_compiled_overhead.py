@@ -325,7 +325,7 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
             print(json.dumps({"batch": batch, **res}), flush=True)
     finally:
         att.detach()
-    stats = session.close()
+        stats = session.close()
     results["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
     results["ringscope_accounting"] = {k: stats.get(k) for k in ("produced_rows", "exported_rows", "dropped_rows")}
     print(json.dumps({"cudagraph_skips": results["cudagraph_skips"],

@@ -198,6 +198,25 @@ def test_an_attached_models_graph_is_never_replayed_for_a_plain_one(fresh_dynamo
     att.detach()
 
 
+def test_a_module_whose_class_cannot_be_changed_is_a_warning_and_attach_still_captures(monkeypatch):
+    """A hooked module class that refuses a subclass (or a layout that refuses the new class) cannot be told apart
+    from an unhooked one by torch.compile: attach says so (a RuntimeWarning naming the class), keeps it, and works."""
+    def refuses(cls):
+        raise TypeError(f"{cls.__qualname__} refuses subclasses")
+    monkeypatch.setattr(rt, "_hooked_class", refuses)
+    model = tiny(layers=2)
+    session = ringscope.Session({})
+    with pytest.warns(RuntimeWarning, match="LlamaDecoderLayer cannot be changed"):
+        att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    assert type(model.model.layers[0]) is transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    session.close()
+    assert len(rows_by_key(list(sub), att)) == 3 * 2
+    att.detach()
+
+
 def test_full_mode_on_cuda_admits_every_call_of_a_compiled_step_that_replays_cuda_graphs(monkeypatch):
     """Full mode on the CUDA backend: a replayed CUDA graph begins its step on the device and cannot wait for ring
     space, so ``attach`` wraps transformers' ``get_compiled_call`` and every call of a compiled step that replays

@@ -377,18 +377,17 @@ class Attachment:
         (:func:`_hooked_class`), so that torch.compile compiles the attached model anew instead of replaying a graph
         it compiled without the hooks. ``detach()`` gives the modules their classes back. A module whose class cannot
         be changed (a layout of its own, ``__slots__``) keeps it, with a warning."""
+        # A hook handle refers to the dict it was added to (`_forward_hooks` or `_forward_pre_hooks`, with kwargs too).
         hooked = {id(d) for d in (getattr(h, "hooks_dict_ref", lambda: None)() for h in self._handles) if d is not None}
         for m in self.model.modules():
             cls = type(m)
-            if "_ringscope_unhooked_class" in vars(cls) or not any(
-                    id(getattr(m, name, None)) in hooked for name in
-                    ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                     "_forward_pre_hooks_with_kwargs")):
+            if "_ringscope_unhooked_class" in vars(cls) or not (
+                    id(m._forward_hooks) in hooked or id(m._forward_pre_hooks) in hooked):
                 continue
-            sub = _hooked_class(cls)
             try:
+                sub = _hooked_class(cls)  # (a class may refuse subclasses: its __init_subclass__ raises)
                 m.__class__ = sub
-            except TypeError as e:
+            except Exception as e:
                 warnings.warn(f"ringscope.torch.attach: the class of a hooked {cls.__qualname__} cannot be changed "
                               f"({e}): a graph torch.compile compiled for it without hooks could still be replayed "
                               "for it (compile the model after attach)", RuntimeWarning, stacklevel=3)
