@@ -4,9 +4,9 @@ and whether what the graph captured rebuilds the model's attention.
     python benches/attention_overhead.py --out attention.json   # needs CUDA, torch, transformers, libringscope + NVRTC
 
 Cost: the 1B-shaped Llama of benches/hf_overhead.py (16 layers, hidden 2048, 32 query / 8 KV heads of 64, bf16,
-random weights), decode over HF's StaticCache, each step recorded once as a CUDA graph and replayed (no host call per
-step). Variants, interleaved in rounds in this one process: (a) no capture, twice (two recordings of the plain step:
-the comparison's resolution); (q) ``attach(sites=["attn_q", "attn_k", "attn_v"], layers=LAYERS)`` — the query and
+random weights), decode over HF's StaticCache, each step recorded as a CUDA graph and replayed (no host call per
+step). Variants, each recorded ``--recordings`` times (3) and timed interleaved in rounds in this one process: (a) no
+capture (the plain recordings' spread is the comparison's resolution: recordings of the same step differ); (q) ``attach(sites=["attn_q", "attn_k", "attn_v"], layers=LAYERS)`` — the query and
 key after RoPE (the outputs of the model's own apply_rotary_pos_emb, nothing recomputed) and the value of 4 layers; (r) the
 residual stream of all 16 layers, for scale. Both capture variants: CUDA ring (2 GiB, best-effort,
 ``defer_captures``), Parquet files written by the exporter as the steps run. Per batch size (1, 8, 64): median and
@@ -45,26 +45,49 @@ def session(out_dir, run):
                               "export": {"parquet": True, "dir": out_dir, "run_id": run}})
 
 
-def run_batch(model, batch, steps, rounds, out_dir, results):
+def run_batch(model, batch, steps, rounds, out_dir, results, recordings=3):
+    """``recordings`` recordings of each variant (plain, q/k/v, residual), made in turn (plain 1, q 1, r 1, plain 2,
+    ...) and timed interleaved. Two recordings of the same plain step can differ by more than a capture costs (a
+    property of each recorded graph: at batch 1 on the H200 the model's own element-wise kernels ran ~30 µs slower in
+    some recordings than in others, profiled), so a variant's cost is its recordings' median against the plain
+    recordings' median, and the plain recordings' spread (slowest over fastest) is the resolution."""
     max_len = PROMPT + rounds * (10 + 2 * steps) + 16
+    families = {"a_graph": None, "q_attn_qkv_4_layers": (["attn_q", "attn_k", "attn_v"], LAYERS),
+                "r_residual_16_layers": (["residual"], None)}
     variants, sessions = {}, {}
-    variants["a_graph"] = replay(Decoder(model, batch, max_len))
-    for key, sites, layers in (("q_attn_qkv_4_layers", ["attn_q", "attn_k", "attn_v"], LAYERS),
-                               ("r_residual_16_layers", ["residual"], None)):
-        sessions[key] = session(out_dir, f"{key}-b{batch}")
-        variants[key] = replay(recorded_with(model, sessions[key], batch, max_len, sites=sites, layers=layers))
-    variants["a_graph_2"] = replay(Decoder(model, batch, max_len))
+    for k in range(1, recordings + 1):
+        for fam, spec in families.items():
+            name = f"{fam}_{k}"
+            if spec is None:
+                variants[name] = replay(Decoder(model, batch, max_len))
+                continue
+            sessions[name] = session(out_dir, f"{name}-b{batch}")
+            variants[name] = replay(recorded_with(model, sessions[name], batch, max_len, sites=spec[0],
+                                                  layers=spec[1]))
     row = interleaved(variants, steps, rounds)
     for key, s in sessions.items():
         totals = s.close()
         row[key]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
-    base = row["a_graph"]
-    for v in row.values():
-        for m in ("median_ms", "p99_ms", "pipelined_ms"):
+    metrics = ("median_ms", "p99_ms", "pipelined_ms")
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    summary = {}
+    for fam in families:
+        names = [f"{fam}_{k}" for k in range(1, recordings + 1)]
+        summary[fam] = {m: med([row[n][m] for n in names]) for m in metrics}
+        summary[fam]["recordings_median_ms"] = [row[n]["median_ms"] for n in names]
+        if fam != "a_graph":
+            summary[fam]["dropped_rows"] = sum(row[n]["totals"]["dropped_rows"] for n in names)
+    base = summary["a_graph"]
+    for fam, v in summary.items():
+        for m in metrics:
             v[m.replace("_ms", "_overhead")] = v[m] / base[m] - 1
+    plains = summary["a_graph"]["recordings_median_ms"]
+    summary["resolution_median"] = max(plains) / min(plains) - 1
+    summary["resolution_p99"] = max(row[f"a_graph_{k}"]["p99_ms"] for k in range(1, recordings + 1)) / \
+        min(row[f"a_graph_{k}"]["p99_ms"] for k in range(1, recordings + 1)) - 1
+    row["summary"] = summary
     results[f"batch_{batch}"] = row
-    print(json.dumps({f"batch_{batch}": {k: {m: v[m] for m in v if m.endswith(("overhead", "_ms")) or m == "totals"}
-                                         for k, v in row.items()}}, indent=1), flush=True)
+    print(json.dumps({f"batch_{batch}": summary}, indent=1), flush=True)
 
 
 def bytes_per_token(model, layers):
@@ -140,8 +163,11 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--recordings", type=int, default=3, help="recordings of each variant (at least 2)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "attention-bench"))
     args = ap.parse_args()
+    if args.recordings < 2:
+        ap.error("--recordings: at least 2 (the plain recordings' spread is the resolution)")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers_captured": LAYERS}
     exactness(results)
     model = build_model(16)
@@ -149,7 +175,7 @@ def main():
     print(json.dumps({"bytes": results["bytes"]}), flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     for b in (int(x) for x in args.batches.split(",")):
-        run_batch(model, b, args.steps, args.rounds, args.dir, results)
+        run_batch(model, b, args.steps, args.rounds, args.dir, results, args.recordings)
         shutil.rmtree(args.dir, ignore_errors=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -48,10 +48,12 @@ import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
 
 
-def session(root, name, mode, defer=True, export="parquet", capacity="1 GiB"):
+def session(root, name, mode, defer=True, export="parquet", capacity="1 GiB", drain_chunk=None):
     policy = {"mode": mode, "full_deadline_ms": 20000} if mode == "full" else {"mode": mode}
     config = {"ring": {"backend": "cuda", "capacity": capacity, "max_batch_rows": 4096, "defer_captures": defer},
               "policy": policy}
+    if drain_chunk:
+        config["ring"]["drain_chunk"] = drain_chunk
     if export:
         d = os.path.join(root, name)
         shutil.rmtree(d, ignore_errors=True)
@@ -183,7 +185,7 @@ def run_batch(model, batch, steps, rounds, root, results):
     print(json.dumps({f"batch_{batch}": row}, indent=1), flush=True)
 
 
-def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
+def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chunks=()):
     """Eager prefill, plain against the capturing variants, interleaved (the order rotates every round). The plain
     forward is recorded twice (``plain``, ``plain2``): how far those two differ is the resolution. After each timed
     block the variant's session is flushed *outside* the timer, so that a sink still writing one variant's rows does
@@ -194,7 +196,16 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
 
-    variants = {"plain": None, "full_no_sink": session(root, "prefill_none", "full", export=None, capacity="8 GiB")}
+    variants = {"plain": None, "full_no_sink": session(root, "prefill_none", "full", export=None, capacity="8 GiB"),
+                "best_effort_no_sink": session(root, "prefill_be_none", "best_effort", export=None, capacity="8 GiB"),
+                # One copy kernel per layer as it runs, instead of one for the step beside the LM head.
+                "full_no_sink_immediate": session(root, "prefill_none_imm", "full", defer=False, export=None,
+                                                  capacity="8 GiB")}
+    for chunk in drain_chunks:
+        # The drain's largest device-to-host copy (ring.drain_chunk, 4 MiB by default): fewer, larger copies make
+        # fewer driver calls beside the engine's launches.
+        variants[f"full_no_sink_chunk_{chunk.replace(' ', '')}"] = session(
+            root, "prefill_none_" + chunk.replace(" ", ""), "full", export=None, capacity="8 GiB", drain_chunk=chunk)
     for fmt in ("parquet", "arrow_ipc"):
         variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
     variants["best_effort_arrow_ipc"] = session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
@@ -202,6 +213,8 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
     variants["plain2"] = None
     out = {k: [] for k in variants}
     flush_s = {k: [] for k in variants}
+    host_ms = {k: [] for k in variants}
+    synced_ms = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
@@ -214,6 +227,16 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
                 run()
             torch.cuda.synchronize()
             out[k].append((time.perf_counter() - t) * 1e3 / n)
+            # The host's part (outside the timed block): from an idle GPU, how long the forward call takes to return
+            # (launches, hooks, the model's own synchronisations) and until the GPU is done.
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                run()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                host_ms[k].append((t1 - t) * 1e3)
+                synced_ms[k].append((time.perf_counter() - t) * 1e3)
             if att is not None:
                 att.detach()
                 t = time.perf_counter()
@@ -221,7 +244,9 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3):
                 flush_s[k].append(time.perf_counter() - t)
     row = {}
     for k, s in variants.items():
-        row[k] = {"ms_per_prefill": sorted(out[k])[len(out[k]) // 2], "rounds_ms": out[k]}
+        row[k] = {"ms_per_prefill": sorted(out[k])[len(out[k]) // 2], "rounds_ms": out[k],
+                  "host_ms_from_idle": sorted(host_ms[k])[len(host_ms[k]) // 2],
+                  "synced_ms_from_idle": sorted(synced_ms[k])[len(synced_ms[k]) // 2]}
         if s is not None:
             t = time.perf_counter()
             s.flush(timeout=600)
@@ -278,6 +303,8 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prefill-rounds", type=int, default=5, help="0: no prefill measurement")
     ap.add_argument("--only-prefill", action="store_true")
+    ap.add_argument("--drain-chunks", default="", help="prefill: more full-mode variants without a sink, one per "
+                    "ring.drain_chunk given (e.g. '32 MiB,128 MiB')")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
@@ -289,7 +316,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     if args.prefill_rounds > 0:  # --prefill-rounds 0: decode only
-        prefill(model, args.dir, results, rounds=args.prefill_rounds)
+        prefill(model, args.dir, results, rounds=args.prefill_rounds,
+                drain_chunks=[c.strip() for c in args.drain_chunks.split(",") if c.strip()])
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     shutil.rmtree(args.dir, ignore_errors=True)

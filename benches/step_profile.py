@@ -17,8 +17,8 @@ recording keeps every layer's output alive to its end as deferred captures do (t
 (full) the same as resid in full mode,
 ``admit_graph_step`` before every replay; (attn) q/k/v of layers 0, 5, 10, 15, best-effort, Parquet. CUDA ring 2 GiB,
 ``defer_captures``; the variants are profiled interleaved, in blocks of steps (``profile_interleaved``). Prefill
-(eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads): plain, best-effort into Parquet,
-best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the GPU (its kernels slower) or on the
+(eager, 8 × 512 tokens, the residual of all 16 layers, ring 8 GiB, 8 sink threads): plain, full mode without a sink,
+best-effort into Parquet, best-effort into Arrow IPC — whether the IPC sink's slowdown of the model is on the GPU (its kernels slower) or on the
 host (the GPU waiting for launches).
 """
 import argparse
@@ -50,13 +50,13 @@ def decoder_with(model, s, batch, max_len, early_copy=True, **attach):
     step's end on the engine's stream instead of early on a side stream (``attach`` submits it after the last captured
     layer, so it runs beside the LM head)."""
     att = rt.attach(model, s, **attach)
-    submit = rt.submit
+    submit = rt._submit_captures_raw  # what attach's hook after the last captured layer calls (not compiled)
     if not early_copy:
-        rt.submit = lambda *args: None
+        rt._submit_captures_raw = lambda *args: None
     try:
         return Decoder(model, batch, max_len)
     finally:
-        rt.submit = submit
+        rt._submit_captures_raw = submit
         att.detach()
 
 
@@ -171,8 +171,10 @@ def prefill(model, root, results, batch=8, tokens=512, n=8):
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     row = {}
-    for name, fmt in (("plain", None), ("parquet", "parquet"), ("arrow_ipc", "arrow_ipc"), ("plain_2", None)):
-        s = session(root, f"prefill-{name}", export=fmt, capacity="8 GiB") if fmt else None
+    variants = (("plain", None, None), ("full_no_sink", "full", None), ("parquet", "best_effort", "parquet"),
+                ("arrow_ipc", "best_effort", "arrow_ipc"), ("plain_2", None, None))
+    for name, mode, fmt in variants:
+        s = session(root, f"prefill-{name}", mode=mode, export=fmt, capacity="8 GiB") if mode else None
         att = rt.attach(model, s, sites=["residual"]) if s is not None else None
         row[name] = profile_steps(run, n, warm=2)
         if s is not None:
@@ -180,7 +182,7 @@ def prefill(model, root, results, batch=8, tokens=512, n=8):
             s.flush(timeout=600)
             totals = s.close()
             row[name]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
-    row["diff"] = {name: gpu_trace.diff(row["plain"], row[name]) for name in ("parquet", "arrow_ipc", "plain_2")}
+    row["diff"] = {name: gpu_trace.diff(row["plain"], row[name]) for name, *_ in variants if name != "plain"}
     results["prefill"] = row
     brief = {name: {k: round(v, 1) for k, v in d.items() if k != "by_name"} for name, d in row["diff"].items()}
     print(json.dumps({"prefill": {"plain": {k: row["plain"][k] for k in ("wall_us", "busy_us", "n")},
@@ -190,14 +192,14 @@ def prefill(model, root, results, batch=8, tokens=512, n=8):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="step_profile.json")
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--batches", default="1,8,64", help="decode batch sizes; empty: no decode")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "step-profile"))
     ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     model = build_model(16)
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",") if x):
         decode(model, b, args.steps, args.dir, results)
         shutil.rmtree(args.dir, ignore_errors=True)
     if not args.no_prefill:

@@ -511,7 +511,7 @@ class Attachment:
             self._begin_tensors(req, pos, tokens)
             if self._tokens_hp is not None and isinstance(ids_in, torch.Tensor) and ids_in.is_cuda:
                 # The static input tensor: every replay captures the tokens it then holds.
-                capture(ids_in.reshape(-1, 1), self.sink(ids_in.device), self.session._h, self._tokens_hp, 1)
+                _capture_now(ids_in.reshape(-1, 1), self.session._h, self._tokens_hp, 1)
             return
         # Tokens already in the cache: from cache_position, else the cache (`past_key_values`, or `cache` as newer
         # transformers name it), else the attention mask's width.
@@ -561,7 +561,7 @@ class Attachment:
             if tokens.shape[0]:
                 tokens = tokens.contiguous()
                 self._keep.append(tokens)  # alive until the step's (possibly deferred) capture has read it
-                capture(tokens, self.sink(tokens.device), self.session._h, self._tokens_hp, 1)
+                _capture_now(tokens, self.session._h, self._tokens_hp, 1)
 
     def _begin_tensors(self, request_ids: torch.Tensor, pos: torch.Tensor,
                        tokens: Optional[torch.Tensor] = None) -> None:
@@ -747,7 +747,7 @@ class Attachment:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             self._keep.append(x)
-            capture(x, self.sink(x.device), self.session._h, hp, width)
+            _capture_now(x, self.session._h, hp, width)
             return
         batch, seq = self._step_shape
         rows = x.numel() // width
@@ -758,7 +758,7 @@ class Attachment:
         x = self._keep_rows(x.reshape(-1, width))
         self._keep.append(x)
         if x.shape[0]:
-            capture(x, self.sink(x.device), self.session._h, hp, width)
+            _capture_now(x, self.session._h, hp, width)
 
     def _capture_last_tokens(self, x: torch.Tensor, hp: int, width: int) -> None:
         """Captures ``x`` — one row per batch row, its last token's — as those tokens' rows, not the step's first
@@ -791,7 +791,7 @@ class Attachment:
             return
         self.session.set_rows(hp, "last_per_request")
         try:
-            capture(rows, self.sink(rows.device), self.session._h, hp, width)
+            _capture_now(rows, self.session._h, hp, width)
         finally:
             self.session.set_rows(hp, self._rows_setting)
 
@@ -1228,7 +1228,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
                 if torch.compiler.is_compiling():
                     att._end_compiled(_first(output).device)
                 elif att._open:
-                    submit(att.sink(_first(output).device), session._h)
+                    _submit_captures_raw(_u64("session", session._h))
             att._handles.append(last.register_forward_hook(submit_hook))
             att._handles.append(decoder_layers[0].register_forward_pre_hook(att._begin_compiled, with_kwargs=True))
             embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
