@@ -64,8 +64,7 @@ def _capture_now(x: torch.Tensor, session: int, hookpoint: int, row_width: int) 
                              f"{tuple(x.shape)}")
     rows = x.numel() // row_width
     if x.is_cuda:
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        _capture_device_raw(session, hookpoint, x.data_ptr(), _u32("rows", rows), stream)
+        _capture_device_raw(session, hookpoint, x.data_ptr(), _u32("rows", rows), _current_stream(x.device.index))
     else:
         _capture_host_raw(session, hookpoint, x.data_ptr(), x.numel() * x.element_size())
 
@@ -515,14 +514,18 @@ class Attachment:
             return
         # Tokens already in the cache: from cache_position, else the cache (`past_key_values`, or `cache` as newer
         # transformers name it), else the attention mask's width.
-        past = kwargs.get("past_key_values", kwargs.get("cache"))
-        past_len = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else None
+        # (The cache is asked only without cache_position: a static cache counts its tokens with device kernels.)
         cp = kwargs.get("cache_position")
         mask = kwargs.get("attention_mask")
+        past_len = None
         if isinstance(cp, torch.Tensor) and cp.numel() > 0:
             past_len = int(cp.reshape(-1)[0])
-        elif past_len is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
-            past_len = mask.shape[1] - seq
+        else:
+            past = kwargs.get("past_key_values", kwargs.get("cache"))
+            if past is not None and hasattr(past, "get_seq_length"):
+                past_len = past.get_seq_length()
+            if past_len is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
+                past_len = mask.shape[1] - seq
         past_len = past_len or 0
         if pos is None:
             pos = torch.arange(past_len, past_len + seq)
@@ -604,7 +607,7 @@ class Attachment:
             self.session.end_step()
             self._open = False
             self._keep.clear()
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        stream = _current_stream(device.index) if device.type == "cuda" else None
         self._duplicate_ids = len(set(req.tolist())) != len(req)
         reqs, positions = np.repeat(req, seq), positions.reshape(-1)
         self._kept = None
@@ -787,7 +790,7 @@ class Attachment:
         self._keep.append(rows)
         if rows.is_cuda:
             self.session.capture_device_last_rows(hp, rows.data_ptr(), rows.shape[0],
-                                                  torch.cuda.current_stream(rows.device).cuda_stream)
+                                                  _current_stream(rows.device.index))
             return
         self.session.set_rows(hp, "last_per_request")
         try:

@@ -1,0 +1,74 @@
+"""What ``attach`` costs a Hugging Face model run eagerly (no CUDA graph, no torch.compile): the decode step of the
+1B-shaped Llama of benches/hf_overhead.py over a StaticCache, plain and attached, in one process.
+
+    python benches/eager_overhead.py --out eager.json   # needs CUDA, torch, transformers, libringscope + NVRTC
+
+Eagerly the hooks run on the host at every step (begin the step, one capture call per hooked module, end it), and
+at small batches the step is host-bound, so their host time is the cost. Variants, each timed twice in the order
+plain, attached, plain, attached (each attached run its own session): ``attach(sites=["residual"])`` on all 16
+layers, CUDA ring 2 GiB, best-effort, deferred captures, no sink. Per batch size: the median of ``--steps`` steps, each
+synchronised.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_overhead import Decoder, build_model  # noqa: E402
+
+import ringscope  # noqa: E402
+import ringscope.torch as rt  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="eager_overhead.json")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    model = build_model(16)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for batch in (int(b) for b in args.batches.split(",")):
+        d = Decoder(model, batch, 64 + 4 * (args.steps + 5) + 16, record=False)
+
+        def step():
+            with torch.no_grad():
+                d._forward()
+            d.advance()
+        row = {}
+        for name in ("plain", "attached", "plain_2", "attached_2"):
+            s = att = None
+            if name.startswith("attached"):
+                s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "2 GiB", "defer_captures": True},
+                                       "policy": {"mode": "best_effort"}})
+                att = rt.attach(model, s, sites=["residual"])
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3)
+            row[name] = {"median_ms": statistics.median(times)}
+            if att is not None:
+                att.detach()
+                totals = s.close()
+                row[name]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+        plain = statistics.mean(row[k]["median_ms"] for k in ("plain", "plain_2"))
+        row["overhead"] = statistics.mean(row[k]["median_ms"] for k in ("attached", "attached_2")) / plain - 1
+        row["resolution"] = abs(row["plain_2"]["median_ms"] / row["plain"]["median_ms"] - 1)
+        results[f"batch_{batch}"] = row
+        print(json.dumps({f"batch_{batch}": row}), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
