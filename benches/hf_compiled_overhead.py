@@ -3,8 +3,9 @@ transformers compiles with torch.compile (mode "reduce-overhead": inductor + CUD
 
     python benches/hf_compiled_overhead.py --out results.json   # needs CUDA, torch, transformers, libringscope + NVRTC
 
-Model: the 1B-shaped Llama of hf_overhead.py (16 layers, hidden 2048, random bf16 weights, no download), twice with
-the same weights: one plain, one with ringscope attached (`ring.backend = "cuda"`, best-effort,
+Model: the 1B-shaped Llama of hf_overhead.py (16 layers, hidden 2048, random bf16 weights, no download), three times
+with the same weights: two plain (the second one's difference from the first is the resolution; the `generate` part
+interleaves all three), one with ringscope attached (`ring.backend = "cuda"`, best-effort,
 `ring.defer_captures = true`, `attach(sites=["residual"])`, all 16 layers). Measured in this one process:
   * decode step: every call of transformers' compiled step inside `generate(..., max_new_tokens=64)` with a static
     cache, synchronised before and after (median and min over all calls of all rounds), both models interleaved over
@@ -286,7 +287,9 @@ def correctness(plain, attached_model, results, new=8):
     print(json.dumps({"correctness": results["correctness"]}), flush=True)
 
 
-def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort"):
+def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort", plain_2=None):
+    """The compiled decode step of `generate`, plain and attached, interleaved; with `plain_2` (a third model, the same
+    weights, never attached) a second plain model too: how far the two plain models differ is the resolution."""
     session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
     att = rt.attach(attached_model, session, sites=["residual"])
     layers = len(att.hookpoints)
@@ -296,12 +299,12 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     skips = counters["inductor"]["cudagraph_skips"]
     try:
         for batch in batches:
-            t = {"plain": [], "ringscope": []}
-            graphs = {"plain": [], "ringscope": []}
+            order = [("plain", plain), ("ringscope", attached_model)] + ([("plain_2", plain_2)] if plain_2 else [])
+            t = {name: [] for name, _ in order}
+            graphs = {name: [] for name, _ in order}
             produced0 = produced()
-            for r in range(rounds):  # interleaved, the order alternating, so that drift falls on both alike
-                order = (("plain", plain), ("ringscope", attached_model))
-                for name, model in (order if r % 2 == 0 else order[::-1]):
+            for r in range(rounds):  # interleaved, the order rotating, so that drift falls on all alike
+                for name, model in order[r % len(order):] + order[:r % len(order)]:
                     t[name].extend(decode_step_times(model, batch, graph_stats=graphs[name]))
             # The attached model's 2 generates per round: PROMPT prefill positions and NEW - 1 decode steps per row and
             # captured layer. Only the prefills' rows means its compiled steps ran a graph without the hooks (session
@@ -318,6 +321,9 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
             res = {"plain_median_ms": a, "ringscope_median_ms": b, "overhead_median_pct": 100 * (b / a - 1),
                    "plain_min_ms": a_min, "ringscope_min_ms": b_min, "overhead_min_pct": 100 * (b_min / a_min - 1),
                    "steps_timed": len(t["plain"]), "rows_produced": rows, "rows_expected": all_steps,
+                   **({"plain_2_median_ms": statistics.median(t["plain_2"]),
+                       "resolution_median_pct": 100 * abs(statistics.median(t["plain_2"]) / a - 1),
+                       "resolution_min_pct": 100 * abs(min(t["plain_2"]) / a_min - 1)} if "plain_2" in t else {}),
                    "steps_begun_in_python": att.step,
                    # per timed generate: graphs recorded, invariant checks per call of the compiled step
                    "graph_trees": {k: v for k, v in graphs.items() if v}}
@@ -341,6 +347,8 @@ def main():
     ap.add_argument("--parts", default="correctness,generate",
                     help="which parts to run, in this order: correctness, generate, profile")
     ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile part")
+    ap.add_argument("--no-second-plain", dest="second_plain", action="store_false",
+                    help="generate part: no second plain model (whose difference from the first is the resolution)")
     ap.add_argument("--mode", choices=("best_effort", "full"), default="best_effort",
                     help="the generate part's policy.mode (full: attach admits every call of the compiled step)")
     ap.add_argument("--cache", choices=("reuse", "fresh"), default="reuse",
@@ -358,13 +366,14 @@ def main():
                "transformers": transformers.__version__, "cache": args.cache,
                "mode": args.mode, "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
+    plain_2 = build_model(args.layers) if args.second_plain else None
     batches = [int(b) for b in args.batches.split(",")]
     parts = []
     for p in args.parts.split(","):
         if p == "correctness":
             parts.append(lambda: correctness(plain, attached_model, results))
         elif p == "generate":
-            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode))
+            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode, plain_2))
         elif p == "profile":
             parts.append(lambda: profile_steps(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
                                                results))
