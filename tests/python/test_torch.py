@@ -82,6 +82,28 @@ def test_generate_rows_equal_output_hidden_states_bit_for_bit(model_type):
     assert checked == (4 + 3) * 2 * n_layers
 
 
+def test_eager_hooks_capture_without_the_custom_ops(monkeypatch):
+    """Run eagerly, attach's hooks call ringscope directly: the torch.library ops (``capture``, ``submit``) exist for
+    torch.compile's traces, and their dispatch cost 80-120 us of host time per call in eager steps (measured on an
+    H100, docs/gpu-benchmarks.md, session 36). With both ops made to fail, an eager generate still captures every
+    row."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager step went through a ringscope custom op")
+    monkeypatch.setattr(rt, "capture", refuse)
+    monkeypatch.setattr(rt, "submit", refuse)
+    model = tiny(layers=2)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, min_new_tokens=3,
+                       do_sample=False, pad_token_id=0)
+    att.detach()
+    rows = sum(len(r.rows) for r in collect(session, sub))
+    assert rows == (4 + 2) * 2, rows  # prompt + 2 decode steps, 2 layers
+
+
 def test_the_capture_op_compiles_without_graph_breaks():
     session = ringscope.Session("")
     hp = session.register("x", dtype="f32", row_width=8)
