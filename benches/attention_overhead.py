@@ -78,7 +78,7 @@ def run_batch(model, batch, steps, rounds, out_dir, results, recordings=3):
         if fam != "a_graph":
             summary[fam]["dropped_rows"] = sum(row[n]["totals"]["dropped_rows"] for n in names)
     base = summary["a_graph"]
-    for fam, v in summary.items():
+    for v in summary.values():
         for m in metrics:
             v[m.replace("_ms", "_overhead")] = v[m] / base[m] - 1
     plains = summary["a_graph"]["recordings_median_ms"]

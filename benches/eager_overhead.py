@@ -5,7 +5,7 @@
 
 Eagerly the hooks run on the host at every step (begin the step, one capture call per hooked module, end it), and
 at small batches the step is host-bound, so their host time is the cost. Variants, each timed twice in the order
-plain, attached, plain, attached (each attached run its own session): ``attach(sites=["residual"])`` on all 16
+plain, attached, attached, plain (each attached run its own session): ``attach(sites=["residual"])`` on all 16
 layers, CUDA ring 2 GiB, best-effort, deferred captures, no sink. Per batch size: the median of ``--steps`` steps, each
 synchronised.
 """
@@ -41,7 +41,7 @@ def main():
                 d._forward()
             d.advance()
         row = {}
-        for name in ("plain", "attached", "plain_2", "attached_2"):
+        for name in ("plain", "attached", "attached_2", "plain_2"):  # ABBA: a linear drift falls on both alike
             s = att = None
             if name.startswith("attached"):
                 s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "2 GiB", "defer_captures": True},

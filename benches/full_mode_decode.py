@@ -204,8 +204,9 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
     for chunk in drain_chunks:
         # The drain's largest device-to-host copy (ring.drain_chunk, 4 MiB by default): fewer, larger copies make
         # fewer driver calls beside the engine's launches.
+        # (4 GiB rings, enough for a block's 12 prefills of 256 MiB: every variant's ring is allocated up front.)
         variants[f"full_no_sink_chunk_{chunk.replace(' ', '')}"] = session(
-            root, "prefill_none_" + chunk.replace(" ", ""), "full", export=None, capacity="8 GiB", drain_chunk=chunk)
+            root, "prefill_none_" + chunk.replace(" ", ""), "full", export=None, capacity="4 GiB", drain_chunk=chunk)
     for fmt in ("parquet", "arrow_ipc"):
         variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
     variants["best_effort_arrow_ipc"] = session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
@@ -227,8 +228,13 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
                 run()
             torch.cuda.synchronize()
             out[k].append((time.perf_counter() - t) * 1e3 / n)
-            # The host's part (outside the timed block): from an idle GPU, how long the forward call takes to return
-            # (launches, hooks, the model's own synchronisations) and until the GPU is done.
+            if s is not None:
+                t = time.perf_counter()
+                s.flush(timeout=600)
+                flush_s[k].append(time.perf_counter() - t)
+            # The host's part (outside the timed block, with the block's rows written): from an idle GPU, how long
+            # the forward call takes to return (launches, hooks, the model's own synchronisations) and until the GPU
+            # is done.
             for _ in range(3):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
@@ -239,9 +245,7 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
                 synced_ms[k].append((time.perf_counter() - t) * 1e3)
             if att is not None:
                 att.detach()
-                t = time.perf_counter()
                 s.flush(timeout=600)
-                flush_s[k].append(time.perf_counter() - t)
     row = {}
     for k, s in variants.items():
         row[k] = {"ms_per_prefill": sorted(out[k])[len(out[k]) // 2], "rounds_ms": out[k],

@@ -289,7 +289,9 @@ def correctness(plain, attached_model, results, new=8):
 
 def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort", plain_2=None):
     """The compiled decode step of `generate`, plain and attached, interleaved; with `plain_2` (a third model, the same
-    weights, never attached) a second plain model too: how far the two plain models differ is the resolution."""
+    weights, never attached) a second plain model too: how far the two plain models differ is the resolution. (The two
+    plain models share their class, so torch.compile's code too, and CUDA graph trees record each one's graphs in
+    one tree: check `graph_trees` — plain_2's invariant checks per call — before reading the resolution.)"""
     session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
     att = rt.attach(attached_model, session, sites=["residual"])
     layers = len(att.hookpoints)
@@ -299,7 +301,8 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     skips = counters["inductor"]["cudagraph_skips"]
     try:
         for batch in batches:
-            order = [("plain", plain), ("ringscope", attached_model)] + ([("plain_2", plain_2)] if plain_2 else [])
+            order = [("plain", plain), ("ringscope", attached_model)] + ([("plain_2", plain_2)] if plain_2 is not None
+                                                                         else [])
             t = {name: [] for name, _ in order}
             graphs = {name: [] for name, _ in order}
             produced0 = produced()
@@ -342,7 +345,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="hf_compiled_overhead.json")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="a multiple of the models timed (3): each goes first as often")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--parts", default="correctness,generate",
                     help="which parts to run, in this order: correctness, generate, profile")
@@ -366,7 +369,7 @@ def main():
                "transformers": transformers.__version__, "cache": args.cache,
                "mode": args.mode, "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
-    plain_2 = build_model(args.layers) if args.second_plain else None
+    plain_2 = build_model(args.layers) if args.second_plain and "generate" in args.parts.split(",") else None
     batches = [int(b) for b in args.batches.split(",")]
     parts = []
     for p in args.parts.split(","):

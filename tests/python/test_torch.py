@@ -93,15 +93,20 @@ def test_eager_hooks_capture_without_the_custom_ops(monkeypatch):
     monkeypatch.setattr(rt, "submit", refuse)
     model = tiny(layers=2)
     session = ringscope.Session({"policy": {"mode": "full"}})
-    att = rt.attach(model, session, sites=("residual",))
+    att = rt.attach(model, session, sites=("residual", "tokens", "logits"))
     sub = session.subscribe("check")
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, min_new_tokens=3,
                        do_sample=False, pad_token_id=0)
     att.detach()
-    rows = sum(len(r.rows) for r in collect(session, sub))
-    assert rows == (4 + 2) * 2, rows  # prompt + 2 decode steps, 2 layers
+    names = {v: k for k, v in att.hookpoints.items()}
+    rows: dict = {}
+    for r in collect(session, sub):
+        rows[names[r.hookpoint]] = rows.get(names[r.hookpoint], 0) + len(r.rows)
+    # The prompt's 4 tokens and 2 decode steps: every layer's residual and every token; logits of the prompt's last
+    # token (generate computes no others) and of each decode step.
+    assert rows == {"layers.0.resid": 6, "layers.1.resid": 6, "tokens": 6, "logits": 3}, rows
 
 
 def test_the_capture_op_compiles_without_graph_breaks():
