@@ -7,7 +7,8 @@ Eagerly the hooks run on the host at every step (begin the step, one capture cal
 at small batches the step is host-bound, so their host time is the cost. Variants, each timed twice in the order
 plain, attached, attached, plain (each attached run its own session): ``attach(sites=["residual"])`` on all 16
 layers, CUDA ring 2 GiB, best-effort, deferred captures, no sink. Per batch size: the median of ``--steps`` steps, each
-synchronised.
+synchronised; and a fifth, instrumented run: the host time per step of attach's begin, captures and end
+(``host_ms_per_step``).
 """
 import argparse
 import json
@@ -23,6 +24,42 @@ from hf_overhead import Decoder, build_model  # noqa: E402
 
 import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
+
+
+class HostParts:
+    """Host time of attach's parts during eager steps, by wrapping them (perf_counter around each call; the wrappers'
+    own cost, ~1 µs a call, is in the numbers): the step's begin (the model's pre-forward hook), each capture (the
+    hooks' ``_capture``; of it, the call into ringscope ``_capture_now``) and the end (the model's forward hook). What
+    the step costs beyond these is torch's hook dispatch and what the GPU does differently."""
+
+    PARTS = (("begin", rt.Attachment, "_begin"), ("capture", rt.Attachment, "_capture"),
+             ("end", rt.Attachment, "_end"), ("capture_now", rt, "_capture_now"))
+
+    def __init__(self):
+        self.ms = {name: 0.0 for name, *_ in self.PARTS}
+        self.saved = []
+
+    def __enter__(self):
+        for name, owner, attr in self.PARTS:
+            orig = getattr(owner, attr)
+            self.saved.append((owner, attr, orig))
+            setattr(owner, attr, self._timed(name, orig))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, orig in reversed(self.saved):
+            setattr(owner, attr, orig)
+
+    def _timed(self, name, fn):
+        ms = self.ms
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ms[name] += (time.perf_counter() - t) * 1e3
+        return timed
 
 
 def main():
@@ -61,6 +98,22 @@ def main():
                 att.detach()
                 totals = s.close()
                 row[name]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+        # Where the attached step's host time goes (a fifth run, instrumented; attach after the wrappers are in).
+        with HostParts() as parts:
+            s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "2 GiB", "defer_captures": True},
+                                   "policy": {"mode": "best_effort"}})
+            att = rt.attach(model, s, sites=["residual"])
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            for k in parts.ms:  # in place: the wrappers hold this dict
+                parts.ms[k] = 0.0
+            for _ in range(args.steps):
+                step()
+                torch.cuda.synchronize()
+            att.detach()
+            s.close()
+        row["host_ms_per_step"] = {k: v / args.steps for k, v in parts.ms.items()}
         plain = statistics.mean(row[k]["median_ms"] for k in ("plain", "plain_2"))
         row["overhead"] = statistics.mean(row[k]["median_ms"] for k in ("attached", "attached_2")) / plain - 1
         row["resolution"] = abs(row["plain_2"]["median_ms"] / row["plain"]["median_ms"] - 1)
