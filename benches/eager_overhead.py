@@ -11,6 +11,7 @@ synchronised; and a fifth, instrumented run: the host time per step of attach's 
 (``host_ms_per_step``).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,6 +51,10 @@ class HostParts:
         for owner, attr, orig in reversed(self.saved):
             setattr(owner, attr, orig)
 
+    def reset(self):
+        for k in self.ms:  # in place: the wrappers hold this dict
+            self.ms[k] = 0.0
+
     def _timed(self, name, fn):
         ms = self.ms
 
@@ -60,6 +65,45 @@ class HostParts:
             finally:
                 ms[name] += (time.perf_counter() - t) * 1e3
         return timed
+
+
+class _Attached:
+    """A best-effort CUDA session (2 GiB ring, deferred captures, no sink) with ``attach(sites=["residual"])`` on
+    ``model`` while the block runs; ``totals``: the session's accounting once closed."""
+
+    def __init__(self, model):
+        self.model, self.totals = model, None
+
+    def __enter__(self):
+        self.session = ringscope.Session({"ring": {"backend": "cuda", "capacity": "2 GiB", "defer_captures": True},
+                                          "policy": {"mode": "best_effort"}})
+        self.att = rt.attach(self.model, self.session, sites=["residual"])
+        return self
+
+    def __exit__(self, *exc):
+        self.att.detach()
+        self.totals = self.session.close()
+
+
+def attached(model, on):
+    """``_Attached(model)`` if ``on``, else a block without ringscope (``as`` gives None)."""
+    return _Attached(model) if on else contextlib.nullcontext()
+
+
+def timed_steps(step, n, warm=5, before=None):
+    """``n`` steps after ``warm`` ones, each synchronised: their times (ms). ``before``: called once warmed up."""
+    for _ in range(warm):
+        step()
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
 
 
 def main():
@@ -79,40 +123,13 @@ def main():
             d.advance()
         row = {}
         for name in ("plain", "attached", "attached_2", "plain_2"):  # ABBA: a linear drift falls on both alike
-            s = att = None
-            if name.startswith("attached"):
-                s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "2 GiB", "defer_captures": True},
-                                       "policy": {"mode": "best_effort"}})
-                att = rt.attach(model, s, sites=["residual"])
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t) * 1e3)
-            row[name] = {"median_ms": statistics.median(times)}
-            if att is not None:
-                att.detach()
-                totals = s.close()
-                row[name]["totals"] = {k: totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
+            with attached(model, name.startswith("attached")) as s:
+                row[name] = {"median_ms": statistics.median(timed_steps(step, args.steps))}
+            if s is not None:
+                row[name]["totals"] = {k: s.totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
         # Where the attached step's host time goes (a fifth run, instrumented; attach after the wrappers are in).
-        with HostParts() as parts:
-            s = ringscope.Session({"ring": {"backend": "cuda", "capacity": "2 GiB", "defer_captures": True},
-                                   "policy": {"mode": "best_effort"}})
-            att = rt.attach(model, s, sites=["residual"])
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            for k in parts.ms:  # in place: the wrappers hold this dict
-                parts.ms[k] = 0.0
-            for _ in range(args.steps):
-                step()
-                torch.cuda.synchronize()
-            att.detach()
-            s.close()
+        with HostParts() as parts, attached(model, True):
+            timed_steps(step, args.steps, before=parts.reset)
         row["host_ms_per_step"] = {k: v / args.steps for k, v in parts.ms.items()}
         plain = statistics.mean(row[k]["median_ms"] for k in ("plain", "plain_2"))
         row["overhead"] = statistics.mean(row[k]["median_ms"] for k in ("attached", "attached_2")) / plain - 1
