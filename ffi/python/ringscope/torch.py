@@ -482,7 +482,7 @@ class Attachment:
         """Starts a step by hand, for CUDA-graph replays (the forward pass inside a graph does not run Python hooks
         at replay): one request id and one position per captured row, in row order. Call before ``replay()``;
         before recording the graph too (captures are recorded inside an open step)."""
-        if stream is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if stream is None and _cuda_available() and torch.cuda.is_initialized():
             stream = torch.cuda.current_stream().cuda_stream
         self.session.begin_step(self.step, request_ids, positions, stream=stream)
         self._open = True
@@ -732,9 +732,9 @@ class Attachment:
         self.step += 1
 
     def _step_tensors(self, request_ids, positions, captures, hookpoints) -> None:
-        if _recording():
-            self._recorded_graph = True  # torch.compile's CUDA graphs (mode="reduce-overhead") record this step
         recording = _recording()
+        if recording:
+            self._recorded_graph = True  # torch.compile's CUDA graphs (mode="reduce-overhead") record this step
         self._begin_tensors(request_ids, positions)
         alive = []  # filtered copies: read by a deferred capture when the step ends, so kept until then
         try:
