@@ -30,7 +30,9 @@ them idle; vLLM's in-process timing saw ~20 µs per call where the idle one is ~
 ``full_ahead``. The timing adds two clock reads to each of ``full_graph``'s and ``full_ahead``'s steps (well under a
 microsecond, below the resolution). Then prefill (8 × 512 tokens, eager) plain (recorded twice: the resolution) vs
 full mode with no sink, into Parquet and into Arrow IPC, and best-effort into Arrow IPC, each session flushed outside
-its timed block (``--only-prefill`` for that part alone).
+its timed block (``--only-prefill`` for that part alone), and next to them references that move the same bytes with
+torch alone (:class:`TorchCopies`: outputs kept alive, an SM copy to a device buffer, a side-stream copy to pinned
+memory, both) — the cost of the traffic itself, apart from ringscope's path.
 """
 import argparse
 import json
@@ -185,7 +187,56 @@ def run_batch(model, batch, steps, rounds, root, results):
     print(json.dumps({f"batch_{batch}": row}, indent=1), flush=True)
 
 
-def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chunks=()):
+class TorchCopies:
+    """A reference without ringscope: every decoder layer's output moved by torch alone, so that what moving a
+    prefill's activations costs by itself is told apart from what ringscope's path adds. ``kind``:
+      ``keep``: no copy; every layer's output is kept alive until the next forward (as deferred captures keep them);
+      ``d2d``: copied into a preallocated device buffer (the SM copy that writing a device ring takes);
+      ``d2h``: copied straight to pinned host memory on a side stream (the copy engine; the tensor is kept from reuse
+          until its copy is done);
+      ``d2d_d2h``: both, a device buffer then a side-stream copy of it to pinned memory (a ring and its drain; four
+          slots of a prefill each, reused in turn).
+    Nothing is checked or kept: the bytes only move."""
+
+    def __init__(self, model, kind, rows, hidden):
+        layers = list(model.model.layers)
+        width = rows * hidden
+        slots = 4 if kind == "d2d_d2h" else 1
+        self.kind, self.slot, self.slots = kind, 0, slots
+        self.dev = torch.empty((slots, len(layers), width), dtype=torch.bfloat16, device=DEV) if "d2d" in kind else None
+        self.host = torch.empty((len(layers), width), dtype=torch.bfloat16, pin_memory=True) if "d2h" in kind else None
+        self.side = torch.cuda.Stream()
+        self.kept = []
+        self.handles = [layer.register_forward_hook(self._hook(i, len(layers))) for i, layer in enumerate(layers)]
+
+    def _hook(self, i, layers):
+        def hook(module, args, output):
+            x = output[0] if isinstance(output, tuple) else output
+            if i == 0:
+                self.kept.clear()
+                self.slot = (self.slot + 1) % self.slots
+            if self.kind == "keep":
+                self.kept.append(x)
+                return
+            src = x.reshape(-1)
+            if self.dev is not None:
+                self.dev[self.slot, i].copy_(src)
+                src = self.dev[self.slot, i]
+            if self.host is not None:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    self.host[i].copy_(src, non_blocking=True)
+                x.record_stream(self.side)
+        return hook
+
+    def detach(self):
+        for h in self.handles:
+            h.remove()
+        self.kept.clear()
+        torch.cuda.synchronize()
+
+
+def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chunks=(), references=True, only=()):
     """Eager prefill, plain against the capturing variants, interleaved (the order rotates every round). The plain
     forward is recorded twice (``plain``, ``plain2``): how far those two differ is the resolution. After each timed
     block the variant's session is flushed *outside* the timer, so that a sink still writing one variant's rows does
@@ -211,7 +262,12 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
         variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
     variants["best_effort_arrow_ipc"] = session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
                                                 capacity="8 GiB")
+    if references:
+        for kind in ("keep", "d2d", "d2h", "d2d_d2h"):
+            variants[f"torch_{kind}"] = kind
     variants["plain2"] = None
+    if only:
+        variants = {k: v for k, v in variants.items() if k in only or k in ("plain", "plain2")}
     out = {k: [] for k in variants}
     flush_s = {k: [] for k in variants}
     host_ms = {k: [] for k in variants}
@@ -220,7 +276,10 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
             s = variants[k]
-            att = rt.attach(model, s, sites=["residual"]) if s is not None else None
+            if isinstance(s, str):
+                att, s = TorchCopies(model, s, batch * tokens, model.config.hidden_size), None
+            else:
+                att = rt.attach(model, s, sites=["residual"]) if s is not None else None
             run()
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -245,13 +304,14 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
                 synced_ms[k].append((time.perf_counter() - t) * 1e3)
             if att is not None:
                 att.detach()
+            if s is not None:
                 s.flush(timeout=600)
     row = {}
     for k, s in variants.items():
         row[k] = {"ms_per_prefill": sorted(out[k])[len(out[k]) // 2], "rounds_ms": out[k],
                   "host_ms_from_idle": sorted(host_ms[k])[len(host_ms[k]) // 2],
                   "synced_ms_from_idle": sorted(synced_ms[k])[len(synced_ms[k]) // 2]}
-        if s is not None:
+        if isinstance(s, ringscope.Session):
             t = time.perf_counter()
             s.flush(timeout=600)
             totals = s.close()
@@ -309,6 +369,8 @@ def main():
     ap.add_argument("--only-prefill", action="store_true")
     ap.add_argument("--drain-chunks", default="", help="prefill: more full-mode variants without a sink, one per "
                     "ring.drain_chunk given (e.g. '32 MiB,128 MiB')")
+    ap.add_argument("--prefill-variants", default="", help="prefill: only these variants (comma-separated; plain and "
+                    "plain2 always)")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
@@ -321,7 +383,8 @@ def main():
             json.dump(results, f, indent=1)
     if args.prefill_rounds > 0:  # --prefill-rounds 0: decode only
         prefill(model, args.dir, results, rounds=args.prefill_rounds,
-                drain_chunks=[c.strip() for c in args.drain_chunks.split(",") if c.strip()])
+                drain_chunks=[c.strip() for c in args.drain_chunks.split(",") if c.strip()],
+                only=[v.strip() for v in args.prefill_variants.split(",") if v.strip()])
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -362,6 +362,43 @@ def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(
     assert sorted(pos for _, _, pos, _ in got["tokens"]) == [0, 1, 2]
 
 
+def test_an_eager_prefill_makes_the_host_wait_for_the_gpu_no_more_often_than_the_plain_model():
+    """At every prefill `attach` wrote the step's request ids into the tensor recorded graphs read with a copy from
+    pageable memory, which waits for everything queued on the stream first: with prefills launched back to back the
+    GPU then idled while the host prepared the step. The host's waits are counted by torch's sync debug mode (one
+    warning per synchronising call): the attached forward pass may make no more of them than the plain one (the
+    model's own: transformers' mask creation reads a device value)."""
+    import warnings
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = tiny("cuda", layers=2)
+    ids = torch.randint(3, 100, (2, 6), device="cuda")
+
+    def waits():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+
+    waits()
+    plain = waits()
+    session = ringscope.Session({"ring": {"backend": "cuda"}, "policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual", "tokens", "logits"))
+    try:
+        waits()  # the first pass makes the request-id tensor
+        attached = [waits() for _ in range(3)]  # each a new prefill: new request ids written
+    finally:
+        att.detach()
+    stats = session.close()
+    assert all(a == plain for a in attached), (plain, attached)
+    assert stats["produced_rows"] == stats["exported_rows"] == 4 * 2 * 6 * (2 + 2)  # 4 passes x 12 rows x 4 hookpoints
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_logits_of_the_last_prompt_token_are_captured_as_that_token(device):
     prompts, _, out, got = generate_left_padded(device, ("logits",), 2, output_logits=True)

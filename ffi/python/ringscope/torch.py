@@ -191,6 +191,24 @@ def _device_ids(ids: List[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a CPU tensor ``src``, without the host waiting for the device where ``dst`` is a CUDA
+    tensor: from pinned memory, non-blocking, ordered on the current stream (torch's pinned-memory cache keeps the
+    pinned copy until the device has read it). A copy from pageable memory first waits for everything queued on the
+    stream: at every eager prefill the GPU then idled while the host prepared the step."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor ``x`` on ``device``, copied as :func:`_copy_in` copies (no host wait for the device)."""
+    if torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 _TOO_FEW_IDS = ("attach: compiling or recording a graph of a batch larger than the request-id tensor, which must exist "
                 "before: run one eager forward pass of that batch size first (the usual warm-up) or call "
                 "set_request_ids(...)")
@@ -361,7 +379,7 @@ class Attachment:
             t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
             ids = self.request_ids if self.request_ids is not None else self._auto_ids
             if ids is not None and len(ids) <= t.numel():
-                t[:len(ids)].copy_(_device_ids(ids))
+                _copy_in(t[:len(ids)], _device_ids(ids))
         return t[:batch]
 
     def current_request_ids(self, batch: int) -> List[int]:
@@ -384,7 +402,7 @@ class Attachment:
         ids = _device_ids(self._auto_ids)
         for t in self._id_tensors():
             n = min(batch, t.numel())
-            t[:n].copy_(ids[:n])
+            _copy_in(t[:n], ids[:n])  # stream-ordered before this step's kernels and any graph replayed after it
 
     def _mark_finished(self, rows) -> None:
         """Rows whose sequences ``generate`` ended (ProbeStoppingCriteria): left out of the steps that follow."""
@@ -634,7 +652,7 @@ class Attachment:
         if keep is not None and not bool(keep.all()):
             flat = keep.reshape(-1).numpy()
             reqs, positions = reqs[flat], positions[flat]
-            self._kept = torch.from_numpy(np.flatnonzero(flat)).to(device)
+            self._kept = _to_device(torch.from_numpy(np.flatnonzero(flat)), device)
         self._step_shape = (batch, seq)
         if len(reqs) == 0:
             # Every row is padding or an ended sequence: no step (a step has rows), and the hooks capture nothing.
