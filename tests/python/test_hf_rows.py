@@ -362,28 +362,33 @@ def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(
     assert sorted(pos for _, _, pos, _ in got["tokens"]) == [0, 1, 2]
 
 
+def _host_waits(call):
+    """The host's waits for the GPU during ``call()``, as torch's sync debug mode warns of them (one per call)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.no_grad():
+                call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+
+
 def test_an_eager_prefill_makes_the_host_wait_for_the_gpu_no_more_often_than_the_plain_model():
     """At every prefill `attach` wrote the step's request ids into the tensor recorded graphs read with a copy from
     pageable memory, which waits for everything queued on the stream first: with prefills launched back to back the
     GPU then idled while the host prepared the step. The host's waits are counted by torch's sync debug mode (one
     warning per synchronising call): the attached forward pass may make no more of them than the plain one (the
     model's own: transformers' mask creation reads a device value)."""
-    import warnings
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = tiny("cuda", layers=2)
     ids = torch.randint(3, 100, (2, 6), device="cuda")
 
     def waits():
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with torch.no_grad():
-                    model(input_ids=ids, use_cache=False)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+        return _host_waits(lambda: model(input_ids=ids, use_cache=False))
 
     waits()
     plain = waits()
@@ -397,6 +402,39 @@ def test_an_eager_prefill_makes_the_host_wait_for_the_gpu_no_more_often_than_the
     stats = session.close()
     assert all(a == plain for a in attached), (plain, attached)
     assert stats["produced_rows"] == stats["exported_rows"] == 4 * 2 * 6 * (2 + 2)  # 4 passes x 12 rows x 4 hookpoints
+
+
+def test_an_eager_decode_step_reads_the_device_values_it_needs_with_one_wait():
+    """An eager decode step of `generate`'s kind (cache position, positions, attention mask, a model with an EOS
+    token) needs a few device values on the host to begin the step; `attach` read them one by one, each a wait for
+    the GPU. One wait for all of them now: the attached step may wait at most once more than the plain one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = tiny("cuda", layers=2)
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]], device="cuda")
+
+    def decode_waits():
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, use_cache=True)
+        n = prompt.shape[1]
+        return _host_waits(lambda: model(
+            input_ids=torch.tensor([[20], [21]], device="cuda"),
+            attention_mask=torch.ones((2, n + 1), dtype=torch.int64, device="cuda"),
+            cache_position=torch.tensor([n], device="cuda"), position_ids=torch.full((2, 1), n, device="cuda"),
+            past_key_values=cache, use_cache=True))
+
+    decode_waits()
+    plain = decode_waits()
+    session = ringscope.Session({"ring": {"backend": "cuda"}, "policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    try:
+        decode_waits()
+        attached = decode_waits()
+    finally:
+        att.detach()
+    session.close()
+    assert len(attached) <= len(plain) + 1, (plain, attached)
 
 
 @pytest.mark.parametrize("device", DEVICES)

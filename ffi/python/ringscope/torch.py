@@ -191,6 +191,24 @@ def _device_ids(ids: List[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def _on_host(**tensors: Optional[torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
+    """CPU copies (detached) of the given tensors (``None`` stays ``None``), with one wait for the device at most: the
+    CUDA ones are copied without blocking, in stream order on their devices' current streams, then each such stream
+    is waited for once. An eager step's begin reads up to four small device values (the cache position, positions,
+    the attention mask, the last tokens); read one by one, each was a device round trip on the host's path."""
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    devices = set()
+    for name, t in tensors.items():
+        if t is not None and t.is_cuda:
+            out[name] = t.detach().to("cpu", non_blocking=True)
+            devices.add(t.device)
+        else:
+            out[name] = None if t is None else t.detach()
+    for d in devices:
+        torch.cuda.current_stream(d).synchronize()
+    return out
+
+
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for a CPU tensor ``src``, without the host waiting for the device where ``dst`` is a CUDA
     tensor: from pinned memory, non-blocking, ordered on the current stream (torch's pinned-memory cache keeps the
@@ -555,9 +573,18 @@ class Attachment:
         # (The cache is asked only without cache_position: a static cache counts its tokens with device kernels.)
         cp = kwargs.get("cache_position")
         mask = kwargs.get("attention_mask")
+        ids_in = kwargs.get("input_ids", args[0] if args else None)
+        # What the host reads of the model's device tensors, read with one wait for the device (not one per value).
+        host = _on_host(cp=cp.reshape(-1)[:1] if isinstance(cp, torch.Tensor) and cp.numel() > 0 else None,
+                        pos=pos if isinstance(pos, torch.Tensor) else None,
+                        mask=mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None,
+                        last=ids_in[:, -1] if self._ended_tokens and isinstance(ids_in, torch.Tensor)
+                        and ids_in.dim() == 2 else None)
+        if host["pos"] is not None:
+            pos = host["pos"]
         past_len = None
-        if isinstance(cp, torch.Tensor) and cp.numel() > 0:
-            past_len = int(cp.reshape(-1)[0])
+        if host["cp"] is not None:
+            past_len = int(host["cp"][0])
         else:
             past = kwargs.get("past_key_values", kwargs.get("cache"))
             if past is not None and hasattr(past, "get_seq_length"):
@@ -575,17 +602,16 @@ class Attachment:
         # Real token positions and padding from the attention mask (left-padded batches: `generate` pads on the left,
         # and padding rows are no tokens of any request), when it covers the whole sequence so far.
         keep = None
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tuple(mask.shape) == (batch, past_len + seq):
-            m = mask.detach().to("cpu") != 0
+        if host["mask"] is not None and tuple(mask.shape) == (batch, past_len + seq):
+            m = host["mask"] != 0
             if not bool(m.all()):
                 pos = (m.to(torch.int64).cumsum(-1) - 1).clamp(min=0)[:, -seq:]
                 keep = m[:, -seq:].clone()
         # Sequences that ended: a row fed its EOS token generated it at the step before (``generate`` keeps a finished
         # row in the batch, feeding it padding), so from here on its rows are no request's tokens.
-        ids_in = kwargs.get("input_ids", args[0] if args else None)
         ended_now = None
-        if past_len > 0 and self._ended_tokens and isinstance(ids_in, torch.Tensor) and ids_in.dim() == 2:
-            last = ids_in[:, -1].detach().to("cpu").numpy()
+        if past_len > 0 and host["last"] is not None:
+            last = host["last"].numpy()
             self._finished |= _one_of(last, self._eos)
             # A row fed the pad token is an ended sequence's too (one that a stopping criterion ended), at this step.
             ended_now = self._finished | _one_of(last, self._ended_tokens)
