@@ -22,8 +22,10 @@ interleaves all three), one with ringscope attached (`ring.backend = "cuda"`, be
 """
 import argparse
 import collections
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -115,7 +117,8 @@ def _cache_kwargs(model, batch, new):
 NEW = 64  # tokens each timed generate makes: the prefill's first and NEW - 1 compiled decode steps
 
 
-def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host_times=None, graph_stats=None):
+def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host_times=None, graph_stats=None,
+                      host_profile=None):
     """Per decode step of `generate` with a static cache (see CACHE_MODE) as a user calls it: transformers compiles
     the step (`model.get_compiled_call`: torch.compile, mode "reduce-overhead", CUDA graph trees); each call of that
     compiled step is timed here, synchronised before and after (the prefill, not compiled, is not a step here).
@@ -123,7 +126,9 @@ def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host
     `profiler`: a torch.profiler started before the first timed call and stopped when `generate` returns.
     `host_times` (a list): the GPU is kept busy (a sleep kernel) while the host calls the step, so that the CUDA events
     time the GPU's work alone (into `gpu_times`) and the host's time to return from the call goes into `host_times`.
-    `graph_stats` (a list): gets what CUDA graph trees did during the timed `generate` (GraphTreeCounters.since)."""
+    `graph_stats` (a list): gets what CUDA graph trees did during the timed `generate` (GraphTreeCounters.since).
+    `host_profile` (a cProfile.Profile): enabled around each call of the compiled step from the third on (the Python
+    that runs on the host during the call: guards, hooks, CUDA graph trees' replay)."""
     ids = torch.randint(0, 1000, (batch, PROMPT), device=DEV)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
               pad_token_id=0)
@@ -154,7 +159,12 @@ def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host
                     torch.cuda._sleep(5_000_000)  # a few ms: longer than the host takes to launch the step
                 start.record()
             h = time.perf_counter()
-            out = inner(*args, **kwargs)
+            if host_profile is not None and len(times) >= 2:
+                host_profile.enable()
+                out = inner(*args, **kwargs)
+                host_profile.disable()
+            else:
+                out = inner(*args, **kwargs)
             if host_times is not None:
                 host_times.append((time.perf_counter() - h) * 1e3)
             if gpu_times is not None:
@@ -184,13 +194,25 @@ def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host
     return times[2:]  # the first calls of a new generate may re-record
 
 
+def host_functions(prof, calls):
+    """Per call: {"file:line(function)": (own time in µs, calls)} of a cProfile run (its own time: without callees;
+    built-in calls are entries of their own)."""
+    out = {}
+    for (path, line, func), (_, ncalls, tottime, _, _) in pstats.Stats(prof).stats.items():
+        out[f"{os.path.basename(path)}:{line}({func})"] = (tottime * 1e6 / calls, ncalls / calls)
+    return out
+
+
 def profile_steps(plain, attached_model, batches, results, top=14):
     """Where a compiled decode step's time goes: plain, attached at every layer, attached at layer 0 only. For each,
     per call of the compiled step: wall time and GPU time (CUDA events around the call; then again with the GPU kept
     busy while the host launches the step: the GPU's work alone, and the host's time to return), medians; the kernels of
     a `generate` under torch.profiler from its third compiled step on (the eager work `generate` does between steps
     included: the same for all three), as device microseconds per step by kernel name (the largest `top`, and every
-    kernel whose time per step differs from the plain model's by more than 2 us)."""
+    kernel whose time per step differs from the plain model's by more than 2 us); and the Python the host runs during
+    each call, under cProfile (another `generate`: the call's own time per function, the largest 25, and every
+    function whose time per call differs from the plain model's by more than 3 us — cProfile's own cost is in these
+    numbers, alike for all three)."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(prof, steps):
@@ -216,6 +238,8 @@ def profile_steps(plain, attached_model, batches, results, top=14):
                     decode_step_times(model, batch, gpu_times=gpu_alone, host_times=host, graph_stats=graphs)
                 prof = profile(activities=[ProfilerActivity.CUDA])
                 per = kernels(prof, len(decode_step_times(model, batch, profiler=prof)))
+                hprof = cProfile.Profile()
+                python = host_functions(hprof, len(decode_step_times(model, batch, host_profile=hprof)))
             finally:
                 if att is not None:
                     att.detach()
@@ -228,17 +252,25 @@ def profile_steps(plain, attached_model, batches, results, top=14):
                             "kernels_per_step": sum(v[1] for v in per.values()),
                             "top": {k: [round(v[0], 2), round(v[1], 2)]
                                     for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]},
-                            "_all": per}
+                            "host_python_us_per_call": round(sum(v[0] for v in python.values()), 1),
+                            "host_top": {k: [round(v[0], 2), round(v[1], 2)]
+                                         for k, v in sorted(python.items(), key=lambda kv: -kv[1][0])[:25]},
+                            "_all": per, "_python": python}
             print(json.dumps({"batch": batch, "variant": variant,
-                              **{k: v for k, v in out[variant].items() if k != "_all"}}), flush=True)
+                              **{k: v for k, v in out[variant].items() if not k.startswith("_")}}), flush=True)
         base = out["plain"].pop("_all")
+        base_python = out["plain"].pop("_python")
         for variant in ("all layers", "layer 0 only"):
             per = out[variant].pop("_all")
-            diff = {k: round(per.get(k, (0, 0))[0] - base.get(k, (0, 0))[0], 2) for k in set(per) | set(base)}
-            out[variant]["differs_from_plain_us"] = {k: v for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))
-                                                     if abs(v) > 2}
+            python = out[variant].pop("_python")
+            for key, mine, theirs, least in (("differs_from_plain_us", per, base, 2),
+                                             ("host_python_differs_from_plain_us", python, base_python, 3)):
+                diff = {k: round(mine.get(k, (0, 0))[0] - theirs.get(k, (0, 0))[0], 2) for k in set(mine) | set(theirs)}
+                out[variant][key] = {k: v for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if abs(v) > least}
             print(json.dumps({"batch": batch, "variant": variant,
-                              "differs_from_plain_us": out[variant]["differs_from_plain_us"]}), flush=True)
+                              "differs_from_plain_us": out[variant]["differs_from_plain_us"],
+                              "host_python_differs_from_plain_us": out[variant]["host_python_differs_from_plain_us"]}),
+                  flush=True)
         results.setdefault("profile", {})[str(batch)] = out
 
 
