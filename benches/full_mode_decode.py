@@ -195,7 +195,8 @@ class TorchCopies:
       ``d2h``: copied straight to pinned host memory on a side stream (the copy engine; the tensor is kept from reuse
           until its copy is done);
       ``d2d_d2h``: both, a device buffer then a side-stream copy of it to pinned memory (a ring and its drain; four
-          slots of a prefill each, reused in turn).
+          slots of a prefill each, reused in turn without waiting for their copies — no back-pressure, as the drain
+          keeps up: ~5 ms of copies per ~25 ms prefill).
     Nothing is checked or kept: the bytes only move."""
 
     def __init__(self, model, kind, rows, hidden):
@@ -247,27 +248,32 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
 
-    variants = {"plain": None, "full_no_sink": session(root, "prefill_none", "full", export=None, capacity="8 GiB"),
-                "best_effort_no_sink": session(root, "prefill_be_none", "best_effort", export=None, capacity="8 GiB"),
-                # One copy kernel per layer as it runs, instead of one for the step beside the LM head.
-                "full_no_sink_immediate": session(root, "prefill_none_imm", "full", defer=False, export=None,
-                                                  capacity="8 GiB")}
+    # Each variant's session is made only if the variant runs (every ring is allocated up front).
+    makers = {"plain": lambda: None,
+              "full_no_sink": lambda: session(root, "prefill_none", "full", export=None, capacity="8 GiB"),
+              "best_effort_no_sink": lambda: session(root, "prefill_be_none", "best_effort", export=None,
+                                                     capacity="8 GiB"),
+              # One copy kernel per layer as it runs, instead of one for the step beside the LM head.
+              "full_no_sink_immediate": lambda: session(root, "prefill_none_imm", "full", defer=False, export=None,
+                                                        capacity="8 GiB")}
     for chunk in drain_chunks:
         # The drain's largest device-to-host copy (ring.drain_chunk, 4 MiB by default): fewer, larger copies make
         # fewer driver calls beside the engine's launches.
-        # (4 GiB rings, enough for a block's 12 prefills of 256 MiB: every variant's ring is allocated up front.)
-        variants[f"full_no_sink_chunk_{chunk.replace(' ', '')}"] = session(
+        # (4 GiB rings, enough for a block's 12 prefills of 256 MiB.)
+        makers[f"full_no_sink_chunk_{chunk.replace(' ', '')}"] = lambda chunk=chunk: session(
             root, "prefill_none_" + chunk.replace(" ", ""), "full", export=None, capacity="4 GiB", drain_chunk=chunk)
     for fmt in ("parquet", "arrow_ipc"):
-        variants[f"full_{fmt}"] = session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
-    variants["best_effort_arrow_ipc"] = session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
-                                                capacity="8 GiB")
+        makers[f"full_{fmt}"] = lambda fmt=fmt: session(root, f"prefill_{fmt}", "full", export=fmt, capacity="8 GiB")
+    makers["best_effort_arrow_ipc"] = lambda: session(root, "prefill_be_ipc", "best_effort", export="arrow_ipc",
+                                                      capacity="8 GiB")
     if references:
         for kind in ("keep", "d2d", "d2h", "d2d_d2h"):
-            variants[f"torch_{kind}"] = kind
-    variants["plain2"] = None
-    if only:
-        variants = {k: v for k, v in variants.items() if k in only or k in ("plain", "plain2")}
+            makers[f"torch_{kind}"] = lambda kind=kind: kind
+    makers["plain2"] = lambda: None
+    unknown = set(only) - set(makers)
+    if unknown:
+        raise SystemExit(f"--prefill-variants: no variant {sorted(unknown)} (there are {list(makers)})")
+    variants = {k: make() for k, make in makers.items() if not only or k in only or k in ("plain", "plain2")}
     out = {k: [] for k in variants}
     flush_s = {k: [] for k in variants}
     host_ms = {k: [] for k in variants}

@@ -199,7 +199,9 @@ def host_functions(prof, calls):
     built-in calls are entries of their own)."""
     out = {}
     for (path, line, func), (_, ncalls, tottime, _, _) in pstats.Stats(prof).stats.items():
-        out[f"{os.path.basename(path)}:{line}({func})"] = (tottime * 1e6 / calls, ncalls / calls)
+        key = f"{os.path.basename(path)}:{line}({func})"  # (two files of one name: their entries add up)
+        was = out.get(key, (0.0, 0.0))
+        out[key] = (was[0] + tottime * 1e6 / calls, was[1] + ncalls / calls)
     return out
 
 
@@ -211,8 +213,8 @@ def profile_steps(plain, attached_model, batches, results, top=14):
     included: the same for all three), as device microseconds per step by kernel name (the largest `top`, and every
     kernel whose time per step differs from the plain model's by more than 2 us); and the Python the host runs during
     each call, under cProfile (another `generate`: the call's own time per function, the largest 25, and every
-    function whose time per call differs from the plain model's by more than 3 us — cProfile's own cost is in these
-    numbers, alike for all three)."""
+    function whose time per call differs from the plain model's by more than 3 us — cProfile's own cost, which grows
+    with the number of Python calls, is in these numbers: the attached model's differences are inflated by it)."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(prof, steps):

@@ -362,6 +362,38 @@ def test_a_forward_pass_whose_rows_all_ended_captures_nothing_and_does_not_fail(
     assert sorted(pos for _, _, pos, _ in got["tokens"]) == [0, 1, 2]
 
 
+def test_an_eager_step_asks_the_device_only_for_the_values_it_needs(monkeypatch):
+    """The begin of an eager step reads device values on the host (through ``_on_host``, one wait for all): a prefill
+    given neither positions nor a mask nor a cache position needs none — were it to read any (the last tokens, say,
+    which only later steps use), the host would wait for the GPU at every prefill (CPU here: what is asked is the
+    same on a GPU, where test_an_eager_prefill_makes_the_host_wait_for_the_gpu_no_more_often_than_the_plain_model
+    counts the waits)."""
+    asked = []
+    original = rt._on_host
+
+    def recorder(**tensors):
+        asked.append(sorted(k for k, t in tensors.items() if t is not None))
+        return original(**tensors)
+    monkeypatch.setattr(rt, "_on_host", recorder)
+    model = tiny("cpu", layers=2)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7], [9, 10, 11]]), use_cache=False)
+            assert asked == [[]]
+            cache = transformers.DynamicCache()
+            model(input_ids=torch.tensor([[5, 6, 7], [9, 10, 11]]), attention_mask=torch.ones(2, 3, dtype=torch.int64),
+                  past_key_values=cache, use_cache=True)
+            assert asked[1] == ["mask"]  # a prefill: no last tokens
+            model(input_ids=torch.tensor([[2], [12]]), attention_mask=torch.ones(2, 4, dtype=torch.int64),
+                  cache_position=torch.tensor([3]), past_key_values=cache, use_cache=True)
+            assert asked[2] == ["cp", "last", "mask", "pos"]  # a decode step: all in one call
+    finally:
+        att.detach()
+    session.close()
+
+
 def _host_waits(call):
     """The host's waits for the GPU during ``call()``, as torch's sync debug mode warns of them (one per call)."""
     import warnings
@@ -380,8 +412,8 @@ def test_an_eager_prefill_makes_the_host_wait_for_the_gpu_no_more_often_than_the
     """At every prefill `attach` wrote the step's request ids into the tensor recorded graphs read with a copy from
     pageable memory, which waits for everything queued on the stream first: with prefills launched back to back the
     GPU then idled while the host prepared the step. The host's waits are counted by torch's sync debug mode (one
-    warning per synchronising call): the attached forward pass may make no more of them than the plain one (the
-    model's own: transformers' mask creation reads a device value)."""
+    warning per synchronising call): the attached forward pass must make the same ones as the plain one (the model's
+    own: transformers' mask creation reads a device value)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = tiny("cuda", layers=2)

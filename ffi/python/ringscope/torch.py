@@ -203,7 +203,7 @@ def _on_host(**tensors: Optional[torch.Tensor]) -> Dict[str, Optional[torch.Tens
             out[name] = t.detach().to("cpu", non_blocking=True)
             devices.add(t.device)
         else:
-            out[name] = None if t is None else t.detach()
+            out[name] = None if t is None else t.detach().to("cpu")
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
     return out
@@ -420,7 +420,9 @@ class Attachment:
         ids = _device_ids(self._auto_ids)
         for t in self._id_tensors():
             n = min(batch, t.numel())
-            _copy_in(t[:n], ids[:n])  # stream-ordered before this step's kernels and any graph replayed after it
+            # Stream-ordered before this step's kernels and any graph replayed after it on this stream (or on one
+            # that waits for it, as the replay must for the cache this step fills).
+            _copy_in(t[:n], ids[:n])
 
     def _mark_finished(self, rows) -> None:
         """Rows whose sequences ``generate`` ended (ProbeStoppingCriteria): left out of the steps that follow."""
@@ -574,24 +576,29 @@ class Attachment:
         cp = kwargs.get("cache_position")
         mask = kwargs.get("attention_mask")
         ids_in = kwargs.get("input_ids", args[0] if args else None)
-        # What the host reads of the model's device tensors, read with one wait for the device (not one per value).
-        host = _on_host(cp=cp.reshape(-1)[:1] if isinstance(cp, torch.Tensor) and cp.numel() > 0 else None,
-                        pos=pos if isinstance(pos, torch.Tensor) else None,
-                        mask=mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None,
-                        last=ids_in[:, -1] if self._ended_tokens and isinstance(ids_in, torch.Tensor)
-                        and ids_in.dim() == 2 else None)
-        if host["pos"] is not None:
-            pos = host["pos"]
+        cp1 = cp.reshape(-1)[:1] if isinstance(cp, torch.Tensor) and cp.numel() > 0 else None
         past_len = None
-        if host["cp"] is not None:
-            past_len = int(host["cp"][0])
-        else:
+        if cp1 is None:
             past = kwargs.get("past_key_values", kwargs.get("cache"))
             if past is not None and hasattr(past, "get_seq_length"):
                 past_len = past.get_seq_length()
             if past_len is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
                 past_len = mask.shape[1] - seq
-        past_len = past_len or 0
+            past_len = past_len or 0
+        # What the host reads of the model's device tensors, read with one wait for the device (not one per value),
+        # and only what this step needs: a prefill without them (no positions, no mask, no cache position) reads
+        # nothing and does not wait. The mask: where it covers the whole sequence so far; the last tokens: after the
+        # first step (a row fed its EOS token generated it at the step before).
+        mask_covers = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and (
+            mask.shape[1] >= seq if past_len is None else mask.shape[1] == past_len + seq)
+        last_needed = bool(self._ended_tokens) and isinstance(ids_in, torch.Tensor) and ids_in.dim() == 2 and (
+            past_len is None or past_len > 0)
+        host = _on_host(cp=cp1, pos=pos if isinstance(pos, torch.Tensor) else None,
+                        mask=mask if mask_covers else None, last=ids_in[:, -1] if last_needed else None)
+        if host["pos"] is not None:
+            pos = host["pos"]
+        if past_len is None:
+            past_len = int(cast(torch.Tensor, host["cp"])[0])  # (cp1 was given)
         if pos is None:
             pos = torch.arange(past_len, past_len + seq)
         if self.request_ids is not None and len(self.request_ids) != batch:
@@ -602,7 +609,7 @@ class Attachment:
         # Real token positions and padding from the attention mask (left-padded batches: `generate` pads on the left,
         # and padding rows are no tokens of any request), when it covers the whole sequence so far.
         keep = None
-        if host["mask"] is not None and tuple(mask.shape) == (batch, past_len + seq):
+        if host["mask"] is not None and host["mask"].shape[1] == past_len + seq:
             m = host["mask"] != 0
             if not bool(m.all()):
                 pos = (m.to(torch.int64).cumsum(-1) - 1).clamp(min=0)[:, -seq:]
