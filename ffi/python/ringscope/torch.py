@@ -209,22 +209,12 @@ def _on_host(**tensors: Optional[torch.Tensor]) -> Dict[str, Optional[torch.Tens
     return out
 
 
-def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a CPU tensor ``src``, without the host waiting for the device where ``dst`` is a CUDA
-    tensor: from pinned memory, non-blocking, ordered on the current stream (torch's pinned-memory cache keeps the
-    pinned copy until the device has read it). A copy from pageable memory first waits for everything queued on the
-    stream: at every eager prefill the GPU then idled while the host prepared the step."""
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
-
-
-def _to_device(x: torch.Tensor, device) -> torch.Tensor:
-    """A CPU tensor ``x`` on ``device``, copied as :func:`_copy_in` copies (no host wait for the device)."""
-    if torch.device(device).type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
+def _staged(x: torch.Tensor, device) -> torch.Tensor:
+    """``x`` (a CPU tensor) as the source of a non-blocking copy to ``device`` that the host does not wait for: pinned
+    where ``device`` is a CUDA device (torch's pinned-memory cache keeps it until the device has read it), as it is
+    elsewhere. A copy from pageable memory first waits for everything queued on the stream: at every eager prefill the
+    GPU then idled while the host prepared the step."""
+    return x.pin_memory() if torch.device(device).type == "cuda" else x
 
 
 _TOO_FEW_IDS = ("attach: compiling or recording a graph of a batch larger than the request-id tensor, which must exist "
@@ -397,7 +387,7 @@ class Attachment:
             t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
             ids = self.request_ids if self.request_ids is not None else self._auto_ids
             if ids is not None and len(ids) <= t.numel():
-                _copy_in(t[:len(ids)], _device_ids(ids))
+                t[:len(ids)].copy_(_staged(_device_ids(ids), device), non_blocking=True)
         return t[:batch]
 
     def current_request_ids(self, batch: int) -> List[int]:
@@ -422,7 +412,7 @@ class Attachment:
             n = min(batch, t.numel())
             # Stream-ordered before this step's kernels and any graph replayed after it on this stream (or on one
             # that waits for it, as the replay must for the cache this step fills).
-            _copy_in(t[:n], ids[:n])
+            t[:n].copy_(_staged(ids[:n], t.device), non_blocking=True)
 
     def _mark_finished(self, rows) -> None:
         """Rows whose sequences ``generate`` ended (ProbeStoppingCriteria): left out of the steps that follow."""
@@ -685,7 +675,7 @@ class Attachment:
         if keep is not None and not bool(keep.all()):
             flat = keep.reshape(-1).numpy()
             reqs, positions = reqs[flat], positions[flat]
-            self._kept = _to_device(torch.from_numpy(np.flatnonzero(flat)), device)
+            self._kept = _staged(torch.from_numpy(np.flatnonzero(flat)), device).to(device, non_blocking=True)
         self._step_shape = (batch, seq)
         if len(reqs) == 0:
             # Every row is padding or an ended sequence: no step (a step has rows), and the hooks capture nothing.
