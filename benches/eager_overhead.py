@@ -7,7 +7,8 @@ Eagerly the hooks run on the host at every step (begin the step, one capture cal
 at small batches the step is host-bound, so their host time is the cost. Variants, each timed twice in the order
 plain, attached, attached, plain (each attached run its own session): ``attach(sites=["residual"])`` on all 16
 layers, CUDA ring 2 GiB, best-effort, deferred captures, no sink. Per batch size: the median of ``--steps`` steps, each
-synchronised; and a fifth, instrumented run: the host time per step of attach's begin, captures and end
+synchronised, then the mean of as many pipelined (one sync at the end; hf_overhead.time_steps); and a fifth,
+instrumented run: the host time per step of attach's begin, captures and end
 (``host_ms_per_step``).
 """
 import argparse
@@ -21,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_overhead import Decoder, build_model  # noqa: E402
+from hf_overhead import PROMPT, Decoder, build_model, time_steps  # noqa: E402
 
 import ringscope  # noqa: E402
 import ringscope.torch as rt  # noqa: E402
@@ -90,32 +91,27 @@ def attached(model, on):
     return _Attached(model) if on else contextlib.nullcontext()
 
 
-def timed_steps(step, n, warm=5, before=None):
-    """``n`` steps after ``warm`` ones, each synchronised: their times (ms). ``before``: called once warmed up."""
-    for _ in range(warm):
-        step()
-    torch.cuda.synchronize()
-    if before is not None:
-        before()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="eager_overhead.json")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches: comma-separated batch sizes, got {args.batches!r}")
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches: batch sizes of at least 1, got {args.batches!r}")
+    if args.steps < 2:
+        ap.error(f"--steps: at least 2 steps per run, got {args.steps}")
     model = build_model(16)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for batch in (int(b) for b in args.batches.split(",")):
-        d = Decoder(model, batch, 64 + 4 * (args.steps + 5) + 16, record=False)
+    warm = 5
+    for batch in batches:
+        # Five runs of warm-up, synchronised and pipelined steps, each at the next position (and the decoder's three
+        # warm-up passes, which a StaticCache counts too).
+        d = Decoder(model, batch, PROMPT + 3 + 5 * (warm + 2 * args.steps) + 8, record=False)
 
         def step():
             with torch.no_grad():
@@ -124,13 +120,21 @@ def main():
         row = {}
         for name in ("plain", "attached", "attached_2", "plain_2"):  # ABBA: a linear drift falls on both alike
             with attached(model, name.startswith("attached")) as s:
-                row[name] = {"median_ms": statistics.median(timed_steps(step, args.steps))}
+                synced, pipelined = time_steps(step, args.steps, warm=warm, raw=True)
+                row[name] = {"median_ms": statistics.median(synced), "pipelined_ms": pipelined}
             if s is not None:
                 row[name]["totals"] = {k: s.totals[k] for k in ("produced_rows", "exported_rows", "dropped_rows")}
         # Where the attached step's host time goes (a fifth run, instrumented; attach after the wrappers are in).
+        # The synchronised steps' parts: from the start of that phase to the start of the next.
+        synced_ms = {}
         with HostParts() as parts, attached(model, True):
-            timed_steps(step, args.steps, before=parts.reset)
-        row["host_ms_per_step"] = {k: v / args.steps for k, v in parts.ms.items()}
+            def on_phase(phase):
+                if phase == "synced":
+                    parts.reset()
+                elif phase == "pipelined":
+                    synced_ms.update(parts.ms)
+            time_steps(step, args.steps, warm=warm, on_phase=on_phase)
+        row["host_ms_per_step"] = {k: v / args.steps for k, v in synced_ms.items()}
         plain = statistics.mean(row[k]["median_ms"] for k in ("plain", "plain_2"))
         row["overhead"] = statistics.mean(row[k]["median_ms"] for k in ("attached", "attached_2")) / plain - 1
         row["resolution"] = abs(row["plain_2"]["median_ms"] / row["plain"]["median_ms"] - 1)

@@ -237,18 +237,9 @@ class TorchCopies:
         torch.cuda.synchronize()
 
 
-def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chunks=(), references=True, only=()):
-    """Eager prefill, plain against the capturing variants, interleaved (the order rotates every round). The plain
-    forward is recorded twice (``plain``, ``plain2``): how far those two differ is the resolution. After each timed
-    block the variant's session is flushed *outside* the timer, so that a sink still writing one variant's rows does
-    not run beside the next variant's block (a variant's own sink work during its block counts: that is its cost)."""
-    ids = torch.randint(0, 1000, (batch, tokens), device=DEV)
-
-    def run():
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-
-    # Each variant's session is made only if the variant runs (every ring is allocated up front).
+def prefill_makers(root, drain_chunks=(), references=True):
+    """The prefill variants by name, each a function that makes its session (or names its torch-only reference, or
+    gives None for plain): a session is made only for a variant that runs (every ring is allocated up front)."""
     makers = {"plain": lambda: None,
               "full_no_sink": lambda: session(root, "prefill_none", "full", export=None, capacity="8 GiB"),
               "best_effort_no_sink": lambda: session(root, "prefill_be_none", "best_effort", export=None,
@@ -270,9 +261,24 @@ def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chun
         for kind in ("keep", "d2d", "d2h", "d2d_d2h"):
             makers[f"torch_{kind}"] = lambda kind=kind: kind
     makers["plain2"] = lambda: None
+    return makers
+
+
+def prefill(model, root, results, batch=8, tokens=512, n=8, rounds=3, drain_chunks=(), references=True, only=()):
+    """Eager prefill, plain against the capturing variants, interleaved (the order rotates every round). The plain
+    forward is recorded twice (``plain``, ``plain2``): how far those two differ is the resolution. After each timed
+    block the variant's session is flushed *outside* the timer, so that a sink still writing one variant's rows does
+    not run beside the next variant's block (a variant's own sink work during its block counts: that is its cost)."""
+    ids = torch.randint(0, 1000, (batch, tokens), device=DEV)
+
+    def run():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+
+    makers = prefill_makers(root, drain_chunks, references)
     unknown = set(only) - set(makers)
     if unknown:
-        raise SystemExit(f"--prefill-variants: no variant {sorted(unknown)} (there are {list(makers)})")
+        raise ValueError(f"prefill variants {sorted(unknown)}: there are {list(makers)}")
     variants = {k: make() for k, make in makers.items() if not only or k in only or k in ("plain", "plain2")}
     out = {k: [] for k in variants}
     flush_s = {k: [] for k in variants}
@@ -378,6 +384,12 @@ def main():
     ap.add_argument("--prefill-variants", default="", help="prefill: only these variants (comma-separated; plain and "
                     "plain2 always)")
     args = ap.parse_args()
+    only = [v.strip() for v in args.prefill_variants.split(",") if v.strip()]
+    chunks = [c.strip() for c in args.drain_chunks.split(",") if c.strip()]
+    unknown = set(only) - set(prefill_makers(args.dir, chunks))
+    if unknown:  # before anything touches the GPU
+        ap.error(f"--prefill-variants: no variant {', '.join(sorted(unknown))} (there are "
+                 f"{', '.join(prefill_makers(args.dir, chunks))})")
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "graphs": "torch.cuda.graph (manual capture of one decode step over StaticCache)"}
     if not args.only_prefill:
@@ -389,8 +401,7 @@ def main():
             json.dump(results, f, indent=1)
     if args.prefill_rounds > 0:  # --prefill-rounds 0: decode only
         prefill(model, args.dir, results, rounds=args.prefill_rounds,
-                drain_chunks=[c.strip() for c in args.drain_chunks.split(",") if c.strip()],
-                only=[v.strip() for v in args.prefill_variants.split(",") if v.strip()])
+                drain_chunks=chunks, only=only)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     shutil.rmtree(args.dir, ignore_errors=True)

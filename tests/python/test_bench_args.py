@@ -1,0 +1,29 @@
+"""Bad arguments to the GPU benchmarks are refused by name before anything touches a GPU (so this runs without one):
+argparse's usage error, exit status 2, the flag and the value named."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.torch  # the benchmarks import torch and transformers
+
+if not os.environ.get("RINGSCOPE_REQUIRE_TORCH"):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benches")
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("full_mode_decode.py", ["--only-prefill", "--prefill-variants", "full_no_sink,nope"],
+     "--prefill-variants: no variant nope"),
+    ("eager_overhead.py", ["--batches", "1,x"], "--batches"),
+    ("eager_overhead.py", ["--batches", "0"], "--batches"),
+    ("eager_overhead.py", ["--steps", "1"], "--steps"),
+])
+def test_a_bad_argument_is_refused_by_name_before_the_gpu(script, args, named):
+    run = subprocess.run([sys.executable, os.path.join(BENCHES, script), *args], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert named in run.stderr, run.stderr[-2000:]
