@@ -16,6 +16,10 @@ interleaves all three), one with ringscope attached (`ring.backend = "cuda"`, be
     Python (they must all be replayed from the graph), inductor's cudagraph_skips, ringscope's accounting, and per
     timed `generate` what CUDA graph trees did (graphs recorded, invariant checks per call, why recorded graphs did
     not match: the host-side cost of a compiled step grows with the recorded graphs it checks);
+    With `--controls top_hooks,layer_hooks`, two more models are timed in the same rotation: not attached, hooked
+    like an attached one with hooks that do nothing — how far they differ from the plain model is how much a compiled
+    model's step time varies without any capture (`spread_median_pct`; on an H100 -3% to +5%, more than the
+    two plain models' difference alone);
   * correctness: a compiled `generate` of two requests on the attached model, every captured row against an eager
     `output_hidden_states` pass over the same tokens on the plain model (bf16: the compiled kernels round
     differently, so the error is reported, not required to be zero), request ids and positions checked exactly.
@@ -332,11 +336,35 @@ def own_layer_class(model):
         layer.__class__ = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort", plain_2=None):
+CONTROLS = ("top_hooks", "layer_hooks")
+
+
+def control_model(kind, layers):
+    """A model that is not attached but is hooked like an attached one, with hooks that do nothing (no ringscope):
+    ``top_hooks`` a forward pre-hook and hook (with kwargs) on the model, as attach's begin and end; ``layer_hooks`` a
+    forward hook on every decoder layer, as attach's residual captures. Its decoder layers get a class of their own
+    (:func:`own_layer_class`). How far these differ from the plain model is what a compiled model's step time varies
+    by without any capture — the resolution the attached model's difference must be read against."""
+    model = build_model(layers)
+    own_layer_class(model)
+    if kind == "top_hooks":
+        model.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+        model.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
+    elif kind == "layer_hooks":
+        for layer in model.model.layers:
+            layer.register_forward_hook(lambda module, args, output: None)
+    else:
+        raise ValueError(f"no control model {kind!r} (one of {', '.join(CONTROLS)})")
+    return model
+
+
+def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort", plain_2=None, controls=None):
     """The compiled decode step of `generate`, plain and attached, interleaved; with `plain_2` (a third model, the same
     weights, never attached, its decoder layers of a class of their own: :func:`own_layer_class`) a second plain
     model too: how far the two plain models differ is the resolution (check `graph_trees` — plain_2's invariant checks
-    per call, one as the others' — before reading it)."""
+    per call, one as the others' — before reading it). ``controls`` ({name: model}, :func:`control_model`) are timed
+    in the same rotation; ``spread_median_pct`` is then the largest difference of any model without ringscope
+    (plain_2 and the controls) from the plain one."""
     session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
     att = rt.attach(attached_model, session, sites=["residual"])
     layers = len(att.hookpoints)
@@ -347,7 +375,7 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     try:
         for batch in batches:
             order = [("plain", plain), ("ringscope", attached_model)] + ([("plain_2", plain_2)] if plain_2 is not None
-                                                                         else [])
+                                                                         else []) + list((controls or {}).items())
             t = {name: [] for name, _ in order}
             graphs = {name: [] for name, _ in order}
             produced0 = produced()
@@ -372,6 +400,13 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
                    **({"plain_2_median_ms": statistics.median(t["plain_2"]),
                        "resolution_median_pct": 100 * abs(statistics.median(t["plain_2"]) / a - 1),
                        "resolution_min_pct": 100 * abs(min(t["plain_2"]) / a_min - 1)} if "plain_2" in t else {}),
+                   **({"controls": {name: {"median_ms": statistics.median(t[name]),
+                                           "vs_plain_median_pct": 100 * (statistics.median(t[name]) / a - 1),
+                                           "vs_plain_min_pct": 100 * (min(t[name]) / a_min - 1)}
+                                    for name in controls},
+                       "spread_median_pct": max(100 * abs(statistics.median(t[name]) / a - 1)
+                                                for name in [*controls, *(["plain_2"] if "plain_2" in t else [])])}
+                      if controls else {}),
                    "steps_begun_in_python": att.step,
                    # per timed generate: graphs recorded, invariant checks per call of the compiled step
                    "graph_trees": {k: v for k, v in graphs.items() if v}}
@@ -390,13 +425,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="hf_compiled_overhead.json")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--rounds", type=int, default=3, help="a multiple of the models timed (3): each goes first as often")
+    ap.add_argument("--rounds", type=int, default=3, help="a multiple of the models timed (3, and one more per control model): each goes first "
+                    "as often")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--parts", default="correctness,generate",
                     help="which parts to run, in this order: correctness, generate, profile")
     ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile part")
     ap.add_argument("--no-second-plain", dest="second_plain", action="store_false",
                     help="generate part: no second plain model (whose difference from the first is the resolution)")
+    ap.add_argument("--controls", default="", help="generate part: also time these models hooked like an attached "
+                    f"one with hooks that do nothing, no ringscope (comma-separated: {', '.join(CONTROLS)}); their "
+                    "differences from the plain model are the spread a capture's cost is read against")
     ap.add_argument("--mode", choices=("best_effort", "full"), default="best_effort",
                     help="the generate part's policy.mode (full: attach admits every call of the compiled step)")
     ap.add_argument("--cache", choices=("reuse", "fresh"), default="reuse",
@@ -404,6 +443,10 @@ def main():
                          "does; steady state); fresh: generate(cache_implementation='static') builds a new one per "
                          "call (CUDA graph trees re-record the step in every generate, for any model)")
     args = ap.parse_args()
+    controls = [c for c in args.controls.split(",") if c]
+    for c in controls:
+        if c not in CONTROLS:
+            ap.error(f"--controls: no control model {c} (one of {', '.join(CONTROLS)})")
     global CACHE_MODE
     CACHE_MODE = args.cache
     torch._dynamo.config.cache_size_limit = 64
@@ -417,13 +460,16 @@ def main():
     plain_2 = build_model(args.layers) if args.second_plain and "generate" in args.parts.split(",") else None
     if plain_2 is not None:
         own_layer_class(plain_2)
+    control_models = {c: control_model(c, args.layers) for c in controls} \
+        if "generate" in args.parts.split(",") else None
     batches = [int(b) for b in args.batches.split(",")]
     parts = []
     for p in args.parts.split(","):
         if p == "correctness":
             parts.append(lambda: correctness(plain, attached_model, results))
         elif p == "generate":
-            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode, plain_2))
+            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode, plain_2,
+                                                control_models))
         elif p == "profile":
             parts.append(lambda: profile_steps(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
                                                results))
