@@ -1,0 +1,184 @@
+"""What dynamo checks before each call of a compiled Hugging Face decode step, plain and attached (runs on a CPU).
+
+    python benches/compiled_guards.py --out guards.json     # needs torch, transformers, libringscope (no GPU)
+
+Before each call of a compiled function, dynamo evaluates the guards of its cache entry (is this the same model,
+tensor shapes, the StaticCache's attributes, ...). `generate` with a static cache compiles the model's `__call__`;
+with hooks on the model (as `attach` adds: its pre-hook and hook on the top-level module), the module's own call runs
+in Python and the forward and each hook become compiled frames of their own, each with its guards. This measures, for
+a plain model, one with no-op hooks where `attach` puts its begin and end (`top_hooks`), one with a no-op forward
+hook on every decoder layer (`layer_hooks`, where `attach` puts its residual captures) and an attached one (residual
+of every layer, best-effort, host backend): per compiled frame, the number of guards' code lines and the time of one guard
+check (`guard_manager.check` on the frame's arguments, median of repeats) — host time every call of the compiled
+step pays before any kernel, on a GPU host too. Model: a small Llama (hidden 64) with `--layers` decoder layers; the
+guards depend on the module structure, not on the widths.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+import ringscope
+import ringscope.torch as rt
+
+VARIANTS = ("plain", "top_hooks", "layer_hooks", "attached")
+
+
+def build(layers, variant):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    session = None
+    if variant == "attached":
+        session = ringscope.Session({"policy": {"mode": "best_effort"}})
+        rt.attach(model, session, sites=("residual",))
+    elif variant == "top_hooks":
+        model.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+        model.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
+    elif variant == "layer_hooks":
+        for layer in model.model.layers:
+            layer.register_forward_hook(lambda module, args, output: None)
+    return model, session
+
+
+def compiled_generate(model):
+    """Runs a compiled static-cache `generate` (dynamo's `eager` backend: the guards are dynamo's, whatever the
+    backend) and returns the keyword arguments and the output of the compiled step's last call."""
+    calls = []
+    handed_out = model.get_compiled_call
+
+    def get_compiled_call(config=None):
+        inner = handed_out(config)
+
+        def call(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            calls.append((kwargs, out))
+            return out
+        return call
+    model.get_compiled_call = get_compiled_call
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    gc = transformers.GenerationConfig(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                                       cache_implementation="static",
+                                       compile_config=transformers.CompileConfig(fullgraph=True, backend="eager"))
+    gc.compile_config._compile_all_devices = True
+    try:
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+    finally:
+        del model.get_compiled_call
+    if not calls:
+        raise RuntimeError("generate made no call of a compiled step")
+    return calls[-1]
+
+
+def check_passes(manager, frame_locals):
+    """The guards must pass on these arguments (those the compiled step was called with)."""
+    if not manager.check(frame_locals):
+        raise RuntimeError(f"guards fail on the step's own arguments: {manager.check_verbose(frame_locals)}")
+
+
+def time_checks(frames, repeats, per=200):
+    """{variant: {frame: µs per check}}: every frame's check timed in turn, `per` checks at a time, `repeats` rounds
+    (the variants interleaved, so that the machine's drift falls on all alike); the median over the rounds."""
+    times = {v: {name: [] for name in fs} for v, fs in frames.items()}
+    torch.set_grad_enabled(False)  # as generate calls the step (the guards check the grad mode)
+    try:
+        for _ in range(repeats):
+            for v, fs in frames.items():
+                for name, (manager, loc) in fs.items():
+                    t = time.perf_counter()
+                    for _ in range(per):
+                        manager.check(loc)
+                    times[v][name].append((time.perf_counter() - t) / per * 1e6)
+    finally:
+        torch.set_grad_enabled(True)
+    return {v: {name: statistics.median(ts) for name, ts in fs.items()} for v, fs in times.items()}
+
+
+def frame_locals(fn, values):
+    code = fn.__code__
+    loc = dict(zip(code.co_varnames[:code.co_argcount + (code.co_flags & 0x04 != 0) + (code.co_flags & 0x08 != 0)],
+                   values))
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        loc[name] = cell.cell_contents
+    return loc
+
+
+def frames_of(layers, variant):
+    """Compiles a `generate` of the variant's model and returns ({frame: (guard manager, frame arguments)}, the
+    session to close). The variants' models are of one class, so their forward passes share a code object: each
+    compiles an entry of its own (the model is guarded by identity), the newest first in its cache — and dynamo's
+    caches are not reset in between, which would leave the earlier variants' managers checking nothing."""
+    model, session = build(layers, variant)
+    kwargs, output = compiled_generate(model)
+    frames = {}
+    forward = type(model).forward
+    entries = _debug_get_cache_entry_list(forward.__code__)
+    if not entries:
+        raise RuntimeError(f"{variant}: no compiled entry of the forward pass")
+    frames["forward"] = entries[0].guard_manager, frame_locals(forward, (model, (), kwargs))  # the last one used
+    hooks = [("pre_hook", h, (model, (), kwargs)) for h in model._forward_pre_hooks.values()] + \
+            [("hook", h, (model, (), kwargs, output)) for h in model._forward_hooks.values()]
+    for kind, hook, args in hooks:
+        fn = getattr(hook, "__func__", hook)
+        values = ((hook.__self__,) if hasattr(hook, "__self__") else ()) + args
+        entries = _debug_get_cache_entry_list(fn.__code__)
+        if entries:
+            frames[f"{kind} {fn.__name__}"] = entries[0].guard_manager, frame_locals(fn, values)
+    torch.set_grad_enabled(False)
+    try:
+        for manager, loc in frames.values():
+            check_passes(manager, loc)
+    finally:
+        torch.set_grad_enabled(True)
+    return frames, session
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="compiled_guards.json")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=50, help="rounds of the interleaved timing")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: no variant {v} (one of {', '.join(VARIANTS)})")
+    if args.layers < 1 or args.repeats < 1:
+        ap.error("--layers and --repeats must be at least 1")
+    results = {"torch": torch.__version__, "transformers": transformers.__version__, "layers": args.layers}
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(variants))
+    torch._dynamo.reset()
+    frames, sessions = {}, []
+    try:
+        for v in variants:
+            frames[v], session = frames_of(args.layers, v)
+            sessions.append(session)
+        timed = time_checks(frames, args.repeats)
+    finally:
+        for session in sessions:
+            if session is not None:
+                session.close()
+    for v in variants:
+        results[v] = {name: {"check_us": round(us, 2)} for name, us in timed[v].items()}
+        results[v]["total_check_us"] = round(sum(timed[v].values()), 2)
+        results[v]["frames"] = len(timed[v])
+    if "plain" in timed:
+        for v in variants:
+            results[v]["more_than_plain_us"] = round(results[v]["total_check_us"] - results["plain"]["total_check_us"], 2)
+    for v in variants:
+        print(json.dumps({v: results[v]}), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
