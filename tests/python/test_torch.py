@@ -109,6 +109,58 @@ def test_eager_hooks_capture_without_the_custom_ops(monkeypatch):
     assert rows == {"layers.0.resid": 6, "layers.1.resid": 6, "tokens": 6, "logits": 3}, rows
 
 
+def test_attach_wraps_the_models_forward_and_detach_puts_back_what_was_there():
+    """The step begins and ends around the model's forward pass through an instance attribute ``forward`` (module hooks
+    on the model cost a Python hook path and, compiled, two more frames per call): ``generate`` and others inspecting
+    ``model.forward`` see the model's own parameters; a forward that another library wrapped before attach (an
+    instance attribute, as accelerate's hooks make) still runs, inside, and is put back by detach; a deep copy of an
+    attached model computes with the copy's weights; detached, nothing of ringscope is left on the model."""
+    import copy
+    import inspect
+
+    model = tiny(layers=2)
+    want_sig = inspect.signature(model.forward)
+    calls = []
+    original = model.forward
+
+    def accelerate_like(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    model.forward = accelerate_like
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    att = rt.attach(model, session, sites=("residual",))
+    sub = session.subscribe("check")
+    assert inspect.signature(model.forward) == inspect.signature(accelerate_like)
+    assert not model._forward_pre_hooks and not model._forward_hooks, "no hooks on the model itself"
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert len(calls) == 1
+    att.detach()
+    assert model.forward is accelerate_like
+    assert not any("ringscope" in k for k in vars(model)), [k for k in vars(model) if "ringscope" in k]
+    del model.forward
+    assert inspect.signature(model.forward) == want_sig
+    with torch.no_grad():
+        model(input_ids=ids)
+    rows = collect(session, sub)
+    assert sum(len(r.rows) for r in rows) == 3 * 2, "one step captured while attached, none after detach"
+    plain = tiny(layers=2)
+    session = ringscope.Session({})
+    att = rt.attach(plain, session, sites=("residual",))
+    assert inspect.signature(plain.forward) == want_sig
+    with torch.no_grad():
+        out = plain(input_ids=ids).logits
+        copied = copy.deepcopy(plain)
+        for p in copied.parameters():
+            p.mul_(0.5)
+        assert copied.forward.__self__ is copied
+        assert not torch.equal(copied(input_ids=ids).logits, out), "the copy ran the original model's forward"
+    att.detach()
+    assert "forward" not in vars(plain) and not any("ringscope" in k for k in vars(plain))
+    session.close()
+
+
 def test_the_capture_op_compiles_without_graph_breaks():
     session = ringscope.Session("")
     hp = session.register("x", dtype="f32", row_width=8)
