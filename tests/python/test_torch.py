@@ -161,6 +161,30 @@ def test_attach_wraps_the_models_forward_and_detach_puts_back_what_was_there():
     session.close()
 
 
+def test_the_traced_state_goes_with_its_attachment():
+    """What the hooks use while torch.compile traces lives in a module-global dictionary (one path for dynamo to
+    guard, see ringscope.torch._Traced): detach removes it, and an attached model dropped without detach() is freed
+    with it."""
+    import gc
+    import weakref
+
+    model = tiny(layers=2)
+    session = ringscope.Session({})
+    att = rt.attach(model, session, sites=("residual",))
+    key = att._key
+    assert key in rt._TRACED
+    att.detach()
+    assert key not in rt._TRACED
+    att = rt.attach(model, session, sites=("residual",))
+    key = att._key
+    ref = weakref.ref(model)
+    del model, att
+    gc.collect()
+    assert ref() is None, "an attached model dropped without detach() is still alive"
+    assert key not in rt._TRACED
+    session.close()
+
+
 def test_the_capture_op_compiles_without_graph_breaks():
     session = ringscope.Session("")
     hp = session.register("x", dtype="f32", row_width=8)

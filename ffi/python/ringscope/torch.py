@@ -272,12 +272,97 @@ def _eos_ids(model) -> set:
     return out
 
 
+class _Traced:
+    """What an attachment's hooks read and write while torch.compile traces the model's forward pass: the step's
+    request-id tensors and positions, the captured tensors and their hookpoints, for the one step op at the end
+    (:func:`step`). Kept apart from the :class:`Attachment` and reached by the hooks through one module-global
+    dictionary, ``_TRACED``, by the attachment's key: dynamo guards every object a traced hook reads, and an object
+    reached by two paths (the attachment through each layer's hook) gets a check, evaluated in Python at every call,
+    that the paths still lead to one object — 17 such checks for 16 captured layers. This object holds nothing of
+    the model but the sink buffer and nothing of the attachment (whose collection drops it: a model dropped without
+    ``detach()`` is freed as before)."""
+
+    def __init__(self, key: int, req_ids: Dict[torch.device, torch.Tensor], ended_tokens: Sequence[int]) -> None:
+        self.key = key
+        self.req_ids = req_ids  # the attachment's own dictionary (its tensors are updated in place)
+        self.ended_tokens = tuple(ended_tokens)
+        self.sinks: Dict[torch.device, torch.Tensor] = {}  # the model's sink buffer by device (Attachment.sink)
+        self.tokens_hp: Optional[int] = None
+        self.tokens: Optional[torch.Tensor] = None  # the step's token ids, noted by the embedding's pre-hook
+        self.keep: List[torch.Tensor] = []  # request ids, positions, then each captured tensor
+        self.keep_hp: List[int] = []  # the hookpoint of each captured tensor
+
+    def capture(self, x: torch.Tensor, hp: int) -> None:
+        self.keep.append(x)
+        self.keep_hp.append(hp)  # captured by the step op at the end of the forward pass
+
+    def begin(self, module, args, kwargs) -> None:
+        """The first decoder layer's pre-hook: notes the step's request-id and position tensors (from the layer's
+        own arguments)."""
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = kwargs.get("cache_position")
+        if hidden is None or pos is None:
+            _refuse_while_tracing("positions")
+        self.keep.clear()
+        self.keep_hp.clear()
+        tokens, self.tokens = self.tokens, None
+        t = self.req_ids.get(hidden.device)
+        if t is None or t.numel() < hidden.shape[0]:
+            _refuse_while_tracing("ids")
+        req = _live_request_ids(cast(torch.Tensor, t)[:hidden.shape[0]], tokens, self.ended_tokens)
+        self.keep.extend((req, pos))
+        if self.tokens_hp is not None and tokens is not None:
+            # The step's token ids: captured by the step op like the sites.
+            self.keep.append(tokens.to(torch.int64).reshape(-1, 1))
+            self.keep_hp.append(self.tokens_hp)
+
+    def note_tokens(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input", args[0] if args else None)
+        self.tokens = ids if isinstance(ids, torch.Tensor) else None
+
+    def end(self, device) -> None:
+        """After the last captured module: the whole step as one op (see :func:`step`)."""
+        if len(self.keep) < 2:
+            return  # the first decoder layer did not run in this graph: nothing to attribute rows to
+        sink = self.sinks.get(device)
+        if sink is None:
+            sink = self.sinks[device] = torch.zeros(1, dtype=torch.uint8, device=device)
+        step(sink, self.keep[0], self.keep[1], self.keep[2:], list(self.keep_hp), self.key)
+        self.keep.clear()
+        self.keep_hp.clear()
+
+
+# Each attachment's traced state by its key (see _Traced); removed when the attachment is detached or collected.
+_TRACED: Dict[int, _Traced] = {}
+
+
+def _capture_traced(key: int, x: torch.Tensor, hp: int, width: int) -> None:
+    _TRACED[key].capture(x, hp)
+
+
+def _live_request_ids(req: torch.Tensor, ids: Optional[torch.Tensor], ended_tokens: Sequence[int]) -> torch.Tensor:
+    """Steps recorded as CUDA graphs or compiled (fixed shape, no host code at replay): ``req`` with -1 (no
+    request, :data:`NO_REQUEST`) for the rows of a decode step fed one of ``ended_tokens`` (end of sequence, pad) —
+    what ``generate`` feeds the rows of ended sequences —, computed on the device at every replay."""
+    if not ended_tokens or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 \
+            or ids.shape[0] != req.shape[0]:
+        return req
+    last = ids[:, -1]
+    ended = last == ended_tokens[0]
+    for t in ended_tokens[1:]:
+        ended = ended | (last == t)
+    return req.masked_fill(ended, -1)
+
+
 class _StepAround:
     """Begins and ends a step around an attached model's own forward pass, as the model's ``forward`` (an instance
     attribute; a handle in ``Attachment._handles``, whose ``remove`` puts back what was there). Hooks on the model
     did this before: a call of a hooked module runs the module's hook path in Python and, under torch.compile, each
-    hook as a compiled frame of its own with its guards — +13 µs per compiled call on the build machine, where this
-    costs +0.6 µs (compiled, the step begins and ends inside the graph, and this traces into the forward pass). Its
+    hook as a compiled frame of its own with its guards — +20-28 µs per compiled call on the build machine
+    (benches/compiled_host.py, ``top_hooks``); this traces into the forward pass (compiled, the step begins and ends
+    inside the graph). Its
     signature is the forward pass's, so ``generate`` and others inspecting ``model.forward`` see the model's
     parameters; a deep copy of the model gets one bound to the copy."""
 
@@ -345,7 +430,6 @@ class Attachment:
         # Captured tensors of the open step: kept alive until the step ends, so that with `ring.defer_captures`
         # their memory is not reused before the step's capture kernel has read it.
         self._keep: List[torch.Tensor] = []
-        self._keep_hp: List[int] = []  # while torch.compile traces: the hookpoint of each captured tensor in _keep
         self._widths: Dict[int, int] = {}
         self._key = next(_NEXT_KEY)
         self._recorded_graph = False  # a CUDA graph recorded one of this attachment's steps (see detach)
@@ -364,7 +448,6 @@ class Attachment:
         pad = _pad_id(model)
         self._ended_tokens = sorted(self._eos | ({pad} if pad is not None else set()))
         self._tokens_hp: Optional[int] = None
-        self._traced_tokens: Optional[torch.Tensor] = None
         self._rows_setting: "str | Sequence[int]" = "all"  # attach's `rows`, restored after a last-token capture
         self._duplicate_ids = False  # the open eager step names one request on several batch rows
         self._warned_last = False
@@ -373,6 +456,8 @@ class Attachment:
         # Hooked modules, their own classes and the classes they took (_distinguish).
         self._classes: List[Tuple[torch.nn.Module, type, type]] = []
         _ATTACHMENTS[self._key] = self
+        self._traced = _TRACED[self._key] = _Traced(self._key, self._req_ids, self._ended_tokens)
+        weakref.finalize(self, _TRACED.pop, self._key, None)
 
     def sink(self, device) -> torch.Tensor:
         """The one-byte tensor the capture ops declare they write (so that no compiler drops them as dead code).
@@ -436,6 +521,11 @@ class Attachment:
             if t is not None:
                 self._retired.append(t)
             t = self._req_ids[device] = torch.arange(max(batch, 256), dtype=torch.int64, device=device)
+            # Read in place by compiled graphs (CUDA graph trees copy an input that is not static into memory of
+            # their own at every replay): compiled code reaches it through a global (_Traced), which dynamo would
+            # otherwise take as an input like any other. Unguarded: a replacement is caught by CUDA graph trees'
+            # check of static addresses (a new recording), not by a recompilation.
+            torch._dynamo.mark_static_address(t, guard=False)
             ids = self.request_ids if self.request_ids is not None else self._auto_ids
             if ids is not None and len(ids) <= t.numel():
                 t[:len(ids)].copy_(_staged(_device_ids(ids), device), non_blocking=True)
@@ -500,6 +590,7 @@ class Attachment:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _TRACED.pop(self._key, None)
         for m, cls, sub in self._classes:
             if type(m) is sub:  # (a class changed since by someone else is left as it is)
                 m.__class__ = cls
@@ -747,18 +838,9 @@ class Attachment:
         return ids[:, -1]
 
     def _live_request_ids(self, req: torch.Tensor, ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """Steps recorded as CUDA graphs or compiled (fixed shape, no host code at replay): ``req`` with -1 (no
-        request, :data:`NO_REQUEST`) for the rows of a decode step fed an end-of-sequence or pad token — what
-        ``generate`` feeds the rows of ended sequences —, computed on the device at every replay."""
-        if not self._ended_tokens or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 \
-                or ids.shape[0] != req.shape[0]:
-            return req
-        last = ids[:, -1]
-        ended = last == self._ended_tokens[0]
-        for t in self._ended_tokens[1:]:
-            ended = ended | (last == t)
-        live = req.masked_fill(ended, -1)
-        if not torch.compiler.is_compiling():
+        """A step recorded as a CUDA graph: :func:`_live_request_ids`, kept alive until the step ends."""
+        live = _live_request_ids(req, ids, self._ended_tokens)
+        if live is not req:
             self._keep.append(live)  # read by the step's kernels until it ends (recorded graphs: at every replay)
         return live
 
@@ -768,46 +850,17 @@ class Attachment:
 
     def _end(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():
-            return  # compiled: the step ends inside the graph, after the last capture (_end_compiled)
+            return  # compiled: the step ends inside the graph, after the last capture (_Traced.end)
         self._end_tensors()
         self._keep.clear()
 
     def _begin_compiled(self, module, args, kwargs):
         """Pre-hook of the first decoder layer: while torch.compile traces, notes the step's request-id and
-        position tensors (from the layer's own arguments) for the step op at the end of the forward pass. Eager calls
-        begin the step in the model's wrapped ``forward`` instead (:class:`_StepAround`)."""
-        if not torch.compiler.is_compiling():
-            return
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        pos = kwargs.get("position_ids")
-        if pos is None:
-            pos = kwargs.get("cache_position")
-        if hidden is None or pos is None:
-            _refuse_while_tracing("positions")
-        self._keep.clear()
-        self._keep_hp.clear()
-        tokens, self._traced_tokens = self._traced_tokens, None
-        req = self._live_request_ids(self._request_id_tensor(hidden.device, hidden.shape[0]), tokens)
-        self._keep.extend((req, pos))
-        if self._tokens_hp is not None and tokens is not None:
-            # The step's token ids (noted by the embedding's pre-hook): captured by the step op like the sites.
-            self._keep.append(tokens.to(torch.int64).reshape(-1, 1))
-            self._keep_hp.append(self._tokens_hp)
-
-    def _note_tokens(self, module, args, kwargs):
-        """Pre-hook of the input embedding: while torch.compile traces, notes the step's token ids for
-        :meth:`_begin_compiled` (the decoder layers see only hidden states)."""
+        position tensors (from the layer's own arguments) for the step op at the end of the forward pass
+        (:meth:`_Traced.begin`). Eager calls begin the step in the model's wrapped ``forward`` instead
+        (:class:`_StepAround`)."""
         if torch.compiler.is_compiling():
-            ids = kwargs.get("input", args[0] if args else None)
-            self._traced_tokens = ids if isinstance(ids, torch.Tensor) else None
-
-    def _end_compiled(self, device) -> None:
-        """After the last captured module, while torch.compile traces: the whole step as one op (see :func:`step`)."""
-        if len(self._keep) < 2:
-            return  # the first decoder layer did not run in this graph: nothing to attribute rows to
-        step(self.sink(device), self._keep[0], self._keep[1], self._keep[2:], list(self._keep_hp), self._key)
-        self._keep.clear()
-        self._keep_hp.clear()
+            self._traced.begin(module, args, kwargs)
 
     def _end_tensors(self) -> None:
         if _recording():
@@ -846,7 +899,12 @@ class Attachment:
     def _hook(self, name: str, width: int, pick=_first):
         hp = self.hookpoints[name]
 
+        key = self._key
+
         def hook(module, args, output):
+            if torch.compiler.is_compiling():  # (the traced state by one global path: see _Traced)
+                _TRACED[key].capture(pick(output).contiguous(), hp)
+                return
             self._capture(pick(output).contiguous(), hp, width)
 
         return hook
@@ -856,8 +914,7 @@ class Attachment:
         forward pass runs: noted for the step op while torch.compile traces, recorded while a CUDA graph is, else
         eagerly (padding and ended rows left out)."""
         if torch.compiler.is_compiling():
-            self._keep.append(x)
-            self._keep_hp.append(hp)  # captured by the step op at the end of the forward pass
+            _TRACED[self._key].capture(x, hp)  # captured by the step op at the end of the forward pass
             return
         if _recording():
             self._keep.append(x)
@@ -1027,7 +1084,7 @@ class _AttentionTap:
 
     def __init__(self, att: "Attachment", attn, patch: _RotaryPatch, layer: int, heads: int, kv_heads: int,
                  head_dim: int, q: Optional[Tuple[int, int]], k: Optional[Tuple[int, int]]):
-        self.att, self.patch, self.layer = att, patch, layer
+        self.att, self.key, self.patch, self.layer = att, att._key, patch, layer
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_hp, self.k_hp = q, k  # (hookpoint, row width) or None
         self.rotated: Optional[Tuple[torch.Tensor, torch.Tensor, int]] = None
@@ -1052,10 +1109,12 @@ class _AttentionTap:
         q, k, unsqueeze_dim = rotated
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         tokens = tuple(hidden.shape[:2]) if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
+        # Traced, the captures go to the attachment's traced state by its key (see _Traced), not through the tap.
+        capture = functools.partial(_capture_traced, self.key) if torch.compiler.is_compiling() else self.att._capture
         if self.q_hp is not None:
-            self.att._capture(self._rows(q, unsqueeze_dim, self.heads, tokens), *self.q_hp)
+            capture(self._rows(q, unsqueeze_dim, self.heads, tokens), *self.q_hp)
         if self.k_hp is not None:
-            self.att._capture(self._rows(k, unsqueeze_dim, self.kv_heads, tokens), *self.k_hp)
+            capture(self._rows(k, unsqueeze_dim, self.kv_heads, tokens), *self.k_hp)
 
     def _rows(self, x: torch.Tensor, unsqueeze_dim: int, heads: int, tokens) -> torch.Tensor:
         """``x`` (``[batch, heads, seq, head_dim]``, or ``[batch, seq, heads, head_dim]`` when the model rotated with
@@ -1301,10 +1360,12 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
         param_device = next(model.parameters()).device
         model.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device),
                               persistent=False)
+        att._traced.sinks[param_device] = model._ringscope_sink
         att._request_id_tensor(param_device, 1)
         att._rows_setting = rows
         if _TOKENS in sites:
-            att._tokens_hp = att.hookpoints[_TOKENS] = _hookpoint(session, _TOKENS, _TOKENS, None, "i64", 1)
+            att._tokens_hp = att._traced.tokens_hp = att.hookpoints[_TOKENS] = _hookpoint(session, _TOKENS, _TOKENS,
+                                                                                          None, "i64", 1)
             att._widths[att._tokens_hp] = 1
 
         for name, site, layer_index, width, module, pick in planned:
@@ -1338,16 +1399,28 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
             # Compiled, the step ends inside the graph right after the last capture, on the engine's stream: no side
             # stream is forked (inductor may split the graph into several CUDA graphs around the custom ops, and a fork
             # left open at the end of one would be unjoined work in its recording).
+            # Traced, these hooks reach the attachment's traced state by its key only (see _Traced); eagerly the
+            # attachment.
+            key = att._key
+
             def submit_hook(module, args, output):
                 if torch.compiler.is_compiling():
-                    att._end_compiled(_first(output).device)
+                    _TRACED[key].end(_first(output).device)
                 elif att._open:
                     _submit_captures_raw(_u64("session", session._h))
+
+            def begin_hook(module, args, kwargs):
+                if torch.compiler.is_compiling():
+                    _TRACED[key].begin(module, args, kwargs)
+
+            def tokens_hook(module, args, kwargs):
+                if torch.compiler.is_compiling():
+                    _TRACED[key].note_tokens(module, args, kwargs)
             att._handles.append(last.register_forward_hook(submit_hook))
-            att._handles.append(decoder_layers[0].register_forward_pre_hook(att._begin_compiled, with_kwargs=True))
+            att._handles.append(decoder_layers[0].register_forward_pre_hook(begin_hook, with_kwargs=True))
             embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
             if att._tokens_hp is not None and embed is not None:
-                att._handles.append(embed.register_forward_pre_hook(att._note_tokens, with_kwargs=True))
+                att._handles.append(embed.register_forward_pre_hook(tokens_hook, with_kwargs=True))
         att._handles.append(_StepAround(att, model))
         att._distinguish()
         st = session.stats_all() if _has_call("rs_session_stats") else {}

@@ -1,17 +1,20 @@
-"""What dynamo checks before each call of a compiled Hugging Face decode step, plain and attached (runs on a CPU).
+"""The host's own work per call of a compiled Hugging Face decode step, plain and attached (runs on a CPU).
 
-    python benches/compiled_guards.py --out guards.json     # needs torch, transformers, libringscope (no GPU)
+    python benches/compiled_host.py --out compiled_host.json     # needs torch, transformers, libringscope (no GPU)
 
-Before each call of a compiled function, dynamo evaluates the guards of its cache entry (is this the same model,
-tensor shapes, the StaticCache's attributes, ...). `generate` with a static cache compiles the model's `__call__`;
-with hooks on the model (as `attach` adds: its pre-hook and hook on the top-level module), the module's own call runs
-in Python and the forward and each hook become compiled frames of their own, each with its guards. This measures, for
-a plain model, one with no-op hooks where `attach` puts its begin and end (`top_hooks`), one with a no-op forward
-hook on every decoder layer (`layer_hooks`, where `attach` puts its residual captures) and an attached one (residual
-of every layer, best-effort, host backend): per compiled frame, the number of guards' code lines and the time of one guard
-check (`guard_manager.check` on the frame's arguments, median of repeats) — host time every call of the compiled
-step pays before any kernel, on a GPU host too. Model: a small Llama (hidden 64) with `--layers` decoder layers; the
-guards depend on the module structure, not on the widths.
+`generate` with a static cache compiles the model's `__call__`. On a GPU that replays CUDA graphs, what a call costs
+the host besides launching the graph is Python and dynamo's work around it: the guards of the cache entry (is this
+the same model, tensor shapes, the StaticCache's attributes, ...), the module's call path, any frames compiled apart
+(each hook on the model itself is one, with guards of its own), the side effects dynamo replays after the graph. This
+measures it without a GPU and without the model's compute: the step is compiled with a backend that runs the graph
+once and returns that output at every later call (as a replayed CUDA graph runs no Python), for a plain model, one
+with no-op hooks on the model (`top_hooks`, where `attach` put its begin and end until session 38), one with a
+no-op forward hook on every decoder layer (`layer_hooks`, where `attach` puts its residual captures) and an attached
+one (residual of every layer, best-effort, host backend). Per variant: the time of a call of the compiled step
+(`call_us`) and of one check of each compiled frame's guards on the step's own arguments (`check_us`), both the
+median of `--repeats` rounds with the variants interleaved, and the differences from the plain model. Model: a
+small Llama (hidden 64) with `--layers` decoder layers (what is measured depends on the module structure, not on
+the widths).
 """
 import argparse
 import json
@@ -170,7 +173,7 @@ def time_calls(steps, repeats, per=200):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="compiled_guards.json")
+    ap.add_argument("--out", default="compiled_host.json")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=50, help="rounds of the interleaved timing")
     ap.add_argument("--variants", default=",".join(VARIANTS))
