@@ -114,7 +114,7 @@ def test_attach_wraps_the_models_forward_and_detach_puts_back_what_was_there():
     on the model cost a Python hook path and, compiled, two more frames per call): ``generate`` and others inspecting
     ``model.forward`` see the model's own parameters; a forward that another library wrapped before attach (an
     instance attribute, as accelerate's hooks make) still runs, inside, and is put back by detach; a deep copy of an
-    attached model computes with the copy's weights; detached, nothing of ringscope is left on the model."""
+    attached model is refused by name when called; detached, nothing of ringscope is left on the model."""
     import copy
     import inspect
 
@@ -150,15 +150,53 @@ def test_attach_wraps_the_models_forward_and_detach_puts_back_what_was_there():
     att = rt.attach(plain, session, sites=("residual",))
     assert inspect.signature(plain.forward) == want_sig
     with torch.no_grad():
-        out = plain(input_ids=ids).logits
+        plain(input_ids=ids)
         copied = copy.deepcopy(plain)
-        for p in copied.parameters():
-            p.mul_(0.5)
         assert copied.forward.__self__ is copied
-        assert not torch.equal(copied(input_ids=ids).logits, out), "the copy ran the original model's forward"
+        # The copy's hooks are the original's (functions are not copied): a clear error, not rows of no step.
+        with pytest.raises(ringscope.RingscopeError, match="a copy of an attached model"):
+            copied(input_ids=ids)
     att.detach()
     assert "forward" not in vars(plain) and not any("ringscope" in k for k in vars(plain))
     session.close()
+
+
+def test_the_forward_wrapper_follows_class_patches_and_survives_other_wrappers(monkeypatch):
+    """A patch of the model's class made after attach (as kernel libraries make) is what runs; a wrapper another
+    library puts on top of attach's is kept by detach(), passes calls through, and a later attach captures each
+    step once (no recursion through the old wrapper)."""
+    model = tiny(layers=2)
+    session = ringscope.Session({"policy": {"mode": "full"}})
+    sub = session.subscribe("check")
+    att = rt.attach(model, session, sites=("residual",))
+    ids = torch.tensor([[5, 6, 7]])
+    patched = []
+    original = type(model).forward
+
+    def patched_forward(self, *args, **kwargs):
+        patched.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(type(model), "forward", patched_forward)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert patched == [1], "the class's forward, patched after attach, did not run"
+    monkeypatch.undo()
+    theirs = model.forward
+
+    def on_top(*args, **kwargs):
+        return theirs(*args, **kwargs)
+    model.forward = on_top
+    att.detach()
+    assert model.forward is on_top
+    with torch.no_grad():
+        model(input_ids=ids)  # detached: passes through, nothing captured
+    att = rt.attach(model, session, sites=("residual",))
+    with torch.no_grad():
+        model(input_ids=ids)
+    att.detach()
+    rows = collect(session, sub)
+    assert sorted(r.step for r in rows) == [0, 0, 0, 0], [(r.step, len(r.rows)) for r in rows]
+    assert sum(len(r.rows) for r in rows) == 2 * 2 * 3
 
 
 def test_the_traced_state_goes_with_its_attachment():

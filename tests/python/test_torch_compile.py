@@ -294,7 +294,7 @@ def test_the_step_op_and_the_traced_hooks_refuse_bad_input():
     model = tiny(layers=2)
     session = ringscope.Session("")
     att = rt.attach(model, session, sites=("residual",))
-    sink, ids = att.sink(torch.device("cpu")), torch.tensor([1, 2])
+    sink, ids = torch.zeros(1, dtype=torch.uint8), torch.tensor([1, 2])
     # Positions whose batch does not match the request ids: named, nothing begun.
     with pytest.raises(ringscope.RingscopeError, match=r"positions of shape \(3, 4\) for a batch of 2 rows"):
         rt.step(sink, ids, torch.zeros(3, 4, dtype=torch.int64), [], [], att._key)

@@ -228,6 +228,8 @@ _NO_POSITIONS = ("attach: a compiled forward pass needs the decoder layers calle
 # While tracing, the status travels in the message (the compilation fails with it, not with a RingscopeError).
 _TOO_FEW_IDS_TRACED = _TOO_FEW_IDS + " [RS_ERR_INVALID_ARGUMENT]"
 _NO_POSITIONS_TRACED = _NO_POSITIONS + " [RS_ERR_INVALID_ARGUMENT]"
+_SINK_DEVICE_TRACED = ("attach: the last captured module's output is on another device than the module (its "
+                       "buffers): the step op cannot be given a sink there [RS_ERR_INVALID_ARGUMENT]")
 
 
 def _refuse_while_tracing(which: str) -> None:
@@ -235,7 +237,16 @@ def _refuse_while_tracing(which: str) -> None:
     exception class, and ``torch._check`` takes only a message function without free variables."""
     if which == "ids":
         torch._check(False, lambda: _TOO_FEW_IDS_TRACED)
+    if which == "sink":
+        torch._check(False, lambda: _SINK_DEVICE_TRACED)
     torch._check(False, lambda: _NO_POSITIONS_TRACED)
+
+
+_OUTSIDE_A_STEP = ("attach: a captured module ran outside a step of the attached model: its forward pass begins "
+                   "the steps (attach wraps model.forward), so either the module was called on its own, or "
+                   "model.forward was replaced after attach (by another library?) — replace it before attach, or "
+                   "detach() and attach again —, or the model is a copy of an attached model (attach the copy "
+                   "itself, or copy before attach)")
 
 
 def _first(output):
@@ -279,14 +290,13 @@ class _Traced:
     dictionary, ``_TRACED``, by the attachment's key: dynamo guards every object a traced hook reads, and an object
     reached by two paths (the attachment through each layer's hook) gets a check, evaluated in Python at every call,
     that the paths still lead to one object — 17 such checks for 16 captured layers. This object holds nothing of
-    the model but the sink buffer and nothing of the attachment (whose collection drops it: a model dropped without
+    the model and nothing of the attachment (whose collection drops it: a model dropped without
     ``detach()`` is freed as before)."""
 
     def __init__(self, key: int, req_ids: Dict[torch.device, torch.Tensor], ended_tokens: Sequence[int]) -> None:
         self.key = key
         self.req_ids = req_ids  # the attachment's own dictionary (its tensors are updated in place)
         self.ended_tokens = tuple(ended_tokens)
-        self.sinks: Dict[torch.device, torch.Tensor] = {}  # the model's sink buffer by device (Attachment.sink)
         self.tokens_hp: Optional[int] = None
         self.tokens: Optional[torch.Tensor] = None  # the step's token ids, noted by the embedding's pre-hook
         self.keep: List[torch.Tensor] = []  # request ids, positions, then each captured tensor
@@ -322,13 +332,16 @@ class _Traced:
         ids = kwargs.get("input", args[0] if args else None)
         self.tokens = ids if isinstance(ids, torch.Tensor) else None
 
-    def end(self, device) -> None:
-        """After the last captured module: the whole step as one op (see :func:`step`)."""
+    def end(self, module, device) -> None:
+        """After the last captured module (``module``): the whole step as one op (see :func:`step`). The op's sink is
+        the module's ``_ringscope_sink`` buffer (attach adds it): reached through the module, it is a static input of
+        the compiled graph (CUDA graph trees record a graph that mutates only static inputs), on the module's device
+        wherever the model is moved."""
         if len(self.keep) < 2:
             return  # the first decoder layer did not run in this graph: nothing to attribute rows to
-        sink = self.sinks.get(device)
-        if sink is None:
-            sink = self.sinks[device] = torch.zeros(1, dtype=torch.uint8, device=device)
+        sink = getattr(module, "_ringscope_sink", None)
+        if not isinstance(sink, torch.Tensor) or sink.device != device:
+            _refuse_while_tracing("sink")
         step(sink, self.keep[0], self.keep[1], self.keep[2:], list(self.keep_hp), self.key)
         self.keep.clear()
         self.keep_hp.clear()
@@ -362,33 +375,44 @@ class _StepAround:
     did this before: a call of a hooked module runs the module's hook path in Python and, under torch.compile, each
     hook as a compiled frame of its own with its guards — +20-28 µs per compiled call on the build machine
     (benches/compiled_host.py, ``top_hooks``); this traces into the forward pass (compiled, the step begins and ends
-    inside the graph). Its
-    signature is the forward pass's, so ``generate`` and others inspecting ``model.forward`` see the model's
-    parameters; a deep copy of the model gets one bound to the copy."""
+    inside the graph). Its signature is the forward pass's, so ``generate`` and others inspecting ``model.forward``
+    see the model's parameters; the class's ``forward`` is looked up at each call (a patch of the class made after
+    attach is used), and an instance ``forward`` that was there before attach is called inside and put back by
+    ``remove``. What it reads from the model is named by the attachment's key, so that a wrapper left in another
+    library's chain by ``detach()`` passes calls through, whatever is attached later. Unlike the model hooks it
+    replaces, it begins the step after every forward pre-hook of the
+    model and ends it before every forward hook."""
 
     def __init__(self, att: "Attachment", model: torch.nn.Module) -> None:
         self.model: Optional[torch.nn.Module] = model
         self.shadowed = vars(model).get("forward")  # an instance attribute it replaces (another library's wrapper)
-        inner = self.shadowed if self.shadowed is not None else types.MethodType(type(model).forward, model)
+        self.inner_name = f"_ringscope_inner_forward_{att._key}"  # the shadowed forward, if any
+        self.att_name = f"_ringscope_attachment_{att._key}"
+        inner_name, att_name = self.inner_name, self.att_name
 
         def forward(self, *args, **kwargs):  # (named `self` as the forward pass it wraps: the same graph input names)
-            inner = self._ringscope_inner_forward
-            if torch.compiler.is_compiling():
-                return inner(*args, **kwargs)  # the step begins and ends inside the graph (_begin_compiled, step op)
-            att = self.__dict__.get("_ringscope_attachment")
-            if att is None:  # detached while another wrapper kept this one in its chain
-                return inner(*args, **kwargs)
-            att._begin(self, args, kwargs)
-            output = inner(*args, **kwargs)
-            att._end(self, args, kwargs, output)
+            inner = self.__dict__.get(inner_name)
+            if torch.compiler.is_compiling():  # the step begins and ends inside the graph (_Traced, step op)
+                return type(self).forward(self, *args, **kwargs) if inner is None else inner(*args, **kwargs)
+            att = self.__dict__.get(att_name)
+            if att is not None:
+                att._begin(self, args, kwargs)
+            output = type(self).forward(self, *args, **kwargs) if inner is None else inner(*args, **kwargs)
+            if att is not None:  # (None: detached while another library's wrapper kept this one in its chain)
+                att._end(self, args, kwargs, output)
             return output
 
-        functools.update_wrapper(forward, getattr(inner, "__func__", inner))
-        sig = inspect.signature(inner)
+        # A code object of its own per attachment: dynamo keeps its caches and what it learnt about shapes (automatic
+        # dynamic shapes) per code object, and models of other classes must not share them.
+        forward.__code__ = forward.__code__.replace(co_name=f"forward_{type(model).__name__}_{att._key}")
+        shown = self.shadowed if self.shadowed is not None else types.MethodType(type(model).forward, model)
+        functools.update_wrapper(forward, getattr(shown, "__func__", shown))
+        sig = inspect.signature(shown)
         forward.__signature__ = sig.replace(  # type: ignore[attr-defined]
             parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *sig.parameters.values()])
-        model.__dict__["_ringscope_inner_forward"] = inner
-        model.__dict__["_ringscope_attachment"] = att
+        if self.shadowed is not None:
+            model.__dict__[inner_name] = self.shadowed
+        model.__dict__[att_name] = att
         self.installed = model.__dict__["forward"] = types.MethodType(forward, model)
 
     def remove(self) -> None:
@@ -400,9 +424,9 @@ class _StepAround:
                 del model.__dict__["forward"]  # the class's own again
             else:
                 model.__dict__["forward"] = self.shadowed
-            model.__dict__.pop("_ringscope_inner_forward", None)
+            model.__dict__.pop(self.inner_name, None)
         # (Else another library wrapped it since: this one stays in its chain and passes the call through.)
-        model.__dict__.pop("_ringscope_attachment", None)
+        model.__dict__.pop(self.att_name, None)
 
 
 class Attachment:
@@ -425,7 +449,7 @@ class Attachment:
         self._request_ids: Optional[List[int]] = None
         self.step = 0
         self._handles: List = []
-        self._sink: Dict[torch.device, torch.Tensor] = {}
+        self._sink_module: Optional[torch.nn.Module] = None  # the module holding the step op's sink buffer
         self._open = False
         # Captured tensors of the open step: kept alive until the step ends, so that with `ring.defer_captures`
         # their memory is not reused before the step's capture kernel has read it.
@@ -458,18 +482,6 @@ class Attachment:
         _ATTACHMENTS[self._key] = self
         self._traced = _TRACED[self._key] = _Traced(self._key, self._req_ids, self._ended_tokens)
         weakref.finalize(self, _TRACED.pop, self._key, None)
-
-    def sink(self, device) -> torch.Tensor:
-        """The one-byte tensor the capture ops declare they write (so that no compiler drops them as dead code).
-        On the model's device it is a (non-persistent) buffer of the model — ``_ringscope_sink`` — so that compiled
-        graphs see a static input, which CUDA graphs may mutate."""
-        buf = getattr(self.model, "_ringscope_sink", None)
-        if buf is not None and buf.device == device:
-            return buf
-        s = self._sink.get(device)
-        if s is None:
-            s = self._sink[device] = torch.zeros(1, dtype=torch.uint8, device=device)
-        return s
 
     @property
     def request_ids(self) -> Optional[List[int]]:
@@ -601,8 +613,9 @@ class Attachment:
             else:
                 self.model.get_compiled_call = self._shadowed
         self._admitting = self._shadowed = None
-        if getattr(self.model, "_ringscope_sink", None) is not None:
-            delattr(self.model, "_ringscope_sink")
+        if self._sink_module is not None and getattr(self._sink_module, "_ringscope_sink", None) is not None:
+            delattr(self._sink_module, "_ringscope_sink")
+        self._sink_module = None
         if self._recorded_graph:
             # torch.compile recorded CUDA graphs that write into this session's device memory at every replay and run
             # no Python: drop every compiled graph of the process (dynamo cannot drop one model's alone), so that
@@ -929,6 +942,8 @@ class Attachment:
         x = self._keep_rows(x.reshape(-1, width))
         self._keep.append(x)
         if x.shape[0]:
+            if not self._open:
+                raise RingscopeError("RS_ERR_STATE", _OUTSIDE_A_STEP)
             _capture_now(x, self.session._h, hp, width)
 
     def _capture_last_tokens(self, x: torch.Tensor, hp: int, width: int) -> None:
@@ -1358,9 +1373,6 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
     att = Attachment(session, model)
     try:
         param_device = next(model.parameters()).device
-        model.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device),
-                              persistent=False)
-        att._traced.sinks[param_device] = model._ringscope_sink
         att._request_id_tensor(param_device, 1)
         att._rows_setting = rows
         if _TOKENS in sites:
@@ -1405,7 +1417,7 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
 
             def submit_hook(module, args, output):
                 if torch.compiler.is_compiling():
-                    _TRACED[key].end(_first(output).device)
+                    _TRACED[key].end(module, _first(output).device)
                 elif att._open:
                     _submit_captures_raw(_u64("session", session._h))
 
@@ -1416,6 +1428,11 @@ def attach(model, session: "Session | str | dict | None" = None, *, sites: Itera
             def tokens_hook(module, args, kwargs):
                 if torch.compiler.is_compiling():
                     _TRACED[key].note_tokens(module, args, kwargs)
+            # The step op's sink: a (non-persistent) buffer of the module whose hook ends the step (see _Traced.end).
+            last_param = next(last.parameters(), None)
+            last.register_buffer("_ringscope_sink", torch.zeros(1, dtype=torch.uint8, device=param_device
+                                 if last_param is None else last_param.device), persistent=False)
+            att._sink_module = last
             att._handles.append(last.register_forward_hook(submit_hook))
             att._handles.append(decoder_layers[0].register_forward_pre_hook(begin_hook, with_kwargs=True))
             embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
