@@ -153,11 +153,17 @@ def test_attach_wraps_the_models_forward_and_detach_puts_back_what_was_there():
         plain(input_ids=ids)
         copied = copy.deepcopy(plain)
         assert copied.forward.__self__ is copied
-        # The copy's hooks are the original's (functions are not copied): a clear error, not rows of no step.
-        with pytest.raises(ringscope.RingscopeError, match="a copy of an attached model"):
+        # The copy's hooks are the original's (functions are not copied): a clear error, not rows of no step, and
+        # the original goes on working (as it does after its inner model is called on its own, refused too).
+        with pytest.raises(ringscope.StepError, match="a copy of an attached model"):
             copied(input_ids=ids)
+        with pytest.raises(ringscope.StepError, match="called on its own"):
+            plain.model(input_ids=ids)
+        plain(input_ids=ids)
+    assert any(hasattr(m, "_ringscope_sink") for m in plain.modules())
     att.detach()
     assert "forward" not in vars(plain) and not any("ringscope" in k for k in vars(plain))
+    assert not any(hasattr(m, "_ringscope_sink") for m in plain.modules()), "detach leaves the step op's sink"
     session.close()
 
 

@@ -395,6 +395,10 @@ class _StepAround:
             if torch.compiler.is_compiling():  # the step begins and ends inside the graph (_Traced, step op)
                 return type(self).forward(self, *args, **kwargs) if inner is None else inner(*args, **kwargs)
             att = self.__dict__.get(att_name)
+            if att is not None and _ATTACHMENTS.get(att._key) is not att:
+                # A deep copy of the attached model: its hooks are the original's (functions are not copied), and its
+                # copied attachment would open steps in the original's session.
+                raise RingscopeError("RS_ERR_STEP", _OUTSIDE_A_STEP)
             if att is not None:
                 att._begin(self, args, kwargs)
             output = type(self).forward(self, *args, **kwargs) if inner is None else inner(*args, **kwargs)
@@ -943,7 +947,7 @@ class Attachment:
         self._keep.append(x)
         if x.shape[0]:
             if not self._open:
-                raise RingscopeError("RS_ERR_STATE", _OUTSIDE_A_STEP)
+                raise RingscopeError("RS_ERR_STEP", _OUTSIDE_A_STEP)
             _capture_now(x, self.session._h, hp, width)
 
     def _capture_last_tokens(self, x: torch.Tensor, hp: int, width: int) -> None:
@@ -959,6 +963,8 @@ class Attachment:
             rows = rows[torch.isin(last, self._kept).to(rows.device)]
         if rows.shape[0] == 0:
             return
+        if not self._open:
+            raise RingscopeError("RS_ERR_STEP", _OUTSIDE_A_STEP)
         if rows.is_cuda and (isinstance(self._rows_setting, (list, tuple)) or self._duplicate_ids):
             # A row list names batch rows a one-row-per-request source does not hold, and requests sharing rows
             # have one last row between them: skipped (and said once) rather than misattributed.
