@@ -41,13 +41,23 @@ def build(layers, variant):
     if variant == "attached":
         session = ringscope.Session({"policy": {"mode": "best_effort"}})
         rt.attach(model, session, sites=("residual",))
-    elif variant == "top_hooks":
+    elif variant != "plain":
+        add_noop_hooks(model, variant)
+    return model, session
+
+
+def add_noop_hooks(model, kind):
+    """Hooks that do nothing where `attach` puts (or put) its own: ``top_hooks`` a forward pre-hook and hook (with
+    kwargs) on the model, where attach put its begin and end until session 38; ``layer_hooks`` a forward hook on
+    every decoder layer, as attach's residual captures. (Also hf_compiled_overhead.py's control models.)"""
+    if kind == "top_hooks":
         model.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
         model.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
-    elif variant == "layer_hooks":
+    elif kind == "layer_hooks":
         for layer in model.model.layers:
             layer.register_forward_hook(lambda module, args, output: None)
-    return model, session
+    else:
+        raise ValueError(f"no no-op hooks {kind!r} (top_hooks or layer_hooks)")
 
 
 def replaying_backend(gm, example_inputs, **_):

@@ -39,6 +39,7 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compiled_host import add_noop_hooks  # noqa: E402
 from hf_overhead import DEV, PROMPT, build_model, cuda_session, run_parts  # noqa: E402
 
 import ringscope  # noqa: E402
@@ -340,21 +341,14 @@ CONTROLS = ("top_hooks", "layer_hooks")
 
 
 def control_model(kind, layers):
-    """A model that is not attached but is hooked like an attached one, with hooks that do nothing (no ringscope):
-    ``top_hooks`` a forward pre-hook and hook (with kwargs) on the model, as attach's begin and end; ``layer_hooks`` a
-    forward hook on every decoder layer, as attach's residual captures. Its decoder layers get a class of their own
-    (:func:`own_layer_class`). How far these differ from the plain model is what a compiled model's step time varies
-    by without any capture — the resolution the attached model's difference must be read against."""
+    """A model that is not attached but is hooked like an attached one, with hooks that do nothing (no ringscope;
+    :func:`compiled_host.add_noop_hooks`: ``top_hooks`` on the model, ``layer_hooks`` on every decoder layer). Its
+    decoder layers get a class of their own (:func:`own_layer_class`). How far these differ from the plain model is
+    what a compiled model's step time varies by without any capture — the resolution the attached model's difference
+    must be read against."""
     model = build_model(layers)
     own_layer_class(model)
-    if kind == "top_hooks":
-        model.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
-        model.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
-    elif kind == "layer_hooks":
-        for layer in model.model.layers:
-            layer.register_forward_hook(lambda module, args, output: None)
-    else:
-        raise ValueError(f"no control model {kind!r} (one of {', '.join(CONTROLS)})")
+    add_noop_hooks(model, kind)
     return model
 
 

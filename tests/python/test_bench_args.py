@@ -23,6 +23,7 @@ BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
     ("eager_overhead.py", ["--steps", "1"], "--steps"),
     ("hf_compiled_overhead.py", ["--controls", "top_hooks,nope"], "--controls: no control model nope"),
     ("compiled_host.py", ["--variants", "plain,nope"], "--variants: no variant nope"),
+    ("compiled_host.py", ["--repeats", "0"], "--layers and --repeats must be at least 1"),
 ])
 def test_a_bad_argument_is_refused_by_name_before_the_gpu(script, args, named):
     run = subprocess.run([sys.executable, os.path.join(BENCHES, script), *args], capture_output=True, text=True,

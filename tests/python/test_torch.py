@@ -6,6 +6,7 @@ custom op under torch.compile without graph breaks, and the bad inputs the API p
 Skipped when torch or transformers is missing, unless RINGSCOPE_REQUIRE_TORCH is set (.ci/run sets it).
 """
 import os
+import types
 
 import numpy as np
 import pytest
@@ -168,9 +169,10 @@ def test_attach_wraps_the_models_forward_and_detach_puts_back_what_was_there():
 
 
 def test_the_forward_wrapper_follows_class_patches_and_survives_other_wrappers(monkeypatch):
-    """A patch of the model's class made after attach (as kernel libraries make) is what runs; a wrapper another
-    library puts on top of attach's is kept by detach(), passes calls through, and a later attach captures each
-    step once (no recursion through the old wrapper)."""
+    """A patch of the model's class made after attach (as kernel libraries make) is what runs; a forward replaced
+    (not wrapped) after attach is refused by name; a wrapper another library puts on top of attach's is kept by
+    detach(), passes calls through, and a later attach captures each step once (no recursion through the old
+    wrapper)."""
     model = tiny(layers=2)
     session = ringscope.Session({"policy": {"mode": "full"}})
     sub = session.subscribe("check")
@@ -187,6 +189,12 @@ def test_the_forward_wrapper_follows_class_patches_and_survives_other_wrappers(m
         model(input_ids=ids)
     assert patched == [1], "the class's forward, patched after attach, did not run"
     monkeypatch.undo()
+    # Replaced after attach (not wrapped): the steps are not begun, and the captures say so by name.
+    ours = model.forward
+    model.forward = types.MethodType(type(model).forward, model)
+    with pytest.raises(ringscope.StepError, match="replaced after attach"), torch.no_grad():
+        model(input_ids=ids)
+    model.forward = ours
     theirs = model.forward
 
     def on_top(*args, **kwargs):

@@ -302,9 +302,14 @@ def test_the_step_op_and_the_traced_hooks_refuse_bad_input():
     with pytest.raises(ringscope.RingscopeError, match="attachment 999999 no longer exists"):
         rt.step(sink, ids, torch.zeros(2, 1, dtype=torch.int64), [], [], 999999)
     # A decoder layer traced without positions: the compilation fails, saying what is missing.
-    traced = torch.compile(lambda h: att._begin_compiled(None, (h,), {}), backend="eager", fullgraph=True)
+    traced = torch.compile(lambda h: att._traced.begin(None, (h,), {}), backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="needs the decoder layers called with position_ids or cache_position"):
         traced(torch.ones(2, 3, 64))
+    # The step op's sink buffer gone from the last captured module: the compilation fails, naming it.
+    del att._sink_module._ringscope_sink
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="has no _ringscope_sink buffer"), torch.no_grad():
+        compiled(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(3)[None])
     att.detach()
     assert session.close()["exported_rows"] == 0
 

@@ -228,8 +228,9 @@ _NO_POSITIONS = ("attach: a compiled forward pass needs the decoder layers calle
 # While tracing, the status travels in the message (the compilation fails with it, not with a RingscopeError).
 _TOO_FEW_IDS_TRACED = _TOO_FEW_IDS + " [RS_ERR_INVALID_ARGUMENT]"
 _NO_POSITIONS_TRACED = _NO_POSITIONS + " [RS_ERR_INVALID_ARGUMENT]"
-_SINK_DEVICE_TRACED = ("attach: the last captured module's output is on another device than the module (its "
-                       "buffers): the step op cannot be given a sink there [RS_ERR_INVALID_ARGUMENT]")
+_SINK_DEVICE_TRACED = ("attach: the last captured module has no _ringscope_sink buffer on its output's device (the "
+                       "buffer was removed, or the module's output is on another device than the module): the "
+                       "compiled step op has no sink to write [RS_ERR_INVALID_ARGUMENT]")
 
 
 def _refuse_while_tracing(which: str) -> None:
@@ -302,7 +303,8 @@ class _Traced:
         self.keep: List[torch.Tensor] = []  # request ids, positions, then each captured tensor
         self.keep_hp: List[int] = []  # the hookpoint of each captured tensor
 
-    def capture(self, x: torch.Tensor, hp: int) -> None:
+    def capture(self, x: torch.Tensor, hp: int, width: int = 0) -> None:
+        """Notes ``x`` for hookpoint ``hp`` (``width``: unused, as :meth:`Attachment._capture` takes it)."""
         self.keep.append(x)
         self.keep_hp.append(hp)  # captured by the step op at the end of the forward pass
 
@@ -351,10 +353,6 @@ class _Traced:
 _TRACED: Dict[int, _Traced] = {}
 
 
-def _capture_traced(key: int, x: torch.Tensor, hp: int, width: int) -> None:
-    _TRACED[key].capture(x, hp)
-
-
 def _live_request_ids(req: torch.Tensor, ids: Optional[torch.Tensor], ended_tokens: Sequence[int]) -> torch.Tensor:
     """Steps recorded as CUDA graphs or compiled (fixed shape, no host code at replay): ``req`` with -1 (no
     request, :data:`NO_REQUEST`) for the rows of a decode step fed one of ``ended_tokens`` (end of sequence, pad) —
@@ -380,8 +378,7 @@ class _StepAround:
     attach is used), and an instance ``forward`` that was there before attach is called inside and put back by
     ``remove``. What it reads from the model is named by the attachment's key, so that a wrapper left in another
     library's chain by ``detach()`` passes calls through, whatever is attached later. Unlike the model hooks it
-    replaces, it begins the step after every forward pre-hook of the
-    model and ends it before every forward hook."""
+    replaces, it begins the step after every forward pre-hook of the model and ends it before every forward hook."""
 
     def __init__(self, att: "Attachment", model: torch.nn.Module) -> None:
         self.model: Optional[torch.nn.Module] = model
@@ -695,8 +692,8 @@ class Attachment:
         return x.shape[0], x.shape[1], x.device
 
     def _begin(self, module, args, kwargs):
-        if torch.compiler.is_compiling():
-            return  # compiled: the first decoder layer's pre-hook begins the step inside the graph (_begin_compiled)
+        """Begins an eager step (or one recorded as a CUDA graph) before the forward pass (:class:`_StepAround`;
+        compiled, the step begins inside the graph: :meth:`_Traced.begin`)."""
         batch, seq, device = self._inputs(args, kwargs)
         pos = kwargs.get("position_ids")
         if pos is None:
@@ -866,18 +863,9 @@ class Attachment:
         return x if self._kept is None else x.index_select(0, self._kept.to(x.device))
 
     def _end(self, module, args, kwargs, output):
-        if torch.compiler.is_compiling():
-            return  # compiled: the step ends inside the graph, after the last capture (_Traced.end)
+        """Ends the step :meth:`_begin` began (compiled, it ends inside the graph: :meth:`_Traced.end`)."""
         self._end_tensors()
         self._keep.clear()
-
-    def _begin_compiled(self, module, args, kwargs):
-        """Pre-hook of the first decoder layer: while torch.compile traces, notes the step's request-id and
-        position tensors (from the layer's own arguments) for the step op at the end of the forward pass
-        (:meth:`_Traced.begin`). Eager calls begin the step in the model's wrapped ``forward`` instead
-        (:class:`_StepAround`)."""
-        if torch.compiler.is_compiling():
-            self._traced.begin(module, args, kwargs)
 
     def _end_tensors(self) -> None:
         if _recording():
@@ -914,9 +902,7 @@ class Attachment:
             self._end_tensors()
 
     def _hook(self, name: str, width: int, pick=_first):
-        hp = self.hookpoints[name]
-
-        key = self._key
+        hp, key = self.hookpoints[name], self._key
 
         def hook(module, args, output):
             if torch.compiler.is_compiling():  # (the traced state by one global path: see _Traced)
@@ -1131,7 +1117,7 @@ class _AttentionTap:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         tokens = tuple(hidden.shape[:2]) if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
         # Traced, the captures go to the attachment's traced state by its key (see _Traced), not through the tap.
-        capture = functools.partial(_capture_traced, self.key) if torch.compiler.is_compiling() else self.att._capture
+        capture = _TRACED[self.key].capture if torch.compiler.is_compiling() else self.att._capture
         if self.q_hp is not None:
             capture(self._rows(q, unsqueeze_dim, self.heads, tokens), *self.q_hp)
         if self.k_hp is not None:
