@@ -22,7 +22,10 @@ interleaves all three), one with ringscope attached (`ring.backend = "cuda"`, be
     two plain models' difference alone);
   * correctness: a compiled `generate` of two requests on the attached model, every captured row against an eager
     `output_hidden_states` pass over the same tokens on the plain model (bf16: the compiled kernels round
-    differently, so the error is reported, not required to be zero), request ids and positions checked exactly.
+    differently, so the error is reported, not required to be zero), request ids and positions checked exactly;
+  * `--parts profile`: where a step's time goes (kernels under torch.profiler, the host's Python under cProfile);
+  * `--parts hostapi`: the host's CUDA API calls and aten ops per step under torch.profiler, plain / attached /
+    attached with every hookpoint disabled (nothing published: the drain idle).
 """
 import argparse
 import collections
@@ -100,6 +103,8 @@ GRAPH_TREES = None  # a GraphTreeCounters once main() has installed it
 # again in every `generate` -- for any model -- and every later call of the step checks all the stale recordings
 # first, so the host's time per step grows with the number of `generate` calls made so far in the process.
 CACHE_MODE = "reuse"
+SYNC = torch.cuda.synchronize  # what each timed call waits for (--sync)
+PARTS = ("correctness", "generate", "profile", "hostapi")
 _CACHES = {}
 
 
@@ -154,7 +159,7 @@ def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host
             return timed
 
         def _timed_call(inner, args, kwargs):
-            torch.cuda.synchronize()
+            SYNC()
             if profiler is not None and len(times) == 2:
                 profiler.start()
             t = time.perf_counter()
@@ -174,7 +179,7 @@ def decode_step_times(model, batch, new=NEW, gpu_times=None, profiler=None, host
                 host_times.append((time.perf_counter() - h) * 1e3)
             if gpu_times is not None:
                 end.record()
-            torch.cuda.synchronize()
+            SYNC()
             times.append((time.perf_counter() - t) * 1e3)
             if gpu_times is not None:
                 gpu_times.append(start.elapsed_time(end))
@@ -279,6 +284,69 @@ def profile_steps(plain, attached_model, batches, results, top=14):
                               "host_python_differs_from_plain_us": out[variant]["host_python_differs_from_plain_us"]}),
                   flush=True)
         results.setdefault("profile", {})[str(batch)] = out
+
+
+def host_api(plain, attached_model, batches, results, top=30):
+    """Where the host's time per compiled call goes on a GPU machine: plain; attached at every layer; attached at every
+    layer with every hookpoint disabled (the capture kernel runs and publishes nothing: the drain has nothing to copy).
+    Per variant: the call's wall time (2 `generate`s, as the generate part times it) and, under torch.profiler with
+    the CPU activity, the host time per step of every CUDA runtime / driver API call and aten op (self time, from the
+    third compiled call to the end of `generate`: the eager work `generate` does between steps is in all variants
+    alike); the differences from plain. (The profiler's own per-op cost is in these numbers, as cProfile's is in the
+    profile part's.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    def host_events(prof, steps):
+        per = {}
+        for e in prof.key_averages():
+            if e.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            t = e.self_cpu_time_total
+            if t > 0:
+                per[e.key[:90]] = (t / steps, e.count / steps)
+        return per
+
+    for batch in batches:
+        out = {}
+        for variant in ("plain", "all layers", "all layers, disabled"):
+            model, session, att = plain if variant == "plain" else attached_model, None, None
+            if variant != "plain":
+                session = cuda_session(capacity="1 GiB", defer_captures=True)
+                att = rt.attach(model, session, sites=["residual"])
+                if variant.endswith("disabled"):
+                    for hp in att.hookpoints.values():
+                        session.set_enabled(hp, False)
+                    session.apply_controls()
+            try:
+                wall = []
+                for _ in range(2):
+                    wall.extend(decode_step_times(model, batch))
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                per = host_events(prof, len(decode_step_times(model, batch, profiler=prof)))
+                rows = sum(session.stats(hp)["produced_rows"] for hp in att.hookpoints.values()) if att else None
+            finally:
+                if att is not None:
+                    att.detach()
+                    session.close()
+            api = {k: v for k, v in per.items() if k.startswith("cu")}
+            out[variant] = {"wall_median_ms": statistics.median(wall), "rows_produced": rows,
+                            "host_us_per_step": round(sum(v[0] for v in per.values()), 1),
+                            "cuda_api_us_per_step": round(sum(v[0] for v in api.values()), 1),
+                            "cuda_api": {k: [round(v[0], 2), round(v[1], 2)]
+                                         for k, v in sorted(api.items(), key=lambda kv: -kv[1][0])},
+                            "top": {k: [round(v[0], 2), round(v[1], 2)]
+                                    for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]},
+                            "_all": per}
+        base = out["plain"].pop("_all")
+        for variant in ("all layers", "all layers, disabled"):
+            per = out[variant].pop("_all")
+            diff = {k: round(per.get(k, (0, 0))[0] - base.get(k, (0, 0))[0], 2) for k in set(per) | set(base)}
+            out[variant]["differs_from_plain_us"] = {k: v for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))
+                                                     if abs(v) > 1}
+        for variant, r in out.items():
+            print(json.dumps({"batch": batch, "variant": variant, **{k: v for k, v in r.items() if k != "top"}}),
+                  flush=True)
+        results.setdefault("host_api", {})[str(batch)] = out
 
 
 def correctness(plain, attached_model, results, new=8):
@@ -423,8 +491,8 @@ def main():
                     "as often")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--parts", default="correctness,generate",
-                    help="which parts to run, in this order: correctness, generate, profile")
-    ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile part")
+                    help="which parts to run, in this order: correctness, generate, profile, hostapi")
+    ap.add_argument("--profile-batches", default="8", help="batch sizes of the profile and hostapi parts")
     ap.add_argument("--no-second-plain", dest="second_plain", action="store_false",
                     help="generate part: no second plain model (whose difference from the first is the resolution)")
     ap.add_argument("--controls", default="", help="generate part: also time these models hooked like an attached "
@@ -432,6 +500,10 @@ def main():
                     "differences from the plain model are the spread a capture's cost is read against")
     ap.add_argument("--mode", choices=("best_effort", "full"), default="best_effort",
                     help="the generate part's policy.mode (full: attach admits every call of the compiled step)")
+    ap.add_argument("--sync", choices=("device", "stream"), default="device",
+                    help="what each timed call of the compiled step waits for before and after: the whole device "
+                         "(every stream: the drain's copies of the step's rows too) or torch's current stream only "
+                         "(what `generate` itself waits for each step)")
     ap.add_argument("--cache", choices=("reuse", "fresh"), default="reuse",
                     help="reuse: one StaticCache per model and batch size, reset before each generate (what a server "
                          "does; steady state); fresh: generate(cache_implementation='static') builds a new one per "
@@ -441,15 +513,20 @@ def main():
     for c in controls:
         if c not in CONTROLS:
             ap.error(f"--controls: no control model {c} (one of {', '.join(CONTROLS)})")
-    global CACHE_MODE
+    for p in args.parts.split(","):
+        if p not in PARTS:
+            ap.error(f"--parts: unknown part {p!r} (one of {', '.join(PARTS)})")
+    global CACHE_MODE, SYNC
     CACHE_MODE = args.cache
+    if args.sync == "stream":
+        SYNC = lambda: torch.cuda.current_stream().synchronize()  # noqa: E731
     torch._dynamo.config.cache_size_limit = 64
     global GRAPH_TREES
     GRAPH_TREES = GraphTreeCounters()
     import transformers
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "transformers": transformers.__version__, "cache": args.cache,
-               "mode": args.mode, "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
+               "mode": args.mode, "sync": args.sync, "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
     plain_2 = build_model(args.layers) if args.second_plain and "generate" in args.parts.split(",") else None
     if plain_2 is not None:
@@ -464,11 +541,12 @@ def main():
         elif p == "generate":
             parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode, plain_2,
                                                 control_models))
+        elif p == "hostapi":
+            parts.append(lambda: host_api(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
+                                          results))
         elif p == "profile":
             parts.append(lambda: profile_steps(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
                                                results))
-        else:
-            ap.error(f"unknown part {p!r}")
     status = run_parts(parts, results, args.out)
     if GRAPH_TREES.reasons:  # why recorded graphs did not match a call (written after the parts' own results)
         results["graph_tree_mismatch_reasons"] = dict(GRAPH_TREES.reasons.most_common(12))

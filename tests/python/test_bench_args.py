@@ -22,6 +22,8 @@ BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
     ("eager_overhead.py", ["--batches", "0"], "--batches"),
     ("eager_overhead.py", ["--steps", "1"], "--steps"),
     ("hf_compiled_overhead.py", ["--controls", "top_hooks,nope"], "--controls: no control model nope"),
+    ("hf_compiled_overhead.py", ["--parts", "generate,nope"], "--parts: unknown part 'nope'"),
+    ("hf_compiled_overhead.py", ["--sync", "host"], "--sync: invalid choice"),
     ("compiled_host.py", ["--variants", "plain,nope"], "--variants: no variant nope"),
     ("compiled_host.py", ["--repeats", "0"], "--layers and --repeats must be at least 1"),
 ])
