@@ -19,7 +19,8 @@ interleaves all three), one with ringscope attached (`ring.backend = "cuda"`, be
     With `--controls top_hooks,layer_hooks`, two more models are timed in the same rotation: not attached, hooked
     like an attached one with hooks that do nothing — how far they differ from the plain model is how much a compiled
     model's step time varies without any capture (`spread_median_pct`; on an H100 -3% to +5%, more than the
-    two plain models' difference alone);
+    two plain models' difference alone); `attached_off` adds a model attached like the measured one with every
+    hookpoint disabled (nothing published, nothing drained);
   * correctness: a compiled `generate` of two requests on the attached model, every captured row against an eager
     `output_hidden_states` pass over the same tokens on the plain model (bf16: the compiled kernels round
     differently, so the error is reported, not required to be zero), request ids and positions checked exactly;
@@ -405,19 +406,45 @@ def own_layer_class(model):
         layer.__class__ = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-CONTROLS = ("top_hooks", "layer_hooks")
+CONTROLS = ("top_hooks", "layer_hooks", "attached_off")
+_CONTROL_SESSIONS = []  # (attachment, session) of the attached_off controls, closed by close_controls()
 
 
-def control_model(kind, layers):
+def control_model(kind, layers, mode="best_effort"):
     """A model that is not attached but is hooked like an attached one, with hooks that do nothing (no ringscope;
     :func:`compiled_host.add_noop_hooks`: ``top_hooks`` on the model, ``layer_hooks`` on every decoder layer). Its
     decoder layers get a class of their own (:func:`own_layer_class`). How far these differ from the plain model is
     what a compiled model's step time varies by without any capture — the resolution the attached model's difference
-    must be read against."""
+    must be read against. ``attached_off``: attached like the measured model (residual of every layer, a session of
+    its own in the same ``mode``: in full mode its calls are admitted too) with every hookpoint disabled: its graph,
+    its inputs and its host call are an attached model's, its capture kernel runs and publishes nothing, so its drain
+    has nothing to copy — what it differs from the attached model by is what publishing and draining the rows costs
+    the step."""
     model = build_model(layers)
     own_layer_class(model)
-    add_noop_hooks(model, kind)
+    if kind == "attached_off":
+        session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
+        att = rt.attach(model, session, sites=["residual"])
+        _CONTROL_SESSIONS.append((att, session))
+        for hp in att.hookpoints.values():
+            session.set_enabled(hp, False)
+        session.apply_controls()
+    else:
+        add_noop_hooks(model, kind)
     return model
+
+
+def close_controls():
+    """Detaches the attached_off controls and closes their sessions; {control: accounting}: none of their rows may
+    have been published."""
+    out = {}
+    while _CONTROL_SESSIONS:
+        att, session = _CONTROL_SESSIONS.pop()
+        att.detach()
+        stats = session.close()
+        out[f"attached_off_{len(_CONTROL_SESSIONS)}"] = {k: stats.get(k) for k in
+                                                         ("produced_rows", "exported_rows", "dropped_rows")}
+    return out
 
 
 def run_generate(plain, attached_model, batches, rounds, results, mode="best_effort", plain_2=None, controls=None):
@@ -496,8 +523,9 @@ def main():
     ap.add_argument("--no-second-plain", dest="second_plain", action="store_false",
                     help="generate part: no second plain model (whose difference from the first is the resolution)")
     ap.add_argument("--controls", default="", help="generate part: also time these models hooked like an attached "
-                    f"one with hooks that do nothing, no ringscope (comma-separated: {', '.join(CONTROLS)}); their "
-                    "differences from the plain model are the spread a capture's cost is read against")
+                    "one with hooks that do nothing, no ringscope, or attached with every hookpoint disabled "
+                    f"(comma-separated: {', '.join(CONTROLS)}); their differences from the plain model are the spread "
+                    "a capture's cost is read against")
     ap.add_argument("--mode", choices=("best_effort", "full"), default="best_effort",
                     help="the generate part's policy.mode (full: attach admits every call of the compiled step)")
     ap.add_argument("--sync", choices=("device", "stream"), default="device",
@@ -526,12 +554,13 @@ def main():
     import transformers
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "transformers": transformers.__version__, "cache": args.cache,
-               "mode": args.mode, "sync": args.sync, "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
+               "mode": args.mode, "sync": args.sync,
+               "compile": "transformers' own: generate with a StaticCache -> get_compiled_call"}
     plain, attached_model = build_model(args.layers), build_model(args.layers)
     plain_2 = build_model(args.layers) if args.second_plain and "generate" in args.parts.split(",") else None
     if plain_2 is not None:
         own_layer_class(plain_2)
-    control_models = {c: control_model(c, args.layers) for c in controls} \
+    control_models = {c: control_model(c, args.layers, args.mode) for c in controls} \
         if "generate" in args.parts.split(",") else None
     batches = [int(b) for b in args.batches.split(",")]
     parts = []
@@ -547,7 +576,19 @@ def main():
         elif p == "profile":
             parts.append(lambda: profile_steps(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
                                                results))
-    status = run_parts(parts, results, args.out)
+    try:
+        status = run_parts(parts, results, args.out)
+    finally:
+        closed = close_controls()
+    if closed:  # the attached_off controls' accounting (exported_rows must be 0: every hookpoint was disabled)
+        results["attached_off_accounting"] = closed
+        if any(c["exported_rows"] for c in closed.values()):
+            results.setdefault("errors", []).append("an attached_off control exported rows: its hookpoints were "
+                                                    "not all disabled, so it is not the control it should be")
+            status = 1
+        print(json.dumps({"attached_off_accounting": closed}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
     if GRAPH_TREES.reasons:  # why recorded graphs did not match a call (written after the parts' own results)
         results["graph_tree_mismatch_reasons"] = dict(GRAPH_TREES.reasons.most_common(12))
         print(json.dumps({"graph_tree_mismatch_reasons": results["graph_tree_mismatch_reasons"]}), flush=True)
