@@ -14,7 +14,9 @@ one (residual of every layer, best-effort, host backend). Per variant: the time 
 (`call_us`) and of one check of each compiled frame's guards on the step's own arguments (`check_us`), both the
 median of `--repeats` rounds with the variants interleaved, and the differences from the plain model. Model: a
 small Llama (hidden 64) with `--layers` decoder layers (what is measured depends on the module structure, not on
-the widths).
+the widths). `--backend aot_replay` puts the replay behind AOTAutograd, whose runtime wrappers run around inductor's
+compiled code at every call too (what is left then of a GPU call's host work is CUDA graph trees' replay and the
+launch).
 """
 import argparse
 import json
@@ -71,9 +73,32 @@ def replaying_backend(gm, example_inputs, **_):
     return replay
 
 
-def compiled_generate(model):
-    """Runs a static-cache `generate` whose decode step is compiled with :func:`replaying_backend` and returns the
-    compiled step (as transformers made it), and the keyword arguments and output of its last call."""
+def aot_replaying_backend(gm, example_inputs, **_):
+    """:func:`replaying_backend` behind AOTAutograd, as inductor's code is: the functionalized graph (input mutations
+    kept in it, as inductor keeps them) runs at the first call and its output is returned at every later call, and AOTAutograd's
+    runtime wrappers — what a call of inductor's compiled code runs on the host around the graph besides CUDA graph
+    trees' replay: the outputs that alias inputs made anew, the subclass and mutation handling — run at every call."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(graph, inputs):  # (called with fake tensors: the graph runs at the first real call)
+        first = []
+
+        def run(*args):
+            if not first:
+                first.append(graph(*args))
+            return first[0]
+        return make_boxed_func(run)
+    return aot_autograd(fw_compiler=fw, keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+BACKENDS = {"replay": replaying_backend, "aot_replay": aot_replaying_backend}
+
+
+def compiled_generate(model, backend=replaying_backend):
+    """Runs a static-cache `generate` whose decode step is compiled with ``backend`` (:func:`replaying_backend`,
+    :func:`aot_replaying_backend`) and returns the compiled step (as transformers made it), and the keyword arguments
+    and output of its last call."""
     calls, compiled = [], []
     handed_out = model.get_compiled_call
 
@@ -90,7 +115,7 @@ def compiled_generate(model):
     prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     gc = transformers.GenerationConfig(
         max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static",
-        compile_config=transformers.CompileConfig(fullgraph=True, backend=replaying_backend))
+        compile_config=transformers.CompileConfig(fullgraph=True, backend=backend))
     gc.compile_config._compile_all_devices = True
     try:
         with torch.no_grad():
@@ -135,13 +160,13 @@ def frame_locals(fn, values):
     return loc
 
 
-def frames_of(layers, variant):
+def frames_of(layers, variant, backend=replaying_backend):
     """Compiles a `generate` of the variant's model and returns ({frame: (guard manager, frame arguments)}, the
     session to close). The variants' models are of one class, so their forward passes share a code object: each
     compiles an entry of its own (the model is guarded by identity), the newest first in its cache — and dynamo's
     caches are not reset in between, which would leave the earlier variants' managers checking nothing."""
     model, session = build(layers, variant)
-    step, kwargs, output = compiled_generate(model)
+    step, kwargs, output = compiled_generate(model, backend)
     frames = {}
     forward = getattr(model.forward, "__func__", model.forward)  # the class's, or an instance attribute (attach's)
     entries = _debug_get_cache_entry_list(forward.__code__)
@@ -187,6 +212,9 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=50, help="rounds of the interleaved timing")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--backend", choices=tuple(BACKENDS), default="replay",
+                    help="replay: the graph's output returned at every call (dynamo's own work only); aot_replay: the "
+                         "same behind AOTAutograd's runtime wrappers, as inductor's compiled code runs")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -194,13 +222,14 @@ def main():
             ap.error(f"--variants: no variant {v} (one of {', '.join(VARIANTS)})")
     if args.layers < 1 or args.repeats < 1:
         ap.error("--layers and --repeats must be at least 1")
-    results = {"torch": torch.__version__, "transformers": transformers.__version__, "layers": args.layers}
+    results = {"torch": torch.__version__, "transformers": transformers.__version__, "layers": args.layers,
+               "backend": args.backend}
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(variants))
     torch._dynamo.reset()
     frames, steps, sessions = {}, {}, []
     try:
         for v in variants:
-            frames[v], steps[v], session = frames_of(args.layers, v)
+            frames[v], steps[v], session = frames_of(args.layers, v, BACKENDS[args.backend])
             sessions.append(session)
         timed = time_checks(frames, args.repeats)
         calls = time_calls(steps, args.repeats)

@@ -26,6 +26,7 @@ BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
     ("hf_compiled_overhead.py", ["--sync", "host"], "--sync: invalid choice"),
     ("compiled_host.py", ["--variants", "plain,nope"], "--variants: no variant nope"),
     ("compiled_host.py", ["--repeats", "0"], "--layers and --repeats must be at least 1"),
+    ("compiled_host.py", ["--backend", "inductor"], "--backend: invalid choice"),
 ])
 def test_a_bad_argument_is_refused_by_name_before_the_gpu(script, args, named):
     run = subprocess.run([sys.executable, os.path.join(BENCHES, script), *args], capture_output=True, text=True,
