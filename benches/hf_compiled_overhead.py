@@ -20,7 +20,8 @@ interleaves all three), one with ringscope attached (`ring.backend = "cuda"`, be
     like an attached one with hooks that do nothing — how far they differ from the plain model is how much a compiled
     model's step time varies without any capture (`spread_median_pct`; on an H100 -3% to +5%, more than the
     two plain models' difference alone); `attached_off` adds a model attached like the measured one with every
-    hookpoint disabled (nothing published, nothing drained);
+    hookpoint disabled (nothing published, nothing drained; not part of the spread: compared with the attached model
+    too, `vs_ringscope_median_pct`);
   * correctness: a compiled `generate` of two requests on the attached model, every captured row against an eager
     `output_hidden_states` pass over the same tokens on the plain model (bf16: the compiled kernels round
     differently, so the error is reported, not required to be zero), request ids and positions checked exactly;
@@ -290,11 +291,12 @@ def profile_steps(plain, attached_model, batches, results, top=14):
 def host_api(plain, attached_model, batches, results, top=30):
     """Where the host's time per compiled call goes on a GPU machine: plain; attached at every layer; attached at every
     layer with every hookpoint disabled (the capture kernel runs and publishes nothing: the drain has nothing to copy).
-    Per variant: the call's wall time (2 `generate`s, as the generate part times it) and, under torch.profiler with
-    the CPU activity, the host time per step of every CUDA runtime / driver API call and aten op (self time, from the
-    third compiled call to the end of `generate`: the eager work `generate` does between steps is in all variants
-    alike); the differences from plain. (The profiler's own per-op cost is in these numbers, as cProfile's is in the
-    profile part's.)"""
+    Per variant: the call's wall time (2 `generate`s, as the generate part times it) and, under torch.profiler (CPU
+    and CUDA activities), the host time per step of every CUDA runtime / driver API call and aten op (self time,
+    from the third compiled call to the end of `generate`: the eager work `generate` does between steps is in all
+    variants alike); the differences from plain. The synchronisations (the benchmark's own around each call, and
+    `generate`'s) wait for the GPU: listed, but left out of the totals. (The profiler's own per-op cost is in these numbers, as
+    cProfile's is in the profile part's.)"""
     from torch.profiler import ProfilerActivity, profile
 
     def host_events(prof, steps):
@@ -304,7 +306,8 @@ def host_api(plain, attached_model, batches, results, top=30):
                 continue
             t = e.self_cpu_time_total
             if t > 0:
-                per[e.key[:90]] = (t / steps, e.count / steps)
+                was = per.get(e.key[:90], (0.0, 0.0))
+                per[e.key[:90]] = (was[0] + t / steps, was[1] + e.count / steps)
         return per
 
     for batch in batches:
@@ -330,9 +333,10 @@ def host_api(plain, attached_model, batches, results, top=30):
                     att.detach()
                     session.close()
             api = {k: v for k, v in per.items() if k.startswith("cu")}
+            waits = {k for k in per if "Synchronize" in k}
             out[variant] = {"wall_median_ms": statistics.median(wall), "rows_produced": rows,
-                            "host_us_per_step": round(sum(v[0] for v in per.values()), 1),
-                            "cuda_api_us_per_step": round(sum(v[0] for v in api.values()), 1),
+                            "host_us_per_step": round(sum(v[0] for k, v in per.items() if k not in waits), 1),
+                            "cuda_api_us_per_step": round(sum(v[0] for k, v in api.items() if k not in waits), 1),
                             "cuda_api": {k: [round(v[0], 2), round(v[1], 2)]
                                          for k, v in sorted(api.items(), key=lambda kv: -kv[1][0])},
                             "top": {k: [round(v[0], 2), round(v[1], 2)]
@@ -453,7 +457,8 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     model too: how far the two plain models differ is the resolution (check `graph_trees` — plain_2's invariant checks
     per call, one as the others' — before reading it). ``controls`` ({name: model}, :func:`control_model`) are timed
     in the same rotation; ``spread_median_pct`` is then the largest difference of any model without ringscope
-    (plain_2 and the controls) from the plain one."""
+    (plain_2 and the controls but ``attached_off``, which is attached: reported against the attached model too,
+    ``vs_ringscope_*``) from the plain one."""
     session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
     att = rt.attach(attached_model, session, sites=["residual"])
     layers = len(att.hookpoints)
@@ -491,10 +496,15 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
                        "resolution_min_pct": 100 * abs(min(t["plain_2"]) / a_min - 1)} if "plain_2" in t else {}),
                    **({"controls": {name: {"median_ms": statistics.median(t[name]),
                                            "vs_plain_median_pct": 100 * (statistics.median(t[name]) / a - 1),
-                                           "vs_plain_min_pct": 100 * (min(t[name]) / a_min - 1)}
+                                           "vs_plain_min_pct": 100 * (min(t[name]) / a_min - 1),
+                                           # attached_off is attached (not in the spread): against the attached model
+                                           **({"vs_ringscope_median_pct": 100 * (statistics.median(t[name]) / b - 1),
+                                               "vs_ringscope_min_pct": 100 * (min(t[name]) / b_min - 1)}
+                                              if name == "attached_off" else {})}
                                     for name in controls},
-                       "spread_median_pct": max(100 * abs(statistics.median(t[name]) / a - 1)
-                                                for name in [*controls, *(["plain_2"] if "plain_2" in t else [])])}
+                       **({"spread_median_pct": max(100 * abs(statistics.median(t[name]) / a - 1) for name in without)}
+                          if (without := [n for n in [*controls, *(["plain_2"] if "plain_2" in t else [])]
+                                          if n != "attached_off"]) else {})}
                       if controls else {}),
                    "steps_begun_in_python": att.step,
                    # per timed generate: graphs recorded, invariant checks per call of the compiled step
@@ -508,6 +518,23 @@ def run_generate(plain, attached_model, batches, rounds, results, mode="best_eff
     results["ringscope_accounting"] = {k: stats.get(k) for k in ("produced_rows", "exported_rows", "dropped_rows")}
     print(json.dumps({"cudagraph_skips": results["cudagraph_skips"],
                       "ringscope_accounting": results["ringscope_accounting"]}), flush=True)
+
+
+def make_parts(args, results, plain, attached_model, plain_2, control_models, batches):
+    """The parts ``--parts`` names, in its order, as functions of no argument."""
+    profile_batches = [int(b) for b in args.profile_batches.split(",")]
+    parts = []
+    for p in args.parts.split(","):
+        if p == "correctness":
+            parts.append(lambda: correctness(plain, attached_model, results))
+        elif p == "generate":
+            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode, plain_2,
+                                                control_models))
+        elif p == "hostapi":
+            parts.append(lambda: host_api(plain, attached_model, profile_batches, results))
+        elif p == "profile":
+            parts.append(lambda: profile_steps(plain, attached_model, profile_batches, results))
+    return parts
 
 
 def main():
@@ -544,6 +571,12 @@ def main():
     for p in args.parts.split(","):
         if p not in PARTS:
             ap.error(f"--parts: unknown part {p!r} (one of {', '.join(PARTS)})")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        [int(b) for b in args.profile_batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches / --profile-batches: comma-separated integers (got {args.batches!r}, "
+                 f"{args.profile_batches!r})")
     global CACHE_MODE, SYNC
     CACHE_MODE = args.cache
     if args.sync == "stream":
@@ -560,31 +593,20 @@ def main():
     plain_2 = build_model(args.layers) if args.second_plain and "generate" in args.parts.split(",") else None
     if plain_2 is not None:
         own_layer_class(plain_2)
-    control_models = {c: control_model(c, args.layers, args.mode) for c in controls} \
-        if "generate" in args.parts.split(",") else None
-    batches = [int(b) for b in args.batches.split(",")]
-    parts = []
-    for p in args.parts.split(","):
-        if p == "correctness":
-            parts.append(lambda: correctness(plain, attached_model, results))
-        elif p == "generate":
-            parts.append(lambda: run_generate(plain, attached_model, batches, args.rounds, results, args.mode, plain_2,
-                                                control_models))
-        elif p == "hostapi":
-            parts.append(lambda: host_api(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
-                                          results))
-        elif p == "profile":
-            parts.append(lambda: profile_steps(plain, attached_model, [int(b) for b in args.profile_batches.split(",")],
-                                               results))
     try:
-        status = run_parts(parts, results, args.out)
+        control_models = {c: control_model(c, args.layers, args.mode) for c in controls} \
+            if "generate" in args.parts.split(",") else None
+        status = run_parts(make_parts(args, results, plain, attached_model, plain_2, control_models, batches),
+                           results, args.out)
     finally:
         closed = close_controls()
-    if closed:  # the attached_off controls' accounting (exported_rows must be 0: every hookpoint was disabled)
+    if closed:  # the attached_off controls' accounting: every hookpoint was disabled, so nothing may have been
+        # exported or dropped (a disabled hookpoint's rows are counted as produced and sampled out)
         results["attached_off_accounting"] = closed
-        if any(c["exported_rows"] for c in closed.values()):
-            results.setdefault("errors", []).append("an attached_off control exported rows: its hookpoints were "
-                                                    "not all disabled, so it is not the control it should be")
+        if any(c["exported_rows"] or c["dropped_rows"] for c in closed.values()):
+            results.setdefault("errors", []).append("an attached_off control exported or dropped rows: its "
+                                                    "hookpoints were not all disabled, so it is not the control it "
+                                                    "should be")
             status = 1
         print(json.dumps({"attached_off_accounting": closed}), flush=True)
         with open(args.out, "w") as f:
