@@ -75,9 +75,10 @@ def replaying_backend(gm, example_inputs, **_):
 
 def aot_replaying_backend(gm, example_inputs, **_):
     """:func:`replaying_backend` behind AOTAutograd, as inductor's code is: the functionalized graph (input mutations
-    kept in it, as inductor keeps them) runs at the first call and its output is returned at every later call, and AOTAutograd's
-    runtime wrappers — what a call of inductor's compiled code runs on the host around the graph besides CUDA graph
-    trees' replay: the outputs that alias inputs made anew, the subclass and mutation handling — run at every call."""
+    kept in it, as inductor keeps them) runs at the first call and its output is returned at every later call, and
+    AOTAutograd's runtime wrappers — what a call of inductor's compiled code runs on the host around the graph besides
+    CUDA graph trees' replay: the outputs that alias inputs made anew, the subclass and mutation handling — run at
+    every call."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 

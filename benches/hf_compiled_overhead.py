@@ -295,8 +295,8 @@ def host_api(plain, attached_model, batches, results, top=30):
     and CUDA activities), the host time per step of every CUDA runtime / driver API call and aten op (self time,
     from the third compiled call to the end of `generate`: the eager work `generate` does between steps is in all
     variants alike); the differences from plain. The synchronisations (the benchmark's own around each call, and
-    `generate`'s) wait for the GPU: listed, but left out of the totals. (The profiler's own per-op cost is in these numbers, as
-    cProfile's is in the profile part's.)"""
+    `generate`'s) wait for the GPU: listed, but left out of the totals. (The profiler's own per-op cost is in these
+    numbers, as cProfile's is in the profile part's.)"""
     from torch.profiler import ProfilerActivity, profile
 
     def host_events(prof, steps):
