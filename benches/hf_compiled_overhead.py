@@ -288,6 +288,14 @@ def profile_steps(plain, attached_model, batches, results, top=14):
         results.setdefault("profile", {})[str(batch)] = out
 
 
+def disable_all(att):
+    """Disables every hookpoint of attachment ``att`` on the device too (steps begun inside a CUDA graph read the
+    controls there): its captures run and publish nothing (their rows are counted as produced and sampled out)."""
+    for hp in att.hookpoints.values():
+        att.session.set_enabled(hp, False)
+    att.session.apply_controls()
+
+
 def host_api(plain, attached_model, batches, results, top=30):
     """Where the host's time per compiled call goes on a GPU machine: plain; attached at every layer; attached at every
     layer with every hookpoint disabled (the capture kernel runs and publishes nothing: the drain has nothing to copy).
@@ -318,9 +326,7 @@ def host_api(plain, attached_model, batches, results, top=30):
                 session = cuda_session(capacity="1 GiB", defer_captures=True)
                 att = rt.attach(model, session, sites=["residual"])
                 if variant.endswith("disabled"):
-                    for hp in att.hookpoints.values():
-                        session.set_enabled(hp, False)
-                    session.apply_controls()
+                    disable_all(att)
             try:
                 wall = []
                 for _ in range(2):
@@ -430,9 +436,7 @@ def control_model(kind, layers, mode="best_effort"):
         session = cuda_session(capacity="1 GiB", defer_captures=True, mode=mode)
         att = rt.attach(model, session, sites=["residual"])
         _CONTROL_SESSIONS.append((att, session))
-        for hp in att.hookpoints.values():
-            session.set_enabled(hp, False)
-        session.apply_controls()
+        disable_all(att)
     else:
         add_noop_hooks(model, kind)
     return model

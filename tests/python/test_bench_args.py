@@ -25,6 +25,7 @@ BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
     ("hf_compiled_overhead.py", ["--parts", "generate,nope"], "--parts: unknown part 'nope'"),
     ("hf_compiled_overhead.py", ["--sync", "host"], "--sync: invalid choice"),
     ("hf_compiled_overhead.py", ["--batches", "1,x"], "--batches / --profile-batches: comma-separated integers"),
+    ("hf_compiled_overhead.py", ["--profile-batches", "8,"], "--batches / --profile-batches: comma-separated integers"),
     ("compiled_host.py", ["--variants", "plain,nope"], "--variants: no variant nope"),
     ("compiled_host.py", ["--repeats", "0"], "--layers and --repeats must be at least 1"),
     ("compiled_host.py", ["--backend", "inductor"], "--backend: invalid choice"),
