@@ -762,14 +762,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         st64(state + ST_SEQ, s_seq);
         st64(state + ST_TAIL_SNAP, tail_now);
         if (m.g.on == GB_FIRST) st64(state + ST_NEXT_STEP, step + 1);
-        if (new_head != head0) {
-            __threadfence_system();
-            st64(host + HS_HEAD, new_head);
+        // The step's first kernel counts the step as begun (rs_graph_step_begun's work, sharing its fence).
+        const bool begins = m.g.on == GB_FIRST;
+        u64 begun = 0;
+        if (begins) {
+            begun = ld64(state + ST_GRAPH_BEGUN) + 1;
+            st64(state + ST_GRAPH_BEGUN, begun);
         }
+        // One system-scope fence for everything the host learns below: the records (data, metadata, headers) reach
+        // memory before the host can see the new head. The three host words need no order among themselves (a
+        // second fence cost ~0.4-0.8 us per kernel on an H100): `graph_begun` retires the reservation of the step
+        // *before* this one, whose head an earlier kernel of the same stream published before this kernel began
+        // (and this fence orders that write too); this step's own reservation stays until the next step begins,
+        // so seeing this begun before this head cannot make full mode's admission count this step's bytes twice or
+        // not at all. The tail snapshot is a lower bound whenever it is read.
+        if (new_head != head0 || begins) __threadfence_system();
+        if (new_head != head0) st64(host + HS_HEAD, new_head);
         // A lower bound of the snapshot the next capture decides on: full mode's admission of graph-begun steps,
         // whose captures have no begin kernel of their own to refresh it, judges room against it.
         st64(host + HS_TAIL_SNAP, tail_now);
-        if (m.g.on == GB_FIRST) rs_graph_step_begun(state, host);
+        if (begins) st64(host + HS_GRAPH_BEGUN, begun);
     }
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         const Plan& p = plan[i];

@@ -113,7 +113,10 @@ impl Deferred {
         let role = if self.step_flushes == 0 { GraphRole::First } else { GraphRole::Later };
         self.step_flushes += 1;
         let mut param = ManyParam::new(GraphBatch::param(cx.graph_batch, role), &entries, cx.full_mode);
-        let grid = (bytes.div_ceil(16 << 10) as u32).clamp(1, cx.gpu.sms() * 2);
+        // A block per 4 KiB: with few bytes more blocks finish the copy sooner than their last-block handshake
+        // costs (16 x 2048 bf16 rows: 6.9 us per kernel on an H100 with 16 blocks, 8.1 us with 4; a block per 1-2
+        // KiB or 8-64 KiB was slower; docs/gpu-benchmarks.md, session 40).
+        let grid = (bytes.div_ceil(4 << 10) as u32).clamp(1, cx.gpu.sms() * 2);
         cx.gpu.bind()?;
         // SAFETY: the tables live as long as the capture side (the session synchronises the device before dropping
         // them); every source was checked to be device memory when it was noted and is covered by its
