@@ -769,13 +769,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
             begun = ld64(state + ST_GRAPH_BEGUN) + 1;
             st64(state + ST_GRAPH_BEGUN, begun);
         }
-        // One system-scope fence for everything the host learns below: the records (data, metadata, headers) reach
-        // memory before the host can see the new head. The three host words need no order among themselves (a
-        // second fence cost ~0.4-0.8 us per kernel on an H100): `graph_begun` retires the reservation of the step
-        // *before* this one, whose head an earlier kernel of the same stream published before this kernel began
-        // (and this fence orders that write too); this step's own reservation stays until the next step begins,
-        // so seeing this begun before this head cannot make full mode's admission count this step's bytes twice or
-        // not at all. The tail snapshot is a lower bound whenever it is read.
+        // One system-scope fence before the host words below: the records (data, metadata, headers) reach memory
+        // before the host can see the new head. The host words need no order among themselves (a second fence, as
+        // rs_graph_step_begun has, cost ~0.4-0.8 us per kernel on an H100): full mode's admission retires a graph
+        // step's reservation when `graph_begun` says the *next* step began, and the retired step's head was
+        // published by a kernel that ran before this one (stream order, or the side stream's fork and join events),
+        // which this fence orders before `graph_begun` too; this step's own bytes stay reserved until the next step
+        // begins, so seeing this `graph_begun` before this head counts them in neither place only if the host's
+        // admissions fell behind the device's count of begun steps (a replay or an eager graph step that was not
+        // admitted: full mode's contract is broken then anyway). The tail snapshot is a lower bound whenever read.
         if (new_head != head0 || begins) __threadfence_system();
         if (new_head != head0) st64(host + HS_HEAD, new_head);
         // A lower bound of the snapshot the next capture decides on: full mode's admission of graph-begun steps,

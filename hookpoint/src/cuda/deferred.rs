@@ -114,8 +114,9 @@ impl Deferred {
         self.step_flushes += 1;
         let mut param = ManyParam::new(GraphBatch::param(cx.graph_batch, role), &entries, cx.full_mode);
         // A block per 4 KiB: with few bytes more blocks finish the copy sooner than their last-block handshake
-        // costs (16 x 2048 bf16 rows: 6.9 us per kernel on an H100 with 16 blocks, 8.1 us with 4; a block per 1-2
-        // KiB or 8-64 KiB was slower; docs/gpu-benchmarks.md, session 40).
+        // costs (16 x 2048 bf16 rows: 6.9 us per kernel on an H100 with 16 blocks, 8.1 us with 4). Chosen for batch
+        // 1; a block per 8 KiB was 0.2-0.3 us faster at 16 x 8 rows and 0.3-0.5 us slower at batch 1, and at
+        // 16 x 64 rows this rule is 0.2 us slower than 16 KiB (docs/gpu-benchmarks.md, session 40).
         let grid = (bytes.div_ceil(4 << 10) as u32).clamp(1, cx.gpu.sms() * 2);
         cx.gpu.bind()?;
         // SAFETY: the tables live as long as the capture side (the session synchronises the device before dropping
