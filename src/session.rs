@@ -729,8 +729,10 @@ impl Session {
     /// request id per batch row, token position per row), numbers the step one past the previous step, and picks up
     /// control changes — so a best-effort replay needs no host call. Record the step's captures and
     /// [`end_step`](Self::end_step) in the same graph. Full mode: call [`admit_graph_step`](Self::admit_graph_step)
-    /// before every replay; called eagerly, this admits the step itself (past the deadline the step is begun with its
-    /// captures dropped and counted, and the error returned, as [`begin_step_on`](Self::begin_step_on) does).
+    /// before every replay; called eagerly, this admits the step itself, or takes the admission made since the last
+    /// eager step (replays are not seen: admit once per graph-begun step, replayed or eager); past the deadline the
+    /// step is begun with its captures dropped and counted, and the error returned, as
+    /// [`begin_step_on`](Self::begin_step_on) does.
     pub fn begin_step_graph(&self, batch: &GraphBatch, stream: StreamRef) -> Result<(), Error> {
         let begun = self.with_capture(|c| c.backend.begin_step_graph(&self.registry, batch, stream));
         if matches!(begun, Ok(()) | Err(Error::DeviceCapture(DeviceCaptureError::Deadline { .. }))) {

@@ -1009,7 +1009,9 @@ pub unsafe extern "C" fn rs_begin_step_on_stream(
 /// numbers the step one past the previous one; a best-effort replay needs no host call. Record the step's captures
 /// and `rs_end_step` in the same graph. Control changes reach such graphs through `rs_apply_controls`. Full mode:
 /// call `rs_admit_graph_step` before every replay (eagerly, this call admits the step itself: past the deadline it
-/// returns `RS_ERR_CUDA`, its message naming the deadline, with the step begun and its captures dropped and counted).
+/// returns `RS_ERR_CUDA`, its message naming the deadline, with the step begun and its captures dropped and counted —
+/// unless `rs_admit_graph_step` was called since the last eager step, whose admission it then takes: ringscope does
+/// not see replays, so after admit → replay, admit again before an eager step too).
 ///
 /// # Safety
 /// `request_ids_ptr` and `positions_ptr` are device memory that stays allocated (and holds the batch) for as long
@@ -1103,7 +1105,9 @@ pub unsafe extern "C" fn rs_begin_step_graph_ended(
 /// host-side check when there is room. `rows` bounds the replayed step's batch rows; 0 takes the largest graph-begun
 /// step recorded in the session. Past the budget it returns `RS_ERR_CUDA`, its message naming the deadline (`RS_OK` with `policy.on_deadline =
 /// "degrade"`) and the replay's captures are dropped on the device and counted as `deadline`. It also uploads
-/// control changes, as `rs_apply_controls` does. Best-effort sessions: returns `RS_OK` at once.
+/// control changes, as `rs_apply_controls` does. One call per graph-begun step, replayed or eager: an eager
+/// `rs_begin_step_graph` takes the admission made since the last eager step as its own. Best-effort sessions: returns
+/// `RS_OK` at once.
 ///
 /// # Safety
 /// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.

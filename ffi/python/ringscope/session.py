@@ -334,8 +334,9 @@ class Session:
         lossless replay costs what a best-effort one does. ``rows`` bounds the replay's batch rows (default: the
         largest graph-begun step recorded in this session). Past the budget it raises ``RingscopeError`` naming the
         deadline (nothing with ``policy.on_deadline = "degrade"``) and the replay's captures are dropped and counted
-        as ``deadline``. Also uploads control changes, as :meth:`apply_controls` does. Best-effort sessions: returns
-        at once."""
+        as ``deadline``. Also uploads control changes, as :meth:`apply_controls` does. One call per graph-begun step,
+        replayed or eager: an eager :meth:`begin_step_graph` takes the admission made since the last eager step as its
+        own (ringscope does not see replays). Best-effort sessions: returns at once."""
         admit = self._admit
         if admit is None:
             _lib_with("rs_admit_graph_step")  # names a library that predates it

@@ -250,8 +250,10 @@ impl DeviceCapture {
     ///
     /// Full mode: the host must make sure of ring space before each step, which a replay cannot do by itself: call
     /// [`admit_graph_step`](Self::admit_graph_step) before every replay (a host-side check, no device work unless
-    /// it has to wait). Called eagerly (not recording), this admits the step itself; past the deadline the step is
-    /// begun all the same, with its captures dropped and counted as `deadline`, and the error is returned.
+    /// it has to wait). Called eagerly (not recording), this admits the step itself — unless `admit_graph_step` was
+    /// called since the last eager step: that admission is taken as this step's (replays are not seen here, so a
+    /// caller admits once per graph-begun step, replayed or eager); past the deadline the step is begun all the same,
+    /// with its captures dropped and counted as `deadline`, and the error is returned.
     pub fn begin_step_graph(
         &mut self,
         registry: &Registry,
