@@ -392,11 +392,17 @@ __device__ __forceinline__ uint4 graph_meta(const GraphBatch& g, u32 r) {
     return make_uint4((u32)req, (u32)(req >> 32), pos, r);
 }
 
+// Counts a graph-begun step on the device; returns the new count, for the host (HS_GRAPH_BEGUN). One thread.
+__device__ __forceinline__ u64 rs_count_graph_step(u8* state) {
+    const u64 begun = ld64(state + ST_GRAPH_BEGUN) + 1;
+    st64(state + ST_GRAPH_BEGUN, begun);
+    return begun;
+}
+
 // A graph-begun step has started: counts it and tells the host (full mode's admission retires the reservations of
 // the steps before it: every capture issued before this point has run). One thread, after the step's first work.
 __device__ __forceinline__ void rs_graph_step_begun(u8* state, u8* host) {
-    const u64 begun = ld64(state + ST_GRAPH_BEGUN) + 1;
-    st64(state + ST_GRAPH_BEGUN, begun);
+    const u64 begun = rs_count_graph_step(state);
     __threadfence_system();
     st64(host + HS_GRAPH_BEGUN, begun);
 }
@@ -762,13 +768,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         st64(state + ST_SEQ, s_seq);
         st64(state + ST_TAIL_SNAP, tail_now);
         if (m.g.on == GB_FIRST) st64(state + ST_NEXT_STEP, step + 1);
-        // The step's first kernel counts the step as begun (rs_graph_step_begun's work, sharing its fence).
+        // The step's first kernel counts the step as begun (rs_graph_step_begun's work, sharing the fence below).
         const bool begins = m.g.on == GB_FIRST;
-        u64 begun = 0;
-        if (begins) {
-            begun = ld64(state + ST_GRAPH_BEGUN) + 1;
-            st64(state + ST_GRAPH_BEGUN, begun);
-        }
+        const u64 begun = begins ? rs_count_graph_step(state) : 0;
         // One system-scope fence before the host words below: the records (data, metadata, headers) reach memory
         // before the host can see the new head. The host words need no order among themselves (a second fence, as
         // rs_graph_step_begun has, cost ~0.4-0.8 us per kernel on an H100): full mode's admission retires a graph
