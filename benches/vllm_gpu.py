@@ -11,8 +11,8 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
                                                   # q/k/v of 4 layers against plain vLLM, interleaved
     python benches/vllm_gpu.py profile OUT_DIR    # each engine step on the GPU's clock (PyTorch profiler): plain,
                                                   # q/k/v of 4 layers, residual of 16 (benches/gpu_trace.py)
-    python benches/vllm_gpu.py off_profiles OUT_DIR  # the same clock: q/k/v of 4 layers and the same engine with
-                                                  # its hookpoints disabled (nothing published), twice each
+    python benches/vllm_gpu.py off_profiles OUT_DIR  # the same clock: q/k/v of 4 layers, the residual of 16, each
+                                                  # next to the same engine with its hookpoints disabled
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -381,6 +381,8 @@ BENCH_CONFIGS = {
     "attn4_off": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n' + "".join(
         f'[[hookpoints]]\nname = "layers.{i}.{site}"\nenabled = false\n'
         for i in (0, 5, 10, 15) for site in ("attn_q", "attn_k", "attn_v")),
+    "resid_off": '[vllm]\nsites = ["residual"]\n' + "".join(
+        f'[[hookpoints]]\nname = "layers.{i}.resid"\nenabled = false\n' for i in range(16)),
     "probes16": None,  # written by bench_config (weights files)
     "eager_hooks": None,
 }
@@ -390,7 +392,7 @@ def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
     if kind == "full_resid":
         head = head.replace("[ring]", "threads = 8\n[ring]")
-    if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off"):
+    if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off", "resid_off"):
         return head + BENCH_CONFIGS[kind]
     if kind == "probes16":
         import numpy as np
@@ -715,9 +717,9 @@ def main(cmd: str, root: str) -> None:
             "profiles": ["prof-plain#1", "prof-attn4", "prof-resid", "prof-full_resid", "prof-plain#2"],
             # The q/k/v profile alone between two plain engines (issue 40's cost, again).
             "attn_profiles": ["prof-plain#1", "prof-attn4", "prof-plain#2"],
-            # Where the model's kernels' extra time in a capturing engine comes from (session 41): the same capture
-            # with its hookpoints disabled, twice each, between two plain engines.
-            "off_profiles": ["prof-plain#1", "prof-attn4", "prof-attn4_off", "prof-attn4#2", "prof-attn4_off#2",
+            # Where the model's kernels' extra time in a capturing engine comes from (session 41): each capture next to
+            # the same engine with its hookpoints disabled (same graphs, nothing published), between two plain engines.
+            "off_profiles": ["prof-plain#1", "prof-attn4", "prof-attn4_off", "prof-resid", "prof-resid_off",
                              "prof-plain#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
