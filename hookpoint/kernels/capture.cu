@@ -773,7 +773,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         const u64 begun = begins ? rs_count_graph_step(state) : 0;
         // One system-scope fence before the host words below: the records (data, metadata, headers) reach memory
         // before the host can see the new head. The host words need no order among themselves (a second fence, as
-        // rs_graph_step_begun has, cost ~0.4-0.8 us per kernel on an H100): full mode's admission retires a graph
+        // rs_graph_step_begun has, cost 0.7-0.9 us per kernel on an H100, session 40): full mode's admission retires a graph
         // step's reservation when `graph_begun` says the *next* step began, and the retired step's head was
         // published by a kernel that ran before this one (stream order, or the side stream's fork and join events),
         // which this fence orders before `graph_begun` too; this step's own bytes stay reserved until the next step
