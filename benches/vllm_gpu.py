@@ -13,8 +13,8 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
                                                   # q/k/v of 4 layers, residual of 16 (benches/gpu_trace.py)
     python benches/vllm_gpu.py off_profiles OUT_DIR  # the same clock: q/k/v of 4 layers, the residual of 16, each
                                                   # next to the same engine with its hookpoints disabled
-    python benches/vllm_gpu.py cut_profiles OUT_DIR  # the disabled engines with parts of the capture taken out of
-                                                  # the compiled graph (bench only: see cut_capture_ops)
+    python benches/vllm_gpu.py cut_profiles OUT_DIR  # the same clock: each capture, the plugin's structure before
+                                                  # session 42, and no tensor kept (see change_capture_ops)
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -385,12 +385,12 @@ BENCH_CONFIGS = {
         for i in (0, 5, 10, 15) for site in ("attn_q", "attn_k", "attn_v")),
     "resid_off": '[vllm]\nsites = ["residual"]\n' + "".join(
         f'[[hookpoints]]\nname = "layers.{i}.resid"\nenabled = false\n' for i in range(16)),
-    # The same disabled engines with parts of the capture taken out of the compiled graph (session 42: a disabled
-    # capture costs the model's kernels as much as an enabled one), bench only — safe only because every hookpoint is
-    # disabled, so the copy kernel reads no source row: "_nokeep" ends each pass without the captured tensors (compiled
-    # code need not keep them alive until the end of the pass); "_nosites" also drops the site ops (and with them the
-    # hooks' contiguous copies, now unused), leaving only the begin and end ops and the copy kernel.
-    **{f"{base}_{cut}": None for base in ("attn4_off", "resid_off") for cut in ("nokeep", "nosites")},
+    # Where a capture's cost in the compiled graph comes from (session 42: a disabled capture cost the model's kernels
+    # as much as an enabled one), bench only (bench_engine): "_sites", the plugin's structure before session 42 (a
+    # capture op at each site noting its tensor, the end op keeping them alive); "_off_nokeep", every hookpoint
+    # disabled and the end op given no tensor (compiled code need not compute or keep them; safe only because nothing
+    # is captured).
+    "attn4_sites": None, "resid_sites": None, "attn4_off_nokeep": None, "resid_off_nokeep": None,
     "probes16": None,  # written by bench_config (weights files)
     "eager_hooks": None,
 }
@@ -402,7 +402,7 @@ def bench_config(out: str, kind: str) -> "str | None":
         head = head.replace("[ring]", "threads = 8\n[ring]")
     if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off", "resid_off"):
         return head + BENCH_CONFIGS[kind]
-    if kind.endswith(("_off_nokeep", "_off_nosites")):
+    if kind.endswith(("_off_nokeep", "_sites")):
         return head + BENCH_CONFIGS[kind.rsplit("_", 1)[0]]
     if kind == "probes16":
         import numpy as np
@@ -431,8 +431,8 @@ def bench_engine(out: str, kind: str):
     cfg = bench_config(out, kind)
     if cfg is not None:
         os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
-        if kind.endswith(("_nokeep", "_nosites")):
-            cut_capture_ops(kind.rsplit("_", 1)[1])
+        if kind.endswith(("_nokeep", "_sites")):
+            change_capture_ops(kind.rsplit("_", 1)[1])
         register_plugin()
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
               max_num_seqs=64, seed=0, gpu_memory_utilization=0.5, enforce_eager=(kind == "eager_hooks"),
@@ -444,15 +444,17 @@ def bench_engine(out: str, kind: str):
     return llm, rv.captures()[0]
 
 
-def cut_capture_ops(cut: str) -> None:
-    """Bench only (the ``*_off_nokeep`` / ``*_off_nosites`` configurations, every hookpoint disabled): replaces the
-    plugin's ops before its model is wrapped. ``nokeep``: the end op without the captured tensors; ``nosites``: that,
-    and no site op (the begin and end ops and the copy kernel stay)."""
+def change_capture_ops(change: str) -> None:
+    """Bench only, before the plugin wraps its model: ``sites`` — the structure before session 42 (a capture op at each
+    site, the end op keeping the tensors alive); ``nokeep`` (every hookpoint disabled) — the end op given no tensor."""
+    import ringscope.vllm as rv
     from ringscope import _engine
 
-    begin, capture, end = _engine.ops()
-    _engine._OPS = (begin, capture if cut == "nokeep" else (lambda x, sink, hookpoint, key: None),
-                    lambda sink, keep, key: end(sink, [], key))
+    if change == "sites":
+        rv._captures_at_end = lambda planned: False
+        return
+    begin, capture, end, end_capturing = _engine.ops()
+    _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end_capturing(sink, [], [], key))
 
 
 def decode_prompts(batch: int) -> list:
@@ -744,10 +746,10 @@ def main(cmd: str, root: str) -> None:
             # the same engine with its hookpoints disabled (same graphs, nothing published), between two plain engines.
             "off_profiles": ["prof-plain#1", "prof-attn4", "prof-attn4_off", "prof-resid", "prof-resid_off",
                              "prof-plain#2"],
-            # What of a disabled capture costs the model's kernels (session 42): the disabled engines, then without
-            # keeping the captured tensors alive, then without the site ops, between two plain engines.
-            "cut_profiles": ["prof-plain#1", "prof-attn4_off", "prof-attn4_off_nokeep", "prof-attn4_off_nosites",
-                             "prof-resid_off", "prof-resid_off_nokeep", "prof-resid_off_nosites", "prof-plain#2"]}[cmd]
+            # Where a capture's cost in the compiled graph comes from (session 42): each capture, the same with the
+            # structure before session 42, and disabled with no tensor kept, between two plain engines.
+            "cut_profiles": ["prof-plain#1", "prof-attn4", "prof-attn4_sites", "prof-attn4_off_nokeep", "prof-resid",
+                             "prof-resid_sites", "prof-resid_off_nokeep", "prof-plain#2"]}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:

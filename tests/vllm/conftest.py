@@ -74,7 +74,7 @@ def eager_all(engines):
 
 # -- the independent reference (tests/engine_reference.py, shared with the SGLang tests) -----------------------------
 
-def check_capture(res: dict, captured_requests: "list[int]"):
+def check_capture(res: dict, captured_requests: "list[int]", sites: int = 3):
     """Every exported row equals the reference's row of its (request, position); the rows are exactly those of the
     captured requests (every position each one was fed through the model: its prompt and every generated token but
     the last); request ids and positions right; the session's accounting balances. Returns the dump."""
@@ -90,7 +90,7 @@ def check_capture(res: dict, captured_requests: "list[int]"):
     seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
     ref = reference(pathlib.Path(res["out"]) / "model", seqs)
     assert sorted(dump) == sorted(res["hookpoints"])
-    assert len(dump) == 2 * 3
+    assert len(dump) == 2 * sites
     for name, cols in dump.items():
         act, req, pos = cols["activation"], cols["request_id"], cols["position"]
         assert cols["dtype"] == "f32" and act.shape[1] == 128

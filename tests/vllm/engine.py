@@ -97,6 +97,8 @@ def run(out, mode, scenario, result):
     result["sink_buffer"] = hasattr(model.model, "_ringscope_sink")
     result["additional_config"] = dict(runner.vllm_config.additional_config) \
         if isinstance(runner.vllm_config.additional_config, dict) else None
+    if os.environ.get("ENGINE_CHECK_SOURCES") and result["plugin_installed"]:
+        watch_sources(runner._ringscope, result)
 
     reqs = REQUESTS["opt_in" if scenario == "opt_in" else "all"]  # "attention" too: the "all" requests
     prompts = [{"prompt_token_ids": [(7 * k + 3 * i) % 500 + 1 for i in range(n)]} for k, (n, _, _) in enumerate(reqs)]
@@ -129,6 +131,36 @@ def run(out, mode, scenario, result):
         abi = sys.modules.get("ringscope._abi")  # where the package keeps the loaded library
         result["ringscope_imported"] = mod is not None
         result["ringscope_library_loaded"] = abi is not None and abi._lib is not None
+
+
+def watch_sources(cap, result):
+    """Whether every captured tensor still holds the captured values when its step ends — where a CUDA engine's
+    deferred copy reads it (on the CPU the plugin copies at once, so a tensor overwritten before the end of the pass
+    would not show in the rows): each capture's tensor is held (so its memory stays allocated) with a copy of its
+    values, and compared with them when the step ends."""
+    import torch
+
+    seen = []
+    stats = result["sources"] = {"captures": 0, "changed_before_end": 0, "changed": []}
+    capture, end = cap._capture, cap._end
+
+    def watched_capture(x, hookpoint):
+        if cap._open:
+            seen.append((x, x.clone(), hookpoint))
+        capture(x, hookpoint)
+
+    def watched_end():
+        for x, was, hookpoint in seen:
+            stats["captures"] += 1
+            if not torch.equal(x, was):
+                stats["changed_before_end"] += 1
+                if len(stats["changed"]) < 8:
+                    stats["changed"].append({"hookpoint": hookpoint, "step": cap.step})
+        seen.clear()
+        end()
+
+    cap._capture = watched_capture
+    cap._end = watched_end
 
 
 def run_prefix(model_dir, mode, result):

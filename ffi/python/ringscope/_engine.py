@@ -5,7 +5,8 @@ buffer (``-1``: never exported), the rows of each site copied, the step ended â€
 never takes the engine down (capture is switched off, said and counted).
 
 The ops are ``torch.library`` custom ops that declare they write a one-byte sink buffer of the model, so
-``torch.compile`` keeps them in the graph, in order, without a graph break.
+``torch.compile`` keeps them in the graph, in order, without a graph break: ``begin``, ``capture`` (one site's rows,
+copied where the site is), ``end``, and ``end_capturing`` (every site's rows of the pass, received at its end).
 """
 
 import _thread
@@ -234,7 +235,17 @@ def ops():
     def _(sink, keep, key):
         return None
 
-    _OPS = (begin, capture, end)
+    @torch.library.custom_op("ringscope_engine::end_capturing", mutates_args=("sink",))
+    def end_capturing(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], key: int) -> None:
+        cap = _CAPTURES.get(key)
+        if cap is not None:
+            cap._guard(cap._end_capturing, tensors, hookpoints)
+
+    @end_capturing.register_fake
+    def _(sink, tensors, hookpoints, key):
+        return None
+
+    _OPS = (begin, capture, end, end_capturing)
     return _OPS
 
 
@@ -608,6 +619,16 @@ class EngineCapture:
         if self._open:
             self._open = False
             self.session.end_step()
+
+    def _end_capturing(self, tensors, hookpoints) -> None:
+        """Captures ``tensors[i]`` as hookpoint ``hookpoints[i]``, then ends the step: the ``end_capturing`` op, which
+        receives every captured tensor of the pass at its end. Compiled code guarantees the values of an op's inputs
+        where the op runs, and nothing about a buffer it has already handed to an earlier op: Inductor may compute a
+        site's tensor once for a site op and again for the end op, and reuse the first buffer in between â€” a pointer
+        noted at the site and read by a copy at the end would then read another tensor's bytes."""
+        for x, hookpoint in zip(tensors, hookpoints):
+            self._capture(x, hookpoint)
+        self._end()
 
     # -- results ---------------------------------------------------------------------------------------------------
     def counters(self) -> dict:

@@ -32,17 +32,20 @@ How it hooks vLLM (0.26 to 0.32, the V1 engine): :func:`register` wraps two meth
   which means "never exported". Forward passes not made through ``_model_forward`` (profiling, warm-up, dummy
   batches) capture nothing.
 
-The hooks call three ``torch.library`` custom ops (``ringscope_engine::begin``, ``::capture``, ``::end``) that declare
-they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph compilation) keeps them in
-the graph, in order, with no graph break: they run at every step, compiled or eager. ``begin`` (a pre-hook of the
-first decoder layer) reads the step's rows from the request-id buffer and the layer's ``positions`` tensor and begins
-a ringscope step with the exported rows only; ``capture`` copies those rows of a site; ``end`` (after the last
-decoder layer) ends the step. On CUDA the captures are deferred (``ring.defer_captures``, on unless the configuration
-says ``false``) when every site allows it — ``residual`` and ``attn_q`` / ``attn_k`` / ``attn_v``: ``capture`` only
-notes its tensor and ``end`` copies all of the pass's captures with one kernel (up to 48 captures a kernel) — one
-graph node per pass instead of one per hookpoint; ``end`` takes every captured tensor as an input, so they are alive
-(and, in recorded graphs, at fixed addresses) until then. With ``attention_output`` or ``mlp_output``, which vLLM's
-fused add-norm overwrites in place in the next layer, each capture copies at once (one kernel each). Hookpoints are named as :func:`ringscope.torch.attach` names them
+The hooks call ``torch.library`` custom ops (``ringscope_engine::begin``, ``::end_capturing``, or ``::capture`` and
+``::end``) that declare they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph
+compilation) keeps them in the graph, in order, with no graph break: they run at every step, compiled or eager.
+``begin`` (a pre-hook of the first decoder layer) reads the step's rows from the request-id buffer and the layer's
+``positions`` tensor and begins a ringscope step with the exported rows only. When every site allows it —
+``residual`` and ``attn_q`` / ``attn_k`` / ``attn_v``, which nothing in the pass writes after the site — the sites
+only collect their tensors and ``end_capturing`` (after the last decoder layer) receives them all, captures their
+rows and ends the step: the tensors an op receives are the ones compiled code guarantees where it runs (Inductor may
+compute a site's tensor a second time for a later op and reuse the first buffer in between, so a pointer noted at the
+site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
+unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
+node per pass instead of one per hookpoint. With ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm
+overwrites in place in the next layer, ``capture`` copies each site's rows at the site (one kernel each) and ``end``
+ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
 the dataset is the session's own (its configured sinks).
 
@@ -343,6 +346,15 @@ def deferrable(pc: PluginConfig, planned: list, cuda: bool) -> bool:
     return cuda and not overwritten
 
 
+def _captures_at_end(planned: list) -> bool:
+    """Whether the end op makes every capture of a pass, from the tensors it receives (see
+    ``_engine.EngineCapture._end_capturing``: a pointer noted at the site need not hold the site's values at the end):
+    when nothing in the pass writes a site's tensor after the site — the residual (a sum the plugin makes) and q, k, v
+    (the qkv projection's, rotated). vLLM's fused add-norm overwrites the attention and MLP outputs in place in the
+    next layer: with those sites every capture copies at its site."""
+    return not any(site in ("attention_output", "mlp_output") for _, site, _ in planned)
+
+
 def _attention_width(entry: dict, site: str) -> int:
     return (entry["num_heads"] if site == "attn_q" else entry["num_kv_heads"]) * entry["head_dim"]
 
@@ -444,7 +456,7 @@ class VllmCapture(EngineCapture):
                  attention: Optional[Dict[int, dict]] = None):
         import torch
 
-        begin_op, capture_op, end_op = _engine.ops()
+        begin_op, capture_op, end_op, end_capturing_op = _engine.ops()
         self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
         # The previous pass's (request ids, query start offsets) and its rows' request ids (_prepare).
         self._last_batch: tuple = (None, None)
@@ -464,7 +476,7 @@ class VllmCapture(EngineCapture):
             export.setdefault("run_id", _default_run_id(getattr(getattr(runner, "vllm_config", None), "instance_id",
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
-        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/2", "hookpoints": planned, "dtype": dt,
+        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/3", "hookpoints": planned, "dtype": dt,
                                           "hidden": hidden, "widths": widths}, sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
         if isinstance(add, dict):
@@ -490,13 +502,17 @@ class VllmCapture(EngineCapture):
         self._request_id_buffer(decoder, device, max_tokens)
         self._handles = []
         key = self.key
+        # The pass's captured tensors (and, captured at the end, their hookpoints): the end op takes them.
         keep: List = []
+        keep_hookpoints: List[int] = []
+        at_end = _captures_at_end(planned)
 
         def begin_hook(module, args, kwargs):
             positions = kwargs.get("positions", args[0] if args else None)
             hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
             nt = hs.shape[0]
             keep.clear()
+            keep_hookpoints.clear()
             begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
 
         self._handles.append(layers[start].register_forward_pre_hook(begin_hook, with_kwargs=True))
@@ -507,13 +523,16 @@ class VllmCapture(EngineCapture):
             def hook(module, args, output):
                 x = pick(output).reshape(-1, hidden).contiguous()
                 keep.append(x)
-                capture_op(x, decoder._ringscope_sink, hp, key)
+                if at_end:
+                    keep_hookpoints.append(hp)
+                else:
+                    capture_op(x, decoder._ringscope_sink, hp, key)
             return hook
 
         def attention_hook(i):
             # Attention.forward(query, key, value, ...): flat [tokens, heads × head_dim] views of the layer's qkv
-            # projection, q and k after RoPE (the model applied it before the call). Captured before the attention
-            # op (in compiled models: in the piece of the graph before it).
+            # projection, q and k after RoPE (the model applied it before the call), taken before the attention op
+            # (in compiled models: in the piece of the graph before it) and copied by the end op.
             sites = [(j, self.hookpoints[name], widths[name]) for j, s in enumerate(("attn_q", "attn_k", "attn_v"))
                      for name, site, li in planned if li == i and site == s]
 
@@ -522,7 +541,10 @@ class VllmCapture(EngineCapture):
                 for j, hp, width in sites:
                     x = qkv[j].reshape(-1, width).contiguous()
                     keep.append(x)
-                    capture_op(x, decoder._ringscope_sink, hp, key)
+                    if at_end:
+                        keep_hookpoints.append(hp)
+                    else:
+                        capture_op(x, decoder._ringscope_sink, hp, key)
             return hook
 
         for i in sorted(attention):
@@ -541,8 +563,12 @@ class VllmCapture(EngineCapture):
                 self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
 
         def end_hook(module, args, output):
-            end_op(decoder._ringscope_sink, list(keep), key)
+            if at_end:
+                end_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
+            else:
+                end_op(decoder._ringscope_sink, list(keep), key)
             keep.clear()
+            keep_hookpoints.clear()
 
         self._handles.append(layers[end - 1].register_forward_hook(end_hook))
         if cuda:
