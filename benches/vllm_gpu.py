@@ -354,6 +354,8 @@ def check_attention(out: str, result: dict) -> dict:
             v = np.asarray(cols["activation"][sel][np.argsort(cols["position"][sel])], dtype=np.float32)
             b = vs[i][c:]
             worst_v = max(worst_v, float((np.linalg.norm(v - b, axis=1) / np.linalg.norm(b, axis=1)).max()))
+    if worst_v > TOLERANCE[result["dtype"]]:
+        bad.append(f"attn_v rows differ from v_proj by {worst_v:.3g} relative (bound {TOLERANCE[result['dtype']]})")
     summary = json.load(open(side_file(run, "summary", "json")))
     s = summary["session"]
     if s["dropped_rows"]:
