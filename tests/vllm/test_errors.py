@@ -73,6 +73,20 @@ def test_error_while_serving_disables_capture(engines, eager_all):
     assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
 
 
+def test_error_while_capturing_in_the_end_op_disables_capture(engines, eager_all):
+    # Only the residual: the end op makes the pass's captures (the fault is raised there), compiled.
+    res = engines("fault_end_op", "compiled", "fault",
+                  config=CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', 'sites = ["residual"]'))
+    assert res.get("error") is None, res.get("traceback")
+    f = res["fault"]
+    assert f["tokens"] == [r["tokens"] for r in eager_all["requests"][:2]] == f["tokens_after"]
+    assert f["before"]["disabled"] is None
+    assert "end_capturing" in f["after"]["disabled"] and "injected fault" in f["after"]["disabled"]
+    assert f["after"]["lost_steps"] > 0 and f["after"]["lost_rows"] > 0
+    s = res["closed"][0]["session"]
+    assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
+
+
 def test_the_default_run_id_is_the_same_in_every_worker_of_an_engine():
     from ringscope import vllm as plugin
 

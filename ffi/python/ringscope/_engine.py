@@ -199,7 +199,8 @@ _OPS = None
 
 
 def ops():
-    """``(begin, capture, end)``, defined on first use (so that importing a plugin does not import torch)."""
+    """``(begin, capture, end, end_capturing)``, defined on first use (so that importing a plugin does not import
+    torch)."""
     global _OPS
     if _OPS is not None:
         return _OPS
