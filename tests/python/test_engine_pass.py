@@ -112,3 +112,18 @@ def test_the_sessions_per_pass_call_is_the_c_call_and_its_errors(full):
                 s._before_pass(full)(0, 0)
     finally:
         s.close()
+
+
+def test_the_end_op_captures_each_tensor_as_its_hookpoint_in_order_then_ends_the_step():
+    # The end_capturing op's body (the captures of a pass whose sites only collect their tensors): one capture per
+    # (tensor, hookpoint) in the order received, then the step's end; lists of different lengths are a clear error.
+    c = rv.VllmCapture.__new__(rv.VllmCapture)
+    done = []
+    c._capture = lambda x, hookpoint: done.append(("capture", x, hookpoint))
+    c._end = lambda: done.append(("end",))
+    c._end_capturing(["a", "b", "c"], [3, 0, 7])
+    assert done == [("capture", "a", 3), ("capture", "b", 0), ("capture", "c", 7), ("end",)]
+    done.clear()
+    with pytest.raises(RingscopeError, match=r"end_capturing: 2 tensors and 3 hookpoints"):
+        c._end_capturing(["a", "b"], [1, 2, 3])
+    assert done == []

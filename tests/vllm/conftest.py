@@ -28,6 +28,9 @@ sites = ["residual", "attention_output", "mlp_output"]
 layers = "all"
 requests = "{requests}"
 """
+#: Only the residual: every capture of a pass is made by the end op, from the tensors it receives.
+RESIDUAL_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', 'sites = ["residual"]')
+
 
 _cache = {}
 

@@ -3,10 +3,7 @@ requests that opted in through SamplingParams(extra_args={"ringscope": ...}) are
 
 import pytest
 
-from conftest import CONFIG, check_capture, mixed_step, request_ids
-
-#: Only the residual: every capture is made by the end op, from the tensors it receives.
-RESIDUAL_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', 'sites = ["residual"]')
+from conftest import RESIDUAL_CONFIG, check_capture, mixed_step, request_ids
 
 
 @pytest.fixture(scope="module")

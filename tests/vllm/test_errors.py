@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import CONFIG
+from conftest import CONFIG, RESIDUAL_CONFIG
 
 
 def test_layer_that_does_not_exist_fails_at_load(engines):
@@ -75,8 +75,7 @@ def test_error_while_serving_disables_capture(engines, eager_all):
 
 def test_error_while_capturing_in_the_end_op_disables_capture(engines, eager_all):
     # Only the residual: the end op makes the pass's captures (the fault is raised there), compiled.
-    res = engines("fault_end_op", "compiled", "fault",
-                  config=CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', 'sites = ["residual"]'))
+    res = engines("fault_end_op", "compiled", "fault", config=RESIDUAL_CONFIG)
     assert res.get("error") is None, res.get("traceback")
     f = res["fault"]
     assert f["tokens"] == [r["tokens"] for r in eager_all["requests"][:2]] == f["tokens_after"]

@@ -198,6 +198,16 @@ def opt_in(extra, where: str, default: bool, logger, engine_id: str, counters: d
 _OPS = None
 
 
+def _on_capture(key: int, method: str, *args) -> None:
+    cap = _CAPTURES.get(key)
+    if cap is not None:
+        cap._guard(getattr(cap, method), *args)
+
+
+def _no_output(*args) -> None:
+    return None
+
+
 def ops():
     """``(begin, capture, end, end_capturing)``, defined on first use (so that importing a plugin does not import
     torch)."""
@@ -206,46 +216,26 @@ def ops():
         return _OPS
     import torch
 
+    # Each op's body: the capture of ``key`` (None once closed) runs its method under its error rule. No op returns
+    # anything (``_no_output`` is every op's fake).
     @torch.library.custom_op("ringscope_engine::begin", mutates_args=("sink",))
     def begin(sink: torch.Tensor, request_ids: torch.Tensor, positions: torch.Tensor, key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._begin, request_ids, positions)
-
-    @begin.register_fake
-    def _(sink, request_ids, positions, key):
-        return None
+        _on_capture(key, "_begin", request_ids, positions)
 
     @torch.library.custom_op("ringscope_engine::capture", mutates_args=("sink",))
     def capture(x: torch.Tensor, sink: torch.Tensor, hookpoint: int, key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._capture, x, hookpoint)
-
-    @capture.register_fake
-    def _(x, sink, hookpoint, key):
-        return None
+        _on_capture(key, "_capture", x, hookpoint)
 
     @torch.library.custom_op("ringscope_engine::end", mutates_args=("sink",))
     def end(sink: torch.Tensor, keep: List[torch.Tensor], key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._end)
-
-    @end.register_fake
-    def _(sink, keep, key):
-        return None
+        _on_capture(key, "_end")
 
     @torch.library.custom_op("ringscope_engine::end_capturing", mutates_args=("sink",))
     def end_capturing(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], key: int) -> None:
-        cap = _CAPTURES.get(key)
-        if cap is not None:
-            cap._guard(cap._end_capturing, tensors, hookpoints)
+        _on_capture(key, "_end_capturing", tensors, hookpoints)
 
-    @end_capturing.register_fake
-    def _(sink, tensors, hookpoints, key):
-        return None
-
+    for op in (begin, capture, end, end_capturing):
+        op.register_fake(_no_output)
     _OPS = (begin, capture, end, end_capturing)
     return _OPS
 
@@ -627,6 +617,9 @@ class EngineCapture:
         where the op runs, and nothing about a buffer it has already handed to an earlier op: Inductor may compute a
         site's tensor once for a site op and again for the end op, and reuse the first buffer in between — a pointer
         noted at the site and read by a copy at the end would then read another tensor's bytes."""
+        if len(tensors) != len(hookpoints):
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"end_capturing: {len(tensors)} tensors and "
+                                                            f"{len(hookpoints)} hookpoints (one hookpoint per tensor)")
         for x, hookpoint in zip(tensors, hookpoints):
             self._capture(x, hookpoint)
         self._end()
