@@ -395,8 +395,11 @@ BENCH_CONFIGS = {
     # as much as an enabled one), bench only (bench_engine): "_sites", the plugin's structure before session 42 (a
     # capture op at each site noting its tensor, the end op keeping them alive); "_off_nokeep", every hookpoint
     # disabled and the end op given no tensor — compiled code need not compute or keep them, and with no capture the
-    # pass launches no copy kernel either (only the step's begin; never run on a GPU before).
+    # pass launches no copy kernel either (only the step's begin; first run on a GPU in session 43); "_off_keeponly",
+    # every hookpoint disabled and the end op keeping the tensors alive without a capture (no copy kernel): whether
+    # keeping them or the copy kernel shifts the model's kernels (session 43).
     "attn4_sites": None, "resid_sites": None, "attn4_off_nokeep": None, "resid_off_nokeep": None,
+    "attn4_off_keeponly": None, "resid_off_keeponly": None,
     "probes16": None,  # written by bench_config (weights files)
     "eager_hooks": None,
 }
@@ -408,7 +411,7 @@ def bench_config(out: str, kind: str) -> "str | None":
         head = head.replace("[ring]", "threads = 8\n[ring]")
     if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off", "resid_off"):
         return head + BENCH_CONFIGS[kind]
-    if kind.endswith(("_off_nokeep", "_sites")):
+    if kind.endswith(("_off_nokeep", "_off_keeponly", "_sites")):
         return head + BENCH_CONFIGS[kind.rsplit("_", 1)[0]]
     if kind == "probes16":
         import numpy as np
@@ -437,7 +440,7 @@ def bench_engine(out: str, kind: str):
     cfg = bench_config(out, kind)
     if cfg is not None:
         os.environ["RINGSCOPE_VLLM_CONFIG"] = write_config(out, cfg)
-        if kind.endswith(("_nokeep", "_sites")):
+        if kind.endswith(("_nokeep", "_keeponly", "_sites")):
             change_capture_ops(kind.rsplit("_", 1)[1])
         register_plugin()
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
@@ -452,7 +455,8 @@ def bench_engine(out: str, kind: str):
 
 def change_capture_ops(change: str) -> None:
     """Bench only, before the plugin wraps its model: ``sites`` — the structure before session 42 (a capture op at each
-    site, the end op keeping the tensors alive); ``nokeep`` (every hookpoint disabled) — the end op given no tensor."""
+    site, the end op keeping the tensors alive); ``nokeep`` (every hookpoint disabled) — the end op given no tensor;
+    ``keeponly`` (every hookpoint disabled) — the end op keeps the tensors alive and makes no capture."""
     import ringscope.vllm as rv
     from ringscope import _engine
 
@@ -460,6 +464,10 @@ def change_capture_ops(change: str) -> None:
         rv._captures_at_end = lambda planned: False
         return
     begin, capture, end, end_capturing = _engine.ops()
+    if change == "keeponly":
+        # The tensors kept alive to the pass's end as in the capture, no capture made (no copy kernel).
+        _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end(sink, tensors, key))
+        return
     _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end_capturing(sink, [], [], key))
 
 
@@ -757,7 +765,11 @@ def main(cmd: str, root: str) -> None:
             # 42, disabled (kept tensors and the copy kernel), disabled with nothing kept and no copy kernel, between
             # two plain engines.
             **{f"cut_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_sites", f"prof-{c}_off",
-                                     f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")}}[cmd]
+                                     f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
+            # Session 43: the capture, disabled, disabled keeping the tensors without a copy kernel, disabled with
+            # neither, between two plain engines (~5 minutes a call).
+            **{f"keep_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_off", f"prof-{c}_off_keeponly",
+                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")}}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
