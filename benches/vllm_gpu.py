@@ -766,10 +766,11 @@ def main(cmd: str, root: str) -> None:
             # two plain engines.
             **{f"cut_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_sites", f"prof-{c}_off",
                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
-            # Session 43: the capture, disabled, disabled keeping the tensors without a copy kernel, disabled with
-            # neither, between two plain engines (~5 minutes a call).
-            **{f"keep_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_off", f"prof-{c}_off_keeponly",
-                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")}}[cmd]
+            # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain
+            # engines, then disabled with the copy kernel and with neither (~5 minutes a call; what comes first is
+            # what a call cut short by a time limit still has).
+            **{f"keep_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_off_keeponly", "prof-plain#2",
+                                      f"prof-{c}_off", f"prof-{c}_off_nokeep"] for c in ("attn4", "resid")}}[cmd]
     if cmd == "parts":
         os.environ["BENCH_HOST_PARTS"] = "1"
     for what in todo:
