@@ -126,7 +126,7 @@ ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
 
 
 def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False,
-                eager: bool = False) -> None:
+                eager: bool = False, overlap: bool = False) -> None:
     import torch
     from vllm import LLM
 
@@ -138,6 +138,8 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     # Eager (enforce_eager): vLLM's own CUDA kernels instead of compiled code — its fused add-norm overwrites the
     # attention and MLP outputs in place (which is why the plugin does not defer captures of those sites).
     result["eager"] = eager
+    # vllm.overlap_copy: the captures submitted on a side stream after the last layer's attention.
+    result["overlap_copy"] = overlap
     # Full mode: every forward pass admitted, and no row lost. The run's rows (~21.5k hookpoint rows of 512 B, ~11 MB)
     # pass through a 1 MiB ring (a pass is at most 12 hookpoints x 64 rows, ~0.4 MB): the ring laps about ten times
     # and passes wait for the exporter to make room.
@@ -156,6 +158,7 @@ capacity = "{ring}"
 [vllm]
 sites = {ATTN_SITES if attn else '["residual", "attention_output", "mlp_output"]'}
 layers = "all"
+overlap_copy = {"true" if overlap else "false"}
 """)
     register_plugin()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16" if dtype == "bf16" else "float32",
@@ -384,6 +387,9 @@ BENCH_CONFIGS = {
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
     # Issue 40: the query and key after RoPE and the value of 4 of the 16 layers.
     "attn4": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n',
+    # The same with vllm.overlap_copy: the copy submitted on a side stream after layer 15's attention, beside its
+    # output projection and MLP (session 43).
+    "attn4_overlap": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = true\n',
     # The same engine and graphs with every hookpoint disabled (the copy kernel runs, publishes nothing, the drain and
     # sink stay idle): what having the capture in the graph costs, apart from moving the rows.
     "attn4_off": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n' + "".join(
@@ -409,7 +415,7 @@ def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
     if kind == "full_resid":
         head = head.replace("[ring]", "threads = 8\n[ring]")
-    if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off", "resid_off"):
+    if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off", "resid_off", "attn4_overlap"):
         return head + BENCH_CONFIGS[kind]
     if kind.endswith(("_off_nokeep", "_off_keeponly", "_sites")):
         return head + BENCH_CONFIGS[kind.rsplit("_", 1)[0]]
@@ -463,12 +469,14 @@ def change_capture_ops(change: str) -> None:
     if change == "sites":
         rv._captures_at_end = lambda planned: False
         return
-    begin, capture, end, end_capturing = _engine.ops()
+    begin, capture, end, end_capturing, submit_capturing = _engine.ops()
     if change == "keeponly":
         # The tensors kept alive to the pass's end as in the capture, no capture made (no copy kernel).
-        _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end(sink, tensors, key))
+        _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end(sink, tensors, key),
+                        submit_capturing)
         return
-    _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end_capturing(sink, [], [], key))
+    _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end_capturing(sink, [], [], key),
+                    submit_capturing)
 
 
 def decode_prompts(batch: int) -> list:
@@ -677,8 +685,9 @@ def child(out: str, what: str) -> None:
         if what.startswith("correct-"):
             parts = what.split("#")[0].split("-")
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
-                        full=len(parts) > 3 and parts[3] == "full", attn=len(parts) > 3 and parts[3] == "attn",
-                        eager=len(parts) > 3 and parts[3] == "eager")
+                        full=len(parts) > 3 and parts[3] == "full",
+                        attn=len(parts) > 3 and parts[3] in ("attn", "attnov"),
+                        eager=len(parts) > 3 and parts[3] == "eager", overlap=len(parts) > 3 and parts[3] == "attnov")
         elif what.startswith("prof-"):
             run_profile(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
         else:
@@ -766,6 +775,9 @@ def main(cmd: str, root: str) -> None:
             # two plain engines.
             **{f"cut_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_sites", f"prof-{c}_off",
                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
+            # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
+            # its cost beside the same capture without it, between two plain engines.
+            "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain
             # engines, then disabled with the copy kernel and with neither (~5 minutes a call; what comes first is
             # what a call cut short by a time limit still has).

@@ -127,3 +127,48 @@ def test_the_end_op_captures_each_tensor_as_its_hookpoint_in_order_then_ends_the
     with pytest.raises(RingscopeError, match=r"end_capturing: 2 tensors and 3 hookpoints"):
         c._end_capturing(["a", "b"], [1, 2, 3])
     assert done == []
+
+
+def test_the_submit_op_captures_each_tensor_in_order_then_submits_and_the_end_op_ends_the_step():
+    # overlap_copy's ops: submit_capturing captures like end_capturing, then starts the copy (a side stream on CUDA)
+    # instead of ending the step; end ends it. Lists of different lengths are a clear error naming the op.
+    c = rv.VllmCapture.__new__(rv.VllmCapture)
+    done = []
+    c._capture = lambda x, hookpoint: done.append(("capture", x, hookpoint))
+    c._submit = lambda: done.append(("submit",))
+    c._end = lambda: done.append(("end",))
+    c._submit_capturing(["a", "b"], [5, 2])
+    c._end_keeping(["a", "b"])
+    assert done == [("capture", "a", 5), ("capture", "b", 2), ("submit",), ("end",)]
+    done.clear()
+    with pytest.raises(RingscopeError, match=r"submit_capturing: 1 tensors and 2 hookpoints"):
+        c._submit_capturing(["a"], [1, 2])
+    assert done == []
+
+
+@pytest.mark.parametrize("planned,end,want", [
+    # q/k/v last, in the last layer: submitted after its attention, the step ends with the last layer.
+    ([("l.0.q", "attn_q", 0), ("l.15.v", "attn_v", 15)], 16, (15, True, None)),
+    # q/k/v last in an earlier layer: the step ends before the next layer's attention (the same compiled piece).
+    ([("l.0.q", "attn_q", 0), ("l.5.k", "attn_k", 5)], 16, (5, True, 6)),
+    # The residual last (it comes after the layer's q/k/v): submitted after the layer, ended before the next
+    # attention; the worker's last layer's residual leaves nothing to overlap.
+    ([("l.5.q", "attn_q", 5), ("l.5.r", "residual", 5)], 16, (5, False, 6)),
+    ([("l.3.r", "residual", 3), ("l.15.r", "residual", 15)], 16, None),
+    # A pipeline stage's layers end earlier than the model's.
+    ([("l.7.r", "residual", 7)], 8, None),
+    ([("l.7.q", "attn_q", 7)], 8, (7, True, None)),
+    ([], 16, None),
+])
+def test_overlap_copy_submits_after_the_last_site_and_joins_before_the_next_attention(planned, end, want):
+    assert rv._overlap_points(planned, end) == want
+
+
+def test_overlap_copy_is_a_bool_and_refused_with_sites_copied_at_their_site():
+    base = {"vllm": {"sites": ["residual", "attn_q"], "overlap_copy": True}}
+    assert rv._overlap_copy(rv.parse_config(base))
+    assert not rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["residual"]}}))
+    with pytest.raises(RingscopeError, match=r"vllm.overlap_copy = 'yes': give true or false"):
+        rv.parse_config({"vllm": {"overlap_copy": "yes"}})
+    with pytest.raises(RingscopeError, match=r"overlap_copy = true with the site\(s\) mlp_output"):
+        rv.parse_config({"vllm": {"sites": ["residual", "mlp_output"], "overlap_copy": True}})

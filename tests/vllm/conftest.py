@@ -32,6 +32,28 @@ requests = "{requests}"
 RESIDUAL_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', 'sites = ["residual"]')
 
 
+def work_between_submit_and_end(log: str) -> "list[int]":
+    """For each compiled graph in an engine's log (run with ``TORCH_LOGS=output_code``): how many matrix products the
+    compiled code runs between the ``submit_capturing`` op and the next ``end`` op — the model's work a side stream's
+    copy can overlap (vLLM's CPU engines call ``torch.ops._C.onednn_mm`` for their linear layers)."""
+    counts, inside = [], False
+    for line in log.splitlines():
+        if "torch.ops.ringscope_engine.submit_capturing.default(" in line and "#" not in line.split("torch.ops")[0]:
+            counts.append(0)
+            inside = True
+        elif inside and "torch.ops.ringscope_engine.end.default(" in line:
+            inside = False
+        elif inside and "onednn_mm.default(" in line and "#" not in line.split("torch.ops")[0]:
+            counts[-1] += 1
+    return counts
+
+
+def overlap_config(sites: str, layers: str) -> str:
+    """``vllm.overlap_copy = true`` with these sites and layers (TOML values)."""
+    return CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', f"sites = {sites}").replace(
+        'layers = "all"', f"layers = {layers}\noverlap_copy = true")
+
+
 _cache = {}
 
 
@@ -77,7 +99,7 @@ def eager_all(engines):
 
 # -- the independent reference (tests/engine_reference.py, shared with the SGLang tests) -----------------------------
 
-def check_capture(res: dict, captured_requests: "list[int]", sites: int = 3):
+def check_capture(res: dict, captured_requests: "list[int]", sites: int = 3, layers: int = 2):
     """Every exported row equals the reference's row of its (request, position); the rows are exactly those of the
     captured requests (every position each one was fed through the model: its prompt and every generated token but
     the last); request ids and positions right; the session's accounting balances. Returns the dump."""
@@ -93,7 +115,7 @@ def check_capture(res: dict, captured_requests: "list[int]", sites: int = 3):
     seqs = [r["prompt"] + r["tokens"][:-1] for r in reqs]
     ref = reference(pathlib.Path(res["out"]) / "model", seqs)
     assert sorted(dump) == sorted(res["hookpoints"])
-    assert len(dump) == 2 * sites
+    assert len(dump) == layers * sites
     for name, cols in dump.items():
         act, req, pos = cols["activation"], cols["request_id"], cols["position"]
         assert cols["dtype"] == "f32" and act.shape[1] == 128

@@ -114,6 +114,7 @@ def run(out, mode, scenario, result):
         cap = runner._ringscope
         result["run_dir"] = str(cap.run_dir)
         result["hookpoints"] = cap.hookpoints
+        result["overlap"] = getattr(cap, "overlap", None)
         if scenario == "fault":
             # A plugin error while serving: the capture op fails from now on; the engine must go on.
             def broken(*args):
@@ -141,13 +142,31 @@ def watch_sources(cap, result):
     import torch
 
     seen = []
-    stats = result["sources"] = {"captures": 0, "changed_before_end": 0, "changed": []}
-    capture, end = cap._capture, cap._end
+    stats = result["sources"] = {"captures": 0, "changed_before_end": 0, "changed": [], "submits": 0,
+                                 "captured_after_submit": 0, "ends_keeping": 0, "captured_not_kept": 0}
+    capture, end, submit, end_keeping = cap._capture, cap._end, cap._submit, cap._end_keeping
+    submitted = [False]
 
     def watched_capture(x, hookpoint):
         if cap._open:
             seen.append((x, x.clone(), hookpoint))
+            stats["captured_after_submit"] += submitted[0]
         capture(x, hookpoint)
+
+    # overlap_copy: the captures are submitted before the step ends; the end op must then receive every captured
+    # tensor's own buffer (the submitted copy reads those buffers until the step ends).
+    def watched_submit():
+        if cap._open:
+            stats["submits"] += 1
+            submitted[0] = True
+        submit()
+
+    def watched_end_keeping(keep):
+        if cap._open and submitted[0]:
+            stats["ends_keeping"] += 1
+            kept = {t.data_ptr() for t in keep}
+            stats["captured_not_kept"] += sum(x.data_ptr() not in kept for x, _, _ in seen)
+        end_keeping(keep)
 
     def watched_end():
         for x, was, hookpoint in seen:
@@ -157,10 +176,13 @@ def watch_sources(cap, result):
                 if len(stats["changed"]) < 8:
                     stats["changed"].append({"hookpoint": hookpoint, "step": cap.step})
         seen.clear()
+        submitted[0] = False
         end()
 
     cap._capture = watched_capture
     cap._end = watched_end
+    cap._submit = watched_submit
+    cap._end_keeping = watched_end_keeping
 
 
 def run_prefix(model_dir, mode, result):
@@ -192,6 +214,7 @@ def run_prefix(model_dir, mode, result):
         cap = runner._ringscope
         result["run_dir"] = str(cap.run_dir)
         result["hookpoints"] = cap.hookpoints
+        result["overlap"] = getattr(cap, "overlap", None)
         cap.session.wait_probes(30)
         result["coverage"] = {}
         for r in result["requests"]:

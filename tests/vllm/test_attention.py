@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from conftest import CONFIG, request_ids
+from conftest import CONFIG, overlap_config, request_ids, work_between_submit_and_end
 
 ATTN_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]',
                              'sites = ["attn_q", "attn_k", "attn_v"]')
@@ -42,6 +42,41 @@ def eager_reference(model_dir, seq):
     return {i: a[0].numpy() for i, a in enumerate(out.attentions)}, vs
 
 
+@pytest.fixture(scope="module")
+def attention_overlap(engines):
+    """q/k/v of the last layer with vllm.overlap_copy: submitted after its attention, the step ended with the layer."""
+    return engines("attention_overlap", "compiled", "attention",
+                   config=overlap_config('["attn_q", "attn_k", "attn_v"]', "[1]"),
+                   env={"ENGINE_CHECK_SOURCES": "1", "TORCH_LOGS": "output_code"})
+
+
+def check_rebuild(res, layers):
+    """Every request's attention weights rebuilt from the captured q and k of ``layers`` equal Hugging Face eager
+    attention's (1e-3), and its v rows Hugging Face's v_proj outputs."""
+    import ringscope
+
+    run = pathlib.Path(res["run_dir"])
+    dump = ringscope.read_dump(run)
+    rids = request_ids(res)
+    (closed,) = res["closed"]
+    assert closed["session"]["dropped_rows"] == 0 and closed["plugin"]["lost_rows"] == 0
+    peak = 0.0
+    for k, r in enumerate(res["requests"]):
+        seq = r["prompt"] + r["tokens"][:-1]
+        weights, vs = eager_reference(pathlib.Path(res["out"]) / "model", seq)
+        for i in layers:
+            got = ringscope.attention_pattern(run, rids[k], i)
+            assert got.exact
+            np.testing.assert_array_equal(got.query_positions, np.arange(len(seq)))
+            np.testing.assert_allclose(got.weights, weights[i], atol=1e-3, rtol=0)
+            peak = max(peak, float(weights[i].max()))
+            v = dump[f"layers.{i}.attn_v"]
+            rows = v["request_id"] == rids[k]
+            got_v = v["activation"][rows][np.argsort(v["position"][rows])]
+            np.testing.assert_allclose(got_v, vs[i], rtol=1e-4, atol=1e-5)
+    assert peak > 0.6, "attention nearly uniform: the check could not see a wrong mask or head mapping"
+
+
 def test_vllm_attention_rows_rebuild_hf_eager_attention(attention):
     import ringscope
 
@@ -59,24 +94,27 @@ def test_vllm_attention_rows_rebuild_hf_eager_attention(attention):
     dump = ringscope.read_dump(run)
     assert dump["layers.0.attn_q"]["activation"].shape[1] == 4 * 32
     assert dump["layers.0.attn_k"]["activation"].shape[1] == 2 * 32
-    rids = request_ids(attention)
-    (closed,) = attention["closed"]
-    assert closed["session"]["dropped_rows"] == 0 and closed["plugin"]["lost_rows"] == 0
-    peak = 0.0
-    for k, r in enumerate(attention["requests"]):
-        seq = r["prompt"] + r["tokens"][:-1]
-        weights, vs = eager_reference(pathlib.Path(attention["out"]) / "model", seq)
-        for i in (0, 1):
-            got = ringscope.attention_pattern(run, rids[k], i)
-            assert got.exact
-            np.testing.assert_array_equal(got.query_positions, np.arange(len(seq)))
-            np.testing.assert_allclose(got.weights, weights[i], atol=1e-3, rtol=0)
-            peak = max(peak, float(weights[i].max()))
-            v = dump[f"layers.{i}.attn_v"]
-            rows = v["request_id"] == rids[k]
-            got_v = v["activation"][rows][np.argsort(v["position"][rows])]
-            np.testing.assert_allclose(got_v, vs[i], rtol=1e-4, atol=1e-5)
-    assert peak > 0.6, "attention nearly uniform: the check could not see a wrong mask or head mapping"
+    check_rebuild(attention, (0, 1))
+
+
+def test_overlap_copy_of_the_last_layers_qkv_rebuilds_the_same_attention(attention_overlap):
+    # vllm.overlap_copy with q/k/v of the last layer: captured and submitted after its attention (on CUDA the copy
+    # runs beside the layer's output projection and MLP), the step ended at the layer's end. Each step submitted
+    # once, with every capture before it; the end op receives the captured buffers, unchanged; the rows rebuild
+    # Hugging Face's attention.
+    res = attention_overlap
+    assert res.get("error") is None, res.get("traceback")
+    assert res["compiled"], res["compilation_mode"]
+    assert res["overlap"] == [1, True, None]
+    # The layer's output projection and MLP (3 matrix products) between the submit and the end in the compiled code.
+    between = work_between_submit_and_end(res["log"])
+    assert between and min(between) >= 3, between
+    src = res["sources"]
+    assert src["submits"] >= len(res["requests"]) and src["submits"] == src["ends_keeping"], src
+    assert src["captures"] == 3 * src["submits"], src
+    assert src["captured_after_submit"] == 0 and src["captured_not_kept"] == 0, src
+    assert src["changed_before_end"] == 0, src
+    check_rebuild(res, (1,))
 
 
 def test_a_sliding_window_is_read_from_vllm_and_rebuilt(attention_window):

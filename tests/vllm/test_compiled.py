@@ -3,7 +3,8 @@ requests that opted in through SamplingParams(extra_args={"ringscope": ...}) are
 
 import pytest
 
-from conftest import RESIDUAL_CONFIG, check_capture, mixed_step, request_ids
+from conftest import (RESIDUAL_CONFIG, check_capture, mixed_step, overlap_config, request_ids,
+                      work_between_submit_and_end)
 
 
 @pytest.fixture(scope="module")
@@ -45,4 +46,30 @@ def test_captured_tensors_hold_their_values_until_the_step_ends(compiled_residua
     check_capture(compiled_residual, captured_requests=[0, 1, 2, 3, 4], sites=1)
     src = compiled_residual["sources"]
     assert src["captures"] >= 2 * len(compiled_residual["requests"]), src
+    assert src["changed_before_end"] == 0, src
+
+
+@pytest.fixture(scope="module")
+def compiled_overlap(engines):
+    return engines("compiled_overlap", "compiled", "all", overlap_config('["residual"]', "[0]"),
+                   env={"ENGINE_CHECK_SOURCES": "1", "TORCH_LOGS": "output_code"})
+
+
+def test_overlap_copy_submits_after_the_last_site_and_the_end_op_keeps_its_buffers(compiled_overlap):
+    # vllm.overlap_copy with the residual of layer 0 of 2: the pass's captures are submitted after layer 0 (on CUDA
+    # the copy starts there, on a side stream) and the step ends before layer 1's attention, joining it. The rows are
+    # the reference's; each step is submitted once, with every capture before it; and the end op receives the very
+    # buffers that were captured, holding the captured values — what the submitted copy reads until it is joined.
+    res = compiled_overlap
+    assert res["compiled"], res["compilation_mode"]
+    assert res["overlap"] == [0, False, 1]  # submitted after layer 0 (its residual), ended before layer 1's attention
+    # In the compiled code the model's work lies between the two ops (layer 1's qkv projection), where the copy
+    # overlaps it; without a tensor of the join point in the end op, Inductor ran the end op right after the submit.
+    between = work_between_submit_and_end(res["log"])
+    assert between and min(between) >= 1, between
+    check_capture(res, captured_requests=[0, 1, 2, 3, 4], sites=1, layers=1)
+    src = res["sources"]
+    assert src["submits"] >= len(res["requests"]) and src["submits"] == src["ends_keeping"], src
+    assert src["captures"] == src["submits"], src  # one capture (layers.0.resid) per step
+    assert src["captured_after_submit"] == 0 and src["captured_not_kept"] == 0, src
     assert src["changed_before_end"] == 0, src

@@ -209,8 +209,8 @@ def _no_output(*args) -> None:
 
 
 def ops():
-    """``(begin, capture, end, end_capturing)``, defined on first use (so that importing a plugin does not import
-    torch)."""
+    """``(begin, capture, end, end_capturing, submit_capturing)``, defined on first use (so that importing a plugin
+    does not import torch)."""
     global _OPS
     if _OPS is not None:
         return _OPS
@@ -228,15 +228,22 @@ def ops():
 
     @torch.library.custom_op("ringscope_engine::end", mutates_args=("sink",))
     def end(sink: torch.Tensor, keep: List[torch.Tensor], key: int) -> None:
-        _on_capture(key, "_end")
+        _on_capture(key, "_end_keeping", keep)
 
     @torch.library.custom_op("ringscope_engine::end_capturing", mutates_args=("sink",))
     def end_capturing(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], key: int) -> None:
         _on_capture(key, "_end_capturing", tensors, hookpoints)
 
-    for op in (begin, capture, end, end_capturing):
+    # Declared to write ``tensors`` (it only reads them): compiled code must then hand a later op that takes the same
+    # tensors (``end``, which ends the step and joins the copy) these very buffers, which it may not reuse before that
+    # op — nor compute the tensors again into other buffers for it (see EngineCapture._end_capturing).
+    @torch.library.custom_op("ringscope_engine::submit_capturing", mutates_args=("sink", "tensors"))
+    def submit_capturing(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], key: int) -> None:
+        _on_capture(key, "_submit_capturing", tensors, hookpoints)
+
+    for op in (begin, capture, end, end_capturing, submit_capturing):
         op.register_fake(_no_output)
-    _OPS = (begin, capture, end, end_capturing)
+    _OPS = (begin, capture, end, end_capturing, submit_capturing)
     return _OPS
 
 
@@ -617,11 +624,30 @@ class EngineCapture:
         where the op runs, and nothing about a buffer it has already handed to an earlier op: Inductor may compute a
         site's tensor once for a site op and again for the end op, and reuse the first buffer in between — a pointer
         noted at the site and read by a copy at the end would then read another tensor's bytes."""
+        self._capture_each("end_capturing", tensors, hookpoints)
+        self._end()
+
+    def _submit_capturing(self, tensors, hookpoints) -> None:
+        """Captures ``tensors[i]`` as hookpoint ``hookpoints[i]`` and starts copying the step's captures now, on a side
+        stream (:meth:`Session.submit_captures`), so that the copy overlaps the engine's next kernels: the
+        ``submit_capturing`` op. A later ``end`` op given the same tensors ends the step, which joins the copy; until
+        then the tensors must hold their values (the op's declared write of them makes compiled code keep them)."""
+        self._capture_each("submit_capturing", tensors, hookpoints)
+        self._submit()
+
+    def _capture_each(self, op: str, tensors, hookpoints) -> None:
         if len(tensors) != len(hookpoints):
-            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"end_capturing: {len(tensors)} tensors and "
+            raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{op}: {len(tensors)} tensors and "
                                                             f"{len(hookpoints)} hookpoints (one hookpoint per tensor)")
         for x, hookpoint in zip(tensors, hookpoints):
             self._capture(x, hookpoint)
+
+    def _submit(self) -> None:
+        if self._open and self.cuda:
+            self.session.submit_captures()
+
+    def _end_keeping(self, keep) -> None:
+        """The ``end`` op: ends the step; ``keep`` are the tensors the step's copy reads, kept until here."""
         self._end()
 
     # -- results ---------------------------------------------------------------------------------------------------

@@ -443,7 +443,7 @@ class SglangCapture(EngineCapture):
         import torch
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 
-        begin_op, capture_op, end_op, _ = _engine.ops()
+        begin_op, capture_op, end_op, *_ = _engine.ops()
         # Captured requests, for the probes' reports at close: ringscope id -> SGLang rid (bounded, oldest dropped).
         self._captured: Dict[int, str] = {}
         planned = _engine.planned_hookpoints(chosen, pc.sites)

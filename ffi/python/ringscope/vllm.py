@@ -12,6 +12,7 @@ Enable it by pointing ``RINGSCOPE_VLLM_CONFIG`` at a ringscope TOML file (the sa
     layers = "all"                # or a list of decoder layer indices
     requests = "all"              # or "opt_in": only requests with SamplingParams(extra_args={"ringscope": True})
     ranks = [0]                   # tensor-parallel ranks that capture ("all": every rank, its own session)
+    overlap_copy = false          # copy a pass's captures beside the model's next kernels (see below)
 
 The plugin is registered as a ``vllm.general_plugins`` entry point (``ringscope = "ringscope.vllm:register"``):
 vLLM calls :func:`register` in every process it starts. Without ``RINGSCOPE_VLLM_CONFIG`` it does nothing (vLLM runs
@@ -43,7 +44,13 @@ rows and ends the step: the tensors an op receives are the ones compiled code gu
 compute a site's tensor a second time for a later op and reuse the first buffer in between, so a pointer noted at the
 site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
 unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
-node per pass instead of one per hookpoint. With ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm
+node per pass instead of one per hookpoint. With ``overlap_copy = true`` the captures are made, and that kernel
+launched on a side stream, by ``submit_capturing`` right after the last site (after its layer's attention for q/k/v,
+after the layer for the residual), and ``end`` ends the step (joining the copy) before the next layer's attention or
+at the end of the last layer: the copy runs beside the model's kernels in between instead of after them. The fork and
+the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
+pieces; when the last site is the last layer's residual nothing is left to overlap and the pass ends as without
+it. With ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm
 overwrites in place in the next layer, ``capture`` copies each site's rows at the site (one kernel each) and ``end``
 ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
@@ -89,7 +96,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import RingscopeError
 from . import _engine
@@ -138,13 +145,14 @@ _SITES = _engine.SITES
 
 
 
-def _with_ranks(pc: PluginConfig) -> PluginConfig:
+def _finish_config(pc: PluginConfig) -> PluginConfig:
     pc.ranks = _ranks(pc)
+    _overlap_copy(pc)
     return pc
 
 
-_PLUGIN = _engine.Plugin("vllm", "vLLM", ENV_CONFIG, ENV_DISABLE, logger, extra_keys=("ranks",),
-                         finish_config=_with_ranks)
+_PLUGIN = _engine.Plugin("vllm", "vLLM", ENV_CONFIG, ENV_DISABLE, logger, extra_keys=("ranks", "overlap_copy"),
+                         finish_config=_finish_config)
 _LIVE: List["VllmCapture"] = _PLUGIN.live  # strong references until close_all (atexit)
 
 
@@ -175,6 +183,22 @@ def _ranks(pc: PluginConfig):
         raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.ranks = {ranks!r}: give \"all\" or a list of "
                                               "tensor-parallel ranks")
     return ranks
+
+
+def _overlap_copy(pc: PluginConfig) -> bool:
+    """The ``overlap_copy`` key of ``[vllm]`` (default false): whether a pass's captures are copied on a side stream
+    right after the last captured site, overlapping the model's next kernels (see :func:`_overlap_points`). Only the
+    sites captured at the pass's end can: with ``attention_output`` or ``mlp_output`` it is refused."""
+    on = pc.extra.get("overlap_copy", False)
+    if not isinstance(on, bool):
+        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true or false")
+    at_site = sorted({s for s in pc.sites if s in ("attention_output", "mlp_output")})
+    if on and at_site:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"{pc.source}: vllm.overlap_copy = true with the site(s) {', '.join(at_site)}: those are "
+                             "copied at their sites (vLLM overwrites them in place later in the pass), so there is no "
+                             "copy to overlap; use overlap_copy with residual and attn_q / attn_k / attn_v only")
+    return on
 
 
 def load_config(path: "str | os.PathLike") -> PluginConfig:
@@ -355,6 +379,32 @@ def _captures_at_end(planned: list) -> bool:
     return not any(site in ("attention_output", "mlp_output") for _, site, _ in planned)
 
 
+def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optional[int]]]":
+    """Where ``overlap_copy`` submits a pass's captures and where the step ends (joining the copy):
+    ``(layer, after_attention, join_layer)`` — submitted by a hook after layer ``layer``'s attention (its last site is
+    q/k/v) or after the layer itself (the residual); the step ends before layer ``join_layer``'s attention, or at the
+    end of the last layer (None). None when nothing would overlap: the last site is the residual of the worker's last
+    layer. vLLM compiles a model in pieces split at its attention ops and records each piece as a CUDA graph of its own
+    (piecewise mode), so the fork of the copy's side stream and its join must lie between the same two attention ops:
+    both points are after layer ``layer``'s attention and before the next one."""
+    if not planned:
+        return None
+    layer, after_layer = max((i, site not in _engine.ATTN_SITES) for _, site, i in planned)
+    if not after_layer:
+        return layer, True, layer + 1 if layer + 1 < end else None
+    return (layer, False, layer + 1) if layer + 1 < end else None
+
+
+def _overlap_note(overlap, pc: PluginConfig) -> str:
+    """The start-up log line's words on ``overlap_copy``."""
+    if overlap is None:
+        return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" \
+            if _overlap_copy(pc) else ""
+    layer, after_attention, join = overlap
+    return (f"; the copy overlaps the pass from layer {layer}'s {'attention' if after_attention else 'output'} to "
+            + (f"layer {join}'s attention" if join is not None else "the last layer's end"))
+
+
 def _attention_width(entry: dict, site: str) -> int:
     return (entry["num_heads"] if site == "attn_q" else entry["num_kv_heads"]) * entry["head_dim"]
 
@@ -456,7 +506,7 @@ class VllmCapture(EngineCapture):
                  attention: Optional[Dict[int, dict]] = None):
         import torch
 
-        begin_op, capture_op, end_op, end_capturing_op = _engine.ops()
+        begin_op, capture_op, end_op, end_capturing_op, submit_capturing_op = _engine.ops()
         self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
         # The previous pass's (request ids, query start offsets) and its rows' request ids (_prepare).
         self._last_batch: tuple = (None, None)
@@ -477,7 +527,8 @@ class VllmCapture(EngineCapture):
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
         salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/3", "hookpoints": planned, "dtype": dt,
-                                          "hidden": hidden, "widths": widths}, sort_keys=True).encode()).hexdigest()[:16]
+                                          "hidden": hidden, "widths": widths, "overlap_copy": _overlap_copy(pc)},
+                                         sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
         if isinstance(add, dict):
             add["ringscope"] = salt
@@ -506,6 +557,9 @@ class VllmCapture(EngineCapture):
         keep: List = []
         keep_hookpoints: List[int] = []
         at_end = _captures_at_end(planned)
+        # With overlap_copy: where the captures are submitted (a side stream's copy) and where the step ends.
+        overlap = _overlap_points(planned, end) if at_end and _overlap_copy(pc) else None
+        self.overlap = overlap
 
         def begin_hook(module, args, kwargs):
             positions = kwargs.get("positions", args[0] if args else None)
@@ -562,22 +616,44 @@ class VllmCapture(EngineCapture):
             else:
                 self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
 
-        def end_hook(module, args, output):
-            if at_end:
+        def end_step(after=None):
+            if at_end and overlap is None:
                 end_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
             else:
-                end_op(decoder._ringscope_sink, list(keep), key)
+                # Captured at their sites, or submitted (overlap_copy): the step ends, its copy joined; the tensors the
+                # copy reads are kept to here. With overlap_copy the op also takes ``after``, a tensor computed where
+                # the step is to end: compiled code would otherwise run the op (which frees the kept tensors) right
+                # after the submit — the copy joined at once, overlapping nothing.
+                end_op(decoder._ringscope_sink, list(keep) + ([] if after is None else [after]), key)
             keep.clear()
             keep_hookpoints.clear()
 
-        self._handles.append(layers[end - 1].register_forward_hook(end_hook))
+        def end_hook(module, args, output):
+            end_step(_first(output) if overlap is not None else None)
+
+        def join_hook(module, args, kwargs):
+            end_step(kwargs.get("query", args[0] if args else None))
+
+        if overlap is not None:
+            def submit_hook(module, args, output):
+                submit_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
+
+            layer, after_attention, join = overlap
+            # Registered after the sites' hooks: on the same layer, the residual's hook runs first.
+            self._handles.append((layers[layer].self_attn.attn if after_attention else layers[layer])
+                                 .register_forward_hook(submit_hook))
+        if overlap is not None and overlap[2] is not None:
+            self._handles.append(layers[overlap[2]].self_attn.attn.register_forward_pre_hook(join_hook,
+                                                                                             with_kwargs=True))
+        else:
+            self._handles.append(layers[end - 1].register_forward_hook(end_hook))
         if cuda:
             # The hookpoints' controls on the device before vLLM records its graphs (which read them at replay).
             self.session.apply_controls()
             torch.cuda.current_stream(device).synchronize()
-        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s, %s; compile-cache salt %s",
+        logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s, %s; compile-cache salt %s%s",
                     len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers",
-                    _engine.capture_bytes(planned, dt, hidden, widths), salt)
+                    _engine.capture_bytes(planned, dt, hidden, widths), salt, _overlap_note(overlap, pc))
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
