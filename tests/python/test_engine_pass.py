@@ -4,6 +4,7 @@ when the request ids are uploaded, what is counted, and that an error there turn
 engine. (The GPU runs in benches/vllm_gpu.py check the rows themselves.)"""
 
 import logging
+import os
 import types
 
 import numpy as np
@@ -172,3 +173,49 @@ def test_overlap_copy_is_a_bool_and_refused_with_sites_copied_at_their_site():
         rv.parse_config({"vllm": {"overlap_copy": "yes"}})
     with pytest.raises(RingscopeError, match=r"overlap_copy = true with the site\(s\) mlp_output"):
         rv.parse_config({"vllm": {"sites": ["residual", "mlp_output"], "overlap_copy": True}})
+
+
+def test_overlap_copy_needs_deferred_captures():
+    with pytest.raises(RingscopeError, match=r"overlap_copy = true with ring.defer_captures = false"):
+        rv.parse_config({"ring": {"defer_captures": False}, "vllm": {"sites": ["residual"], "overlap_copy": True}})
+    assert rv._overlap_copy(rv.parse_config({"ring": {"defer_captures": True},
+                                             "vllm": {"sites": ["residual"], "overlap_copy": True}}))
+
+
+class _Compilation:
+    """A stand-in for vLLM's CompilationConfig: its class's default splitting (attention) ops."""
+    _attention_ops = ["vllm::unified_attention_with_output", "vllm::mamba_mixer2"]
+
+    def __init__(self, splitting_ops, partition=False):
+        self.splitting_ops = splitting_ops
+        self.use_inductor_graph_partition = partition
+
+
+def _runner(cc):
+    return types.SimpleNamespace(vllm_config=types.SimpleNamespace(compilation_config=cc))
+
+
+def test_overlap_copy_is_refused_where_a_split_could_fall_between_the_fork_and_the_join():
+    # vLLM's defaults (attention ops, the KV-cache update op of newer versions; none on CPU) are fine.
+    for ops in (["vllm::unified_attention_with_output", "vllm::mamba_mixer2"], [], None,
+                ["vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"]):
+        rv._check_overlap_engine(_runner(_Compilation(ops)))
+    with pytest.raises(RingscopeError, match=r"use_inductor_graph_partition"):
+        rv._check_overlap_engine(_runner(_Compilation(["vllm::unified_attention_with_output"], partition=True)))
+    with pytest.raises(RingscopeError, match=r"splitting ops besides vLLM's attention ops \(vllm::all_reduce\)"):
+        rv._check_overlap_engine(_runner(_Compilation(["vllm::unified_attention_with_output", "vllm::all_reduce"])))
+
+
+@pytest.mark.torch
+def test_the_submit_op_declares_it_writes_its_tensors():
+    # What makes compiled code hand the end op the submitted buffers themselves (never a second computation of them,
+    # never reused in between): the op's schema says it writes them. (The CPU engines' Inductor handed the same
+    # buffers even without the declaration, so tests/vllm cannot tell it is missing; this can.)
+    if os.environ.get("RINGSCOPE_REQUIRE_TORCH"):
+        import torch
+    else:
+        torch = pytest.importorskip("torch")
+    _engine.ops()
+    args = {a.name: a for a in torch.ops.ringscope_engine.submit_capturing.default._schema.arguments}
+    assert args["tensors"].alias_info is not None and args["tensors"].alias_info.is_write
+    assert args["sink"].alias_info is not None and args["sink"].alias_info.is_write

@@ -33,18 +33,28 @@ RESIDUAL_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_
 
 
 def work_between_submit_and_end(log: str) -> "list[int]":
-    """For each compiled graph in an engine's log (run with ``TORCH_LOGS=output_code``): how many matrix products the
-    compiled code runs between the ``submit_capturing`` op and the next ``end`` op — the model's work a side stream's
-    copy can overlap (vLLM's CPU engines call ``torch.ops._C.onednn_mm`` for their linear layers)."""
+    """For each ``submit_capturing`` op in the compiled graphs of an engine's log (run with ``TORCH_LOGS=output_code``):
+    how many matrix products the compiled code runs between it and the ``end`` op that follows it in the same graph —
+    the model's work a side stream's copy can overlap (vLLM's CPU engines call ``torch.ops._C.onednn_mm`` for their
+    linear layers); -1 for a submit whose graph ends (or another submit comes) before an ``end``: in a GPU engine's
+    recording the fork would be left unjoined."""
+    def code(line, what):
+        return what in line and "#" not in line.split("torch.ops")[0]
+
     counts, inside = [], False
     for line in log.splitlines():
-        if "torch.ops.ringscope_engine.submit_capturing.default(" in line and "#" not in line.split("torch.ops")[0]:
-            counts.append(0)
-            inside = True
-        elif inside and "torch.ops.ringscope_engine.end.default(" in line:
+        if "def call(" in line or code(line, "torch.ops.ringscope_engine.submit_capturing.default("):
+            if inside:
+                counts[-1] = -1
+            inside = "def call(" not in line
+            if inside:
+                counts.append(0)
+        elif inside and code(line, "torch.ops.ringscope_engine.end.default("):
             inside = False
-        elif inside and "onednn_mm.default(" in line and "#" not in line.split("torch.ops")[0]:
+        elif inside and code(line, "onednn_mm.default("):
             counts[-1] += 1
+    if inside:
+        counts[-1] = -1
     return counts
 
 

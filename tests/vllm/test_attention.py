@@ -50,6 +50,15 @@ def attention_overlap(engines):
                    env={"ENGINE_CHECK_SOURCES": "1", "TORCH_LOGS": "output_code"})
 
 
+@pytest.fixture(scope="module")
+def attention_overlap_mid(engines):
+    """q/k/v of the first of two layers with vllm.overlap_copy: submitted after its attention, the step ended before
+    the next layer's attention."""
+    return engines("attention_overlap_mid", "compiled", "attention",
+                   config=overlap_config('["attn_q", "attn_k", "attn_v"]', "[0]"),
+                   env={"ENGINE_CHECK_SOURCES": "1", "TORCH_LOGS": "output_code"})
+
+
 def check_rebuild(res, layers):
     """Every request's attention weights rebuilt from the captured q and k of ``layers`` equal Hugging Face eager
     attention's (1e-3), and its v rows Hugging Face's v_proj outputs."""
@@ -109,12 +118,31 @@ def test_overlap_copy_of_the_last_layers_qkv_rebuilds_the_same_attention(attenti
     # The layer's output projection and MLP (3 matrix products) between the submit and the end in the compiled code.
     between = work_between_submit_and_end(res["log"])
     assert between and min(between) >= 3, between
+    check_overlap_sources(res, 3)
+    check_rebuild(res, (1,))
+
+
+def test_overlap_copy_of_a_middle_layers_qkv_ends_the_step_before_the_next_attention(attention_overlap_mid):
+    # The same for layer 0 of 2: the step ends in a pre-hook of layer 1's attention; between the two ops layer 0's
+    # output projection and MLP and layer 1's qkv projection (4 matrix products).
+    res = attention_overlap_mid
+    assert res.get("error") is None, res.get("traceback")
+    assert res["compiled"], res["compilation_mode"]
+    assert res["overlap"] == [0, True, 1]
+    between = work_between_submit_and_end(res["log"])
+    assert between and min(between) >= 4, between
+    check_overlap_sources(res, 3)
+    check_rebuild(res, (0,))
+
+
+def check_overlap_sources(res, per_step):
+    """Each step submitted once, with its ``per_step`` captures before it; the end op received the captured buffers,
+    holding the captured values (tests/vllm/engine.py watch_sources)."""
     src = res["sources"]
     assert src["submits"] >= len(res["requests"]) and src["submits"] == src["ends_keeping"], src
-    assert src["captures"] == 3 * src["submits"], src
+    assert src["captures"] == per_step * src["submits"], src
     assert src["captured_after_submit"] == 0 and src["captured_not_kept"] == 0, src
     assert src["changed_before_end"] == 0, src
-    check_rebuild(res, (1,))
 
 
 def test_a_sliding_window_is_read_from_vllm_and_rebuilt(attention_window):

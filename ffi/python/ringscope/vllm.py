@@ -34,7 +34,7 @@ How it hooks vLLM (0.26 to 0.32, the V1 engine): :func:`register` wraps two meth
   batches) capture nothing.
 
 The hooks call ``torch.library`` custom ops (``ringscope_engine::begin``, ``::end_capturing``, or ``::capture`` and
-``::end``) that declare they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph
+``::end``, or with ``overlap_copy`` ``::submit_capturing`` and ``::end``) that declare they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph
 compilation) keeps them in the graph, in order, with no graph break: they run at every step, compiled or eager.
 ``begin`` (a pre-hook of the first decoder layer) reads the step's rows from the request-id buffer and the layer's
 ``positions`` tensor and begins a ringscope step with the exported rows only. When every site allows it —
@@ -44,13 +44,17 @@ rows and ends the step: the tensors an op receives are the ones compiled code gu
 compute a site's tensor a second time for a later op and reuse the first buffer in between, so a pointer noted at the
 site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
 unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
-node per pass instead of one per hookpoint. With ``overlap_copy = true`` the captures are made, and that kernel
+node per pass instead of one per hookpoint. With ``overlap_copy = true`` (experimental, off by default: tested on
+CPU engines, not yet measured on a GPU) the captures are made, and that kernel
 launched on a side stream, by ``submit_capturing`` right after the last site (after its layer's attention for q/k/v,
 after the layer for the residual), and ``end`` ends the step (joining the copy) before the next layer's attention or
 at the end of the last layer: the copy runs beside the model's kernels in between instead of after them. The fork and
 the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
-pieces; when the last site is the last layer's residual nothing is left to overlap and the pass ends as without
-it. With ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm
+pieces before Inductor schedules them (refused with ``compilation_config.use_inductor_graph_partition``, which
+splits after, and with splitting ops besides vLLM's attention ops); when the last site is the last layer's residual
+nothing is left to overlap and the pass ends as without it. It needs deferred captures (refused with
+``ring.defer_captures = false``); on CPU, where rows are copied at once, the ops stand in the same places. With
+``attention_output`` or ``mlp_output``, which vLLM's fused add-norm
 overwrites in place in the next layer, ``capture`` copies each site's rows at the site (one kernel each) and ``end``
 ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
@@ -193,6 +197,12 @@ def _overlap_copy(pc: PluginConfig) -> bool:
     if not isinstance(on, bool):
         raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true or false")
     at_site = sorted({s for s in pc.sites if s in ("attention_output", "mlp_output")})
+    ring = pc.session_config.get("ring")
+    if on and isinstance(ring, dict) and ring.get("defer_captures") is False:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"{pc.source}: vllm.overlap_copy = true with ring.defer_captures = false: overlapping "
+                             "the copy needs deferred captures (one copy kernel per pass); leave ring.defer_captures "
+                             "out or drop overlap_copy")
     if on and at_site:
         raise RingscopeError("RS_ERR_CONFIG",
                              f"{pc.source}: vllm.overlap_copy = true with the site(s) {', '.join(at_site)}: those are "
@@ -395,14 +405,35 @@ def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optio
     return (layer, False, layer + 1) if layer + 1 < end else None
 
 
-def _overlap_note(overlap, pc: PluginConfig) -> str:
+def _check_overlap_engine(runner) -> None:
+    """``overlap_copy`` forks the copy's side stream and joins it between the same two attention ops, which holds
+    where vLLM splits the model into separately recorded pieces before Inductor schedules each (its default): refused
+    with Inductor's own graph partition (it splits after scheduling, which may move the ops) and with splitting ops
+    besides vLLM's attention ops (a split between the two ops would leave the fork unjoined in its recording)."""
+    cc = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    if cc is None:
+        return
+    if getattr(cc, "use_inductor_graph_partition", False):
+        raise RingscopeError("RS_ERR_CONFIG", "ringscope.vllm: vllm.overlap_copy = true with compilation_config."
+                                              "use_inductor_graph_partition: the copy's fork and join must stay "
+                                              "between the same two attention ops; drop overlap_copy or the partition")
+    known = set(getattr(type(cc), "_attention_ops", ())) | {"vllm::unified_attention", "vllm::unified_kv_cache_update"}
+    other = sorted(str(op) for op in (getattr(cc, "splitting_ops", None) or []) if str(op) not in known)
+    if other and getattr(type(cc), "_attention_ops", None) is not None:
+        raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: vllm.overlap_copy = true with splitting ops besides "
+                                              f"vLLM's attention ops ({', '.join(other)}): a split between the copy's "
+                                              "fork and its join would leave it unjoined; drop overlap_copy")
+
+
+def _overlap_note(overlap, pc: PluginConfig, cuda: bool) -> str:
     """The start-up log line's words on ``overlap_copy``."""
     if overlap is None:
         return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" \
             if _overlap_copy(pc) else ""
     layer, after_attention, join = overlap
     return (f"; the copy overlaps the pass from layer {layer}'s {'attention' if after_attention else 'output'} to "
-            + (f"layer {join}'s attention" if join is not None else "the last layer's end"))
+            + (f"layer {join}'s attention" if join is not None else "the last layer's end")
+            + ("" if cuda else " (on CPU rows are copied at once: nothing runs beside the model)"))
 
 
 def _attention_width(entry: dict, site: str) -> int:
@@ -496,6 +527,8 @@ class VllmCapture(EngineCapture):
         _check_device(param.device)
         if param.device.type == "cuda":
             _check_cuda_engine(runner)
+        if _overlap_copy(pc):
+            _check_overlap_engine(runner)
         dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
         attention = {i: _attention_entry(model, layers[i], i, rank) for i in chosen} \
@@ -653,7 +686,7 @@ class VllmCapture(EngineCapture):
             torch.cuda.current_stream(device).synchronize()
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s, %s; compile-cache salt %s%s",
                     len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers",
-                    _engine.capture_bytes(planned, dt, hidden, widths), salt, _overlap_note(overlap, pc))
+                    _engine.capture_bytes(planned, dt, hidden, widths), salt, _overlap_note(overlap, pc, cuda))
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
