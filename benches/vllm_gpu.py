@@ -126,7 +126,7 @@ ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
 
 
 def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False,
-                eager: bool = False, overlap: bool = False) -> None:
+                eager: bool = False, overlap: bool = False, layers: str = '"all"') -> None:
     import torch
     from vllm import LLM
 
@@ -157,7 +157,7 @@ run_id = "run"
 capacity = "{ring}"
 [vllm]
 sites = {ATTN_SITES if attn else '["residual", "attention_output", "mlp_output"]'}
-layers = "all"
+layers = {layers}
 overlap_copy = {"true" if overlap else "false"}
 """)
     register_plugin()
@@ -314,12 +314,12 @@ def check_attention(out: str, result: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "model"), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     meta = ringscope.attention_metadata(run)
-    layers = len(model.model.layers)
     vs = {}
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.v_proj.register_forward_hook(
             lambda mod, a, o, i=i: vs.__setitem__(i, o[0].detach().float().numpy().copy()))
     dump = ringscope.read_dump(run)
+    captured = sorted(int(name.split(".")[1]) for name in dump if name.endswith(".attn_q"))
     worst_exact = worst_cached = worst_v = 0.0
     bad, exact_n, cached_n = [], 0, 0
     for k, r in enumerate(result["requests"]):
@@ -328,7 +328,7 @@ def check_attention(out: str, result: dict) -> dict:
         c = r["cached"]
         with torch.no_grad():
             ref = model(torch.tensor([seq]), output_attentions=True).attentions
-        for i in range(layers):
+        for i in captured:
             want = ref[i][0].float().numpy()[:, c:, :]
             try:
                 got = ringscope.attention_pattern(run, rid, i, allow_missing=bool(c))
@@ -686,8 +686,11 @@ def child(out: str, what: str) -> None:
             parts = what.split("#")[0].split("-")
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
                         full=len(parts) > 3 and parts[3] == "full",
-                        attn=len(parts) > 3 and parts[3] in ("attn", "attnov"),
-                        eager=len(parts) > 3 and parts[3] == "eager", overlap=len(parts) > 3 and parts[3] == "attnov")
+                        attn=len(parts) > 3 and parts[3] in ("attn", "attnov", "attnovmid"),
+                        eager=len(parts) > 3 and parts[3] == "eager",
+                        overlap=len(parts) > 3 and parts[3] in ("attnov", "attnovmid"),
+                        # q/k/v of layers 0-2 of 4: the step ends before layer 3's attention.
+                        layers="[0, 1, 2]" if len(parts) > 3 and parts[3] == "attnovmid" else '"all"')
         elif what.startswith("prof-"):
             run_profile(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
         else:
@@ -777,7 +780,8 @@ def main(cmd: str, root: str) -> None:
                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
             # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
             # its cost beside the same capture without it, between two plain engines.
-            "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
+            "overlap": ["correct-llama-f32-attnov", "correct-llama-f32-attnovmid", "prof-plain#1", "prof-attn4_overlap",
+                        "prof-attn4", "prof-plain#2"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain
             # engines, then disabled with the copy kernel and with neither (~5 minutes a call; what comes first is
             # what a call cut short by a time limit still has).
