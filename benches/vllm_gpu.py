@@ -16,6 +16,10 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
     python benches/vllm_gpu.py cut_profiles_attn4 OUT_DIR  # the same clock: a capture, the plugin's structure
     python benches/vllm_gpu.py cut_profiles_resid OUT_DIR  # before session 42, disabled, disabled with no tensor
                                                   # kept (see change_capture_ops)
+    python benches/vllm_gpu.py keep_profiles_attn4 OUT_DIR  # the same clock: disabled with the tensors kept and no
+                                                  # copy kernel, beside the capture, disabled and nothing kept
+    python benches/vllm_gpu.py overlap OUT_DIR    # vllm.overlap_copy: q/k/v rebuilt against Hugging Face (run with
+                                                  # NVIDIA_TF32_OVERRIDE=0), then its cost beside the capture without it
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -415,7 +419,7 @@ def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
     if kind == "full_resid":
         head = head.replace("[ring]", "threads = 8\n[ring]")
-    if kind in ("resid", "full_resid", "resid_attn_mlp", "attn4", "attn4_off", "resid_off", "attn4_overlap"):
+    if BENCH_CONFIGS.get(kind) is not None:
         return head + BENCH_CONFIGS[kind]
     if kind.endswith(("_off_nokeep", "_off_keeponly", "_sites")):
         return head + BENCH_CONFIGS[kind.rsplit("_", 1)[0]]

@@ -196,9 +196,11 @@ def _runner(cc):
 
 
 def test_overlap_copy_is_refused_where_a_split_could_fall_between_the_fork_and_the_join():
-    # vLLM's defaults (attention ops, the KV-cache update op of newer versions; none on CPU) are fine.
+    # vLLM's defaults are fine: its attention ops, to which 0.26 and later append the KV-cache updates (on CUDA), and
+    # none on CPU.
     for ops in (["vllm::unified_attention_with_output", "vllm::mamba_mixer2"], [], None,
-                ["vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"]):
+                ["vllm::unified_attention_with_output", "vllm::mamba_mixer2", "vllm::unified_kv_cache_update",
+                 "vllm::unified_mla_kv_cache_update"]):
         rv._check_overlap_engine(_runner(_Compilation(ops)))
     with pytest.raises(RingscopeError, match=r"use_inductor_graph_partition"):
         rv._check_overlap_engine(_runner(_Compilation(["vllm::unified_attention_with_output"], partition=True)))

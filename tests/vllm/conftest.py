@@ -58,6 +58,16 @@ def work_between_submit_and_end(log: str) -> "list[int]":
     return counts
 
 
+def check_overlap_sources(res: dict, per_step: int):
+    """With vllm.overlap_copy: each step submitted once, with its ``per_step`` captures before it; the end op received
+    the captured buffers, holding the captured values (tests/vllm/engine.py watch_sources)."""
+    src = res["sources"]
+    assert src["submits"] >= len(res["requests"]) and src["submits"] == src["ends_keeping"], src
+    assert src["captures"] == per_step * src["submits"], src
+    assert src["captured_after_submit"] == 0 and src["captured_not_kept"] == 0, src
+    assert src["changed_before_end"] == 0, src
+
+
 def overlap_config(sites: str, layers: str) -> str:
     """``vllm.overlap_copy = true`` with these sites and layers (TOML values)."""
     return CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]', f"sites = {sites}").replace(

@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from conftest import CONFIG, overlap_config, request_ids, work_between_submit_and_end
+from conftest import CONFIG, check_overlap_sources, overlap_config, request_ids, work_between_submit_and_end
 
 ATTN_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_output"]',
                              'sites = ["attn_q", "attn_k", "attn_v"]')
@@ -133,16 +133,6 @@ def test_overlap_copy_of_a_middle_layers_qkv_ends_the_step_before_the_next_atten
     assert between and min(between) >= 4, between
     check_overlap_sources(res, 3)
     check_rebuild(res, (0,))
-
-
-def check_overlap_sources(res, per_step):
-    """Each step submitted once, with its ``per_step`` captures before it; the end op received the captured buffers,
-    holding the captured values (tests/vllm/engine.py watch_sources)."""
-    src = res["sources"]
-    assert src["submits"] >= len(res["requests"]) and src["submits"] == src["ends_keeping"], src
-    assert src["captures"] == per_step * src["submits"], src
-    assert src["captured_after_submit"] == 0 and src["captured_not_kept"] == 0, src
-    assert src["changed_before_end"] == 0, src
 
 
 def test_a_sliding_window_is_read_from_vllm_and_rebuilt(attention_window):

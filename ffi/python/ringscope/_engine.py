@@ -6,7 +6,8 @@ never takes the engine down (capture is switched off, said and counted).
 
 The ops are ``torch.library`` custom ops that declare they write a one-byte sink buffer of the model, so
 ``torch.compile`` keeps them in the graph, in order, without a graph break: ``begin``, ``capture`` (one site's rows,
-copied where the site is), ``end``, and ``end_capturing`` (every site's rows of the pass, received at its end).
+copied where the site is), ``end``, ``end_capturing`` (every site's rows of the pass, received at its end) and
+``submit_capturing`` (the same, the copy started on a side stream and joined by a later ``end``).
 """
 
 import _thread
@@ -56,6 +57,8 @@ class PluginConfig:
 
     #: vLLM only, set by :mod:`ringscope.vllm` once parsed: the tensor-parallel ranks that capture (None: all).
     ranks: Optional[List[int]]
+    #: vLLM only, set by :mod:`ringscope.vllm` once parsed: ``vllm.overlap_copy``.
+    overlap_copy: bool
 
     def __init__(self, session_config: dict, sites: List[str], layers, requests: str, source: str, extra: dict):
         self.session_config = session_config
@@ -64,6 +67,7 @@ class PluginConfig:
         self.requests = requests
         self.source = source
         self.extra = extra  # the table's engine-specific keys, checked by the plugin
+        self.overlap_copy = False
 
 
 class Plugin:

@@ -34,8 +34,9 @@ How it hooks vLLM (0.26 to 0.32, the V1 engine): :func:`register` wraps two meth
   batches) capture nothing.
 
 The hooks call ``torch.library`` custom ops (``ringscope_engine::begin``, ``::end_capturing``, or ``::capture`` and
-``::end``, or with ``overlap_copy`` ``::submit_capturing`` and ``::end``) that declare they write a one-byte sink buffer of the model, so ``torch.compile`` (vLLM's fullgraph
-compilation) keeps them in the graph, in order, with no graph break: they run at every step, compiled or eager.
+``::end``, or with ``overlap_copy`` ``::submit_capturing`` and ``::end``) that declare they write a one-byte sink
+buffer of the model, so ``torch.compile`` (vLLM's fullgraph compilation) keeps them in the graph, in order, with no
+graph break: they run at every step, compiled or eager.
 ``begin`` (a pre-hook of the first decoder layer) reads the step's rows from the request-id buffer and the layer's
 ``positions`` tensor and begins a ringscope step with the exported rows only. When every site allows it —
 ``residual`` and ``attn_q`` / ``attn_k`` / ``attn_v``, which nothing in the pass writes after the site — the sites
@@ -45,18 +46,17 @@ compute a site's tensor a second time for a later op and reuse the first buffer 
 site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
 unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
 node per pass instead of one per hookpoint. With ``overlap_copy = true`` (experimental, off by default: tested on
-CPU engines, not yet measured on a GPU) the captures are made, and that kernel
-launched on a side stream, by ``submit_capturing`` right after the last site (after its layer's attention for q/k/v,
-after the layer for the residual), and ``end`` ends the step (joining the copy) before the next layer's attention or
-at the end of the last layer: the copy runs beside the model's kernels in between instead of after them. The fork and
+CPU engines, not yet measured on a GPU) the captures are made, and that kernel launched on a side stream, by
+``submit_capturing`` right after the last site (after its layer's attention for q/k/v, after the layer for the
+residual), and ``end`` ends the step (joining the copy) before the next layer's attention or at the end of the last
+layer: the copy runs beside the model's kernels in between instead of after them. The fork and
 the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
 pieces before Inductor schedules them (refused with ``compilation_config.use_inductor_graph_partition``, which
 splits after, and with splitting ops besides vLLM's attention ops); when the last site is the last layer's residual
 nothing is left to overlap and the pass ends as without it. It needs deferred captures (refused with
 ``ring.defer_captures = false``); on CPU, where rows are copied at once, the ops stand in the same places. With
-``attention_output`` or ``mlp_output``, which vLLM's fused add-norm
-overwrites in place in the next layer, ``capture`` copies each site's rows at the site (one kernel each) and ``end``
-ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
+``attention_output`` or ``mlp_output``, which vLLM's fused add-norm overwrites in place in the next layer, ``capture``
+copies each site's rows at the site (one kernel each) and ``end`` ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
 the dataset is the session's own (its configured sinks).
 
@@ -146,12 +146,14 @@ def check_version(version: str) -> None:
 #: ``(hidden_states, residual)`` with ``self_attn`` and ``mlp`` submodules (only Llama is tested).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _SITES = _engine.SITES
+#: Sites vLLM's fused add-norm overwrites in place later in the pass: copied at their sites, never deferred.
+_OVERWRITTEN_SITES = ("attention_output", "mlp_output")
 
 
 
 def _finish_config(pc: PluginConfig) -> PluginConfig:
     pc.ranks = _ranks(pc)
-    _overlap_copy(pc)
+    pc.overlap_copy = _overlap_copy(pc)
     return pc
 
 
@@ -196,7 +198,7 @@ def _overlap_copy(pc: PluginConfig) -> bool:
     on = pc.extra.get("overlap_copy", False)
     if not isinstance(on, bool):
         raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true or false")
-    at_site = sorted({s for s in pc.sites if s in ("attention_output", "mlp_output")})
+    at_site = sorted({s for s in pc.sites if s in _OVERWRITTEN_SITES})
     ring = pc.session_config.get("ring")
     if on and isinstance(ring, dict) and ring.get("defer_captures") is False:
         raise RingscopeError("RS_ERR_CONFIG",
@@ -370,7 +372,7 @@ def deferrable(pc: PluginConfig, planned: list, cuda: bool) -> bool:
     the next layer's fused add-norm overwrites them in place (vLLM's CUDA kernel — in eager mode, and in compiled
     graphs with ``custom_ops = ["+rms_norm"]``, where the compiler would also drop a copy made by the hook as a no-op),
     so with those sites every capture copies at once; a configuration asking for deferral with them is refused."""
-    overwritten = sorted({site for _, site, _ in planned if site in ("attention_output", "mlp_output")})
+    overwritten = sorted({site for _, site, _ in planned if site in _OVERWRITTEN_SITES})
     ring = pc.session_config.get("ring")
     if cuda and overwritten and isinstance(ring, dict) and ring.get("defer_captures") is True:
         raise RingscopeError("RS_ERR_CONFIG",
@@ -386,7 +388,7 @@ def _captures_at_end(planned: list) -> bool:
     when nothing in the pass writes a site's tensor after the site — the residual (a sum the plugin makes) and q, k, v
     (the qkv projection's, rotated). vLLM's fused add-norm overwrites the attention and MLP outputs in place in the
     next layer: with those sites every capture copies at its site."""
-    return not any(site in ("attention_output", "mlp_output") for _, site, _ in planned)
+    return not any(site in _OVERWRITTEN_SITES for _, site, _ in planned)
 
 
 def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optional[int]]]":
@@ -417,7 +419,9 @@ def _check_overlap_engine(runner) -> None:
         raise RingscopeError("RS_ERR_CONFIG", "ringscope.vllm: vllm.overlap_copy = true with compilation_config."
                                               "use_inductor_graph_partition: the copy's fork and join must stay "
                                               "between the same two attention ops; drop overlap_copy or the partition")
-    known = set(getattr(type(cc), "_attention_ops", ())) | {"vllm::unified_attention", "vllm::unified_kv_cache_update"}
+    # vLLM's default splitting ops: its attention ops, and (0.26 on) the KV-cache updates it appends to them.
+    known = set(getattr(type(cc), "_attention_ops", ())) | {"vllm::unified_attention", "vllm::unified_kv_cache_update",
+                                                            "vllm::unified_mla_kv_cache_update"}
     other = sorted(str(op) for op in (getattr(cc, "splitting_ops", None) or []) if str(op) not in known)
     if other and getattr(type(cc), "_attention_ops", None) is not None:
         raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: vllm.overlap_copy = true with splitting ops besides "
@@ -429,7 +433,7 @@ def _overlap_note(overlap, pc: PluginConfig, cuda: bool) -> str:
     """The start-up log line's words on ``overlap_copy``."""
     if overlap is None:
         return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" \
-            if _overlap_copy(pc) else ""
+            if pc.overlap_copy else ""
     layer, after_attention, join = overlap
     return (f"; the copy overlaps the pass from layer {layer}'s {'attention' if after_attention else 'output'} to "
             + (f"layer {join}'s attention" if join is not None else "the last layer's end")
@@ -527,7 +531,7 @@ class VllmCapture(EngineCapture):
         _check_device(param.device)
         if param.device.type == "cuda":
             _check_cuda_engine(runner)
-        if _overlap_copy(pc):
+        if pc.overlap_copy:
             _check_overlap_engine(runner)
         dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
@@ -560,7 +564,7 @@ class VllmCapture(EngineCapture):
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
         salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/3", "hookpoints": planned, "dtype": dt,
-                                          "hidden": hidden, "widths": widths, "overlap_copy": _overlap_copy(pc)},
+                                          "hidden": hidden, "widths": widths, "overlap_copy": pc.overlap_copy},
                                          sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
         if isinstance(add, dict):
@@ -591,7 +595,7 @@ class VllmCapture(EngineCapture):
         keep_hookpoints: List[int] = []
         at_end = _captures_at_end(planned)
         # With overlap_copy: where the captures are submitted (a side stream's copy) and where the step ends.
-        overlap = _overlap_points(planned, end) if at_end and _overlap_copy(pc) else None
+        overlap = _overlap_points(planned, end) if at_end and pc.overlap_copy else None
         self.overlap = overlap
 
         def begin_hook(module, args, kwargs):
@@ -655,7 +659,7 @@ class VllmCapture(EngineCapture):
             else:
                 # Captured at their sites, or submitted (overlap_copy): the step ends, its copy joined; the tensors the
                 # copy reads are kept to here. With overlap_copy the op also takes ``after``, a tensor computed where
-                # the step is to end: compiled code would otherwise run the op (which frees the kept tensors) right
+                # the step is to end: compiled code would otherwise run the op (the kept tensors' last use) right
                 # after the submit — the copy joined at once, overlapping nothing.
                 end_op(decoder._ringscope_sink, list(keep) + ([] if after is None else [after]), key)
             keep.clear()
