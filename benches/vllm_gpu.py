@@ -20,6 +20,7 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
                                                   # copy kernel, beside the capture, disabled and nothing kept
     python benches/vllm_gpu.py overlap OUT_DIR    # vllm.overlap_copy: q/k/v rebuilt against Hugging Face (run with
                                                   # NVIDIA_TF32_OVERRIDE=0), then its cost beside the capture without it
+    python benches/vllm_gpu.py overlap_cost OUT_DIR  # its cost alone: plain, with it, without it, plain again
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -785,6 +786,8 @@ def main(cmd: str, root: str) -> None:
             # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
             # its cost beside the same capture without it, between two plain engines.
             # (The middle layer's rebuild last: what a call cut short by a time limit still has is the main answers.)
+            # Its cost alone, first (a short call): beside plain, then beside the capture without it.
+            "overlap_cost": ["prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
             "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2",
                         "correct-llama-f32-attnovmid"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain
