@@ -783,11 +783,11 @@ def main(cmd: str, root: str) -> None:
             # two plain engines.
             **{f"cut_profiles_{c}": ["prof-plain#1", f"prof-{c}", f"prof-{c}_sites", f"prof-{c}_off",
                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
-            # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
-            # its cost beside the same capture without it, between two plain engines.
-            # (The middle layer's rebuild last: what a call cut short by a time limit still has is the main answers.)
-            # Its cost alone, first (a short call): beside plain, then beside the capture without it.
+            # vllm.overlap_copy's cost alone (a short call): beside plain, then beside the capture without it.
             "overlap_cost": ["prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
+            # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
+            # its cost beside the same capture without it, between two plain engines, then the middle layer's rebuild
+            # (last: what a call cut short by a time limit still has is the main answers).
             "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2",
                         "correct-llama-f32-attnovmid"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain

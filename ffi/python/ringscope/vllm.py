@@ -419,11 +419,14 @@ def _check_overlap_engine(runner) -> None:
         raise RingscopeError("RS_ERR_CONFIG", "ringscope.vllm: vllm.overlap_copy = true with compilation_config."
                                               "use_inductor_graph_partition: the copy's fork and join must stay "
                                               "between the same two attention ops; drop overlap_copy or the partition")
+    attention_ops = getattr(type(cc), "_attention_ops", None)
+    if attention_ops is None:
+        return  # a vLLM that does not name its attention ops: nothing to tell other splitting ops by
     # vLLM's default splitting ops: its attention ops, and (0.26 on) the KV-cache updates it appends to them.
-    known = set(getattr(type(cc), "_attention_ops", ())) | {"vllm::unified_attention", "vllm::unified_kv_cache_update",
-                                                            "vllm::unified_mla_kv_cache_update"}
+    known = set(attention_ops) | {"vllm::unified_attention", "vllm::unified_kv_cache_update",
+                                  "vllm::unified_mla_kv_cache_update"}
     other = sorted(str(op) for op in (getattr(cc, "splitting_ops", None) or []) if str(op) not in known)
-    if other and getattr(type(cc), "_attention_ops", None) is not None:
+    if other:
         raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: vllm.overlap_copy = true with splitting ops besides "
                                               f"vLLM's attention ops ({', '.join(other)}): a split between the copy's "
                                               "fork and its join would leave it unjoined; drop overlap_copy")
