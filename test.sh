@@ -123,6 +123,7 @@ export RINGSCOPE_REQUIRE_NVRTC=1
 if [ $quick = 0 ]; then
   start_job vllm-env tests/engine.sh vllm --setup
   start_job sglang-env tests/engine.sh sglang --setup
+  start_job sglang-0.5.17-env tests/engine.sh sglang-0.5.17 --setup
 fi
 
 # --- Rust -----------------------------------------------------------------------------------------------------------
@@ -212,3 +213,10 @@ RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang tests/sglang -k "not unsu
 
 stage "SGLang plugin, first pass (started after the Rust tests)"
 join_job sglang-tests
+
+# SGLang 0.5.17: the newest release that pins the torch of the GPU machine docs/sglang.md names; the same two passes.
+stage "SGLang plugin against SGLang 0.5.17"
+join_job sglang-0.5.17-env
+tests/engine.sh sglang-0.5.17 tests/sglang
+stage "SGLang plugin against SGLang 0.5.17, with its overlap scheduler"
+RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang-0.5.17 tests/sglang -k "not unsupported and not launch_server"

