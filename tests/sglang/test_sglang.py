@@ -1,4 +1,5 @@
-"""The SGLang plugin (ringscope/sglang.py) against a real SGLang engine on CPU (0.5.23; and 0.5.17: tests/engine.sh sglang-0.5.17):
+"""The SGLang plugin (ringscope/sglang.py) against a real SGLang engine on CPU (0.5.23; and 0.5.17, through
+tests/engine.sh sglang-0.5.17):
 
 - "main": concurrent requests of different lengths, prefilled in 16-token chunks in the same forward passes as the
   others' decodes (SGLang's mixed chunks); then a prefix warmed by one request and shared by three (prefix-cache
