@@ -77,7 +77,8 @@ def run_engine(tmp_root: pathlib.Path, name: str, scenario: str, config: "str | 
         return _cache[name]
     out = tmp_root / name
     out.mkdir(parents=True, exist_ok=True)
-    keep = ("RINGSCOPE_SGLANG_TEST_DEVICE", "RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA", "RINGSCOPE_SGLANG_TEST_OVERLAP")
+    keep = ("RINGSCOPE_SGLANG_TEST_DEVICE", "RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA", "RINGSCOPE_SGLANG_TEST_OVERLAP",
+            "RINGSCOPE_SGLANG_TEST_NATIVE_OPS")
     e = {k: v for k, v in os.environ.items() if not k.startswith("RINGSCOPE_SGLANG_") or k in keep}
     if config is not None:
         cfg = out / "ringscope.toml"

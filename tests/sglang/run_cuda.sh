@@ -18,6 +18,11 @@ if ! "$py" -c 'import sgl_kernel' 2>/dev/null; then
   echo "== sgl_kernel is not installed: using the stand-in in tests/sglang/stub_cuda (fused ops on their torch path)"
   export PYTHONPATH="$PWD/tests/sglang/stub_cuda${PYTHONPATH:+:$PYTHONPATH}"
   export SGLANG_FORCE_FUSED_OP_BACKEND=torch SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+else
+  # SGLang's real kernels; the tests' float32 model takes the torch path of the ops sgl_kernel has no float32 kernel
+  # for (tests/sglang/cuda_hooks, a test-only SGLang plugin).
+  echo "== sgl_kernel $("$py" -c 'import sgl_kernel; print(sgl_kernel.__version__)'): SGLang's CUDA kernels"
+  export PYTHONPATH="$PWD/tests/sglang/cuda_hooks${PYTHONPATH:+:$PYTHONPATH}" RINGSCOPE_SGLANG_TEST_NATIVE_OPS=1
 fi
 ep=$(mktemp -d)
 trap 'rm -rf "$ep"' EXIT

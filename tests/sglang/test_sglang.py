@@ -59,11 +59,6 @@ def plain(engines):
     return engines("plain", "plain", config=None)
 
 
-@pytest.fixture(scope="module")
-def stop(engines, tmp_path_factory):
-    return engines("stop", "stop", requests="opt_in",
-                   extra=STOP_PROBE.format(weights=_weights(tmp_path_factory, np.zeros((1, 64)))))
-
 
 def test_rows_equal_the_reference_with_mixed_prefill_and_decode_batches(main):
     import ringscope
@@ -154,15 +149,24 @@ def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main
     for k, r in enumerate(reqs):
         cov = reports[rid[k]]["coverage"]
         assert cov["cached"] == cached[k], (k, cov)
-        assert cov["scored"] == cov["expected"] == len(fed(r, positions_of(scored, rid[k]))) - cached[k], (k, cov)
+        computed = len(fed(r, positions_of(scored, rid[k]))) - cached[k]
+        # On CUDA the steps begin inside SGLang's graphs, so no step batch reaches the probes and "expected" stays 0
+        # (documented: the span of the positions scored stands in for what was not observed).
+        assert (cov["scored"], cov["expected"], cov["unobserved"]) == \
+            (computed, computed if DEVICE == "cpu" else 0, 0), (k, cov)
     # The session's own accounting balances (every row produced was exported or counted).
     s = summary["session"]
     assert s["produced_rows"] == s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]
     assert s["dropped_rows"] == 0
 
 
-def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(stop):
+def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(engines, tmp_path_factory):
     import ringscope
+
+    if DEVICE != "cpu":
+        pytest.skip('the scenario captures one request (requests = "opt_in"), which the CUDA path refuses')
+    stop = engines("stop", "stop", requests="opt_in",
+                   extra=STOP_PROBE.format(weights=_weights(tmp_path_factory, np.zeros((1, 64)))))
 
     assert stop.get("error") is None, stop.get("traceback")
     a, b, c = stop["requests"]
