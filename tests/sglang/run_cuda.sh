@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The SGLang plugin's tests (tests/sglang) against a real SGLang 0.5.23 engine on a CUDA GPU, with SGLang's CUDA graphs
-# on: decode graphs (batch sizes up to 8) and its default breakable prefill graphs, triton attention.
+# The SGLang plugin's tests (tests/sglang) against a real SGLang engine (0.5.17 or 0.5.23) on a CUDA GPU, with SGLang's
+# CUDA graphs on: decode graphs (batch sizes up to 8) and its default breakable prefill graphs, triton attention.
 #
-# Not part of ./test.sh (CI has no GPU). Needs a Python with torch (CUDA), sglang 0.5.23 and its Python dependencies
+# Not part of ./test.sh (CI has no GPU). Needs a Python with torch (CUDA), sglang and its Python dependencies
 # importable (PYTHON, default python3), and RINGSCOPE_LIB naming a libringscope built with `cargo build --release -p
-# ringscope-ffi`. Where SGLang's CUDA kernel package (sgl_kernel) is not installed — the GPU machine this project
-# measures on has no network, and that wheel is far larger than what can be brought to it — the stand-in in
-# tests/sglang/stub_cuda is used, with every SGLang fused op on its pure-torch path (SGLANG_FORCE_FUSED_OP_BACKEND=
-# torch) and the pytorch sampling backend: the model's arithmetic then differs from a production SGLang's, but the
-# engine — its scheduler, batching, prefix cache, CUDA graph capture and replay — is SGLang's own.
+# ringscope-ffi`. With SGLang's CUDA kernel package (sgl_kernel) installed, its kernels run, and the tests' float32
+# model takes the torch path of the ops sgl_kernel has no float32 kernel for (tests/sglang/cuda_hooks; verified with
+# SGLang 0.5.17 on an H100, docs/gpu-benchmarks.md session 45). Without it, the stand-in in tests/sglang/stub_cuda is
+# used, with every SGLang fused op on its pure-torch path (SGLANG_FORCE_FUSED_OP_BACKEND=torch, read by 0.5.23) and the
+# pytorch sampling backend: the model's arithmetic then differs from a production SGLang's, but the engine — its
+# scheduler, batching, prefix cache, CUDA graph capture and replay — is SGLang's own.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}

@@ -75,8 +75,9 @@ with tensor or pipeline parallelism the plugin refuses to load, naming why. On a
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
 (updated before every forward pass; padding rows and rows of requests not captured are exported as rows of no
 request, ``NO_REQUEST``, never attributed; so ``requests = "opt_in"``, speculative decoding and diffusion models are
-refused there), the CUDA ring in best-effort mode — reached SGLang's graph capture on an H200 but has not yet run end
-to end there (tests/sglang/run_cuda.sh is the test). On CUDA the session must close only once the engine stops
+refused there), the CUDA ring in best-effort mode — has run end to end on an H100 with SGLang 0.5.17 and its own
+kernels (tests/sglang/run_cuda.sh: rows equal to a Hugging Face reference, both schedulers); its cost per step is not
+measured yet. On CUDA the session must close only once the engine stops
 replaying its graphs (``Engine.shutdown`` does that with no requests in flight): the recorded kernels write into the
 session's device memory. With SGLang's overlap scheduler
 (its default) the next batch may be scheduled before a stop flag is read: a stopped request can get one more token.
@@ -100,8 +101,8 @@ logger = logging.getLogger("ringscope.sglang")
 
 ENV_CONFIG = "RINGSCOPE_SGLANG_CONFIG"
 ENV_DISABLE = "RINGSCOPE_SGLANG_DISABLE"
-#: Opt-in for the CUDA path (capture ops recorded into SGLang's CUDA graphs), which has not yet run end to end on a
-#: GPU: without it a model on a CUDA device is refused.
+#: Opt-in for the CUDA path (capture ops recorded into SGLang's CUDA graphs), verified on an H100 with SGLang 0.5.17 but
+#: not yet measured for cost: without it a model on a CUDA device is refused.
 ENV_CUDA = "RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA"
 #: SGLang versions the plugin's hooks were written and tested against (its internals move between releases).
 SUPPORTED_SGLANG = ("0.5.17", "0.5.23")
@@ -154,9 +155,9 @@ def check_device(device) -> None:
         if not _truthy(ENV_CUDA):
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"ringscope.sglang: the model is on {device}: the plugin's CUDA path (its capture ops "
-                                 "recorded into SGLang's CUDA graphs) is experimental — it has not yet run end to end "
-                                 f"on a GPU; set {ENV_CUDA}=1 to use it anyway, or unset {ENV_CONFIG} to serve without "
-                                 "ringscope")
+                                 "recorded into SGLang's CUDA graphs) is experimental — its rows were verified on an "
+                                 "H100 with SGLang 0.5.17, its cost is not measured yet; set "
+                                 f"{ENV_CUDA}=1 to use it, or unset {ENV_CONFIG} to serve without ringscope")
         return
     _engine.check_cpu(device, "ringscope.sglang", "SGLang", ENV_CONFIG)
 
