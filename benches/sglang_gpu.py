@@ -1,0 +1,167 @@
+"""ringscope's SGLang plugin on a GPU: what its CUDA path costs per decode step against plain SGLang, measured in the
+same call (docs/gpu-benchmarks.md has the numbers).
+
+    python benches/sglang_gpu.py cost OUT_DIR       # plain, the residual of every layer, plain again
+    python benches/sglang_gpu.py one KIND OUT_DIR   # one engine (what `cost` runs, each in a process of its own)
+
+RINGSCOPE_SGLANG_BENCH_SMOKE=1 runs the same code on the CPU with a tiny model, two small batches and short
+generations (SGLANG_USE_CPU_ENGINE=1 and tests/sglang/stub on the path, as tests/engine.sh sets them): a check of
+the script, not a measurement.
+
+Needs SGLang (0.5.17 or 0.5.23) with its CUDA kernels, a CUDA GPU, and the ringscope package importable (the source
+tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package). The model: the
+Llama-3.2-1B shape (16 layers, hidden 2048, bf16) with SGLang's dummy weights, 16-token prompts, greedy,
+``ignore_eos``; SGLang's defaults otherwise (CUDA graphs for decode — recorded up to batch 64 —, its overlap
+scheduler), triton attention and the pytorch sampler. One decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, the median of
+``REPS`` (host time around ``Engine.generate``: everything a user waits for). Engines:
+
+- ``plain``: no ringscope (run before and after the others: the two give the comparison's resolution);
+- ``resid16``: the plugin's CUDA path (``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``) capturing the residual stream after
+  each of the 16 layers into Parquet, best-effort (the CUDA defaults); its summary's counters (rows produced,
+  exported, dropped) are reported beside its times.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SMOKE = os.environ.get("RINGSCOPE_SGLANG_BENCH_SMOKE") == "1"
+REPS = 1 if SMOKE else 3
+BATCHES = (1, 2) if SMOKE else (1, 8, 64)
+SHORT, LONG = (4, 8) if SMOKE else (32, 160)
+KINDS = {
+    "plain": None,
+    "resid16": '[export]\nparquet = true\ndir = "{dump}"\nrun_id = "run"\n[sglang]\nsites = ["residual"]\nlayers = "all"\n',
+}
+
+
+def make_1b(path: str) -> None:
+    """config.json of the Llama-3.2-1B shape (served with load_format="dummy")."""
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "hidden_act": "silu"}
+    if SMOKE:
+        cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def plugin_path(tmp: str) -> str:
+    """A directory declaring the plugin's ``sglang.srt.plugins`` entry point (what ``pip install ./ffi/python``
+    declares), for the engine's processes when the package is used from the source tree."""
+    dist = os.path.join(tmp, "ringscope_sglang_bench-0.dist-info")
+    os.makedirs(dist, exist_ok=True)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: ringscope-sglang-bench\nVersion: 0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\nringscope = ringscope.sglang:register\n")
+    return tmp
+
+
+def one(kind: str, out: str) -> dict:
+    """One engine of ``kind``: its decode step at each batch size (and the plugin's counters)."""
+    import sglang as sgl
+
+    model = os.path.join(out, "model-1b")
+    make_1b(model)
+    device = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32") if SMOKE \
+        else dict(attention_backend="triton", sampling_backend="pytorch", dtype="bfloat16",
+                  cuda_graph_max_bs_decode=max(BATCHES))
+    engine = sgl.Engine(model_path=model, load_format="dummy", skip_tokenizer_init=True, mem_fraction_static=0.5,
+                        random_seed=0, log_level="warning", **device)
+    res: dict = {"kind": kind, "decode_ms": {}, "rounds_ms": {}}
+    try:
+        prompt = list(range(100, 116))
+        for b in BATCHES:
+            def timed(n: int) -> float:
+                t = time.perf_counter()
+                outs = engine.generate(input_ids=[prompt] * b, sampling_params={
+                    "max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+                dt = time.perf_counter() - t
+                assert all(len(o["output_ids"]) == n for o in outs), [len(o["output_ids"]) for o in outs]
+                return dt
+            timed(LONG)  # warm-up: graphs replayed, allocator settled
+            steps = []
+            for _ in range(REPS):
+                steps.append((timed(LONG) - timed(SHORT)) / (LONG - SHORT) * 1e3)
+            res["rounds_ms"][str(b)] = steps
+            res["decode_ms"][str(b)] = statistics.median(steps)
+            print(f"{kind}: B={b} decode step {res['decode_ms'][str(b)]:.3f} ms ({', '.join(f'{s:.3f}' for s in steps)})",
+                  flush=True)
+    finally:
+        engine.shutdown()
+    if KINDS[kind] is not None:
+        side = os.path.join(out, f"dump-{kind}", "run", "_ringscope_sglang", "summary.json")
+        with open(side) as f:
+            summary = json.load(f)
+        s = summary["session"]
+        res["session"] = {k: s.get(k) for k in ("produced_rows", "exported_rows", "dropped_rows", "sampled_out_rows")}
+        res["plugin"] = {k: summary["plugin"].get(k) for k in ("steps", "steps_captured", "padding_rows", "lost_rows",
+                                                               "disabled")}
+    return res
+
+
+def cost(out: str) -> dict:
+    """plain, resid16, plain: each engine in a process of its own; a report with each one's ratio to the plains'."""
+    report: dict = {"engines": []}
+    tmp = tempfile.mkdtemp(prefix="ringscope-sglang-bench-")
+    for i, kind in enumerate(("plain", "resid16", "plain")):
+        env = dict(os.environ)
+        env.pop("RINGSCOPE_SGLANG_CONFIG", None)
+        if KINDS[kind] is not None:
+            cfg = os.path.join(out, f"{kind}.toml")
+            with open(cfg, "w") as f:
+                f.write(KINDS[kind].format(dump=os.path.join(out, f"dump-{kind}")))
+            env["RINGSCOPE_SGLANG_CONFIG"] = cfg
+            env["RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.join(ROOT, "ffi", "python"), plugin_path(tmp)] + [p for p in [env.get("PYTHONPATH")] if p])
+        res_file = os.path.join(out, f"{i}-{kind}.json")
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "one", kind, out, res_file], env=env,
+                           capture_output=True, text=True)
+        with open(os.path.join(out, f"{i}-{kind}.log"), "w") as f:
+            f.write(p.stdout + p.stderr)
+        if p.returncode != 0 or not os.path.exists(res_file):
+            report["engines"].append({"kind": kind, "error": (p.stdout + p.stderr)[-3000:]})
+            print(f"{kind}: failed (exit {p.returncode}); log tail:\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
+            continue
+        with open(res_file) as f:
+            report["engines"].append(json.load(f))
+    plains = [e for e in report["engines"] if e["kind"] == "plain" and "decode_ms" in e]
+    for e in report["engines"]:
+        if "decode_ms" not in e or not plains:
+            continue
+        e["vs_plain_pct"] = {b: [round((e["decode_ms"][b] / p["decode_ms"][b] - 1) * 100, 2) for p in plains]
+                             for b in e["decode_ms"]}
+        print(f"{e['kind']}: against each plain engine, % per decode step: {e['vs_plain_pct']}", flush=True)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main(argv) -> int:
+    if len(argv) >= 3 and argv[1] == "cost":
+        os.makedirs(argv[2], exist_ok=True)
+        cost(argv[2])
+        return 0
+    if len(argv) == 5 and argv[1] == "one" and argv[2] in KINDS:
+        res = one(argv[2], argv[3])
+        with open(argv[4], "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
