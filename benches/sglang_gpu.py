@@ -31,6 +31,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from vllm_gpu import make_1b  # noqa: E402  (stdlib only at import)
+from vllm_tp import plugin_entry_point  # noqa: E402
 SMOKE = os.environ.get("RINGSCOPE_SGLANG_BENCH_SMOKE") == "1"
 REPS = 1 if SMOKE else 3
 BATCHES = (1, 2) if SMOKE else (1, 8, 64)
@@ -41,31 +44,17 @@ KINDS = {
 }
 
 
-def make_1b(path: str) -> None:
-    """config.json of the Llama-3.2-1B shape (served with load_format="dummy")."""
-    os.makedirs(path, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-           "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-           "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1,
-           "eos_token_id": 2, "hidden_act": "silu"}
+def make_model(path: str) -> None:
+    """config.json of the Llama-3.2-1B shape (served with load_format="dummy"); a tiny one for the smoke check."""
+    make_1b(path)
     if SMOKE:
+        cfg_path = os.path.join(path, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
         cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-
-
-def plugin_path(tmp: str) -> str:
-    """A directory declaring the plugin's ``sglang.srt.plugins`` entry point (what ``pip install ./ffi/python``
-    declares), for the engine's processes when the package is used from the source tree."""
-    dist = os.path.join(tmp, "ringscope_sglang_bench-0.dist-info")
-    os.makedirs(dist, exist_ok=True)
-    with open(os.path.join(dist, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: ringscope-sglang-bench\nVersion: 0\n")
-    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write("[sglang.srt.plugins]\nringscope = ringscope.sglang:register\n")
-    return tmp
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
 
 
 def one(kind: str, out: str) -> dict:
@@ -73,7 +62,7 @@ def one(kind: str, out: str) -> dict:
     import sglang as sgl
 
     model = os.path.join(out, "model-1b")
-    make_1b(model)
+    make_model(model)
     device = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32") if SMOKE \
         else dict(attention_backend="triton", sampling_backend="pytorch", dtype="bfloat16",
                   cuda_graph_max_bs_decode=max(BATCHES))
@@ -124,8 +113,9 @@ def cost(out: str) -> dict:
                 f.write(KINDS[kind].format(dump=os.path.join(out, f"dump-{kind}")))
             env["RINGSCOPE_SGLANG_CONFIG"] = cfg
             env["RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA"] = "1"
+        ep = plugin_entry_point(tmp, "sglang", "sglang.srt.plugins")
         env["PYTHONPATH"] = os.pathsep.join(
-            [os.path.join(ROOT, "ffi", "python"), plugin_path(tmp)] + [p for p in [env.get("PYTHONPATH")] if p])
+            [os.path.join(ROOT, "ffi", "python")] + [x for x in (ep, env.get("PYTHONPATH")) if x])
         res_file = os.path.join(out, f"{i}-{kind}.json")
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "one", kind, out, res_file], env=env,
                            capture_output=True, text=True)

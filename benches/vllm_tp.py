@@ -278,20 +278,21 @@ def child(out: str, what: str) -> None:
         json.dump(result, f, indent=1, default=str)
 
 
-def plugin_entry_point(root: str) -> "str | None":
-    """A directory declaring the plugin's ``vllm.general_plugins`` entry point, for the workers' PYTHONPATH — unless an
-    installed distribution declares it already."""
+def plugin_entry_point(root: str, engine: str = "vllm", group: str = "vllm.general_plugins") -> "str | None":
+    """A directory declaring the ``engine`` plugin's entry point (``group``: ``vllm.general_plugins``,
+    ``sglang.srt.plugins``), for the engine's processes' PYTHONPATH — unless an installed distribution declares it
+    already (``pip install ./ffi/python``)."""
     from importlib.metadata import entry_points
 
-    if any(ep.value.startswith("ringscope.vllm") for ep in entry_points(group="vllm.general_plugins")):
+    if any(ep.value.startswith(f"ringscope.{engine}") for ep in entry_points(group=group)):
         return None
-    d = os.path.join(root, "entry-point")
-    dist = os.path.join(d, "ringscope_vllm_bench-0.dist-info")
+    d = os.path.join(root, f"entry-point-{engine}")
+    dist = os.path.join(d, f"ringscope_{engine}_bench-0.dist-info")
     os.makedirs(dist, exist_ok=True)
     with open(os.path.join(dist, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: ringscope-vllm-bench\nVersion: 0\n")
+        f.write(f"Metadata-Version: 2.1\nName: ringscope-{engine}-bench\nVersion: 0\n")
     with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nringscope = ringscope.vllm:register\n")
+        f.write(f"[{group}]\nringscope = ringscope.{engine}:register\n")
     return d
 
 
