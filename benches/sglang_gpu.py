@@ -11,8 +11,9 @@ the script, not a measurement.
 Needs SGLang (0.5.17 or 0.5.23) with its CUDA kernels, a CUDA GPU, and the ringscope package importable (the source
 tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package). The model: the
 Llama-3.2-1B shape (16 layers, hidden 2048, bf16) with SGLang's dummy weights, 16-token prompts, greedy,
-``ignore_eos``; SGLang's defaults otherwise (CUDA graphs for decode — recorded up to batch 64 —, its overlap
-scheduler), triton attention and the pytorch sampler. One decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, the median of
+``ignore_eos``; SGLang's defaults otherwise (its overlap scheduler), triton attention, the pytorch sampler, decode
+CUDA graphs recorded for exactly the batch sizes measured and none for prefill (the engine starts in seconds, and
+only decode steps are timed). One decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, the median of
 ``REPS`` (host time around ``Engine.generate``: everything a user waits for). Engines:
 
 - ``plain``: no ringscope (run before and after the others: the two give the comparison's resolution);
@@ -65,7 +66,7 @@ def one(kind: str, out: str) -> dict:
     make_model(model)
     device = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True, dtype="float32") if SMOKE \
         else dict(attention_backend="triton", sampling_backend="pytorch", dtype="bfloat16",
-                  cuda_graph_max_bs_decode=max(BATCHES))
+                  cuda_graph_bs_decode=list(BATCHES), cuda_graph_backend_prefill="disabled")
     engine = sgl.Engine(model_path=model, load_format="dummy", skip_tokenizer_init=True, mem_fraction_static=0.5,
                         random_seed=0, log_level="warning", **device)
     res: dict = {"kind": kind, "decode_ms": {}, "rounds_ms": {}}
