@@ -8,8 +8,9 @@ RINGSCOPE_SGLANG_BENCH_SMOKE=1 runs the same code on the CPU with a tiny model, 
 generations (SGLANG_USE_CPU_ENGINE=1 and tests/sglang/stub on the path, as tests/engine.sh sets them): a check of
 the script, not a measurement.
 
-Needs SGLang with its CUDA kernels (written for 0.5.17, the GPU machine's), a CUDA GPU, and the ringscope package importable (the source
-tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package). The model: the
+Needs SGLang with its CUDA kernels (written for 0.5.17, the GPU machine's), a CUDA GPU, and the ringscope package
+importable (the source tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package).
+The model: the
 Llama-3.2-1B shape (16 layers, hidden 2048, bf16) with SGLang's dummy weights, 16-token prompts, greedy,
 ``ignore_eos``; SGLang's defaults otherwise (its overlap scheduler), triton attention, the pytorch sampler, decode
 CUDA graphs recorded for exactly the batch sizes measured and none for prefill (the engine starts in seconds, and
