@@ -9,13 +9,12 @@ generations (SGLANG_USE_CPU_ENGINE=1 and tests/sglang/stub on the path, as tests
 the script, not a measurement.
 
 Needs SGLang with its CUDA kernels (written for 0.5.17, the GPU machine's), a CUDA GPU, and the ringscope package
-importable (the source tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package).
-The model: the
-Llama-3.2-1B shape (16 layers, hidden 2048, bf16) with SGLang's dummy weights, 16-token prompts, greedy,
+importable (the source tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package). The
+model: the Llama-3.2-1B shape (16 layers, hidden 2048, bf16) with SGLang's dummy weights, 16-token prompts, greedy,
 ``ignore_eos``; SGLang's defaults otherwise (its overlap scheduler), triton attention, the pytorch sampler, decode
-CUDA graphs recorded for exactly the batch sizes measured and none for prefill (the engine starts in seconds, and
-only decode steps are timed). One decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, the median of
-``REPS`` (host time around ``Engine.generate``: everything a user waits for). Engines:
+CUDA graphs recorded for exactly the batch sizes measured and none for prefill (the engine starts in seconds, and only
+decode steps are timed). One decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, the
+median of ``REPS`` (host time around ``Engine.generate``: everything a user waits for). Engines:
 
 - ``plain``: no ringscope (run before and after the others: the two give the comparison's resolution);
 - ``resid16``: the plugin's CUDA path (``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``) capturing the residual stream after
