@@ -362,29 +362,35 @@ def _ask_to_close(sock) -> bool:
 
 # -- the capture ---------------------------------------------------------------------------------------------------
 
+#: SGLang versions whose decoder layers return ``(their MLP's output, the residual stream before it)``; the others
+#: (0.5.23) return their contribution and keep the running residual themselves.
+PAIR_RESIDUAL_SGLANG = ("0.5.17",)
+
+
 def _residual_pick():
     """``pick(output, args, kwargs)`` of a decoder layer's forward hook: the residual stream after the layer, as each
     supported SGLang version gives it. 0.5.23: the layer returns its contribution and SGLang keeps the running residual
-    (a snapshot of it from the forward batch); 0.5.17: the layer returns ``(its MLP's output, the residual stream before
-    that MLP)``, whose sum is the stream after it (computed here: SGLang adds them only in the next layer's norm)."""
-    try:
-        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-    except ImportError:
-        residual_batch = None
-    if residual_batch is not None:
-        def snapshot(output, args, kwargs):
-            fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
-            return residual_batch.snapshot(output, fb)
-        return snapshot
+    (a snapshot of it from the forward batch); 0.5.17 (:data:`PAIR_RESIDUAL_SGLANG`): the layer returns ``(its MLP's
+    output, the residual stream before that MLP)``, whose sum is the stream after it (computed here: SGLang adds them
+    only in the next layer's norm)."""
+    import sglang
 
-    def summed(output, args, kwargs):
-        if not isinstance(output, tuple) or len(output) != 2 or output[1] is None:
-            raise RingscopeError("RS_ERR_STATE",
-                                 "ringscope.sglang: a decoder layer returned "
-                                 f"{type(output).__name__}, not (hidden_states, residual) as SGLang "
-                                 f"{' / '.join(SUPPORTED_SGLANG)}'s layers do")
-        return output[0] + output[1]
-    return summed
+    version = str(getattr(sglang, "__version__", ""))
+    if version in PAIR_RESIDUAL_SGLANG:
+        def summed(output, args, kwargs):
+            if not isinstance(output, tuple) or len(output) != 2 or output[1] is None:
+                raise RingscopeError("RS_ERR_STATE",
+                                     f"ringscope.sglang: a decoder layer returned {type(output).__name__}, not "
+                                     f"(hidden_states, residual) as SGLang {version}'s layers do")
+            return output[0] + output[1]
+        return summed
+
+    from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+
+    def snapshot(output, args, kwargs):
+        fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+        return residual_batch.snapshot(output, fb)
+    return snapshot
 
 
 def _default_run_id() -> str:
@@ -502,6 +508,15 @@ class SglangCapture(EngineCapture):
                                      f"{pc.source}: sglang.requests = \"opt_in\" is not supported on CUDA yet: there "
                                      "the rows of requests not captured would be exported as rows of no request "
                                      "(unattributed, but in the files); use \"all\", or serve on CPU")
+            # SGLang's fused add-norm (sgl_kernel, in place) overwrites the attention and MLP outputs within the step:
+            # a copy deferred to the step's end would read the overwritten values.
+            overwritten = sorted({site for _, site, _ in planned if site in ("attention_output", "mlp_output")})
+            ring = pc.session_config.get("ring")
+            if overwritten and isinstance(ring, dict) and ring.get("defer_captures") is True:
+                raise RingscopeError("RS_ERR_CONFIG",
+                                     f"{pc.source}: ring.defer_captures = true with the site(s) "
+                                     f"{', '.join(overwritten)}: SGLang overwrites those outputs in place (its fused "
+                                     "add-norm) before a deferred copy would read them; leave ring.defer_captures out")
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_rows if cuda else 0,
                                       widths=widths)
         export = cfg.setdefault("export", {})
