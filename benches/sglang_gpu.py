@@ -1,8 +1,9 @@
 """ringscope's SGLang plugin on a GPU: what its CUDA path costs per decode step against plain SGLang, measured in the
-same call (docs/gpu-benchmarks.md has the numbers).
+same call (not yet run on a GPU; its numbers will go to docs/gpu-benchmarks.md).
 
-    python benches/sglang_gpu.py cost OUT_DIR       # plain, the residual of every layer, plain again
-    python benches/sglang_gpu.py one KIND OUT_DIR   # one engine (what `cost` runs, each in a process of its own)
+    python benches/sglang_gpu.py cost OUT_DIR                  # plain, the residual of every layer, plain again
+    python benches/sglang_gpu.py one KIND OUT_DIR RESULT_JSON  # one engine (what `cost` runs, each in a process of
+                                                               # its own)
 
 RINGSCOPE_SGLANG_BENCH_SMOKE=1 runs the same code on the CPU with a tiny model, two small batches and short
 generations (SGLANG_USE_CPU_ENGINE=1 and tests/sglang/stub on the path, as tests/engine.sh sets them): a check of

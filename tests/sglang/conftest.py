@@ -53,6 +53,8 @@ def fed(r: dict, positions=()) -> list:
 def positions_of(cols: dict, request_id: int) -> np.ndarray:
     """The positions of a hookpoint's rows of one request (``cols``: one entry of ``read_dump``)."""
     return cols["position"][cols["request_id"] == request_id]
+
+
 CONFIG = """
 [policy]
 mode = "MODE"
@@ -161,5 +163,7 @@ def check_rows(res: dict, dump: dict, rid: list, first: "list[int]"):
             rows = req == rid[k]
             order = np.argsort(pos[rows])
             worst = max(worst, assert_rows_match(act[rows][order], ref[(k, name)][first[k]:], (name, k), TOLERANCE))
-    print(f"check_rows: worst relative error {worst:.2e} (tolerance {TOLERANCE:g}, device {DEVICE})")
+    last = sum(len(seqs[k]) == len(r["prompt"]) + len(r["tokens"]) for k, r in enumerate(reqs))
+    print(f"check_rows: worst relative error {worst:.2e} (tolerance {TOLERANCE:g}, device {DEVICE}); "
+          f"{last} of {len(reqs)} requests with their last token's row (LAST_TOKEN_PASS = {LAST_TOKEN_PASS})")
     return worst

@@ -59,7 +59,6 @@ def plain(engines):
     return engines("plain", "plain", config=None)
 
 
-
 def test_rows_equal_the_reference_with_mixed_prefill_and_decode_batches(main):
     import ringscope
 

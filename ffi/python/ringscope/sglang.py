@@ -75,9 +75,9 @@ with tensor or pipeline parallelism the plugin refuses to load, naming why. On a
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
 (updated before every forward pass; padding rows and rows of requests not captured are exported as rows of no
 request, ``NO_REQUEST``, never attributed; so ``requests = "opt_in"``, speculative decoding and diffusion models are
-refused there), the CUDA ring in best-effort mode — has run end to end on an H100 with SGLang 0.5.17 and its own
-kernels (tests/sglang/run_cuda.sh: rows equal to a Hugging Face reference, both schedulers); its cost per step is not
-measured yet. On CUDA the session must close only once the engine stops
+refused there), the CUDA ring in best-effort mode — has run end to end on an H100 with SGLang 0.5.17 and its CUDA
+kernel package (tests/sglang/run_cuda.sh: rows within 5e-3 of a Hugging Face reference, ids and positions exact, both
+schedulers); its cost per step is not measured yet. On CUDA the session must close only once the engine stops
 replaying its graphs (``Engine.shutdown`` does that with no requests in flight): the recorded kernels write into the
 session's device memory. With SGLang's overlap scheduler
 (its default) the next batch may be scheduled before a stop flag is read: a stopped request can get one more token.
