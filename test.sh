@@ -17,10 +17,10 @@
 #
 # Python: the packages are installed at the versions the requirement files pin into environments cached outside the
 # checkout (tests/venv.sh: ${XDG_CACHE_HOME:-~/.cache}/ringscope/NAME-HASH; RINGSCOPE_VENV names another directory for
-# the torch-free one), reused only while they hold exactly those pins. The first run downloads a few GB (two torch
-# builds with their CUDA wheels, which `import torch` needs even on CPU, one per engine; NVRTC, which lets the Rust tests
-# compile the CUDA kernels without a GPU) and takes several minutes more. The GPU tests are `#[ignore]`d without a GPU
-# and say so (docs/gpu-benchmarks.md says how to run them on one).
+# the torch-free one), reused only while they hold exactly those pins. The first run downloads a few GB (three torch
+# builds with their CUDA wheels, which `import torch` needs even on CPU, one per engine environment; NVRTC, which lets
+# the Rust tests compile the CUDA kernels without a GPU) and takes several minutes more. The GPU tests are `#[ignore]`d
+# without a GPU and say so (docs/gpu-benchmarks.md says how to run them on one).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -100,7 +100,7 @@ join_job() {  # join_job NAME: waits for it, shows its output, fails if it faile
 stage "python environment"
 free_gb=$(df -Pk . 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }') || free_gb=""
 if [ -n "$free_gb" ] && [ "$free_gb" -lt 20 ] && [ ! -d target/debug ]; then
-  echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 20 GB (the build and three Python" \
+  echo "test.sh: warning: ${free_gb} GB free here; a first run needs about 25 GB (the build and four Python" \
        "environments)" >&2
 fi
 # shellcheck source=tests/venv.sh
@@ -214,9 +214,10 @@ RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang tests/sglang -k "not unsu
 stage "SGLang plugin, first pass (started after the Rust tests)"
 join_job sglang-tests
 
-# SGLang 0.5.17: the newest release that pins the torch of the GPU machine docs/sglang.md names; the same two passes.
+# SGLang 0.5.17: the newest release that pins the torch of the GPU machine docs/sglang.md names; the same two passes
+# (the server's eight ways of stopping once each here, twice against 0.5.23).
 stage "SGLang plugin against SGLang 0.5.17"
 join_job sglang-0.5.17-env
-tests/engine.sh sglang-0.5.17 tests/sglang
+RINGSCOPE_SGLANG_STOP_REPEATS=1 tests/engine.sh sglang-0.5.17 tests/sglang
 stage "SGLang plugin against SGLang 0.5.17, with its overlap scheduler"
 RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang-0.5.17 tests/sglang -k "not unsupported and not launch_server"

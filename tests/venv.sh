@@ -9,7 +9,7 @@
 # the install commands. A fresh clone of an unchanged checkout so finds the environment an earlier run built (several
 # GB and minutes of downloads) instead of building it again; a changed pin names another directory, and the
 # environments of NAME that it replaces are deleted (only those made by these scripts: they hold a record). A new
-# environment's large files that another cached one holds byte for byte (both engines' torch builds pull the same
+# environment's large files that another cached one holds byte for byte (the engines' torch builds pull the same
 # NVIDIA wheels) are hard-linked to it (tests/share_files.py): the disk is shared, the environments stay independent.
 #
 #   ensure_venv DIR INSTALL_FUNCTION FILE...

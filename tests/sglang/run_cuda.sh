@@ -9,7 +9,8 @@
 # 0.5.23: SGLANG_FORCE_FUSED_OP_BACKEND=torch), since some of SGLang's fused CUDA ops have no float32 kernel; with the
 # pytorch sampling backend. Where SGLang's CUDA kernel package (sgl_kernel) is not installed, the stand-in in
 # tests/sglang/stub_cuda is used. Run so far: SGLang 0.5.17 with sgl_kernel 0.4.5 on an H100, every test passing
-# (docs/gpu-benchmarks.md, session 45); SGLang 0.5.23 with the stand-in on an H200 reached the graph capture (session 20).
+# (docs/gpu-benchmarks.md, session 45); SGLang 0.5.23 with the stand-in on an H200 reached the graph capture
+# (session 20).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}

@@ -300,7 +300,7 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     with pytest.raises(RingscopeError, match='requests = "opt_in" is not supported on CUDA'):
         rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"requests": "opt_in"}}))
     # A deferred copy of an output SGLang overwrites in place within the step (its fused add-norm) is refused.
-    with pytest.raises(RingscopeError, match="ring.defer_captures = true with the site.s. mlp_output: SGLang overwrites"):
+    with pytest.raises(RingscopeError, match="defer_captures = true with the site.s. mlp_output: SGLang overwrites"):
         rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"sites": ["residual", "mlp_output"]},
                                                                  "ring": {"defer_captures": True}}))
     monkeypatch.delenv(rs.ENV_CUDA)

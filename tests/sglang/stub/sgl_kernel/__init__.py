@@ -1,5 +1,5 @@
-"""Stand-in for the `sgl_kernel` package in the SGLang tests, pinned to SGLang 0.5.23 (PyPI has no CPU build of
-sgl-kernel / sglang-kernel). Only what sglang 0.5.23 actually *calls* on the
+"""Stand-in for the `sgl_kernel` package in the SGLang tests, written for SGLang 0.5.23 and used with 0.5.17 too (PyPI
+has no CPU build of sgl-kernel / sglang-kernel). Only what sglang 0.5.23 actually *calls* on the
 SGLANG_USE_CPU_ENGINE=1 path (torch_native attention, no speculative decoding)
 is implemented, in plain torch. Every other name that sglang merely *imports*
 at module load on the CPU path is served by __getattr__ below as a function
