@@ -268,6 +268,24 @@ def capture_bytes(planned: list, dt: str, hidden: int, widths: Optional[Dict[str
     return f"{rows:,} bytes of rows per token ({rows + ROW_META_BYTES * len(planned):,} with their ids and positions)"
 
 
+#: Sites whose tensors the engines' fused add-norm (vLLM's, SGLang's sgl_kernel) overwrites in place later in the
+#: forward pass: a capture copy deferred to the pass's end would read the overwritten values.
+OVERWRITTEN_SITES = ("attention_output", "mlp_output")
+
+
+def refuse_deferred_overwrites(pc: PluginConfig, planned: list, engine: str, hint: str = "") -> List[str]:
+    """The planned sites among :data:`OVERWRITTEN_SITES` (sorted); a configuration asking for deferred captures
+    (``ring.defer_captures = true``) with any of them is refused, naming ``engine`` (and ``hint`` after the advice)."""
+    overwritten = sorted({site for _, site, _ in planned if site in OVERWRITTEN_SITES})
+    ring = pc.session_config.get("ring")
+    if overwritten and isinstance(ring, dict) and ring.get("defer_captures") is True:
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"{pc.source}: ring.defer_captures = true with the site(s) {', '.join(overwritten)}: "
+                             f"{engine} overwrites those outputs in place before a deferred copy would read them; "
+                             f"leave ring.defer_captures out{hint}")
+    return overwritten
+
+
 def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
                    max_rows: int = 0, full_on_cuda: bool = False, widths: Optional[Dict[str, int]] = None,
                    defer: bool = False) -> dict:

@@ -508,15 +508,8 @@ class SglangCapture(EngineCapture):
                                      f"{pc.source}: sglang.requests = \"opt_in\" is not supported on CUDA yet: there "
                                      "the rows of requests not captured would be exported as rows of no request "
                                      "(unattributed, but in the files); use \"all\", or serve on CPU")
-            # SGLang's fused add-norm (sgl_kernel, in place) overwrites the attention and MLP outputs within the step:
-            # a copy deferred to the step's end would read the overwritten values.
-            overwritten = sorted({site for _, site, _ in planned if site in ("attention_output", "mlp_output")})
-            ring = pc.session_config.get("ring")
-            if overwritten and isinstance(ring, dict) and ring.get("defer_captures") is True:
-                raise RingscopeError("RS_ERR_CONFIG",
-                                     f"{pc.source}: ring.defer_captures = true with the site(s) "
-                                     f"{', '.join(overwritten)}: SGLang overwrites those outputs in place (its fused "
-                                     "add-norm) before a deferred copy would read them; leave ring.defer_captures out")
+            # SGLang's fused add-norm (sgl_kernel) overwrites the attention and MLP outputs within the step.
+            _engine.refuse_deferred_overwrites(pc, planned, "SGLang", " (its fused add-norm overwrites them)")
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_rows if cuda else 0,
                                       widths=widths)
         export = cfg.setdefault("export", {})

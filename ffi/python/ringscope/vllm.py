@@ -147,7 +147,7 @@ def check_version(version: str) -> None:
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _SITES = _engine.SITES
 #: Sites vLLM's fused add-norm overwrites in place later in the pass: copied at their sites, never deferred.
-_OVERWRITTEN_SITES = ("attention_output", "mlp_output")
+_OVERWRITTEN_SITES = _engine.OVERWRITTEN_SITES
 
 
 
@@ -372,14 +372,10 @@ def deferrable(pc: PluginConfig, planned: list, cuda: bool) -> bool:
     the next layer's fused add-norm overwrites them in place (vLLM's CUDA kernel — in eager mode, and in compiled
     graphs with ``custom_ops = ["+rms_norm"]``, where the compiler would also drop a copy made by the hook as a no-op),
     so with those sites every capture copies at once; a configuration asking for deferral with them is refused."""
-    overwritten = sorted({site for _, site, _ in planned if site in _OVERWRITTEN_SITES})
-    ring = pc.session_config.get("ring")
-    if cuda and overwritten and isinstance(ring, dict) and ring.get("defer_captures") is True:
-        raise RingscopeError("RS_ERR_CONFIG",
-                             f"{pc.source}: ring.defer_captures = true with the site(s) {', '.join(overwritten)}: "
-                             "vLLM overwrites those outputs in place before a deferred copy would read them; leave "
-                             "ring.defer_captures out (the plugin defers captures when every site allows it)")
-    return cuda and not overwritten
+    if not cuda:
+        return False
+    return not _engine.refuse_deferred_overwrites(pc, planned, "vLLM",
+                                                  " (the plugin defers captures when every site allows it)")
 
 
 def _captures_at_end(planned: list) -> bool:
