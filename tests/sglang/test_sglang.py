@@ -324,3 +324,11 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     supported = ", ".join(rs.SUPPORTED_SGLANG)
     with pytest.raises(RingscopeError, match=re.escape(f"supports SGLang {supported}; this is SGLang 0.4.0")):
         rs.register()
+    # SGLang 0.5.17's layers return (their MLP's output, the stream before it): the residual is their sum, and
+    # anything else from a layer is a clear error (the hook then switches capture off, naming it).
+    monkeypatch.setattr(sglang, "__version__", "0.5.17")
+    pick = rs._residual_pick()
+    h, r = torch.ones(2, 4), torch.full((2, 4), 2.0)
+    assert torch.equal(pick((h, r), (), {}), h + r)
+    with pytest.raises(RingscopeError, match=r"a decoder layer returned Tensor, not \(hidden_states, residual\)"):
+        pick(h, (), {})
