@@ -1,10 +1,11 @@
 """ringscope's SGLang plugin on a GPU: what its CUDA path costs per decode step against plain SGLang, measured in the
-same call (not yet run on a GPU; its numbers will go to docs/gpu-benchmarks.md).
+same call (numbers: docs/gpu-benchmarks.md, session 46).
 
-    python benches/sglang_gpu.py cost OUT_DIR                  # plain, the residual of every layer, plain again
+    python benches/sglang_gpu.py cost OUT_DIR                  # plain, resid16, resid16_now, plain (see below)
     python benches/sglang_gpu.py one KIND OUT_DIR RESULT_JSON  # one engine (what `cost` runs, each in a process of
                                                                # its own)
 
+RINGSCOPE_SGLANG_BENCH_KINDS=plain,resid1,resid16,plain (say) runs other engines in that order.
 RINGSCOPE_SGLANG_BENCH_SMOKE=1 runs the same code on the CPU with a tiny model, two small batches and short
 generations (SGLANG_USE_CPU_ENGINE=1 and tests/sglang/stub on the path, as tests/engine.sh sets them): a check of
 the script, not a measurement.
@@ -12,15 +13,18 @@ the script, not a measurement.
 Needs SGLang with its CUDA kernels (written for 0.5.17, the GPU machine's), a CUDA GPU, and the ringscope package
 importable (the source tree's ``ffi/python`` with RINGSCOPE_LIB naming a built library, or the installed package). The
 model: the Llama-3.2-1B shape (16 layers, hidden 2048, bf16) with SGLang's dummy weights, 16-token prompts, greedy,
-``ignore_eos``; SGLang's defaults otherwise (its overlap scheduler), triton attention, the pytorch sampler, decode
-CUDA graphs recorded for exactly the batch sizes measured and none for prefill (the engine starts in seconds, and only
-decode steps are timed). One decode step = (time of 160 new tokens - time of 32) / 128 for B requests at once, the
-median of ``REPS`` (host time around ``Engine.generate``: everything a user waits for). Engines:
+``ignore_eos``; SGLang's defaults otherwise (its overlap scheduler, its fused CUDA ops), triton attention, the pytorch
+sampler, decode CUDA graphs recorded for exactly the batch sizes measured and none for prefill (the engine starts in
+seconds, and only decode steps are timed). One decode step = (time of 160 new tokens - time of 32) / 128 for B
+requests at once, the median of ``REPS`` (host time around ``Engine.generate``: everything a user waits for). Engines:
 
 - ``plain``: no ringscope (run before and after the others: the two give the comparison's resolution);
 - ``resid16``: the plugin's CUDA path (``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``) capturing the residual stream after
-  each of the 16 layers into Parquet, best-effort (the CUDA defaults); its summary's counters (rows produced,
-  exported, dropped) are reported beside its times.
+  each of the 16 layers into Parquet with its CUDA defaults: best-effort, deferred captures (one copy kernel per
+  forward pass); its summary's counters (rows produced, exported, dropped) are reported beside its times;
+- ``resid16_now``: the same with ``ring.defer_captures = false`` (one copy kernel per capture). Both served the same
+  calls: every row of layers 0, 7 and 15 is compared between the two runs, bit for bit, by (request, position);
+- ``resid1``: the residual after layer 7 only (not run by default).
 """
 
 import json
@@ -40,11 +44,18 @@ SMOKE = os.environ.get("RINGSCOPE_SGLANG_BENCH_SMOKE") == "1"
 REPS = 1 if SMOKE else 3
 BATCHES = (1, 2) if SMOKE else (1, 8, 64)
 SHORT, LONG = (4, 8) if SMOKE else (32, 160)
+RESID = '[export]\nparquet = true\ndir = "{{dump}}"\nrun_id = "run"\n[sglang]\nsites = ["residual"]\nlayers = {layers}\n'
 KINDS = {
     "plain": None,
-    "resid16": '[export]\nparquet = true\ndir = "{dump}"\nrun_id = "run"\n'
-               '[sglang]\nsites = ["residual"]\nlayers = "all"\n',
+    "resid16": RESID.format(layers='"all"'),
+    # The same capture with one copy kernel per capture instead of one per forward pass (the plugin's default on CUDA):
+    # what deferring saves, and its rows compared with resid16's (the same requests, bit for bit).
+    "resid16_now": RESID.format(layers='"all"') + '[ring]\ndefer_captures = false\n',
+    "resid1": RESID.format(layers="[1]" if SMOKE else "[7]"),
 }
+ORDER = os.environ.get("RINGSCOPE_SGLANG_BENCH_KINDS", "plain,resid16,resid16_now,plain").split(",")
+#: Hookpoints whose rows `cost` compares between resid16 and resid16_now (every row of each).
+COMPARED = ("layers.0.resid", "layers.1.resid") if SMOKE else ("layers.0.resid", "layers.7.resid", "layers.15.resid")
 
 
 def make_model(path: str) -> None:
@@ -103,11 +114,45 @@ def one(kind: str, out: str) -> dict:
     return res
 
 
+def _rows_by_request(run: str, hookpoint: str) -> dict:
+    """``{(the request's ordinal in the run, position): sorted row bytes}`` of one hookpoint (the ordinal: the request's
+    place in the plugin's requests.jsonl, the same in two engines served the same calls; its id is a hash of SGLang's
+    random rid). A position may have two rows: 0.5.17's overlap scheduler runs a finished request's last token again."""
+    try:
+        import ringscope
+    except ImportError:  # the source tree's package (as the engines' processes have it)
+        sys.path.insert(0, os.path.join(ROOT, "ffi", "python"))
+        import ringscope
+
+    ordinal = {}
+    with open(os.path.join(run, "_ringscope_sglang", "requests.jsonl")) as f:
+        for line in f:
+            ordinal.setdefault(json.loads(line)["request_id"], len(ordinal))
+    d = ringscope.read_dump(run, hookpoint=hookpoint)[hookpoint]
+    rows: dict = {}
+    for rid, pos, act in zip(d["request_id"].tolist(), d["position"].tolist(), d["activation"]):
+        rows.setdefault((ordinal.get(rid), pos), []).append(act.tobytes())
+    return {k: sorted(v) for k, v in rows.items()}
+
+
+def compare_rows(out: str, a: str, b: str) -> dict:
+    """Every row of :data:`COMPARED` in engine ``a``'s run against engine ``b``'s: rows, rows that differ (bit for bit),
+    (request, position) keys found in one run only."""
+    res = {"hookpoints": list(COMPARED), "rows": 0, "differ": 0, "keys_in_one_only": 0}
+    for h in COMPARED:
+        ra, rb = (_rows_by_request(os.path.join(out, f"dump-{k}", "run"), h) for k in (a, b))
+        res["keys_in_one_only"] += len(ra.keys() ^ rb.keys())
+        for k in ra.keys() & rb.keys():
+            res["rows"] += len(ra[k])
+            res["differ"] += sum(x != y for x, y in zip(ra[k], rb[k])) + abs(len(ra[k]) - len(rb[k]))
+    return res
+
+
 def cost(out: str) -> dict:
     """plain, resid16, plain: each engine in a process of its own; a report with each one's ratio to the plains'."""
     report: dict = {"engines": []}
     tmp = tempfile.mkdtemp(prefix="ringscope-sglang-bench-")
-    for i, kind in enumerate(("plain", "resid16", "plain")):
+    for i, kind in enumerate(ORDER):
         env = dict(os.environ)
         env.pop("RINGSCOPE_SGLANG_CONFIG", None)
         if KINDS[kind] is not None:
@@ -137,6 +182,10 @@ def cost(out: str) -> dict:
         e["vs_plain_pct"] = {b: [round((e["decode_ms"][b] / p["decode_ms"][b] - 1) * 100, 2) for p in plains]
                              for b in e["decode_ms"]}
         print(f"{e['kind']}: against each plain engine, % per decode step: {e['vs_plain_pct']}", flush=True)
+    done = {e["kind"] for e in report["engines"] if "decode_ms" in e}
+    if {"resid16", "resid16_now"} <= done:
+        report["deferred_vs_immediate_rows"] = compare_rows(out, "resid16", "resid16_now")
+        print(f"rows of resid16 (deferred) against resid16_now: {report['deferred_vs_immediate_rows']}", flush=True)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report

@@ -18,7 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from conftest import CONFIG, DEVICE, NO_REQUEST, check_rows, fed, mixed_step, positions_of, request_ids, side_file
+from conftest import (CONFIG, DEVICE, NO_REQUEST, TOLERANCE, check_rows, fed, mixed_step, positions_of, request_ids,
+                      side_file)
 
 PROBE = """
 [[probes]]
@@ -72,6 +73,8 @@ def test_rows_equal_the_reference_with_mixed_prefill_and_decode_batches(main):
                                   for s in ("resid", "attn_out", "mlp_out", "attn_q", "attn_k", "attn_v"))
     dump = {k: v for k, v in dump.items() if not k.endswith(("attn_q", "attn_k", "attn_v"))}
     check_rows(main, dump, rid, cached)
+    # Attention and MLP outputs are overwritten in place later in the pass: copied at their sites, also on CUDA.
+    assert side_file(main, "summary.json")["deferred_captures"] is False
     lens = {rid[k]: len(r["prompt"]) for k, r in enumerate(reqs)}
     assert mixed_step(dump, lens), "no forward pass mixed a prefill and a decode: the scenario does not test batching"
 
@@ -83,7 +86,7 @@ def test_attention_rebuilds_hf_eager_and_names_the_keys_of_a_cached_prefix(main)
     import torch
 
     import ringscope
-    from conftest import TOLERANCE, hf_model
+    from conftest import hf_model
 
     reqs = main["requests"]
     rid = request_ids(main)
@@ -124,6 +127,33 @@ def test_attention_rebuilds_hf_eager_and_names_the_keys_of_a_cached_prefix(main)
         checked += 1
     assert checked >= 3 and cached_seen >= 1, (checked, cached_seen)
     assert peak > 0.6, "attention nearly uniform: the check could not see a wrong mask or head mapping"
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="captures are deferred on CUDA only (the CPU ring copies rows at once)")
+def test_deferred_captures_give_the_rows_copied_at_their_sites(engines, main):
+    """With only sites nothing overwrites later in the pass (the residual, q/k/v) the plugin defers its captures on
+    CUDA: one copy kernel at the end of each forward pass reads every captured tensor. The residual rows equal the
+    reference; q/k/v equal the rows the main engine copied at their sites (same requests, same scenario)."""
+    import ringscope
+
+    config = CONFIG.replace('"attention_output", "mlp_output"]', '"attn_q", "attn_k", "attn_v"]')
+    res = engines("deferred", "main", config=config)
+    assert res.get("error") is None, res.get("traceback")
+    assert side_file(res, "summary.json")["deferred_captures"] is True
+    assert side_file(main, "summary.json")["deferred_captures"] is False  # attention / MLP outputs: copied at once
+    rid, mine = request_ids(res), request_ids(main)
+    dump = ringscope.read_dump(res["run_dir"])
+    check_rows(res, {k: v for k, v in dump.items() if k.endswith(".resid")}, rid,
+               [r["cached_tokens"] for r in res["requests"]])
+    theirs = ringscope.read_dump(main["run_dir"])
+    for name in (f"layers.{i}.attn_{x}" for i in range(2) for x in "qkv"):
+        a, b = dump[name], theirs[name]
+        for k in range(len(res["requests"])):
+            got = a["activation"][a["request_id"] == rid[k]][np.argsort(positions_of(a, rid[k]), kind="stable")]
+            want = b["activation"][b["request_id"] == mine[k]][np.argsort(positions_of(b, mine[k]), kind="stable")]
+            assert got.shape == want.shape and got.shape[0] > 0, (name, k)
+            np.testing.assert_allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE, err_msg=f"{name}, request {k}")
+    assert side_file(res, "summary.json")["session"]["dropped_rows"] == 0
 
 
 def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main):

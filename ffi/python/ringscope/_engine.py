@@ -286,6 +286,18 @@ def refuse_deferred_overwrites(pc: PluginConfig, planned: list, engine: str, hin
     return overwritten
 
 
+def deferrable(pc: PluginConfig, planned: list, cuda: bool, engine: str) -> bool:
+    """Whether an engine plugin defers its captures (CUDA: one copy kernel per forward pass, at its end, reading every
+    captured tensor then, instead of one kernel per capture): when nothing in the pass writes a planned site's tensor
+    after the site. The residual (a sum, or a snapshot, the plugin makes) and q/k/v (the qkv projection's output,
+    rotated; nothing writes it after attention reads it) stay as they are until then; the attention and MLP outputs do
+    not (:data:`OVERWRITTEN_SITES`), so with those sites every capture copies at once, and a configuration asking for
+    deferral with them is refused, naming ``engine``. CPU: never (rows are copied at once into the host ring)."""
+    if not cuda:
+        return False
+    return not refuse_deferred_overwrites(pc, planned, engine, " (the plugin defers captures when every site allows it)")
+
+
 def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: bool = False,
                    max_rows: int = 0, full_on_cuda: bool = False, widths: Optional[Dict[str, int]] = None,
                    defer: bool = False) -> dict:
@@ -385,6 +397,9 @@ class EngineCapture:
         # CUDA: the capture ops are recorded into the engine's CUDA graphs (and run eagerly otherwise) with the step
         # begun on the device from the request-id buffer and the model's positions (see session_config).
         self.cuda = cuda
+        # Captures copied by one kernel at the end of each forward pass (session_config's ``defer``), not one each.
+        ring = cfg.get("ring")
+        self.deferred = bool(cuda and isinstance(ring, dict) and ring.get("defer_captures") is True)
         # Full mode on CUDA: every forward pass is admitted before it runs (see _arm).
         self.full = cuda and cfg.get("policy", {}).get("mode") == "full"
         export = cfg.get("export", {})
@@ -698,7 +713,8 @@ class EngineCapture:
             self._requests_file.close()
             assert self.run_dir is not None  # the requests file lies in it
             (self.run_dir / self._side_dir / f"summary{self._rank_suffix}.json").write_text(
-                json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank}, indent=1))
+                json.dumps({**self._closed_stats, "hookpoints": self.hookpoints, "rank": self.rank,
+                            "deferred_captures": self.deferred}, indent=1))
         _CAPTURES.pop(self.key, None)
         return self._closed_stats
 

@@ -366,16 +366,10 @@ def arch_of(model) -> str:
 
 
 def deferrable(pc: PluginConfig, planned: list, cuda: bool) -> bool:
-    """Whether the plugin defers its captures (CUDA: one copy kernel per forward pass, at its end, reading every
-    captured tensor then). The residual (a sum the plugin makes) and q/k/v (the qkv projection's output, rotated;
-    nothing writes it after attention reads it) stay as they are until then. The attention and MLP outputs do not:
-    the next layer's fused add-norm overwrites them in place (vLLM's CUDA kernel — in eager mode, and in compiled
-    graphs with ``custom_ops = ["+rms_norm"]``, where the compiler would also drop a copy made by the hook as a no-op),
-    so with those sites every capture copies at once; a configuration asking for deferral with them is refused."""
-    if not cuda:
-        return False
-    return not _engine.refuse_deferred_overwrites(pc, planned, "vLLM",
-                                                  " (the plugin defers captures when every site allows it)")
+    """Whether the plugin defers its captures on CUDA (:func:`ringscope._engine.deferrable`). vLLM's next fused add-norm
+    overwrites the attention and MLP outputs in place (its CUDA kernel — in eager mode, and in compiled graphs with
+    ``custom_ops = ["+rms_norm"]``, where the compiler would also drop a copy made by the hook as a no-op)."""
+    return _engine.deferrable(pc, planned, cuda, "vLLM")
 
 
 def _captures_at_end(planned: list) -> bool:
