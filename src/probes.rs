@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use ringscope_exporter::{Filter, Record, Subscription};
 use ringscope_hookpoint::{HookPoint, HookPointSpec, Registry, SiteKind, StepBatch};
 use ringscope_probe::{Alert, Flags, Monitor, Probe, ProbeDef, RequestReport, Scorer, Target};
-use ringscope_ring::{DType, RowMeta};
+use ringscope_ring::DType;
 
 use crate::config::{Config, ProbeMode};
 use crate::Error;
@@ -34,8 +34,8 @@ pub struct ProbeStats {
     pub alerts: u64,
     /// Requests forgotten to stay within `alerts.max_requests`.
     pub evicted_requests: u64,
-    /// Rows of no request ([`RowMeta::NO_REQUEST`]: sequences that ended, in steps recorded as CUDA graphs) seen and
-    /// left unscored.
+    /// Rows of no request ([`RowMeta::NO_REQUEST`](ringscope_ring::RowMeta::NO_REQUEST): sequences that ended, in
+    /// steps recorded as CUDA graphs) seen and left unscored.
     pub no_request_rows: u64,
 }
 
@@ -360,18 +360,18 @@ fn score_record(
     Ok(())
 }
 
-/// `(request, rows)` of each request in the batch, in order of first appearance.
-fn rows_per_request(rows: &[RowMeta]) -> Vec<(u64, u64)> {
+/// `(request, rows)` of each request among the rows' request ids, in order of first appearance.
+fn rows_per_request(requests: impl IntoIterator<Item = u64>) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     let mut index: HashMap<u64, usize> = HashMap::new();
-    for r in rows {
+    for request in requests {
         match out.last_mut() {
-            Some((req, n)) if *req == r.request_id => *n += 1,
-            _ => match index.get(&r.request_id) {
+            Some((req, n)) if *req == request => *n += 1,
+            _ => match index.get(&request) {
                 Some(&i) => out[i].1 += 1,
                 None => {
-                    index.insert(r.request_id, out.len());
-                    out.push((r.request_id, 1));
+                    index.insert(request, out.len());
+                    out.push((request, 1));
                 }
             },
         }
@@ -382,7 +382,15 @@ fn rows_per_request(rows: &[RowMeta]) -> Vec<(u64, u64)> {
 impl Probes {
     /// A step's batch: the rows each request ran (the probes' coverage denominator).
     pub fn step_begun(&self, batch: &StepBatch) {
-        let _ = self.batches.send(rows_per_request(batch.rows()));
+        let _ = self.batches.send(rows_per_request(batch.rows().iter().map(|r| r.request_id)));
+    }
+
+    /// The request of each row a step begun on the device ran (the engine's own account of it, from the host): the
+    /// same denominator as [`step_begun`](Self::step_begun)'s.
+    pub fn rows_ran(&self, requests: &[u64]) {
+        if !requests.is_empty() {
+            let _ = self.batches.send(rows_per_request(requests.iter().copied()));
+        }
     }
 
     /// The engine took `rows` rows of `request` from its prefix cache: every probe's coverage of it counts them.

@@ -741,6 +741,25 @@ impl Session {
         self.step_policy.admitted(begun, || self.log_degraded_step(crate::GRAPH_STEP, ""))
     }
 
+    /// The request of each token row of a step begun on the device ([`begin_step_graph`](Self::begin_step_graph)),
+    /// in batch order ([`RowMeta::NO_REQUEST`] for padding and rows of no request): what a host-begun step's batch
+    /// gives the probes, which a step begun inside a CUDA graph cannot — their coverage denominator
+    /// ([`Coverage::expected`]: rows the engine ran for each request, so that rows lost at a request's start or end
+    /// count as unobserved). An engine that knows each pass's rows on the host calls it once per pass (replay or
+    /// eager), before or after the pass. Nothing to do without probes; [`Error::Closed`] once the session is shut
+    /// down. Rows of no request are nobody's coverage.
+    ///
+    /// [`Coverage::expected`]: crate::probe::Coverage::expected
+    pub fn note_step_rows(&self, request_ids: &[u64]) -> Result<(), Error> {
+        if self.capture.lock().is_none() {
+            return Err(Error::Closed);
+        }
+        if let Some(p) = &self.probes {
+            p.rows_ran(request_ids);
+        }
+        Ok(())
+    }
+
     /// CUDA backend, full mode: admits the next replay of a CUDA graph whose step is begun inside it
     /// ([`begin_step_graph`](Self::begin_step_graph)). A replay cannot wait for ring space by itself, so full mode asks
     /// the host to, before every replay, on the engine's `stream` and outside graph recording: this waits (up to the

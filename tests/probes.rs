@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ringscope::probe::{Action, Alert};
-use ringscope::{Config, Session};
+use ringscope::{Config, Error, RowMeta, Session};
 
 const D: usize = 64;
 
@@ -259,6 +259,31 @@ fn rows_the_probe_did_not_see_are_counted_per_request() {
         assert_eq!((c.scored, c.expected, c.unobserved), (seen, seen + unseen, unseen), "request {r}: {c:?}");
     }
     session.shutdown().unwrap();
+}
+
+/// Steps begun inside a CUDA graph give the probes no batch: the engine reports each pass's rows from the host
+/// (`note_step_rows`), and the coverage's denominator counts them as a host-begun step's batch does.
+#[test]
+fn rows_noted_for_a_device_begun_step_are_the_coverage_denominator() {
+    let dir = tempdir("noted");
+    let session = Session::new(config(&dir, &weights(&dir), "")).unwrap();
+    let hp = session.hookpoint("layers.3.residual").unwrap().id();
+    // Request 5 runs 4 rows; the probe scores only the first 2 (a step begun on the host, standing in for the rows
+    // that reached the ring); the other 2 were lost on the way (dropped on the device, say).
+    session.begin_step(0, [(5, 0), (5, 1)]).unwrap();
+    let bytes: Vec<u8> = (0..2).flat_map(|p| token(5, p)).flat_map(|x| x.to_le_bytes()).collect();
+    session.capture(hp, &bytes).unwrap();
+    session.end_step().unwrap();
+    // The engine's own account of two more rows of request 5, one of request 6 and a padding row (nobody's).
+    session.note_step_rows(&[5, RowMeta::NO_REQUEST, 6, 5]).unwrap();
+    session.note_step_rows(&[]).unwrap();
+    assert!(session.wait_probes(Duration::from_secs(30)), "the probes take the noted rows in");
+    let c = session.probe_request("deception", 5).unwrap().unwrap().coverage;
+    assert_eq!((c.scored, c.expected, c.unobserved), (2, 4, 2), "{c:?}");
+    let c = session.probe_request("deception", 6).unwrap().unwrap().coverage;
+    assert_eq!((c.scored, c.expected, c.unobserved), (0, 1, 1), "{c:?}");
+    session.shutdown().unwrap();
+    assert!(matches!(session.note_step_rows(&[5]), Err(Error::Closed)));
 }
 
 #[test]

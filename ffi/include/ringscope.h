@@ -7,7 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 9 added `rs_begin_step_graph_ended` (rows of ended
+// The version of this C ABI, as [`rs_abi_version`] returns it: 10 added `rs_note_step_rows` (the rows of each request
+// in a step begun inside a CUDA graph, for the probes' coverage); 9 added `rs_begin_step_graph_ended` (rows of ended
 // sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
 // run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
 // begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
@@ -21,7 +22,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 9
+#define RS_ABI_VERSION 10
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -895,6 +896,20 @@ rs_status rs_note_cached(uint64_t session_handle,
                          uint64_t request_id,
                          uint32_t first_position,
                          uint64_t rows);
+
+// The request of each of the `rows` token rows of a step begun on the device (`rs_begin_step_graph`), in batch order
+// (`2^64 - 1` for padding and rows of no request): the engine's own account of what the step ran, which a step begun
+// inside a CUDA graph cannot give the probes. It is their coverage denominator (`rs_probe_report.expected`: rows the
+// engine ran for each request, so that rows lost at a request's start or end count as `unobserved`), as a host-begun
+// step's batch is. An engine that knows each pass's rows on the host calls it once per pass (graph replay or eager
+// pass). Nothing happens without probes; 0 rows is nothing to note. `RS_ERR_INVALID_ARGUMENT` for a null or
+// misaligned `request_ids` with rows; `RS_ERR_CLOSED` once the session is shut down. ABI 10.
+//
+// # Safety
+// `request_ids` is valid for `rows` reads (or null with 0 rows).
+rs_status rs_note_step_rows(uint64_t session_handle,
+                            const uint64_t *request_ids,
+                            size_t rows);
 
 // Sets entry `key` of the run manifest's `metadata` object to the JSON value `json` (replacing an earlier value
 // of the key); written with the manifest when the session closes. What readers of the run need that the rows do not

@@ -152,7 +152,8 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 9 added `rs_begin_step_graph_ended` (rows of ended
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 10 added `rs_note_step_rows` (the rows of each request
+/// in a step begun inside a CUDA graph, for the probes' coverage); 9 added `rs_begin_step_graph_ended` (rows of ended
 /// sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
 /// run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
 /// begun inside CUDA graphs); 6 added the status `RS_ERR_STATE`; 5 added
@@ -166,7 +167,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 9;
+pub const RS_ABI_VERSION: u32 = 10;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -2249,6 +2250,25 @@ pub extern "C" fn rs_note_cached(
     rows: u64,
 ) -> RsStatus {
     ffi(|| Ok(session(session_handle)?.note_cached(step, request_id, first_position, rows)?))
+}
+
+/// The request of each of the `rows` token rows of a step begun on the device (`rs_begin_step_graph`), in batch order
+/// (`2^64 - 1` for padding and rows of no request): the engine's own account of what the step ran, which a step begun
+/// inside a CUDA graph cannot give the probes. It is their coverage denominator (`rs_probe_report.expected`: rows the
+/// engine ran for each request, so that rows lost at a request's start or end count as `unobserved`), as a host-begun
+/// step's batch is. An engine that knows each pass's rows on the host calls it once per pass (graph replay or eager
+/// pass). Nothing happens without probes; 0 rows is nothing to note. `RS_ERR_INVALID_ARGUMENT` for a null or
+/// misaligned `request_ids` with rows; `RS_ERR_CLOSED` once the session is shut down. ABI 10.
+///
+/// # Safety
+/// `request_ids` is valid for `rows` reads (or null with 0 rows).
+#[no_mangle]
+pub unsafe extern "C" fn rs_note_step_rows(session_handle: u64, request_ids: *const u64, rows: usize) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per the caller's contract.
+        let ids = unsafe { slice_arg(request_ids, rows, "request_ids") }?;
+        Ok(session(session_handle)?.note_step_rows(ids)?)
+    })
 }
 
 /// Sets entry `key` of the run manifest's `metadata` object to the JSON value `json` (replacing an earlier value

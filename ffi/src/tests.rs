@@ -850,6 +850,40 @@ fn probes_through_the_c_abi_alert_report_flag_and_finish() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `rs_note_step_rows`: the rows a device-begun step ran of each request, counted in the probes' coverage; bad input
+/// named, nothing counted from it.
+#[test]
+fn noted_step_rows_are_the_probes_coverage_denominator_and_bad_input_is_named() {
+    let dir = probe_dir("noted");
+    let s = open(&probe_config(&first_element_weights(&dir)));
+    let id = hookpoint_id(s, "h");
+    probe_step(s, id, 0, &[(1, 0)], |_| 0.0);
+    let rows = [1u64, 1, u64::MAX, 3];
+    // SAFETY: an array of 4.
+    assert_eq!(unsafe { rs_note_step_rows(s, rows.as_ptr(), rows.len()) }, RsStatus::RsOk, "{}", last_error());
+    // SAFETY: null with 0 rows is nothing to note.
+    assert_eq!(unsafe { rs_note_step_rows(s, std::ptr::null(), 0) }, RsStatus::RsOk, "{}", last_error());
+    // SAFETY: null with rows announced: checked by the library.
+    assert_eq!(unsafe { rs_note_step_rows(s, std::ptr::null(), 2) }, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("request_ids is a null pointer but 2"), "{}", last_error());
+    let odd = [0u8; 24];
+    // SAFETY: a misaligned pointer: checked by the library before any read.
+    let st = unsafe { rs_note_step_rows(s, odd.as_ptr().wrapping_add(1).cast(), 1) };
+    assert_eq!(st, RsStatus::RsErrInvalidArgument);
+    assert!(last_error().contains("not aligned"), "{}", last_error());
+    assert_eq!(rs_probes_wait(s, 30_000), RsStatus::RsOk, "{}", last_error());
+    let (st, r) = report(s, "p", 1);
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((r.scored, r.expected, r.unobserved), (1, 3, 2));
+    let (st, r) = report(s, "p", 3);
+    assert_eq!(st, RsStatus::RsOk, "{}", last_error());
+    assert_eq!((r.scored, r.expected, r.unobserved), (0, 1, 1));
+    // SAFETY: valid; the session is then closed.
+    assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
+    // SAFETY: an array of 4; the handle is no longer open.
+    assert_ne!(unsafe { rs_note_step_rows(s, rows.as_ptr(), rows.len()) }, RsStatus::RsOk);
+}
+
 #[test]
 fn probe_calls_refuse_bad_input_and_name_it() {
     // A session without probes: the probe calls say so; the counters are zero.

@@ -274,6 +274,36 @@ def test_rows_from_the_prefix_cache_are_counted_in_coverage_and_the_events_table
         s.note_cached(1, 5, 0, 1)  # closed
 
 
+def test_rows_noted_for_device_begun_steps_are_the_coverage_denominator(tmp_path):
+    """A step begun inside a CUDA graph gives the probes no batch: the engine plugins report each pass's rows per
+    request from the host (`note_step_rows`, NO_REQUEST for padding), and `coverage["expected"]` counts them as a
+    host-begun step's batch does — rows that never reached the probe are `unobserved`."""
+    w, b = probe_weights()
+    config = {"hookpoints": [{"name": HP, "site": "residual", "layer": 3, "dtype": "f32", "row_width": D}],
+              "probes": [{"name": "p", **ringscope.save_probe(tmp_path / "p.npy", w, b), "hookpoint": HP,
+                          "thresholds": [100.0, 100.0]}]}
+    s = ringscope.Session(config)
+    hp = s.hookpoint_id(HP)
+    s.begin_step(0, [5, 5], [0, 1])
+    s.capture(hp, np.stack([token(5, p) for p in range(2)]))
+    s.end_step()
+    s.note_step_rows(np.array([5, 2**64 - 1, 7, 5], dtype=np.uint64))  # two more rows of 5, one of 7, a padding row
+    s.note_step_rows([])
+    s.wait_probes(30)
+    cov = s.probe_request("p", 5)["coverage"]
+    assert (cov["scored"], cov["expected"], cov["unobserved"]) == (2, 4, 2), cov
+    cov = s.probe_request("p", 7)["coverage"]
+    assert (cov["scored"], cov["expected"], cov["unobserved"]) == (0, 1, 1), cov
+    for bad, what in ((np.array([-1]), r"request_ids\[0\] must be an integer in 0..=18446744073709551615, got -1"),
+                      ("5", "must be a sequence of integers"), (np.zeros((2, 2), dtype=np.uint64), "one-dimensional")):
+        with pytest.raises(RingscopeError, match=what) as e:
+            s.note_step_rows(bad)
+        assert e.value.status == "RS_ERR_INVALID_ARGUMENT"
+    s.close()
+    with pytest.raises(RingscopeError, match="closed"):
+        s.note_step_rows([5])
+
+
 @pytest.mark.torch
 def test_a_probe_stops_exactly_the_flagged_row_of_hugging_face_generate(tmp_path):
     torch, transformers = hf()

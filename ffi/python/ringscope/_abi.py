@@ -184,6 +184,8 @@ SIGNATURES: Dict[str, Tuple[int, List, type]] = {
     "rs_session_set_metadata": (8, [_u64, _cp, _cp], _i32),
     # ABI 9: rows of ended sequences in steps begun inside CUDA graphs.
     "rs_begin_step_graph_ended": (9, [_u64, _u64, _u64, _u32, _u32, _u32, _u64, _u32, _p(_i64), _u32, _u64], _i32),
+    # ABI 10: the rows each request ran in a step begun inside a CUDA graph (the probes' coverage).
+    "rs_note_step_rows": (10, [_u64, _p(_u64), _sz], _i32),
 }
 
 #: The header's struct name of each ctypes struct.

@@ -387,7 +387,9 @@ class EngineCapture:
         self.step = 0  # forward passes of real batches so far (the ringscope step)
         self.disabled: Optional[str] = None
         self._counters = {k: 0 for k in self.COUNTERS}
-        self._armed: tuple = (None, 0)  # the last pass's row ids (_arm) and how many of them are -1
+        self._armed: tuple = (None, 0, None)  # the last pass's row ids (_arm), how many are -1, as the probes take them
+        # CUDA with probes: each pass's rows per request go to the probes from the host (Session.note_step_rows).
+        self._probe_rows = bool(cuda and cfg.get("probes"))
         self._active = False
         self._open = False
         self._sel: Optional["np.ndarray"] = None  # indices of the exported rows of the open step (None: all)
@@ -470,8 +472,10 @@ class EngineCapture:
         (``-1``: a request not captured), and ``-1`` for the rest (padding), into the request-id buffer; the
         capture ops are live for the pass."""
         if tok is not self._armed[0]:
-            # Rows of requests that did not opt in: counted once per batch (a steady batch's passes reuse `tok`).
-            self._armed = (tok, int((tok < 0).sum()))
+            # Rows of requests that did not opt in: counted once per batch (a steady batch's passes reuse `tok`);
+            # with probes on CUDA also the rows' request ids as the probes take them (-1: 2**64 - 1, no request).
+            ids = tok[:n].astype("int64", copy=False).view("uint64") if self._probe_rows else None
+            self._armed = (tok, int((tok < 0).sum()), ids)
         opted_out = self._armed[1]
         self._counters["opted_out_rows"] += opted_out
         self._counters["padding_rows"] += max(padded - n, 0)
@@ -485,6 +489,10 @@ class EngineCapture:
             # best-effort mode does here (the policy manager's, set_enabled, ...: they reach the recorded graphs
             # between replays), returning at once when none changed.
             self._before_pass(padded, self._stream_now())
+            if self._probe_rows and n:
+                # The probes' coverage denominator: what this pass runs of each request (a step begun inside a CUDA
+                # graph gives the probes no batch of its own).
+                self.session.note_step_rows(self._armed[2])
             if tok is not self._uploaded or n != self._dirty:  # else already in every buffer: nothing to copy
                 self._upload(tok, n)
             # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's

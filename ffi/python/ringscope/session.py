@@ -656,6 +656,16 @@ class Session:
         _check(_load().rs_note_cached(self._h, _u64("step", step), _u64("request_id", request_id),
                                       _u32("first_position", first_position), _u64("rows", rows)))
 
+    def note_step_rows(self, request_ids: "Sequence[int] | np.ndarray") -> None:
+        """The request of each token row of a step begun on the device (:meth:`begin_step_graph`), in batch order
+        (``2**64 - 1``, :data:`ringscope.torch.NO_REQUEST`, for padding and rows of no request): the engine's own account of what the step ran, which a
+        step begun inside a CUDA graph cannot give the probes. It is their coverage denominator
+        (``coverage["expected"]`` of :meth:`probe_request`: rows the engine ran for the request, so that rows lost at a
+        request's start or end count as ``unobserved``), as :meth:`begin_step`'s batch is. Call it once per forward
+        pass (a graph replay or an eager pass); the engine plugins do on CUDA. Does nothing without probes."""
+        ids = _int_array("request_ids", request_ids, np.uint64)
+        _check(_load().rs_note_step_rows(self._h, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), ids.size))
+
     def set_metadata(self, key: str, value) -> None:
         """Sets entry ``key`` of the run manifest's ``metadata`` object to ``value`` (anything ``json.dumps`` takes:
         dicts, lists, strings, numbers, booleans, None; NaN and infinities are refused), replacing an earlier value of
