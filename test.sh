@@ -221,3 +221,5 @@ join_job sglang-0.5.17-env
 RINGSCOPE_SGLANG_STOP_REPEATS=1 tests/engine.sh sglang-0.5.17 tests/sglang
 stage "SGLang plugin against SGLang 0.5.17, with its overlap scheduler"
 RINGSCOPE_SGLANG_TEST_OVERLAP=1 tests/engine.sh sglang-0.5.17 tests/sglang -k "not unsupported and not launch_server"
+stage "SGLang plugin against SGLang 0.5.17, the model served in bfloat16 (rows as bf16, against the float32 reference)"
+RINGSCOPE_SGLANG_TEST_DTYPE=bfloat16 tests/engine.sh sglang-0.5.17 tests/sglang -k "not unsupported and not launch_server"
