@@ -243,9 +243,10 @@ def run(out: str, scenario: str, result: dict) -> None:
                 generate(engine, [(PREFIX + [100], 2, None)], result)
                 generate(engine, [(PREFIX + [200 + i] * (i + 1), 3, None) for i in range(3)], result)
         elif scenario == "stop":
-            # requests = "opt_in": only the first request is captured and scored; the stop probe flags every row it
-            # scores, so it ends that request after its first forward pass while the other runs to its end.
-            # A third request's ringscope parameter is malformed: counted, warned about, not captured; it runs on.
+            # The stop probe flags every row it scores, so it ends each captured request after its first forward
+            # pass while the others run to their end: with requests = "opt_in" (CPU) only the first is captured,
+            # with "all" (CUDA) the first two. The third's ringscope parameter is malformed: counted, warned about,
+            # not captured; it runs on.
             generate(engine, [(list(range(3, 13)), 8, {"ringscope": True}), (list(range(20, 32)), 8, None),
                               (list(range(40, 47)), 8, {"ringscope": "yes"})], result)
     finally:

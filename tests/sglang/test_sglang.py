@@ -195,30 +195,37 @@ def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main
 
 
 def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(engines, tmp_path_factory):
+    """The stop probe flags every row it scores: it ends each captured request after its first forward pass (the token
+    generated there is kept) while the others run to their end. CPU: ``requests = "opt_in"``, only the first request
+    is captured. CUDA, where "opt_in" is refused: every request is captured but the third, whose malformed ringscope
+    parameter keeps it out; with the overlap scheduler a stopped request may get one more token there (its next batch
+    can be scheduled before the flag is read)."""
     import ringscope
 
-    if DEVICE != "cpu":
-        pytest.skip('the scenario captures one request (requests = "opt_in"), which the CUDA path refuses')
-    stop = engines("stop", "stop", requests="opt_in",
+    cuda = DEVICE != "cpu"
+    stop = engines("stop", "stop", requests="all" if cuda else "opt_in",
                    extra=STOP_PROBE.format(weights=_weights(tmp_path_factory, np.zeros((1, 64)))))
 
     assert stop.get("error") is None, stop.get("traceback")
-    a, b, c = stop["requests"]
-    # The captured request is ended after its prefill (the token generated there is kept); the others go on.
-    assert len(a["tokens"]) == 1 and a["finish_reason"]["type"] == "stop", a
-    assert a["finish_reason"].get("ringscope", {}).get("step") is not None, a["finish_reason"]
-    for r in (b, c):
-        assert len(r["tokens"]) == 8 and r["finish_reason"]["type"] == "length", r
+    captured = (True, cuda, False)
+    most = 2 if cuda and os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") == "1" else 1
+    for r, cap in zip(stop["requests"], captured):
+        if cap:
+            assert 1 <= len(r["tokens"]) <= most and r["finish_reason"]["type"] == "stop", r
+            assert r["finish_reason"].get("ringscope", {}).get("step") is not None, r["finish_reason"]
+        else:
+            assert len(r["tokens"]) == 8 and r["finish_reason"]["type"] == "length", r
     rid = request_ids(stop)
-    assert rid[0] is not None and rid[1] is None and rid[2] is None, rid  # "opt_in": only the first is captured
+    assert [x is not None for x in rid] == list(captured), rid
     summary = side_file(stop, "summary.json")
-    assert summary["plugin"]["stopped_requests"] == 1
+    assert summary["plugin"]["stopped_requests"] == sum(captured)
     # The malformed {"ringscope": "yes"} is counted and warned about (named in the log), never an engine error.
     assert summary["plugin"]["bad_extra_args"] == 1 and summary["plugin"]["disabled"] is None
     assert 'custom_params["ringscope"] = \'yes\'' in stop["log"], stop["log"][-3000:]
     dump = ringscope.read_dump(stop["run_dir"])
     # (On CUDA, rows of the requests not captured are exported as rows of no request: see check_rows.)
-    assert set(dump["layers.0.resid"]["request_id"].astype(np.uint64).tolist()) - {NO_REQUEST} == {rid[0]}
+    assert set(dump["layers.0.resid"]["request_id"].astype(np.uint64).tolist()) - {NO_REQUEST} == \
+        {x for x in rid if x is not None}
 
 
 #: (how the server is stopped, where its scheduler is then): engine.STOPS x engine.PLACES. A signal to the server's
