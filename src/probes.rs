@@ -88,6 +88,8 @@ struct Shared {
     alerts_dropped: AtomicU64,
     /// Records the consumer has finished with (for `idle`).
     processed: AtomicU64,
+    /// Step batches the consumer has counted into every monitor (for `idle`: taken off the channel is not enough).
+    batches_applied: AtomicU64,
     errors: Mutex<Vec<String>>,
 }
 
@@ -96,6 +98,8 @@ pub(crate) struct Probes {
     shared: Arc<Shared>,
     alerts: Receiver<Alert>,
     batches: Sender<Vec<(u64, u64)>>,
+    /// Step batches sent to the consumer (for `idle`).
+    batches_sent: AtomicU64,
     subscription: Option<Arc<Subscription>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Fused probes by the id of the hookpoint they read.
@@ -247,6 +251,7 @@ impl Prepared {
             flags,
             alerts_dropped: AtomicU64::new(0),
             processed: AtomicU64::new(0),
+            batches_applied: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
         });
         // Unbounded, with `alerts.queue` enforced by the one sender (`consume`): a bounded channel would allocate
@@ -267,6 +272,7 @@ impl Prepared {
             shared,
             alerts,
             batches,
+            batches_sent: AtomicU64::new(0),
             subscription: Some(subscription),
             thread: Mutex::new(Some(thread)),
             fused,
@@ -294,6 +300,7 @@ fn consume(
                     m.expect(request, rows);
                 }
             }
+            shared.batches_applied.fetch_add(1, Ordering::SeqCst);
         }
         let record = match subscription.recv_timeout(Duration::from_millis(5)) {
             Ok(Some(r)) => r,
@@ -382,14 +389,22 @@ fn rows_per_request(requests: impl IntoIterator<Item = u64>) -> Vec<(u64, u64)> 
 impl Probes {
     /// A step's batch: the rows each request ran (the probes' coverage denominator).
     pub fn step_begun(&self, batch: &StepBatch) {
-        let _ = self.batches.send(rows_per_request(batch.rows().iter().map(|r| r.request_id)));
+        self.send_batch(rows_per_request(batch.rows().iter().map(|r| r.request_id)));
     }
 
     /// The request of each row a step begun on the device ran (the engine's own account of it, from the host): the
     /// same denominator as [`step_begun`](Self::step_begun)'s.
     pub fn rows_ran(&self, requests: &[u64]) {
         if !requests.is_empty() {
-            let _ = self.batches.send(rows_per_request(requests.iter().copied()));
+            self.send_batch(rows_per_request(requests.iter().copied()));
+        }
+    }
+
+    fn send_batch(&self, batch: Vec<(u64, u64)>) {
+        // Counted before it is sent: `idle` must never see it applied and not yet sent.
+        self.batches_sent.fetch_add(1, Ordering::SeqCst);
+        if self.batches.send(batch).is_err() {
+            self.batches_sent.fetch_sub(1, Ordering::SeqCst); // the consumer has ended: nothing will apply it
         }
     }
 
@@ -474,7 +489,7 @@ impl Probes {
         // Backlog first: a record taken after this read was counted as received before the backlog went down.
         s.backlog_bytes() == 0
             && s.received() == self.shared.processed.load(Ordering::SeqCst)
-            && self.batches.is_empty()
+            && self.batches_sent.load(Ordering::SeqCst) == self.shared.batches_applied.load(Ordering::SeqCst)
     }
 
     /// Waits for the consumer to score everything the drain delivered; call after the drain has ended (its stream's

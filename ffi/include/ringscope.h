@@ -431,8 +431,9 @@ typedef struct rs_probe_report {
   uint64_t scored;
   // Of those, rows whose score was NaN (a NaN activation): reported here, never aggregated nor alerted on.
   uint64_t nan;
-  // Rows the engine ran for the request, as its step batches said (0 when no batch named it, e.g. steps begun
-  // inside a CUDA graph: then the span of the positions scored stands in for `unobserved`).
+  // Rows the engine ran for the request, as its step batches said — for steps begun inside a CUDA graph, as the
+  // engine noted them (`rs_note_step_rows`); 0 when nothing named it: then the span of the positions scored stands
+  // in for `unobserved`.
   uint64_t expected;
   // Rows of the request the probe did not see: sampled out, dropped, cut by a policy rung, not selected.
   uint64_t unobserved;

@@ -1891,8 +1891,9 @@ pub struct RsProbeReport {
     pub scored: u64,
     /// Of those, rows whose score was NaN (a NaN activation): reported here, never aggregated nor alerted on.
     pub nan: u64,
-    /// Rows the engine ran for the request, as its step batches said (0 when no batch named it, e.g. steps begun
-    /// inside a CUDA graph: then the span of the positions scored stands in for `unobserved`).
+    /// Rows the engine ran for the request, as its step batches said — for steps begun inside a CUDA graph, as the
+    /// engine noted them (`rs_note_step_rows`); 0 when nothing named it: then the span of the positions scored stands
+    /// in for `unobserved`.
     pub expected: u64,
     /// Rows of the request the probe did not see: sampled out, dropped, cut by a policy rung, not selected.
     pub unobserved: u64,

@@ -866,9 +866,9 @@ fn noted_step_rows_are_the_probes_coverage_denominator_and_bad_input_is_named() 
     // SAFETY: null with rows announced: checked by the library.
     assert_eq!(unsafe { rs_note_step_rows(s, std::ptr::null(), 2) }, RsStatus::RsErrInvalidArgument);
     assert!(last_error().contains("request_ids is a null pointer but 2"), "{}", last_error());
-    let odd = [0u8; 24];
-    // SAFETY: a misaligned pointer: checked by the library before any read.
-    let st = unsafe { rs_note_step_rows(s, odd.as_ptr().wrapping_add(1).cast(), 1) };
+    let words = [0u64; 3];
+    // SAFETY: a misaligned pointer (one byte into an aligned u64 array): checked by the library before any read.
+    let st = unsafe { rs_note_step_rows(s, words.as_ptr().cast::<u8>().wrapping_add(1).cast(), 1) };
     assert_eq!(st, RsStatus::RsErrInvalidArgument);
     assert!(last_error().contains("not aligned"), "{}", last_error());
     assert_eq!(rs_probes_wait(s, 30_000), RsStatus::RsOk, "{}", last_error());
@@ -881,7 +881,7 @@ fn noted_step_rows_are_the_probes_coverage_denominator_and_bad_input_is_named() 
     // SAFETY: valid; the session is then closed.
     assert_eq!(unsafe { rs_session_close(s, std::ptr::null_mut()) }, RsStatus::RsOk);
     // SAFETY: an array of 4; the handle is no longer open.
-    assert_ne!(unsafe { rs_note_step_rows(s, rows.as_ptr(), rows.len()) }, RsStatus::RsOk);
+    assert_eq!(unsafe { rs_note_step_rows(s, rows.as_ptr(), rows.len()) }, RsStatus::RsErrClosed);
 }
 
 #[test]

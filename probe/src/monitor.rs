@@ -52,8 +52,9 @@ pub struct Coverage {
     pub scored: u64,
     /// Of those, rows with a NaN score (reported, never aggregated or alerted on).
     pub nan: u64,
-    /// Rows the engine ran for the request, as its step batches said (0 when no batch was reported, e.g. steps
-    /// begun inside a CUDA graph: then the span of the positions scored stands in).
+    /// Rows the engine ran for the request, as its step batches said (for steps begun inside a CUDA graph: as the
+    /// engine noted them from the host); 0 when no batch was reported: then the span of the positions scored stands
+    /// in.
     pub expected: u64,
     /// Rows of the request the probe did not see: sampled out, dropped, cut by a policy rung, not selected.
     pub unobserved: u64,

@@ -32,14 +32,16 @@ class Runner:
         self.query_start_loc.np[:len(ids) + 1] = np.concatenate([[0], np.cumsum(list(tokens_per_request.values()))])
 
 
-def capture(calls, uploads, full=False):
-    """A VllmCapture on its CUDA path with everything below the per-pass host work stood in for."""
+def capture(calls, uploads, full=False, noted=None):
+    """A VllmCapture on its CUDA path with everything below the per-pass host work stood in for; with ``noted`` (a
+    list), a session with probes whose per-pass rows (``note_step_rows``) are recorded there."""
     c = rv.VllmCapture.__new__(rv.VllmCapture)
     c.pc = types.SimpleNamespace(requests="all")
     c.logger = logging.getLogger("test")
     c.step, c.disabled, c._closed, c._open, c._active, c._rows = 0, None, False, False, False, 0
     c._counters = {k: 0 for k in _engine.EngineCapture.COUNTERS}
-    c._armed, c._ids, c._last_batch = (None, 0), {}, (None, None)
+    c._armed, c._ids, c._last_batch = (None, 0, None), {}, (None, None)
+    c._probe_rows = noted is not None
     c.cuda, c.full = True, full
     c.hookpoints = {"layers.0.resid": 0, "layers.1.resid": 1}
     c._requests_file = None
@@ -52,7 +54,8 @@ def capture(calls, uploads, full=False):
         c._uploaded, c._dirty = tok, n
     c._upload = upload
     c.session = types.SimpleNamespace(set_enabled=lambda *a: None, apply_controls=lambda *a: None,
-                                      end_step=lambda: None)
+                                      end_step=lambda: None,
+                                      note_step_rows=lambda ids: noted.append(np.array(ids, dtype=np.uint64)))
     return c
 
 
@@ -78,6 +81,37 @@ def test_each_pass_asks_the_session_once_and_uploads_ids_only_when_the_batch_cha
     assert (k["steps"], k["steps_captured"], k["padding_rows"]) == (5, 5, 4 + 6 * 3)
     assert k["rows_exported_requested"] == (4 + 2 * 3 + 2) * 2
     assert c.step == 5 and c.disabled is None
+
+
+def test_with_probes_each_pass_notes_its_rows_per_request_for_their_coverage():
+    """On CUDA steps are begun inside graphs, which give the probes no batch: before every pass the plugin notes its
+    rows (Session.note_step_rows) — the batch's request ids, padding left out, a request not captured as NO_REQUEST —
+    also for a steady batch's passes, which upload nothing."""
+    r1, r2 = (rv.request_id_of(f"req-{i}") for i in (1, 2))
+    calls, uploads, noted = [], [], []
+    c, runner = capture(calls, uploads, noted=noted), Runner()
+    runner.batch({"req-1": 3, "req-2": 1})
+    c._prepare(runner, types.SimpleNamespace(shape=(8,)))
+    c._finish()
+    runner.batch({"req-1": 1, "req-2": 1})
+    for _ in range(2):
+        c._prepare(runner, types.SimpleNamespace(shape=(8,)))
+        c._finish()
+    assert [n.tolist() for n in noted] == [[r1, r1, r1, r2], [r1, r2], [r1, r2]]
+    assert len(uploads) == 2 and c.disabled is None
+    # A request that is not captured (-1 in the request-id buffer) is noted as no request's rows.
+    c.pc = types.SimpleNamespace(requests="opt_in")
+    runner.batch({"req-9": 2, "req-1": 1})
+    c._prepare(runner, types.SimpleNamespace(shape=(4,)))
+    c._finish()
+    assert noted[-1].tolist() == [2**64 - 1, 2**64 - 1, r1] and c.disabled is None
+    # Without probes nothing is noted.
+    plain = []
+    c2, runner2 = capture([], [], noted=None), Runner()
+    c2.session.note_step_rows = plain.append
+    runner2.batch({"req-1": 1})
+    c2._prepare(runner2, types.SimpleNamespace(shape=(1,)))
+    assert plain == []
 
 
 def test_an_error_before_a_pass_turns_capture_off_and_the_engine_goes_on(monkeypatch):

@@ -46,13 +46,15 @@ def make_model(path: str) -> None:
 #: "cpu" (CI), or "cuda" (RINGSCOPE_SGLANG_TEST_DEVICE=cuda, tests/sglang/run_cuda.sh): SGLang's CUDA graphs on
 #: (decode graphs up to batch 8, and its default breakable prefill graphs), triton attention.
 DEVICE = os.environ.get("RINGSCOPE_SGLANG_TEST_DEVICE", "cpu")
+#: The dtype SGLang serves the float32 checkpoint in (RINGSCOPE_SGLANG_TEST_DTYPE; checked by conftest.py).
+DTYPE = os.environ.get("RINGSCOPE_SGLANG_TEST_DTYPE", "float32")
 
 
 def start(model_dir: str, chunked: bool):
     import sglang as sgl
 
     common = dict(model_path=model_dir, load_format="auto", skip_tokenizer_init=True,
-                  dtype=os.environ.get("RINGSCOPE_SGLANG_TEST_DTYPE", "float32"),
+                  dtype=DTYPE,
                   disable_overlap_schedule=os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") != "1",
                   max_total_tokens=4096, max_running_requests=8,
                   chunked_prefill_size=16 if chunked else -1, enable_mixed_chunk=chunked, random_seed=0,
@@ -133,7 +135,7 @@ def serve(out: str, model_dir: str, result: dict, stop: str, place: str) -> None
 
     port = server_port(socket)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--skip-tokenizer-init",
-           "--device", "cpu", "--dtype", os.environ.get("RINGSCOPE_SGLANG_TEST_DTYPE", "float32"), "--attention-backend", "torch_native", "--disable-cuda-graph",
+           "--device", "cpu", "--dtype", DTYPE, "--attention-backend", "torch_native", "--disable-cuda-graph",
            "--max-total-tokens", "4096", "--max-running-requests", "8", "--mem-fraction-static", "0.5",
            "--random-seed", "0", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info"]
     if os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") != "1":

@@ -6,8 +6,12 @@ tests/engine.sh sglang-0.5.17):
   hits). Every exported row of every site equals an independent Hugging Face forward pass over the same checkpoint;
   request ids (one named by the request, the others hashed from SGLang's rid) and positions exact; the cached rows
   counted in the events table, the plugin's counters and the probe's coverage — never captured, never "safe".
-- "stop": a probe with ``action = "stop"`` ends the one request it scores (``requests = "opt_in"``) after its first
-  forward pass; the other runs to its end.
+- "stop": a probe with ``action = "stop"`` ends the requests it scores after their first forward pass (CPU: the one
+  request captured with ``requests = "opt_in"``; CUDA, where "opt_in" is refused: all but one with a malformed
+  ringscope parameter); the others run to their end.
+- "deferred" (CUDA only): the residual and q/k/v copied by one kernel per pass, against the reference and "main".
+
+RINGSCOPE_SGLANG_TEST_DTYPE=bfloat16 serves the same float32 checkpoint in bfloat16 (looser tolerances, below).
 - "plain": SGLang without the plugin's configuration: no session, and the same tokens as with the plugin.
 """
 
@@ -18,8 +22,8 @@ import re
 import numpy as np
 import pytest
 
-from conftest import (CONFIG, DEVICE, DTYPE, NO_REQUEST, TOLERANCE, activations, check_rows, fed, mixed_step,
-                      positions_of, request_ids, side_file)
+from conftest import (CONFIG, DEVICE, DTYPE, LAST_TOKEN_PASS, NO_REQUEST, TOLERANCE, activations, assert_rows_match,
+                      check_rows, fed, mixed_step, positions_of, request_ids, side_file)
 
 #: Attention weights rebuilt from captured q and k equal Hugging Face eager's within this (absolute): float32 on CPU,
 #: TF32 attention on CUDA, or bfloat16 q and k.
@@ -128,7 +132,7 @@ def test_attention_rebuilds_hf_eager_and_names_the_keys_of_a_cached_prefix(main)
             peak = max(peak, float(ref[i][0].max()))
         rows = dump["request_id"] == rid[k]
         v = activations(dump)[rows][np.argsort(dump["position"][rows])]
-        np.testing.assert_allclose(v, vs["v"], rtol=TOLERANCE, atol=TOLERANCE)
+        assert_rows_match(v, vs["v"], ("layers.1.attn_v", k), TOLERANCE)
         checked += 1
     print(f"attention weights: worst absolute difference {worst:.2e} (tolerance {ATTENTION_TOLERANCE:g})")
     assert checked >= 3 and cached_seen >= 1, (checked, cached_seen)
@@ -152,13 +156,20 @@ def test_deferred_captures_give_the_rows_copied_at_their_sites(engines, main):
     check_rows(res, {k: v for k, v in dump.items() if k.endswith(".resid")}, rid,
                [r["cached_tokens"] for r in res["requests"]])
     theirs = ringscope.read_dump(main["run_dir"])
+    def by_position(cols, request):
+        rows = activations(cols)[cols["request_id"] == request]
+        return dict(zip(positions_of(cols, request).tolist(), rows))
+
     for name in (f"layers.{i}.attn_{x}" for i in range(2) for x in "qkv"):
-        a, b = dump[name], theirs[name]
         for k in range(len(res["requests"])):
-            got = activations(a)[a["request_id"] == rid[k]][np.argsort(positions_of(a, rid[k]), kind="stable")]
-            want = activations(b)[b["request_id"] == mine[k]][np.argsort(positions_of(b, mine[k]), kind="stable")]
-            assert got.shape == want.shape and got.shape[0] > 0, (name, k)
-            np.testing.assert_allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE, err_msg=f"{name}, request {k}")
+            got, want = by_position(dump[name], rid[k]), by_position(theirs[name], mine[k])
+            # The same positions (with the overlap scheduler one engine may have run a last token the other did not).
+            common = sorted(got.keys() & want.keys())
+            assert common and len(common) >= max(len(got), len(want)) - LAST_TOKEN_PASS, (name, k)
+            a, b = np.stack([got[p] for p in common]), np.stack([want[p] for p in common])
+            # Row by row, relative (layer 0's v rows of a repeated token are equal: no neighbour check here).
+            err = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+            assert err.max() < TOLERANCE, (name, k, err.max())
     assert side_file(res, "summary.json")["session"]["dropped_rows"] == 0
 
 

@@ -23,6 +23,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+from ._abi import _has_call
 from .errors import RingscopeError
 from .session import _stream_getter
 
@@ -289,7 +290,7 @@ def refuse_deferred_overwrites(pc: PluginConfig, planned: list, engine: str, hin
 def deferrable(pc: PluginConfig, planned: list, cuda: bool, engine: str) -> bool:
     """Whether an engine plugin defers its captures (CUDA: one copy kernel per forward pass, at its end, reading every
     captured tensor then, instead of one kernel per capture): when nothing in the pass writes a planned site's tensor
-    after the site. The residual (a sum, or a snapshot, the plugin makes) and q/k/v (the qkv projection's output,
+    after the site. The residual (a sum the plugin makes, or SGLang's snapshot of its stream: a new tensor) and q/k/v (the qkv projection's output,
     rotated; nothing writes it after attention reads it) stay as they are until then; the attention and MLP outputs do
     not (:data:`OVERWRITTEN_SITES`), so with those sites every capture copies at once, and a configuration asking for
     deferral with them is refused, naming ``engine``. CPU: never (rows are copied at once into the host ring)."""
@@ -388,8 +389,13 @@ class EngineCapture:
         self.disabled: Optional[str] = None
         self._counters = {k: 0 for k in self.COUNTERS}
         self._armed: tuple = (None, 0, None)  # the last pass's row ids (_arm), how many are -1, as the probes take them
-        # CUDA with probes: each pass's rows per request go to the probes from the host (Session.note_step_rows).
+        # CUDA with probes: each pass's rows per request go to the probes from the host (Session.note_step_rows), for
+        # their coverage's denominator; a library older than that call (C ABI 10) leaves it at the positions' span.
         self._probe_rows = bool(cuda and cfg.get("probes"))
+        if self._probe_rows and not _has_call("rs_note_step_rows"):
+            self._probe_rows = False
+            logger.warning("ringscope: the library predates rs_note_step_rows (C ABI 10): the probes' coverage "
+                           "counts no expected rows on CUDA; rebuild it with `cargo build --release -p ringscope-ffi`")
         self._active = False
         self._open = False
         self._sel: Optional["np.ndarray"] = None  # indices of the exported rows of the open step (None: all)

@@ -664,7 +664,8 @@ class Session:
         request's start or end count as ``unobserved``), as :meth:`begin_step`'s batch is. Call it once per forward
         pass (a graph replay or an eager pass); the engine plugins do on CUDA. Does nothing without probes."""
         ids = _int_array("request_ids", request_ids, np.uint64)
-        _check(_load().rs_note_step_rows(self._h, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), ids.size))
+        _check(_lib_with("rs_note_step_rows").rs_note_step_rows(
+            self._h, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), ids.size))
 
     def set_metadata(self, key: str, value) -> None:
         """Sets entry ``key`` of the run manifest's ``metadata`` object to ``value`` (anything ``json.dumps`` takes:
