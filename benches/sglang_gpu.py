@@ -194,6 +194,11 @@ def cost(out: str) -> dict:
 
 
 def main(argv) -> int:
+    unknown = [k for k in ORDER if k not in KINDS]
+    if unknown:
+        print(f"RINGSCOPE_SGLANG_BENCH_KINDS: unknown engine(s) {', '.join(map(repr, unknown))} (known: "
+              f"{', '.join(KINDS)})", file=sys.stderr)
+        return 2
     if len(argv) >= 3 and argv[1] == "cost":
         os.makedirs(argv[2], exist_ok=True)
         cost(argv[2])

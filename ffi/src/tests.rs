@@ -863,6 +863,8 @@ fn noted_step_rows_are_the_probes_coverage_denominator_and_bad_input_is_named() 
     assert_eq!(unsafe { rs_note_step_rows(s, rows.as_ptr(), rows.len()) }, RsStatus::RsOk, "{}", last_error());
     // SAFETY: null with 0 rows is nothing to note.
     assert_eq!(unsafe { rs_note_step_rows(s, std::ptr::null(), 0) }, RsStatus::RsOk, "{}", last_error());
+    // SAFETY: an array of 4; a handle that is no session: checked by the library.
+    assert_eq!(unsafe { rs_note_step_rows(0xDEAD_BEEF, rows.as_ptr(), rows.len()) }, RsStatus::RsErrInvalidHandle);
     // SAFETY: null with rows announced: checked by the library.
     assert_eq!(unsafe { rs_note_step_rows(s, std::ptr::null(), 2) }, RsStatus::RsErrInvalidArgument);
     assert!(last_error().contains("request_ids is a null pointer but 2"), "{}", last_error());

@@ -35,3 +35,12 @@ def test_a_bad_argument_is_refused_by_name_before_the_gpu(script, args, named):
                          timeout=300)
     assert run.returncode == 2, run.stderr[-2000:]
     assert named in run.stderr, run.stderr[-2000:]
+
+
+def test_an_unknown_sglang_bench_engine_is_refused_by_name():
+    """benches/sglang_gpu.py takes its engines from RINGSCOPE_SGLANG_BENCH_KINDS: an unknown one is named, exit 2."""
+    env = dict(os.environ, RINGSCOPE_SGLANG_BENCH_KINDS="plain,resid16,nope")
+    run = subprocess.run([sys.executable, os.path.join(BENCHES, "sglang_gpu.py"), "cost", os.devnull], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "unknown engine(s) 'nope' (known: plain, resid16, resid16_now, resid1)" in run.stderr, run.stderr[-2000:]

@@ -41,7 +41,7 @@ def capture(calls, uploads, full=False, noted=None):
     c.step, c.disabled, c._closed, c._open, c._active, c._rows = 0, None, False, False, False, 0
     c._counters = {k: 0 for k in _engine.EngineCapture.COUNTERS}
     c._armed, c._ids, c._last_batch = (None, 0, None), {}, (None, None)
-    c._probe_rows = noted is not None
+    c._note_rows = None if noted is None else (lambda ids: noted.append(np.array(ids, dtype=np.uint64)))
     c.cuda, c.full = True, full
     c.hookpoints = {"layers.0.resid": 0, "layers.1.resid": 1}
     c._requests_file = None
@@ -54,8 +54,7 @@ def capture(calls, uploads, full=False, noted=None):
         c._uploaded, c._dirty = tok, n
     c._upload = upload
     c.session = types.SimpleNamespace(set_enabled=lambda *a: None, apply_controls=lambda *a: None,
-                                      end_step=lambda: None,
-                                      note_step_rows=lambda ids: noted.append(np.array(ids, dtype=np.uint64)))
+                                      end_step=lambda: None)
     return c
 
 
@@ -106,12 +105,10 @@ def test_with_probes_each_pass_notes_its_rows_per_request_for_their_coverage():
     c._finish()
     assert noted[-1].tolist() == [2**64 - 1, 2**64 - 1, r1] and c.disabled is None
     # Without probes nothing is noted.
-    plain = []
     c2, runner2 = capture([], [], noted=None), Runner()
-    c2.session.note_step_rows = plain.append
     runner2.batch({"req-1": 1})
     c2._prepare(runner2, types.SimpleNamespace(shape=(1,)))
-    assert plain == []
+    assert c2._note_rows is None and c2._armed[2] is None and c2.disabled is None
 
 
 def test_an_error_before_a_pass_turns_capture_off_and_the_engine_goes_on(monkeypatch):

@@ -294,6 +294,12 @@ def test_rows_noted_for_device_begun_steps_are_the_coverage_denominator(tmp_path
     assert (cov["scored"], cov["expected"], cov["unobserved"]) == (2, 4, 2), cov
     cov = s.probe_request("p", 7)["coverage"]
     assert (cov["scored"], cov["expected"], cov["unobserved"]) == (0, 1, 1), cov
+    # The plugins' per-pass way to the same call (no checks, no ctypes conversion): the same counts.
+    note = s._step_rows_noter()
+    note(np.array([7, 7, 2**64 - 1], dtype=np.uint64))
+    s.wait_probes(30)
+    cov = s.probe_request("p", 7)["coverage"]
+    assert (cov["scored"], cov["expected"], cov["unobserved"]) == (0, 3, 3), cov
     for bad, what in ((np.array([-1]), r"request_ids\[0\] must be an integer in 0..=18446744073709551615, got -1"),
                       ("5", "must be a sequence of integers"), (np.zeros((2, 2), dtype=np.uint64), "one-dimensional")):
         with pytest.raises(RingscopeError, match=what) as e:
@@ -302,6 +308,8 @@ def test_rows_noted_for_device_begun_steps_are_the_coverage_denominator(tmp_path
     s.close()
     with pytest.raises(RingscopeError, match="closed"):
         s.note_step_rows([5])
+    with pytest.raises(RingscopeError, match="closed"):
+        note(np.array([5], dtype=np.uint64))
 
 
 @pytest.mark.torch

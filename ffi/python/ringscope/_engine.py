@@ -23,7 +23,6 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from ._abi import _has_call
 from .errors import RingscopeError
 from .session import _stream_getter
 
@@ -290,10 +289,11 @@ def refuse_deferred_overwrites(pc: PluginConfig, planned: list, engine: str, hin
 def deferrable(pc: PluginConfig, planned: list, cuda: bool, engine: str) -> bool:
     """Whether an engine plugin defers its captures (CUDA: one copy kernel per forward pass, at its end, reading every
     captured tensor then, instead of one kernel per capture): when nothing in the pass writes a planned site's tensor
-    after the site. The residual (a sum the plugin makes, or SGLang's snapshot of its stream: a new tensor) and q/k/v (the qkv projection's output,
-    rotated; nothing writes it after attention reads it) stay as they are until then; the attention and MLP outputs do
-    not (:data:`OVERWRITTEN_SITES`), so with those sites every capture copies at once, and a configuration asking for
-    deferral with them is refused, naming ``engine``. CPU: never (rows are copied at once into the host ring)."""
+    after the site. The residual (a sum the plugin makes, or SGLang's snapshot of its stream: a new tensor) and q/k/v
+    (the qkv projection's output, rotated; nothing writes it after attention reads it) stay as they are until then;
+    the attention and MLP outputs do not (:data:`OVERWRITTEN_SITES`), so with those sites every capture copies at once,
+    and a configuration asking for deferral with them is refused, naming ``engine``. CPU: never (rows are copied at
+    once into the host ring)."""
     if not cuda:
         return False
     return not refuse_deferred_overwrites(pc, planned, engine, " (the plugin defers captures when every site allows it)")
@@ -389,13 +389,6 @@ class EngineCapture:
         self.disabled: Optional[str] = None
         self._counters = {k: 0 for k in self.COUNTERS}
         self._armed: tuple = (None, 0, None)  # the last pass's row ids (_arm), how many are -1, as the probes take them
-        # CUDA with probes: each pass's rows per request go to the probes from the host (Session.note_step_rows), for
-        # their coverage's denominator; a library older than that call (C ABI 10) leaves it at the positions' span.
-        self._probe_rows = bool(cuda and cfg.get("probes"))
-        if self._probe_rows and not _has_call("rs_note_step_rows"):
-            self._probe_rows = False
-            logger.warning("ringscope: the library predates rs_note_step_rows (C ABI 10): the probes' coverage "
-                           "counts no expected rows on CUDA; rebuild it with `cargo build --release -p ringscope-ffi`")
         self._active = False
         self._open = False
         self._sel: Optional["np.ndarray"] = None  # indices of the exported rows of the open step (None: all)
@@ -418,6 +411,14 @@ class EngineCapture:
         self.session = Session(cfg)
         # CUDA: what every pass asks of the session first (admission in full mode, control changes otherwise).
         self._before_pass: Callable[[int, int], None] = self.session._before_pass(self.full) if cuda else _host_pass
+        # CUDA with probes: each pass's rows per request go to the probes from the host (Session.note_step_rows, the
+        # cheap way), for their coverage's denominator; a library older than that call (C ABI 10) leaves it at the
+        # positions' span.
+        probe_rows = bool(cuda and cfg.get("probes"))
+        self._note_rows: Optional[Callable[[Any], None]] = self.session._step_rows_noter() if probe_rows else None
+        if probe_rows and self._note_rows is None:
+            logger.warning("ringscope: the library predates rs_note_step_rows (C ABI 10): the probes' coverage "
+                           "counts no expected rows on CUDA; rebuild it with `cargo build --release -p ringscope-ffi`")
         self.hookpoints = {name: self.session.hookpoint_id(name) for name, _, _ in planned}
         self.key = next(_NEXT_KEY)  # never reused (id() would be): compiled graphs hold it as a constant
         _CAPTURES[self.key] = self
@@ -480,7 +481,7 @@ class EngineCapture:
         if tok is not self._armed[0]:
             # Rows of requests that did not opt in: counted once per batch (a steady batch's passes reuse `tok`);
             # with probes on CUDA also the rows' request ids as the probes take them (-1: 2**64 - 1, no request).
-            ids = tok[:n].astype("int64", copy=False).view("uint64") if self._probe_rows else None
+            ids = tok[:n].astype("int64", copy=False).view("uint64") if self._note_rows is not None else None
             self._armed = (tok, int((tok < 0).sum()), ids)
         opted_out = self._armed[1]
         self._counters["opted_out_rows"] += opted_out
@@ -495,10 +496,10 @@ class EngineCapture:
             # best-effort mode does here (the policy manager's, set_enabled, ...: they reach the recorded graphs
             # between replays), returning at once when none changed.
             self._before_pass(padded, self._stream_now())
-            if self._probe_rows and n:
+            if self._note_rows is not None and n:
                 # The probes' coverage denominator: what this pass runs of each request (a step begun inside a CUDA
                 # graph gives the probes no batch of its own).
-                self.session.note_step_rows(self._armed[2])
+                self._note_rows(self._armed[2])
             if tok is not self._uploaded or n != self._dirty:  # else already in every buffer: nothing to copy
                 self._upload(tok, n)
             # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's

@@ -410,6 +410,22 @@ class Session:
             return lambda rows, stream: self.admit_graph_step(rows, stream)  # raises, naming the library and the call
         return self._hot_call("rs_admit_graph_step", lo=1)
 
+    def _step_rows_noter(self) -> "Callable[[np.ndarray], None]":
+        """For an engine plugin, which calls it before every forward pass on CUDA when probes are configured:
+        ``note(ids)`` is :meth:`note_step_rows` for ``ids`` the plugin made itself — a C-contiguous one-dimensional
+        uint64 array, not checked again — through the C call alone (:func:`_untyped`, the handle prebuilt), since at
+        every pass each Python frame and ctypes conversion counts. A library that predates the call: None."""
+        f = _untyped("rs_note_step_rows")
+        if f is None:
+            return None  # type: ignore[return-value]
+        hc = ctypes.c_uint64(self._h)
+
+        def note(ids: np.ndarray) -> None:
+            st = f(hc, ctypes.c_void_p(ids.ctypes.data), ctypes.c_size_t(ids.size))
+            if st:
+                _check(st)
+        return note
+
     def submit_captures(self) -> None:
         """With ``ring.defer_captures`` (CUDA backend): starts copying the step's captures noted so far now, on a side
         stream, overlapping the rest of the step; :meth:`end_step` joins it back. A no-op otherwise."""
