@@ -961,11 +961,17 @@ impl Session {
     }
 
     /// CUDA backend: rows of hookpoint `id` at or past the `u32` stored at device address `ptr` are padding (read at
-    /// replay time, for graphs captured at a padded batch size). `None` removes it. Takes effect at the next step.
+    /// replay time, for graphs captured at a padded batch size): neither captured nor scored — the scores of the
+    /// hookpoint's fused probes take the same bound. `None` removes it. Takes effect at the next step.
     pub fn set_valid_rows_device(&self, id: u32, ptr: Option<DevicePtr>) -> Result<(), Error> {
         self.registry.get(id)?;
+        let fused = self.probes.as_ref().and_then(|p| p.fused.get(&id));
         self.with_capture(|c| {
             c.backend.set_valid_rows_device(id, ptr)?;
+            // A fused probe's kernel bounds the rows it scores by its scores hookpoint's controls.
+            for f in fused.into_iter().flatten() {
+                c.backend.set_valid_rows_device(f.scores.id(), ptr)?;
+            }
             // Not counted by the registry: the next apply_controls uploads it.
             self.controls_applied.store(NOT_APPLIED, Ordering::Release);
             Ok(())

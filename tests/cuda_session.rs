@@ -460,6 +460,70 @@ fn rows_of_no_request_in_a_graph_step_raise_no_flag_and_are_not_scored() {
     assert_eq!(h.exported.rows, 4, "the ended rows are exported (marked), not dropped");
 }
 
+/// An engine that replays graphs recorded at a padded batch size bounds each pass's rows with a device scalar
+/// (`set_valid_rows_device`, the plugins' padding): rows past it are neither captured nor scored by the hookpoint's
+/// fused probes (whose scores hookpoint takes the same bound), with captures copied at once and deferred; removing
+/// the bound brings every row back at the next replay.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on one"]
+fn a_device_row_bound_limits_the_rows_captured_and_scored_at_each_replay() {
+    let _alone = alone();
+    let gpu = gpu();
+    let d = 128usize;
+    let dir = tempdir("valid-rows");
+    std::fs::create_dir_all(&dir).unwrap();
+    let npy = dir.join("w.npy");
+    ringscope::probe::save_npy(&npy, &[1, d], &vec![1.0f32 / d as f32; d]).unwrap();
+    for defer in [false, true] {
+        let text = format!(
+            "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\ndefer_captures = {defer}\n\
+             [policy]\nmode = \"best_effort\"\n\
+             [[hookpoints]]\nname = \"h\"\nsite = \"residual\"\nlayer = 0\ndtype = \"f32\"\nrow_width = {d}\n\
+             [[probes]]\nname = \"p\"\nhookpoint = \"h\"\nweights = \"{}\"\nthresholds = [1e30]\n\
+             aggregate = \"per_token\"\naction = \"alert\"\nmode = \"fused\"\n",
+            npy.display()
+        );
+        let session = Session::new(Config::from_toml(&text).unwrap()).unwrap();
+        let stream = Stream::new(&gpu).unwrap();
+        let h = session.hookpoint("h").unwrap().id();
+        let ids: Vec<u8> = [10i64, 11, 12, 13].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let ids = DeviceBuffer::from_host(&gpu, &ids).unwrap();
+        let positions: Vec<u8> = [5i64, 6, 7, 8].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let positions = DeviceBuffer::from_host(&gpu, &positions).unwrap();
+        let src = DeviceBuffer::zeroed(&gpu, 4 * d * 4).unwrap();
+        // The bound as the plugins keep it: the low word of an int64 on the device.
+        let valid = DeviceBuffer::zeroed(&gpu, 8).unwrap();
+        session.set_valid_rows_device(h, Some(valid.ptr())).unwrap();
+        let graph =
+            record_graph_step(&session, &stream, &decode_batch(4, &ids, &positions), std::slice::from_ref(&src));
+        let mut want = 0u64;
+        for bound in [Some(4u64), Some(2), Some(3), Some(0), None] {
+            match bound {
+                Some(n) => valid.copy_from_host_async(0, &n.to_le_bytes(), stream.handle()).unwrap(),
+                None => {
+                    session.set_valid_rows_device(h, None).unwrap();
+                    session.apply_controls(stream.handle()).unwrap();
+                }
+            }
+            graph.launch(stream.handle()).unwrap();
+            stream.synchronize().unwrap();
+            want += bound.unwrap_or(4);
+        }
+        assert!(session.wait_probes(std::time::Duration::from_secs(30)));
+        let stats = session.probe_stats();
+        assert_eq!(stats[0].rows + stats[0].no_request_rows, want, "defer {defer}: rows scored {stats:?}");
+        // Request 13's row (row 3) was within the bound at replays 0 and 4 only.
+        let r13 = session.probe_request("p", 13).unwrap().unwrap();
+        assert_eq!(r13.coverage.scored, 2, "defer {defer}: {r13:?}");
+        let report = session.shutdown().unwrap();
+        let counters = |name: &str| report.accounting.hookpoints.iter().find(|(n, _)| n == name).unwrap().1;
+        for name in ["h", "probes.p"] {
+            let c = counters(name);
+            assert_eq!((c.produced.rows, c.exported.rows), (want, want), "defer {defer}, {name}: {c:?}");
+        }
+    }
+}
+
 /// Issue 28: a site the model computed for each request's last token only (Hugging Face's logits at a `generate`
 /// prefill) is captured from its compact source — row `k` is the step's `k`-th last row per request — as those rows:
 /// their requests and positions, bit for bit, with and without deferred captures and row downcasting, and a fused

@@ -183,6 +183,19 @@ def test_capture_device_arguments(session, hp, args, name):
     bad(rf"{name} must be an integer", lambda: session.capture_device(hp, *args))
 
 
+@pytest.mark.parametrize("ptr", [-1, 2**64, 1.0, "0x10"])
+def test_set_valid_rows_device_takes_a_u64_pointer(session, hp, ptr):
+    bad("device_ptr must be an integer", lambda: session.set_valid_rows_device(hp, ptr))
+
+
+def test_set_valid_rows_device_is_cuda_only_and_checks_the_hookpoint(session, hp):
+    # The host backend has no device rows to bound: a clear error, not a silent no-op; None removes (also refused).
+    for ptr in (0x1000, None):
+        bad(r"host backend: set ring.backend = \"cuda\"", lambda: session.set_valid_rows_device(hp, ptr))
+    with pytest.raises(ringscope.errors.CaptureError, match=f"unknown hookpoint id {hp + 7}"):
+        session.set_valid_rows_device(hp + 7, 0x1000)
+
+
 @pytest.mark.parametrize("stream", [-1, 2**64])
 def test_streams_are_u64(session, stream):
     bad("stream must be an integer", lambda: session.apply_controls(stream=stream))

@@ -472,6 +472,15 @@ class EngineCapture:
         self._dirty = 0
         self._req_size = 0  # the length of the decoder's current request-id buffer
         self._uploaded = None  # the row ids (array) the buffers hold since the last upload (_upload)
+        if self.cuda:
+            import torch
+
+            # The pass's number of token rows (the low word of an int64, uploaded with the ids): a graph recorded at
+            # a padded batch size runs its captures over every row of it, and the rows past this bound — padding,
+            # no request's — are neither captured nor scored on the device.
+            self._valid = torch.full((1,), 2**31 - 1, dtype=torch.int64, device=device)
+            for hp in self.hookpoints.values():
+                self.session.set_valid_rows_device(hp, self._valid.data_ptr())
         self._grow(rows)
 
     def _arm(self, tok, n: int, padded: int) -> None:
@@ -527,7 +536,8 @@ class EngineCapture:
         self._req_size = size
         if self.cuda:
             self._req_bufs.append(decoder._ringscope_req)
-            self._stage = [[torch.full((size,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]
+            # A slot: the ids of `size` rows, then the pass's number of rows (for self._valid).
+            self._stage = [[torch.full((size + 1,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]
             self._stage_next = 0
             self._dirty = size  # a new buffer: all of every buffer is written next time
             self._uploaded = None
@@ -536,7 +546,8 @@ class EngineCapture:
 
     def _upload(self, tok, n: int) -> None:
         """CUDA: the request ids of the next forward pass's ``n`` token rows into every request-id buffer, and -1
-        after them as far as earlier ids went, on the engine's current stream (stream-ordered before the forward
+        after them as far as earlier ids went, and ``n`` as the bound of the rows captured (the rest is the graph's
+        padding), on the engine's current stream (stream-ordered before the forward
         pass or graph replay). Through pinned staging slots, each reused only once its last copy has run.
 
         Not called for the same ``tok`` object as the previous upload (a plugin's steady batch: every decode step of
@@ -552,10 +563,12 @@ class EngineCapture:
         host = slot[0].numpy()
         host[:n] = tok
         host[n:m] = -1
+        host[-1] = n
         src = slot[0]
         for buf in self._req_bufs:
             k = min(m, buf.shape[0])
             buf[:k].copy_(src[:k], non_blocking=True)
+        self._valid.copy_(src[-1:], non_blocking=True)
         ev = slot[1] or torch.cuda.Event()
         ev.record()
         slot[1] = ev
@@ -619,9 +632,10 @@ class EngineCapture:
 
     def _begin(self, request_ids, positions) -> None:
         if self.cuda:
-            # Begun on the device, from the request-id buffer (-1: a row of no request — padding, or a request not
-            # captured — exported as computed, never attributed) and the model's positions, one token per row:
-            # recorded into a CUDA graph being captured, or run eagerly. No host synchronisation either way.
+            # Begun on the device, from the request-id buffer (-1: a row of a request not captured, exported as
+            # computed, never attributed; the padding after the pass's rows is not captured: self._valid) and the
+            # model's positions, one token per row: recorded into a CUDA graph being captured, or run eagerly. No
+            # host synchronisation either way.
             import torch
 
             stream = torch.cuda.current_stream(positions.device).cuda_stream

@@ -460,6 +460,15 @@ class Session:
                                                    _u64("device_ptr", device_ptr), _u32("rows", rows),
                                                    _u64("stream", stream)))
 
+    def set_valid_rows_device(self, hookpoint: int, device_ptr: "int | None") -> None:
+        """CUDA backend: rows of ``hookpoint`` at or past the ``uint32`` at ``device_ptr`` are padding — neither
+        captured nor scored by its fused probes —, read when each capture runs (graph replays included): what an
+        engine whose CUDA graphs were recorded at a padded batch size writes before each pass. ``None`` (or 0) removes
+        it. Takes effect at the next step (after :meth:`apply_controls`). The memory must stay allocated while
+        captures of the hookpoint may run."""
+        _check(_load().rs_set_valid_rows_device(self._h, _u32("hookpoint", hookpoint),
+                                                _u64("device_ptr", device_ptr or 0)))
+
     # -- state ---------------------------------------------------------------------------------------------------
     def stats(self, hookpoint: int) -> dict:
         """Counters of one hookpoint (records and rows): ``produced``, ``sampled_out``, ``exported`` — *committed*:

@@ -73,9 +73,10 @@ rows are captured like every computed token's). With ``enable_torch_compile``, o
 with tensor or pipeline parallelism the plugin refuses to load, naming why. On a CUDA device it refuses too, unless
 ``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``: the CUDA path — the same capture ops, recorded into SGLang's CUDA graphs
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
-(updated before every forward pass; padding rows and rows of requests not captured are exported as rows of no
-request, ``NO_REQUEST``, never attributed; so ``requests = "opt_in"``, speculative decoding and diffusion models are
-refused there), the CUDA ring in best-effort mode, captures deferred to one copy kernel per forward pass when every
+(updated before every forward pass with the pass's number of rows, which bounds every capture on the device, so a
+graph's padding rows are not captured; rows of requests not captured would be exported as rows of no request,
+``NO_REQUEST``, never attributed; so ``requests = "opt_in"``, speculative decoding and diffusion models are refused
+there), the CUDA ring in best-effort mode, captures deferred to one copy kernel per forward pass when every
 site allows it (the residual, q/k/v) — has run end to end on an H100 with SGLang 0.5.17 and its CUDA kernel package
 (tests/sglang/run_cuda.sh: rows within 5e-3 of a Hugging Face reference, ids and positions exact, both schedulers;
 benches/sglang_gpu.py: the residual of all 16 layers of a 1B bf16 model +4.2–4.6% per decode step). On CUDA the session must close only once the engine stops
