@@ -131,7 +131,8 @@ ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
 
 
 def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False,
-                eager: bool = False, overlap: bool = False, layers: str = '"all"') -> None:
+                eager: bool = False, overlap: bool = False, layers: str = '"all"', opt_in: bool = False,
+                sites: "str | None" = None) -> None:
     import torch
     from vllm import LLM
 
@@ -145,6 +146,8 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     result["eager"] = eager
     # vllm.overlap_copy: the captures submitted on a side stream after the last layer's attention.
     result["overlap_copy"] = overlap
+    # requests = "opt_in": every other request opts in; the others' rows must leave nothing in the files.
+    result["opt_in"] = opt_in
     # Full mode: every forward pass admitted, and no row lost. The run's rows (~21.5k hookpoint rows of 512 B, ~11 MB)
     # pass through a 1 MiB ring (a pass is at most 12 hookpoints x 64 rows, ~0.4 MB): the ring laps about ten times
     # and passes wait for the exporter to make room.
@@ -161,16 +164,17 @@ run_id = "run"
 {policy}[ring]
 capacity = "{ring}"
 [vllm]
-sites = {ATTN_SITES if attn else '["residual", "attention_output", "mlp_output"]'}
+sites = {sites or (ATTN_SITES if attn else '["residual", "attention_output", "mlp_output"]')}
 layers = {layers}
 overlap_copy = {"true" if overlap else "false"}
+requests = "{"opt_in" if opt_in else "all"}"
 """)
     register_plugin()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16" if dtype == "bf16" else "float32",
               max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=64, enable_chunked_prefill=True,
               enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.3, enforce_eager=eager, **extra)
     result["engine"] = engine_facts(llm)
-    result["requests"] = serve_correctness_requests(llm, family)
+    result["requests"] = serve_correctness_requests(llm, family, opt_in)
     import ringscope.vllm as rv
 
     # Full mode's waits for room (how often a pass found the ring full and waited for the exporter), read before close.
@@ -180,10 +184,11 @@ overlap_copy = {"true" if overlap else "false"}
     result["run_dir"] = os.path.join(out, "dump", "run")
 
 
-def serve_correctness_requests(llm, family: str) -> list:
+def serve_correctness_requests(llm, family: str, opt_in: bool = False) -> list:
     """The correctness scenario's requests, served by ``llm``: 14 requests of different lengths at once (continuous
     batching, chunked prefill), then requests sharing a 256-token prefix (prefix-cache hits). Returns each request's
-    vLLM id, prompt, generated tokens and cached prompt tokens."""
+    vLLM id, prompt, generated tokens, cached prompt tokens and whether it asked to be captured (``opt_in``: every
+    other request, in the same batches as the rest)."""
     import random
 
     from vllm import SamplingParams
@@ -196,12 +201,16 @@ def serve_correctness_requests(llm, family: str) -> list:
     phases = [reqs, [(prefix + [5], 3)], [(prefix + [6 + i] * (i + 1), 4 + i) for i in range(4)]]
     served = []
     for phase in phases:
+        asks = [not opt_in or (len(served) + i) % 2 == 0 for i in range(len(phase))]
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in phase],
-                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in phase],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True,
+                                            extra_args={"ringscope": True} if opt_in and ask else None)
+                             for (_, m), ask in zip(phase, asks)],
                             use_tqdm=False)
-        for o in outs:
+        for o, ask in zip(outs, asks):
             served.append({"request_id": o.request_id, "prompt": list(o.prompt_token_ids),
-                           "tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
+                           "tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
+                           "captured": ask})
     return served
 
 
@@ -241,7 +250,14 @@ def check_correct(out: str, result: dict, rank: int = 0) -> dict:
         layer.self_attn.register_forward_hook(hook(f"layers.{i}.attn_out"))
         layer.mlp.register_forward_hook(hook(f"layers.{i}.mlp_out"))
     rid = []
+    bad = []
     for k, r in enumerate(result["requests"]):
+        if not r.get("captured", True):
+            # A request that did not opt in: unknown to the run (no ringscope id), and none of its rows in the files.
+            rid.append(None)
+            if r["request_id"] in by_ext:
+                bad.append(f"request {k} did not opt in but is in the run's request map")
+            continue
         seq = r["prompt"] + r["tokens"][:-1]
         with torch.no_grad():
             model(torch.tensor([seq]))
@@ -249,7 +265,6 @@ def check_correct(out: str, result: dict, rank: int = 0) -> dict:
             ref[(k, name)] = v
         rid.append(by_ext[r["request_id"]]["request_id"])
     worst, rows, none_rows = 0.0, 0, 0
-    bad = []
     tol = TOLERANCE[result["dtype"]]
     for name, cols in dump.items():
         mine = cols["rank"] == rank
@@ -260,7 +275,7 @@ def check_correct(out: str, result: dict, rank: int = 0) -> dict:
         none = req == np.uint64(NO_REQUEST)
         none_rows += int(none.sum())
         act, req, pos = act[~none], req[~none], pos[~none]
-        want = sorted((rid[k], p) for k, r in enumerate(result["requests"])
+        want = sorted((rid[k], p) for k, r in enumerate(result["requests"]) if rid[k] is not None
                       for p in range(r["cached"], len(r["prompt"]) + len(r["tokens"]) - 1))
         got = sorted(zip(req.tolist(), pos.tolist()))
         if got != want:
@@ -268,6 +283,8 @@ def check_correct(out: str, result: dict, rank: int = 0) -> dict:
                        f"missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}")
             continue
         for k, r in enumerate(result["requests"]):
+            if rid[k] is None:
+                continue
             sel = req == np.uint64(rid[k])
             order = np.argsort(pos[sel])
             a = act[sel][order]
@@ -283,15 +300,18 @@ def check_correct(out: str, result: dict, rank: int = 0) -> dict:
                     bad.append(f"{name} request {k}: neighbouring positions too close to tell apart")
             rows += len(a)
     s = summary["session"]
-    cached = [r["cached"] for r in result["requests"]]
+    cached = [r["cached"] for k, r in enumerate(result["requests"]) if rid[k] is not None]
     p = summary["plugin"]
     if s["produced_rows"] != s["exported_rows"] + s["dropped_rows"] + s["sampled_out_rows"]:
         bad.append(f"accounting does not balance: {s}")
     if s["dropped_rows"]:
         bad.append(f"{s['dropped_rows']} rows dropped")
     if none_rows:
-        # Every request of the scenario is captured; a graph's padding rows are bounded away on the device.
-        bad.append(f"{none_rows} rows of no request exported ({p['padding_rows']} padding rows in the passes)")
+        # A graph's padding rows and the rows of requests that did not opt in are kept out on the device.
+        bad.append(f"{none_rows} rows of no request exported ({p['padding_rows']} padding rows, "
+                   f"{p['opted_out_rows']} rows of requests not captured in the passes)")
+    if result.get("opt_in") and not p["opted_out_rows"]:
+        bad.append("requests = \"opt_in\" with no row of a request that did not opt in: the scenario tests nothing")
     if (p["cached_requests"], p["cached_rows"]) != (sum(1 for c in cached if c), sum(cached)):
         bad.append(f"cached counters {p['cached_requests']}/{p['cached_rows']} vs vLLM's {cached}")
     if not any(cached):
@@ -701,6 +721,9 @@ def child(out: str, what: str) -> None:
                         full=len(parts) > 3 and parts[3] == "full",
                         attn=len(parts) > 3 and parts[3] in ("attn", "attnov", "attnovmid"),
                         eager=len(parts) > 3 and parts[3] == "eager",
+                        opt_in=len(parts) > 3 and parts[3] in ("optin", "optinresid"),
+                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass).
+                        sites='["residual"]' if len(parts) > 3 and parts[3] == "optinresid" else None,
                         overlap=len(parts) > 3 and parts[3] in ("attnov", "attnovmid"),
                         # q/k/v of layers 0-2 of 4: the step ends before layer 3's attention.
                         layers="[0, 1, 2]" if len(parts) > 3 and parts[3] == "attnovmid" else '"all"')
@@ -798,10 +821,11 @@ def main(cmd: str, root: str) -> None:
             # (last: what a call cut short by a time limit still has is the main answers).
             # The two overlap_copy rebuilds alone (session 47: on the H200).
             "overlap_correct": ["correct-llama-f32-attnov", "correct-llama-f32-attnovmid"],
-            # Session 47: a graph's padding rows are not exported — rows at their sites (best-effort, and full mode
-            # with a ring that laps) and deferred (q/k/v with and without overlap_copy).
-            "padding": ["correct-llama", "correct-llama-bf16-full", "correct-llama-f32-attn",
-                        "correct-llama-f32-attnovmid"],
+            # Session 47: neither a graph's padding rows nor the rows of requests that did not opt in are exported —
+            # rows copied at their sites (best-effort; opt-in; full mode with a ring that laps) and deferred (q/k/v,
+            # with overlap_copy).
+            "padding": ["correct-llama", "correct-llama-bf16-optin", "correct-llama-bf16-optinresid",
+                        "correct-llama-bf16-full", "correct-llama-f32-attnovmid"],
             "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2",
                         "correct-llama-f32-attnovmid"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain

@@ -115,7 +115,7 @@ pub mod probe {
 
 /// The CUDA backend's types an engine passes in: streams, device memory, steps recorded inside graphs.
 pub mod cuda {
-    pub use ringscope_hookpoint::cuda::{EndedRows, GraphBatch, MAX_ENDED_TOKENS};
+    pub use ringscope_hookpoint::cuda::{EndedRows, GraphBatch, KEEP_ALL, MAX_ENDED_TOKENS};
     pub use ringscope_ring::cuda::{CudaError, DeviceBuffer, DevicePtr, Gpu, Graph, Stream, StreamRef};
 }
 

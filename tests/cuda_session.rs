@@ -54,6 +54,7 @@ fn decode_batch(batch: u32, ids: &DeviceBuffer, positions: &DeviceBuffer) -> rin
         positions: positions.ptr(),
         positions_batch_stride: 1,
         ended: None,
+        kept: None,
     }
 }
 
@@ -521,6 +522,98 @@ fn a_device_row_bound_limits_the_rows_captured_and_scored_at_each_replay() {
             let c = counters(name);
             assert_eq!((c.produced.rows, c.exported.rows), (want, want), "defer {defer}, {name}: {c:?}");
         }
+    }
+}
+
+/// An engine that serves requests it does not capture (opted out, or not opted in) tells each pass which rows to keep
+/// (`GraphBatch::kept`, read at every replay): the other rows leave nothing — no row of no request, no probe score, no
+/// stop flag —, the kept rows come out with their own requests, positions and values, a device row bound still
+/// applies, and `KEEP_ALL` brings every row back; with captures copied at once and deferred.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on one"]
+fn a_graph_step_keeps_only_the_rows_the_engine_names_at_each_replay() {
+    let _alone = alone();
+    let gpu = gpu();
+    let (d, slots) = (64usize, 64u64);
+    let dir = tempdir("kept-rows");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut w = vec![0.0f32; d];
+    w[0] = 1.0;
+    let npy = dir.join("w.npy");
+    ringscope::probe::save_npy(&npy, &[1, d], &w).unwrap();
+    for defer in [false, true] {
+        let got = Arc::new(parking_lot::Mutex::new(Vec::<(u64, u64, u32, f32)>::new()));
+        let g2 = got.clone();
+        let sink = CallbackSink::new("rows", move |record: &Record| {
+            let name = &record.hookpoint().spec().name;
+            let view = record.view();
+            for (i, m) in view.row_metas().enumerate() {
+                let v = f32::from_le_bytes(view.row(i)[..4].try_into().unwrap());
+                g2.lock().push((if name == "h" { 0 } else { 1 }, m.request_id, m.position, v));
+            }
+            Ok(())
+        });
+        let text = format!(
+            "[ring]\nbackend = \"cuda\"\ncapacity = \"16 MiB\"\ndefer_captures = {defer}\n\
+             [policy]\nmode = \"best_effort\"\n[alerts]\nflag_slots = {slots}\n\
+             [[hookpoints]]\nname = \"h\"\nsite = \"residual\"\nlayer = 0\ndtype = \"f32\"\nrow_width = {d}\n\
+             [[probes]]\nname = \"stop\"\nhookpoint = \"h\"\nweights = \"{}\"\nthresholds = [50.0]\n\
+             aggregate = \"per_token\"\naction = \"stop\"\nmode = \"fused\"\n",
+            npy.display()
+        );
+        let session = Session::builder(Config::from_toml(&text).unwrap()).sink(sink).start().unwrap();
+        let flags = session.probe_flags().unwrap();
+        let stream = Stream::new(&gpu).unwrap();
+        let h = session.hookpoint("h").unwrap().id();
+        let i64s = |v: &[i64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let ids = DeviceBuffer::from_host(&gpu, &i64s(&[10, 11, 12, 13])).unwrap();
+        let positions = DeviceBuffer::from_host(&gpu, &i64s(&[5, 6, 7, 8])).unwrap();
+        // Row r holds r + 1 in element 0; request 11's row (row 1) 64, past the stop probe's threshold.
+        let mut rows = vec![0.0f32; 4 * d];
+        for r in 0..4 {
+            rows[r * d] = if r == 1 { 64.0 } else { r as f32 + 1.0 };
+        }
+        let src =
+            DeviceBuffer::from_host(&gpu, &rows.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let kept = DeviceBuffer::zeroed(&gpu, 5 * 4).unwrap();
+        let valid = DeviceBuffer::zeroed(&gpu, 4).unwrap();
+        session.set_valid_rows_device(h, Some(valid.ptr())).unwrap();
+        let batch = ringscope::cuda::GraphBatch { kept: Some(kept.ptr()), ..decode_batch(4, &ids, &positions) };
+        let graph = record_graph_step(&session, &stream, &batch, std::slice::from_ref(&src));
+        const ALL: u32 = ringscope::cuda::KEEP_ALL;
+        // (kept rows, valid rows, the (request, position) pairs the replay exports)
+        type Replay = (&'static [u32], u32, &'static [(u64, u32)]);
+        let replays: [Replay; 5] = [
+            (&[2, 0, 2], 4, &[(10, 5), (12, 7)]),
+            (&[3, 0, 2, 3], 3, &[(10, 5), (12, 7)]),
+            (&[0], 4, &[]),
+            (&[1, 3], 4, &[(13, 8)]),
+            (&[ALL], 4, &[(10, 5), (11, 6), (12, 7), (13, 8)]),
+        ];
+        let mut want = Vec::new();
+        for (k, (list, bound, rows)) in replays.iter().enumerate() {
+            let words: Vec<u8> = list.iter().flat_map(|x| x.to_le_bytes()).collect();
+            kept.copy_from_host_async(0, &words, stream.handle()).unwrap();
+            valid.copy_from_host_async(0, &bound.to_le_bytes(), stream.handle()).unwrap();
+            graph.launch(stream.handle()).unwrap();
+            stream.synchronize().unwrap();
+            assert_eq!(flags.is_raised(11), k == 4, "defer {defer}, replay {k}: request 11's flag");
+            for &(req, pos) in rows.iter() {
+                let v = if req == 11 { 64.0 } else { (req - 10) as f32 + 1.0 };
+                want.push((0, req, pos, v));
+                want.push((1, req, pos, v)); // the probe's score: w . x = x[0]
+            }
+        }
+        assert!(session.wait_probes(std::time::Duration::from_secs(30)));
+        let stats = session.probe_stats();
+        assert_eq!((stats[0].rows, stats[0].no_request_rows), (want.len() as u64 / 2, 0), "defer {defer}: {stats:?}");
+        let report = session.shutdown().unwrap();
+        let mut got = got.lock().clone();
+        got.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        want.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        assert_eq!(got, want, "defer {defer}: the exported rows (0: h, 1: the probe's scores)");
+        let total = report.accounting.total();
+        assert_eq!((total.exported.rows, total.dropped_total().rows), (want.len() as u64, 0), "defer {defer}");
     }
 }
 

@@ -7,7 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 10 added `rs_note_step_rows` (the rows of each request
+// The version of this C ABI, as [`rs_abi_version`] returns it: 11 added `rs_begin_step_graph_kept` (a graph-begun
+// step that keeps some of its rows only) and `RS_KEEP_ALL`; 10 added `rs_note_step_rows` (the rows of each request
 // in a step begun inside a CUDA graph, for the probes' coverage); 9 added `rs_begin_step_graph_ended` (rows of ended
 // sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
 // run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
@@ -22,7 +23,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 10
+#define RS_ABI_VERSION 11
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0
@@ -127,6 +128,9 @@
 // A row downcast to OCP FP8 E4M3 with one scale per row: a little-endian `f32` scale, then `row_width` E4M3 bytes
 // (records of a hookpoint whose downcast is on, see `rs_set_downcast`).
 #define RS_DTYPE_F8E4M3_ROWSCALED 12
+
+// `rs_begin_step_graph_kept`'s count for a step that keeps every row.
+#define RS_KEEP_ALL 4294967295
 
 // Most token ids `rs_begin_step_graph_ended` takes as marking an ended sequence.
 #define RS_MAX_ENDED_TOKENS 8
@@ -610,6 +614,26 @@ rs_status rs_begin_step_graph(uint64_t session_handle,
                               uint32_t seq,
                               uint32_t positions_batch_stride,
                               uint64_t cuda_stream);
+
+// As `rs_begin_step_graph` (one token per batch row: `seq` 1), for an engine that serves requests it does not
+// capture: at every replay, `kept_ptr` (device `uint32_t[1 + batch]`, written by the engine before each pass as it
+// writes the request ids) holds the number of rows the step keeps — or `RS_KEEP_ALL` for every row — then the kept
+// batch rows in ascending order. The other rows are neither captured nor scored by fused probes (a request that did
+// not opt in leaves nothing in the output, not even rows of no request). Every capture of the step takes the kept
+// rows where it would take all rows or each request's last row; a hookpoint's explicit row list is taken as given.
+// `RS_ERR_CUDA` for `seq` other than 1, and for `kept_ptr` null, misaligned or too short.
+//
+// # Safety
+// As `rs_begin_step_graph`; `kept_ptr` is device memory like `request_ids_ptr` (it stays allocated and holds the
+// kept rows for as long as the graph may be replayed).
+rs_status rs_begin_step_graph_kept(uint64_t session_handle,
+                                   uint64_t request_ids_ptr,
+                                   uint64_t positions_ptr,
+                                   uint32_t batch,
+                                   uint32_t seq,
+                                   uint32_t positions_batch_stride,
+                                   uint64_t kept_ptr,
+                                   uint64_t cuda_stream);
 
 // As `rs_begin_step_graph`, for an engine that keeps finished sequences in its fixed-shape batch (Hugging Face
 // `generate` feeds a finished row its end-of-sequence or padding token): at every replay, batch row `b` whose token —

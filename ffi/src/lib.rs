@@ -152,7 +152,8 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 10 added `rs_note_step_rows` (the rows of each request
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 11 added `rs_begin_step_graph_kept` (a graph-begun
+/// step that keeps some of its rows only) and `RS_KEEP_ALL`; 10 added `rs_note_step_rows` (the rows of each request
 /// in a step begun inside a CUDA graph, for the probes' coverage); 9 added `rs_begin_step_graph_ended` (rows of ended
 /// sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
 /// run manifest's `metadata` object); 7 added `rs_admit_graph_step` (full mode for steps
@@ -167,7 +168,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 10;
+pub const RS_ABI_VERSION: u32 = 11;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -1054,7 +1055,45 @@ unsafe fn graph_step(
     let (request_ids, positions, stream) = unsafe {
         (DevicePtr::from_raw(request_ids_ptr), DevicePtr::from_raw(positions_ptr), StreamRef::from_raw(cuda_stream))
     };
-    (GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: None }, stream)
+    (GraphBatch { batch, seq, request_ids, positions, positions_batch_stride, ended: None, kept: None }, stream)
+}
+
+/// `rs_begin_step_graph_kept`'s count for a step that keeps every row.
+pub const RS_KEEP_ALL: u32 = 0xFFFF_FFFF;
+
+/// As `rs_begin_step_graph` (one token per batch row: `seq` 1), for an engine that serves requests it does not
+/// capture: at every replay, `kept_ptr` (device `uint32_t[1 + batch]`, written by the engine before each pass as it
+/// writes the request ids) holds the number of rows the step keeps — or `RS_KEEP_ALL` for every row — then the kept
+/// batch rows in ascending order. The other rows are neither captured nor scored by fused probes (a request that did
+/// not opt in leaves nothing in the output, not even rows of no request). Every capture of the step takes the kept
+/// rows where it would take all rows or each request's last row; a hookpoint's explicit row list is taken as given.
+/// `RS_ERR_CUDA` for `seq` other than 1, and for `kept_ptr` null, misaligned or too short.
+///
+/// # Safety
+/// As `rs_begin_step_graph`; `kept_ptr` is device memory like `request_ids_ptr` (it stays allocated and holds the
+/// kept rows for as long as the graph may be replayed).
+#[no_mangle]
+pub unsafe extern "C" fn rs_begin_step_graph_kept(
+    session_handle: u64,
+    request_ids_ptr: u64,
+    positions_ptr: u64,
+    batch: u32,
+    seq: u32,
+    positions_batch_stride: u32,
+    kept_ptr: u64,
+    cuda_stream: u64,
+) -> RsStatus {
+    ffi(|| {
+        let s = session(session_handle)?;
+        // SAFETY: as `rs_begin_step_graph`, with the kept rows under the same promise as the batch tensors.
+        let ((batch, stream), kept) = unsafe {
+            (
+                graph_step(request_ids_ptr, positions_ptr, batch, seq, positions_batch_stride, cuda_stream),
+                DevicePtr::from_raw(kept_ptr),
+            )
+        };
+        Ok(s.begin_step_graph(&GraphBatch { kept: Some(kept), ..batch }, stream)?)
+    })
 }
 
 /// Most token ids `rs_begin_step_graph_ended` takes as marking an ended sequence.

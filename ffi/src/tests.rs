@@ -164,6 +164,13 @@ fn bad_input_gets_the_documented_status_and_a_message() {
         "host session"
     );
     assert!(last_error().contains("host backend"), "{}", last_error());
+    assert_eq!(
+        // SAFETY: as above.
+        unsafe { rs_begin_step_graph_kept(s, 0x1000, 0x2000, 1, 1, 1, 0x3000, 0) },
+        RsStatus::RsErrInvalidArgument,
+        "host session"
+    );
+    assert!(last_error().contains("host backend"), "{}", last_error());
     // Ended-sequence tokens: the ids are checked (count, null) before the backend is asked.
     let ended = [2i64, 128_009, -1, 4, 5, 6, 7, 8, 9];
     for (ptr, n, want) in [
@@ -341,8 +348,9 @@ fn drop_reason_and_dtype_constants_are_the_library_numbering_and_names() {
 }
 
 #[test]
-fn the_ended_token_limit_is_the_kernels() {
+fn the_ended_token_limit_and_keep_all_are_the_kernels() {
     assert_eq!(RS_MAX_ENDED_TOKENS as usize, ringscope_api::cuda::MAX_ENDED_TOKENS);
+    assert_eq!(RS_KEEP_ALL, ringscope_api::cuda::KEEP_ALL);
 }
 
 #[test]

@@ -185,7 +185,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture(
     // Which rows: every block computes the same answer from memory nobody writes while this kernel runs.
     u32 bound = last_rows ? n_rows : min(src_rows, n_rows);
     if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);
-    const u32 mode = last_rows ? (u32)ROW_LAST_PER_REQUEST : c.mode;
+    // A step that keeps some rows only (DESC_KEPT: its last-row list holds them): all rows are the kept rows.
+    const bool kept = (desc_flags & DESC_KEPT) != 0;
+    const u32 mode = last_rows || (kept && c.mode == ROW_ALL) ? (u32)ROW_LAST_PER_REQUEST : c.mode;
     const u32* idx = 0;
     u32 rows = bound;
     if (mode != ROW_ALL) {
@@ -372,7 +374,14 @@ struct GraphBatch {
     u32 tokens_stride;
     u32 n_ended;
     long long ended[MAX_ENDED_TOKENS];
+    // The rows the step keeps (null: every row): kept[0] is their number, or KEEP_ALL for every row, then the kept
+    // rows ascending (seq 1: batch rows). The others — requests an engine does not capture — are neither captured
+    // nor scored: an engine writes this before each replay, as it writes the request ids.
+    const u32* kept;
 };
+
+// The number of rows a graph batch keeps (KEEP_ALL: every row).
+__device__ __forceinline__ u32 graph_kept(const GraphBatch& g) { return g.kept ? g.kept[0] : KEEP_ALL; }
 
 // The request of batch row b of a graph batch (NO_REQUEST for a row of a sequence that ended).
 __device__ __forceinline__ u64 graph_request(const GraphBatch& g, u32 b) {
@@ -416,14 +425,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph
     const u64 step = ld64(state + ST_NEXT_STEP);
     const u32 n = g.batch * g.seq;
     for (u32 r = threadIdx.x; r < n; r += blockDim.x) ((uint4*)(desc + DESC_HEADER_BYTES))[r] = graph_meta(g, r);
+    // The last-row list: each request's last row — or, when the batch keeps some rows only (seq 1), the kept rows,
+    // which then stand for every row of the step (DESC_KEPT).
+    const u32 kept = graph_kept(g);
+    const u32 n_last = kept == KEEP_ALL ? g.batch : min(kept, g.batch);
     u32* last = (u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n);
-    for (u32 b = threadIdx.x; b < g.batch; b += blockDim.x) last[b] = b * g.seq + g.seq - 1;
+    for (u32 b = threadIdx.x; b < n_last; b += blockDim.x) last[b] = kept == KEEP_ALL ? b * g.seq + g.seq - 1 : g.kept[1 + b];
     if (threadIdx.x == 0) {
         st64(desc + DESC_STEP, step);
         *(u32*)(desc + DESC_N_ROWS) = n;
-        *(u32*)(desc + DESC_N_LAST) = g.batch;
+        *(u32*)(desc + DESC_N_LAST) = n_last;
         st64(desc + DESC_BEGIN_INDEX, 0);
-        *(u32*)(desc + DESC_FLAGS) = (u32)ld64(state + ST_GRAPH_FLAGS);
+        *(u32*)(desc + DESC_FLAGS) = (u32)ld64(state + ST_GRAPH_FLAGS) | (kept == KEEP_ALL ? 0u : DESC_KEPT);
         st64(state + ST_NEXT_STEP, step + 1);
         st64(state + ST_TAIL_SNAP, tail_now);
         rs_graph_step_begun(state, host);
@@ -520,6 +533,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
     const u64 seq0 = ld64(state + ST_SEQ);
     const u64 tail = ld64(state + ST_TAIL_SNAP);
     const u64 tail_now = ld64(state + ST_TAIL);
+    // A batch that keeps some rows only: every entry that takes all rows (or each request's last, seq 1) takes them.
+    const u32 kept = m.g.on ? graph_kept(m.g) : KEEP_ALL;
     u32 was_busy = 0;
     if (lead) was_busy = atomicExch((u32*)(state + ST_BUSY), 1u);
 
@@ -537,6 +552,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_capture_many(
         const bool last_rows = (e.src_rows & SRC_LAST_ROWS) != 0;
         Control c = controls[e.hookpoint];
         if (last_rows) c.mode = ROW_LAST_PER_REQUEST;
+        if (kept != KEEP_ALL && !last_rows && c.mode != ROW_LIST) {
+            c.mode = ROW_LIST;
+            c.list_ptr = (u64)(m.g.kept + 1);
+            c.list_len = min(kept, n_rows);
+        }
         ctl[i] = c;
         u32 bound = last_rows ? n_rows : min(e.src_rows, n_rows);
         if (c.valid_rows_ptr) bound = min(bound, *(const u32*)c.valid_rows_ptr);

@@ -50,11 +50,25 @@ __device__ void rs_probe_rows(
         last = (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows);
         end = min(src_rows, *(const u32*)(desc + DESC_N_LAST));
     }
+    // A step that keeps some rows only scores those: from the graph batch, or the descriptor's last-row list
+    // (DESC_KEPT, a step begun inside a graph whose captures are not deferred).
+    const u32* keep = 0;
+    if (!last_rows) {
+        if (g.on && graph_kept(g) != KEEP_ALL) {
+            keep = g.kept + 1;
+            end = min(g.kept[0], g.batch * g.seq);
+        } else if (!g.on && (*(const u32*)(desc + DESC_FLAGS) & DESC_KEPT)) {
+            keep = (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * *(const u32*)(desc + DESC_N_ROWS));
+            end = *(const u32*)(desc + DESC_N_LAST);
+        }
+    }
     const u64 row_bytes = (u64)d * (dtype == DTYPE_F32 ? 4u : 2u);
     const bool flagging = thresholds != 0 && flags != 0 && flag_slots != 0;
 
-    for (u32 r = first_row; r < end; r += row_stride) {
-        // (The same r for the whole block: the skip is uniform, no thread misses a barrier.)
+    for (u32 j = first_row; j < end; j += row_stride) {
+        // (The same j for the whole block: the skips are uniform, no thread misses a barrier.)
+        const u32 r = keep ? keep[j] : j;
+        if (keep && r >= bound) continue;        // a kept row past the valid rows
         if (last && last[r] >= bound) continue;  // a padding row
         const u8* x = src + (u64)r * row_bytes;
         if (threadIdx.x == 0) s_hit = 0;

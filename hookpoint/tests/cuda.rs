@@ -122,7 +122,15 @@ impl Source {
 
 /// A graph-begun step's batch from the device tensors `req` (request ids) and `pos` (positions, `seq` per batch row).
 fn graph_batch(req: &DeviceBuffer, pos: &DeviceBuffer, batch: u32, seq: u32) -> GraphBatch {
-    GraphBatch { batch, seq, request_ids: req.ptr(), positions: pos.ptr(), positions_batch_stride: seq, ended: None }
+    GraphBatch {
+        batch,
+        seq,
+        request_ids: req.ptr(),
+        positions: pos.ptr(),
+        positions_batch_stride: seq,
+        ended: None,
+        kept: None,
+    }
 }
 
 fn register(reg: &Registry, name: &str, dtype: DType, width: u32) -> Arc<HookPoint> {
@@ -479,6 +487,16 @@ fn graph_steps_and_deferred_captures_reject_bad_input() {
     // Positions of 8 batch rows read past the end of a 4-element tensor.
     let short = msg(cap.begin_step_graph(&reg, &GraphBatch { batch: 8, ..good }, stream.handle()));
     assert!(short.contains("positions") && short.contains("past the end"), "{short}");
+    // Kept rows: one token per batch row, and room for the count and a row per batch row (4 + 1 words here).
+    let kept = DeviceBuffer::zeroed(&gpu, 4 * 4).unwrap();
+    let kept_seq = GraphBatch { seq: 2, kept: Some(kept.ptr()), ..graph_batch(&req, &pos, 2, 2) };
+    let kept_seq = msg(cap.begin_step_graph(&reg, &kept_seq, stream.handle()));
+    assert!(kept_seq.contains("kept rows with 2 tokens per batch row"), "{kept_seq}");
+    let kept_null =
+        msg(cap.begin_step_graph(&reg, &GraphBatch { kept: Some(DevicePtr::NULL), ..good }, stream.handle()));
+    assert!(kept_null.contains("kept rows") && kept_null.contains("null device pointer"), "{kept_null}");
+    let kept_short = msg(cap.begin_step_graph(&reg, &GraphBatch { kept: Some(kept.ptr()), ..good }, stream.handle()));
+    assert!(kept_short.contains("kept rows") && kept_short.contains("past the end"), "{kept_short}");
     let foreign = ForeignStream::new(0).unwrap();
     gpu.bind().unwrap();
     let wrong_ctx = msg(cap.begin_step_graph(&reg, &good, foreign.handle()));

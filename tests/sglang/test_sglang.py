@@ -6,9 +6,9 @@ tests/engine.sh sglang-0.5.17):
   hits). Every exported row of every site equals an independent Hugging Face forward pass over the same checkpoint;
   request ids (one named by the request, the others hashed from SGLang's rid) and positions exact; the cached rows
   counted in the events table, the plugin's counters and the probe's coverage — never captured, never "safe".
-- "stop": a probe with ``action = "stop"`` ends the requests it scores after their first forward pass (CPU: the one
-  request captured with ``requests = "opt_in"``; CUDA, where "opt_in" is refused: all but one with a malformed
-  ringscope parameter); the others run to their end.
+- "stop": a probe with ``action = "stop"`` ends the requests it scores after their first forward pass (the one
+  request captured with ``requests = "opt_in"``; on CUDA the others' rows are kept out on the device); the others run
+  to their end.
 - "deferred" (CUDA only): the residual and q/k/v copied by one kernel per pass, against the reference and "main".
 
 RINGSCOPE_SGLANG_TEST_DTYPE=bfloat16 serves the same float32 checkpoint in bfloat16 (looser tolerances, below).
@@ -22,7 +22,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import (CONFIG, DEVICE, DTYPE, LAST_TOKEN_PASS, NO_REQUEST, TOLERANCE, activations, assert_rows_match,
+from conftest import (CONFIG, DEVICE, DTYPE, LAST_TOKEN_PASS, TOLERANCE, activations, assert_rows_match,
                       check_rows, fed, mixed_step, positions_of, request_ids, side_file)
 
 #: Attention weights rebuilt from captured q and k equal Hugging Face eager's within this (absolute): float32 on CPU,
@@ -206,18 +206,18 @@ def test_prefix_cache_hits_are_counted_in_the_events_table_and_the_coverage(main
 
 def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(engines, tmp_path_factory):
     """The stop probe flags every row it scores: it ends each captured request after its first forward pass (the token
-    generated there is kept) while the others run to their end. CPU: ``requests = "opt_in"``, only the first request
-    is captured. CUDA, where "opt_in" is refused: every request is captured but the third, whose malformed ringscope
-    parameter keeps it out; with the overlap scheduler a stopped request may get one more token there (its next batch
-    can be scheduled before the flag is read)."""
+    generated there is kept) while the others run to their end. ``requests = "opt_in"``: only the first request is
+    captured (the third's malformed ringscope parameter keeps it out, counted); on CUDA the other requests' rows are
+    kept out of the capture on the device — no row of no request in the files. With the overlap scheduler on CUDA a
+    stopped request may get one more token (its next batch can be scheduled before the flag is read)."""
     import ringscope
 
     cuda = DEVICE != "cpu"
-    stop = engines("stop", "stop", requests="all" if cuda else "opt_in",
+    stop = engines("stop", "stop", requests="opt_in",
                    extra=STOP_PROBE.format(weights=_weights(tmp_path_factory, np.zeros((1, 64)))))
 
     assert stop.get("error") is None, stop.get("traceback")
-    captured = (True, cuda, False)
+    captured = (True, False, False)
     most = 2 if cuda and os.environ.get("RINGSCOPE_SGLANG_TEST_OVERLAP") == "1" else 1
     for r, cap in zip(stop["requests"], captured):
         if cap:
@@ -233,9 +233,9 @@ def test_a_stop_probe_ends_the_request_it_flags_and_only_that_one(engines, tmp_p
     assert summary["plugin"]["bad_extra_args"] == 1 and summary["plugin"]["disabled"] is None
     assert 'custom_params["ringscope"] = \'yes\'' in stop["log"], stop["log"][-3000:]
     dump = ringscope.read_dump(stop["run_dir"])
-    # (On CUDA, rows of the requests not captured are exported as rows of no request: see check_rows.)
-    assert set(dump["layers.0.resid"]["request_id"].astype(np.uint64).tolist()) - {NO_REQUEST} == \
-        {x for x in rid if x is not None}
+    # Only the captured request's rows, on CUDA too (the others' are kept out on the device, not exported as rows of
+    # no request).
+    assert set(dump["layers.0.resid"]["request_id"].astype(np.uint64).tolist()) == {x for x in rid if x is not None}
 
 
 #: (how the server is stopped, where its scheduler is then): engine.STOPS x engine.PLACES. A signal to the server's
@@ -333,7 +333,8 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     with pytest.raises(RingscopeError, match="ring.max_batch_rows = 100, but a forward pass .* 9000 token rows"):
         rs._engine.session_config(rs.parse_config({"ring": {"max_batch_rows": 100}}), planned, "f32", 64, cuda=True,
                                   max_rows=9000)
-    # What the CUDA path cannot do yet is refused at install, naming it: speculative decoding, requests = "opt_in".
+    # What the CUDA path cannot do is refused at install, naming it: speculative decoding; requests = "opt_in" with a
+    # library that cannot keep the captured requests' rows only (before C ABI 11).
     import types
 
     class LlamaForCausalLM:  # a supported model class whose parameters are on a CUDA device (no GPU needed)
@@ -349,8 +350,11 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     monkeypatch.setenv(rs.ENV_CUDA, "1")
     with pytest.raises(RingscopeError, match="speculative_algorithm = 'EAGLE' is not supported on CUDA"):
         rs.SglangCapture.install(cuda_runner(speculative_algorithm="EAGLE"), rs.parse_config({}))
-    with pytest.raises(RingscopeError, match='requests = "opt_in" is not supported on CUDA'):
-        rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"requests": "opt_in"}}))
+    with monkeypatch.context() as m:
+        m.setattr(rs, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
+        with pytest.raises(RingscopeError, match='requests = "opt_in" on CUDA needs a library with '
+                                                 'rs_begin_step_graph_kept'):
+            rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"requests": "opt_in"}}))
     # A deferred copy of an output SGLang overwrites in place within the step (its fused add-norm) is refused.
     with pytest.raises(RingscopeError, match="defer_captures = true with the site.s. mlp_output: SGLang overwrites"):
         rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"sites": ["residual", "mlp_output"]},

@@ -79,6 +79,8 @@ class _SessionSnapshot(ctypes.Structure):
 _RUNG_LEN = 32
 #: Most token ids ``rs_begin_step_graph_ended`` takes (``RS_MAX_ENDED_TOKENS``).
 MAX_ENDED_TOKENS = 8
+#: ``kept[0]`` of :meth:`ringscope.Session.begin_step_graph` for a step that keeps every row (``RS_KEEP_ALL``).
+KEEP_ALL = 0xFFFF_FFFF
 
 
 class _HookPointSnapshot(ctypes.Structure):
@@ -186,6 +188,8 @@ SIGNATURES: Dict[str, Tuple[int, List, type]] = {
     "rs_begin_step_graph_ended": (9, [_u64, _u64, _u64, _u32, _u32, _u32, _u64, _u32, _p(_i64), _u32, _u64], _i32),
     # ABI 10: the rows each request ran in a step begun inside a CUDA graph (the probes' coverage).
     "rs_note_step_rows": (10, [_u64, _p(_u64), _sz], _i32),
+    # ABI 11: a step begun inside a CUDA graph that keeps some of its rows only.
+    "rs_begin_step_graph_kept": (11, [_u64, _u64, _u64, _u32, _u32, _u32, _u64, _u64], _i32),
 }
 
 #: The header's struct name of each ctypes struct.

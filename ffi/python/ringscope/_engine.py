@@ -23,6 +23,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+from ._abi import _has_call
 from .errors import RingscopeError
 from .session import _stream_getter
 
@@ -472,6 +473,16 @@ class EngineCapture:
         self._dirty = 0
         self._req_size = 0  # the length of the decoder's current request-id buffer
         self._uploaded = None  # the row ids (array) the buffers hold since the last upload (_upload)
+        # CUDA: the kept-rows buffers (ringscope.Session.begin_step_graph's ``kept``), one beside each request-id
+        # buffer, and whether they say "every row" since the last upload (then nothing is copied while they do).
+        self._kept_bufs: List = []
+        self._kept_all = False
+        # A library that predates kept rows (C ABI 11) exports the rows of requests not captured as rows of no request.
+        self._keeps = bool(self.cuda and _has_call("rs_begin_step_graph_kept"))
+        if self.cuda and not self._keeps:
+            self.logger.warning("ringscope: the library predates rs_begin_step_graph_kept (C ABI 11): rows of requests "
+                                "not captured are exported as rows of no request; rebuild it with `cargo build "
+                                "--release -p ringscope-ffi`")
         if self.cuda:
             import torch
 
@@ -536,8 +547,13 @@ class EngineCapture:
         self._req_size = size
         if self.cuda:
             self._req_bufs.append(decoder._ringscope_req)
-            # A slot: the ids of `size` rows, then the pass's number of rows (for self._valid).
-            self._stage = [[torch.full((size + 1,), -1, dtype=torch.int64).pin_memory(), None] for _ in range(4)]
+            # The kept rows (the count, or -1: every row; then the rows): read by the graphs recorded with this buffer.
+            self._kept_bufs.append(torch.full((size + 1,), -1, dtype=torch.int32, device=self._device))
+            self._kept_all = False
+            # A slot: the ids of `size` rows, then the pass's number of rows (for self._valid); its event; the kept
+            # rows.
+            self._stage = [[torch.full((size + 1,), -1, dtype=torch.int64).pin_memory(), None,
+                            torch.full((size + 1,), -1, dtype=torch.int32).pin_memory()] for _ in range(4)]
             self._stage_next = 0
             self._dirty = size  # a new buffer: all of every buffer is written next time
             self._uploaded = None
@@ -546,9 +562,10 @@ class EngineCapture:
 
     def _upload(self, tok, n: int) -> None:
         """CUDA: the request ids of the next forward pass's ``n`` token rows into every request-id buffer, and -1
-        after them as far as earlier ids went, and ``n`` as the bound of the rows captured (the rest is the graph's
-        padding), on the engine's current stream (stream-ordered before the forward
-        pass or graph replay). Through pinned staging slots, each reused only once its last copy has run.
+        after them as far as earlier ids went; ``n`` as the bound of the rows captured (the rest is the graph's
+        padding); and the rows kept (those of captured requests: all of them, or a list), on the engine's current
+        stream (stream-ordered before the forward pass or graph replay). Through pinned staging slots, each reused
+        only once its last copy has run.
 
         Not called for the same ``tok`` object as the previous upload (a plugin's steady batch: every decode step of
         the same requests, see :meth:`_arm`): those ids are already in every buffer — nothing else writes them, and a
@@ -569,6 +586,26 @@ class EngineCapture:
             k = min(m, buf.shape[0])
             buf[:k].copy_(src[:k], non_blocking=True)
         self._valid.copy_(src[-1:], non_blocking=True)
+        # The kept rows: every row unless some of the pass's rows belong to requests not captured (-1), which are
+        # then neither captured nor scored (not even as rows of no request).
+        captured = tok[:n] >= 0
+        skipped = not captured.all()
+        if self._keeps and (skipped or not self._kept_all):
+            import numpy
+
+            kept = slot[2].numpy()
+            if skipped:
+                rows = numpy.flatnonzero(captured)
+                kept[0] = rows.shape[0]
+                kept[1:1 + rows.shape[0]] = rows
+                k = 1 + rows.shape[0]
+            else:
+                kept[0] = -1  # KEEP_ALL
+                k = 1
+            for buf in self._kept_bufs:
+                kk = min(k, buf.shape[0])  # an older, shorter buffer: its graphs never replay a pass this large
+                buf[:kk].copy_(slot[2][:kk], non_blocking=True)
+            self._kept_all = not skipped
         ev = slot[1] or torch.cuda.Event()
         ev.record()
         slot[1] = ev
@@ -639,7 +676,8 @@ class EngineCapture:
             import torch
 
             stream = torch.cuda.current_stream(positions.device).cuda_stream
-            self.session.begin_step_graph(request_ids, positions.reshape(-1, 1), stream=stream)
+            self.session.begin_step_graph(request_ids, positions.reshape(-1, 1), stream=stream,
+                                          kept=self._kept_bufs[-1] if self._keeps else None)
             self._open = True
             self._sel = None
             self._rows = request_ids.shape[0]

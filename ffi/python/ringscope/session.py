@@ -266,7 +266,7 @@ class Session:
             _check(lib.rs_begin_step_on_stream(self._h, step, pids, ppos, ids.size, stream))
 
     def begin_step_graph(self, request_ids, positions, stream: Optional[int] = None, tokens=None,
-                         ended_tokens: Sequence[int] = ()) -> None:
+                         ended_tokens: Sequence[int] = (), kept=None) -> None:
         """CUDA backend: starts a step from inside a CUDA graph being recorded (or eagerly). The recorded kernel reads
         the batch from the engine's own device tensors at every replay, so best-effort replays need no Python call:
         ``request_ids`` is an int64 CUDA tensor ``[batch]`` (one request per batch row), ``positions`` an int64 CUDA
@@ -277,7 +277,14 @@ class Session:
         ``tokens`` and ``ended_tokens`` (1 to 8 token ids: end-of-sequence and padding tokens): a batch row whose
         token — ``tokens[b]``, an int64 CUDA tensor ``[batch]`` (e.g. ``input_ids[:, -1]`` of a decode step; any row
         stride) — is one of ``ended_tokens`` at a replay belongs to no request then (its rows carry request id -1,
-        :data:`ringscope.torch.NO_REQUEST`), decided by ringscope's kernels on the device."""
+        :data:`ringscope.torch.NO_REQUEST`), decided by ringscope's kernels on the device.
+
+        ``kept`` (one token per batch row): an int32 CUDA tensor ``[1 + batch]`` the engine writes before each pass,
+        as it writes the request ids — element 0 the number of rows the step keeps, or ``KEEP_ALL`` (``0xFFFFFFFF``,
+        -1 as int32) for every row, then the kept batch rows in ascending order. The other rows are neither captured
+        nor scored (requests an engine serves but does not capture leave nothing in the output). Every capture takes
+        the kept rows where it would take all rows or each request's last row; a hookpoint's row list is taken as
+        given. Not with ``tokens``."""
         def check(t, what, contiguous=True):
             if not (hasattr(t, "is_cuda") and t.is_cuda and str(t.dtype) == "torch.int64"
                     and (t.is_contiguous() or not contiguous)):
@@ -315,6 +322,21 @@ class Session:
         if stream is None:
             import torch
             stream = torch.cuda.current_stream(request_ids.device).cuda_stream
+        if kept is not None:
+            if tokens is not None:
+                raise _invalid("begin_step_graph: give kept or tokens, not both")
+            if not (hasattr(kept, "is_cuda") and kept.is_cuda and str(kept.dtype) == "torch.int32"
+                    and kept.is_contiguous() and kept.dim() == 1 and kept.shape[0] >= batch + 1):
+                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
+                                     f"begin_step_graph: kept must be a contiguous int32 CUDA tensor of at least "
+                                     f"{batch + 1} elements (the count, then a row per batch row); got "
+                                     f"{getattr(kept, 'dtype', type(kept).__name__)} "
+                                     f"{tuple(getattr(kept, 'shape', ()))} on {getattr(kept, 'device', 'the host')}")
+            _check(_lib_with("rs_begin_step_graph_kept").rs_begin_step_graph_kept(
+                self._h, request_ids.data_ptr(), positions.data_ptr(), _u32("the batch size", batch),
+                _u32("the sequence length", seq), _u32("the positions' row stride", stride), kept.data_ptr(),
+                _u64("stream", stream)))
+            return
         if tokens is None:
             _check(_load().rs_begin_step_graph(self._h, request_ids.data_ptr(), positions.data_ptr(),
                                                _u32("the batch size", batch), _u32("the sequence length", seq),

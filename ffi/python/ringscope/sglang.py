@@ -73,10 +73,9 @@ rows are captured like every computed token's). With ``enable_torch_compile``, o
 with tensor or pipeline parallelism the plugin refuses to load, naming why. On a CUDA device it refuses too, unless
 ``RINGSCOPE_SGLANG_EXPERIMENTAL_CUDA=1``: the CUDA path — the same capture ops, recorded into SGLang's CUDA graphs
 (decode and breakable prefill graphs) with each step begun on the device from a request-id buffer at a fixed address
-(updated before every forward pass with the pass's number of rows, which bounds every capture on the device, so a
-graph's padding rows are not captured; rows of requests not captured would be exported as rows of no request,
-``NO_REQUEST``, never attributed; so ``requests = "opt_in"``, speculative decoding and diffusion models are refused
-there), the CUDA ring in best-effort mode, captures deferred to one copy kernel per forward pass when every
+(updated before every forward pass with the pass's number of rows and the rows it keeps: a graph's padding rows
+and the rows of requests not captured are neither captured nor scored on the device; speculative decoding and
+diffusion models are refused there), the CUDA ring in best-effort mode, captures deferred to one copy kernel per forward pass when every
 site allows it (the residual, q/k/v) — has run end to end on an H100 with SGLang 0.5.17 and its CUDA kernel package
 (tests/sglang/run_cuda.sh: rows within 5e-3 of a Hugging Face reference, ids and positions exact, both schedulers;
 benches/sglang_gpu.py: the residual of all 16 layers of a 1B bf16 model +4.2–4.6% per decode step). On CUDA the session must close only once the engine stops
@@ -94,6 +93,7 @@ from typing import Any, Dict, List
 
 from .errors import RingscopeError
 from . import _engine
+from ._abi import _has_call
 from ._engine import EngineCapture, PluginConfig, first as _first, request_id_of, truthy as _truthy
 
 __all__ = ["register", "close_all", "captures", "request_id_of", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SGLANG",
@@ -505,11 +505,12 @@ class SglangCapture(EngineCapture):
                                      f"ringscope.sglang: {bad[0]} = {getattr(sa, bad[0])!r} is not supported on CUDA "
                                      "(their passes replay CUDA graphs the plugin does not prepare): serve without it, "
                                      f"or unset {ENV_CONFIG}")
-            if pc.requests == "opt_in":
+            if pc.requests == "opt_in" and not _has_call("rs_begin_step_graph_kept"):
                 raise RingscopeError("RS_ERR_CONFIG",
-                                     f"{pc.source}: sglang.requests = \"opt_in\" is not supported on CUDA yet: there "
-                                     "the rows of requests not captured would be exported as rows of no request "
-                                     "(unattributed, but in the files); use \"all\", or serve on CPU")
+                                     f"{pc.source}: sglang.requests = \"opt_in\" on CUDA needs a library with "
+                                     "rs_begin_step_graph_kept (C ABI 11; without it the rows of requests not captured "
+                                     "would be exported as rows of no request): rebuild it with `cargo build --release "
+                                     "-p ringscope-ffi`, or use \"all\"")
         # Deferred on CUDA when every site allows it: one copy kernel per forward pass instead of one per capture
         # (SGLang runs its layers eagerly, so each capture kernel is a graph node of its own between the engine's).
         # SGLang's fused add-norm (sgl_kernel) overwrites the attention and MLP outputs within the step: with those

@@ -298,6 +298,21 @@ impl DeviceCapture {
                 })?;
             self.gpu.check_device_range("ended-sequence tokens (i64 per batch row)", ended.tokens(), bytes, 8)?;
         }
+        if let Some(kept) = batch.kept {
+            if batch.seq != 1 {
+                return Err(DeviceCaptureError::Usage(format!(
+                    "kept rows with {} tokens per batch row: a batch that keeps some rows only has one token per row \
+                     (seq 1)",
+                    batch.seq
+                )));
+            }
+            self.gpu.check_device_range(
+                "kept rows (u32 count, then u32 per batch row)",
+                kept,
+                (rows as usize + 1) * 4,
+                4,
+            )?;
+        }
         if !self.controls.in_sync(registry) {
             if self.gpu.is_capturing(&stream)? {
                 return Err(DeviceCaptureError::Usage(

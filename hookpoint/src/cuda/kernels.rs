@@ -87,7 +87,8 @@ mod graph_batch {
     pub const TOKENS_STRIDE: usize = 40;
     pub const N_ENDED: usize = 44;
     pub const ENDED: usize = 48;
-    pub const BYTES: usize = ENDED + 8 * MAX_ENDED_TOKENS;
+    pub const KEPT: usize = ENDED + 8 * MAX_ENDED_TOKENS;
+    pub const BYTES: usize = KEPT + 8;
 }
 
 /// Layout of one deferred capture (`struct Entry`).
@@ -183,6 +184,8 @@ fn shared_constants() -> Vec<(&'static str, u64, CType)> {
         ("DESC_BEGIN_INDEX", n(desc::BEGIN_INDEX), Int),
         ("DESC_FLAGS", n(desc::FLAGS), Int),
         ("DESC_DEADLINE", desc::DEADLINE as u64, U32),
+        ("DESC_KEPT", desc::KEPT as u64, U32),
+        ("KEEP_ALL", KEEP_ALL as u64, U32),
         // Per-hookpoint controls (super::controls) and counters (super::counters).
         ("CONTROL_BYTES", n(CONTROL_BYTES), Int),
         ("ROW_ALL", RowMode::All as u64, Int),
@@ -287,6 +290,7 @@ pub fn layout_checks() -> String {
     check("GraphBatch", Some("tokens_stride"), graph_batch::TOKENS_STRIDE);
     check("GraphBatch", Some("n_ended"), graph_batch::N_ENDED);
     check("GraphBatch", Some("ended"), graph_batch::ENDED);
+    check("GraphBatch", Some("kept"), graph_batch::KEPT);
     check("Entry", None, entry::BYTES);
     check("Entry", Some("src"), entry::SRC);
     check("Entry", Some("hookpoint"), entry::HOOKPOINT);
@@ -364,7 +368,17 @@ pub struct GraphBatch {
     /// attributed to [`RowMeta::NO_REQUEST`]), decided on the device from the engine's token tensor — what an engine
     /// that keeps finished sequences in a fixed-shape batch (Hugging Face `generate`) needs, without kernels of its own.
     pub ended: Option<EndedRows>,
+    /// The rows the step keeps, read at every replay (one token per batch row: `seq` 1): device `u32[1 + batch]`,
+    /// element 0 the number of rows kept — or [`KEEP_ALL`] for every row — then the kept batch rows, ascending. The
+    /// other rows are neither captured nor scored by fused probes: what an engine that serves requests it does not
+    /// capture (opted out, or not opted in) writes before each pass, as it writes the request ids. Every capture of
+    /// the step takes the kept rows for "all rows" and for "each request's last row"; an explicit row list is taken as
+    /// given. `None`: every row.
+    pub kept: Option<DevicePtr>,
 }
+
+/// [`GraphBatch::kept`]'s element 0 for a step that keeps every row.
+pub const KEEP_ALL: u32 = u32::MAX;
 
 /// The rows of a graph-begun step that belong to no request because their sequence ended: batch row `b` whose token
 /// (`tokens[b * batch_stride]`, device `i64`, read at every replay) is one of up to [`MAX_ENDED_TOKENS`] ids.
@@ -425,6 +439,9 @@ impl GraphBatch {
             p[SEQ..SEQ + 4].copy_from_slice(&g.seq.to_le_bytes());
             p[POS_STRIDE..POS_STRIDE + 4].copy_from_slice(&g.positions_batch_stride.to_le_bytes());
             p[ROLE..ROLE + 4].copy_from_slice(&(role as u32).to_le_bytes());
+            if let Some(k) = g.kept {
+                p[KEPT..KEPT + 8].copy_from_slice(&k.addr().to_le_bytes());
+            }
             if let Some(e) = &g.ended {
                 p[TOKENS..TOKENS + 8].copy_from_slice(&e.tokens.addr().to_le_bytes());
                 p[TOKENS_STRIDE..TOKENS_STRIDE + 4].copy_from_slice(&e.batch_stride.to_le_bytes());
@@ -928,6 +945,8 @@ mod tests {
         expect("DESC_BEGIN_INDEX", desc::BEGIN_INDEX as u64, "");
         expect("DESC_FLAGS", desc::FLAGS as u64, "");
         expect("DESC_DEADLINE", desc::DEADLINE as u64, "u");
+        expect("DESC_KEPT", desc::KEPT as u64, "u");
+        expect("KEEP_ALL", KEEP_ALL as u64, "u");
         expect("CONTROL_BYTES", CONTROL_BYTES as u64, "");
         expect("ROW_ALL", RowMode::All as u64, "");
         expect("ROW_LIST", RowMode::List as u64, "");
@@ -1078,8 +1097,15 @@ mod tests {
         // SAFETY: never dereferenced (only encoded).
         let (req, pos, tok) =
             unsafe { (DevicePtr::from_raw(0x1000), DevicePtr::from_raw(0x2000), DevicePtr::from_raw(0x3000)) };
-        let plain =
-            GraphBatch { batch: 3, seq: 1, request_ids: req, positions: pos, positions_batch_stride: 1, ended: None };
+        let plain = GraphBatch {
+            batch: 3,
+            seq: 1,
+            request_ids: req,
+            positions: pos,
+            positions_batch_stride: 1,
+            ended: None,
+            kept: None,
+        };
         let p = GraphBatch::param(Some(&plain), GraphRole::First);
         assert_eq!(&p[0..8], &0x1000u64.to_le_bytes());
         assert_eq!(&p[8..16], &0x2000u64.to_le_bytes());
@@ -1096,7 +1122,12 @@ mod tests {
         assert_eq!(&p[56..64], &(-7i64).to_le_bytes());
         assert_eq!(&p[64..72], &128_009i64.to_le_bytes());
         assert!(p[72..].iter().all(|&b| b == 0));
-        assert_eq!(p.len(), 112);
+        assert_eq!(p.len(), 120);
+        // SAFETY: never dereferenced.
+        let kept = unsafe { DevicePtr::from_raw(0x4000) };
+        let p = GraphBatch::param(Some(&GraphBatch { kept: Some(kept), ..plain }), GraphRole::First);
+        assert_eq!(&p[112..120], &0x4000u64.to_le_bytes(), "the kept rows' address, where the kernels read it");
+        assert!(p[32..112].iter().all(|&b| b == 0));
         assert!(GraphBatch::param(None, GraphRole::Off).iter().all(|&b| b == 0));
     }
 

@@ -44,5 +44,7 @@ mod probe;
 mod slots;
 
 pub use device_capture::{DeviceCapture, DeviceCaptureError, DeviceCaptureOptions};
-pub use kernels::{compile_ptx, pattern_word, EndedRows, GraphBatch, KERNEL_SOURCE, MAX_ENDED_TOKENS, PROBE_SOURCE};
+pub use kernels::{
+    compile_ptx, pattern_word, EndedRows, GraphBatch, KEEP_ALL, KERNEL_SOURCE, MAX_ENDED_TOKENS, PROBE_SOURCE,
+};
 pub use probe::{DeviceFlags, DeviceProbe, MAX_PROBE_OUTPUTS, MAX_PROBE_WIDTH};

@@ -35,6 +35,11 @@ pub(super) mod desc {
     pub const FLAGS: usize = 24;
     /// Flag: the step's captures are dropped and counted as `deadline` (full mode, no room in time).
     pub const DEADLINE: u32 = 1;
+    /// Flag: the step keeps some of its rows only (a graph batch's kept rows, [`GraphBatch::kept`]); `last_row` holds
+    /// them, and captures of all rows take those.
+    ///
+    /// [`GraphBatch::kept`]: super::super::kernels::GraphBatch::kept
+    pub const KEPT: u32 = 2;
 }
 
 /// The pinned slots, the descriptor's device home, and which `begin_step` last used each slot.
