@@ -50,17 +50,13 @@ __device__ void rs_probe_rows(
         last = (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n_rows);
         end = min(src_rows, *(const u32*)(desc + DESC_N_LAST));
     }
-    // A step that keeps some rows only scores those: from the graph batch, or the descriptor's last-row list
-    // (DESC_KEPT, a step begun inside a graph whose captures are not deferred).
+    // A step that keeps some rows only (a graph batch's kept rows: probes in graph-begun steps always get the batch)
+    // scores those — unless the scores hookpoint selects a row list, which its capture takes as given: then every
+    // row is scored, so that none it copies is stale.
     const u32* keep = 0;
-    if (!last_rows) {
-        if (g.on && graph_kept(g) != KEEP_ALL) {
-            keep = g.kept + 1;
-            end = min(g.kept[0], g.batch * g.seq);
-        } else if (!g.on && (*(const u32*)(desc + DESC_FLAGS) & DESC_KEPT)) {
-            keep = (const u32*)(desc + DESC_HEADER_BYTES + META_BYTES * *(const u32*)(desc + DESC_N_ROWS));
-            end = *(const u32*)(desc + DESC_N_LAST);
-        }
+    if (!last_rows && g.on && graph_kept(g) != KEEP_ALL && controls[hookpoint].mode != ROW_LIST) {
+        keep = g.kept + 1;
+        end = min(g.kept[0], g.batch * g.seq);
     }
     const u64 row_bytes = (u64)d * (dtype == DTYPE_F32 ? 4u : 2u);
     const bool flagging = thresholds != 0 && flags != 0 && flag_slots != 0;

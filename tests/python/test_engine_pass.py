@@ -252,3 +252,17 @@ def test_the_submit_op_declares_it_writes_its_tensors():
     args = {a.name: a for a in torch.ops.ringscope_engine.submit_capturing.default._schema.arguments}
     assert args["tensors"].alias_info is not None and args["tensors"].alias_info.is_write
     assert args["sink"].alias_info is not None and args["sink"].alias_info.is_write
+
+
+def test_a_row_list_for_a_plugin_hookpoint_is_refused_on_cuda():
+    # On CUDA a pass's kept rows (the captured requests' rows) stand for "all rows"; a list of batch rows would be
+    # taken as given, rows of requests not captured included, and the engine renumbers its batch rows every pass.
+    planned = [("layers.0.resid", "residual", 0)]
+    listed = {"hookpoints": [{"name": "layers.0.resid", "rows": [0, 2]}]}
+    with pytest.raises(RingscopeError, match=r"hookpoint 'layers.0.resid': rows = \[0, 2\] selects batch rows"):
+        _engine.session_config(rv.parse_config(listed), planned, "bf16", 64, cuda=True, max_rows=64)
+    # Named selections stay, and on the host (rows copied there, never on the device) a list is taken as before.
+    named = {"hookpoints": [{"name": "layers.0.resid", "rows": "last_per_request"}]}
+    cfg = _engine.session_config(rv.parse_config(named), planned, "bf16", 64, cuda=True, max_rows=64)
+    assert cfg["hookpoints"][0]["rows"] == "last_per_request"
+    assert _engine.session_config(rv.parse_config(listed), planned, "bf16", 64)["hookpoints"][0]["rows"] == [0, 2]

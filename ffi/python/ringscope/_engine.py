@@ -355,6 +355,13 @@ def session_config(pc: PluginConfig, planned: list, dt: str, hidden: int, cuda: 
         if h is None:
             cfg.setdefault("hookpoints", []).append(entry)
             continue
+        if cuda and isinstance(h.get("rows"), list):
+            # On CUDA the pass's kept rows stand for "all rows"; a list of batch rows would be taken as given — rows of
+            # requests not captured included — and an engine numbers its batch rows differently at every pass.
+            raise RingscopeError("RS_ERR_CONFIG",
+                                 f"{pc.source}: hookpoint {name!r}: rows = {h['rows']!r} selects batch rows, which "
+                                 "the engine numbers differently at every forward pass: use rows = \"all\" or "
+                                 "\"last_per_request\"")
         if any(h.get(k) not in (None, entry[k]) for k in ("dtype", "row_width")):
             raise RingscopeError("RS_ERR_CONFIG",
                                  f"{pc.source}: hookpoint {name!r} is configured with {h.get('dtype')} rows of "
@@ -578,7 +585,7 @@ class EngineCapture:
         if slot[1] is not None:
             slot[1].synchronize()  # that slot's copy (4 steps ago) has run: nearly always already done
         host = slot[0].numpy()
-        host[:n] = tok
+        host[:n] = tok[:n]
         host[n:m] = -1
         host[-1] = n
         src = slot[0]

