@@ -1082,14 +1082,14 @@ mod tests {
         };
         let last = CaptureEntry { last_rows: true, ..e };
         let p = ManyParam::new(GraphBatch::param(None, GraphRole::Off), &[e, last], true);
-        assert_eq!(&p.0[112..120], &[2, 0, 0, 0, 1, 0, 0, 0]);
-        assert_eq!(&p.0[120..128], &0x1122_3344_5566_7788u64.to_le_bytes());
-        assert_eq!(&p.0[128..132], &7u32.to_le_bytes());
+        assert_eq!(&p.0[120..128], &[2, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(&p.0[128..136], &0x1122_3344_5566_7788u64.to_le_bytes());
+        assert_eq!(&p.0[136..140], &7u32.to_le_bytes());
         let at = |i: usize| many::ENTRIES + i * entry::BYTES + entry::SRC_ROWS;
         let rows = |i: usize| &p.0[at(i)..at(i) + 4];
         assert_eq!(rows(0), &9u32.to_le_bytes());
         assert_eq!(rows(1), &(9 | SRC_LAST_ROWS).to_le_bytes(), "a last-rows source is marked in its row count");
-        assert_eq!(p.0.len(), 120 + 48 * 24);
+        assert_eq!(p.0.len(), 128 + 48 * 24);
     }
 
     #[test]
