@@ -530,7 +530,7 @@ class EngineCapture:
             if tok is not self._uploaded or n != self._dirty:  # else already in every buffer: nothing to copy
                 self._upload(tok, n)
             # Every prepared pass begins one step on the device (a graph replay, or the eager ops), so the device's
-            # step numbers follow self.step; rows of no request are exported as such, not attributed.
+            # step numbers follow self.step; its padding and the rows of requests not captured are kept out there.
             self._counters["steps_captured"] += 1
             self._counters["rows_exported_requested"] += (n - opted_out) * len(self.hookpoints)
         else:
