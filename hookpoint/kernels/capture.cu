@@ -430,7 +430,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ringscope_begin_step_graph
     const u32 kept = graph_kept(g);
     const u32 n_last = kept == KEEP_ALL ? g.batch : min(kept, g.batch);
     u32* last = (u32*)(desc + DESC_HEADER_BYTES + META_BYTES * n);
-    for (u32 b = threadIdx.x; b < n_last; b += blockDim.x) last[b] = kept == KEEP_ALL ? b * g.seq + g.seq - 1 : g.kept[1 + b];
+    for (u32 b = threadIdx.x; b < n_last; b += blockDim.x)
+        last[b] = kept == KEEP_ALL ? b * g.seq + g.seq - 1 : g.kept[1 + b];
     if (threadIdx.x == 0) {
         st64(desc + DESC_STEP, step);
         *(u32*)(desc + DESC_N_ROWS) = n;

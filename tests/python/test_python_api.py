@@ -92,7 +92,10 @@ def test_bad_input_raises_clear_errors(tmp_path):
                          ({"tokens": z, "ended_tokens": [2.0]}, "ended_tokens must be an integer"),
                          ({"tokens": z, "ended_tokens": [2**63]}, "ended_tokens must be an integer"),
                          ({"tokens": z, "ended_tokens": list(range(9))}, "9 ended_tokens, at most 8"),
-                         ({"tokens": z, "ended_tokens": [2, -1]}, "request_ids must be a contiguous int64 CUDA tensor")]:
+                         ({"tokens": z, "ended_tokens": [2, -1]}, "request_ids must be a contiguous int64 CUDA tensor"),
+                         ({"kept": z, "tokens": z, "ended_tokens": [2]}, "give kept or tokens, not both"),
+                         ({"kept": z}, "kept must be a contiguous one-dimensional int32 CUDA tensor"),
+                         ({"kept": [1, 0]}, "kept must be a contiguous one-dimensional int32 CUDA tensor")]:
         with pytest.raises(ringscope.RingscopeError, match=want) as e:
             s.begin_step_graph(z, z, stream=0, **kwargs)
         assert e.value.status == "RS_ERR_INVALID_ARGUMENT"

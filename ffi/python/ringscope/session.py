@@ -301,6 +301,14 @@ class Session:
         if len(ended) > MAX_ENDED_TOKENS:
             raise _invalid(f"begin_step_graph: {len(ended)} ended_tokens, at most {MAX_ENDED_TOKENS} (end-of-sequence "
                            "and padding tokens)")
+        if kept is not None:
+            if tokens is not None:
+                raise _invalid("begin_step_graph: give kept or tokens, not both")
+            if not (hasattr(kept, "is_cuda") and kept.is_cuda and str(kept.dtype) == "torch.int32"
+                    and kept.is_contiguous() and kept.dim() == 1):
+                raise _invalid(f"begin_step_graph: kept must be a contiguous one-dimensional int32 CUDA tensor (the "
+                               f"count, then a row per batch row); got {getattr(kept, 'dtype', type(kept).__name__)} "
+                               f"{tuple(getattr(kept, 'shape', ()))} on {getattr(kept, 'device', 'the host')}")
         check(request_ids, "request_ids")
         check(positions, "positions")
         if request_ids.dim() != 1 or positions.dim() not in (1, 2):
@@ -323,15 +331,9 @@ class Session:
             import torch
             stream = torch.cuda.current_stream(request_ids.device).cuda_stream
         if kept is not None:
-            if tokens is not None:
-                raise _invalid("begin_step_graph: give kept or tokens, not both")
-            if not (hasattr(kept, "is_cuda") and kept.is_cuda and str(kept.dtype) == "torch.int32"
-                    and kept.is_contiguous() and kept.dim() == 1 and kept.shape[0] >= batch + 1):
-                raise RingscopeError("RS_ERR_INVALID_ARGUMENT",
-                                     f"begin_step_graph: kept must be a contiguous int32 CUDA tensor of at least "
-                                     f"{batch + 1} elements (the count, then a row per batch row); got "
-                                     f"{getattr(kept, 'dtype', type(kept).__name__)} "
-                                     f"{tuple(getattr(kept, 'shape', ()))} on {getattr(kept, 'device', 'the host')}")
+            if kept.shape[0] < batch + 1:
+                raise _invalid(f"begin_step_graph: kept holds {kept.shape[0]} elements; {batch} batch rows need "
+                               f"{batch + 1} (the count, then a row per batch row)")
             _check(_lib_with("rs_begin_step_graph_kept").rs_begin_step_graph_kept(
                 self._h, request_ids.data_ptr(), positions.data_ptr(), _u32("the batch size", batch),
                 _u32("the sequence length", seq), _u32("the positions' row stride", stride), kept.data_ptr(),
