@@ -171,6 +171,11 @@ fn bad_input_gets_the_documented_status_and_a_message() {
         "host session"
     );
     assert!(last_error().contains("host backend"), "{}", last_error());
+    assert_eq!(
+        // SAFETY: a handle that is no session is refused before any address is touched.
+        unsafe { rs_begin_step_graph_kept(0xDEAD_BEEF, 0x1000, 0x2000, 1, 1, 1, 0x3000, 0) },
+        RsStatus::RsErrInvalidHandle
+    );
     // Ended-sequence tokens: the ids are checked (count, null) before the backend is asked.
     let ended = [2i64, 128_009, -1, 4, 5, 6, 7, 8, 9];
     for (ptr, n, want) in [
