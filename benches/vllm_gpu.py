@@ -716,17 +716,19 @@ def child(out: str, what: str) -> None:
     result = {"what": what}
     try:
         if what.startswith("correct-"):
+            # correct-FAMILY[-DTYPE[-VARIANT[-full]]]: "full" as the variant or after it is full mode.
             parts = what.split("#")[0].split("-")
+            variant = parts[3] if len(parts) > 3 else ""
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
-                        full=len(parts) > 3 and parts[3] == "full",
-                        attn=len(parts) > 3 and parts[3] in ("attn", "attnov", "attnovmid"),
-                        eager=len(parts) > 3 and parts[3] == "eager",
-                        opt_in=len(parts) > 3 and parts[3] in ("optin", "optinresid"),
+                        full="full" in parts[3:],
+                        attn=variant in ("attn", "attnov", "attnovmid"),
+                        eager=variant == "eager",
+                        opt_in=variant in ("optin", "optinresid"),
                         # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass).
-                        sites='["residual"]' if len(parts) > 3 and parts[3] == "optinresid" else None,
-                        overlap=len(parts) > 3 and parts[3] in ("attnov", "attnovmid"),
+                        sites='["residual"]' if variant == "optinresid" else None,
+                        overlap=variant in ("attnov", "attnovmid"),
                         # q/k/v of layers 0-2 of 4: the step ends before layer 3's attention.
-                        layers="[0, 1, 2]" if len(parts) > 3 and parts[3] == "attnovmid" else '"all"')
+                        layers="[0, 1, 2]" if variant == "attnovmid" else '"all"')
         elif what.startswith("prof-"):
             run_profile(out, what.split("-", 1)[1].rsplit("#", 1)[0], result)
         else:
@@ -819,8 +821,11 @@ def main(cmd: str, root: str) -> None:
             # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
             # its cost beside the same capture without it, between two plain engines, then the middle layer's rebuild
             # (last: what a call cut short by a time limit still has is the main answers).
-            # The two overlap_copy rebuilds alone (session 47: on the H200).
-            "overlap_correct": ["correct-llama-f32-attnov", "correct-llama-f32-attnovmid"],
+            # The overlap_copy rebuilds alone (session 47: on the H200; session 48: full mode too).
+            # The third: the same in full mode, its 512 KiB ring lapping (each pass admitted before its copy is
+            # submitted on the side stream).
+            "overlap_correct": ["correct-llama-f32-attnov", "correct-llama-f32-attnovmid",
+                                "correct-llama-f32-attnov-full"],
             # Session 47: neither a graph's padding rows nor the rows of requests that did not opt in are exported —
             # rows copied at their sites (best-effort; opt-in; full mode with a ring that laps) and deferred (q/k/v,
             # with overlap_copy).
