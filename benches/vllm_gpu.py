@@ -831,6 +831,8 @@ def main(cmd: str, root: str) -> None:
             # with overlap_copy).
             "padding": ["correct-llama", "correct-llama-bf16-optin", "correct-llama-bf16-optinresid",
                         "correct-llama-bf16-full", "correct-llama-f32-attnovmid"],
+            # The same, short (a call with little device time left): opt-in, rows copied at their sites and deferred.
+            "padding_short": ["correct-llama-bf16-optin", "correct-llama-bf16-optinresid"],
             "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2",
                         "correct-llama-f32-attnovmid"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain
