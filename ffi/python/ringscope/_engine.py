@@ -58,8 +58,8 @@ class PluginConfig:
 
     #: vLLM only, set by :mod:`ringscope.vllm` once parsed: the tensor-parallel ranks that capture (None: all).
     ranks: Optional[List[int]]
-    #: vLLM only, set by :mod:`ringscope.vllm` once parsed: ``vllm.overlap_copy``.
-    overlap_copy: bool
+    #: vLLM only, set by :mod:`ringscope.vllm` once parsed: ``vllm.overlap_copy`` (None: "auto", decided per engine).
+    overlap_copy: Optional[bool]
 
     def __init__(self, session_config: dict, sites: List[str], layers, requests: str, source: str, extra: dict):
         self.session_config = session_config

@@ -194,13 +194,17 @@ def _ranks(pc: PluginConfig):
     return ranks
 
 
-def _overlap_copy(pc: PluginConfig) -> bool:
-    """The ``overlap_copy`` key of ``[vllm]`` (default false): whether a pass's captures are copied on a side stream
-    right after the last captured site, overlapping the model's next kernels (see :func:`_overlap_points`). Only the
-    sites captured at the pass's end can: with ``attention_output`` or ``mlp_output`` it is refused."""
-    on = pc.extra.get("overlap_copy", False)
+def _overlap_copy(pc: PluginConfig) -> Optional[bool]:
+    """The ``overlap_copy`` key of ``[vllm]``: whether a pass's captures are copied on a side stream right after the
+    last captured site, overlapping the model's next kernels (see :func:`_overlap_points`). ``true`` / ``false`` as
+    given (``true`` is refused where it cannot be: with ``attention_output`` or ``mlp_output``, copied at their sites,
+    or without deferred captures); None — the key left out, or ``"auto"`` — decided per engine by
+    :func:`_overlap_wanted`."""
+    on = pc.extra.get("overlap_copy", "auto")
+    if on == "auto":
+        return None
     if not isinstance(on, bool):
-        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true or false")
+        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true, false or \"auto\"")
     at_site = sorted({s for s in pc.sites if s in _OVERWRITTEN_SITES})
     ring = pc.session_config.get("ring")
     if on and isinstance(ring, dict) and ring.get("defer_captures") is False:
@@ -412,36 +416,68 @@ def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optio
     return (layer, False, layer + 1) if layer + 1 < end else None
 
 
-def _check_overlap_engine(runner) -> None:
-    """``overlap_copy`` forks the copy's side stream and joins it between the same two attention ops, which holds
-    where vLLM splits the model into separately recorded pieces before Inductor schedules each (its default): refused
-    with Inductor's own graph partition (it splits after scheduling, which may move the ops) and with splitting ops
-    besides vLLM's attention ops (a split between the two ops would leave the fork unjoined in its recording)."""
+def _overlap_engine_problem(runner) -> Optional[str]:
+    """Why this engine's compilation cannot take ``overlap_copy`` (None: it can). The copy's side stream is forked and
+    joined between the same two attention ops, which holds where vLLM splits the model into separately recorded
+    pieces before Inductor schedules each (its default) — not with Inductor's own graph partition (it splits after
+    scheduling, which may move the ops), nor with splitting ops besides vLLM's attention ops (a split between the two
+    ops would leave the fork unjoined in its recording)."""
     cc = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
     if cc is None:
-        return
+        return None
     if getattr(cc, "use_inductor_graph_partition", False):
-        raise RingscopeError("RS_ERR_CONFIG", "ringscope.vllm: vllm.overlap_copy = true with compilation_config."
-                                              "use_inductor_graph_partition: the copy's fork and join must stay "
-                                              "between the same two attention ops; drop overlap_copy or the partition")
+        return ("compilation_config.use_inductor_graph_partition: the copy's fork and join must stay between the same "
+                "two attention ops")
     attention_ops = getattr(type(cc), "_attention_ops", None)
     if attention_ops is None:
-        return  # a vLLM that does not name its attention ops: nothing to tell other splitting ops by
+        return None  # a vLLM that does not name its attention ops: nothing to tell other splitting ops by
     # vLLM's default splitting ops: its attention ops, and (0.26 on) the KV-cache updates it appends to them.
     known = set(attention_ops) | {"vllm::unified_attention", "vllm::unified_kv_cache_update",
                                   "vllm::unified_mla_kv_cache_update"}
     other = sorted(str(op) for op in (getattr(cc, "splitting_ops", None) or []) if str(op) not in known)
     if other:
-        raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: vllm.overlap_copy = true with splitting ops besides "
-                                              f"vLLM's attention ops ({', '.join(other)}): a split between the copy's "
-                                              "fork and its join would leave it unjoined; drop overlap_copy")
+        return (f"splitting ops besides vLLM's attention ops ({', '.join(other)}): a split between the copy's fork and "
+                "its join would leave it unjoined")
+    return None
 
 
-def _overlap_note(overlap, pc: PluginConfig, cuda: bool) -> str:
-    """The start-up log line's words on ``overlap_copy``."""
+def _check_overlap_engine(runner) -> None:
+    """``overlap_copy = true`` on an engine whose compilation cannot take it (:func:`_overlap_engine_problem`) is
+    refused."""
+    problem = _overlap_engine_problem(runner)
+    if problem:
+        raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: vllm.overlap_copy = true with {problem}; drop "
+                                              "overlap_copy (or set it to \"auto\")")
+
+
+def _overlap_wanted(pc: PluginConfig, planned: list, cuda: bool, runner) -> Tuple[bool, str]:
+    """Whether this engine's passes submit their copy early (``overlap_copy``), and, when it is left to the plugin
+    (``"auto"``, the default) and off, why (for the start-up log line). As configured when given; ``"auto"``: on
+    CUDA when every capture is made at the pass's end from deferred captures and the engine's compilation allows the
+    fork and join (:func:`_overlap_engine_problem`); on CPU off (rows are copied at once: nothing would run beside the
+    model)."""
+    if pc.overlap_copy is not None:
+        return pc.overlap_copy, ""
+    if not cuda:
+        return False, ""
+    if not _captures_at_end(planned):
+        return False, "vllm.overlap_copy off: attention_output / mlp_output are copied at their sites"
+    ring = pc.session_config.get("ring")
+    if isinstance(ring, dict) and ring.get("defer_captures") is False:
+        return False, "vllm.overlap_copy off: ring.defer_captures = false"
+    problem = _overlap_engine_problem(runner)
+    if problem:
+        return False, f"vllm.overlap_copy off: {problem}"
+    return True, ""
+
+
+def _overlap_note(overlap, cuda: bool, on: bool, why_off: str = "") -> str:
+    """The start-up log line's words on ``overlap_copy`` (``on``: its effective value; ``why_off``: why "auto" left it
+    off)."""
+    if why_off:
+        return f"; {why_off}"
     if overlap is None:
-        return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" \
-            if pc.overlap_copy else ""
+        return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" if on else ""
     layer, after_attention, join = overlap
     return (f"; the copy overlaps the pass from layer {layer}'s {'attention' if after_attention else 'output'} to "
             + (f"layer {join}'s attention" if join is not None else "the last layer's end")
@@ -541,7 +577,7 @@ class VllmCapture(EngineCapture):
             _check_cuda_engine(runner)
             _check_kept_rows(pc)
         if pc.overlap_copy:
-            _check_overlap_engine(runner)
+            _check_overlap_engine(runner)  # given as true ("auto" decides in __init__)
         dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
         attention = {i: _attention_entry(model, layers[i], i, rank) for i in chosen} \
@@ -561,6 +597,7 @@ class VllmCapture(EngineCapture):
         widths = {name: _attention_width(attention[i], site) for name, site, i in planned if site in _engine.ATTN_SITES}
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
+        overlap_on, overlap_off = _overlap_wanted(pc, planned, cuda, runner)
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0,
                                       full_on_cuda=True, widths=widths, defer=deferrable(pc, planned, cuda))
@@ -573,7 +610,7 @@ class VllmCapture(EngineCapture):
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
         salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/3", "hookpoints": planned, "dtype": dt,
-                                          "hidden": hidden, "widths": widths, "overlap_copy": pc.overlap_copy},
+                                          "hidden": hidden, "widths": widths, "overlap_copy": overlap_on},
                                          sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
         if isinstance(add, dict):
@@ -604,7 +641,7 @@ class VllmCapture(EngineCapture):
         keep_hookpoints: List[int] = []
         at_end = _captures_at_end(planned)
         # With overlap_copy: where the captures are submitted (a side stream's copy) and where the step ends.
-        overlap = _overlap_points(planned, end) if at_end and pc.overlap_copy else None
+        overlap = _overlap_points(planned, end) if at_end and overlap_on else None
         self.overlap = overlap
 
         def begin_hook(module, args, kwargs):
@@ -699,7 +736,8 @@ class VllmCapture(EngineCapture):
             torch.cuda.current_stream(device).synchronize()
         logger.info("ringscope: capturing %d hookpoints (%s of layers %s) into %s, %s; compile-cache salt %s%s",
                     len(planned), ", ".join(pc.sites), chosen, self.run_dir or "the session's consumers",
-                    _engine.capture_bytes(planned, dt, hidden, widths), salt, _overlap_note(overlap, pc, cuda))
+                    _engine.capture_bytes(planned, dt, hidden, widths), salt,
+                    _overlap_note(overlap, cuda, overlap_on, overlap_off))
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
