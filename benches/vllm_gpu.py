@@ -418,14 +418,16 @@ BENCH_CONFIGS = {
     # of residuals waits for the drain instead of being degraded.
     "full_resid": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
-    # Issue 40: the query and key after RoPE and the value of 4 of the 16 layers.
-    "attn4": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n',
+    # Issue 40: the query and key after RoPE and the value of 4 of the 16 layers, the copy after the last layer (what
+    # vllm.overlap_copy = "auto", the default since session 48, does instead is attn4_overlap).
+    "attn4": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = false\n',
     # The same with vllm.overlap_copy: the copy submitted on a side stream after layer 15's attention, beside its
     # output projection and MLP (session 43).
     "attn4_overlap": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = true\n',
     # The same engine and graphs with every hookpoint disabled (the copy kernel runs, publishes nothing, the drain and
     # sink stay idle): what having the capture in the graph costs, apart from moving the rows.
-    "attn4_off": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n' + "".join(
+    "attn4_off": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = false\n' +
+    "".join(
         f'[[hookpoints]]\nname = "layers.{i}.{site}"\nenabled = false\n'
         for i in (0, 5, 10, 15) for site in ("attn_q", "attn_k", "attn_v")),
     "resid_off": '[vllm]\nsites = ["residual"]\n' + "".join(

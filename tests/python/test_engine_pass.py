@@ -196,12 +196,16 @@ def test_overlap_copy_submits_after_the_last_site_and_joins_before_the_next_atte
     assert rv._overlap_points(planned, end) == want
 
 
-def test_overlap_copy_is_a_bool_and_refused_with_sites_copied_at_their_site():
+def test_overlap_copy_is_a_bool_or_auto_and_true_is_refused_with_sites_copied_at_their_site():
     base = {"vllm": {"sites": ["residual", "attn_q"], "overlap_copy": True}}
-    assert rv._overlap_copy(rv.parse_config(base))
-    assert not rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["residual"]}}))
-    with pytest.raises(RingscopeError, match=r"vllm.overlap_copy = 'yes': give true or false"):
-        rv.parse_config({"vllm": {"overlap_copy": "yes"}})
+    assert rv._overlap_copy(rv.parse_config(base)) is True
+    assert rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["residual"], "overlap_copy": False}})) is False
+    # Left out or "auto": decided per engine (None), also with sites copied at their site.
+    assert rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["residual"]}})) is None
+    assert rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["mlp_output"], "overlap_copy": "auto"}})) is None
+    for bad in ("yes", 1, "Auto"):
+        with pytest.raises(RingscopeError, match=rf"vllm.overlap_copy = {bad!r}: give true, false or \"auto\""):
+            rv.parse_config({"vllm": {"overlap_copy": bad}})
     with pytest.raises(RingscopeError, match=r"overlap_copy = true with the site\(s\) mlp_output"):
         rv.parse_config({"vllm": {"sites": ["residual", "mlp_output"], "overlap_copy": True}})
 
@@ -233,10 +237,45 @@ def test_overlap_copy_is_refused_where_a_split_could_fall_between_the_fork_and_t
                 ["vllm::unified_attention_with_output", "vllm::mamba_mixer2", "vllm::unified_kv_cache_update",
                  "vllm::unified_mla_kv_cache_update"]):
         rv._check_overlap_engine(_runner(_Compilation(ops)))
-    with pytest.raises(RingscopeError, match=r"use_inductor_graph_partition"):
+    with pytest.raises(RingscopeError, match=r"= true with compilation_config.use_inductor_graph_partition"):
         rv._check_overlap_engine(_runner(_Compilation(["vllm::unified_attention_with_output"], partition=True)))
     with pytest.raises(RingscopeError, match=r"splitting ops besides vLLM's attention ops \(vllm::all_reduce\)"):
         rv._check_overlap_engine(_runner(_Compilation(["vllm::unified_attention_with_output", "vllm::all_reduce"])))
+
+
+def test_overlap_copy_auto_is_on_on_cuda_where_it_can_be_and_says_why_not_elsewhere():
+    fine = _runner(_Compilation(["vllm::unified_attention_with_output"]))
+    resid = [("layers.3.resid", "residual", 3)]
+    qkv = [("layers.3.q", "attn_q", 3), ("layers.3.k", "attn_k", 3)]
+
+    def wanted(table, planned, cuda=True, runner=fine, **session):
+        return rv._overlap_wanted(rv.parse_config(dict(session, vllm=table)), planned, cuda, runner)
+
+    assert wanted({"sites": ["residual"]}, resid) == (True, "")
+    assert wanted({"sites": ["attn_q", "attn_k"], "overlap_copy": "auto"}, qkv) == (True, "")
+    # Given: as given (true was checked against the engine where the capture was created).
+    assert wanted({"sites": ["residual"], "overlap_copy": False}, resid) == (False, "")
+    assert wanted({"sites": ["residual"], "overlap_copy": True}, resid, cuda=False) == (True, "")
+    # CPU: rows are copied at once, nothing would run beside the model.
+    assert wanted({"sites": ["residual"]}, resid, cuda=False) == (False, "")
+    on, why = wanted({"sites": ["residual", "mlp_output"]}, resid + [("layers.3.mlp_out", "mlp_output", 3)])
+    assert not on and "mlp_output are copied at their sites" in why
+    on, why = wanted({"sites": ["residual"]}, resid, ring={"defer_captures": False})
+    assert not on and why == "vllm.overlap_copy off: ring.defer_captures = false"
+    on, why = wanted({"sites": ["residual"]}, resid,
+                     runner=_runner(_Compilation(["vllm::unified_attention_with_output"], partition=True)))
+    assert not on and why.startswith("vllm.overlap_copy off: compilation_config.use_inductor_graph_partition")
+    on, why = wanted({"sites": ["residual"]}, resid,
+                     runner=_runner(_Compilation(["vllm::unified_attention_with_output", "vllm::all_reduce"])))
+    assert not on and "(vllm::all_reduce)" in why
+
+
+def test_overlap_copys_start_up_words():
+    assert rv._overlap_note((3, True, 4), True, True) == "; the copy overlaps the pass from layer 3's attention to " \
+                                                         "layer 4's attention"
+    assert rv._overlap_note(None, True, True).startswith("; vllm.overlap_copy: nothing after the last site")
+    assert rv._overlap_note(None, True, False) == ""
+    assert rv._overlap_note(None, True, False, "vllm.overlap_copy off: x") == "; vllm.overlap_copy off: x"
 
 
 @pytest.mark.torch

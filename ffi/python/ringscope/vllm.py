@@ -12,7 +12,7 @@ Enable it by pointing ``RINGSCOPE_VLLM_CONFIG`` at a ringscope TOML file (the sa
     layers = "all"                # or a list of decoder layer indices
     requests = "all"              # or "opt_in": only requests with SamplingParams(extra_args={"ringscope": True})
     ranks = [0]                   # tensor-parallel ranks that capture ("all": every rank, its own session)
-    overlap_copy = false          # copy a pass's captures beside the model's next kernels (see below)
+    overlap_copy = "auto"         # copy a pass's captures beside the model's next kernels (see below)
 
 The plugin is registered as a ``vllm.general_plugins`` entry point (``ringscope = "ringscope.vllm:register"``):
 vLLM calls :func:`register` in every process it starts. Without ``RINGSCOPE_VLLM_CONFIG`` it does nothing (vLLM runs
@@ -45,16 +45,18 @@ rows and ends the step: the tensors an op receives are the ones compiled code gu
 compute a site's tensor a second time for a later op and reuse the first buffer in between, so a pointer noted at the
 site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
 unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
-node per pass instead of one per hookpoint. With ``overlap_copy = true`` (experimental, off by default: tested on
-CPU engines, not yet measured on a GPU) the captures are made, and that kernel launched on a side stream, by
+node per pass instead of one per hookpoint. With ``overlap_copy`` on (``"auto"``, the default: on CUDA wherever the
+engine allows it, see :func:`_overlap_wanted`; ``true`` / ``false`` to choose) the captures are made, and that kernel
+launched on a side stream, by
 ``submit_capturing`` right after the last site (after its layer's attention for q/k/v, after the layer for the
 residual), and ``end`` ends the step (joining the copy) before the next layer's attention or at the end of the last
 layer: the copy runs beside the model's kernels in between instead of after them. The fork and
 the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
-pieces before Inductor schedules them (refused with ``compilation_config.use_inductor_graph_partition``, which
-splits after, and with splitting ops besides vLLM's attention ops); when the last site is the last layer's residual
-nothing is left to overlap and the pass ends as without it. It needs deferred captures (refused with
-``ring.defer_captures = false``); on CPU, where rows are copied at once, the ops stand in the same places. With
+pieces before Inductor schedules them (``true`` is refused with ``compilation_config.use_inductor_graph_partition``,
+which splits after, and with splitting ops besides vLLM's attention ops; ``"auto"`` is off there and says why in the
+start-up log line); when the last site is the last layer's residual nothing is left to overlap and the pass ends as
+without it. It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
+copied at once, ``true`` puts the ops in the same places and ``"auto"`` leaves them out. With
 ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm overwrites in place in the next layer, ``capture``
 copies each site's rows at the site (one kernel each) and ``end`` ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
