@@ -456,12 +456,21 @@ def _overlap_wanted(pc: PluginConfig, planned: list, cuda: bool, runner) -> Tupl
     """Whether this engine's passes submit their copy early (``overlap_copy``), and, when it is left to the plugin
     (``"auto"``, the default) and off, why (for the start-up log line). As configured when given; ``"auto"``: on
     CUDA when every capture is made at the pass's end from deferred captures and the engine's compilation allows the
-    fork and join (:func:`_overlap_engine_problem`); on CPU off (rows are copied at once: nothing would run beside the
-    model)."""
+    fork and join (:func:`_overlap_engine_problem`), in best-effort mode on one GPU — what has been verified on GPUs
+    (full mode and tensor parallelism with it have run on CPU engines only); on CPU off (rows are copied at once:
+    nothing would run beside the model)."""
     if pc.overlap_copy is not None:
         return pc.overlap_copy, ""
     if not cuda:
         return False, ""
+    policy = pc.session_config.get("policy")
+    if isinstance(policy, dict) and policy.get("mode") == "full":
+        return False, "vllm.overlap_copy off: full mode (not yet verified on a GPU with it; true turns it on)"
+    par = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    tp = int(getattr(par, "tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        return False, (f"vllm.overlap_copy off: tensor_parallel_size = {tp} (not yet verified on GPUs with it; true "
+                       "turns it on)")
     if not _captures_at_end(planned):
         return False, "vllm.overlap_copy off: attention_output / mlp_output are copied at their sites"
     ring = pc.session_config.get("ring")
