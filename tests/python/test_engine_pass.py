@@ -321,7 +321,7 @@ def test_opt_in_on_cuda_is_refused_with_a_library_that_cannot_keep_rows(monkeypa
     pc = rv.parse_config({"vllm": {"requests": "opt_in"}})
     rv._check_kept_rows(pc)  # this library keeps rows
     rv._check_kept_rows(rv.parse_config({}))
-    monkeypatch.setattr(rv, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
+    monkeypatch.setattr(_engine, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
     with pytest.raises(RingscopeError, match=r'vllm.requests = "opt_in" on CUDA needs a library with '
                                              r'rs_begin_step_graph_kept \(C ABI 11'):
         rv._check_kept_rows(pc)

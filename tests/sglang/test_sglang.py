@@ -351,7 +351,7 @@ def test_an_unsupported_model_or_version_is_a_clear_error(monkeypatch, tmp_path)
     with pytest.raises(RingscopeError, match="speculative_algorithm = 'EAGLE' is not supported on CUDA"):
         rs.SglangCapture.install(cuda_runner(speculative_algorithm="EAGLE"), rs.parse_config({}))
     with monkeypatch.context() as m:
-        m.setattr(rs, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
+        m.setattr(rs._engine, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
         with pytest.raises(RingscopeError, match='requests = "opt_in" on CUDA needs a library with '
                                                  'rs_begin_step_graph_kept'):
             rs.SglangCapture.install(cuda_runner(), rs.parse_config({"sglang": {"requests": "opt_in"}}))

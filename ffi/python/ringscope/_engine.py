@@ -287,6 +287,18 @@ def refuse_deferred_overwrites(pc: PluginConfig, planned: list, engine: str, hin
     return overwritten
 
 
+def refuse_opt_in_without_kept_rows(pc: PluginConfig, table: str) -> None:
+    """``requests = "opt_in"`` on CUDA needs a library that keeps the captured requests' rows only on the device
+    (``rs_begin_step_graph_kept``, C ABI 11): with an older one every request not opted in would be exported as rows
+    of no request — refused at load, naming the call (``table``: the engine's table, ``vllm`` or ``sglang``)."""
+    if pc.requests == "opt_in" and not _has_call("rs_begin_step_graph_kept"):
+        raise RingscopeError("RS_ERR_CONFIG",
+                             f"{pc.source}: {table}.requests = \"opt_in\" on CUDA needs a library with "
+                             "rs_begin_step_graph_kept (C ABI 11; without it the rows of requests not captured would "
+                             "be exported as rows of no request): rebuild it with `cargo build --release -p "
+                             "ringscope-ffi`, or use \"all\"")
+
+
 def deferrable(pc: PluginConfig, planned: list, cuda: bool, engine: str) -> bool:
     """Whether an engine plugin defers its captures (CUDA: one copy kernel per forward pass, at its end, reading every
     captured tensor then, instead of one kernel per capture): when nothing in the pass writes a planned site's tensor

@@ -93,7 +93,6 @@ from typing import Any, Dict, List
 
 from .errors import RingscopeError
 from . import _engine
-from ._abi import _has_call
 from ._engine import EngineCapture, PluginConfig, first as _first, request_id_of, truthy as _truthy
 
 __all__ = ["register", "close_all", "captures", "request_id_of", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SGLANG",
@@ -505,12 +504,7 @@ class SglangCapture(EngineCapture):
                                      f"ringscope.sglang: {bad[0]} = {getattr(sa, bad[0])!r} is not supported on CUDA "
                                      "(their passes replay CUDA graphs the plugin does not prepare): serve without it, "
                                      f"or unset {ENV_CONFIG}")
-            if pc.requests == "opt_in" and not _has_call("rs_begin_step_graph_kept"):
-                raise RingscopeError("RS_ERR_CONFIG",
-                                     f"{pc.source}: sglang.requests = \"opt_in\" on CUDA needs a library with "
-                                     "rs_begin_step_graph_kept (C ABI 11; without it the rows of requests not captured "
-                                     "would be exported as rows of no request): rebuild it with `cargo build --release "
-                                     "-p ringscope-ffi`, or use \"all\"")
+            _engine.refuse_opt_in_without_kept_rows(pc, "sglang")
         # Deferred on CUDA when every site allows it: one copy kernel per forward pass instead of one per capture
         # (SGLang runs its layers eagerly, so each capture kernel is a graph node of its own between the engine's).
         # SGLang's fused add-norm (sgl_kernel) overwrites the attention and MLP outputs within the step: with those

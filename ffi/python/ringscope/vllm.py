@@ -108,7 +108,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import RingscopeError
 from . import _engine
-from ._abi import _has_call
 from ._engine import EngineCapture, PluginConfig, first as _first, request_id_of, truthy as _truthy
 
 __all__ = ["register", "close_all", "captures", "request_id_of", "external_id", "SUPPORTED_ARCHITECTURES", "SUPPORTED_VLLM",
@@ -369,15 +368,9 @@ def _check_cuda_engine(runner) -> None:
 
 
 def _check_kept_rows(pc: PluginConfig) -> None:
-    """``requests = "opt_in"`` on CUDA needs a library that keeps the captured requests' rows only on the device
-    (``rs_begin_step_graph_kept``, C ABI 11): with an older one every request not opted in would be exported as rows
-    of no request — refused at load, naming it. (Opt-outs under ``"all"`` with an older library are logged.)"""
-    if pc.requests == "opt_in" and not _has_call("rs_begin_step_graph_kept"):
-        raise RingscopeError("RS_ERR_CONFIG",
-                             f"{pc.source}: vllm.requests = \"opt_in\" on CUDA needs a library with "
-                             "rs_begin_step_graph_kept (C ABI 11; without it the rows of requests not captured would "
-                             "be exported as rows of no request): rebuild it with `cargo build --release -p "
-                             "ringscope-ffi`, or use \"all\"")
+    """``requests = "opt_in"`` on CUDA with a library that cannot keep rows is refused
+    (:func:`ringscope._engine.refuse_opt_in_without_kept_rows`); opt-outs under ``"all"`` with one are logged."""
+    _engine.refuse_opt_in_without_kept_rows(pc, "vllm")
 
 
 # -- attention sites -----------------------------------------------------------------------------------------------
