@@ -45,9 +45,9 @@ rows and ends the step: the tensors an op receives are the ones compiled code gu
 compute a site's tensor a second time for a later op and reuse the first buffer in between, so a pointer noted at the
 site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
 unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
-node per pass instead of one per hookpoint. With ``overlap_copy`` on (``"auto"``, the default: on CUDA wherever the
-engine allows it, see :func:`_overlap_wanted`; ``true`` / ``false`` to choose) the captures are made, and that kernel
-launched on a side stream, by
+node per pass instead of one per hookpoint. With ``overlap_copy`` on (``"auto"``, the default: on CUDA in
+best-effort mode on one GPU wherever the engine allows it, see :func:`_overlap_wanted`; ``true`` / ``false`` to
+choose) the captures are made, and that kernel launched on a side stream, by
 ``submit_capturing`` right after the last site (after its layer's attention for q/k/v, after the layer for the
 residual), and ``end`` ends the step (joining the copy) before the next layer's attention or at the end of the last
 layer: the copy runs beside the model's kernels in between instead of after them. The fork and
