@@ -21,6 +21,9 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
     python benches/vllm_gpu.py overlap OUT_DIR    # vllm.overlap_copy: q/k/v rebuilt against Hugging Face (run with
                                                   # NVIDIA_TF32_OVERRIDE=0), then its cost beside the capture without it
     python benches/vllm_gpu.py overlap_cost OUT_DIR  # its cost alone: plain, with it, without it, plain again
+    python benches/vllm_gpu.py tail OUT_DIR       # the residual of every layer with it (the last layer's residual
+                                                  # copied at the end): rows against Hugging Face (full mode, a ring
+                                                  # that laps; best-effort), its cost in full mode beside without it
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -412,11 +415,19 @@ def check_attention(out: str, result: dict) -> dict:
 
 BENCH_CONFIGS = {
     "plain": None,
-    "resid": '[vllm]\nsites = ["residual"]\n',
+    # The residual of every layer, its copy after the last layer (overlap_copy = true: resid_overlap).
+    "resid": '[vllm]\nsites = ["residual"]\noverlap_copy = false\n',
+    # The same with vllm.overlap_copy (what "auto" does in best-effort mode since session 49): layers 0-14 submitted
+    # on a side stream after layer 15's attention, beside its output projection and MLP; layer 15's residual copied
+    # by a second, small kernel when the pass ends.
+    "resid_overlap": '[vllm]\nsites = ["residual"]\noverlap_copy = true\n',
+    "full_resid_overlap": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
+                          'overlap_copy = true\n',
     # Full (lossless) mode: the plugin admits every forward pass (Session.admit_graph_step); 8 Parquet sink threads
     # (what benches/full_mode_decode.py uses for Hugging Face), and a wait budget long enough that a prefill of 1 GiB
     # of residuals waits for the drain instead of being degraded.
-    "full_resid": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n',
+    "full_resid": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
+                  'overlap_copy = false\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
     # Issue 40: the query and key after RoPE and the value of 4 of the 16 layers, the copy after the last layer (what
     # vllm.overlap_copy = "auto", the default since session 48, does instead is attn4_overlap).
@@ -430,7 +441,7 @@ BENCH_CONFIGS = {
     "".join(
         f'[[hookpoints]]\nname = "layers.{i}.{site}"\nenabled = false\n'
         for i in (0, 5, 10, 15) for site in ("attn_q", "attn_k", "attn_v")),
-    "resid_off": '[vllm]\nsites = ["residual"]\n' + "".join(
+    "resid_off": '[vllm]\nsites = ["residual"]\noverlap_copy = false\n' + "".join(
         f'[[hookpoints]]\nname = "layers.{i}.resid"\nenabled = false\n' for i in range(16)),
     # Where a capture's cost in the compiled graph comes from (session 42: a disabled capture cost the model's kernels
     # as much as an enabled one), bench only (bench_engine): "_sites", the plugin's structure before session 42 (a
@@ -448,7 +459,7 @@ BENCH_CONFIGS = {
 
 def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
-    if kind == "full_resid":
+    if kind.startswith("full_resid"):
         head = head.replace("[ring]", "threads = 8\n[ring]")
     if BENCH_CONFIGS.get(kind) is not None:
         return head + BENCH_CONFIGS[kind]
@@ -726,9 +737,11 @@ def child(out: str, what: str) -> None:
                         attn=variant in ("attn", "attnov", "attnovmid"),
                         eager=variant == "eager",
                         opt_in=variant in ("optin", "optinresid"),
-                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass).
-                        sites='["residual"]' if variant == "optinresid" else None,
-                        overlap=variant in ("attnov", "attnovmid"),
+                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass);
+                        # residov: the same with overlap_copy (layers 0-2 submitted after layer 3's attention, layer
+                        # 3's residual copied when the pass ends).
+                        sites='["residual"]' if variant in ("optinresid", "residov") else None,
+                        overlap=variant in ("attnov", "attnovmid", "residov"),
                         # q/k/v of layers 0-2 of 4: the step ends before layer 3's attention.
                         layers="[0, 1, 2]" if variant == "attnovmid" else '"all"')
         elif what.startswith("prof-"):
@@ -820,6 +833,12 @@ def main(cmd: str, root: str) -> None:
                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
             # vllm.overlap_copy's cost alone (a short call): beside plain, then beside the capture without it.
             "overlap_cost": ["prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
+            # Session 49: the residual of all 16 layers with overlap_copy (the last layer's residual copied at the
+            # end, the rest beside that layer's MLP) — correct against Hugging Face in full mode with a ring that
+            # laps and in best-effort mode, then its cost in full mode beside full mode without it, and best-effort,
+            # between two plain engines.
+            "tail": ["correct-llama-bf16-residov-full", "prof-plain#1", "prof-full_resid_overlap", "prof-full_resid",
+                     "prof-resid_overlap", "prof-plain#2", "correct-llama-bf16-residov"],
             # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
             # its cost beside the same capture without it, between two plain engines, then the middle layer's rebuild
             # (last: what a call cut short by a time limit still has is the main answers).

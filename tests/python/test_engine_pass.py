@@ -156,6 +156,11 @@ def test_the_end_op_captures_each_tensor_as_its_hookpoint_in_order_then_ends_the
     c._end_capturing(["a", "b", "c"], [3, 0, 7])
     assert done == [("capture", "a", 3), ("capture", "b", 0), ("capture", "c", 7), ("end",)]
     done.clear()
+    # After a submit (overlap_copy with the last layer's residual last): the submitted tensors come with hookpoint -1,
+    # kept to the end and not captured again; the ones after the submit are captured, then the step ends.
+    c._end_capturing(["a", "b", "c"], [-1, -1, 7])
+    assert done == [("capture", "c", 7), ("end",)]
+    done.clear()
     with pytest.raises(RingscopeError, match=r"end_capturing: 2 tensors and 3 hookpoints"):
         c._end_capturing(["a", "b"], [1, 2, 3])
     assert done == []
@@ -180,16 +185,23 @@ def test_the_submit_op_captures_each_tensor_in_order_then_submits_and_the_end_op
 
 @pytest.mark.parametrize("planned,end,want", [
     # q/k/v last, in the last layer: submitted after its attention, the step ends with the last layer.
-    ([("l.0.q", "attn_q", 0), ("l.15.v", "attn_v", 15)], 16, (15, True, None)),
+    ([("l.0.q", "attn_q", 0), ("l.15.v", "attn_v", 15)], 16, (15, True, None, False)),
     # q/k/v last in an earlier layer: the step ends before the next layer's attention (the same compiled piece).
-    ([("l.0.q", "attn_q", 0), ("l.5.k", "attn_k", 5)], 16, (5, True, 6)),
+    ([("l.0.q", "attn_q", 0), ("l.5.k", "attn_k", 5)], 16, (5, True, 6, False)),
     # The residual last (it comes after the layer's q/k/v): submitted after the layer, ended before the next
-    # attention; the worker's last layer's residual leaves nothing to overlap.
-    ([("l.5.q", "attn_q", 5), ("l.5.r", "residual", 5)], 16, (5, False, 6)),
-    ([("l.3.r", "residual", 3), ("l.15.r", "residual", 15)], 16, None),
+    # attention.
+    ([("l.5.q", "attn_q", 5), ("l.5.r", "residual", 5)], 16, (5, False, 6, False)),
+    # The worker's last layer's residual last: nothing follows it, so what comes before it is submitted after that
+    # layer's attention and the end op copies the residual itself (tail) ...
+    ([("l.3.r", "residual", 3), ("l.15.r", "residual", 15)], 16, (15, True, None, True)),
+    ([(f"l.{i}.r", "residual", i) for i in range(16)], 16, (15, True, None, True)),
+    ([("l.15.q", "attn_q", 15), ("l.15.r", "residual", 15)], 16, (15, True, None, True)),
+    # ... and when it is the only capture there is nothing to overlap.
+    ([("l.15.r", "residual", 15)], 16, None),
     # A pipeline stage's layers end earlier than the model's.
     ([("l.7.r", "residual", 7)], 8, None),
-    ([("l.7.q", "attn_q", 7)], 8, (7, True, None)),
+    ([("l.6.r", "residual", 6), ("l.7.r", "residual", 7)], 8, (7, True, None, True)),
+    ([("l.7.q", "attn_q", 7)], 8, (7, True, None, False)),
     ([], 16, None),
 ])
 def test_overlap_copy_submits_after_the_last_site_and_joins_before_the_next_attention(planned, end, want):
@@ -280,8 +292,10 @@ def test_overlap_copy_auto_is_on_on_cuda_where_it_can_be_and_says_why_not_elsewh
 
 
 def test_overlap_copys_start_up_words():
-    assert rv._overlap_note((3, True, 4), True, True) == "; the copy overlaps the pass from layer 3's attention to " \
-                                                         "layer 4's attention"
+    assert rv._overlap_note((3, True, 4, False), True, True) == "; the copy overlaps the pass from layer 3's " \
+                                                                "attention to layer 4's attention"
+    assert rv._overlap_note((15, True, None, True), True, True) == "; the copy overlaps the pass from layer 15's " \
+        "attention to the last layer's end (layer 15's residual copied at the end)"
     assert rv._overlap_note(None, True, True).startswith("; vllm.overlap_copy: nothing after the last site")
     assert rv._overlap_note(None, True, False) == ""
     assert rv._overlap_note(None, True, False, "vllm.overlap_copy off: x") == "; vllm.overlap_copy off: x"

@@ -54,8 +54,9 @@ layer: the copy runs beside the model's kernels in between instead of after them
 the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
 pieces before Inductor schedules them (``true`` is refused with ``compilation_config.use_inductor_graph_partition``,
 which splits after, and with splitting ops besides vLLM's attention ops; ``"auto"`` is off there and says why in the
-start-up log line); when the last site is the last layer's residual nothing is left to overlap and the pass ends as
-without it. It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
+start-up log line); when the last site is the last layer's residual, which nothing follows, the captures before it are
+submitted after that layer's attention and ``end_capturing`` copies the residual itself when the pass ends (a second,
+small copy kernel). It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
 copied at once, ``true`` puts the ops in the same places and ``"auto"`` leaves them out. With
 ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm overwrites in place in the next layer, ``capture``
 copies each site's rows at the site (one kernel each) and ``end`` ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
@@ -395,20 +396,26 @@ def _captures_at_end(planned: list) -> bool:
     return not any(site in _OVERWRITTEN_SITES for _, site, _ in planned)
 
 
-def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optional[int]]]":
+def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optional[int], bool]]":
     """Where ``overlap_copy`` submits a pass's captures and where the step ends (joining the copy):
-    ``(layer, after_attention, join_layer)`` — submitted by a hook after layer ``layer``'s attention (its last site is
-    q/k/v) or after the layer itself (the residual); the step ends before layer ``join_layer``'s attention, or at the
-    end of the last layer (None). None when nothing would overlap: the last site is the residual of the worker's last
-    layer. vLLM compiles a model in pieces split at its attention ops and records each piece as a CUDA graph of its own
-    (piecewise mode), so the fork of the copy's side stream and its join must lie between the same two attention ops:
-    both points are after layer ``layer``'s attention and before the next one."""
+    ``(layer, after_attention, join_layer, tail)`` — submitted by a hook after layer ``layer``'s attention (its last
+    site is q/k/v) or after the layer itself (the residual); the step ends before layer ``join_layer``'s attention, or
+    at the end of the last layer (None). vLLM compiles a model in pieces split at its attention ops and records each
+    piece as a CUDA graph of its own (piecewise mode), so the fork of the copy's side stream and its join must lie
+    between the same two attention ops: both points are after layer ``layer``'s attention and before the next one.
+
+    When the last site is the residual of the worker's last layer nothing follows it to overlap: the captures made
+    before it are submitted after that layer's attention (beside its output projection and MLP, most of a layer's
+    work) and the end op copies the residual itself (``tail``: a second, small copy kernel on the step's stream). None
+    when nothing would overlap: that residual is the only capture."""
     if not planned:
         return None
     layer, after_layer = max((i, site not in _engine.ATTN_SITES) for _, site, i in planned)
     if not after_layer:
-        return layer, True, layer + 1 if layer + 1 < end else None
-    return (layer, False, layer + 1) if layer + 1 < end else None
+        return layer, True, layer + 1 if layer + 1 < end else None, False
+    if layer + 1 < end:
+        return layer, False, layer + 1, False
+    return (layer, True, None, True) if len(planned) > 1 else None
 
 
 def _overlap_engine_problem(runner) -> Optional[str]:
@@ -482,9 +489,10 @@ def _overlap_note(overlap, cuda: bool, on: bool, why_off: str = "") -> str:
         return f"; {why_off}"
     if overlap is None:
         return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" if on else ""
-    layer, after_attention, join = overlap
+    layer, after_attention, join, tail = overlap
     return (f"; the copy overlaps the pass from layer {layer}'s {'attention' if after_attention else 'output'} to "
             + (f"layer {join}'s attention" if join is not None else "the last layer's end")
+            + (f" (layer {layer}'s residual copied at the end)" if tail else "")
             + ("" if cuda else " (on CPU rows are copied at once: nothing runs beside the model)"))
 
 
@@ -613,7 +621,7 @@ class VllmCapture(EngineCapture):
             export.setdefault("run_id", _default_run_id(getattr(getattr(runner, "vllm_config", None), "instance_id",
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
-        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/3", "hookpoints": planned, "dtype": dt,
+        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/4", "hookpoints": planned, "dtype": dt,
                                           "hidden": hidden, "widths": widths, "overlap_copy": overlap_on},
                                          sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
@@ -647,6 +655,8 @@ class VllmCapture(EngineCapture):
         # With overlap_copy: where the captures are submitted (a side stream's copy) and where the step ends.
         overlap = _overlap_points(planned, end) if at_end and overlap_on else None
         self.overlap = overlap
+        # With overlap_copy: how many of the pass's captures were submitted (the end op keeps them to the step's end).
+        submitted = [0]
 
         def begin_hook(module, args, kwargs):
             positions = kwargs.get("positions", args[0] if args else None)
@@ -654,6 +664,7 @@ class VllmCapture(EngineCapture):
             nt = hs.shape[0]
             keep.clear()
             keep_hookpoints.clear()
+            submitted[0] = 0
             begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
 
         self._handles.append(layers[start].register_forward_pre_hook(begin_hook, with_kwargs=True))
@@ -704,8 +715,11 @@ class VllmCapture(EngineCapture):
                 self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
 
         def end_step(after=None):
-            if at_end and overlap is None:
-                end_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
+            if at_end and (overlap is None or overlap[3]):
+                # Every capture made here — or, after a submit (``tail``), the ones that came after it, the submitted
+                # tensors given with hookpoint -1 (kept to here, not captured again).
+                hps = [-1] * submitted[0] + keep_hookpoints[submitted[0]:]
+                end_capturing_op(decoder._ringscope_sink, list(keep), hps, key)
             else:
                 # Captured at their sites, or submitted (overlap_copy): the step ends, its copy joined; the tensors the
                 # copy reads are kept to here. With overlap_copy the op also takes ``after``, a tensor computed where
@@ -714,18 +728,20 @@ class VllmCapture(EngineCapture):
                 end_op(decoder._ringscope_sink, list(keep) + ([] if after is None else [after]), key)
             keep.clear()
             keep_hookpoints.clear()
+            submitted[0] = 0
 
         def end_hook(module, args, output):
-            end_step(_first(output) if overlap is not None else None)
+            end_step(_first(output) if overlap is not None and not overlap[3] else None)
 
         def join_hook(module, args, kwargs):
             end_step(kwargs.get("query", args[0] if args else None))
 
         if overlap is not None:
             def submit_hook(module, args, output):
+                submitted[0] = len(keep)
                 submit_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
 
-            layer, after_attention, join = overlap
+            layer, after_attention, join, _ = overlap
             # Registered after the sites' hooks: on the same layer, the residual's hook runs first.
             self._handles.append((layers[layer].self_attn.attn if after_attention else layers[layer])
                                  .register_forward_hook(submit_hook))
