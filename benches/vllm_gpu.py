@@ -835,13 +835,10 @@ def main(cmd: str, root: str) -> None:
             "overlap_cost": ["prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
             # Session 49: the residual of all 16 layers with overlap_copy (the last layer's residual copied at the
             # end, the rest beside that layer's MLP) — correct against Hugging Face in full mode with a ring that
-            # laps and in best-effort mode, then its cost in full mode beside full mode without it, and best-effort,
-            # between two plain engines.
+            # laps, then its cost in full mode beside full mode without it, and best-effort, between two plain
+            # engines; then the rows in best-effort mode, and q/k/v with overlap_copy in full mode (f32, rebuilt).
             "tail": ["correct-llama-bf16-residov-full", "prof-plain#1", "prof-full_resid_overlap", "prof-full_resid",
-                     "prof-resid_overlap", "prof-plain#2", "correct-llama-bf16-residov"],
-            # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
-            # its cost beside the same capture without it, between two plain engines, then the middle layer's rebuild
-            # (last: what a call cut short by a time limit still has is the main answers).
+                     "prof-resid_overlap", "prof-plain#2", "correct-llama-bf16-residov", "correct-llama-f32-attnov-full"],
             # The overlap_copy rebuilds alone (session 47: on the H200; session 48: full mode too).
             # The third: the same in full mode, its 512 KiB ring lapping (each pass admitted before its copy is
             # submitted on the side stream).
@@ -854,6 +851,9 @@ def main(cmd: str, root: str) -> None:
                         "correct-llama-bf16-full", "correct-llama-f32-attnovmid"],
             # The same, short (a call with little device time left): opt-in, rows copied at their sites and deferred.
             "padding_short": ["correct-llama-bf16-optin", "correct-llama-bf16-optinresid"],
+            # Session 43: vllm.overlap_copy — q/k/v rebuilt against Hugging Face with the copy on a side stream, then
+            # its cost beside the same capture without it, between two plain engines, then the middle layer's rebuild
+            # (last: what a call cut short by a time limit still has is the main answers).
             "overlap": ["correct-llama-f32-attnov", "prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2",
                         "correct-llama-f32-attnovmid"],
             # Session 43: the capture and, disabled, keeping the tensors without a copy kernel between two plain

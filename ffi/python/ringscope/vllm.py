@@ -207,19 +207,25 @@ def _overlap_copy(pc: PluginConfig) -> Optional[bool]:
         return None
     if not isinstance(on, bool):
         raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true, false or \"auto\"")
-    at_site = sorted({s for s in pc.sites if s in _OVERWRITTEN_SITES})
-    ring = pc.session_config.get("ring")
-    if on and isinstance(ring, dict) and ring.get("defer_captures") is False:
-        raise RingscopeError("RS_ERR_CONFIG",
-                             f"{pc.source}: vllm.overlap_copy = true with ring.defer_captures = false: overlapping "
-                             "the copy needs deferred captures (one copy kernel per pass); leave ring.defer_captures "
-                             "out or drop overlap_copy")
-    if on and at_site:
-        raise RingscopeError("RS_ERR_CONFIG",
-                             f"{pc.source}: vllm.overlap_copy = true with the site(s) {', '.join(at_site)}: those are "
-                             "copied at their sites (vLLM overwrites them in place later in the pass), so there is no "
-                             "copy to overlap; use overlap_copy with residual and attn_q / attn_k / attn_v only")
+    problem = _overlap_config_problem(pc)
+    if on and problem:
+        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = true with {problem[0]}: {problem[1]}")
     return on
+
+
+def _overlap_config_problem(pc: PluginConfig) -> Optional[Tuple[str, str]]:
+    """What in the configuration leaves ``overlap_copy`` no copy to overlap, and why: ``(setting, why)`` (None:
+    nothing) — ``true`` is refused with it, ``"auto"`` is off and its start-up log line says it."""
+    ring = pc.session_config.get("ring")
+    if isinstance(ring, dict) and ring.get("defer_captures") is False:
+        return ("ring.defer_captures = false", "overlapping the copy needs deferred captures (one copy kernel per "
+                "pass); leave ring.defer_captures out or drop overlap_copy")
+    at_site = sorted({s for s in pc.sites if s in _OVERWRITTEN_SITES})
+    if at_site:
+        return (f"the site(s) {', '.join(at_site)}", "those are copied at their sites (vLLM overwrites them in place "
+                "later in the pass), so there is no copy to overlap; use overlap_copy with residual and attn_q / "
+                "attn_k / attn_v only")
+    return None
 
 
 def load_config(path: "str | os.PathLike") -> PluginConfig:
@@ -471,11 +477,9 @@ def _overlap_wanted(pc: PluginConfig, planned: list, cuda: bool, runner) -> Tupl
     if tp > 1:
         return False, (f"vllm.overlap_copy off: tensor_parallel_size = {tp} (not yet verified on GPUs with it; true "
                        "turns it on)")
-    if not _captures_at_end(planned):
-        return False, "vllm.overlap_copy off: attention_output / mlp_output are copied at their sites"
-    ring = pc.session_config.get("ring")
-    if isinstance(ring, dict) and ring.get("defer_captures") is False:
-        return False, "vllm.overlap_copy off: ring.defer_captures = false"
+    config_problem = _overlap_config_problem(pc)
+    if config_problem:
+        return False, f"vllm.overlap_copy off: {config_problem[0]}: {config_problem[1]}"
     problem = _overlap_engine_problem(runner)
     if problem:
         return False, f"vllm.overlap_copy off: {problem}"
