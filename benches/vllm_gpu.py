@@ -21,9 +21,7 @@ cost against plain vLLM measured in the same call (docs/gpu-benchmarks.md has th
     python benches/vllm_gpu.py overlap OUT_DIR    # vllm.overlap_copy: q/k/v rebuilt against Hugging Face (run with
                                                   # NVIDIA_TF32_OVERRIDE=0), then its cost beside the capture without it
     python benches/vllm_gpu.py overlap_cost OUT_DIR  # its cost alone: plain, with it, without it, plain again
-    python benches/vllm_gpu.py tail OUT_DIR       # the residual of every layer with it (the last layer's residual
-                                                  # copied at the end): rows against Hugging Face (full mode, a ring
-                                                  # that laps; best-effort), its cost in full mode beside without it
+    python benches/vllm_gpu.py full_overlap_cost OUT_DIR  # the same in full mode
 
 (vLLM 0.26 serves a Llama with its V2 model runner unless VLLM_USE_V2_MODEL_RUNNER=0, which the plugin needs.)
 Every bench run times each decode step on its own (``step_ms``: p50/p99 of the time between two ``execute_model``
@@ -415,14 +413,9 @@ def check_attention(out: str, result: dict) -> dict:
 
 BENCH_CONFIGS = {
     "plain": None,
-    # The residual of every layer, its copy after the last layer (overlap_copy = true: resid_overlap).
+    # The residual of every layer, the copy at the pass's end (overlap_copy has nothing to overlap after the last
+    # layer's residual; false says so whatever "auto" would decide).
     "resid": '[vllm]\nsites = ["residual"]\noverlap_copy = false\n',
-    # The same with vllm.overlap_copy (what "auto" does in best-effort mode since session 49): layers 0-14 submitted
-    # on a side stream after layer 15's attention, beside its output projection and MLP; layer 15's residual copied
-    # by a second, small kernel when the pass ends.
-    "resid_overlap": '[vllm]\nsites = ["residual"]\noverlap_copy = true\n',
-    "full_resid_overlap": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
-                          'overlap_copy = true\n',
     # Full (lossless) mode: the plugin admits every forward pass (Session.admit_graph_step); 8 Parquet sink threads
     # (what benches/full_mode_decode.py uses for Hugging Face), and a wait budget long enough that a prefill of 1 GiB
     # of residuals waits for the drain instead of being degraded.
@@ -435,6 +428,11 @@ BENCH_CONFIGS = {
     # The same with vllm.overlap_copy: the copy submitted on a side stream after layer 15's attention, beside its
     # output projection and MLP (session 43).
     "attn4_overlap": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = true\n',
+    # Both in full mode (session 49).
+    "full_attn4": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\n'
+                  'layers = [0, 5, 10, 15]\noverlap_copy = false\n',
+    "full_attn4_overlap": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\n'
+                          'sites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = true\n',
     # The same engine and graphs with every hookpoint disabled (the copy kernel runs, publishes nothing, the drain and
     # sink stay idle): what having the capture in the graph costs, apart from moving the rows.
     "attn4_off": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = false\n' +
@@ -459,7 +457,7 @@ BENCH_CONFIGS = {
 
 def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
-    if kind.startswith("full_resid"):
+    if kind == "full_resid":
         head = head.replace("[ring]", "threads = 8\n[ring]")
     if BENCH_CONFIGS.get(kind) is not None:
         return head + BENCH_CONFIGS[kind]
@@ -737,11 +735,9 @@ def child(out: str, what: str) -> None:
                         attn=variant in ("attn", "attnov", "attnovmid"),
                         eager=variant == "eager",
                         opt_in=variant in ("optin", "optinresid"),
-                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass);
-                        # residov: the same with overlap_copy (layers 0-2 submitted after layer 3's attention, layer
-                        # 3's residual copied when the pass ends).
-                        sites='["residual"]' if variant in ("optinresid", "residov") else None,
-                        overlap=variant in ("attnov", "attnovmid", "residov"),
+                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass).
+                        sites='["residual"]' if variant == "optinresid" else None,
+                        overlap=variant in ("attnov", "attnovmid"),
                         # q/k/v of layers 0-2 of 4: the step ends before layer 3's attention.
                         layers="[0, 1, 2]" if variant == "attnovmid" else '"all"')
         elif what.startswith("prof-"):
@@ -833,15 +829,11 @@ def main(cmd: str, root: str) -> None:
                                      f"prof-{c}_off_nokeep", "prof-plain#2"] for c in ("attn4", "resid")},
             # vllm.overlap_copy's cost alone (a short call): beside plain, then beside the capture without it.
             "overlap_cost": ["prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
-            # Session 49: the residual of all 16 layers with overlap_copy (the last layer's residual copied at the
-            # end, the rest beside that layer's MLP) — correct against Hugging Face in full mode with a ring that
-            # laps, then its cost in full mode beside full mode without it, and best-effort, between two plain
-            # engines; then the rows in best-effort mode, and q/k/v with overlap_copy in full mode (f32, rebuilt).
-            "tail": ["correct-llama-bf16-residov-full", "prof-plain#1", "prof-full_resid_overlap", "prof-full_resid",
-                     "prof-resid_overlap", "prof-plain#2", "correct-llama-bf16-residov", "correct-llama-f32-attnov-full"],
+            # The same in full mode (session 49).
+            "full_overlap_cost": ["prof-plain#1", "prof-full_attn4_overlap", "prof-full_attn4", "prof-plain#2"],
             # The overlap_copy rebuilds alone (session 47: on the H200; session 48: full mode too).
             # The third: the same in full mode, its 512 KiB ring lapping (each pass admitted before its copy is
-            # submitted on the side stream).
+            # submitted on the side stream; first run in session 49, on an H100).
             "overlap_correct": ["correct-llama-f32-attnov", "correct-llama-f32-attnovmid",
                                 "correct-llama-f32-attnov-full"],
             # Session 47: neither a graph's padding rows nor the rows of requests that did not opt in are exported —

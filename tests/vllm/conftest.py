@@ -34,10 +34,10 @@ RESIDUAL_CONFIG = CONFIG.replace('sites = ["residual", "attention_output", "mlp_
 
 def work_between_submit_and_end(log: str) -> "list[int]":
     """For each ``submit_capturing`` op in the compiled graphs of an engine's log (run with ``TORCH_LOGS=output_code``):
-    how many matrix products the compiled code runs between it and the ``end`` (or ``end_capturing``) op that follows
-    it in the same graph — the model's work a side stream's copy can overlap (vLLM's CPU engines call
-    ``torch.ops._C.onednn_mm`` for their linear layers); -1 for a submit whose graph ends (or another submit comes)
-    before an end: in a GPU engine's recording the fork would be left unjoined."""
+    how many matrix products the compiled code runs between it and the ``end`` op that follows it in the same graph —
+    the model's work a side stream's copy can overlap (vLLM's CPU engines call ``torch.ops._C.onednn_mm`` for their
+    linear layers); -1 for a submit whose graph ends (or another submit comes) before an ``end``: in a GPU engine's
+    recording the fork would be left unjoined."""
     def code(line, what):
         return what in line and "#" not in line.split("torch.ops")[0]
 
@@ -49,8 +49,7 @@ def work_between_submit_and_end(log: str) -> "list[int]":
             inside = "def call(" not in line
             if inside:
                 counts.append(0)
-        elif inside and (code(line, "torch.ops.ringscope_engine.end.default(")
-                         or code(line, "torch.ops.ringscope_engine.end_capturing.default(")):
+        elif inside and code(line, "torch.ops.ringscope_engine.end.default("):
             inside = False
         elif inside and code(line, "onednn_mm.default("):
             counts[-1] += 1
@@ -59,14 +58,13 @@ def work_between_submit_and_end(log: str) -> "list[int]":
     return counts
 
 
-def check_overlap_sources(res: dict, per_step: int, tail: int = 0):
-    """With vllm.overlap_copy: each step submitted once, with its ``per_step`` captures before it (and ``tail`` more
-    made by the end op after it: the last layer's residual); the end op received the submitted buffers, holding the
-    captured values (tests/vllm/engine.py watch_sources)."""
+def check_overlap_sources(res: dict, per_step: int):
+    """With vllm.overlap_copy: each step submitted once, with its ``per_step`` captures before it; the end op received
+    the captured buffers, holding the captured values (tests/vllm/engine.py watch_sources)."""
     src = res["sources"]
     assert src["submits"] >= len(res["requests"]) and src["submits"] == src["ends_keeping"], src
-    assert src["captures"] == (per_step + tail) * src["submits"], src
-    assert src["captured_after_submit"] == tail * src["submits"] and src["captured_not_kept"] == 0, src
+    assert src["captures"] == per_step * src["submits"], src
+    assert src["captured_after_submit"] == 0 and src["captured_not_kept"] == 0, src
     assert src["changed_before_end"] == 0, src
 
 

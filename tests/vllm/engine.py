@@ -144,8 +144,7 @@ def watch_sources(cap, result):
     seen = []
     stats = result["sources"] = {"captures": 0, "changed_before_end": 0, "changed": [], "submits": 0,
                                  "captured_after_submit": 0, "ends_keeping": 0, "captured_not_kept": 0}
-    capture, end, submit = cap._capture, cap._end, cap._submit
-    end_keeping, end_capturing = cap._end_keeping, cap._end_capturing
+    capture, end, submit, end_keeping = cap._capture, cap._end, cap._submit, cap._end_keeping
     submitted = [False]
 
     def watched_capture(x, hookpoint):
@@ -162,21 +161,12 @@ def watch_sources(cap, result):
             submitted[0] = True
         submit()
 
-    def check_kept(keep):
+    def watched_end_keeping(keep):
         if cap._open and submitted[0]:
             stats["ends_keeping"] += 1
             kept = {t.data_ptr() for t in keep}
             stats["captured_not_kept"] += sum(x.data_ptr() not in kept for x, _, _ in seen)
-
-    def watched_end_keeping(keep):
-        check_kept(keep)
         end_keeping(keep)
-
-    # With the last layer's residual last, the end op after a submit is end_capturing: the submitted tensors come with
-    # hookpoint -1 (kept), the residual is captured there.
-    def watched_end_capturing(tensors, hookpoints):
-        check_kept([t for t, hp in zip(tensors, hookpoints) if hp < 0])
-        end_capturing(tensors, hookpoints)
 
     def watched_end():
         for x, was, hookpoint in seen:
@@ -193,7 +183,6 @@ def watch_sources(cap, result):
     cap._end = watched_end
     cap._submit = watched_submit
     cap._end_keeping = watched_end_keeping
-    cap._end_capturing = watched_end_capturing
 
 
 def run_prefix(model_dir, mode, result):

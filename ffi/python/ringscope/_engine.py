@@ -7,8 +7,7 @@ never takes the engine down (capture is switched off, said and counted).
 The ops are ``torch.library`` custom ops that declare they write a one-byte sink buffer of the model, so
 ``torch.compile`` keeps them in the graph, in order, without a graph break: ``begin``, ``capture`` (one site's rows,
 copied where the site is), ``end``, ``end_capturing`` (every site's rows of the pass, received at its end) and
-``submit_capturing`` (the same, the copy started on a side stream and joined by a later ``end``, or by an
-``end_capturing`` that copies the sites after it).
+``submit_capturing`` (the same, the copy started on a side stream and joined by a later ``end``).
 """
 
 import _thread
@@ -241,9 +240,8 @@ def ops():
         _on_capture(key, "_end_capturing", tensors, hookpoints)
 
     # Declared to write ``tensors`` (it only reads them): compiled code must then hand a later op that takes the same
-    # tensors (``end`` or ``end_capturing``, which end the step and join the copy) these very buffers, which it may
-    # not reuse before that op — nor compute the tensors again into other buffers for it (see
-    # EngineCapture._end_capturing).
+    # tensors (``end``, which ends the step and joins the copy) these very buffers, which it may not reuse before that
+    # op — nor compute the tensors again into other buffers for it (see EngineCapture._end_capturing).
     @torch.library.custom_op("ringscope_engine::submit_capturing", mutates_args=("sink", "tensors"))
     def submit_capturing(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], key: int) -> None:
         _on_capture(key, "_submit_capturing", tensors, hookpoints)
@@ -748,9 +746,7 @@ class EngineCapture:
         receives every captured tensor of the pass at its end. Compiled code guarantees the values of an op's inputs
         where the op runs, and nothing about a buffer it has already handed to an earlier op: Inductor may compute a
         site's tensor once for a site op and again for the end op, and reuse the first buffer in between — a pointer
-        noted at the site and read by a copy at the end would then read another tensor's bytes. A tensor given with
-        hookpoint -1 is only kept to here: its capture was submitted earlier in the step (``submit_capturing``) and is
-        joined by this end."""
+        noted at the site and read by a copy at the end would then read another tensor's bytes."""
         self._capture_each("end_capturing", tensors, hookpoints)
         self._end()
 
@@ -767,8 +763,7 @@ class EngineCapture:
             raise RingscopeError("RS_ERR_INVALID_ARGUMENT", f"{op}: {len(tensors)} tensors and "
                                                             f"{len(hookpoints)} hookpoints (one hookpoint per tensor)")
         for x, hookpoint in zip(tensors, hookpoints):
-            if hookpoint >= 0:  # -1: kept only (see _end_capturing)
-                self._capture(x, hookpoint)
+            self._capture(x, hookpoint)
 
     def _submit(self) -> None:
         if self._open and self.cuda:

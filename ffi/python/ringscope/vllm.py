@@ -45,8 +45,8 @@ rows and ends the step: the tensors an op receives are the ones compiled code gu
 compute a site's tensor a second time for a later op and reuse the first buffer in between, so a pointer noted at the
 site could read another tensor's bytes at the end). On CUDA these captures are deferred (``ring.defer_captures``, on
 unless the configuration says ``false``): one kernel copies all of the pass's captures (up to 48 a kernel) — one graph
-node per pass instead of one per hookpoint. With ``overlap_copy`` on (``"auto"``, the default: on CUDA in
-best-effort mode on one GPU wherever the engine allows it, see :func:`_overlap_wanted`; ``true`` / ``false`` to
+node per pass instead of one per hookpoint. With ``overlap_copy`` on (``"auto"``, the default: on CUDA on
+one GPU, best-effort or full mode, wherever the engine allows it, see :func:`_overlap_wanted`; ``true`` / ``false`` to
 choose) the captures are made, and that kernel launched on a side stream, by
 ``submit_capturing`` right after the last site (after its layer's attention for q/k/v, after the layer for the
 residual), and ``end`` ends the step (joining the copy) before the next layer's attention or at the end of the last
@@ -54,9 +54,8 @@ layer: the copy runs beside the model's kernels in between instead of after them
 the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
 pieces before Inductor schedules them (``true`` is refused with ``compilation_config.use_inductor_graph_partition``,
 which splits after, and with splitting ops besides vLLM's attention ops; ``"auto"`` is off there and says why in the
-start-up log line); when the last site is the last layer's residual, which nothing follows, the captures before it are
-submitted after that layer's attention and ``end_capturing`` copies the residual itself when the pass ends (a second,
-small copy kernel). It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
+start-up log line); when the last site is the last layer's residual nothing is left to overlap and the pass ends as
+without it. It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
 copied at once, ``true`` puts the ops in the same places and ``"auto"`` leaves them out. With
 ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm overwrites in place in the next layer, ``capture``
 copies each site's rows at the site (one kernel each) and ``end`` ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
@@ -402,26 +401,20 @@ def _captures_at_end(planned: list) -> bool:
     return not any(site in _OVERWRITTEN_SITES for _, site, _ in planned)
 
 
-def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optional[int], bool]]":
+def _overlap_points(planned: list, end: int) -> "Optional[Tuple[int, bool, Optional[int]]]":
     """Where ``overlap_copy`` submits a pass's captures and where the step ends (joining the copy):
-    ``(layer, after_attention, join_layer, tail)`` — submitted by a hook after layer ``layer``'s attention (its last
-    site is q/k/v) or after the layer itself (the residual); the step ends before layer ``join_layer``'s attention, or
-    at the end of the last layer (None). vLLM compiles a model in pieces split at its attention ops and records each
-    piece as a CUDA graph of its own (piecewise mode), so the fork of the copy's side stream and its join must lie
-    between the same two attention ops: both points are after layer ``layer``'s attention and before the next one.
-
-    When the last site is the residual of the worker's last layer nothing follows it to overlap: the captures made
-    before it are submitted after that layer's attention (beside its output projection and MLP, most of a layer's
-    work) and the end op copies the residual itself (``tail``: a second, small copy kernel on the step's stream). None
-    when nothing would overlap: that residual is the only capture."""
+    ``(layer, after_attention, join_layer)`` — submitted by a hook after layer ``layer``'s attention (its last site is
+    q/k/v) or after the layer itself (the residual); the step ends before layer ``join_layer``'s attention, or at the
+    end of the last layer (None). None when nothing would overlap: the last site is the residual of the worker's last
+    layer. vLLM compiles a model in pieces split at its attention ops and records each piece as a CUDA graph of its own
+    (piecewise mode), so the fork of the copy's side stream and its join must lie between the same two attention ops:
+    both points are after layer ``layer``'s attention and before the next one."""
     if not planned:
         return None
     layer, after_layer = max((i, site not in _engine.ATTN_SITES) for _, site, i in planned)
     if not after_layer:
-        return layer, True, layer + 1 if layer + 1 < end else None, False
-    if layer + 1 < end:
-        return layer, False, layer + 1, False
-    return (layer, True, None, True) if len(planned) > 1 else None
+        return layer, True, layer + 1 if layer + 1 < end else None
+    return (layer, False, layer + 1) if layer + 1 < end else None
 
 
 def _overlap_engine_problem(runner) -> Optional[str]:
@@ -458,20 +451,17 @@ def _check_overlap_engine(runner) -> None:
                                               "overlap_copy (or set it to \"auto\")")
 
 
-def _overlap_wanted(pc: PluginConfig, planned: list, cuda: bool, runner) -> Tuple[bool, str]:
+def _overlap_wanted(pc: PluginConfig, cuda: bool, runner) -> Tuple[bool, str]:
     """Whether this engine's passes submit their copy early (``overlap_copy``), and, when it is left to the plugin
     (``"auto"``, the default) and off, why (for the start-up log line). As configured when given; ``"auto"``: on
     CUDA when every capture is made at the pass's end from deferred captures and the engine's compilation allows the
-    fork and join (:func:`_overlap_engine_problem`), in best-effort mode on one GPU — what has been verified on GPUs
-    (full mode and tensor parallelism with it have run on CPU engines only); on CPU off (rows are copied at once:
-    nothing would run beside the model)."""
+    fork and join (:func:`_overlap_engine_problem`), on one GPU — what has been verified on GPUs (best-effort mode since
+    session 48, full mode since session 49; tensor parallelism with it has run on CPU engines only); on CPU off (rows
+    are copied at once: nothing would run beside the model)."""
     if pc.overlap_copy is not None:
         return pc.overlap_copy, ""
     if not cuda:
         return False, ""
-    policy = pc.session_config.get("policy")
-    if isinstance(policy, dict) and policy.get("mode") == "full":
-        return False, "vllm.overlap_copy off: full mode (not yet verified on a GPU with it; true turns it on)"
     par = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
     tp = int(getattr(par, "tensor_parallel_size", 1) or 1)
     if tp > 1:
@@ -493,10 +483,9 @@ def _overlap_note(overlap, cuda: bool, on: bool, why_off: str = "") -> str:
         return f"; {why_off}"
     if overlap is None:
         return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" if on else ""
-    layer, after_attention, join, tail = overlap
+    layer, after_attention, join = overlap
     return (f"; the copy overlaps the pass from layer {layer}'s {'attention' if after_attention else 'output'} to "
             + (f"layer {join}'s attention" if join is not None else "the last layer's end")
-            + (f" (layer {layer}'s residual copied at the end)" if tail else "")
             + ("" if cuda else " (on CPU rows are copied at once: nothing runs beside the model)"))
 
 
@@ -613,7 +602,7 @@ class VllmCapture(EngineCapture):
         widths = {name: _attention_width(attention[i], site) for name, site, i in planned if site in _engine.ATTN_SITES}
         device = next(model.parameters()).device
         cuda = device.type == "cuda"
-        overlap_on, overlap_off = _overlap_wanted(pc, planned, cuda, runner)
+        overlap_on, overlap_off = _overlap_wanted(pc, cuda, runner)
         max_tokens = int(getattr(runner, "max_num_tokens", 0) or runner.scheduler_config.max_num_batched_tokens)
         cfg = _engine.session_config(pc, planned, dt, hidden, cuda=cuda, max_rows=max_tokens if cuda else 0,
                                       full_on_cuda=True, widths=widths, defer=deferrable(pc, planned, cuda))
@@ -625,7 +614,7 @@ class VllmCapture(EngineCapture):
             export.setdefault("run_id", _default_run_id(getattr(getattr(runner, "vllm_config", None), "instance_id",
                                                                  "")))
         # Salt vLLM's compile-cache key with the capture set before anything is compiled.
-        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/4", "hookpoints": planned, "dtype": dt,
+        salt = hashlib.sha256(json.dumps({"plugin": "ringscope.vllm/3", "hookpoints": planned, "dtype": dt,
                                           "hidden": hidden, "widths": widths, "overlap_copy": overlap_on},
                                          sort_keys=True).encode()).hexdigest()[:16]
         add = runner.vllm_config.additional_config
@@ -659,8 +648,6 @@ class VllmCapture(EngineCapture):
         # With overlap_copy: where the captures are submitted (a side stream's copy) and where the step ends.
         overlap = _overlap_points(planned, end) if at_end and overlap_on else None
         self.overlap = overlap
-        # With overlap_copy: how many of the pass's captures were submitted (the end op keeps them to the step's end).
-        submitted = [0]
 
         def begin_hook(module, args, kwargs):
             positions = kwargs.get("positions", args[0] if args else None)
@@ -668,7 +655,6 @@ class VllmCapture(EngineCapture):
             nt = hs.shape[0]
             keep.clear()
             keep_hookpoints.clear()
-            submitted[0] = 0
             begin_op(decoder._ringscope_sink, decoder._ringscope_req[:nt], positions.reshape(-1)[:nt], key)
 
         self._handles.append(layers[start].register_forward_pre_hook(begin_hook, with_kwargs=True))
@@ -719,11 +705,8 @@ class VllmCapture(EngineCapture):
                 self._handles.append(layer.mlp.register_forward_hook(site_hook(name, _first)))
 
         def end_step(after=None):
-            if at_end and (overlap is None or overlap[3]):
-                # Every capture made here — or, after a submit (``tail``), the ones that came after it, the submitted
-                # tensors given with hookpoint -1 (kept to here, not captured again).
-                hps = [-1] * submitted[0] + keep_hookpoints[submitted[0]:]
-                end_capturing_op(decoder._ringscope_sink, list(keep), hps, key)
+            if at_end and overlap is None:
+                end_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
             else:
                 # Captured at their sites, or submitted (overlap_copy): the step ends, its copy joined; the tensors the
                 # copy reads are kept to here. With overlap_copy the op also takes ``after``, a tensor computed where
@@ -732,20 +715,18 @@ class VllmCapture(EngineCapture):
                 end_op(decoder._ringscope_sink, list(keep) + ([] if after is None else [after]), key)
             keep.clear()
             keep_hookpoints.clear()
-            submitted[0] = 0
 
         def end_hook(module, args, output):
-            end_step(_first(output) if overlap is not None and not overlap[3] else None)
+            end_step(_first(output) if overlap is not None else None)
 
         def join_hook(module, args, kwargs):
             end_step(kwargs.get("query", args[0] if args else None))
 
         if overlap is not None:
             def submit_hook(module, args, output):
-                submitted[0] = len(keep)
                 submit_capturing_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), key)
 
-            layer, after_attention, join, _ = overlap
+            layer, after_attention, join = overlap
             # Registered after the sites' hooks: on the same layer, the residual's hook runs first.
             self._handles.append((layers[layer].self_attn.attn if after_attention else layers[layer])
                                  .register_forward_hook(submit_hook))
