@@ -316,11 +316,15 @@ def test_a_row_list_for_a_plugin_hookpoint_is_refused_on_cuda():
 
 def test_opt_in_on_cuda_is_refused_with_a_library_that_cannot_keep_rows(monkeypatch):
     # Before C ABI 11 every request not opted in would leave rows of no request in the files: refused at load.
+    # (The vLLM plugin calls this at load on CUDA; the SGLang plugin's test covers its call.)
+    def refuse(pc):
+        _engine.refuse_opt_in_without_kept_rows(pc, "vllm")
+
     pc = rv.parse_config({"vllm": {"requests": "opt_in"}})
-    rv._check_kept_rows(pc)  # this library keeps rows
-    rv._check_kept_rows(rv.parse_config({}))
+    refuse(pc)  # this library keeps rows
+    refuse(rv.parse_config({}))
     monkeypatch.setattr(_engine, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
     with pytest.raises(RingscopeError, match=r'vllm.requests = "opt_in" on CUDA needs a library with '
                                              r'rs_begin_step_graph_kept \(C ABI 11'):
-        rv._check_kept_rows(pc)
-    rv._check_kept_rows(rv.parse_config({"vllm": {"requests": "all"}}))  # opt-outs: logged, not refused
+        refuse(pc)
+    refuse(rv.parse_config({"vllm": {"requests": "all"}}))  # "all" is not refused

@@ -373,12 +373,6 @@ def _check_cuda_engine(runner) -> None:
                              f"draft tokens that may be rejected): serve without it, or unset {ENV_CONFIG}")
 
 
-def _check_kept_rows(pc: PluginConfig) -> None:
-    """``requests = "opt_in"`` on CUDA with a library that cannot keep rows is refused
-    (:func:`ringscope._engine.refuse_opt_in_without_kept_rows`); opt-outs under ``"all"`` with one are logged."""
-    _engine.refuse_opt_in_without_kept_rows(pc, "vllm")
-
-
 # -- attention sites -----------------------------------------------------------------------------------------------
 
 def arch_of(model) -> str:
@@ -580,7 +574,7 @@ class VllmCapture(EngineCapture):
         _check_device(param.device)
         if param.device.type == "cuda":
             _check_cuda_engine(runner)
-            _check_kept_rows(pc)
+            _engine.refuse_opt_in_without_kept_rows(pc, "vllm")
         if pc.overlap_copy:
             _check_overlap_engine(runner)  # given as true ("auto" decides in __init__)
         dt = _engine.model_dtype(param)
