@@ -450,8 +450,8 @@ def _overlap_wanted(pc: PluginConfig, cuda: bool, runner) -> Tuple[bool, str]:
     (``"auto"``, the default) and off, why (for the start-up log line). As configured when given; ``"auto"``: on
     CUDA when every capture is made at the pass's end from deferred captures and the engine's compilation allows the
     fork and join (:func:`_overlap_engine_problem`), on one GPU — what has been verified on GPUs (best-effort mode since
-    session 48 on an H200 and an H100, full mode since session 49 on an H100; tensor parallelism with it has run on CPU engines only); on CPU off (rows
-    are copied at once: nothing would run beside the model)."""
+    session 48 on an H200 and an H100, full mode since session 49 on an H100; tensor parallelism with it has run on
+    CPU engines only); on CPU off (rows are copied at once: nothing would run beside the model)."""
     if pc.overlap_copy is not None:
         return pc.overlap_copy, ""
     if not cuda:
