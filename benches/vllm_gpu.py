@@ -132,7 +132,7 @@ ATTN_SITES = '["attn_q", "attn_k", "attn_v"]'
 
 
 def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = False, attn: bool = False,
-                eager: bool = False, overlap: bool = False, layers: str = '"all"', opt_in: bool = False,
+                eager: bool = False, overlap: str = "false", layers: str = '"all"', opt_in: bool = False,
                 sites: "str | None" = None) -> None:
     import torch
     from vllm import LLM
@@ -145,7 +145,8 @@ def run_correct(out: str, family: str, dtype: str, result: dict, full: bool = Fa
     # Eager (enforce_eager): vLLM's own CUDA kernels instead of compiled code — its fused add-norm overwrites the
     # attention and MLP outputs in place (which is why the plugin does not defer captures of those sites).
     result["eager"] = eager
-    # vllm.overlap_copy: the captures submitted on a side stream after the last layer's attention.
+    # vllm.overlap_copy (TOML): true — the captures submitted on a side stream after the last layer's attention;
+    # "lm_head" — the copy held out of vLLM's graphs, launched after each replay beside the LM head.
     result["overlap_copy"] = overlap
     # requests = "opt_in": every other request opts in; the others' rows must leave nothing in the files.
     result["opt_in"] = opt_in
@@ -167,7 +168,7 @@ capacity = "{ring}"
 [vllm]
 sites = {sites or (ATTN_SITES if attn else '["residual", "attention_output", "mlp_output"]')}
 layers = {layers}
-overlap_copy = {"true" if overlap else "false"}
+overlap_copy = {overlap}
 requests = "{"opt_in" if opt_in else "all"}"
 """)
     register_plugin()
@@ -421,6 +422,11 @@ BENCH_CONFIGS = {
     # of residuals waits for the drain instead of being degraded.
     "full_resid": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
                   'overlap_copy = false\n',
+    # Both with vllm.overlap_copy = "lm_head": the pass's copy held out of vLLM's graphs and launched after each replay,
+    # beside the LM head (session 50).
+    "resid_lmhead": '[vllm]\nsites = ["residual"]\noverlap_copy = "lm_head"\n',
+    "full_resid_lmhead": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
+                         'overlap_copy = "lm_head"\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
     # Issue 40: the query and key after RoPE and the value of 4 of the 16 layers, the copy after the last layer (what
     # vllm.overlap_copy = "auto", the default since session 48, does instead is attn4_overlap).
@@ -457,7 +463,7 @@ BENCH_CONFIGS = {
 
 def bench_config(out: str, kind: str) -> "str | None":
     head = f'[export]\nparquet = true\ndir = "{out}/dump"\nrun_id = "run"\n[ring]\ncapacity = "2 GiB"\n'
-    if kind == "full_resid":
+    if kind in ("full_resid", "full_resid_lmhead"):
         head = head.replace("[ring]", "threads = 8\n[ring]")
     if BENCH_CONFIGS.get(kind) is not None:
         return head + BENCH_CONFIGS[kind]
@@ -513,14 +519,14 @@ def change_capture_ops(change: str) -> None:
     if change == "sites":
         rv._captures_at_end = lambda planned: False
         return
-    begin, capture, end, end_capturing, submit_capturing = _engine.ops()
+    begin, capture, end, end_capturing, submit_capturing, end_holding = _engine.ops()
     if change == "keeponly":
         # The tensors kept alive to the pass's end as in the capture, no capture made (no copy kernel).
         _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end(sink, tensors, key),
-                        submit_capturing)
+                        submit_capturing, end_holding)
         return
     _engine._OPS = (begin, capture, end, lambda sink, tensors, hookpoints, key: end_capturing(sink, [], [], key),
-                    submit_capturing)
+                    submit_capturing, end_holding)
 
 
 def decode_prompts(batch: int) -> list:
@@ -732,12 +738,14 @@ def child(out: str, what: str) -> None:
             variant = parts[3] if len(parts) > 3 else ""
             run_correct(out, parts[1], parts[2] if len(parts) > 2 else "bf16", result,
                         full="full" in parts[3:],
-                        attn=variant in ("attn", "attnov", "attnovmid"),
+                        attn=variant in ("attn", "attnov", "attnovmid", "attnheld"),
                         eager=variant == "eager",
                         opt_in=variant in ("optin", "optinresid"),
-                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass).
-                        sites='["residual"]' if variant == "optinresid" else None,
-                        overlap=variant in ("attnov", "attnovmid"),
+                        # optinresid: the residual alone, whose captures are deferred (one copy kernel per pass);
+                        # heldresid: the same, its copy held out of vLLM's graphs (overlap_copy = "lm_head").
+                        sites='["residual"]' if variant in ("optinresid", "heldresid") else None,
+                        overlap=("true" if variant in ("attnov", "attnovmid") else
+                                 '"lm_head"' if variant in ("heldresid", "attnheld") else "false"),
                         # q/k/v of layers 0-2 of 4: the step ends before layer 3's attention.
                         layers="[0, 1, 2]" if variant == "attnovmid" else '"all"')
         elif what.startswith("prof-"):
@@ -831,6 +839,14 @@ def main(cmd: str, root: str) -> None:
             "overlap_cost": ["prof-plain#1", "prof-attn4_overlap", "prof-attn4", "prof-plain#2"],
             # The same in full mode (session 49).
             "full_overlap_cost": ["prof-plain#1", "prof-full_attn4_overlap", "prof-full_attn4", "prof-plain#2"],
+            # Session 50, vllm.overlap_copy = "lm_head": the residual of every layer against Hugging Face with the copy
+            # held out of the graphs (best-effort; full mode with a ring that laps), q/k/v rebuilt the same way; then
+            # the residual's cost in full mode with it and without, and in best-effort mode with it, between two plain
+            # engines.
+            "lmhead_correct": ["correct-llama-bf16-heldresid", "correct-llama-bf16-heldresid-full",
+                               "correct-llama-f32-attnheld"],
+            "lmhead_cost": ["prof-plain#1", "prof-full_resid_lmhead", "prof-full_resid", "prof-resid_lmhead",
+                            "prof-plain#2"],
             # The overlap_copy rebuilds alone (session 47: on the H200; session 48: full mode too).
             # The third: the same in full mode, its 512 KiB ring lapping (each pass admitted before its copy is
             # submitted on the side stream; first run in session 49, on an H100).

@@ -829,6 +829,34 @@ impl Session {
         Ok(())
     }
 
+    /// CUDA backend with `ring.defer_captures`: ends the step begun inside a CUDA graph being recorded
+    /// ([`begin_step_graph`](Self::begin_step_graph)) without putting its copy into the graph: the copy is held as
+    /// `slot` (any number the engine picks per recorded graph; recording again replaces it), and the engine launches it
+    /// after each replay of that graph with [`launch_held`](Self::launch_held). The graph then runs none of
+    /// ringscope's kernels, and the copy runs beside the engine's work after the graph (an LM head, say). The captured
+    /// tensors must keep their values from the end of each replay until the held copy has run: the engine makes its
+    /// stream wait for it ([`join_held`](Self::join_held)) before it reuses them.
+    pub fn hold_step(&self, slot: u32) -> Result<(), Error> {
+        self.with_capture(|c| c.backend.hold_step(slot))?;
+        self.observer.steps.ended();
+        Ok(())
+    }
+
+    /// CUDA backend: launches held copy `slot` ([`hold_step`](Self::hold_step)) on a side stream after everything
+    /// `stream` was given so far — call it right after each replay of the graph that held it, on the stream that
+    /// replayed it, outside graph recording and between steps. Full mode: admit each replay first
+    /// ([`admit_graph_step`](Self::admit_graph_step)), as for graphs that copy inside themselves.
+    pub fn launch_held(&self, slot: u32, stream: StreamRef) -> Result<(), Error> {
+        self.with_capture(|c| c.backend.launch_held(slot, stream))
+    }
+
+    /// CUDA backend: `stream` waits (in stream order) for the held copies launched so far — before the engine reuses
+    /// the memory they read. The next step, control upload or admission waits for them too. Nothing to do when
+    /// none is pending.
+    pub fn join_held(&self, stream: StreamRef) -> Result<(), Error> {
+        self.with_capture(|c| c.backend.join_held(stream))
+    }
+
     /// Captures hookpoint `id`'s tensor for the current step: `batch rows × row bytes` contiguous bytes.
     pub fn capture(&self, id: u32, data: &[u8]) -> Result<CaptureOutcome, Error> {
         let hp = self.registry.get(id)?;

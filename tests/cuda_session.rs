@@ -895,3 +895,97 @@ fn many_fused_probes_in_graphs_agree_with_an_f64_reference_over_sessions() {
     }
     eprintln!("{} sessions, every score within (d + 1)·2⁻²⁴ of its magnitude:\n{}", summary.len(), summary.join("\n"));
 }
+
+/// Held copies (`Session::hold_step`): a step recorded into a CUDA graph leaves its copy out of the graph; the engine
+/// launches it after each replay (`launch_held`, on a side stream) and makes its stream wait for it (`join_held`)
+/// before it overwrites what the copy reads. Two graphs (2 and 4 rows, a slot each), replayed in turn with new rows,
+/// ids and positions written right after each join: every replay's rows come out bit for bit with its own request
+/// ids and positions, in best-effort and full mode (each replay admitted first). A replay whose held copy is not
+/// launched exports nothing (the graph holds no copy of its own). Misuse is a clear error: holding outside a
+/// recording, launching an unknown slot or while recording.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on one"]
+fn held_copies_run_after_each_replay_and_export_every_replays_rows() {
+    let _alone = alone();
+    let gpu = gpu();
+    let d = 256usize;
+    for mode in ["best_effort", "full"] {
+        let got = Arc::new(parking_lot::Mutex::new(Vec::<(u64, u32, Vec<u8>)>::new()));
+        let g2 = got.clone();
+        let sink = CallbackSink::new("rows", move |record: &Record| {
+            let view = record.view();
+            for (i, m) in view.row_metas().enumerate() {
+                g2.lock().push((m.request_id, m.position, view.row(i).to_vec()));
+            }
+            Ok(())
+        });
+        let text = format!(
+            "[ring]\nbackend = \"cuda\"\ncapacity = \"1 MiB\"\ndefer_captures = true\n\
+             [policy]\nmode = \"{mode}\"\nfull_deadline_ms = 20000\n\
+             [[hookpoints]]\nname = \"h\"\nsite = \"residual\"\nlayer = 0\ndtype = \"bf16\"\nrow_width = {d}\n"
+        );
+        let session = Session::builder(Config::from_toml(&text).unwrap()).sink(sink).start().unwrap();
+        let stream = Stream::new(&gpu).unwrap();
+        let h = session.hookpoint("h").unwrap().id();
+        let ids = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
+        let positions = DeviceBuffer::zeroed(&gpu, 4 * 8).unwrap();
+        let src = DeviceBuffer::zeroed(&gpu, 4 * d * 2).unwrap();
+        // Holding outside a recording is refused; so is launching a slot nothing was held in.
+        session.apply_controls(stream.handle()).unwrap();
+        session.begin_step_graph(&decode_batch(2, &ids, &positions), stream.handle()).unwrap();
+        let e = session.hold_step(0).unwrap_err().to_string();
+        assert!(e.contains("outside graph recording"), "{e}");
+        session.end_step().unwrap();
+        // That eager step copied its two rows (zeros, request 0, position 0) at its end.
+        let mut want = vec![(0u64, 0u32, vec![0u8; d * 2]); 2];
+        let e = session.launch_held(7, stream.handle()).unwrap_err().to_string();
+        assert!(e.contains("no held copy in slot 7"), "{e}");
+
+        let mut graphs = Vec::new();
+        for (slot, rows) in [(2u32, 2u32), (4, 4)] {
+            let batch = decode_batch(rows, &ids, &positions);
+            stream.synchronize().unwrap();
+            let graph = Graph::capture(&stream, || -> Result<(), Error> {
+                session.begin_step_graph(&batch, stream.handle())?;
+                session.capture_device(h, src.ptr(), rows, stream.handle())?;
+                let e = session.launch_held(slot, stream.handle()).unwrap_err().to_string();
+                assert!(e.contains("a step is open") || e.contains("records a CUDA graph"), "{e}");
+                session.hold_step(slot)
+            })
+            .unwrap();
+            graphs.push((slot, rows, graph));
+        }
+        let i64s = |v: &[i64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        for k in 0..40u64 {
+            let (slot, rows, graph) = &graphs[(k % 2) as usize];
+            let req: Vec<i64> = (0..*rows as i64).map(|r| 100 * k as i64 + r).collect();
+            let pos: Vec<i64> = (0..*rows as i64).map(|r| (k * 3) as i64 + r).collect();
+            let data: Vec<u8> = (0..*rows as usize * d * 2).map(|i| ((i as u64 * 7 + k * 13) % 251) as u8).collect();
+            // Written on the engine's stream after the previous held copy was joined: the copy must have read the
+            // previous replay's bytes before these land.
+            ids.copy_from_host_async(0, &i64s(&req), stream.handle()).unwrap();
+            positions.copy_from_host_async(0, &i64s(&pos), stream.handle()).unwrap();
+            src.copy_from_host_async(0, &data, stream.handle()).unwrap();
+            session.admit_graph_step(Some(*rows), stream.handle()).unwrap();
+            graph.launch(stream.handle()).unwrap();
+            if k == 5 {
+                // No held copy launched: the graph alone exports nothing.
+                continue;
+            }
+            session.launch_held(*slot, stream.handle()).unwrap();
+            session.join_held(stream.handle()).unwrap();
+            for r in 0..*rows as usize {
+                want.push((req[r] as u64, pos[r] as u32, data[r * d * 2..(r + 1) * d * 2].to_vec()));
+            }
+        }
+        stream.synchronize().unwrap();
+        let report = session.shutdown().unwrap();
+        let mut got = got.lock().clone();
+        got.sort();
+        want.sort();
+        assert_eq!(got.len(), want.len(), "{mode}: rows exported");
+        assert!(got == want, "{mode}: every replay's rows, bit for bit, with their request ids and positions");
+        let total = report.accounting.total();
+        assert_eq!((total.exported.rows, total.dropped_total().rows), (want.len() as u64, 0), "{mode}");
+    }
+}

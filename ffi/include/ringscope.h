@@ -688,6 +688,35 @@ rs_status rs_apply_controls(uint64_t session_handle,
 // otherwise.
 rs_status rs_submit_captures(uint64_t session_handle);
 
+// With `ring.defer_captures` (CUDA backend): ends the step begun inside a CUDA graph being recorded
+// (`rs_begin_step_graph`) without putting its copy into the graph; the copy is held as `slot` (a number the engine
+// picks per recorded graph; recording again replaces it) and launched after each replay by `rs_launch_held`. The
+// graph then runs none of ringscope's kernels. The captured tensors must keep their values from the end of each
+// replay until its held copy has run (`rs_join_held`). Refused outside graph recording, without deferred captures,
+// or without a step begun inside the graph.
+rs_status rs_hold_step(uint64_t session_handle,
+                       uint32_t slot);
+
+// CUDA backend: launches held copy `slot` (`rs_hold_step`) on a side stream after everything `cuda_stream` was given
+// so far: call it right after each replay of the graph that held it, on the stream that replayed it, between steps
+// and outside graph recording. Full mode: admit each replay first (`rs_admit_graph_step`). An unknown slot is
+// refused, naming the slots held.
+//
+// # Safety
+// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
+rs_status rs_launch_held(uint64_t session_handle,
+                         uint32_t slot,
+                         uint64_t cuda_stream);
+
+// CUDA backend: `cuda_stream` waits (in stream order) for the held copies launched so far (`rs_launch_held`) —
+// before the engine reuses the memory they read, at the latest before the next replay. The next step, control upload
+// or admission waits for them too. `RS_OK` at once when none is pending.
+//
+// # Safety
+// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
+rs_status rs_join_held(uint64_t session_handle,
+                       uint64_t cuda_stream);
+
 // Ends the current step. With `ring.defer_captures` (CUDA backend) this launches the one kernel that copies the
 // step's captures: inside a graph recording, call it before the recording ends.
 rs_status rs_end_step(uint64_t session_handle);

@@ -152,7 +152,9 @@ pub struct RsRecordInfo {
     pub needed: u64,
 }
 
-/// The version of this C ABI, as [`rs_abi_version`] returns it: 11 added `rs_begin_step_graph_kept` (a graph-begun
+/// The version of this C ABI, as [`rs_abi_version`] returns it: 12 added `rs_hold_step`, `rs_launch_held` and
+/// `rs_join_held` (a graph-begun step's copy held out of the graph and launched after each replay); 11 added
+/// `rs_begin_step_graph_kept` (a graph-begun
 /// step that keeps some of its rows only) and `RS_KEEP_ALL`; 10 added `rs_note_step_rows` (the rows of each request
 /// in a step begun inside a CUDA graph, for the probes' coverage); 9 added `rs_begin_step_graph_ended` (rows of ended
 /// sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
@@ -168,7 +170,7 @@ pub struct RsRecordInfo {
 /// ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 /// `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 /// caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-pub const RS_ABI_VERSION: u32 = 11;
+pub const RS_ABI_VERSION: u32 = 12;
 
 /// Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 pub const RS_MODE_FULL: u32 = 0;
@@ -1182,6 +1184,48 @@ pub unsafe extern "C" fn rs_apply_controls(session_handle: u64, cuda_stream: u64
 #[no_mangle]
 pub extern "C" fn rs_submit_captures(session_handle: u64) -> RsStatus {
     ffi(|| Ok(session(session_handle)?.submit_captures()?))
+}
+
+/// With `ring.defer_captures` (CUDA backend): ends the step begun inside a CUDA graph being recorded
+/// (`rs_begin_step_graph`) without putting its copy into the graph; the copy is held as `slot` (a number the engine
+/// picks per recorded graph; recording again replaces it) and launched after each replay by `rs_launch_held`. The
+/// graph then runs none of ringscope's kernels. The captured tensors must keep their values from the end of each
+/// replay until its held copy has run (`rs_join_held`). Refused outside graph recording, without deferred captures,
+/// or without a step begun inside the graph.
+#[no_mangle]
+pub extern "C" fn rs_hold_step(session_handle: u64, slot: u32) -> RsStatus {
+    ffi(|| Ok(session(session_handle)?.hold_step(slot)?))
+}
+
+/// CUDA backend: launches held copy `slot` (`rs_hold_step`) on a side stream after everything `cuda_stream` was given
+/// so far: call it right after each replay of the graph that held it, on the stream that replayed it, between steps
+/// and outside graph recording. Full mode: admit each replay first (`rs_admit_graph_step`). An unknown slot is
+/// refused, naming the slots held.
+///
+/// # Safety
+/// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
+#[no_mangle]
+pub unsafe extern "C" fn rs_launch_held(session_handle: u64, slot: u32, cuda_stream: u64) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_launch_held`).
+        let stream = unsafe { StreamRef::from_raw(cuda_stream) };
+        Ok(session(session_handle)?.launch_held(slot, stream)?)
+    })
+}
+
+/// CUDA backend: `cuda_stream` waits (in stream order) for the held copies launched so far (`rs_launch_held`) —
+/// before the engine reuses the memory they read, at the latest before the next replay. The next step, control upload
+/// or admission waits for them too. `RS_OK` at once when none is pending.
+///
+/// # Safety
+/// `cuda_stream` is 0 or a live `CUstream` that is not destroyed before the session is closed.
+#[no_mangle]
+pub unsafe extern "C" fn rs_join_held(session_handle: u64, cuda_stream: u64) -> RsStatus {
+    ffi(|| {
+        // SAFETY: per this function's contract (ffi/include/ringscope.h, `rs_join_held`).
+        let stream = unsafe { StreamRef::from_raw(cuda_stream) };
+        Ok(session(session_handle)?.join_held(stream)?)
+    })
 }
 
 /// Ends the current step. With `ring.defer_captures` (CUDA backend) this launches the one kernel that copies the

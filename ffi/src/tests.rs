@@ -197,6 +197,15 @@ fn bad_input_gets_the_documented_status_and_a_message() {
     assert_eq!(unsafe { rs_apply_controls(s, 0) }, RsStatus::RsErrInvalidArgument, "host session");
     assert!(last_error().contains("host backend"), "{}", last_error());
     assert_eq!(rs_submit_captures(s), RsStatus::RsOk, "nothing to submit on the host backend");
+    // Held copies are the CUDA backend's: a host session refuses them, naming the backend.
+    assert_eq!(rs_hold_step(s, 0), RsStatus::RsErrInvalidArgument, "host session");
+    assert!(last_error().contains("host backend"), "{}", last_error());
+    // SAFETY: stream 0 is always valid.
+    assert_eq!(unsafe { rs_launch_held(s, 0, 0) }, RsStatus::RsErrInvalidArgument, "host session");
+    assert!(last_error().contains("host backend"), "{}", last_error());
+    // SAFETY: stream 0 is always valid.
+    assert_eq!(unsafe { rs_join_held(s, 0) }, RsStatus::RsErrInvalidArgument, "host session");
+    assert!(last_error().contains("host backend"), "{}", last_error());
     // Admitting graph replays: a host session in full mode has none (an error naming the backend); best-effort has
     // nothing to admit (engines may call it unconditionally).
     for (mode, want) in [("full", RsStatus::RsErrInvalidArgument), ("best_effort", RsStatus::RsOk)] {

@@ -127,6 +127,23 @@ impl Backend for CudaBackend {
         Ok(self.capture.end_step()?)
     }
 
+    fn hold_step(&mut self, slot: u32) -> Result<(), Error> {
+        if self.open != Some(crate::GRAPH_STEP) {
+            self.open.ok_or(Error::NoStep)?;
+        }
+        self.capture.hold_step(slot)?;
+        self.open = None;
+        Ok(())
+    }
+
+    fn launch_held(&mut self, slot: u32, stream: StreamRef) -> Result<(), Error> {
+        Ok(self.capture.launch_held(slot, stream)?)
+    }
+
+    fn join_held(&mut self, stream: StreamRef) -> Result<(), Error> {
+        Ok(self.capture.join_held(stream)?)
+    }
+
     fn capture_device(
         &mut self,
         hp: &HookPoint,

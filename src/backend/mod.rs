@@ -94,6 +94,21 @@ pub(crate) trait Backend: Send {
     /// Ends the open step.
     fn end_step(&mut self) -> Result<(), Error>;
 
+    /// CUDA backend, deferred captures: ends the step recorded into a graph, holding its copy as `slot`.
+    fn hold_step(&mut self, _slot: u32) -> Result<(), Error> {
+        Err(Error::Backend(CUDA_ONLY))
+    }
+
+    /// CUDA backend: launches held copy `slot` after what `stream` has been given.
+    fn launch_held(&mut self, _slot: u32, _stream: StreamRef) -> Result<(), Error> {
+        Err(Error::Backend(CUDA_ONLY))
+    }
+
+    /// CUDA backend: `stream` waits for the held copies launched so far.
+    fn join_held(&mut self, _stream: StreamRef) -> Result<(), Error> {
+        Err(Error::Backend(CUDA_ONLY))
+    }
+
     /// Host backend: captures `data` (batch rows × row bytes) for `hp` in the open step.
     fn capture(&mut self, _policy: &LossPolicy, _hp: &HookPoint, _data: &[u8]) -> Result<CaptureOutcome, Error> {
         Err(Error::Backend(HOST_ONLY))

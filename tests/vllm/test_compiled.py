@@ -1,6 +1,8 @@
 """The plugin in a compiled vLLM engine (the default: torch.compile, fullgraph, inductor), in opt-in mode: only the
 requests that opted in through SamplingParams(extra_args={"ringscope": ...}) are exported."""
 
+import itertools
+
 import pytest
 
 from conftest import (RESIDUAL_CONFIG, check_capture, check_overlap_sources, mixed_step, overlap_config,
@@ -69,3 +71,35 @@ def test_overlap_copy_submits_after_the_last_site_and_the_end_op_keeps_its_buffe
     assert between and min(between) >= 1, between
     check_capture(res, captured_requests=[0, 1, 2, 3, 4], sites=1, layers=1)
     check_overlap_sources(res, 1)  # one capture (layers.0.resid) per step
+
+
+@pytest.fixture(scope="module")
+def compiled_lm_head(engines):
+    return engines("compiled_lm_head", "compiled", "all",
+                   RESIDUAL_CONFIG.replace('sites = ["residual"]', 'sites = ["residual"]\noverlap_copy = "lm_head"'),
+                   env={"ENGINE_CHECK_SOURCES": "1", "TORCH_LOGS": "output_code"})
+
+
+def test_lm_head_copy_ends_the_pass_after_the_final_norm(compiled_lm_head):
+    # vllm.overlap_copy = "lm_head": the pass ends with the end_holding op, placed by the decoder's final norm (its
+    # output is one of the op's inputs). On CUDA a pass recorded into a graph holds its copy out of the graph and the
+    # plugin launches it after each replay, reading the captured buffers after the graph has finished: nothing in the
+    # compiled model may run after the op (no buffer reused after it) — here no matrix product follows it in its
+    # graph, and it is the pass's only end op. On CPU the op ends the step at once: the rows are the reference's and
+    # every captured tensor still held its values when the step ended.
+    res = compiled_lm_head
+    assert res["compiled"], res["compilation_mode"]
+    code = [line.split("[__output_code]", 1)[1].strip() for line in res["log"].splitlines() if "[__output_code]" in line]
+    ends = [i for i, line in enumerate(code) if line.startswith("torch.ops.ringscope_engine.end_holding.default(")]
+    assert ends, "no end_holding op in the compiled code"
+    assert not any(line.startswith(("torch.ops.ringscope_engine.end_capturing.default(",
+                                    "torch.ops.ringscope_engine.end.default(")) for line in code)
+    for i in ends:
+        # What follows the op up to its graph's return: nothing but buffers released (the model's output, the final
+        # norm's, is one of the op's inputs, so the op comes after it).
+        rest = list(itertools.takewhile(lambda line: not line.startswith("return "), code[i + 1:]))
+        assert all(line.startswith("del ") for line in rest), rest
+    check_capture(res, captured_requests=[0, 1, 2, 3, 4], sites=1)
+    src = res["sources"]
+    assert src["captures"] >= 2 * len(res["requests"]), src
+    assert src["changed_before_end"] == 0, src

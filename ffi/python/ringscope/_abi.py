@@ -190,6 +190,10 @@ SIGNATURES: Dict[str, Tuple[int, List, type]] = {
     "rs_note_step_rows": (10, [_u64, _p(_u64), _sz], _i32),
     # ABI 11: a step begun inside a CUDA graph that keeps some of its rows only.
     "rs_begin_step_graph_kept": (11, [_u64, _u64, _u64, _u32, _u32, _u32, _u64, _u64], _i32),
+    # ABI 12: a graph-begun step's copy held out of the graph, launched after each replay.
+    "rs_hold_step": (12, [_u64, _u32], _i32),
+    "rs_launch_held": (12, [_u64, _u32, _u64], _i32),
+    "rs_join_held": (12, [_u64, _u64], _i32),
 }
 
 #: The header's struct name of each ctypes struct.

@@ -58,8 +58,9 @@ class PluginConfig:
 
     #: vLLM only, set by :mod:`ringscope.vllm` once parsed: the tensor-parallel ranks that capture (None: all).
     ranks: Optional[List[int]]
-    #: vLLM only, set by :mod:`ringscope.vllm` once parsed: ``vllm.overlap_copy`` (None: "auto", decided per engine).
-    overlap_copy: Optional[bool]
+    #: vLLM only, set by :mod:`ringscope.vllm` once parsed: ``vllm.overlap_copy`` (True, False or ``"lm_head"``; None:
+    #: "auto", decided per engine).
+    overlap_copy: "Optional[bool | str]"
 
     def __init__(self, session_config: dict, sites: List[str], layers, requests: str, source: str, extra: dict):
         self.session_config = session_config
@@ -214,8 +215,8 @@ def _no_output(*args) -> None:
 
 
 def ops():
-    """``(begin, capture, end, end_capturing, submit_capturing)``, defined on first use (so that importing a plugin
-    does not import torch)."""
+    """``(begin, capture, end, end_capturing, submit_capturing, end_holding)``, defined on first use (so that importing
+    a plugin does not import torch)."""
     global _OPS
     if _OPS is not None:
         return _OPS
@@ -246,9 +247,17 @@ def ops():
     def submit_capturing(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], key: int) -> None:
         _on_capture(key, "_submit_capturing", tensors, hookpoints)
 
-    for op in (begin, capture, end, end_capturing, submit_capturing):
+    # ``end_capturing`` whose copy may be held out of the CUDA graph being recorded (EngineCapture._end_holding);
+    # ``after``, a tensor computed where the pass ends, places it there: compiled code reuses no buffer after it, so
+    # the captured tensors hold their values after the graph too.
+    @torch.library.custom_op("ringscope_engine::end_holding", mutates_args=("sink",))
+    def end_holding(sink: torch.Tensor, tensors: List[torch.Tensor], hookpoints: List[int], after: torch.Tensor,
+                    key: int) -> None:
+        _on_capture(key, "_end_holding", tensors, hookpoints)
+
+    for op in (begin, capture, end, end_capturing, submit_capturing, end_holding):
         op.register_fake(_no_output)
-    _OPS = (begin, capture, end, end_capturing, submit_capturing)
+    _OPS = (begin, capture, end, end_capturing, submit_capturing, end_holding)
     return _OPS
 
 
@@ -411,6 +420,11 @@ class EngineCapture:
         self._armed: tuple = (None, 0, None)  # the last pass's row ids (_arm), how many are -1, as the probes take them
         self._active = False
         self._open = False
+        # Held copies (the ``end_holding`` op): the slot of the graph being recorded (None: never held), and whether
+        # this pass's copy is accounted for (ended or held by the op) — a replay runs no op, so after a replay it is
+        # not, and the engine launches the graph's held copy.
+        self._hold_slot: Optional[Callable[[], Optional[int]]] = None
+        self._pass_ended = False
         self._sel: Optional["np.ndarray"] = None  # indices of the exported rows of the open step (None: all)
         self._rows = 0
         self._closed_stats: Optional[dict] = None
@@ -749,6 +763,21 @@ class EngineCapture:
         noted at the site and read by a copy at the end would then read another tensor's bytes."""
         self._capture_each("end_capturing", tensors, hookpoints)
         self._end()
+
+    def _end_holding(self, tensors, hookpoints) -> None:
+        """The ``end_holding`` op: as ``end_capturing``, except that while a CUDA graph is being recorded and the
+        engine gave a hold slot (``self._hold_slot``, a callable naming the graph being recorded) the step's copy is held
+        out of the graph (:meth:`Session.hold_step`): the engine launches it after each replay (:meth:`_launch_held`).
+        Eagerly (no graph) the step ends as with ``end_capturing``. Either way the pass's copy is accounted for
+        (``self._pass_ended``)."""
+        self._capture_each("end_holding", tensors, hookpoints)
+        slot = self._hold_slot() if self._hold_slot is not None and self.cuda and _recording() else None
+        if slot is None:
+            self._end()
+        elif self._open:
+            self._open = False
+            self.session.hold_step(slot)
+        self._pass_ended = True
 
     def _submit_capturing(self, tensors, hookpoints) -> None:
         """Captures ``tensors[i]`` as hookpoint ``hookpoints[i]`` and starts copying the step's captures now, on a side

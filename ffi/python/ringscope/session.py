@@ -458,6 +458,28 @@ class Session:
     def end_step(self) -> None:
         _check(_load().rs_end_step(self._h))
 
+    def hold_step(self, slot: int) -> None:
+        """With ``ring.defer_captures`` (CUDA backend), while a CUDA graph is being recorded: ends the step begun inside
+        it (:meth:`begin_step_graph`) without putting its copy into the graph — the copy is held as ``slot`` (a number
+        the engine picks per recorded graph; recording again replaces it) and :meth:`launch_held` launches it after
+        each replay, so the graph runs none of ringscope's kernels. The captured tensors must keep their values from
+        the end of each replay until the held copy has run (:meth:`join_held`)."""
+        _check(_lib_with("rs_hold_step").rs_hold_step(self._h, _u32("hold_step: slot", slot)))
+
+    def launch_held(self, slot: int, stream: Optional[int] = None) -> None:
+        """CUDA backend: launches held copy ``slot`` (:meth:`hold_step`) on a side stream after everything ``stream``
+        (default: torch's current stream) was given so far — right after each replay of the graph that held it, on the
+        stream that replayed it, between steps. Full mode: admit each replay first (:meth:`admit_graph_step`)."""
+        _check(_lib_with("rs_launch_held").rs_launch_held(
+            self._h, _u32("launch_held: slot", slot), _current_stream() if stream is None else _u64("stream", stream)))
+
+    def join_held(self, stream: Optional[int] = None) -> None:
+        """CUDA backend: ``stream`` (default: torch's current stream) waits, in stream order, for the held copies
+        launched so far — before the engine reuses the memory they read (before its next replay at the latest).
+        Returns at once when none is pending."""
+        _check(_lib_with("rs_join_held").rs_join_held(
+            self._h, _current_stream() if stream is None else _u64("stream", stream)))
+
     def capture(self, hookpoint: int, array) -> str:
         """Captures a host array (numpy, or anything exposing the buffer protocol) holding the step's batch rows ×
         row width, C-contiguous, little-endian, of the hookpoint's dtype (bf16: uint16 bit patterns): shape

@@ -104,6 +104,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import RingscopeError
@@ -195,20 +196,31 @@ def _ranks(pc: PluginConfig):
     return ranks
 
 
-def _overlap_copy(pc: PluginConfig) -> Optional[bool]:
-    """The ``overlap_copy`` key of ``[vllm]``: whether a pass's captures are copied on a side stream right after the
-    last captured site, overlapping the model's next kernels (see :func:`_overlap_points`). ``true`` / ``false`` as
-    given (``true`` is refused where it cannot be: with ``attention_output`` or ``mlp_output``, copied at their sites,
-    or without deferred captures); None — the key left out, or ``"auto"`` — decided per engine by
+#: ``vllm.overlap_copy = "lm_head"``: the pass's copy is left out of vLLM's CUDA graphs and launched after each replay,
+#: beside the LM head (see :func:`_overlap_copy`).
+LM_HEAD = "lm_head"
+
+
+def _overlap_copy(pc: PluginConfig) -> "Optional[bool | str]":
+    """The ``overlap_copy`` key of ``[vllm]``: where a pass's captures are copied. ``true``: on a side stream right after
+    the last captured site, overlapping the model's next kernels (see :func:`_overlap_points`); ``"lm_head"``: after
+    the model's CUDA graph, beside the LM head — the copy of a pass recorded into a graph is held out of it and
+    launched after each replay (:meth:`ringscope.Session.hold_step`), so vLLM's graphs run no ringscope kernel
+    (eager passes copy at the model's end); ``false``: at the end of the last captured layer. ``true`` and
+    ``"lm_head"`` are refused where they cannot be: with ``attention_output`` or ``mlp_output``, copied at their
+    sites, or without deferred captures. None — the key left out, or ``"auto"`` — decided per engine by
     :func:`_overlap_wanted`."""
     on = pc.extra.get("overlap_copy", "auto")
     if on == "auto":
         return None
-    if not isinstance(on, bool):
-        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true, false or \"auto\"")
+    if not isinstance(on, bool) and on != LM_HEAD:
+        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {on!r}: give true, false, "
+                                              f"\"{LM_HEAD}\" or \"auto\"")
     problem = _overlap_config_problem(pc)
     if on and problem:
-        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = true with {problem[0]}: {problem[1]}")
+        given = "true" if on is True else f'"{on}"'
+        raise RingscopeError("RS_ERR_CONFIG", f"{pc.source}: vllm.overlap_copy = {given} with {problem[0]}: "
+                                              f"{problem[1]}")
     return on
 
 
@@ -309,7 +321,9 @@ def _wrap_model_forward(orig):
             return orig(self, *args, **kwargs)
         cap._prepare(self, kwargs.get("positions", args[1] if len(args) > 1 else None))
         try:
-            return orig(self, *args, **kwargs)
+            out = orig(self, *args, **kwargs)
+            cap._after_forward()
+            return out
         finally:
             cap._finish()
 
@@ -445,7 +459,19 @@ def _check_overlap_engine(runner) -> None:
                                               "overlap_copy (or set it to \"auto\")")
 
 
-def _overlap_wanted(pc: PluginConfig, cuda: bool, runner) -> Tuple[bool, str]:
+def _lm_head_problem(model) -> Optional[str]:
+    """Why ``overlap_copy = "lm_head"`` cannot be placed in this model (None: it can): the pass's end op goes on the
+    decoder's final norm (its output orders the op last in the compiled model), and the copy is joined after the
+    model's ``compute_logits``."""
+    decoder = getattr(model, "model", None)
+    if not callable(getattr(getattr(decoder, "norm", None), "register_forward_hook", None)):
+        return f"{type(model).__name__}.model has no final norm module (model.norm) to end the pass at"
+    if not callable(getattr(model, "compute_logits", None)):
+        return f"{type(model).__name__} has no compute_logits to join the copy after"
+    return None
+
+
+def _overlap_wanted(pc: PluginConfig, cuda: bool, runner) -> "Tuple[bool | str, str]":
     """Whether this engine's passes submit their copy early (``overlap_copy``), and, when it is left to the plugin
     (``"auto"``, the default) and off, why (for the start-up log line). As configured when given; ``"auto"``: on
     CUDA when every capture is made at the pass's end from deferred captures and the engine's compilation allows the
@@ -470,11 +496,14 @@ def _overlap_wanted(pc: PluginConfig, cuda: bool, runner) -> Tuple[bool, str]:
     return True, ""
 
 
-def _overlap_note(overlap, cuda: bool, on: bool, why_off: str = "") -> str:
+def _overlap_note(overlap, cuda: bool, on: "bool | str", why_off: str = "") -> str:
     """The start-up log line's words on ``overlap_copy`` (``on``: its effective value; ``why_off``: why "auto" left it
     off)."""
     if why_off:
         return f"; {why_off}"
+    if on == LM_HEAD:
+        return ("; the copy is held out of vLLM's CUDA graphs and runs after each replay, beside the LM head" if cuda
+                else "; vllm.overlap_copy = \"lm_head\": on CPU rows are copied at once, at the model's end")
     if overlap is None:
         return "; vllm.overlap_copy: nothing after the last site to overlap, the copy ends the pass" if on else ""
     layer, after_attention, join = overlap
@@ -575,8 +604,13 @@ class VllmCapture(EngineCapture):
         if param.device.type == "cuda":
             _check_cuda_engine(runner)
             _engine.refuse_opt_in_without_kept_rows(pc, "vllm")
-        if pc.overlap_copy:
+        if pc.overlap_copy is True:
             _check_overlap_engine(runner)  # given as true ("auto" decides in __init__)
+        elif pc.overlap_copy == LM_HEAD:
+            problem = _lm_head_problem(model)
+            if problem:
+                raise RingscopeError("RS_ERR_CONFIG", f"ringscope.vllm: vllm.overlap_copy = \"{LM_HEAD}\": {problem}; "
+                                                      "drop overlap_copy (or set it to \"auto\")")
         dt = _engine.model_dtype(param)
         hidden = model.config.hidden_size
         attention = {i: _attention_entry(model, layers[i], i, rank) for i in chosen} \
@@ -587,7 +621,7 @@ class VllmCapture(EngineCapture):
                  attention: Optional[Dict[int, dict]] = None):
         import torch
 
-        begin_op, capture_op, end_op, end_capturing_op, submit_capturing_op = _engine.ops()
+        begin_op, capture_op, end_op, end_capturing_op, submit_capturing_op, end_holding_op = _engine.ops()
         self._ids: Dict[str, tuple] = {}  # vLLM request id -> (ringscope id, opted in)
         # The previous pass's (request ids, query start offsets) and its rows' request ids (_prepare).
         self._last_batch: tuple = (None, None)
@@ -640,8 +674,16 @@ class VllmCapture(EngineCapture):
         keep_hookpoints: List[int] = []
         at_end = _captures_at_end(planned)
         # With overlap_copy: where the captures are submitted (a side stream's copy) and where the step ends.
-        overlap = _overlap_points(planned, end) if at_end and overlap_on else None
+        overlap = _overlap_points(planned, end) if at_end and overlap_on is True else None
         self.overlap = overlap
+        # overlap_copy = "lm_head": the pass ends at the decoder's final norm (end_holding); recorded into a CUDA graph,
+        # its copy is held out of it, one slot per graph, and launched after each replay (_after_forward).
+        hold = at_end and overlap_on == LM_HEAD
+        self._slots: Dict[tuple, int] = {}
+        self._join_owed = False
+        self._logits_model = None
+        if hold and cuda:
+            self._hold_slot = self._graph_slot
 
         def begin_hook(module, args, kwargs):
             positions = kwargs.get("positions", args[0] if args else None)
@@ -724,7 +766,16 @@ class VllmCapture(EngineCapture):
             # Registered after the sites' hooks: on the same layer, the residual's hook runs first.
             self._handles.append((layers[layer].self_attn.attn if after_attention else layers[layer])
                                  .register_forward_hook(submit_hook))
-        if overlap is not None and overlap[2] is not None:
+        if hold:
+            def hold_hook(module, args, output):
+                end_holding_op(decoder._ringscope_sink, list(keep), list(keep_hookpoints), _first(output), key)
+                keep.clear()
+                keep_hookpoints.clear()
+
+            self._handles.append(decoder.norm.register_forward_hook(hold_hook))
+            if cuda:
+                self._join_after_logits(runner)
+        elif overlap is not None and overlap[2] is not None:
             self._handles.append(layers[overlap[2]].self_attn.attn.register_forward_pre_hook(join_hook,
                                                                                              with_kwargs=True))
         else:
@@ -742,6 +793,69 @@ class VllmCapture(EngineCapture):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        m, self._logits_model = self._logits_model, None
+        if m is not None and "compute_logits" in vars(m):
+            del m.compute_logits  # the model's own method again
+
+    # -- held copies (overlap_copy = "lm_head", CUDA) ------------------------------------------------------------
+    def _graph_slot(self) -> Optional[int]:
+        """The held-copy slot of the CUDA graph being recorded: one per graph vLLM records, told apart as vLLM tells
+        them apart at replay (the forward context's CUDA graph mode and batch descriptor, the key of its graph
+        wrappers). None outside vLLM's forward context: the copy then stays in the graph."""
+        key = self._graph_key()
+        return None if key is None else self._slots.setdefault(key, len(self._slots))
+
+    @staticmethod
+    def _graph_key() -> Optional[tuple]:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        ctx = get_forward_context()
+        return (str(getattr(ctx, "cudagraph_runtime_mode", None)), getattr(ctx, "batch_descriptor", None))
+
+    def _after_forward(self) -> None:
+        """After a forward pass made through ``_model_forward``: a pass that ran no capture op — a replay of a graph
+        whose copy is held — launches that copy now, beside what the engine does next (the LM head); the engine's
+        stream waits for it after ``compute_logits`` (:meth:`_join_after_logits`)."""
+        if self._hold_slot is None or self._pass_ended or self.disabled is not None or self._closed:
+            return
+        try:
+            slot = self._slots.get(self._graph_key())  # type: ignore[arg-type]
+            if slot is None:
+                return  # a graph recorded with its copy inside (outside vLLM's forward context)
+            self.session.launch_held(slot, self._stream_now())
+            self._join_owed = True
+        except Exception as e:  # never take the engine down
+            self._fail(e, "launching the pass's held copy", self._rows)
+
+    def _join(self) -> None:
+        """The engine's stream waits for the held copy launched after the last replay (before it reuses the memory
+        the copy reads: the graph's buffers at its next replay, the positions and request ids at the next pass's
+        preparation)."""
+        if self._join_owed:
+            self._join_owed = False
+            try:
+                self.session.join_held(self._stream_now())
+            except Exception as e:
+                self._fail(e, "joining the pass's held copy")
+
+    def _join_after_logits(self, runner) -> None:
+        """Wraps the runner's model's ``compute_logits`` (on the instance; undone at close) so that the engine's stream
+        waits for the pass's held copy right after the LM head was launched: the copy runs beside it."""
+        model = runner.model
+        orig = model.compute_logits
+        me = weakref.ref(self)
+
+        def compute_logits(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            cap = me()
+            if cap is not None:
+                cap._join()
+            return out
+
+        model.compute_logits = compute_logits
+        self._logits_model = model
 
     # -- per step, on the host (the model runner's thread) -------------------------------------------------------
     def _request(self, vllm_id: str, state) -> tuple:
@@ -786,8 +900,11 @@ class VllmCapture(EngineCapture):
 
     def _prepare(self, runner, positions) -> None:
         """Before a forward pass of a real batch: the request id of every token row, in place."""
+        self._pass_ended = False
         if self._closed:
             return
+        if self._join_owed:
+            self._join()  # no compute_logits since the last held copy (a pass without logits): before the ids change
         self._counters["steps"] += 1
         try:
             if self.disabled is not None:

@@ -7,7 +7,13 @@
 //! Ordering: all kernels of one ring must run in order (module docs of `ringscope_ring::cuda::ring`), so the step's
 //! stream waits for the side stream's kernel ([`Deferred::join`]) before anything else of ringscope's runs on it —
 //! and the engine reuses captured memory only after it was copied.
+//!
+//! Held copies ([`Deferred::hold`]): a step recorded into a CUDA graph can leave its copy out of the graph. Its
+//! kernel's arguments are kept under a slot number, and the engine launches them after each replay of that graph
+//! ([`Deferred::launch_held`], on the side stream, beside the engine's work after the graph — an LM head, say), then
+//! makes its stream wait for them ([`Deferred::join_held`]) before it reuses the memory the copy reads.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use ringscope_ring::cuda::{Event, Gpu, Stream, StreamRef};
@@ -41,6 +47,21 @@ pub(super) struct Deferred {
     join_event: Event,
     /// Whether the step's stream still owes a wait for the side stream.
     join_pending: bool,
+    /// Held copies by slot: what a step recorded into a graph left out of it.
+    held: HashMap<u32, Held>,
+    /// Marks the end of the last held copy launched, until an engine stream waited for it.
+    held_event: Event,
+    held_pending: bool,
+}
+
+/// A held copy: the captures and probes of a step recorded into a graph, its batch, and whether it numbers its step
+/// (it does unless part of the step was copied inside the graph: more captures than one kernel takes).
+#[derive(Debug, Clone)]
+struct Held {
+    entries: Vec<CaptureEntry>,
+    probes: Vec<ProbeArgs>,
+    batch: GraphBatch,
+    role: GraphRole,
 }
 
 impl Deferred {
@@ -54,6 +75,9 @@ impl Deferred {
             fork_event: Event::new(gpu, false)?,
             join_event: Event::new(gpu, false)?,
             join_pending: false,
+            held: HashMap::new(),
+            held_event: Event::new(gpu, false)?,
+            held_pending: false,
         })
     }
 
@@ -88,42 +112,16 @@ impl Deferred {
 
     /// Launches one `ringscope_capture_many` on `stream` for the captures noted so far.
     pub(super) fn flush(&mut self, cx: &FlushContext<'_>, stream: &StreamRef) -> Result<(), DeviceCaptureError> {
-        if !self.probes.is_empty() {
-            let probes = std::mem::take(&mut self.probes);
-            // The probes read the step's rows from the descriptor or the graph batch; they number no step.
-            let mut param = ProbeManyParam::new(GraphBatch::param(cx.graph_batch, GraphRole::Later), &probes);
-            let n = probes.len() as u32;
-            let rows = probes.iter().map(|p| p.src_rows).max().unwrap_or(1);
-            // Blocks per probe: one per row, up to eight blocks per SM in all (each loops over further rows).
-            let per_probe = rows.clamp(1, (cx.gpu.sms() * 8 / n).max(1));
-            cx.gpu.bind()?;
-            // SAFETY: every probe's tables and scores buffer were checked when it was noted and live as long as
-            // the probe (whose contract covers graphs recorded with it); sources are covered by their
-            // `DevicePtr::from_raw` promise until the step ends; the control table and descriptor live as long as
-            // the capture side; a graph batch was checked when the step began.
-            unsafe {
-                cx.kernels.probe_scores_many(stream, n * per_probe, cx.tables.controls, cx.tables.desc, &mut param)
-            }?;
-        }
-        if self.entries.is_empty() {
+        let probes = std::mem::take(&mut self.probes);
+        let entries = std::mem::take(&mut self.entries);
+        if entries.is_empty() && probes.is_empty() {
             return Ok(());
         }
-        let entries = std::mem::take(&mut self.entries);
-        let bytes: u64 = entries.iter().map(|e| e.src_rows as u64 * e.row_bytes as u64).sum();
         let role = if self.step_flushes == 0 { GraphRole::First } else { GraphRole::Later };
-        self.step_flushes += 1;
-        let mut param = ManyParam::new(GraphBatch::param(cx.graph_batch, role), &entries, cx.full_mode);
-        // A block per 4 KiB: with few bytes more blocks finish the copy sooner than their last-block handshake
-        // costs (16 x 2048 bf16 rows: 6.9 us per kernel on an H100 with 16 blocks, 8.1 us with 4). Chosen for batch
-        // 1; a block per 8 KiB was 0.2-0.3 us faster at 16 x 8 rows and 0.3-0.5 us slower at batch 1, and at
-        // 16 x 64 rows this rule is 0.2 us slower than 16 KiB (docs/gpu-benchmarks.md, session 40).
-        let grid = (bytes.div_ceil(4 << 10) as u32).clamp(1, cx.gpu.sms() * 2);
-        cx.gpu.bind()?;
-        // SAFETY: the tables live as long as the capture side (the session synchronises the device before dropping
-        // them); every source was checked to be device memory when it was noted and is covered by its
-        // `DevicePtr::from_raw` promise until the step ends; a graph batch was checked when the step began.
-        unsafe { cx.kernels.capture_many(stream, grid, &cx.tables, &mut param) }?;
-        Ok(())
+        if !entries.is_empty() {
+            self.step_flushes += 1;
+        }
+        launch(cx, cx.graph_batch, &probes, &entries, role, stream)
     }
 
     /// Starts copying the captures noted so far now, on the side stream forked from `step_stream`; a later
@@ -155,4 +153,105 @@ impl Deferred {
         self.join_pending = false;
         Ok(())
     }
+
+    /// Keeps the captures and probes noted so far as held copy `slot` (replacing one kept there) instead of copying
+    /// them: the step, begun inside a graph with `batch`, ends without its copy, which
+    /// [`launch_held`](Self::launch_held) launches after each replay.
+    pub(super) fn hold(&mut self, slot: u32, batch: GraphBatch) {
+        let role = if self.step_flushes == 0 { GraphRole::First } else { GraphRole::Later };
+        let held =
+            Held { entries: std::mem::take(&mut self.entries), probes: std::mem::take(&mut self.probes), batch, role };
+        self.held.insert(slot, held);
+    }
+
+    /// Whether held copy `slot` exists.
+    pub(super) fn holds(&self, slot: u32) -> bool {
+        self.held.contains_key(&slot)
+    }
+
+    /// Launches held copy `slot` on the side stream, after what `stream` has been given so far (outside graph
+    /// recording); [`join_held`](Self::join_held) makes an engine stream wait for it. Held copies run in the order
+    /// they are launched (one side stream).
+    pub(super) fn launch_held(
+        &mut self,
+        cx: &FlushContext<'_>,
+        slot: u32,
+        stream: &StreamRef,
+    ) -> Result<(), DeviceCaptureError> {
+        let Some(held) = self.held.get(&slot) else {
+            let mut slots: Vec<u32> = self.held.keys().copied().collect();
+            slots.sort_unstable();
+            return Err(DeviceCaptureError::Usage(format!(
+                "launch_held: no held copy in slot {slot} (held: {slots:?}); a step recorded into a graph is held with \
+                 hold_step"
+            )));
+        };
+        cx.gpu.bind()?;
+        self.fork_event.record(stream)?;
+        self.side.stream_ref().wait_event(&self.fork_event)?;
+        let side = self.side.handle();
+        launch(cx, Some(&held.batch), &held.probes, &held.entries, held.role, &side)?;
+        self.held_event.record(&side)?;
+        self.held_pending = true;
+        Ok(())
+    }
+
+    /// Whether a held copy was launched that no engine stream has waited for yet.
+    pub(super) fn held_pending(&self) -> bool {
+        self.held_pending
+    }
+
+    /// `stream` waits (in stream order) for the held copies launched so far. Nothing to do when none is pending.
+    pub(super) fn join_held(&mut self, gpu: &Gpu, stream: &StreamRef) -> Result<(), DeviceCaptureError> {
+        if !self.held_pending {
+            return Ok(());
+        }
+        gpu.bind()?;
+        stream.wait_event(&self.held_event)?;
+        self.held_pending = false;
+        Ok(())
+    }
+}
+
+/// Launches one probe kernel for `probes` (if any) and one `ringscope_capture_many` for `entries` (if any) on
+/// `stream`, reading the step's rows from `graph_batch` (or the descriptor).
+fn launch(
+    cx: &FlushContext<'_>,
+    graph_batch: Option<&GraphBatch>,
+    probes: &[ProbeArgs],
+    entries: &[CaptureEntry],
+    role: GraphRole,
+    stream: &StreamRef,
+) -> Result<(), DeviceCaptureError> {
+    if !probes.is_empty() {
+        // The probes read the step's rows from the descriptor or the graph batch; they number no step.
+        let mut param = ProbeManyParam::new(GraphBatch::param(graph_batch, GraphRole::Later), probes);
+        let n = probes.len() as u32;
+        let rows = probes.iter().map(|p| p.src_rows).max().unwrap_or(1);
+        // Blocks per probe: one per row, up to eight blocks per SM in all (each loops over further rows).
+        let per_probe = rows.clamp(1, (cx.gpu.sms() * 8 / n).max(1));
+        cx.gpu.bind()?;
+        // SAFETY: every probe's tables and scores buffer were checked when it was noted and live as long as the
+        // probe (whose contract covers graphs recorded with it); sources are covered by their `DevicePtr::from_raw`
+        // promise until the step ends (a held copy's: until it has run after each replay); the control table and
+        // descriptor live as long as the capture side; a graph batch was checked when the step began.
+        unsafe { cx.kernels.probe_scores_many(stream, n * per_probe, cx.tables.controls, cx.tables.desc, &mut param) }?;
+    }
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let bytes: u64 = entries.iter().map(|e| e.src_rows as u64 * e.row_bytes as u64).sum();
+    let mut param = ManyParam::new(GraphBatch::param(graph_batch, role), entries, cx.full_mode);
+    // A block per 4 KiB: with few bytes more blocks finish the copy sooner than their last-block handshake costs
+    // (16 x 2048 bf16 rows: 6.9 us per kernel on an H100 with 16 blocks, 8.1 us with 4). Chosen for batch 1; a block
+    // per 8 KiB was 0.2-0.3 us faster at 16 x 8 rows and 0.3-0.5 us slower at batch 1, and at 16 x 64 rows this
+    // rule is 0.2 us slower than 16 KiB (docs/gpu-benchmarks.md, session 40).
+    let grid = (bytes.div_ceil(4 << 10) as u32).clamp(1, cx.gpu.sms() * 2);
+    cx.gpu.bind()?;
+    // SAFETY: the tables live as long as the capture side (the session synchronises the device before dropping
+    // them); every source was checked to be device memory when it was noted and is covered by its
+    // `DevicePtr::from_raw` promise until the step ends (a held copy's: until it has run after each replay); a graph
+    // batch was checked when the step began.
+    unsafe { cx.kernels.capture_many(stream, grid, &cx.tables, &mut param) }?;
+    Ok(())
 }

@@ -216,6 +216,7 @@ impl DeviceCapture {
                 "apply_controls was called while the stream is capturing a CUDA graph: call it between replays".into(),
             ));
         }
+        self.deferred.join_held(&self.gpu, &stream)?;
         self.controls.sync(registry, &stream)
     }
 
@@ -240,6 +241,84 @@ impl DeviceCapture {
         let Some(stream) = self.step_stream.clone() else { return Ok(()) };
         let (cx, deferred) = self.deferred_parts();
         deferred.submit(&cx, &stream)
+    }
+
+    /// Ends the open step — begun inside a CUDA graph being recorded ([`begin_step_graph`](Self::begin_step_graph)),
+    /// with deferred captures — without copying its captures: they are kept as held copy `slot` (replacing one kept
+    /// there), which [`launch_held`](Self::launch_held) launches after each replay of the graph, outside it. The
+    /// graph then holds none of ringscope's kernels. The captured tensors must keep their values from the end of
+    /// each replay until its held copy has run ([`join_held`](Self::join_held) makes the engine's stream wait for it).
+    pub fn hold_step(&mut self, slot: u32) -> Result<(), DeviceCaptureError> {
+        if !self.options.defer {
+            return Err(DeviceCaptureError::Usage(
+                "hold_step needs deferred captures (ring.defer_captures): immediate captures are launched at their \
+                 sites"
+                    .into(),
+            ));
+        }
+        let (Some(batch), Some(stream)) = (self.graph_batch, self.step_stream.clone()) else {
+            return Err(DeviceCaptureError::Usage(
+                "hold_step: no step begun inside a graph is open (begin_step_graph, while the stream records a \
+                 graph)"
+                    .into(),
+            ));
+        };
+        self.gpu.bind()?;
+        if !self.gpu.is_capturing(&stream)? {
+            return Err(DeviceCaptureError::Usage(
+                "hold_step outside graph recording: a held copy is for a step recorded into a CUDA graph (end an \
+                 eager step with end_step)"
+                    .into(),
+            ));
+        }
+        // A copy submitted earlier in the step is joined inside the graph; what is noted after it is held.
+        self.join()?;
+        self.deferred.hold(slot, batch);
+        self.graph_batch = None;
+        self.step_stream = None;
+        Ok(())
+    }
+
+    /// Launches held copy `slot` ([`hold_step`](Self::hold_step)) on a side stream, after everything `stream` has been
+    /// given so far: call it right after each replay of the graph that held it, on the stream that replayed it, and
+    /// outside graph recording. The copy runs beside the engine's next work; [`join_held`](Self::join_held) makes the
+    /// engine's stream wait for it before the engine reuses the memory it reads (before its next replay at the
+    /// latest). Full mode: admit the replay first ([`admit_graph_step`](Self::admit_graph_step)), as for a graph
+    /// that copies inside itself.
+    pub fn launch_held(&mut self, slot: u32, stream: StreamRef) -> Result<(), DeviceCaptureError> {
+        if self.step_stream.is_some() {
+            return Err(DeviceCaptureError::Usage(
+                "launch_held while a step is open: launch a held copy between steps, after the replay".into(),
+            ));
+        }
+        self.gpu.bind()?;
+        self.check_stream(&stream)?;
+        if self.gpu.is_capturing(&stream)? {
+            return Err(DeviceCaptureError::Usage(
+                "launch_held while the stream records a CUDA graph: launch a held copy after a replay".into(),
+            ));
+        }
+        let (cx, deferred) = self.deferred_parts();
+        deferred.launch_held(&cx, slot, &stream)
+    }
+
+    /// Whether held copy `slot` exists ([`hold_step`](Self::hold_step)).
+    pub fn holds(&self, slot: u32) -> bool {
+        self.deferred.holds(slot)
+    }
+
+    /// `stream` waits (in stream order) for the held copies launched so far; nothing to do when none is pending.
+    /// The next step, control upload or admission on any stream waits for them too, so that the ring's kernels run in
+    /// order.
+    pub fn join_held(&mut self, stream: StreamRef) -> Result<(), DeviceCaptureError> {
+        self.gpu.bind()?;
+        self.check_stream(&stream)?;
+        if self.deferred.held_pending() && self.gpu.is_capturing(&stream)? {
+            return Err(DeviceCaptureError::Usage(
+                "join_held while the stream records a CUDA graph: join a held copy before recording".into(),
+            ));
+        }
+        self.deferred.join_held(&self.gpu, &stream)
     }
 
     /// Starts a step from inside a CUDA graph (or eagerly) on `stream`: the batch descriptor is built on the device
@@ -323,6 +402,7 @@ impl DeviceCapture {
             }
             self.controls.sync(registry, &stream)?;
         }
+        self.join_held(stream.clone())?;
         self.end_step()?;
         let mut late = None;
         if self.admission.full_mode() {
@@ -404,6 +484,7 @@ impl DeviceCapture {
                     .into(),
             ));
         }
+        self.deferred.join_held(&self.gpu, &stream)?;
         self.controls.sync(registry, &stream)?;
         let late = self.admit_graph(rows as u64, requests as u64, registry, &stream)?;
         // For an eager `begin_step_graph` that may follow (a replay takes it without a host call).
@@ -476,6 +557,7 @@ impl DeviceCapture {
                 self.options.max_batch_rows
             )));
         }
+        self.join_held(stream.clone())?;
         self.end_step()?;
         self.controls.sync(registry, &stream)?;
         let mut flags = 0u32;
