@@ -203,11 +203,21 @@ def test_overlap_copy_is_a_bool_or_auto_and_true_is_refused_with_sites_copied_at
     # Left out or "auto": decided per engine (None), also with sites copied at their site.
     assert rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["residual"]}})) is None
     assert rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["mlp_output"], "overlap_copy": "auto"}})) is None
-    for bad in ("yes", 1, "Auto"):
-        with pytest.raises(RingscopeError, match=rf"vllm.overlap_copy = {bad!r}: give true, false or \"auto\""):
+    for bad in ("yes", 1, "Auto", "LM_HEAD"):
+        with pytest.raises(RingscopeError,
+                           match=rf"vllm.overlap_copy = {bad!r}: give true, false, \"lm_head\" or \"auto\""):
             rv.parse_config({"vllm": {"overlap_copy": bad}})
     with pytest.raises(RingscopeError, match=r"overlap_copy = true with the site\(s\) mlp_output"):
         rv.parse_config({"vllm": {"sites": ["residual", "mlp_output"], "overlap_copy": True}})
+    # "lm_head": the copy held out of the graphs — as given, refused where true is.
+    assert rv._overlap_copy(rv.parse_config({"vllm": {"sites": ["residual", "attn_v"], "overlap_copy": "lm_head"}})) \
+        == "lm_head"
+    with pytest.raises(RingscopeError, match=r'overlap_copy = "lm_head" with the site\(s\) attention_output'):
+        rv.parse_config({"vllm": {"sites": ["residual", "attention_output"], "overlap_copy": "lm_head"}})
+    with pytest.raises(RingscopeError, match=r'overlap_copy = "lm_head" with ring.defer_captures = false'):
+        rv.parse_config({"ring": {"defer_captures": False}, "vllm": {"sites": ["residual"], "overlap_copy": "lm_head"}})
+    assert rv._overlap_wanted(rv.parse_config({"vllm": {"sites": ["residual"], "overlap_copy": "lm_head"}}), True,
+                              None) == ("lm_head", "")
 
 
 def test_overlap_copy_needs_deferred_captures():
@@ -283,6 +293,126 @@ def test_overlap_copys_start_up_words():
     assert rv._overlap_note(None, True, True).startswith("; vllm.overlap_copy: nothing after the last site")
     assert rv._overlap_note(None, True, False) == ""
     assert rv._overlap_note(None, True, False, "vllm.overlap_copy off: x") == "; vllm.overlap_copy off: x"
+
+
+def test_lm_head_needs_a_final_norm_and_compute_logits():
+    class Norm:
+        def register_forward_hook(self, hook):
+            pass
+
+    class Model:
+        def compute_logits(self, h):
+            return h
+
+    m = Model()
+    m.model = types.SimpleNamespace(norm=Norm())
+    assert rv._lm_head_problem(m) is None
+    m.model = types.SimpleNamespace()
+    assert rv._lm_head_problem(m) == "Model.model has no final norm module (model.norm) to end the pass at"
+    bare = types.SimpleNamespace(model=types.SimpleNamespace(norm=Norm()))
+    assert rv._lm_head_problem(bare) == "SimpleNamespace has no compute_logits to join the copy after"
+    assert "beside the LM head" in rv._overlap_note(None, True, "lm_head")
+    assert "on CPU rows are copied at once" in rv._overlap_note(None, False, "lm_head")
+
+
+class _HeldSession:
+    """Records the held-copy calls a capture makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def hold_step(self, slot):
+        self.calls.append(("hold", slot))
+
+    def launch_held(self, slot, stream):
+        self.calls.append(("launch", slot, stream))
+
+    def join_held(self, stream):
+        self.calls.append(("join", stream))
+
+    def end_step(self):
+        self.calls.append(("end",))
+
+
+def _held_capture(monkeypatch, key):
+    c = rv.VllmCapture.__new__(rv.VllmCapture)
+    c.session = _HeldSession()
+    c.cuda, c.disabled, c._closed, c._open, c._rows = True, None, False, True, 4
+    c._slots, c._join_owed, c._pass_ended = {}, False, False
+    c._hold_slot = c._graph_slot
+    c._stream_now = lambda: 77
+    c._capture = lambda x, hookpoint: c.session.calls.append(("capture", x, hookpoint))
+    monkeypatch.setattr(rv.VllmCapture, "_graph_key", staticmethod(lambda: key[0]))
+    return c
+
+
+def test_the_end_holding_op_holds_a_recorded_pass_and_the_replay_launches_it(monkeypatch):
+    # overlap_copy = "lm_head": recording a graph, the end_holding op captures each tensor and holds the step's copy
+    # in the slot of the graph being recorded (one per (CUDA graph mode, batch descriptor), as vLLM keys its graphs).
+    key = [("FULL", ("desc", 8))]
+    c = _held_capture(monkeypatch, key)
+    monkeypatch.setattr(_engine, "_recording", lambda: True)
+    c._end_holding(["a", "b"], [3, 4])
+    assert c.session.calls == [("capture", "a", 3), ("capture", "b", 4), ("hold", 0)]
+    assert c._pass_ended and not c._open
+    key[0] = ("PIECEWISE", ("desc", 8))
+    c._open, c.session.calls = True, []
+    c._end_holding(["a"], [3])
+    assert c.session.calls == [("capture", "a", 3), ("hold", 1)] and c._slots == {("FULL", ("desc", 8)): 0,
+                                                                                   ("PIECEWISE", ("desc", 8)): 1}
+    # A replay runs no op: after it the plugin launches the graph's held copy, and the engine's stream waits for it
+    # once (after compute_logits, or before the next pass's ids change).
+    monkeypatch.setattr(_engine, "_recording", lambda: False)
+    c.session.calls, c._pass_ended = [], False
+    key[0] = ("FULL", ("desc", 8))
+    c._after_forward()
+    assert c.session.calls == [("launch", 0, 77)] and c._join_owed
+    c._join()
+    c._join()
+    assert c.session.calls == [("launch", 0, 77), ("join", 77)]
+    # An eager pass (no graph): the op ends the step at once, and nothing is launched after it.
+    c.session.calls, c._pass_ended, c._open = [], False, True
+    c._end_holding(["a"], [3])
+    c._after_forward()
+    assert c.session.calls == [("capture", "a", 3), ("end",)]
+    # A graph not held (recorded outside vLLM's forward context: its copy is inside it): nothing to launch.
+    c.session.calls, c._pass_ended = [], False
+    key[0] = ("FULL", ("other", 2))
+    c._after_forward()
+    assert c.session.calls == [] and not c._join_owed
+
+
+def test_a_failed_launch_of_a_held_copy_turns_capture_off_and_counts_the_pass(monkeypatch):
+    c = _held_capture(monkeypatch, [("FULL", 1)])
+    c._slots = {("FULL", 1): 0}
+    failed = []
+    c._fail = lambda e, where, rows=0: failed.append((str(e), where, rows))
+
+    def refuse(slot, stream):
+        raise RingscopeError("RS_ERR_INVALID_ARGUMENT", "launch_held: no held copy in slot 0")
+
+    c.session.launch_held = refuse
+    c._after_forward()
+    assert failed == [("launch_held: no held copy in slot 0 [RS_ERR_INVALID_ARGUMENT]",
+                       "launching the pass's held copy", 4)] and not c._join_owed
+
+
+def test_the_join_follows_compute_logits_and_close_puts_the_models_own_back():
+    class Model:
+        def compute_logits(self, h):
+            order.append("logits")
+            return h * 2
+
+    order = []
+    m = Model()
+    c = rv.VllmCapture.__new__(rv.VllmCapture)
+    c._handles, c._logits_model = [], None
+    c._join = lambda: order.append("join")
+    c._join_after_logits(types.SimpleNamespace(model=m))
+    assert m.compute_logits(3) == 6 and order == ["logits", "join"]
+    c._remove_hooks()
+    order.clear()
+    assert m.compute_logits(3) == 6 and order == ["logits"] and "compute_logits" not in vars(m)
 
 
 @pytest.mark.torch

@@ -572,6 +572,11 @@ def _attention_entry(model, layer, index: int, rank: int) -> dict:
 class VllmCapture(EngineCapture):
     """What the plugin installed into one model runner: the session, the hookpoints, the hooks, the counters."""
 
+    # overlap_copy = "lm_head" on CUDA (set in __init__): a held copy launched and not yet waited for; the model whose
+    # compute_logits the plugin wrapped.
+    _join_owed = False
+    _logits_model = None
+
     @classmethod
     def install(cls, runner, pc: PluginConfig) -> "Optional[VllmCapture]":
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
