@@ -12,7 +12,7 @@ Enable it by pointing ``RINGSCOPE_VLLM_CONFIG`` at a ringscope TOML file (the sa
     layers = "all"                # or a list of decoder layer indices
     requests = "all"              # or "opt_in": only requests with SamplingParams(extra_args={"ringscope": True})
     ranks = [0]                   # tensor-parallel ranks that capture ("all": every rank, its own session)
-    overlap_copy = "auto"         # copy a pass's captures beside the model's next kernels (see below)
+    overlap_copy = "auto"         # where a pass's captures are copied: true | false | "lm_head" | "auto" (see below)
 
 The plugin is registered as a ``vllm.general_plugins`` entry point (``ringscope = "ringscope.vllm:register"``):
 vLLM calls :func:`register` in every process it starts. Without ``RINGSCOPE_VLLM_CONFIG`` it does nothing (vLLM runs
@@ -56,7 +56,14 @@ pieces before Inductor schedules them (``true`` is refused with ``compilation_co
 which splits after, and with splitting ops besides vLLM's attention ops; ``"auto"`` is off there and says why in the
 start-up log line); when the last site is the last layer's residual nothing is left to overlap and the pass ends as
 without it. It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
-copied at once, ``true`` puts the ops in the same places and ``"auto"`` leaves them out. With
+copied at once, ``true`` puts the ops in the same places and ``"auto"`` leaves them out. ``overlap_copy = "lm_head"``
+instead ends the pass with ``end_holding``, a forward hook of the decoder's final norm given the norm's output (so
+compiled code places it last and reuses no buffer after it): in a pass recorded into a CUDA graph it holds the pass's
+copy out of the graph (``Session.hold_step``, one slot per graph, keyed as vLLM keys its graphs: the forward
+context's CUDA graph mode and batch descriptor), and after each replay ``_model_forward`` launches that copy on a side
+stream (``Session.launch_held``); the engine's stream waits for it right after ``compute_logits`` — the copy runs
+beside the LM head, and vLLM's graphs run no ringscope kernel. Eager passes (no graph) copy at the op. It needs
+deferred captures and the at-the-end sites, like ``true``. With
 ``attention_output`` or ``mlp_output``, which vLLM's fused add-norm overwrites in place in the next layer, ``capture``
 copies each site's rows at the site (one kernel each) and ``end`` ends the step. Hookpoints are named as :func:`ringscope.torch.attach` names them
 (``layers.{i}.resid``: the residual stream after layer ``i``, ``layers.{i}.attn_out``, ``layers.{i}.mlp_out``) and
