@@ -425,6 +425,7 @@ BENCH_CONFIGS = {
     # Both with vllm.overlap_copy = "lm_head": the pass's copy held out of vLLM's graphs and launched after each replay,
     # beside the LM head (session 50).
     "resid_lmhead": '[vllm]\nsites = ["residual"]\noverlap_copy = "lm_head"\n',
+    "attn4_lmhead": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = "lm_head"\n',
     "full_resid_lmhead": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
                          'overlap_copy = "lm_head"\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',
@@ -845,6 +846,9 @@ def main(cmd: str, root: str) -> None:
             # engines.
             "lmhead_correct": ["correct-llama-bf16-heldresid", "correct-llama-bf16-heldresid-full",
                                "correct-llama-f32-attnheld"],
+            # The full-mode pair again, alone (a second sample of the same comparison).
+            "lmhead_full_cost": ["prof-plain#1", "prof-full_resid_lmhead", "prof-full_resid", "prof-plain#2"],
+            "lmhead_qkv_cost": ["prof-plain#1", "prof-attn4_lmhead", "prof-attn4_overlap", "prof-plain#2"],
             "lmhead_cost": ["prof-plain#1", "prof-full_resid_lmhead", "prof-full_resid", "prof-resid_lmhead",
                             "prof-plain#2"],
             # The overlap_copy rebuilds alone (session 47: on the H200; session 48: full mode too).

@@ -7,7 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The version of this C ABI, as [`rs_abi_version`] returns it: 11 added `rs_begin_step_graph_kept` (a graph-begun
+// The version of this C ABI, as [`rs_abi_version`] returns it: 12 added `rs_hold_step`, `rs_launch_held` and
+// `rs_join_held` (a graph-begun step's copy held out of the graph and launched after each replay); 11 added
+// `rs_begin_step_graph_kept` (a graph-begun
 // step that keeps some of its rows only) and `RS_KEEP_ALL`; 10 added `rs_note_step_rows` (the rows of each request
 // in a step begun inside a CUDA graph, for the probes' coverage); 9 added `rs_begin_step_graph_ended` (rows of ended
 // sequences in steps begun inside CUDA graphs) and `RS_MAX_ENDED_TOKENS`; 8 added `rs_session_set_metadata` (entries of the
@@ -23,7 +25,7 @@
 // ABI before them). Structs whose first field is `struct_size` grow at their end only: the caller sets
 // `struct_size = sizeof(the struct)` it was compiled with, and the library fills that many bytes (never more: a
 // caller built against an older, shorter version gets the fields it knows) and writes back how many it filled.
-#define RS_ABI_VERSION 11
+#define RS_ABI_VERSION 12
 
 // Session modes (`rs_session_snapshot.mode`): full (lossless, may wait).
 #define RS_MODE_FULL 0

@@ -137,6 +137,12 @@ impl Backend for CudaBackend {
     }
 
     fn launch_held(&mut self, slot: u32, stream: StreamRef) -> Result<(), Error> {
+        if let Some(open) = self.open {
+            return Err(Error::InvalidArgument(format!(
+                "launch_held while a step is open (step {}): launch a held copy between steps, after the replay",
+                crate::step_name(open)
+            )));
+        }
         Ok(self.capture.launch_held(slot, stream)?)
     }
 

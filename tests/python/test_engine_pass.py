@@ -315,6 +315,34 @@ def test_lm_head_needs_a_final_norm_and_compute_logits():
     assert "on CPU rows are copied at once" in rv._overlap_note(None, False, "lm_head")
 
 
+def test_auto_holds_the_copy_out_of_the_graphs_where_the_side_stream_would_overlap_nothing():
+    class Norm:
+        def register_forward_hook(self, hook):
+            pass
+
+    class Model:
+        model = types.SimpleNamespace(norm=Norm())
+
+        def compute_logits(self, h):
+            return h
+
+    def effective(table, on, planned, model=Model()):
+        return rv._effective_overlap(rv.parse_config({"vllm": table}), on, planned, 16, model)
+
+    resid = [("l.3.r", "residual", 3), ("l.15.r", "residual", 15)]
+    qkv = [("l.0.q", "attn_q", 0), ("l.15.v", "attn_v", 15)]
+    # "auto", on: the last layer's residual leaves the side stream nothing to overlap — held out of the graphs.
+    assert effective({"sites": ["residual"]}, True, resid) == "lm_head"
+    # q/k/v of the last layer: the side stream overlaps its MLP (cheaper at batch 1 and 8 in session 50).
+    assert effective({"sites": ["attn_q", "attn_v"]}, True, qkv) is True
+    # "auto" off (CPU, tensor parallelism, ...), or given: as decided.
+    assert effective({"sites": ["residual"]}, False, resid) is False
+    assert effective({"sites": ["residual"], "overlap_copy": True}, True, resid) is True
+    # Sites copied at their sites, or a model without a final norm: as decided.
+    assert effective({"sites": ["residual"]}, True, resid + [("l.1.m", "mlp_output", 1)]) is True
+    assert effective({"sites": ["residual"]}, True, resid, model=types.SimpleNamespace(model=None)) is True
+
+
 class _HeldSession:
     """Records the held-copy calls a capture makes."""
 

@@ -286,7 +286,7 @@ impl DeviceCapture {
     /// latest). Full mode: admit the replay first ([`admit_graph_step`](Self::admit_graph_step)), as for a graph
     /// that copies inside itself.
     pub fn launch_held(&mut self, slot: u32, stream: StreamRef) -> Result<(), DeviceCaptureError> {
-        if self.step_stream.is_some() {
+        if self.graph_batch.is_some() {
             return Err(DeviceCaptureError::Usage(
                 "launch_held while a step is open: launch a held copy between steps, after the replay".into(),
             ));
