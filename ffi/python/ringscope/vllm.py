@@ -54,8 +54,8 @@ layer: the copy runs beside the model's kernels in between instead of after them
 the join lie between the same two attention ops, where vLLM splits the compiled model into separately recorded
 pieces before Inductor schedules them (``true`` is refused with ``compilation_config.use_inductor_graph_partition``,
 which splits after, and with splitting ops besides vLLM's attention ops; ``"auto"`` is off there and says why in the
-start-up log line); when the last site is the last layer's residual nothing is left to overlap and the pass ends as
-without it. It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
+start-up log line); when the last site is the last layer's residual nothing is left to overlap: ``true`` ends the pass
+as without it, ``"auto"`` holds the copy out of the graphs instead (``"lm_head"``, below; :func:`_effective_overlap`). It needs deferred captures (``true`` refused with ``ring.defer_captures = false``); on CPU, where rows are
 copied at once, ``true`` puts the ops in the same places and ``"auto"`` leaves them out. ``overlap_copy = "lm_head"``
 instead ends the pass with ``end_holding``, a forward hook of the decoder's final norm given the norm's output (so
 compiled code places it last and reuses no buffer after it): in a pass recorded into a CUDA graph it holds the pass's
