@@ -145,13 +145,7 @@ impl Deferred {
     /// The step's stream waits (in stream order) for what [`submit`](Self::submit) launched, so that no two
     /// kernels write the ring at once and the engine reuses captured memory only after it was copied.
     pub(super) fn join(&mut self, gpu: &Gpu, step_stream: &StreamRef) -> Result<(), DeviceCaptureError> {
-        if !self.join_pending {
-            return Ok(());
-        }
-        gpu.bind()?;
-        step_stream.wait_event(&self.join_event)?;
-        self.join_pending = false;
-        Ok(())
+        wait_if_pending(&mut self.join_pending, &self.join_event, gpu, step_stream)
     }
 
     /// Keeps the captures and probes noted so far as held copy `slot` (replacing one kept there) instead of copying
@@ -162,11 +156,6 @@ impl Deferred {
         let held =
             Held { entries: std::mem::take(&mut self.entries), probes: std::mem::take(&mut self.probes), batch, role };
         self.held.insert(slot, held);
-    }
-
-    /// Whether held copy `slot` exists.
-    pub(super) fn holds(&self, slot: u32) -> bool {
-        self.held.contains_key(&slot)
     }
 
     /// Launches held copy `slot` on the side stream, after what `stream` has been given so far (outside graph
@@ -203,14 +192,19 @@ impl Deferred {
 
     /// `stream` waits (in stream order) for the held copies launched so far. Nothing to do when none is pending.
     pub(super) fn join_held(&mut self, gpu: &Gpu, stream: &StreamRef) -> Result<(), DeviceCaptureError> {
-        if !self.held_pending {
-            return Ok(());
-        }
-        gpu.bind()?;
-        stream.wait_event(&self.held_event)?;
-        self.held_pending = false;
-        Ok(())
+        wait_if_pending(&mut self.held_pending, &self.held_event, gpu, stream)
     }
+}
+
+/// `stream` waits for `event` if `pending` (which it clears).
+fn wait_if_pending(pending: &mut bool, event: &Event, gpu: &Gpu, stream: &StreamRef) -> Result<(), DeviceCaptureError> {
+    if !*pending {
+        return Ok(());
+    }
+    gpu.bind()?;
+    stream.wait_event(event)?;
+    *pending = false;
+    Ok(())
 }
 
 /// Launches one probe kernel for `probes` (if any) and one `ringscope_capture_many` for `entries` (if any) on

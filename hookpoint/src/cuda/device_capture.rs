@@ -302,11 +302,6 @@ impl DeviceCapture {
         deferred.launch_held(&cx, slot, &stream)
     }
 
-    /// Whether held copy `slot` exists ([`hold_step`](Self::hold_step)).
-    pub fn holds(&self, slot: u32) -> bool {
-        self.deferred.holds(slot)
-    }
-
     /// `stream` waits (in stream order) for the held copies launched so far; nothing to do when none is pending.
     /// The next step, control upload or admission on any stream waits for them too, so that the ring's kernels run in
     /// order.
