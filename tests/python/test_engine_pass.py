@@ -486,3 +486,42 @@ def test_opt_in_on_cuda_is_refused_with_a_library_that_cannot_keep_rows(monkeypa
                                              r'rs_begin_step_graph_kept \(C ABI 11'):
         refuse(pc)
     refuse(rv.parse_config({"vllm": {"requests": "all"}}))  # "all" is not refused
+
+
+def _fake_runner(device_type: str, norm: bool = True):
+    """A model runner as ``VllmCapture.install`` reads it up to its load-time checks: a supported architecture with two
+    decoder layers whose parameters are on ``device_type``."""
+    class LlamaForCausalLM:
+        config = types.SimpleNamespace(hidden_size=64, model_type="llama")
+
+        def __init__(self):
+            self.model = types.SimpleNamespace(layers=[object(), object()])
+            if norm:
+                self.model.norm = types.SimpleNamespace(register_forward_hook=lambda hook: None)
+
+        def parameters(self):
+            return iter([types.SimpleNamespace(device=types.SimpleNamespace(type=device_type, index=0))])
+
+        def compute_logits(self, h):
+            return h
+
+    par = types.SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1)
+    return types.SimpleNamespace(model=LlamaForCausalLM(),
+                                 vllm_config=types.SimpleNamespace(parallel_config=par, speculative_config=None))
+
+
+def test_install_refuses_opt_in_on_cuda_with_a_library_that_cannot_keep_rows(monkeypatch):
+    # The plugin's load-time call itself (the test above calls the function): with a library before C ABI 11, a
+    # CUDA model and requests = "opt_in", install fails the engine's start naming the missing call.
+    monkeypatch.setattr(_engine, "_has_call", lambda call: call != "rs_begin_step_graph_kept")
+    pc = rv.parse_config({"vllm": {"requests": "opt_in"}})
+    with pytest.raises(RingscopeError, match=r'vllm.requests = "opt_in" on CUDA needs a library with '
+                                             r'rs_begin_step_graph_kept'):
+        rv.VllmCapture.install(_fake_runner("cuda"), pc)
+
+
+def test_install_refuses_lm_head_for_a_model_without_a_final_norm():
+    pc = rv.parse_config({"vllm": {"sites": ["residual"], "overlap_copy": "lm_head"}})
+    with pytest.raises(RingscopeError, match=r'vllm.overlap_copy = "lm_head": LlamaForCausalLM.model has no final '
+                                             r'norm module \(model.norm\)'):
+        rv.VllmCapture.install(_fake_runner("cuda", norm=False), pc)
