@@ -425,7 +425,8 @@ BENCH_CONFIGS = {
     # Both with vllm.overlap_copy = "lm_head": the pass's copy held out of vLLM's graphs and launched after each replay,
     # beside the LM head (session 50).
     "resid_lmhead": '[vllm]\nsites = ["residual"]\noverlap_copy = "lm_head"\n',
-    "attn4_lmhead": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\noverlap_copy = "lm_head"\n',
+    "attn4_lmhead": '[vllm]\nsites = ["attn_q", "attn_k", "attn_v"]\nlayers = [0, 5, 10, 15]\n'
+                    'overlap_copy = "lm_head"\n',
     "full_resid_lmhead": '[policy]\nmode = "full"\nfull_deadline_ms = 60000\n[vllm]\nsites = ["residual"]\n'
                          'overlap_copy = "lm_head"\n',
     "resid_attn_mlp": '[vllm]\nsites = ["residual", "attention_output", "mlp_output"]\n',

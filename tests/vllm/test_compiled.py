@@ -89,7 +89,8 @@ def test_lm_head_copy_ends_the_pass_after_the_final_norm(compiled_lm_head):
     # every captured tensor still held its values when the step ended.
     res = compiled_lm_head
     assert res["compiled"], res["compilation_mode"]
-    code = [line.split("[__output_code]", 1)[1].strip() for line in res["log"].splitlines() if "[__output_code]" in line]
+    code = [line.split("[__output_code]", 1)[1].strip() for line in res["log"].splitlines()
+            if "[__output_code]" in line]
     ends = [i for i, line in enumerate(code) if line.startswith("torch.ops.ringscope_engine.end_holding.default(")]
     assert ends, "no end_holding op in the compiled code"
     assert not any(line.startswith(("torch.ops.ringscope_engine.end_capturing.default(",

@@ -766,15 +766,16 @@ class EngineCapture:
 
     def _end_holding(self, tensors, hookpoints) -> None:
         """The ``end_holding`` op: as ``end_capturing``, except that while a CUDA graph is being recorded and the
-        engine gave a hold slot (``self._hold_slot``, a callable naming the graph being recorded) the step's copy is held
-        out of the graph (:meth:`Session.hold_step`): the engine launches it after each replay (:meth:`_launch_held`).
-        Eagerly (no graph) the step ends as with ``end_capturing``. Either way the pass's copy is accounted for
-        (``self._pass_ended``)."""
+        engine gave a hold slot (``self._hold_slot``, a callable naming the graph being recorded) the step's copy is
+        held out of the graph (:meth:`Session.hold_step`): the engine launches it after each replay (the vLLM
+        plugin's ``_after_forward``). Eagerly (no graph) the step ends as with ``end_capturing``. Either way the pass's copy is
+        accounted for (``self._pass_ended``)."""
         self._capture_each("end_holding", tensors, hookpoints)
-        slot = self._hold_slot() if self._hold_slot is not None and self.cuda and _recording() else None
+        hold = self._hold_slot
+        slot = hold() if hold is not None and self._open and self.cuda and _recording() else None
         if slot is None:
             self._end()
-        elif self._open:
+        else:
             self._open = False
             self.session.hold_step(slot)
         self._pass_ended = True
