@@ -203,6 +203,28 @@ def test_streams_are_u64(session, stream):
     bad("stream must be an integer", lambda: session.begin_step(0, [1], [0], stream=stream))
 
 
+@pytest.mark.parametrize("slot", [-1, 2**32, 1.5, "0", None])
+def test_held_copy_slots_are_u32_and_streams_u64(session, slot):
+    bad("hold_step: slot must be an integer", lambda: session.hold_step(slot))
+    bad("launch_held: slot must be an integer", lambda: session.launch_held(slot, stream=0))
+    for stream in (-1, 2**64):
+        bad("stream must be an integer", lambda: session.launch_held(0, stream=stream))
+        bad("stream must be an integer", lambda: session.join_held(stream=stream))
+
+
+def test_held_copies_are_cuda_only_and_refused_once_closed():
+    # Held copies hold a CUDA graph's copy: a host session refuses each call, naming the backend.
+    s = ringscope.Session({})
+    for call in (lambda: s.hold_step(0), lambda: s.launch_held(0, stream=0), lambda: s.join_held(stream=0)):
+        with pytest.raises(RingscopeError) as e:
+            call()
+        assert e.value.status == "RS_ERR_INVALID_ARGUMENT" and "host backend" in e.value.message, e.value
+    s.close()
+    with pytest.raises(RingscopeError) as e:
+        s.launch_held(0, stream=0)
+    assert e.value.status == "RS_ERR_CLOSED"
+
+
 @pytest.mark.parametrize("rows", [0, -1, 2**32, 1.5, "8", True])
 def test_admit_graph_step_rows_are_a_positive_u32(session, rows):
     bad("admit_graph_step: rows must be an integer", lambda: session.admit_graph_step(rows, stream=0))
